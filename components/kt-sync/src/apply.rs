@@ -1,0 +1,207 @@
+//! Writing received entries into a directory.
+//!
+//! Invariants: content is verified against its hash before it is made visible;
+//! nothing is ever written through a symlink (files are opened with
+//! `O_NOFOLLOW` or replaced by rename, and directories on the way are checked
+//! to be real directories, replacing anything else).
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt, symlink};
+use std::path::{Path, PathBuf};
+
+use filetime::FileTime;
+use kt_types::{Entry, EntryKind, Hash, Manifest};
+
+use crate::error::{IoContext, SyncError};
+
+/// How a file reaches its final path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteMode {
+    /// Written in place: the destination is a private staging area.
+    Direct,
+    /// Written to a temporary sibling and renamed over the destination, so a
+    /// reader sees the old file or the new one.
+    TempRename,
+}
+
+fn mtime_of(e: &Entry) -> FileTime {
+    FileTime::from_unix_time(e.mtime, e.mtime_nsec)
+}
+
+fn temp_sibling(dest: &Path) -> PathBuf {
+    let name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let short: String = name.chars().take(64).collect();
+    dest.with_file_name(format!(".kt-tmp.{short}.{}", uuid::Uuid::new_v4().simple()))
+}
+
+fn open_new(path: &Path) -> Result<File, SyncError> {
+    OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o600)
+        .open(path)
+        .at(path)
+}
+
+fn set_meta(file: &File, path: &Path, e: &Entry) -> Result<(), SyncError> {
+    file.set_permissions(fs::Permissions::from_mode(e.mode))
+        .at(path)?;
+    filetime::set_file_handle_times(file, None, Some(mtime_of(e))).at(path)
+}
+
+/// Removes whatever is at `path` unless it is a plain file (dirs recursively).
+fn clear_non_file(path: &Path) -> Result<(), SyncError> {
+    match fs::symlink_metadata(path) {
+        Ok(md) if md.is_dir() => fs::remove_dir_all(path).at(path),
+        Ok(md) if md.file_type().is_symlink() => fs::remove_file(path).at(path),
+        _ => Ok(()),
+    }
+}
+
+/// Verifies `data` against `entry` and writes it at `dest` with its mode and mtime.
+pub fn write_verified(
+    dest: &Path,
+    entry: &Entry,
+    data: &[u8],
+    mode: WriteMode,
+) -> Result<(), SyncError> {
+    if data.len() as u64 != entry.size {
+        return Err(SyncError::SizeMismatch {
+            path: entry.path.clone(),
+            expected: entry.size,
+            actual: data.len() as u64,
+        });
+    }
+    if entry.hash != Some(Hash(*blake3::hash(data).as_bytes())) {
+        return Err(SyncError::HashMismatch {
+            path: entry.path.clone(),
+        });
+    }
+    let target = match mode {
+        WriteMode::Direct => dest.to_owned(),
+        WriteMode::TempRename => temp_sibling(dest),
+    };
+    let mut f = open_new(&target)?;
+    let res = f
+        .write_all(data)
+        .at(&target)
+        .and_then(|_| set_meta(&f, &target, entry));
+    drop(f);
+    if let Err(e) = res {
+        let _ = fs::remove_file(&target);
+        return Err(e);
+    }
+    if mode == WriteMode::TempRename {
+        clear_non_file(dest)?;
+        fs::rename(&target, dest).at(dest)?;
+    }
+    Ok(())
+}
+
+/// A large file being received chunk by chunk.
+#[derive(Debug)]
+pub struct ChunkedFile {
+    file: File,
+    path: PathBuf,
+    dest: PathBuf,
+    mode: WriteMode,
+}
+
+impl ChunkedFile {
+    pub fn create(dest: &Path, size: u64, mode: WriteMode) -> Result<Self, SyncError> {
+        let path = match mode {
+            WriteMode::Direct => dest.to_owned(),
+            WriteMode::TempRename => temp_sibling(dest),
+        };
+        let file = open_new(&path)?;
+        file.set_len(size).at(&path)?;
+        Ok(ChunkedFile {
+            file,
+            path,
+            dest: dest.to_owned(),
+            mode,
+        })
+    }
+
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), SyncError> {
+        self.file.write_all_at(data, offset).at(&self.path)
+    }
+
+    /// Sets metadata and makes the file visible at its destination.
+    /// Call only after the assembled hash was verified.
+    pub fn finish(self, entry: &Entry) -> Result<(), SyncError> {
+        set_meta(&self.file, &self.path, entry)?;
+        drop(self.file);
+        if self.mode == WriteMode::TempRename {
+            clear_non_file(&self.dest)?;
+            fs::rename(&self.path, &self.dest).at(&self.dest)?;
+        }
+        Ok(())
+    }
+
+    /// Drops a file that failed verification.
+    pub fn discard(self) {
+        drop(self.file);
+        let _ = fs::remove_file(&self.path);
+    }
+}
+
+/// Creates every directory of `m` under `root`, replacing non-directories in the way.
+pub fn ensure_dirs(root: &Path, m: &Manifest) -> Result<(), SyncError> {
+    fs::create_dir_all(root).at(root)?;
+    for e in m.entries.iter().filter(|e| e.kind == EntryKind::Dir) {
+        let p = root.join(&e.path);
+        match fs::symlink_metadata(&p) {
+            Ok(md) if md.is_dir() => continue,
+            Ok(_) => fs::remove_file(&p).at(&p)?,
+            Err(_) => {}
+        }
+        fs::create_dir(&p).at(&p)?;
+    }
+    Ok(())
+}
+
+/// Creates symlinks, then sets directory modes and mtimes deepest first.
+pub fn finish_tree(root: &Path, m: &Manifest) -> Result<(), SyncError> {
+    for e in m.entries.iter().filter(|e| e.kind == EntryKind::Symlink) {
+        let p = root.join(&e.path);
+        if fs::symlink_metadata(&p).is_ok() {
+            if fs::read_link(&p).ok().as_deref() == e.target.as_deref().map(Path::new) {
+                filetime::set_symlink_file_times(&p, mtime_of(e), mtime_of(e)).at(&p)?;
+                continue;
+            }
+            clear_non_file(&p)?;
+            if p.exists() {
+                fs::remove_file(&p).at(&p)?;
+            }
+        }
+        symlink(e.target.as_deref().unwrap_or_default(), &p).at(&p)?;
+        filetime::set_symlink_file_times(&p, mtime_of(e), mtime_of(e)).at(&p)?;
+    }
+    for e in m.entries.iter().rev().filter(|e| e.kind == EntryKind::Dir) {
+        let p = root.join(&e.path);
+        fs::set_permissions(&p, fs::Permissions::from_mode(e.mode)).at(&p)?;
+        filetime::set_file_mtime(&p, mtime_of(e)).at(&p)?;
+    }
+    Ok(())
+}
+
+/// Brings an existing file's mode and mtime in line with `e`.
+pub fn fix_metadata(path: &Path, e: &Entry) -> Result<(), SyncError> {
+    fs::set_permissions(path, fs::Permissions::from_mode(e.mode)).at(path)?;
+    filetime::set_file_mtime(path, mtime_of(e)).at(path)
+}
+
+/// Hard-links `from` to `to`, copying when linking is not possible.
+pub fn link_or_copy(from: &Path, to: &Path) -> Result<(), SyncError> {
+    if fs::hard_link(from, to).is_ok() {
+        return Ok(());
+    }
+    fs::copy(from, to).at(to).map(|_| ())
+}

@@ -1,0 +1,196 @@
+//! Versioned directories with an atomic switch.
+//!
+//! ```text
+//! <dir>/current -> v-<id>        the published version (a symlink, swapped by rename)
+//! <dir>/v-<id>/                  a version's tree (a staging area until published)
+//! <dir>/v-<id>.manifest.json     its manifest, written before it is published
+//! ```
+//!
+//! Readers resolve `current` once and read that version; a new version is staged
+//! beside it and published by renaming a fresh symlink over `current`, so readers
+//! see the old tree or the new one, never a mix. A process killed at any point
+//! leaves `current` on a complete version; [`VersionedDir::cleanup`] removes the
+//! leftovers at the next start.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+
+use kt_types::Manifest;
+
+use crate::error::{IoContext, SyncError};
+
+const CURRENT: &str = "current";
+const MANIFEST_SUFFIX: &str = ".manifest.json";
+
+#[derive(Debug, Clone)]
+pub struct VersionedDir {
+    dir: PathBuf,
+}
+
+impl VersionedDir {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        VersionedDir { dir: dir.into() }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The published version id, if any.
+    pub fn current(&self) -> Result<Option<String>, SyncError> {
+        let link = self.dir.join(CURRENT);
+        match fs::read_link(&link) {
+            Ok(t) => Ok(t
+                .to_str()
+                .and_then(|s| s.strip_prefix("v-"))
+                .map(str::to_owned)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(SyncError::io(link, e)),
+        }
+    }
+
+    pub fn version_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("v-{id}"))
+    }
+
+    fn manifest_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("v-{id}{MANIFEST_SUFFIX}"))
+    }
+
+    /// Creates an empty staging version and returns its id.
+    pub fn stage(&self) -> Result<String, SyncError> {
+        fs::create_dir_all(&self.dir).at(&self.dir)?;
+        let id = format!(
+            "{:x}-{}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis())
+                .unwrap_or_default(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let p = self.version_path(&id);
+        fs::create_dir(&p).at(&p)?;
+        Ok(id)
+    }
+
+    pub fn write_manifest(&self, id: &str, m: &Manifest) -> Result<(), SyncError> {
+        let p = self.manifest_path(id);
+        let mut f = fs::File::create(&p).at(&p)?;
+        let bytes = serde_json::to_vec(m).map_err(|e| SyncError::Stream(e.to_string()))?;
+        f.write_all(&bytes).at(&p)?;
+        f.sync_all().at(&p)
+    }
+
+    pub fn read_manifest(&self, id: &str) -> Result<Manifest, SyncError> {
+        let p = self.manifest_path(id);
+        let bytes = fs::read(&p).at(&p)?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| SyncError::Stream(format!("{}: {e}", p.display())))
+    }
+
+    /// Atomically makes `id` the current version. Returns the previous one.
+    pub fn publish(&self, id: &str) -> Result<Option<String>, SyncError> {
+        let previous = self.current()?;
+        let tmp = self.dir.join(format!("{CURRENT}.tmp-{id}"));
+        let _ = fs::remove_file(&tmp);
+        symlink(format!("v-{id}"), &tmp).at(&tmp)?;
+        fs::rename(&tmp, self.dir.join(CURRENT)).at(&self.dir)?;
+        fs::File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .at(&self.dir)?;
+        Ok(previous)
+    }
+
+    /// Deletes a version's tree and manifest.
+    pub fn remove_version(&self, id: &str) -> Result<(), SyncError> {
+        let p = self.version_path(id);
+        match fs::remove_dir_all(&p) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(SyncError::io(p, e)),
+        }
+        let _ = fs::remove_file(self.manifest_path(id));
+        Ok(())
+    }
+
+    /// Removes everything but the current version. Returns whether a current
+    /// version exists (when none does, the whole directory was removed).
+    pub fn cleanup(&self) -> Result<bool, SyncError> {
+        let current = self.current()?;
+        if current.is_none() {
+            match fs::remove_dir_all(&self.dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(SyncError::io(&self.dir, e)),
+            }
+            return Ok(false);
+        }
+        let keep_tree = current.as_deref().map(|c| format!("v-{c}"));
+        let keep_manifest = current
+            .as_deref()
+            .map(|c| format!("v-{c}{MANIFEST_SUFFIX}"));
+        for dent in fs::read_dir(&self.dir).at(&self.dir)? {
+            let dent = dent.at(&self.dir)?;
+            let name = dent.file_name().to_string_lossy().into_owned();
+            if name == CURRENT
+                || Some(&name) == keep_tree.as_ref()
+                || Some(&name) == keep_manifest.as_ref()
+            {
+                continue;
+            }
+            if !(name.starts_with("v-") || name.starts_with("current.tmp-")) {
+                continue;
+            }
+            let p = dent.path();
+            let res = if dent.file_type().at(&p)?.is_dir() {
+                fs::remove_dir_all(&p)
+            } else {
+                fs::remove_file(&p)
+            };
+            res.at(&p)?;
+        }
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stage_publish_and_cleanup() {
+        let d = tempfile::tempdir().unwrap();
+        let v = VersionedDir::new(d.path().join("k"));
+        assert_eq!(v.current().unwrap(), None);
+        let a = v.stage().unwrap();
+        fs::write(v.version_path(&a).join("f"), b"1").unwrap();
+        v.write_manifest(&a, &Manifest::default()).unwrap();
+        assert_eq!(v.publish(&a).unwrap(), None);
+        assert_eq!(v.current().unwrap().as_deref(), Some(a.as_str()));
+        assert_eq!(fs::read(d.path().join("k/current/f")).unwrap(), b"1");
+
+        // A staged but never published version (a killed put) is a leftover.
+        let b = v.stage().unwrap();
+        fs::write(v.version_path(&b).join("f"), b"2").unwrap();
+        assert!(v.cleanup().unwrap());
+        assert!(!v.version_path(&b).exists());
+        assert_eq!(fs::read(d.path().join("k/current/f")).unwrap(), b"1");
+        assert_eq!(v.read_manifest(&a).unwrap(), Manifest::default());
+
+        let c = v.stage().unwrap();
+        assert_eq!(v.publish(&c).unwrap().as_deref(), Some(a.as_str()));
+        v.remove_version(&a).unwrap();
+        assert!(!v.version_path(&a).exists());
+    }
+
+    #[test]
+    fn never_published_dir_is_removed() {
+        let d = tempfile::tempdir().unwrap();
+        let v = VersionedDir::new(d.path().join("k"));
+        v.stage().unwrap();
+        assert!(!v.cleanup().unwrap());
+        assert!(!d.path().join("k").exists());
+    }
+}

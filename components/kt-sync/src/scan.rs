@@ -1,0 +1,319 @@
+//! Walking a tree into a manifest, with a scan cache keyed by inode, size,
+//! mtime and ctime so an unchanged tree is re-scanned without re-hashing.
+
+use std::collections::HashMap;
+use std::fs;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use kt_types::manifest::link_stays_inside;
+use kt_types::{Entry, EntryKind, Hash, Manifest, RootKind};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{IoContext, SyncError};
+
+/// Files at least this large are hashed with memory mapping across threads.
+const MMAP_THRESHOLD: u64 = 4 << 20;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Stamp {
+    ino: u64,
+    size: u64,
+    mtime: i64,
+    mtime_nsec: i64,
+    ctime: i64,
+    ctime_nsec: i64,
+}
+
+impl Stamp {
+    fn of(md: &fs::Metadata) -> Self {
+        Stamp {
+            ino: md.ino(),
+            size: md.size(),
+            mtime: md.mtime(),
+            mtime_nsec: md.mtime_nsec(),
+            ctime: md.ctime(),
+            ctime_nsec: md.ctime_nsec(),
+        }
+    }
+}
+
+/// Remembers the hash of each file by its stat stamp.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ScanCache {
+    entries: HashMap<String, (Stamp, Hash)>,
+    /// Files hashed (cache misses) by the last scan.
+    #[serde(skip)]
+    pub hashed: u64,
+}
+
+impl ScanCache {
+    /// Loads a cache file; a missing or unreadable cache is an empty one.
+    pub fn load(path: &Path) -> Self {
+        fs::read(path)
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
+
+    /// Saves atomically (temp file + rename).
+    pub fn save(&self, path: &Path) -> Result<(), SyncError> {
+        if let Some(dir) = path.parent() {
+            fs::create_dir_all(dir).at(dir)?;
+        }
+        let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+        let bytes = serde_json::to_vec(self).map_err(|e| SyncError::Stream(e.to_string()))?;
+        fs::write(&tmp, bytes).at(&tmp)?;
+        fs::rename(&tmp, path).at(path)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// Hashes one file's content.
+pub fn hash_file(path: &Path, size: u64) -> Result<Hash, SyncError> {
+    let mut hasher = blake3::Hasher::new();
+    if size >= MMAP_THRESHOLD {
+        hasher.update_mmap_rayon(path).at(path)?;
+    } else {
+        let data = fs::read(path).at(path)?;
+        hasher.update(&data);
+    }
+    Ok(Hash(*hasher.finalize().as_bytes()))
+}
+
+fn name_of(path: &Path) -> Result<String, SyncError> {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .map(str::to_owned)
+        .ok_or_else(|| SyncError::NonUtf8 {
+            path: path.to_owned(),
+        })
+}
+
+struct Pending {
+    index: usize,
+    abs: PathBuf,
+    stamp: Stamp,
+}
+
+/// Scans `root` (a directory or a single file) into a sorted manifest.
+///
+/// Symlinks are recorded as links and never followed; a link whose target
+/// leaves the tree is an error. Sockets, FIFOs and devices are skipped.
+pub fn scan(root: &Path, cache: &mut ScanCache) -> Result<Manifest, SyncError> {
+    let md = fs::metadata(root).at(root)?;
+    let mut manifest = Manifest::default();
+    let mut pending = Vec::new();
+    if md.is_file() {
+        manifest.root = RootKind::File;
+        let name = name_of(root)?;
+        push_entry(&mut manifest, &mut pending, root, name, &md)?;
+    } else {
+        walk(root, "", &mut manifest, &mut pending)?;
+    }
+    let old = std::mem::take(&mut cache.entries);
+    let mut fresh: HashMap<String, (Stamp, Hash)> = HashMap::with_capacity(pending.len());
+    let mut misses = Vec::new();
+    for p in pending {
+        let entry = &mut manifest.entries[p.index];
+        match old.get(&entry.path) {
+            Some((stamp, hash)) if *stamp == p.stamp => {
+                entry.hash = Some(*hash);
+                fresh.insert(entry.path.clone(), (p.stamp, *hash));
+            }
+            _ => misses.push(p),
+        }
+    }
+    let hashed: Vec<(usize, Stamp, Hash)> = misses
+        .into_par_iter()
+        .map(|p| hash_file(&p.abs, p.stamp.size).map(|h| (p.index, p.stamp, h)))
+        .collect::<Result<_, _>>()?;
+    cache.hashed = hashed.len() as u64;
+    for (index, stamp, hash) in hashed {
+        let e = &mut manifest.entries[index];
+        e.hash = Some(hash);
+        fresh.insert(e.path.clone(), (stamp, hash));
+    }
+    cache.entries = fresh;
+    manifest.sort();
+    Ok(manifest)
+}
+
+fn walk(
+    dir: &Path,
+    rel: &str,
+    manifest: &mut Manifest,
+    pending: &mut Vec<Pending>,
+) -> Result<(), SyncError> {
+    for dent in fs::read_dir(dir).at(dir)? {
+        let dent = dent.at(dir)?;
+        let abs = dent.path();
+        let name = name_of(&abs)?;
+        let path = if rel.is_empty() {
+            name
+        } else {
+            format!("{rel}/{name}")
+        };
+        let md = fs::symlink_metadata(&abs).at(&abs)?;
+        let is_dir = md.is_dir();
+        if push_entry(manifest, pending, &abs, path.clone(), &md)? && is_dir {
+            walk(&abs, &path, manifest, pending)?;
+        }
+    }
+    Ok(())
+}
+
+/// Records one entry; false when it was skipped (special file).
+fn push_entry(
+    manifest: &mut Manifest,
+    pending: &mut Vec<Pending>,
+    abs: &Path,
+    path: String,
+    md: &fs::Metadata,
+) -> Result<bool, SyncError> {
+    let ft = md.file_type();
+    let (kind, size, target) = if ft.is_symlink() {
+        let t = fs::read_link(abs).at(abs)?;
+        let t = t.to_str().ok_or_else(|| SyncError::NonUtf8 {
+            path: abs.to_owned(),
+        })?;
+        if !link_stays_inside(&path, t) {
+            return Err(SyncError::LinkEscapes {
+                path,
+                target: t.to_owned(),
+            });
+        }
+        (EntryKind::Symlink, 0, Some(t.to_owned()))
+    } else if ft.is_dir() {
+        (EntryKind::Dir, 0, None)
+    } else if ft.is_file() {
+        (EntryKind::File, md.size(), None)
+    } else {
+        tracing::warn!(path = %abs.display(), "skipping special file (socket, FIFO or device)");
+        return Ok(false);
+    };
+    if kind == EntryKind::File {
+        pending.push(Pending {
+            index: manifest.entries.len(),
+            abs: abs.to_owned(),
+            stamp: Stamp::of(md),
+        });
+    }
+    manifest.entries.push(Entry {
+        path,
+        kind,
+        size,
+        mode: if kind == EntryKind::Symlink {
+            0o777
+        } else {
+            md.permissions().mode() & 0o7777
+        },
+        mtime: md.mtime(),
+        mtime_nsec: md.mtime_nsec().clamp(0, 999_999_999) as u32,
+        hash: None,
+        target,
+    });
+    Ok(true)
+}
+
+/// Where the content of manifest entry `rel` lives under `root`.
+pub fn source_path(root: &Path, manifest: &Manifest, rel: &str) -> PathBuf {
+    match manifest.root {
+        RootKind::File => root.to_owned(),
+        RootKind::Dir => root.join(rel),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kt_types::manifest::ManifestLimits;
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn scans_a_tree_and_caches_hashes() {
+        let d = tempfile::tempdir().unwrap();
+        let r = d.path();
+        fs::create_dir_all(r.join("a/empty")).unwrap();
+        fs::write(r.join("a/x"), b"hello").unwrap();
+        fs::write(r.join("zero"), b"").unwrap();
+        fs::write(r.join("ünï"), b"u").unwrap();
+        symlink("a/x", r.join("link")).unwrap();
+        let mut cache = ScanCache::default();
+        let m = scan(r, &mut cache).unwrap();
+        m.validate(&ManifestLimits::default()).unwrap();
+        let paths: Vec<_> = m.entries.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(paths, ["a", "a/empty", "a/x", "link", "zero", "ünï"]);
+        assert_eq!(
+            m.entries[2].hash,
+            Some(Hash(*blake3::hash(b"hello").as_bytes()))
+        );
+        assert_eq!(m.entries[3].target.as_deref(), Some("a/x"));
+        assert_eq!(cache.hashed, 3);
+        let again = scan(r, &mut cache).unwrap();
+        assert_eq!(again, m);
+        assert_eq!(cache.hashed, 0, "unchanged files must not be re-hashed");
+        fs::write(r.join("a/x"), b"hellO").unwrap();
+        let changed = scan(r, &mut cache).unwrap();
+        assert_eq!(cache.hashed, 1);
+        assert_ne!(changed.entries[2].hash, m.entries[2].hash);
+    }
+
+    #[test]
+    fn single_file_root() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("weights.bin");
+        fs::write(&f, vec![7u8; 5 << 20]).unwrap();
+        let m = scan(&f, &mut ScanCache::default()).unwrap();
+        assert_eq!(m.root, RootKind::File);
+        assert_eq!(m.entries.len(), 1);
+        assert_eq!(m.entries[0].path, "weights.bin");
+        assert_eq!(
+            m.entries[0].hash,
+            Some(Hash(*blake3::hash(&vec![7u8; 5 << 20]).as_bytes()))
+        );
+    }
+
+    #[test]
+    fn rejects_escaping_links() {
+        let d = tempfile::tempdir().unwrap();
+        symlink("/etc/passwd", d.path().join("bad")).unwrap();
+        let e = scan(d.path(), &mut ScanCache::default()).unwrap_err();
+        assert!(matches!(e, SyncError::LinkEscapes { .. }), "{e}");
+    }
+
+    #[test]
+    fn rejects_non_utf8_names() {
+        use std::ffi::OsStr;
+        use std::os::unix::ffi::OsStrExt;
+        let d = tempfile::tempdir().unwrap();
+        fs::write(d.path().join(OsStr::from_bytes(b"bad\xff")), b"x").unwrap();
+        let e = scan(d.path(), &mut ScanCache::default()).unwrap_err();
+        assert!(matches!(e, SyncError::NonUtf8 { .. }), "{e}");
+        assert!(e.to_string().contains("UTF-8"));
+    }
+
+    #[test]
+    fn cache_survives_save_and_load() {
+        let d = tempfile::tempdir().unwrap();
+        let tree = d.path().join("t");
+        fs::create_dir(&tree).unwrap();
+        fs::write(tree.join("f"), b"data").unwrap();
+        let mut cache = ScanCache::default();
+        scan(&tree, &mut cache).unwrap();
+        let file = d.path().join("cache/scan.json");
+        cache.save(&file).unwrap();
+        let mut loaded = ScanCache::load(&file);
+        assert_eq!(loaded.len(), 1);
+        scan(&tree, &mut loaded).unwrap();
+        assert_eq!(loaded.hashed, 0);
+    }
+}

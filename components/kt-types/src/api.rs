@@ -1,0 +1,165 @@
+//! Request and response bodies of the HTTP APIs (all under `/api/v1`).
+//!
+//! Metadata server:
+//! - `POST /api/v1/stores` [`RegisterStore`] — a store announces itself
+//! - `GET  /api/v1/store` → [`StoreLocation`]
+//! - `PUT  /api/v1/keys/{key}` [`RegisterKey`] → [`KeyRecord`] (called by the store on publish)
+//! - `GET  /api/v1/keys/{key}` → [`KeyRecord`]
+//! - `GET  /api/v1/keys?prefix=P` → [`ListResponse`]
+//! - `DELETE /api/v1/keys/{key}?recursive=true` → [`DeleteResponse`]
+//!
+//! Store server (the sync protocol):
+//! - `POST /api/v1/puts` [`PutRequest`] → [`PutPlan`]
+//! - `PUT  /api/v1/puts/{session}/batch` (frame stream, see [`crate::frame`]) → [`BatchAck`]
+//! - `PUT  /api/v1/puts/{session}/files/{index}/chunks/{n}` (raw bytes) → [`BatchAck`]
+//! - `POST /api/v1/puts/{session}/commit` → [`CommitResponse`]
+//! - `DELETE /api/v1/puts/{session}` — abort
+//! - `GET  /api/v1/trees/{key}` → [`ReadManifest`] (opens a read lease pinning the version)
+//! - `POST /api/v1/reads/{lease}/batch` [`BatchRequest`] → frame stream
+//! - `GET  /api/v1/reads/{lease}/files/{index}?offset=O&len=L` → raw bytes
+//! - `DELETE /api/v1/reads/{lease}` — release
+//! - `DELETE /api/v1/trees/{key}` → [`DeleteResponse`]
+//! - `GET  /api/v1/trees` → [`TreeList`]
+
+use serde::{Deserialize, Serialize};
+
+use crate::key::Key;
+use crate::manifest::Manifest;
+use crate::model::{KeyRecord, Lifespan, Locale};
+
+pub const API_PREFIX: &str = "/api/v1";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterStore {
+    pub url: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreLocation {
+    pub url: String,
+}
+
+/// Lifecycle options of a put, carried into the key record.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutOptions {
+    #[serde(default)]
+    pub lifespan: Lifespan,
+    /// Time to live in seconds; `None` keeps the key until deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_secs: Option<u64>,
+    /// Owning service; defaults to the key's first segment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+}
+
+/// Sent by the store to the metadata server when a version is published.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegisterKey {
+    pub locale: Locale,
+    pub source: String,
+    pub version: String,
+    pub is_dir: bool,
+    pub size: u64,
+    pub files: u64,
+    #[serde(flatten)]
+    pub options: PutOptions,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListEntry {
+    /// The segment below the listed prefix.
+    pub name: String,
+    /// Full key (or key prefix) of this entry.
+    pub key: String,
+    /// True when other keys lie below this name.
+    pub has_children: bool,
+    /// The key's record when `key` itself is a key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record: Option<KeyRecord>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ListResponse {
+    pub prefix: String,
+    pub entries: Vec<ListEntry>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeleteResponse {
+    pub deleted: Vec<Key>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PutRequest {
+    pub key: Key,
+    pub manifest: Manifest,
+    #[serde(default)]
+    pub options: PutOptions,
+}
+
+/// The store's answer to a put: which entries it needs the content of.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutPlan {
+    /// Upload session; absent when the tree is unchanged and nothing is to be done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// Manifest indices of files whose content must be sent.
+    pub needed: Vec<u32>,
+    /// Files larger than this are sent in chunks of this size.
+    pub chunk_size: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchAck {
+    pub files: u64,
+    pub bytes: u64,
+}
+
+/// What a transfer moved.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferStats {
+    pub files_sent: u64,
+    pub bytes_sent: u64,
+    pub bytes_skipped: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitResponse {
+    pub record: KeyRecord,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReadManifest {
+    pub version: String,
+    pub lease: String,
+    pub chunk_size: u64,
+    pub manifest: Manifest,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchRequest {
+    pub indices: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RangeQuery {
+    pub offset: u64,
+    pub len: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeList {
+    pub keys: Vec<Key>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeleteQuery {
+    #[serde(default)]
+    pub recursive: bool,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListQuery {
+    #[serde(default)]
+    pub prefix: String,
+}

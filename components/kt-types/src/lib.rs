@@ -1,0 +1,18 @@
+//! Wire types shared by every kt component.
+//!
+//! Invariant: this crate performs no I/O and depends on no runtime. It holds the
+//! vocabulary (keys, manifests, API bodies, error codes, env var names) that
+//! servers and clients agree on, plus pure validation of that vocabulary.
+
+pub mod api;
+pub mod env;
+pub mod error;
+pub mod frame;
+pub mod key;
+pub mod manifest;
+pub mod model;
+
+pub use error::{ErrorBody, ErrorCode, ErrorDetail};
+pub use key::{Key, KeyError, KeyPrefix};
+pub use manifest::{Entry, EntryKind, Hash, Manifest, ManifestError, RootKind};
+pub use model::{BroadcastWindow, KeyRecord, Lifespan, Locale};

@@ -1,0 +1,444 @@
+//! Manifests: the content-addressed description of a tree that both ends of a
+//! transfer agree on, and its validation (a receiver never trusts a manifest it
+//! has not validated).
+
+use std::collections::HashSet;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// A blake3 digest.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Hash(pub [u8; 32]);
+
+impl Hash {
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+    pub fn from_hex(s: &str) -> Result<Self, hex::FromHexError> {
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out)?;
+        Ok(Hash(out))
+    }
+}
+
+impl fmt::Debug for Hash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Hash({})", self.to_hex())
+    }
+}
+
+impl fmt::Display for Hash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+impl Serialize for Hash {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_hex())
+    }
+}
+
+impl<'de> Deserialize<'de> for Hash {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        Hash::from_hex(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EntryKind {
+    File,
+    Dir,
+    Symlink,
+}
+
+/// Whether the tree's root is a directory or a single file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RootKind {
+    #[default]
+    Dir,
+    /// A single file: the manifest has exactly one file entry, named after the source file.
+    File,
+}
+
+/// One file, directory or symlink of a tree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Relative, `/`-separated, UTF-8 path.
+    pub path: String,
+    pub kind: EntryKind,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub size: u64,
+    /// Permission bits (at most 0o7777).
+    pub mode: u32,
+    /// Modification time: seconds since the epoch and nanoseconds.
+    pub mtime: i64,
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub mtime_nsec: u32,
+    /// Content hash (files only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hash: Option<Hash>,
+    /// Link target (symlinks only), relative and inside the tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
+}
+
+/// A whole tree, entries sorted by path (bytewise) with no duplicates.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Manifest {
+    #[serde(default)]
+    pub root: RootKind,
+    pub entries: Vec<Entry>,
+}
+
+/// Bounds a receiver enforces on a manifest.
+#[derive(Debug, Clone, Copy)]
+pub struct ManifestLimits {
+    pub max_entries: usize,
+    pub max_path_len: usize,
+    pub max_total_bytes: u64,
+}
+
+impl Default for ManifestLimits {
+    fn default() -> Self {
+        ManifestLimits {
+            max_entries: 5_000_000,
+            max_path_len: 4096,
+            max_total_bytes: 16 << 40,
+        }
+    }
+}
+
+/// Why a manifest is refused. Every variant names the offending path.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    #[error("manifest has {count} entries; the limit is {limit}")]
+    TooManyEntries { count: usize, limit: usize },
+    #[error("manifest describes {total} bytes; the limit is {limit}")]
+    TooLarge { total: u64, limit: u64 },
+    #[error("path {path:?}: {reason}")]
+    BadPath { path: String, reason: &'static str },
+    #[error("path {path:?} appears out of order or twice (entries must be sorted and unique)")]
+    Unsorted { path: String },
+    #[error("path {path:?}: its parent directory is not in the manifest")]
+    MissingParent { path: String },
+    #[error("path {path:?}: {reason}")]
+    BadEntry { path: String, reason: &'static str },
+    #[error("symlink {path:?} -> {target:?} points outside the tree")]
+    LinkEscapes { path: String, target: String },
+    #[error("a single-file manifest must hold exactly one file entry with no directory part")]
+    BadFileRoot,
+}
+
+/// Checks one relative path: non-empty segments, no `.`/`..`, no NUL, bounded length.
+pub fn check_rel_path(path: &str, max_len: usize) -> Result<(), ManifestError> {
+    let bad = |reason| ManifestError::BadPath {
+        path: path.to_owned(),
+        reason,
+    };
+    if path.is_empty() {
+        return Err(bad("empty path"));
+    }
+    if path.len() > max_len {
+        return Err(bad("path too long"));
+    }
+    if path.starts_with('/') {
+        return Err(bad("absolute paths are not allowed"));
+    }
+    if path.contains('\0') {
+        return Err(bad("NUL byte in path"));
+    }
+    for seg in path.split('/') {
+        match seg {
+            "" => return Err(bad("empty path segment")),
+            "." | ".." => return Err(bad("'.' and '..' segments are not allowed")),
+            s if s.len() > 255 => return Err(bad("a path segment is longer than 255 bytes")),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Resolves a symlink `target` lexically from the directory holding `link_path`;
+/// true when the result stays inside the tree.
+pub fn link_stays_inside(link_path: &str, target: &str) -> bool {
+    if target.is_empty() || target.starts_with('/') || target.contains('\0') {
+        return false;
+    }
+    let mut depth: Vec<&str> = link_path.split('/').collect();
+    depth.pop(); // the link itself
+    for seg in target.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                if depth.pop().is_none() {
+                    return false;
+                }
+            }
+            s => depth.push(s),
+        }
+    }
+    true
+}
+
+impl Manifest {
+    pub fn file_count(&self) -> u64 {
+        self.entries
+            .iter()
+            .filter(|e| e.kind == EntryKind::File)
+            .count() as u64
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.entries
+            .iter()
+            .filter(|e| e.kind == EntryKind::File)
+            .map(|e| e.size)
+            .sum()
+    }
+
+    /// Validates structure and safety. Receivers call this before acting on a manifest.
+    pub fn validate(&self, limits: &ManifestLimits) -> Result<(), ManifestError> {
+        if self.entries.len() > limits.max_entries {
+            return Err(ManifestError::TooManyEntries {
+                count: self.entries.len(),
+                limit: limits.max_entries,
+            });
+        }
+        if self.root == RootKind::File {
+            match self.entries.as_slice() {
+                [e] if e.kind == EntryKind::File && !e.path.contains('/') => {}
+                _ => return Err(ManifestError::BadFileRoot),
+            }
+        }
+        let mut dirs: HashSet<&str> = HashSet::new();
+        let mut total: u64 = 0;
+        let mut prev: Option<&str> = None;
+        for e in &self.entries {
+            check_rel_path(&e.path, limits.max_path_len)?;
+            if prev.is_some_and(|p| p.as_bytes() >= e.path.as_bytes()) {
+                return Err(ManifestError::Unsorted {
+                    path: e.path.clone(),
+                });
+            }
+            prev = Some(&e.path);
+            if let Some((parent, _)) = e.path.rsplit_once('/')
+                && !dirs.contains(parent)
+            {
+                return Err(ManifestError::MissingParent {
+                    path: e.path.clone(),
+                });
+            }
+            let bad = |reason| ManifestError::BadEntry {
+                path: e.path.clone(),
+                reason,
+            };
+            if e.mode > 0o7777 {
+                return Err(bad("mode has bits beyond 0o7777"));
+            }
+            if e.mtime_nsec >= 1_000_000_000 {
+                return Err(bad("mtime nanoseconds out of range"));
+            }
+            match e.kind {
+                EntryKind::File => {
+                    if e.hash.is_none() {
+                        return Err(bad("file without a content hash"));
+                    }
+                    if e.target.is_some() {
+                        return Err(bad("file with a link target"));
+                    }
+                    total = total.saturating_add(e.size);
+                }
+                EntryKind::Dir => {
+                    if e.hash.is_some() || e.target.is_some() || e.size != 0 {
+                        return Err(bad("directory with a hash, target or size"));
+                    }
+                    dirs.insert(&e.path);
+                }
+                EntryKind::Symlink => {
+                    let Some(target) = &e.target else {
+                        return Err(bad("symlink without a target"));
+                    };
+                    if e.hash.is_some() {
+                        return Err(bad("symlink with a content hash"));
+                    }
+                    if !link_stays_inside(&e.path, target) {
+                        return Err(ManifestError::LinkEscapes {
+                            path: e.path.clone(),
+                            target: target.clone(),
+                        });
+                    }
+                }
+            }
+        }
+        if total > limits.max_total_bytes {
+            return Err(ManifestError::TooLarge {
+                total,
+                limit: limits.max_total_bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// Sorts entries bytewise by path (the order `validate` requires).
+    pub fn sort(&mut self) {
+        self.entries
+            .sort_unstable_by(|a, b| a.path.as_bytes().cmp(b.path.as_bytes()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(path: &str) -> Entry {
+        Entry {
+            path: path.into(),
+            kind: EntryKind::File,
+            size: 3,
+            mode: 0o644,
+            mtime: 1,
+            mtime_nsec: 0,
+            hash: Some(Hash([1; 32])),
+            target: None,
+        }
+    }
+    fn dir(path: &str) -> Entry {
+        Entry {
+            kind: EntryKind::Dir,
+            size: 0,
+            hash: None,
+            mode: 0o755,
+            ..file(path)
+        }
+    }
+    fn link(path: &str, target: &str) -> Entry {
+        Entry {
+            kind: EntryKind::Symlink,
+            size: 0,
+            hash: None,
+            target: Some(target.into()),
+            ..file(path)
+        }
+    }
+    fn m(entries: Vec<Entry>) -> Manifest {
+        Manifest {
+            root: RootKind::Dir,
+            entries,
+        }
+    }
+    fn check(entries: Vec<Entry>) -> Result<(), ManifestError> {
+        m(entries).validate(&ManifestLimits::default())
+    }
+
+    #[test]
+    fn accepts_a_good_tree() {
+        check(vec![
+            dir("a"),
+            file("a/x"),
+            link("a/y", "x"),
+            link("a/z", "../b"),
+            file("b"),
+        ])
+        .unwrap();
+    }
+
+    #[test]
+    fn rejects_escapes_and_bad_paths() {
+        assert!(matches!(
+            check(vec![file("../x")]),
+            Err(ManifestError::BadPath { .. })
+        ));
+        assert!(matches!(
+            check(vec![file("/etc/passwd")]),
+            Err(ManifestError::BadPath { .. })
+        ));
+        assert!(matches!(
+            check(vec![dir("a"), file("a/./b")]),
+            Err(ManifestError::BadPath { .. })
+        ));
+        assert!(matches!(
+            check(vec![link("l", "../outside")]),
+            Err(ManifestError::LinkEscapes { .. })
+        ));
+        assert!(matches!(
+            check(vec![link("l", "/etc")]),
+            Err(ManifestError::LinkEscapes { .. })
+        ));
+        assert!(matches!(
+            check(vec![file("a/b")]),
+            Err(ManifestError::MissingParent { .. })
+        ));
+        assert!(matches!(
+            check(vec![file("b"), file("a")]),
+            Err(ManifestError::Unsorted { .. })
+        ));
+        assert!(matches!(
+            check(vec![file("a"), file("a")]),
+            Err(ManifestError::Unsorted { .. })
+        ));
+        // A file cannot be a parent.
+        assert!(matches!(
+            check(vec![file("a"), file("a/b")]),
+            Err(ManifestError::MissingParent { .. })
+        ));
+        let mut nohash = file("x");
+        nohash.hash = None;
+        assert!(matches!(
+            check(vec![nohash]),
+            Err(ManifestError::BadEntry { .. })
+        ));
+    }
+
+    #[test]
+    fn limits_apply() {
+        let limits = ManifestLimits {
+            max_entries: 1,
+            ..Default::default()
+        };
+        assert!(matches!(
+            m(vec![file("a"), file("b")]).validate(&limits),
+            Err(ManifestError::TooManyEntries { .. })
+        ));
+        let limits = ManifestLimits {
+            max_total_bytes: 5,
+            ..Default::default()
+        };
+        assert!(matches!(
+            m(vec![file("a"), file("b")]).validate(&limits),
+            Err(ManifestError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn file_root_has_one_file() {
+        let mut one = m(vec![file("x")]);
+        one.root = RootKind::File;
+        one.validate(&ManifestLimits::default()).unwrap();
+        let mut two = m(vec![dir("d"), file("d/x")]);
+        two.root = RootKind::File;
+        assert_eq!(
+            two.validate(&ManifestLimits::default()),
+            Err(ManifestError::BadFileRoot)
+        );
+    }
+
+    #[test]
+    fn hash_round_trips_as_hex() {
+        let h = Hash([0xab; 32]);
+        let s = serde_json::to_string(&h).unwrap();
+        assert_eq!(serde_json::from_str::<Hash>(&s).unwrap(), h);
+        assert!(serde_json::from_str::<Hash>("\"zz\"").is_err());
+    }
+}

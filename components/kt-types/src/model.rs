@@ -1,0 +1,141 @@
+//! The domain vocabulary: locales, lifespans, broadcast windows, key records.
+
+use serde::{Deserialize, Serialize};
+
+use crate::key::Key;
+
+/// Where a key's data lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Locale {
+    /// Copied into the store pod (the default).
+    #[default]
+    Store,
+    /// Stays on the producer pod; getters fetch peer-to-peer.
+    Local,
+}
+
+impl std::str::FromStr for Locale {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "store" => Ok(Locale::Store),
+            "local" => Ok(Locale::Local),
+            other => Err(format!(
+                "unknown locale {other:?} (expected store or local)"
+            )),
+        }
+    }
+}
+
+/// How long a key lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Lifespan {
+    /// Kept until deleted (or its TTL passes).
+    #[default]
+    Cluster,
+    /// Deleted when the owning service is torn down.
+    Resource,
+}
+
+impl std::str::FromStr for Lifespan {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cluster" => Ok(Lifespan::Cluster),
+            "resource" => Ok(Lifespan::Resource),
+            other => Err(format!(
+                "unknown lifespan {other:?} (expected cluster or resource)"
+            )),
+        }
+    }
+}
+
+/// Options of a broadcast: who joins, how long the window stays open, tree fanout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BroadcastWindow {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<u32>,
+    /// Seconds the window stays open for joins.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_secs: Option<f64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ips: Vec<String>,
+    #[serde(default = "BroadcastWindow::default_fanout")]
+    pub fanout: u32,
+}
+
+impl BroadcastWindow {
+    pub const DEFAULT_FANOUT: u32 = 50;
+    fn default_fanout() -> u32 {
+        Self::DEFAULT_FANOUT
+    }
+
+    /// Parent rank of `rank` in the tree: rank 0 is the source.
+    pub fn parent_of(&self, rank: u32) -> Option<u32> {
+        (rank > 0).then(|| (rank - 1) / self.fanout.max(1))
+    }
+}
+
+impl Default for BroadcastWindow {
+    fn default() -> Self {
+        BroadcastWindow {
+            group_id: None,
+            world_size: None,
+            timeout_secs: None,
+            ips: Vec::new(),
+            fanout: Self::DEFAULT_FANOUT,
+        }
+    }
+}
+
+/// What the metadata server knows about one key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyRecord {
+    pub key: Key,
+    pub locale: Locale,
+    /// Base URL of the server holding the data.
+    pub source: String,
+    /// Opaque id of the published version.
+    pub version: String,
+    /// True when the key holds a directory tree, false for a single file.
+    pub is_dir: bool,
+    pub size: u64,
+    pub files: u64,
+    pub lifespan: Lifespan,
+    /// The owning service (the key's first segment unless set explicitly).
+    pub service: String,
+    /// Unix milliseconds after which the key expires.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at_ms: Option<u64>,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tree_parents() {
+        let w = BroadcastWindow {
+            fanout: 2,
+            ..Default::default()
+        };
+        assert_eq!(w.parent_of(0), None);
+        assert_eq!(w.parent_of(1), Some(0));
+        assert_eq!(w.parent_of(2), Some(0));
+        assert_eq!(w.parent_of(3), Some(1));
+        assert_eq!(BroadcastWindow::default().parent_of(51), Some(1));
+    }
+
+    #[test]
+    fn enums_parse() {
+        assert_eq!("local".parse::<Locale>().unwrap(), Locale::Local);
+        assert!("disk".parse::<Locale>().is_err());
+        assert_eq!("resource".parse::<Lifespan>().unwrap(), Lifespan::Resource);
+    }
+}
