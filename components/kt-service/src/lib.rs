@@ -1,1 +1,91 @@
+//! Plumbing shared by the kt servers.
+//!
+//! - [`serve`]: run a router on a bound listener until a shutdown token fires,
+//!   with a cap on concurrent requests, then drain;
+//! - [`ApiError`]: the one `ErrorCode -> HTTP status` mapping and JSON error body;
+//! - [`ApiJson`]: a JSON extractor whose rejections are [`ApiError`]s;
+//! - [`auth`]: bearer-token middleware (everything but `/healthz` and `/readyz`);
+//! - [`metrics`]: Prometheus counters every server exposes on `/metrics`;
+//! - [`telemetry`]: logging set-up and the signal handler.
 
+pub mod auth;
+pub mod error;
+pub mod metrics;
+pub mod telemetry;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use auth::Token;
+pub use error::{ApiError, ApiJson};
+pub use metrics::Metrics;
+
+/// Readiness flag answered on `/readyz`.
+#[derive(Debug, Clone, Default)]
+pub struct Ready(Arc<AtomicBool>);
+
+impl Ready {
+    pub fn set(&self, ready: bool) {
+        self.0.store(ready, Ordering::SeqCst);
+    }
+    pub fn get(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// Wraps a server's API routes with health, metrics, auth and limits.
+pub fn app(api: Router, token: Token, metrics: Arc<Metrics>, ready: Ready, max_in_flight: usize) -> Router {
+    let metrics_route = Router::new()
+        .route("/metrics", get(metrics::serve_metrics))
+        .with_state(metrics.clone());
+    let protected = api
+        .merge(metrics_route)
+        .layer(axum::middleware::from_fn_with_state(token, auth::require_token));
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .with_state(ready)
+        .merge(protected)
+        .fallback(|| async { ApiError::not_found("no such route") })
+        .layer(axum::middleware::from_fn_with_state(metrics, metrics::count_requests))
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(max_in_flight.max(1)))
+}
+
+async fn readyz(State(ready): State<Ready>) -> (StatusCode, &'static str) {
+    if ready.get() {
+        (StatusCode::OK, "ready")
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+    }
+}
+
+/// Serves `app` on `listener` until `shutdown` is cancelled, then stops accepting
+/// and lets in-flight requests finish for at most `drain`; requests still running
+/// after that are dropped (their transfers abort; nothing half-written is published).
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+    drain: std::time::Duration,
+) -> std::io::Result<()> {
+    let stop = shutdown.clone();
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
+    let deadline = async move {
+        shutdown.cancelled().await;
+        tokio::time::sleep(drain).await;
+    };
+    tokio::select! {
+        r = server => r,
+        _ = deadline => {
+            tracing::warn!(?drain, "in-flight requests did not finish in time; aborting them");
+            Ok(())
+        }
+    }
+}

@@ -3,7 +3,7 @@
 //! ```text
 //! <dir>/current -> v-<id>        the published version (a symlink, swapped by rename)
 //! <dir>/v-<id>/                  a version's tree (a staging area until published)
-//! <dir>/v-<id>.manifest.json     its manifest, written before it is published
+//! <dir>/v-<id>.meta.json         its manifest and options, written before it is published
 //! ```
 //!
 //! Readers resolve `current` once and read that version; a new version is staged
@@ -17,12 +17,10 @@ use std::io::Write;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
 
-use kt_types::Manifest;
-
 use crate::error::{IoContext, SyncError};
 
 const CURRENT: &str = "current";
-const MANIFEST_SUFFIX: &str = ".manifest.json";
+const META_SUFFIX: &str = ".meta.json";
 
 #[derive(Debug, Clone)]
 pub struct VersionedDir {
@@ -55,8 +53,8 @@ impl VersionedDir {
         self.dir.join(format!("v-{id}"))
     }
 
-    fn manifest_path(&self, id: &str) -> PathBuf {
-        self.dir.join(format!("v-{id}{MANIFEST_SUFFIX}"))
+    fn meta_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("v-{id}{META_SUFFIX}"))
     }
 
     /// Creates an empty staging version and returns its id.
@@ -75,16 +73,17 @@ impl VersionedDir {
         Ok(id)
     }
 
-    pub fn write_manifest(&self, id: &str, m: &Manifest) -> Result<(), SyncError> {
-        let p = self.manifest_path(id);
+    /// Writes a version's description (its manifest and whatever the caller keeps with it).
+    pub fn write_meta<T: serde::Serialize>(&self, id: &str, m: &T) -> Result<(), SyncError> {
+        let p = self.meta_path(id);
         let mut f = fs::File::create(&p).at(&p)?;
         let bytes = serde_json::to_vec(m).map_err(|e| SyncError::Stream(e.to_string()))?;
         f.write_all(&bytes).at(&p)?;
         f.sync_all().at(&p)
     }
 
-    pub fn read_manifest(&self, id: &str) -> Result<Manifest, SyncError> {
-        let p = self.manifest_path(id);
+    pub fn read_meta<T: serde::de::DeserializeOwned>(&self, id: &str) -> Result<T, SyncError> {
+        let p = self.meta_path(id);
         let bytes = fs::read(&p).at(&p)?;
         serde_json::from_slice(&bytes)
             .map_err(|e| SyncError::Stream(format!("{}: {e}", p.display())))
@@ -111,7 +110,7 @@ impl VersionedDir {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(SyncError::io(p, e)),
         }
-        let _ = fs::remove_file(self.manifest_path(id));
+        let _ = fs::remove_file(self.meta_path(id));
         Ok(())
     }
 
@@ -128,15 +127,15 @@ impl VersionedDir {
             return Ok(false);
         }
         let keep_tree = current.as_deref().map(|c| format!("v-{c}"));
-        let keep_manifest = current
+        let keep_meta = current
             .as_deref()
-            .map(|c| format!("v-{c}{MANIFEST_SUFFIX}"));
+            .map(|c| format!("v-{c}{META_SUFFIX}"));
         for dent in fs::read_dir(&self.dir).at(&self.dir)? {
             let dent = dent.at(&self.dir)?;
             let name = dent.file_name().to_string_lossy().into_owned();
             if name == CURRENT
                 || Some(&name) == keep_tree.as_ref()
-                || Some(&name) == keep_manifest.as_ref()
+                || Some(&name) == keep_meta.as_ref()
             {
                 continue;
             }
@@ -158,6 +157,7 @@ impl VersionedDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kt_types::Manifest;
 
     #[test]
     fn stage_publish_and_cleanup() {
@@ -166,7 +166,7 @@ mod tests {
         assert_eq!(v.current().unwrap(), None);
         let a = v.stage().unwrap();
         fs::write(v.version_path(&a).join("f"), b"1").unwrap();
-        v.write_manifest(&a, &Manifest::default()).unwrap();
+        v.write_meta(&a, &Manifest::default()).unwrap();
         assert_eq!(v.publish(&a).unwrap(), None);
         assert_eq!(v.current().unwrap().as_deref(), Some(a.as_str()));
         assert_eq!(fs::read(d.path().join("k/current/f")).unwrap(), b"1");
@@ -177,7 +177,7 @@ mod tests {
         assert!(v.cleanup().unwrap());
         assert!(!v.version_path(&b).exists());
         assert_eq!(fs::read(d.path().join("k/current/f")).unwrap(), b"1");
-        assert_eq!(v.read_manifest(&a).unwrap(), Manifest::default());
+        assert_eq!(v.read_meta::<Manifest>(&a).unwrap(), Manifest::default());
 
         let c = v.stage().unwrap();
         assert_eq!(v.publish(&c).unwrap().as_deref(), Some(a.as_str()));
