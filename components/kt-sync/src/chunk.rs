@@ -111,6 +111,13 @@ impl ChunkAssembly {
         }
     }
 
+    /// Records chunk `n` from its precomputed chaining value (files of two or more chunks).
+    pub fn add_cv(&mut self, n: u64, cv: ChainingValue) {
+        if let Some(slot) = self.cvs.get_mut(n as usize) {
+            *slot = Some(cv);
+        }
+    }
+
     pub fn is_complete(&self) -> bool {
         self.cvs.iter().all(Option::is_some)
     }

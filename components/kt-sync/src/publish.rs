@@ -104,14 +104,13 @@ impl VersionedDir {
 
     /// Deletes a version's tree and manifest.
     pub fn remove_version(&self, id: &str) -> Result<(), SyncError> {
-        let p = self.version_path(id);
-        match fs::remove_dir_all(&p) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(SyncError::io(p, e)),
-        }
         let _ = fs::remove_file(self.meta_path(id));
-        Ok(())
+        force_remove_dir_all(&self.version_path(id))
+    }
+
+    /// Removes the whole directory: every version and the `current` link.
+    pub fn remove_all(&self) -> Result<(), SyncError> {
+        force_remove_dir_all(&self.dir)
     }
 
     /// Removes everything but the current version. Returns whether a current
@@ -119,11 +118,7 @@ impl VersionedDir {
     pub fn cleanup(&self) -> Result<bool, SyncError> {
         let current = self.current()?;
         if current.is_none() {
-            match fs::remove_dir_all(&self.dir) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(SyncError::io(&self.dir, e)),
-            }
+            force_remove_dir_all(&self.dir)?;
             return Ok(false);
         }
         let keep_tree = current.as_deref().map(|c| format!("v-{c}"));
@@ -143,14 +138,44 @@ impl VersionedDir {
                 continue;
             }
             let p = dent.path();
-            let res = if dent.file_type().at(&p)?.is_dir() {
-                fs::remove_dir_all(&p)
+            if dent.file_type().at(&p)?.is_dir() {
+                force_remove_dir_all(&p)?;
             } else {
-                fs::remove_file(&p)
-            };
-            res.at(&p)?;
+                fs::remove_file(&p).at(&p)?;
+            }
         }
         Ok(true)
+    }
+}
+
+/// `remove_dir_all` that also works when the tree holds read-only directories
+/// (a published tree keeps its owners' modes; a non-root server must make
+/// them writable before it can empty them). A missing path is not an error.
+pub fn force_remove_dir_all(path: &Path) -> Result<(), SyncError> {
+    match fs::remove_dir_all(path) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(_) => {}
+    }
+    make_dirs_writable(path);
+    match fs::remove_dir_all(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(SyncError::io(path, e)),
+    }
+}
+
+fn make_dirs_writable(path: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(md) = fs::symlink_metadata(path) else { return };
+    if !md.is_dir() {
+        return;
+    }
+    let _ = fs::set_permissions(path, fs::Permissions::from_mode(md.permissions().mode() | 0o700));
+    if let Ok(rd) = fs::read_dir(path) {
+        for d in rd.flatten() {
+            make_dirs_writable(&d.path());
+        }
     }
 }
 

@@ -1,0 +1,152 @@
+//! Keys on disk: `data_dir/keys/<blake3(key)>/` holds a [`VersionedDir`] and a
+//! `key` file naming the key (keys are longer than file names may be).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kt_sync::SyncError;
+use kt_sync::publish::VersionedDir;
+use kt_types::api::PutOptions;
+use kt_types::{Key, Manifest};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Mutex;
+
+/// What is stored beside each version.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VersionMeta {
+    pub key: Key,
+    pub manifest: Manifest,
+    #[serde(default)]
+    pub options: PutOptions,
+}
+
+/// The published version of a key.
+#[derive(Debug, Clone)]
+pub struct Published {
+    pub version: String,
+    pub meta: Arc<VersionMeta>,
+}
+
+/// One key's mutable state. Locked for plan, commit, pin and delete.
+#[derive(Debug, Default)]
+pub struct KeyState {
+    pub current: Option<Published>,
+    /// Read pins per version.
+    pins: HashMap<String, usize>,
+    /// Superseded versions waiting for their last reader.
+    retired: Vec<String>,
+}
+
+impl KeyState {
+    pub fn pin(&mut self, version: &str) {
+        *self.pins.entry(version.to_owned()).or_default() += 1;
+    }
+
+    /// Releases a pin; returns versions that may now be deleted.
+    pub fn unpin(&mut self, version: &str) -> Vec<String> {
+        if let Some(n) = self.pins.get_mut(version) {
+            *n -= 1;
+            if *n == 0 {
+                self.pins.remove(version);
+            }
+        }
+        self.collectable()
+    }
+
+    /// Marks `version` superseded; returns versions that may now be deleted.
+    pub fn retire(&mut self, version: String) -> Vec<String> {
+        self.retired.push(version);
+        self.collectable()
+    }
+
+    fn collectable(&mut self) -> Vec<String> {
+        let (free, busy): (Vec<String>, Vec<String>) = self
+            .retired
+            .drain(..)
+            .partition(|v| !self.pins.contains_key(v));
+        self.retired = busy;
+        free
+    }
+}
+
+/// All keys of the store.
+#[derive(Debug)]
+pub struct Keys {
+    root: PathBuf,
+    map: std::sync::Mutex<HashMap<Key, Arc<Mutex<KeyState>>>>,
+}
+
+impl Keys {
+    pub fn dir_of(&self, key: &Key) -> VersionedDir {
+        VersionedDir::new(self.root.join(blake3::hash(key.as_str().as_bytes()).to_hex().as_str()))
+    }
+
+    pub fn state(&self, key: &Key) -> Arc<Mutex<KeyState>> {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.entry(key.clone()).or_default().clone()
+    }
+
+    pub fn existing(&self, key: &Key) -> Option<Arc<Mutex<KeyState>>> {
+        self.map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .cloned()
+    }
+
+    pub fn forget(&self, key: &Key) {
+        self.map.lock().unwrap_or_else(|p| p.into_inner()).remove(key);
+    }
+
+    pub fn all(&self) -> Vec<(Key, Arc<Mutex<KeyState>>)> {
+        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+
+    /// Opens the store's key directory, removing leftovers of interrupted puts.
+    pub fn open(data_dir: &Path) -> Result<Self, SyncError> {
+        let root = data_dir.join("keys");
+        std::fs::create_dir_all(&root).map_err(|e| SyncError::io(&root, e))?;
+        let mut map = HashMap::new();
+        for dent in std::fs::read_dir(&root).map_err(|e| SyncError::io(&root, e))? {
+            let dent = dent.map_err(|e| SyncError::io(&root, e))?;
+            let vd = VersionedDir::new(dent.path());
+            if !vd.cleanup()? {
+                tracing::info!(dir = %dent.path().display(), "removed a key that was never published");
+                continue;
+            }
+            let Some(version) = vd.current()? else { continue };
+            let meta: VersionMeta = vd.read_meta(&version)?;
+            tracing::debug!(key = %meta.key, %version, "loaded key");
+            let state = KeyState {
+                current: Some(Published {
+                    version,
+                    meta: Arc::new(meta.clone()),
+                }),
+                ..Default::default()
+            };
+            map.insert(meta.key.clone(), Arc::new(Mutex::new(state)));
+        }
+        Ok(Keys {
+            root,
+            map: std::sync::Mutex::new(map),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pins_hold_retired_versions() {
+        let mut s = KeyState::default();
+        s.pin("a");
+        s.pin("a");
+        assert!(s.retire("a".into()).is_empty());
+        assert!(s.unpin("a").is_empty());
+        assert_eq!(s.unpin("a"), vec!["a".to_string()]);
+        assert_eq!(s.retire("b".into()), vec!["b".to_string()]);
+    }
+}

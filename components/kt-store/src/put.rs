@@ -1,0 +1,457 @@
+//! Upload sessions: plan → batch stream and chunks → commit (or abort).
+
+use std::collections::HashMap;
+use std::path::Path as FsPath;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use kt_service::{ApiError, ApiJson};
+use kt_sync::SyncError;
+use kt_sync::apply::{self, ChunkedFile, WriteMode};
+use kt_sync::batch::{Expected, receive_stream};
+use kt_sync::chunk::ChunkAssembly;
+use kt_sync::publish::VersionedDir;
+use kt_types::api::{BatchAck, CommitResponse, PutPlan, PutRequest, RegisterKey};
+use kt_types::{EntryKind, ErrorCode, Hash, Key, Locale, Manifest, RootKind};
+
+use crate::keys::{Published, VersionMeta};
+use crate::server::{AppState, Shared, blocking, sync_err};
+
+/// One large file arriving in chunks.
+#[derive(Debug)]
+struct ChunkSlot {
+    file: RwLock<Option<ChunkedFile>>,
+    asm: Mutex<ChunkAssembly>,
+    done: AtomicBool,
+}
+
+/// An upload in progress: a staging version plus what is still to arrive.
+#[derive(Debug)]
+pub struct PutSession {
+    pub id: String,
+    pub key: Key,
+    dir: VersionedDir,
+    version: String,
+    meta: Arc<VersionMeta>,
+    batch: Arc<HashMap<u32, Expected>>,
+    chunked: HashMap<u32, Arc<ChunkSlot>>,
+    started: Instant,
+    touched: Mutex<Instant>,
+    bytes_needed: u64,
+}
+
+impl PutSession {
+    fn touch(&self) {
+        *self.touched.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+    fn idle_since(&self) -> Instant {
+        *self.touched.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn session(s: &Shared, id: &str) -> Result<Arc<PutSession>, ApiError> {
+    let found = s
+        .puts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(id)
+        .cloned();
+    let sess = found.ok_or_else(|| ApiError::not_found(format!("no upload session {id:?} (expired or finished)")))?;
+    sess.touch();
+    Ok(sess)
+}
+
+/// Fills a staging version with every file whose content the base version
+/// already has; returns the indices that must be sent.
+fn stage_from_base(staging: &FsPath, m: &Manifest, base: Option<(&FsPath, &Manifest)>) -> Result<Vec<u32>, SyncError> {
+    apply::ensure_dirs(staging, m)?;
+    let mut have: HashMap<Hash, &kt_types::Entry> = HashMap::new();
+    if let Some((_, bm)) = base {
+        for e in bm.entries.iter().filter(|e| e.kind == EntryKind::File) {
+            if let Some(h) = e.hash {
+                have.entry(h).or_insert(e);
+            }
+        }
+    }
+    let mut needed = Vec::new();
+    for (i, e) in m.entries.iter().enumerate() {
+        if e.kind != EntryKind::File {
+            continue;
+        }
+        let found = e.hash.and_then(|h| have.get(&h)).zip(base.map(|(root, _)| root));
+        match found {
+            Some((old, root)) => {
+                let from = root.join(&old.path);
+                let to = staging.join(&e.path);
+                if old.mode == e.mode && old.mtime == e.mtime && old.mtime_nsec == e.mtime_nsec {
+                    apply::link_or_copy(&from, &to)?;
+                } else {
+                    std::fs::copy(&from, &to).map_err(|err| SyncError::io(&to, err))?;
+                    apply::fix_metadata(&to, e)?;
+                }
+            }
+            None => needed.push(i as u32),
+        }
+    }
+    Ok(needed)
+}
+
+/// The registration a published version makes with the metadata server.
+pub fn registration(s: &Shared, p: &Published) -> RegisterKey {
+    let m = &p.meta.manifest;
+    RegisterKey {
+        locale: Locale::Store,
+        source: s.url.clone(),
+        version: p.version.clone(),
+        is_dir: m.root == RootKind::Dir,
+        size: m.total_bytes(),
+        files: m.file_count(),
+        options: p.meta.options.clone(),
+    }
+}
+
+/// `POST /api/v1/puts`: validates the manifest, stages what the current version
+/// already has, and answers which files must be sent.
+pub async fn plan(State(s): State<AppState>, ApiJson(req): ApiJson<PutRequest>) -> Result<ApiJson<PutPlan>, ApiError> {
+    req.manifest.validate(&s.cfg.limits)?;
+    if let Some(service) = &req.options.service {
+        Key::parse(service).map_err(|e| ApiError::bad_request(format!("service name: {e}")))?;
+    }
+    let key = req.key.clone();
+    let state = s.keys.state(&key);
+    let st = state.lock().await;
+    if let Some(cur) = &st.current
+        && cur.meta.manifest == req.manifest
+    {
+        // Unchanged tree: nothing moves; refresh the record (options may differ).
+        let published = Published {
+            version: cur.version.clone(),
+            meta: Arc::new(VersionMeta {
+                key: key.clone(),
+                manifest: req.manifest,
+                options: req.options,
+            }),
+        };
+        drop(st);
+        s.registrar
+            .register(&key, registration(&s, &published))
+            .await
+            .map_err(|e| ApiError::new(ErrorCode::Unavailable, e))?;
+        return Ok(ApiJson(PutPlan {
+            session: None,
+            needed: Vec::new(),
+            chunk_size: s.cfg.chunk_size,
+        }));
+    }
+    let dir = s.keys.dir_of(&key);
+    let base = st.current.clone();
+    let manifest = req.manifest;
+    let key_name = key.to_string();
+    let (version, manifest, needed, dir) = {
+        let dir = dir.clone();
+        blocking(move || {
+            let version = dir.stage()?;
+            std::fs::write(dir.path().join("key"), key_name)
+                .map_err(|e| SyncError::io(dir.path(), e))?;
+            let base_root = base.as_ref().map(|b| dir.version_path(&b.version));
+            let base_pair = base
+                .as_ref()
+                .zip(base_root.as_deref())
+                .map(|(b, root)| (root, &b.meta.manifest));
+            let needed = match stage_from_base(&dir.version_path(&version), &manifest, base_pair) {
+                Ok(n) => n,
+                Err(e) => {
+                    let _ = dir.remove_version(&version);
+                    return Err(e);
+                }
+            };
+            Ok((version, manifest, needed, dir))
+        })
+        .await?
+    };
+    drop(st);
+
+    let staging = dir.version_path(&version);
+    let mut batch = HashMap::new();
+    let mut chunked = HashMap::new();
+    let mut bytes_needed = 0;
+    for &i in &needed {
+        let e = &manifest.entries[i as usize];
+        bytes_needed += e.size;
+        let dest = staging.join(&e.path);
+        if e.size > s.cfg.chunk_size {
+            let file = match ChunkedFile::create(&dest, e.size, WriteMode::Direct) {
+                Ok(f) => f,
+                Err(err) => {
+                    let _ = dir.remove_version(&version);
+                    return Err(sync_err(err));
+                }
+            };
+            chunked.insert(
+                i,
+                Arc::new(ChunkSlot {
+                    file: RwLock::new(Some(file)),
+                    asm: Mutex::new(ChunkAssembly::new(e.size, s.cfg.chunk_size)),
+                    done: AtomicBool::new(false),
+                }),
+            );
+        } else {
+            batch.insert(i, Expected { dest, entry: e.clone() });
+        }
+    }
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let now = Instant::now();
+    let sess = Arc::new(PutSession {
+        id: id.clone(),
+        key: req.key.clone(),
+        dir,
+        version,
+        meta: Arc::new(VersionMeta {
+            key: req.key,
+            manifest,
+            options: req.options,
+        }),
+        batch: Arc::new(batch),
+        chunked,
+        started: now,
+        touched: Mutex::new(now),
+        bytes_needed,
+    });
+    tracing::debug!(session = %id, key = %sess.key, needed = needed.len(), "upload planned");
+    s.puts.lock().unwrap_or_else(|p| p.into_inner()).insert(id.clone(), sess);
+    Ok(ApiJson(PutPlan {
+        session: Some(id),
+        needed,
+        chunk_size: s.cfg.chunk_size,
+    }))
+}
+
+/// `PUT /api/v1/puts/{session}/batch`: a frame stream of small files.
+pub async fn batch(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    body: Body,
+) -> Result<ApiJson<BatchAck>, ApiError> {
+    let sess = session(&s, &id)?;
+    let got = receive_stream(body.into_data_stream(), sess.batch.clone(), WriteMode::Direct, None)
+        .await
+        .map_err(sync_err)?;
+    s.metrics.add_bytes_in(got.bytes);
+    sess.touch();
+    Ok(ApiJson(BatchAck {
+        files: got.files,
+        bytes: got.bytes,
+    }))
+}
+
+/// `PUT /api/v1/puts/{session}/files/{index}/chunks/{n}`: one chunk of a large file.
+pub async fn chunk(
+    State(s): State<AppState>,
+    Path((id, index, n)): Path<(String, u32, u64)>,
+    data: Bytes,
+) -> Result<ApiJson<BatchAck>, ApiError> {
+    let sess = session(&s, &id)?;
+    let slot = sess
+        .chunked
+        .get(&index)
+        .cloned()
+        .ok_or_else(|| ApiError::bad_request(format!("entry #{index} is not a chunked file of this upload")))?;
+    let entry = sess.meta.manifest.entries[index as usize].clone();
+    let (offset, len) = slot
+        .asm
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .range(n)
+        .ok_or_else(|| sync_err(SyncError::BadChunk { path: entry.path.clone(), chunk: n }))?;
+    if data.len() as u64 != len {
+        return Err(sync_err(SyncError::SizeMismatch {
+            path: format!("{} chunk {n}", entry.path),
+            expected: len,
+            actual: data.len() as u64,
+        }));
+    }
+    let chunk_size = s.cfg.chunk_size;
+    let bytes = data.len() as u64;
+    blocking(move || {
+        if slot.done.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        {
+            let guard = slot.file.read().unwrap_or_else(|p| p.into_inner());
+            let Some(file) = guard.as_ref() else { return Ok(()) };
+            file.write_at(offset, &data)?;
+        }
+        let cv = kt_sync::chunk::chunk_cv(&data, n, chunk_size);
+        let root = {
+            let mut asm = slot.asm.lock().unwrap_or_else(|p| p.into_inner());
+            asm.add_cv(n, cv);
+            asm.root()
+        };
+        let Some(root) = root else { return Ok(()) };
+        if slot.done.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        let file = slot.file.write().unwrap_or_else(|p| p.into_inner()).take();
+        let Some(file) = file else { return Ok(()) };
+        if Some(root) != entry.hash {
+            // Start this file over: a fresh file, no chunks.
+            file.discard();
+            let fresh = ChunkedFile::create(&sess.dir.version_path(&sess.version).join(&entry.path), entry.size, WriteMode::Direct)?;
+            *slot.file.write().unwrap_or_else(|p| p.into_inner()) = Some(fresh);
+            *slot.asm.lock().unwrap_or_else(|p| p.into_inner()) = ChunkAssembly::new(entry.size, chunk_size);
+            slot.done.store(false, Ordering::SeqCst);
+            return Err(SyncError::HashMismatch { path: entry.path.clone() });
+        }
+        file.finish(&entry)
+    })
+    .await?;
+    s.metrics.add_bytes_in(bytes);
+    Ok(ApiJson(BatchAck { files: 0, bytes }))
+}
+
+/// `POST /api/v1/puts/{session}/commit`: verifies completeness and publishes atomically.
+pub async fn commit(State(s): State<AppState>, Path(id): Path<String>) -> Result<ApiJson<CommitResponse>, ApiError> {
+    let sess = s
+        .puts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id)
+        .ok_or_else(|| ApiError::not_found(format!("no upload session {id:?} (expired or finished)")))?;
+    let missing_chunked = sess.chunked.values().filter(|c| !c.done.load(Ordering::SeqCst)).count();
+    let check = {
+        let sess = sess.clone();
+        blocking(move || {
+            let missing: Vec<&str> = sess
+                .batch
+                .values()
+                .filter(|x| {
+                    std::fs::symlink_metadata(&x.dest)
+                        .map(|md| !md.is_file() || md.len() != x.entry.size)
+                        .unwrap_or(true)
+                })
+                .map(|x| x.entry.path.as_str())
+                .take(3)
+                .collect();
+            Ok(missing.into_iter().map(str::to_owned).collect::<Vec<_>>())
+        })
+        .await?
+    };
+    if !check.is_empty() || missing_chunked > 0 {
+        // Not complete: keep the session so the client can finish it.
+        s.puts.lock().unwrap_or_else(|p| p.into_inner()).insert(id, sess);
+        return Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!(
+                "upload incomplete: {} chunked file(s) unfinished; missing e.g. {check:?}",
+                missing_chunked
+            ),
+        ));
+    }
+    {
+        let sess = sess.clone();
+        blocking(move || {
+            let root = sess.dir.version_path(&sess.version);
+            apply::finish_tree(&root, &sess.meta.manifest)?;
+            sess.dir.write_meta(&sess.version, &*sess.meta)
+        })
+        .await?;
+    }
+    let state = s.keys.state(&sess.key);
+    let published = Published {
+        version: sess.version.clone(),
+        meta: sess.meta.clone(),
+    };
+    let collectable = {
+        let mut st = state.lock().await;
+        let dir = sess.dir.clone();
+        let version = sess.version.clone();
+        let previous = blocking(move || dir.publish(&version)).await?;
+        st.current = Some(published.clone());
+        match previous {
+            Some(prev) if prev != sess.version => st.retire(prev),
+            _ => Vec::new(),
+        }
+    };
+    remove_versions(&sess.dir, collectable).await;
+    s.metrics.observe_transfer("put", sess.started.elapsed().as_secs_f64());
+    tracing::info!(key = %sess.key, version = %sess.version, bytes = sess.bytes_needed, "published");
+    let record = s
+        .registrar
+        .register(&sess.key, registration(&s, &published))
+        .await
+        .map_err(|e| {
+            ApiError::new(
+                ErrorCode::Unavailable,
+                format!("data published in the store, but the metadata server did not record it yet (retrying in the background): {e}"),
+            )
+        })?;
+    Ok(ApiJson(CommitResponse { record }))
+}
+
+/// Deletes superseded versions off the async threads.
+pub async fn remove_versions(dir: &VersionedDir, versions: Vec<String>) {
+    if versions.is_empty() {
+        return;
+    }
+    let dir = dir.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        for v in versions {
+            if let Err(e) = dir.remove_version(&v) {
+                tracing::warn!(version = %v, error = %e, "could not remove a superseded version");
+            }
+        }
+    })
+    .await;
+}
+
+async fn discard(sess: Arc<PutSession>) {
+    let dir = sess.dir.clone();
+    remove_versions(&dir, vec![sess.version.clone()]).await;
+}
+
+/// `DELETE /api/v1/puts/{session}`: drops an upload and its staging area.
+pub async fn abort(State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    let sess = s
+        .puts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id)
+        .ok_or_else(|| ApiError::not_found(format!("no upload session {id:?}")))?;
+    discard(sess).await;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Aborts sessions idle for longer than the session TTL.
+pub async fn sweep(s: &Shared, now: Instant) {
+    let stale: Vec<Arc<PutSession>> = {
+        let mut puts = s.puts.lock().unwrap_or_else(|p| p.into_inner());
+        let ids: Vec<String> = puts
+            .iter()
+            .filter(|(_, p)| now.duration_since(p.idle_since()) > s.cfg.session_ttl)
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.iter().filter_map(|id| puts.remove(id)).collect()
+    };
+    for sess in stale {
+        tracing::info!(session = %sess.id, key = %sess.key, "upload session expired");
+        discard(sess).await;
+    }
+}
+
+/// Aborts every session (at shutdown).
+pub async fn abort_all(s: &Shared) {
+    let all: Vec<Arc<PutSession>> = s
+        .puts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .drain()
+        .map(|(_, v)| v)
+        .collect();
+    for sess in all {
+        discard(sess).await;
+    }
+}

@@ -1,0 +1,242 @@
+//! Wiring: configuration, shared state, routes, background sweepers.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{delete, get, post, put};
+use kt_service::{ApiError, Metrics, Ready, Token};
+use kt_sync::SyncError;
+use kt_types::ErrorCode;
+use kt_types::manifest::ManifestLimits;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::keys::Keys;
+use crate::put::PutSession;
+use crate::read::ReadLease;
+use crate::registrar::Registrar;
+use crate::{put, read};
+
+/// Everything the store needs besides its listener.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub data_dir: PathBuf,
+    pub metadata_url: String,
+    /// URL under which other components reach this store; defaults to the listen address.
+    pub advertise_url: Option<String>,
+    pub token: Token,
+    /// Files larger than this are moved in chunks of this size (power of two).
+    pub chunk_size: u64,
+    pub max_in_flight: usize,
+    /// Largest JSON request (put plans carry whole manifests).
+    pub max_request_bytes: usize,
+    pub limits: ManifestLimits,
+    /// Idle read leases and upload sessions are dropped after these.
+    pub lease_ttl: Duration,
+    pub session_ttl: Duration,
+    /// How long in-flight requests may finish after shutdown is requested.
+    pub drain: Duration,
+}
+
+impl Config {
+    pub fn new(data_dir: impl Into<PathBuf>, metadata_url: impl Into<String>, token: Token) -> Self {
+        Config {
+            data_dir: data_dir.into(),
+            metadata_url: metadata_url.into(),
+            advertise_url: None,
+            token,
+            chunk_size: kt_sync::defaults::CHUNK_SIZE,
+            max_in_flight: 512,
+            max_request_bytes: 256 << 20,
+            limits: ManifestLimits::default(),
+            lease_ttl: Duration::from_secs(300),
+            session_ttl: Duration::from_secs(600),
+            drain: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("data directory: {0}")]
+    Data(#[from] SyncError),
+    #[error("serving: {0}")]
+    Serve(#[from] std::io::Error),
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+/// State shared by every handler.
+#[derive(Debug)]
+pub struct Shared {
+    pub cfg: Config,
+    pub keys: Keys,
+    pub puts: std::sync::Mutex<HashMap<String, Arc<PutSession>>>,
+    pub reads: std::sync::Mutex<HashMap<String, Arc<ReadLease>>>,
+    pub metrics: Arc<Metrics>,
+    pub registrar: Arc<Registrar>,
+    pub url: String,
+}
+
+pub type AppState = Arc<Shared>;
+
+/// Maps sync-engine errors to API errors.
+pub fn sync_err(e: SyncError) -> ApiError {
+    let code = match &e {
+        SyncError::HashMismatch { .. } => ErrorCode::HashMismatch,
+        SyncError::Truncated => ErrorCode::Truncated,
+        SyncError::UnexpectedEntry { .. }
+        | SyncError::TrailingData
+        | SyncError::SizeMismatch { .. }
+        | SyncError::BadChunk { .. }
+        | SyncError::Stream(_) => ErrorCode::InvalidRequest,
+        SyncError::Manifest(_) | SyncError::LinkEscapes { .. } | SyncError::NonUtf8 { .. } => {
+            ErrorCode::InvalidManifest
+        }
+        SyncError::NotFound { .. } => ErrorCode::NotFound,
+        SyncError::Io { .. } | SyncError::BadChunkSize(_) => ErrorCode::Internal,
+    };
+    ApiError::new(code, e.to_string())
+}
+
+/// Runs blocking file work off the async threads.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, SyncError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("worker failed: {e}")))?
+        .map_err(sync_err)
+}
+
+/// A running store: its counters and its task.
+#[derive(Debug)]
+pub struct StoreHandle {
+    pub metrics: Arc<Metrics>,
+    pub url: String,
+    pub task: JoinHandle<Result<(), StoreError>>,
+}
+
+fn advertised(addr: SocketAddr, configured: Option<&str>) -> String {
+    if let Some(u) = configured {
+        return u.trim_end_matches('/').to_owned();
+    }
+    let host = if addr.ip().is_unspecified() {
+        tracing::warn!("listening on an unspecified address; advertising 127.0.0.1 (set --advertise-url)");
+        "127.0.0.1".to_owned()
+    } else {
+        addr.ip().to_string()
+    };
+    format!("http://{host}:{}", addr.port())
+}
+
+/// Opens the data directory and starts serving on `listener` in a task.
+pub fn start(listener: TcpListener, cfg: Config, shutdown: CancellationToken) -> Result<StoreHandle, StoreError> {
+    kt_sync::chunk::check_chunk_size(cfg.chunk_size)?;
+    let keys = Keys::open(&cfg.data_dir)?;
+    let url = advertised(listener.local_addr()?, cfg.advertise_url.as_deref());
+    let registrar = Arc::new(
+        Registrar::new(&cfg.metadata_url, &url, cfg.token.clone()).map_err(StoreError::Config)?,
+    );
+    let metrics = Arc::new(Metrics::new());
+    let shared = Arc::new(Shared {
+        keys,
+        puts: Default::default(),
+        reads: Default::default(),
+        metrics: metrics.clone(),
+        registrar,
+        url: url.clone(),
+        cfg,
+    });
+    let task = tokio::spawn(serve(listener, shared, shutdown));
+    Ok(StoreHandle { metrics, url, task })
+}
+
+/// Runs the store until `shutdown` is cancelled.
+pub async fn run(listener: TcpListener, cfg: Config, shutdown: CancellationToken) -> Result<(), StoreError> {
+    let handle = start(listener, cfg, shutdown)?;
+    handle
+        .task
+        .await
+        .map_err(|e| StoreError::Config(format!("store task failed: {e}")))?
+}
+
+fn routes(state: AppState) -> Router {
+    let chunk_limit = state.cfg.chunk_size as usize + 1024;
+    let json_limit = state.cfg.max_request_bytes;
+    Router::new()
+        .route("/api/v1/puts", post(put::plan))
+        .route("/api/v1/puts/{session}/batch", put(put::batch))
+        .route(
+            "/api/v1/puts/{session}/files/{index}/chunks/{n}",
+            put(put::chunk).layer(DefaultBodyLimit::max(chunk_limit)),
+        )
+        .route("/api/v1/puts/{session}/commit", post(put::commit))
+        .route("/api/v1/puts/{session}", delete(put::abort))
+        .route("/api/v1/trees", get(read::list))
+        .route("/api/v1/trees/{*key}", get(read::open).delete(read::delete_tree))
+        .route("/api/v1/reads/{lease}/batch", post(read::batch))
+        .route("/api/v1/reads/{lease}/files/{index}", get(read::range))
+        .route("/api/v1/reads/{lease}", delete(read::release))
+        .layer(DefaultBodyLimit::max(json_limit))
+        .with_state(state)
+}
+
+async fn serve(listener: TcpListener, s: AppState, shutdown: CancellationToken) -> Result<(), StoreError> {
+    let ready = Ready::default();
+    let app = kt_service::app(
+        routes(s.clone()),
+        s.cfg.token.clone(),
+        s.metrics.clone(),
+        ready.clone(),
+        s.cfg.max_in_flight,
+    );
+    tracing::info!(addr = %listener.local_addr()?, url = %s.url, data_dir = %s.cfg.data_dir.display(), "store listening");
+    let background = tokio::spawn(background(s.clone(), ready, shutdown.clone()));
+    let served = kt_service::serve(listener, app, shutdown.clone(), s.cfg.drain).await;
+    shutdown.cancel();
+    let _ = background.await;
+    served?;
+    Ok(())
+}
+
+/// Registration with the metadata server, then periodic sweeps of idle leases
+/// and sessions and retries of pending registrations.
+async fn background(s: AppState, ready: Ready, shutdown: CancellationToken) {
+    let announce = async {
+        s.registrar.announce_until_ok(&shutdown).await;
+        let current: Vec<_> = {
+            let mut out = Vec::new();
+            for (key, st) in s.keys.all() {
+                if let Some(p) = &st.lock().await.current {
+                    out.push((key, crate::put::registration(&s, p)));
+                }
+            }
+            out
+        };
+        s.registrar.reconcile(current).await;
+        ready.set(true);
+    };
+    tokio::select! {
+        _ = shutdown.cancelled() => return,
+        _ = announce => {}
+    }
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        s.registrar.retry_pending().await;
+        read::sweep(&s, Instant::now()).await;
+        put::sweep(&s, Instant::now()).await;
+    }
+    // Abort unfinished uploads so their staging areas do not outlive us.
+    put::abort_all(&s).await;
+}
