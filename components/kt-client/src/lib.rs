@@ -1,1 +1,14 @@
+//! The kt client: put/get/ls/rm against a metadata server and the store it names.
+//!
+//! Invariant: the client depends on the wire types and the sync engine only,
+//! never on a server crate.
 
+pub mod api;
+pub mod error;
+pub mod progress;
+pub mod transfer;
+
+pub use api::{Client, ClientConfig};
+pub use error::ClientError;
+pub use progress::Progress;
+pub use transfer::{GetSummary, PutSummary};

@@ -1,1 +1,7 @@
+//! `kt`: put/get/ls/rm from the command line.
 
+mod cli;
+
+fn main() -> std::process::ExitCode {
+    cli::main()
+}

@@ -65,10 +65,11 @@ impl Db {
         let mut records = Vec::new();
         for row in keys.iter().map_err(redb_err)? {
             let (k, v) = row.map_err(redb_err)?;
-            let rec: KeyRecord = serde_json::from_slice(v.value()).map_err(|source| DbError::Corrupt {
-                key: k.value().to_owned(),
-                source,
-            })?;
+            let rec: KeyRecord =
+                serde_json::from_slice(v.value()).map_err(|source| DbError::Corrupt {
+                    key: k.value().to_owned(),
+                    source,
+                })?;
             records.push(rec);
         }
         let meta = tx.open_table(META).map_err(redb_err)?;

@@ -9,7 +9,9 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{get, post};
 use kt_service::{ApiError, ApiJson, Metrics, Ready, Token};
-use kt_types::api::{DeleteQuery, DeleteResponse, ListQuery, ListResponse, RegisterKey, RegisterStore, StoreLocation};
+use kt_types::api::{
+    DeleteQuery, DeleteResponse, ListQuery, ListResponse, RegisterKey, RegisterStore, StoreLocation,
+};
 use kt_types::{ErrorCode, Key, KeyPrefix, KeyRecord, Locale};
 use tokio::net::TcpListener;
 use tokio::sync::Mutex;
@@ -73,7 +75,11 @@ fn db_err(e: DbError) -> ApiError {
 }
 
 /// Runs the metadata server on `listener` until `shutdown` is cancelled.
-pub async fn run(listener: TcpListener, config: Config, shutdown: CancellationToken) -> Result<(), MetadataError> {
+pub async fn run(
+    listener: TcpListener,
+    config: Config,
+    shutdown: CancellationToken,
+) -> Result<(), MetadataError> {
     let (db, loaded) = Db::open(&config.state_dir)?;
     tracing::info!(keys = loaded.records.len(), state_dir = %config.state_dir.display(), "registry loaded");
     let http = reqwest::Client::builder()
@@ -91,12 +97,25 @@ pub async fn run(listener: TcpListener, config: Config, shutdown: CancellationTo
         .route("/api/v1/stores", post(register_store))
         .route("/api/v1/store", get(get_store))
         .route("/api/v1/keys", get(list_keys))
-        .route("/api/v1/keys/{*key}", get(get_key).put(put_key).delete(delete_key))
+        .route(
+            "/api/v1/keys/{*key}",
+            get(get_key).put(put_key).delete(delete_key),
+        )
         .with_state(state.clone());
     let ready = Ready::default();
     ready.set(true);
-    let app = kt_service::app(api, config.token.clone(), Arc::new(Metrics::new()), ready, config.max_in_flight);
-    let sweeper = tokio::spawn(sweep_expired(state, config.sweep_interval, shutdown.clone()));
+    let app = kt_service::app(
+        api,
+        config.token.clone(),
+        Arc::new(Metrics::new()),
+        ready,
+        config.max_in_flight,
+    );
+    let sweeper = tokio::spawn(sweep_expired(
+        state,
+        config.sweep_interval,
+        shutdown.clone(),
+    ));
     tracing::info!(addr = %listener.local_addr()?, "metadata server listening");
     let served = kt_service::serve(listener, app, shutdown.clone(), Duration::from_secs(10)).await;
     shutdown.cancel();
@@ -104,9 +123,15 @@ pub async fn run(listener: TcpListener, config: Config, shutdown: CancellationTo
     served.map_err(MetadataError::from)
 }
 
-async fn register_store(State(s): State<AppState>, ApiJson(req): ApiJson<RegisterStore>) -> Result<StatusCode, ApiError> {
+async fn register_store(
+    State(s): State<AppState>,
+    ApiJson(req): ApiJson<RegisterStore>,
+) -> Result<StatusCode, ApiError> {
     if !(req.url.starts_with("http://") || req.url.starts_with("https://")) {
-        return Err(ApiError::bad_request(format!("store url {:?} is not an http(s) URL", req.url)));
+        return Err(ApiError::bad_request(format!(
+            "store url {:?} is not an http(s) URL",
+            req.url
+        )));
     }
     s.db.set_store_url(&req.url).map_err(db_err)?;
     *s.store_url.lock().await = Some(req.url.clone());
@@ -117,7 +142,10 @@ async fn register_store(State(s): State<AppState>, ApiJson(req): ApiJson<Registe
 async fn get_store(State(s): State<AppState>) -> Result<ApiJson<StoreLocation>, ApiError> {
     match s.store_url.lock().await.clone() {
         Some(url) => Ok(ApiJson(StoreLocation { url })),
-        None => Err(ApiError::new(ErrorCode::NoStore, "no store server has registered with this metadata server")),
+        None => Err(ApiError::new(
+            ErrorCode::NoStore,
+            "no store server has registered with this metadata server",
+        )),
     }
 }
 
@@ -137,7 +165,10 @@ async fn put_key(
     Ok(ApiJson(record))
 }
 
-async fn get_key(State(s): State<AppState>, Path(key): Path<String>) -> Result<ApiJson<KeyRecord>, ApiError> {
+async fn get_key(
+    State(s): State<AppState>,
+    Path(key): Path<String>,
+) -> Result<ApiJson<KeyRecord>, ApiError> {
     let key = Key::parse(&key)?;
     s.registry
         .lock()
@@ -148,7 +179,10 @@ async fn get_key(State(s): State<AppState>, Path(key): Path<String>) -> Result<A
         .ok_or_else(|| ApiError::not_found(format!("key {key} not found")))
 }
 
-async fn list_keys(State(s): State<AppState>, Query(q): Query<ListQuery>) -> Result<ApiJson<ListResponse>, ApiError> {
+async fn list_keys(
+    State(s): State<AppState>,
+    Query(q): Query<ListQuery>,
+) -> Result<ApiJson<ListResponse>, ApiError> {
     let prefix = KeyPrefix::parse(&q.prefix)?;
     let entries = s.registry.lock().await.list(&prefix, now_ms());
     Ok(ApiJson(ListResponse {
@@ -174,7 +208,9 @@ async fn delete_key(
                 None if reg.has_children(&key, now) => {
                     return Err(ApiError::new(
                         ErrorCode::Conflict,
-                        format!("{key} is not a key but has keys below it; delete recursively (-r)"),
+                        format!(
+                            "{key} is not a key but has keys below it; delete recursively (-r)"
+                        ),
                     ));
                 }
                 None => return Err(ApiError::not_found(format!("key {key} not found"))),
@@ -202,7 +238,12 @@ async fn delete_one(s: &Inner, r: &KeyRecord) -> Result<(), ApiError> {
             .bearer_auth(s.token.expose())
             .send()
             .await
-            .map_err(|e| ApiError::new(ErrorCode::Unavailable, format!("store unreachable while deleting {}: {e}", r.key)))?;
+            .map_err(|e| {
+                ApiError::new(
+                    ErrorCode::Unavailable,
+                    format!("store unreachable while deleting {}: {e}", r.key),
+                )
+            })?;
         if !(resp.status().is_success() || resp.status() == reqwest::StatusCode::NOT_FOUND) {
             let status = resp.status();
             let body = resp.text().await.unwrap_or_default();

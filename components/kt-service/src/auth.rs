@@ -98,7 +98,10 @@ mod tests {
         assert!(!t.matches("secret2"));
         assert!(!t.matches(""));
         assert!(Token::new("  ").is_err());
-        assert!(matches!(Token::resolve(None, None), Err(TokenError::Missing)));
+        assert!(matches!(
+            Token::resolve(None, None),
+            Err(TokenError::Missing)
+        ));
         assert_eq!(format!("{t:?}"), "Token(<redacted>)");
     }
 }

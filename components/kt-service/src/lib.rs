@@ -41,21 +41,35 @@ impl Ready {
 }
 
 /// Wraps a server's API routes with health, metrics, auth and limits.
-pub fn app(api: Router, token: Token, metrics: Arc<Metrics>, ready: Ready, max_in_flight: usize) -> Router {
+pub fn app(
+    api: Router,
+    token: Token,
+    metrics: Arc<Metrics>,
+    ready: Ready,
+    max_in_flight: usize,
+) -> Router {
     let metrics_route = Router::new()
         .route("/metrics", get(metrics::serve_metrics))
         .with_state(metrics.clone());
     let protected = api
         .merge(metrics_route)
-        .layer(axum::middleware::from_fn_with_state(token, auth::require_token));
+        .layer(axum::middleware::from_fn_with_state(
+            token,
+            auth::require_token,
+        ));
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .with_state(ready)
         .merge(protected)
         .fallback(|| async { ApiError::not_found("no such route") })
-        .layer(axum::middleware::from_fn_with_state(metrics, metrics::count_requests))
-        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(max_in_flight.max(1)))
+        .layer(axum::middleware::from_fn_with_state(
+            metrics,
+            metrics::count_requests,
+        ))
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+            max_in_flight.max(1),
+        ))
 }
 
 async fn readyz(State(ready): State<Ready>) -> (StatusCode, &'static str) {
@@ -76,7 +90,8 @@ pub async fn serve(
     drain: std::time::Duration,
 ) -> std::io::Result<()> {
     let stop = shutdown.clone();
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
+    let server =
+        axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
     let deadline = async move {
         shutdown.cancelled().await;
         tokio::time::sleep(drain).await;

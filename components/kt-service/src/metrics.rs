@@ -51,7 +51,11 @@ impl Metrics {
             Histogram::new(exponential_buckets(0.001, 2.0, 20))
         });
         registry.register("http_requests", "HTTP requests served", requests.clone());
-        registry.register("bytes_received", "File content bytes received", bytes_in.clone());
+        registry.register(
+            "bytes_received",
+            "File content bytes received",
+            bytes_in.clone(),
+        );
         registry.register("bytes_sent", "File content bytes sent", bytes_out.clone());
         registry.register(
             "transfer_duration_seconds",
@@ -81,7 +85,9 @@ impl Metrics {
     }
     pub fn observe_transfer(&self, kind: &str, secs: f64) {
         self.transfers
-            .get_or_create(&TransferLabels { kind: kind.to_owned() })
+            .get_or_create(&TransferLabels {
+                kind: kind.to_owned(),
+            })
             .observe(secs);
     }
 
@@ -95,7 +101,10 @@ impl Metrics {
 
 pub async fn serve_metrics(State(m): State<Arc<Metrics>>) -> Response {
     (
-        [(CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        [(
+            CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         m.encode(),
     )
         .into_response()
@@ -132,6 +141,9 @@ mod tests {
         let text = m.encode();
         assert!(text.contains("kt_bytes_received_total 10"), "{text}");
         assert!(text.contains("kt_bytes_sent_total 3"), "{text}");
-        assert!(text.contains("kt_transfer_duration_seconds_count{kind=\"put\"} 1"), "{text}");
+        assert!(
+            text.contains("kt_transfer_duration_seconds_count{kind=\"put\"} 1"),
+            "{text}"
+        );
     }
 }

@@ -9,7 +9,8 @@ use tracing_subscriber::EnvFilter;
 /// (or as `format` says: "json" or "text"). The filter comes from `filter`
 /// (e.g. the value of `KT_LOG`), defaulting to `info`.
 pub fn init_logging(filter: Option<&str>, format: Option<&str>) {
-    let filter = EnvFilter::try_new(filter.unwrap_or("info")).unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter =
+        EnvFilter::try_new(filter.unwrap_or("info")).unwrap_or_else(|_| EnvFilter::new("info"));
     let json = match format {
         Some("json") => true,
         Some("text") => false,
@@ -28,13 +29,14 @@ pub fn init_logging(filter: Option<&str>, format: Option<&str>) {
 /// Cancels `token` on SIGTERM or SIGINT.
 pub fn cancel_on_signals(token: CancellationToken) {
     tokio::spawn(async move {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot install SIGTERM handler");
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot install SIGTERM handler");
+                    return;
+                }
+            };
         tokio::select! {
             _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
             _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),

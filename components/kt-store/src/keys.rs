@@ -79,7 +79,10 @@ pub struct Keys {
 
 impl Keys {
     pub fn dir_of(&self, key: &Key) -> VersionedDir {
-        VersionedDir::new(self.root.join(blake3::hash(key.as_str().as_bytes()).to_hex().as_str()))
+        VersionedDir::new(
+            self.root
+                .join(blake3::hash(key.as_str().as_bytes()).to_hex().as_str()),
+        )
     }
 
     pub fn state(&self, key: &Key) -> Arc<Mutex<KeyState>> {
@@ -96,7 +99,10 @@ impl Keys {
     }
 
     pub fn forget(&self, key: &Key) {
-        self.map.lock().unwrap_or_else(|p| p.into_inner()).remove(key);
+        self.map
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
     }
 
     pub fn all(&self) -> Vec<(Key, Arc<Mutex<KeyState>>)> {
@@ -116,7 +122,9 @@ impl Keys {
                 tracing::info!(dir = %dent.path().display(), "removed a key that was never published");
                 continue;
             }
-            let Some(version) = vd.current()? else { continue };
+            let Some(version) = vd.current()? else {
+                continue;
+            };
             let meta: VersionMeta = vd.read_meta(&version)?;
             tracing::debug!(key = %meta.key, %version, "loaded key");
             let state = KeyState {

@@ -60,14 +60,20 @@ fn session(s: &Shared, id: &str) -> Result<Arc<PutSession>, ApiError> {
         .unwrap_or_else(|p| p.into_inner())
         .get(id)
         .cloned();
-    let sess = found.ok_or_else(|| ApiError::not_found(format!("no upload session {id:?} (expired or finished)")))?;
+    let sess = found.ok_or_else(|| {
+        ApiError::not_found(format!("no upload session {id:?} (expired or finished)"))
+    })?;
     sess.touch();
     Ok(sess)
 }
 
 /// Fills a staging version with every file whose content the base version
 /// already has; returns the indices that must be sent.
-fn stage_from_base(staging: &FsPath, m: &Manifest, base: Option<(&FsPath, &Manifest)>) -> Result<Vec<u32>, SyncError> {
+fn stage_from_base(
+    staging: &FsPath,
+    m: &Manifest,
+    base: Option<(&FsPath, &Manifest)>,
+) -> Result<Vec<u32>, SyncError> {
     apply::ensure_dirs(staging, m)?;
     let mut have: HashMap<Hash, &kt_types::Entry> = HashMap::new();
     if let Some((_, bm)) = base {
@@ -82,7 +88,10 @@ fn stage_from_base(staging: &FsPath, m: &Manifest, base: Option<(&FsPath, &Manif
         if e.kind != EntryKind::File {
             continue;
         }
-        let found = e.hash.and_then(|h| have.get(&h)).zip(base.map(|(root, _)| root));
+        let found = e
+            .hash
+            .and_then(|h| have.get(&h))
+            .zip(base.map(|(root, _)| root));
         match found {
             Some((old, root)) => {
                 let from = root.join(&old.path);
@@ -116,7 +125,10 @@ pub fn registration(s: &Shared, p: &Published) -> RegisterKey {
 
 /// `POST /api/v1/puts`: validates the manifest, stages what the current version
 /// already has, and answers which files must be sent.
-pub async fn plan(State(s): State<AppState>, ApiJson(req): ApiJson<PutRequest>) -> Result<ApiJson<PutPlan>, ApiError> {
+pub async fn plan(
+    State(s): State<AppState>,
+    ApiJson(req): ApiJson<PutRequest>,
+) -> Result<ApiJson<PutPlan>, ApiError> {
     req.manifest.validate(&s.cfg.limits)?;
     if let Some(service) = &req.options.service {
         Key::parse(service).map_err(|e| ApiError::bad_request(format!("service name: {e}")))?;
@@ -200,7 +212,13 @@ pub async fn plan(State(s): State<AppState>, ApiJson(req): ApiJson<PutRequest>) 
                 }),
             );
         } else {
-            batch.insert(i, Expected { dest, entry: e.clone() });
+            batch.insert(
+                i,
+                Expected {
+                    dest,
+                    entry: e.clone(),
+                },
+            );
         }
     }
     let id = uuid::Uuid::new_v4().simple().to_string();
@@ -222,7 +240,10 @@ pub async fn plan(State(s): State<AppState>, ApiJson(req): ApiJson<PutRequest>) 
         bytes_needed,
     });
     tracing::debug!(session = %id, key = %sess.key, needed = needed.len(), "upload planned");
-    s.puts.lock().unwrap_or_else(|p| p.into_inner()).insert(id.clone(), sess);
+    s.puts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(id.clone(), sess);
     Ok(ApiJson(PutPlan {
         session: Some(id),
         needed,
@@ -237,9 +258,14 @@ pub async fn batch(
     body: Body,
 ) -> Result<ApiJson<BatchAck>, ApiError> {
     let sess = session(&s, &id)?;
-    let got = receive_stream(body.into_data_stream(), sess.batch.clone(), WriteMode::Direct, None)
-        .await
-        .map_err(sync_err)?;
+    let got = receive_stream(
+        body.into_data_stream(),
+        sess.batch.clone(),
+        WriteMode::Direct,
+        None,
+    )
+    .await
+    .map_err(sync_err)?;
     s.metrics.add_bytes_in(got.bytes);
     sess.touch();
     Ok(ApiJson(BatchAck {
@@ -255,18 +281,23 @@ pub async fn chunk(
     data: Bytes,
 ) -> Result<ApiJson<BatchAck>, ApiError> {
     let sess = session(&s, &id)?;
-    let slot = sess
-        .chunked
-        .get(&index)
-        .cloned()
-        .ok_or_else(|| ApiError::bad_request(format!("entry #{index} is not a chunked file of this upload")))?;
+    let slot = sess.chunked.get(&index).cloned().ok_or_else(|| {
+        ApiError::bad_request(format!(
+            "entry #{index} is not a chunked file of this upload"
+        ))
+    })?;
     let entry = sess.meta.manifest.entries[index as usize].clone();
     let (offset, len) = slot
         .asm
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .range(n)
-        .ok_or_else(|| sync_err(SyncError::BadChunk { path: entry.path.clone(), chunk: n }))?;
+        .ok_or_else(|| {
+            sync_err(SyncError::BadChunk {
+                path: entry.path.clone(),
+                chunk: n,
+            })
+        })?;
     if data.len() as u64 != len {
         return Err(sync_err(SyncError::SizeMismatch {
             path: format!("{} chunk {n}", entry.path),
@@ -282,7 +313,9 @@ pub async fn chunk(
         }
         {
             let guard = slot.file.read().unwrap_or_else(|p| p.into_inner());
-            let Some(file) = guard.as_ref() else { return Ok(()) };
+            let Some(file) = guard.as_ref() else {
+                return Ok(());
+            };
             file.write_at(offset, &data)?;
         }
         let cv = kt_sync::chunk::chunk_cv(&data, n, chunk_size);
@@ -300,11 +333,18 @@ pub async fn chunk(
         if Some(root) != entry.hash {
             // Start this file over: a fresh file, no chunks.
             file.discard();
-            let fresh = ChunkedFile::create(&sess.dir.version_path(&sess.version).join(&entry.path), entry.size, WriteMode::Direct)?;
+            let fresh = ChunkedFile::create(
+                &sess.dir.version_path(&sess.version).join(&entry.path),
+                entry.size,
+                WriteMode::Direct,
+            )?;
             *slot.file.write().unwrap_or_else(|p| p.into_inner()) = Some(fresh);
-            *slot.asm.lock().unwrap_or_else(|p| p.into_inner()) = ChunkAssembly::new(entry.size, chunk_size);
+            *slot.asm.lock().unwrap_or_else(|p| p.into_inner()) =
+                ChunkAssembly::new(entry.size, chunk_size);
             slot.done.store(false, Ordering::SeqCst);
-            return Err(SyncError::HashMismatch { path: entry.path.clone() });
+            return Err(SyncError::HashMismatch {
+                path: entry.path.clone(),
+            });
         }
         file.finish(&entry)
     })
@@ -314,14 +354,23 @@ pub async fn chunk(
 }
 
 /// `POST /api/v1/puts/{session}/commit`: verifies completeness and publishes atomically.
-pub async fn commit(State(s): State<AppState>, Path(id): Path<String>) -> Result<ApiJson<CommitResponse>, ApiError> {
+pub async fn commit(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<ApiJson<CommitResponse>, ApiError> {
     let sess = s
         .puts
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .remove(&id)
-        .ok_or_else(|| ApiError::not_found(format!("no upload session {id:?} (expired or finished)")))?;
-    let missing_chunked = sess.chunked.values().filter(|c| !c.done.load(Ordering::SeqCst)).count();
+        .ok_or_else(|| {
+            ApiError::not_found(format!("no upload session {id:?} (expired or finished)"))
+        })?;
+    let missing_chunked = sess
+        .chunked
+        .values()
+        .filter(|c| !c.done.load(Ordering::SeqCst))
+        .count();
     let check = {
         let sess = sess.clone();
         blocking(move || {
@@ -342,7 +391,10 @@ pub async fn commit(State(s): State<AppState>, Path(id): Path<String>) -> Result
     };
     if !check.is_empty() || missing_chunked > 0 {
         // Not complete: keep the session so the client can finish it.
-        s.puts.lock().unwrap_or_else(|p| p.into_inner()).insert(id, sess);
+        s.puts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, sess);
         return Err(ApiError::new(
             ErrorCode::Conflict,
             format!(
@@ -377,7 +429,8 @@ pub async fn commit(State(s): State<AppState>, Path(id): Path<String>) -> Result
         }
     };
     remove_versions(&sess.dir, collectable).await;
-    s.metrics.observe_transfer("put", sess.started.elapsed().as_secs_f64());
+    s.metrics
+        .observe_transfer("put", sess.started.elapsed().as_secs_f64());
     tracing::info!(key = %sess.key, version = %sess.version, bytes = sess.bytes_needed, "published");
     let record = s
         .registrar
@@ -414,7 +467,10 @@ async fn discard(sess: Arc<PutSession>) {
 }
 
 /// `DELETE /api/v1/puts/{session}`: drops an upload and its staging area.
-pub async fn abort(State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn abort(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     let sess = s
         .puts
         .lock()

@@ -37,13 +37,18 @@ fn lease(s: &Shared, id: &str) -> Result<Arc<ReadLease>, ApiError> {
         .unwrap_or_else(|p| p.into_inner())
         .get(id)
         .cloned();
-    let l = found.ok_or_else(|| ApiError::not_found(format!("no read lease {id:?} (expired or released)")))?;
+    let l = found.ok_or_else(|| {
+        ApiError::not_found(format!("no read lease {id:?} (expired or released)"))
+    })?;
     *l.touched.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
     Ok(l)
 }
 
 /// `GET /api/v1/trees/{key}`: the current manifest, with a lease pinning its version.
-pub async fn open(State(s): State<AppState>, Path(key): Path<String>) -> Result<ApiJson<ReadManifest>, ApiError> {
+pub async fn open(
+    State(s): State<AppState>,
+    Path(key): Path<String>,
+) -> Result<ApiJson<ReadManifest>, ApiError> {
     let key = Key::parse(&key)?;
     let state = s
         .keys
@@ -65,7 +70,10 @@ pub async fn open(State(s): State<AppState>, Path(key): Path<String>) -> Result<
         meta: cur.meta.clone(),
         touched: Mutex::new(Instant::now()),
     });
-    s.reads.lock().unwrap_or_else(|p| p.into_inner()).insert(id.clone(), l);
+    s.reads
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(id.clone(), l);
     Ok(ApiJson(ReadManifest {
         version: cur.version,
         lease: id,
@@ -80,7 +88,9 @@ fn file_entry(l: &ReadLease, index: u32) -> Result<&kt_types::Entry, ApiError> {
         .entries
         .get(index as usize)
         .filter(|e| e.kind == EntryKind::File)
-        .ok_or_else(|| ApiError::bad_request(format!("entry #{index} is not a file of this version")))
+        .ok_or_else(|| {
+            ApiError::bad_request(format!("entry #{index} is not a file of this version"))
+        })
 }
 
 /// `POST /api/v1/reads/{lease}/batch`: the requested files as one frame stream.
@@ -134,13 +144,18 @@ pub async fn range(
 }
 
 async fn drop_lease(s: &Shared, l: Arc<ReadLease>) {
-    let Some(state) = s.keys.existing(&l.key) else { return };
+    let Some(state) = s.keys.existing(&l.key) else {
+        return;
+    };
     let free = state.lock().await.unpin(&l.version);
     remove_versions(&s.keys.dir_of(&l.key), free).await;
 }
 
 /// `DELETE /api/v1/reads/{lease}`.
-pub async fn release(State(s): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn release(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     let l = s
         .reads
         .lock()
@@ -157,7 +172,10 @@ pub async fn sweep(s: &Shared, now: Instant) {
         let mut reads = s.reads.lock().unwrap_or_else(|p| p.into_inner());
         let ids: Vec<String> = reads
             .iter()
-            .filter(|(_, l)| now.duration_since(*l.touched.lock().unwrap_or_else(|p| p.into_inner())) > s.cfg.lease_ttl)
+            .filter(|(_, l)| {
+                now.duration_since(*l.touched.lock().unwrap_or_else(|p| p.into_inner()))
+                    > s.cfg.lease_ttl
+            })
             .map(|(id, _)| id.clone())
             .collect();
         ids.iter().filter_map(|id| reads.remove(id)).collect()
@@ -168,7 +186,10 @@ pub async fn sweep(s: &Shared, now: Instant) {
 }
 
 /// `DELETE /api/v1/trees/{key}`: removes a key and all its versions.
-pub async fn delete_tree(State(s): State<AppState>, Path(key): Path<String>) -> Result<ApiJson<DeleteResponse>, ApiError> {
+pub async fn delete_tree(
+    State(s): State<AppState>,
+    Path(key): Path<String>,
+) -> Result<ApiJson<DeleteResponse>, ApiError> {
     let key = Key::parse(&key)?;
     let state = s
         .keys
@@ -176,7 +197,9 @@ pub async fn delete_tree(State(s): State<AppState>, Path(key): Path<String>) -> 
         .ok_or_else(|| ApiError::not_found(format!("key {key} not found in the store")))?;
     let mut st = state.lock().await;
     if st.current.is_none() {
-        return Err(ApiError::not_found(format!("key {key} not found in the store")));
+        return Err(ApiError::not_found(format!(
+            "key {key} not found in the store"
+        )));
     }
     let dir = s.keys.dir_of(&key);
     blocking(move || dir.remove_all()).await?;

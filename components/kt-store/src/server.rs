@@ -45,7 +45,11 @@ pub struct Config {
 }
 
 impl Config {
-    pub fn new(data_dir: impl Into<PathBuf>, metadata_url: impl Into<String>, token: Token) -> Self {
+    pub fn new(
+        data_dir: impl Into<PathBuf>,
+        metadata_url: impl Into<String>,
+        token: Token,
+    ) -> Self {
         Config {
             data_dir: data_dir.into(),
             metadata_url: metadata_url.into(),
@@ -128,7 +132,9 @@ fn advertised(addr: SocketAddr, configured: Option<&str>) -> String {
         return u.trim_end_matches('/').to_owned();
     }
     let host = if addr.ip().is_unspecified() {
-        tracing::warn!("listening on an unspecified address; advertising 127.0.0.1 (set --advertise-url)");
+        tracing::warn!(
+            "listening on an unspecified address; advertising 127.0.0.1 (set --advertise-url)"
+        );
         "127.0.0.1".to_owned()
     } else {
         addr.ip().to_string()
@@ -137,7 +143,11 @@ fn advertised(addr: SocketAddr, configured: Option<&str>) -> String {
 }
 
 /// Opens the data directory and starts serving on `listener` in a task.
-pub fn start(listener: TcpListener, cfg: Config, shutdown: CancellationToken) -> Result<StoreHandle, StoreError> {
+pub fn start(
+    listener: TcpListener,
+    cfg: Config,
+    shutdown: CancellationToken,
+) -> Result<StoreHandle, StoreError> {
     kt_sync::chunk::check_chunk_size(cfg.chunk_size)?;
     let keys = Keys::open(&cfg.data_dir)?;
     let url = advertised(listener.local_addr()?, cfg.advertise_url.as_deref());
@@ -159,7 +169,11 @@ pub fn start(listener: TcpListener, cfg: Config, shutdown: CancellationToken) ->
 }
 
 /// Runs the store until `shutdown` is cancelled.
-pub async fn run(listener: TcpListener, cfg: Config, shutdown: CancellationToken) -> Result<(), StoreError> {
+pub async fn run(
+    listener: TcpListener,
+    cfg: Config,
+    shutdown: CancellationToken,
+) -> Result<(), StoreError> {
     let handle = start(listener, cfg, shutdown)?;
     handle
         .task
@@ -180,7 +194,10 @@ fn routes(state: AppState) -> Router {
         .route("/api/v1/puts/{session}/commit", post(put::commit))
         .route("/api/v1/puts/{session}", delete(put::abort))
         .route("/api/v1/trees", get(read::list))
-        .route("/api/v1/trees/{*key}", get(read::open).delete(read::delete_tree))
+        .route(
+            "/api/v1/trees/{*key}",
+            get(read::open).delete(read::delete_tree),
+        )
         .route("/api/v1/reads/{lease}/batch", post(read::batch))
         .route("/api/v1/reads/{lease}/files/{index}", get(read::range))
         .route("/api/v1/reads/{lease}", delete(read::release))
@@ -188,7 +205,11 @@ fn routes(state: AppState) -> Router {
         .with_state(state)
 }
 
-async fn serve(listener: TcpListener, s: AppState, shutdown: CancellationToken) -> Result<(), StoreError> {
+async fn serve(
+    listener: TcpListener,
+    s: AppState,
+    shutdown: CancellationToken,
+) -> Result<(), StoreError> {
     let ready = Ready::default();
     let app = kt_service::app(
         routes(s.clone()),

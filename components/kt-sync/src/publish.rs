@@ -122,9 +122,7 @@ impl VersionedDir {
             return Ok(false);
         }
         let keep_tree = current.as_deref().map(|c| format!("v-{c}"));
-        let keep_meta = current
-            .as_deref()
-            .map(|c| format!("v-{c}{META_SUFFIX}"));
+        let keep_meta = current.as_deref().map(|c| format!("v-{c}{META_SUFFIX}"));
         for dent in fs::read_dir(&self.dir).at(&self.dir)? {
             let dent = dent.at(&self.dir)?;
             let name = dent.file_name().to_string_lossy().into_owned();
@@ -167,11 +165,16 @@ pub fn force_remove_dir_all(path: &Path) -> Result<(), SyncError> {
 
 fn make_dirs_writable(path: &Path) {
     use std::os::unix::fs::PermissionsExt;
-    let Ok(md) = fs::symlink_metadata(path) else { return };
+    let Ok(md) = fs::symlink_metadata(path) else {
+        return;
+    };
     if !md.is_dir() {
         return;
     }
-    let _ = fs::set_permissions(path, fs::Permissions::from_mode(md.permissions().mode() | 0o700));
+    let _ = fs::set_permissions(
+        path,
+        fs::Permissions::from_mode(md.permissions().mode() | 0o700),
+    );
     if let Ok(rd) = fs::read_dir(path) {
         for d in rd.flatten() {
             make_dirs_writable(&d.path());

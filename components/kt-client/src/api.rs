@@ -1,0 +1,169 @@
+//! The HTTP client: metadata calls and the store's sync protocol endpoints.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use kt_types::api::{DeleteResponse, ListResponse, StoreLocation};
+use kt_types::{ErrorBody, ErrorCode, Key, KeyPrefix, KeyRecord};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::error::ClientError;
+
+/// How a client reaches kt and moves data.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    pub metadata_url: String,
+    pub token: String,
+    /// Parallel streams per transfer (batches and chunks in flight).
+    pub streams: usize,
+    /// Where scan caches live (one file per source tree); `None` disables caching.
+    pub cache_dir: Option<PathBuf>,
+    pub timeout: Duration,
+}
+
+impl ClientConfig {
+    pub fn new(metadata_url: impl Into<String>, token: impl Into<String>) -> Self {
+        ClientConfig {
+            metadata_url: metadata_url.into().trim_end_matches('/').to_owned(),
+            token: token.into(),
+            streams: kt_sync::defaults::STREAMS,
+            cache_dir: default_cache_dir(),
+            timeout: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// `$XDG_CACHE_HOME/kt` or `~/.cache/kt`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .map(|d| d.join("kt"))
+}
+
+#[derive(Debug, Clone)]
+pub struct Client {
+    pub(crate) http: reqwest::Client,
+    pub(crate) cfg: ClientConfig,
+}
+
+pub(crate) async fn check(
+    url: &str,
+    resp: reqwest::Response,
+) -> Result<reqwest::Response, ClientError> {
+    let status = resp.status();
+    if status.is_success() {
+        return Ok(resp);
+    }
+    let text = resp.text().await.unwrap_or_default();
+    Err(match serde_json::from_str::<ErrorBody>(&text) {
+        Ok(b) => ClientError::Api {
+            status: status.as_u16(),
+            code: b.error.code,
+            message: b.error.message,
+        },
+        Err(_) => ClientError::Api {
+            status: status.as_u16(),
+            code: if status.as_u16() == 401 {
+                ErrorCode::Unauthorized
+            } else {
+                ErrorCode::Internal
+            },
+            message: format!("{url}: {}", text.trim()),
+        },
+    })
+}
+
+impl Client {
+    pub fn new(cfg: ClientConfig) -> Result<Self, ClientError> {
+        let http = reqwest::Client::builder()
+            .timeout(cfg.timeout)
+            .connect_timeout(Duration::from_secs(10))
+            .pool_max_idle_per_host(cfg.streams.max(1) * 2)
+            .build()
+            .map_err(|e| ClientError::Local(format!("http client: {e}")))?;
+        Ok(Client { http, cfg })
+    }
+
+    pub fn config(&self) -> &ClientConfig {
+        &self.cfg
+    }
+
+    pub(crate) fn meta(&self, path: &str) -> String {
+        format!("{}/api/v1/{path}", self.cfg.metadata_url)
+    }
+
+    pub(crate) async fn send(
+        &self,
+        url: &str,
+        req: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, ClientError> {
+        let resp = req
+            .bearer_auth(&self.cfg.token)
+            .send()
+            .await
+            .map_err(|source| ClientError::Http {
+                url: url.to_owned(),
+                source,
+            })?;
+        check(url, resp).await
+    }
+
+    pub(crate) async fn json<T: DeserializeOwned>(
+        &self,
+        url: &str,
+        req: reqwest::RequestBuilder,
+    ) -> Result<T, ClientError> {
+        self.send(url, req)
+            .await?
+            .json()
+            .await
+            .map_err(|source| ClientError::Http {
+                url: url.to_owned(),
+                source,
+            })
+    }
+
+    pub(crate) async fn get_json<T: DeserializeOwned>(&self, url: &str) -> Result<T, ClientError> {
+        self.json(url, self.http.get(url)).await
+    }
+
+    pub(crate) async fn post_json<B: Serialize, T: DeserializeOwned>(
+        &self,
+        url: &str,
+        body: &B,
+    ) -> Result<T, ClientError> {
+        self.json(url, self.http.post(url).json(body)).await
+    }
+
+    /// The store's URL, as registered with the metadata server.
+    pub async fn store_url(&self) -> Result<String, ClientError> {
+        let loc: StoreLocation = self.get_json(&self.meta("store")).await?;
+        Ok(loc.url.trim_end_matches('/').to_owned())
+    }
+
+    pub async fn stat(&self, key: &Key) -> Result<KeyRecord, ClientError> {
+        self.get_json(&self.meta(&format!("keys/{key}"))).await
+    }
+
+    pub async fn ls(&self, prefix: &KeyPrefix) -> Result<ListResponse, ClientError> {
+        let url = self.meta("keys");
+        self.json(
+            &url,
+            self.http.get(&url).query(&[("prefix", prefix.as_str())]),
+        )
+        .await
+    }
+
+    pub async fn rm(&self, key: &Key, recursive: bool) -> Result<DeleteResponse, ClientError> {
+        let url = self.meta(&format!("keys/{key}"));
+        self.json(
+            &url,
+            self.http
+                .delete(&url)
+                .query(&[("recursive", if recursive { "true" } else { "false" })]),
+        )
+        .await
+    }
+}

@@ -1,0 +1,341 @@
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kt_client::progress::ProgressSink;
+use kt_client::{Client, ClientConfig, ClientError, Progress};
+use kt_types::api::{ListEntry, PutOptions, TransferStats};
+use kt_types::{ErrorCode, Key, KeyPrefix, Lifespan, Locale};
+
+/// kt: an in-cluster data store. Move files and trees under hierarchical keys.
+#[derive(Debug, Parser)]
+#[command(name = "kt", version)]
+struct Cli {
+    /// URL of the metadata server.
+    #[arg(
+        long,
+        global = true,
+        env = "KT_METADATA_URL",
+        default_value = "http://127.0.0.1:8081"
+    )]
+    metadata_url: String,
+    /// Bearer token (prefer --token-file).
+    #[arg(long, global = true, env = "KT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// File holding the bearer token.
+    #[arg(long, global = true, env = "KT_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// Parallel streams per transfer.
+    #[arg(long, global = true, env = "KT_STREAMS", default_value_t = 4)]
+    streams: usize,
+    /// Progress bars: auto (on a terminal), always or never.
+    #[arg(long, global = true, env = "KT_PROGRESS", default_value = "auto")]
+    progress: ProgressMode,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ProgressMode {
+    Auto,
+    Always,
+    Never,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Output {
+    Table,
+    Wide,
+    Json,
+    Yaml,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Store a file or directory tree under KEY.
+    Put {
+        key: String,
+        /// The file or directory to store.
+        #[arg(long)]
+        src: PathBuf,
+        /// store (copied into the store) or local (stays on this pod; needs the node agent).
+        #[arg(long, default_value = "store")]
+        locale: Locale,
+        /// cluster (kept until deleted) or resource (deleted with its service).
+        #[arg(long, default_value = "cluster")]
+        lifespan: Lifespan,
+        /// Time to live, e.g. 30m or 2h.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        ttl: Option<Duration>,
+        /// Owning service (default: the key's first segment).
+        #[arg(long)]
+        service: Option<String>,
+    },
+    /// Fetch KEY into a local path.
+    Get {
+        key: String,
+        /// Destination: a directory for tree keys; a file path or a directory for file keys.
+        #[arg(long)]
+        dest: PathBuf,
+    },
+    /// List keys below PREFIX.
+    Ls {
+        prefix: Option<String>,
+        #[arg(short, long, default_value = "table")]
+        output: Output,
+    },
+    /// Delete KEY (with -r, everything below it too).
+    Rm {
+        key: String,
+        #[arg(short, long)]
+        recursive: bool,
+    },
+}
+
+struct Bar(ProgressBar);
+
+impl ProgressSink for Bar {
+    fn start(&self, bytes: u64, files: u64) {
+        self.0.set_length(bytes);
+        self.0.set_message(format!("{files} files"));
+    }
+    fn advance(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
+fn progress(mode: ProgressMode) -> Progress {
+    let on = match mode {
+        ProgressMode::Always => true,
+        ProgressMode::Never => false,
+        ProgressMode::Auto => std::io::stderr().is_terminal(),
+    };
+    if !on {
+        return Progress::none();
+    }
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} {bytes}/{total_bytes} {msg} {bytes_per_sec} ETA {eta} [{wide_bar}]",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    Progress::new(Arc::new(Bar(bar)))
+}
+
+fn human(bytes: u64) -> String {
+    indicatif::HumanBytes(bytes).to_string()
+}
+
+fn summary(verb: &str, key: &Key, files: u64, s: &TransferStats, d: Duration) -> String {
+    format!(
+        "{verb} {key}: {} of {files} files sent ({}), {} skipped as unchanged, in {:.2}s",
+        s.files_sent,
+        human(s.bytes_sent),
+        human(s.bytes_skipped),
+        d.as_secs_f64()
+    )
+}
+
+fn when(ms: u64) -> String {
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+fn print_table(entries: &[ListEntry], wide: bool) {
+    let mut rows = vec![if wide {
+        vec![
+            "NAME", "TYPE", "LOCALE", "SIZE", "FILES", "UPDATED", "LIFESPAN", "EXPIRES", "SOURCE",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>()
+    } else {
+        vec!["NAME", "TYPE", "LOCALE", "SIZE", "UPDATED"]
+            .into_iter()
+            .map(String::from)
+            .collect()
+    }];
+    for e in entries {
+        if let Some(r) = &e.record {
+            let mut row = vec![
+                e.name.clone(),
+                if r.is_dir { "dir" } else { "file" }.into(),
+                format!("{:?}", r.locale).to_lowercase(),
+                human(r.size),
+            ];
+            if wide {
+                row.push(r.files.to_string());
+            }
+            row.push(when(r.updated_at_ms));
+            if wide {
+                row.push(format!("{:?}", r.lifespan).to_lowercase());
+                row.push(r.expires_at_ms.map(when).unwrap_or_else(|| "-".into()));
+                row.push(r.source.clone());
+            }
+            rows.push(row);
+        }
+        if e.has_children {
+            let mut row = vec![
+                format!("{}/", e.name),
+                "prefix".into(),
+                "-".into(),
+                "-".into(),
+            ];
+            if wide {
+                row.push("-".into());
+            }
+            row.push("-".into());
+            if wide {
+                row.extend(["-".into(), "-".into(), "-".into()]);
+            }
+            rows.push(row);
+        }
+    }
+    let widths: Vec<usize> = (0..rows[0].len())
+        .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+        .collect();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(i, v)| format!("{v:<w$}", w = widths[i]))
+            .collect();
+        println!("{}", line.join("  ").trim_end());
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let token = match (&cli.token_file, &cli.token) {
+        (Some(f), _) => std::fs::read_to_string(f)
+            .with_context(|| format!("reading token file {}", f.display()))?
+            .trim()
+            .to_owned(),
+        (None, Some(t)) => t.clone(),
+        (None, None) => anyhow::bail!("no token: set KT_TOKEN or pass --token-file"),
+    };
+    let mut cfg = ClientConfig::new(&cli.metadata_url, token);
+    cfg.streams = cli.streams.max(1);
+    let client = Client::new(cfg)?;
+    match cli.cmd {
+        Cmd::Put {
+            key,
+            src,
+            locale,
+            lifespan,
+            ttl,
+            service,
+        } => {
+            let key = Key::parse(&key)?;
+            if locale == Locale::Local {
+                anyhow::bail!(
+                    "--locale local needs the node agent, which this build does not include yet; use --locale store"
+                );
+            }
+            let opts = PutOptions {
+                lifespan,
+                ttl_secs: ttl.map(|d| d.as_secs().max(1)),
+                service,
+            };
+            let s = client.put(&key, &src, opts, progress(cli.progress)).await?;
+            let verb = if s.unchanged {
+                "put (unchanged)"
+            } else {
+                "put"
+            };
+            println!("{}", summary(verb, &key, s.files, &s.stats, s.duration));
+        }
+        Cmd::Get { key, dest } => {
+            let key = Key::parse(&key)?;
+            let s = client.get(&key, &dest, progress(cli.progress)).await?;
+            println!(
+                "{} -> {}",
+                summary("get", &key, s.files, &s.stats, s.duration),
+                s.dest.display()
+            );
+        }
+        Cmd::Ls { prefix, output } => {
+            let prefix = KeyPrefix::parse(prefix.as_deref().unwrap_or(""))?;
+            let list = client.ls(&prefix).await?;
+            match output {
+                Output::Table => print_table(&list.entries, false),
+                Output::Wide => print_table(&list.entries, true),
+                Output::Json => println!("{}", serde_json::to_string_pretty(&list.entries)?),
+                Output::Yaml => print!("{}", serde_yaml_ng::to_string(&list.entries)?),
+            }
+        }
+        Cmd::Rm { key, recursive } => {
+            let key = Key::parse(&key)?;
+            let r = client.rm(&key, recursive).await?;
+            for k in r.deleted {
+                println!("deleted {k}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Exit codes: 0 ok, 1 failure, 2 bad input, 3 not found, 4 unauthorized, 5 unavailable.
+fn exit_code(e: &anyhow::Error) -> u8 {
+    if e.downcast_ref::<kt_types::KeyError>().is_some() {
+        return 2;
+    }
+    match e.downcast_ref::<ClientError>().and_then(ClientError::code) {
+        Some(
+            ErrorCode::InvalidKey
+            | ErrorCode::InvalidRequest
+            | ErrorCode::InvalidManifest
+            | ErrorCode::Conflict,
+        ) => 2,
+        Some(ErrorCode::NotFound) => 3,
+        Some(ErrorCode::Unauthorized) => 4,
+        Some(ErrorCode::NoStore | ErrorCode::Unavailable) => 5,
+        _ => 1,
+    }
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KT_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kt: error: starting runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // Each cause once: skip causes the message already spells out.
+            let mut msg = String::new();
+            for cause in e.chain().map(|c| c.to_string()) {
+                if !msg.contains(&cause) {
+                    if !msg.is_empty() {
+                        msg.push_str(": ");
+                    }
+                    msg.push_str(&cause);
+                }
+            }
+            let msg = msg.replace('\n', " ");
+            eprintln!("kt: error: {msg}");
+            ExitCode::from(exit_code(&e))
+        }
+    }
+}

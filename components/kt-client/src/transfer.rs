@@ -1,0 +1,537 @@
+//! put and get: the client side of the sync protocol.
+
+use std::collections::HashMap;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use kt_sync::apply::{self, ChunkedFile, WriteMode};
+use kt_sync::batch::{Expected, SendItem, receive_stream, send_stream};
+use kt_sync::chunk::{ChunkAssembly, chunk_count, chunk_cv, chunk_range};
+use kt_sync::scan::source_path;
+use kt_sync::{ScanCache, SyncError, diff, scan};
+use kt_types::api::{
+    BatchAck, BatchRequest, CommitResponse, PutOptions, PutPlan, PutRequest, ReadManifest,
+    TransferStats,
+};
+use kt_types::manifest::ManifestLimits;
+use kt_types::{Entry, EntryKind, Key, KeyRecord, Manifest, RootKind};
+
+use crate::api::Client;
+use crate::error::ClientError;
+use crate::progress::Progress;
+
+/// What a put did.
+#[derive(Debug, Clone)]
+pub struct PutSummary {
+    pub record: Option<KeyRecord>,
+    pub stats: TransferStats,
+    pub files: u64,
+    pub unchanged: bool,
+    pub duration: Duration,
+}
+
+/// What a get did.
+#[derive(Debug, Clone)]
+pub struct GetSummary {
+    pub stats: TransferStats,
+    pub files: u64,
+    pub dest: PathBuf,
+    pub duration: Duration,
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, SyncError> + Send + 'static,
+) -> Result<T, ClientError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ClientError::Local(format!("worker failed: {e}")))?
+        .map_err(ClientError::from)
+}
+
+/// Splits `items` into at most `n` groups of similar byte size.
+fn balance<T>(items: Vec<(u64, T)>, n: usize) -> Vec<Vec<T>> {
+    let n = n.max(1).min(items.len().max(1));
+    let mut groups: Vec<(u64, Vec<T>)> = (0..n).map(|_| (0, Vec::new())).collect();
+    for (size, item) in items {
+        // Items arrive in manifest order; keep each group in that order (locality on disk).
+        let g = groups
+            .iter_mut()
+            .min_by_key(|(total, _)| *total)
+            .expect("at least one group");
+        g.0 += size.max(1);
+        g.1.push(item);
+    }
+    groups
+        .into_iter()
+        .map(|(_, g)| g)
+        .filter(|g| !g.is_empty())
+        .collect()
+}
+
+fn cache_file(client: &Client, src: &Path) -> Option<PathBuf> {
+    let dir = client.cfg.cache_dir.as_ref()?;
+    let abs = std::path::absolute(src).ok()?;
+    let id = blake3::hash(abs.as_os_str().as_encoded_bytes()).to_hex();
+    Some(dir.join("scan").join(format!("{}.json", &id[..32])))
+}
+
+/// Scans `src` with its cache.
+async fn scan_cached(client: &Client, src: &Path) -> Result<Manifest, ClientError> {
+    let cache_path = cache_file(client, src);
+    let src = src.to_owned();
+    blocking(move || {
+        let mut cache = cache_path
+            .as_deref()
+            .map(ScanCache::load)
+            .unwrap_or_default();
+        let m = scan(&src, &mut cache)?;
+        if let Some(p) = cache_path
+            && let Err(e) = cache.save(&p)
+        {
+            tracing::debug!(error = %e, "scan cache not saved");
+        }
+        Ok(m)
+    })
+    .await
+}
+
+enum Job {
+    Batch(Vec<SendItem>),
+    Chunk {
+        index: u32,
+        n: u64,
+        path: PathBuf,
+        offset: u64,
+        len: u64,
+    },
+}
+
+impl Client {
+    /// Puts a file or directory tree under `key` in the store.
+    pub async fn put(
+        &self,
+        key: &Key,
+        src: &Path,
+        options: PutOptions,
+        progress: Progress,
+    ) -> Result<PutSummary, ClientError> {
+        let started = Instant::now();
+        let manifest = scan_cached(self, src).await?;
+        let total = manifest.total_bytes();
+        let files = manifest.file_count();
+        let store = self.store_url().await?;
+        let plan: PutPlan = self
+            .post_json(
+                &format!("{store}/api/v1/puts"),
+                &PutRequest {
+                    key: key.clone(),
+                    manifest: manifest.clone(),
+                    options,
+                },
+            )
+            .await?;
+        let Some(session) = plan.session.clone() else {
+            return Ok(PutSummary {
+                record: None,
+                stats: TransferStats {
+                    files_sent: 0,
+                    bytes_sent: 0,
+                    bytes_skipped: total,
+                },
+                files,
+                unchanged: true,
+                duration: started.elapsed(),
+            });
+        };
+        let base = format!("{store}/api/v1/puts/{session}");
+        let result = self
+            .upload(&base, src, &manifest, &plan, progress.clone())
+            .await;
+        progress.finish();
+        let stats = match result {
+            Ok(stats) => stats,
+            Err(e) => {
+                let _ = self.send(&base, self.http.delete(&base)).await;
+                return Err(e);
+            }
+        };
+        let commit: CommitResponse = self
+            .json(
+                &format!("{base}/commit"),
+                self.http.post(format!("{base}/commit")),
+            )
+            .await?;
+        Ok(PutSummary {
+            record: Some(commit.record),
+            stats: TransferStats {
+                bytes_skipped: total - stats.bytes_sent,
+                ..stats
+            },
+            files,
+            unchanged: false,
+            duration: started.elapsed(),
+        })
+    }
+
+    async fn upload(
+        &self,
+        base: &str,
+        src: &Path,
+        m: &Manifest,
+        plan: &PutPlan,
+        progress: Progress,
+    ) -> Result<TransferStats, ClientError> {
+        let mut small = Vec::new();
+        let mut jobs = Vec::new();
+        let mut stats = TransferStats::default();
+        for &i in &plan.needed {
+            let e = m.entries.get(i as usize).ok_or_else(|| {
+                ClientError::Local(format!("store asked for entry #{i}, which does not exist"))
+            })?;
+            let path = source_path(src, m, &e.path);
+            stats.files_sent += 1;
+            stats.bytes_sent += e.size;
+            if e.size > plan.chunk_size {
+                for n in 0..chunk_count(e.size, plan.chunk_size) {
+                    let (offset, len) = chunk_range(e.size, plan.chunk_size, n).unwrap_or_default();
+                    jobs.push(Job::Chunk {
+                        index: i,
+                        n,
+                        path: path.clone(),
+                        offset,
+                        len,
+                    });
+                }
+            } else {
+                small.push((
+                    e.size,
+                    SendItem {
+                        index: i,
+                        path,
+                        size: e.size,
+                        entry_path: e.path.clone(),
+                    },
+                ));
+            }
+        }
+        progress.start(stats.bytes_sent, stats.files_sent);
+        for group in balance(small, self.cfg.streams) {
+            jobs.push(Job::Batch(group));
+        }
+        // Batches first: they are latency-bound, chunks bandwidth-bound.
+        jobs.reverse();
+        futures::stream::iter(
+            jobs.into_iter()
+                .map(|job| self.run_upload_job(base, job, progress.clone())),
+        )
+        .buffer_unordered(self.cfg.streams.max(1))
+        .try_collect::<Vec<()>>()
+        .await?;
+        Ok(stats)
+    }
+
+    async fn run_upload_job(
+        &self,
+        base: &str,
+        job: Job,
+        progress: Progress,
+    ) -> Result<(), ClientError> {
+        match job {
+            Job::Batch(items) => {
+                let url = format!("{base}/batch");
+                let body = reqwest::Body::wrap_stream(send_stream(items, progress.callback()));
+                let _: BatchAck = self.json(&url, self.http.put(&url).body(body)).await?;
+            }
+            Job::Chunk {
+                index,
+                n,
+                path,
+                offset,
+                len,
+            } => {
+                let data = blocking(move || {
+                    let f = std::fs::File::open(&path).map_err(|e| SyncError::io(&path, e))?;
+                    let mut buf = vec![0u8; len as usize];
+                    f.read_exact_at(&mut buf, offset)
+                        .map_err(|e| SyncError::io(&path, e))?;
+                    Ok(buf)
+                })
+                .await?;
+                let url = format!("{base}/files/{index}/chunks/{n}");
+                let _: BatchAck = self.json(&url, self.http.put(&url).body(data)).await?;
+                progress.advance(len);
+            }
+        }
+        Ok(())
+    }
+
+    /// Gets `key` into `dest`.
+    ///
+    /// A directory key makes `dest` a directory holding the tree (files already
+    /// there with the same content are kept, others are replaced one by one,
+    /// atomically; files not in the tree are left alone). A single-file key is
+    /// written to `dest`, or into it under the file's name when `dest` is an
+    /// existing directory.
+    pub async fn get(
+        &self,
+        key: &Key,
+        dest: &Path,
+        progress: Progress,
+    ) -> Result<GetSummary, ClientError> {
+        let started = Instant::now();
+        let record = self.stat(key).await?;
+        let source = record.source.trim_end_matches('/').to_owned();
+        let read: ReadManifest = self
+            .get_json(&format!("{source}/api/v1/trees/{key}"))
+            .await?;
+        let lease_url = format!("{source}/api/v1/reads/{}", read.lease);
+        let result = self
+            .download(&lease_url, &read, dest, progress.clone())
+            .await;
+        progress.finish();
+        let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
+        let (stats, dest) = result?;
+        Ok(GetSummary {
+            stats,
+            files: read.manifest.file_count(),
+            dest,
+            duration: started.elapsed(),
+        })
+    }
+
+    async fn download(
+        &self,
+        lease_url: &str,
+        read: &ReadManifest,
+        dest: &Path,
+        progress: Progress,
+    ) -> Result<(TransferStats, PathBuf), ClientError> {
+        let m = &read.manifest;
+        m.validate(&ManifestLimits::default())?;
+        kt_sync::chunk::check_chunk_size(read.chunk_size)?;
+        // Where entry paths are rooted locally.
+        let (root, final_dest) = match m.root {
+            RootKind::Dir => (dest.to_owned(), dest.to_owned()),
+            RootKind::File => {
+                let name = &m.entries[0].path;
+                if dest.is_dir() {
+                    (dest.to_owned(), dest.join(name))
+                } else {
+                    let parent = dest
+                        .parent()
+                        .filter(|p| !p.as_os_str().is_empty())
+                        .unwrap_or(Path::new("."));
+                    (parent.to_owned(), dest.to_owned())
+                }
+            }
+        };
+        let target_of = |e: &Entry| -> PathBuf {
+            match m.root {
+                RootKind::Dir => root.join(&e.path),
+                RootKind::File => final_dest.clone(),
+            }
+        };
+        // What is already there.
+        let local = match m.root {
+            RootKind::Dir if dest.is_dir() => Some(scan_cached(self, dest).await?),
+            RootKind::File if final_dest.is_file() => Some(scan_cached(self, &final_dest).await?),
+            _ => None,
+        };
+        let needed: Vec<u32> = match &local {
+            Some(l) => {
+                let mut have = l.clone();
+                if m.root == RootKind::File {
+                    // Compare by content under the key's file name.
+                    for e in &mut have.entries {
+                        e.path = m.entries[0].path.clone();
+                    }
+                }
+                diff::changed_files(m, &have)
+            }
+            None => m
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.kind == EntryKind::File)
+                .map(|(i, _)| i as u32)
+                .collect(),
+        };
+        {
+            let (root, m2) = (root.clone(), m.clone());
+            blocking(move || match m2.root {
+                RootKind::Dir => apply::ensure_dirs(&root, &m2),
+                RootKind::File => {
+                    std::fs::create_dir_all(&root).map_err(|e| SyncError::io(&root, e))
+                }
+            })
+            .await?;
+        }
+        let mut stats = TransferStats::default();
+        let mut small = Vec::new();
+        let mut large = Vec::new();
+        for &i in &needed {
+            let e = &m.entries[i as usize];
+            stats.files_sent += 1;
+            stats.bytes_sent += e.size;
+            if e.size > read.chunk_size {
+                large.push(i);
+            } else {
+                small.push((e.size, i));
+            }
+        }
+        stats.bytes_skipped = m.total_bytes() - stats.bytes_sent;
+        progress.start(stats.bytes_sent, stats.files_sent);
+
+        let expected: Arc<HashMap<u32, Expected>> = Arc::new(
+            small
+                .iter()
+                .map(|&(_, i)| {
+                    let e = &m.entries[i as usize];
+                    (
+                        i,
+                        Expected {
+                            dest: target_of(e),
+                            entry: e.clone(),
+                        },
+                    )
+                })
+                .collect(),
+        );
+        let mut futs: Vec<futures::future::BoxFuture<'_, Result<(), ClientError>>> = Vec::new();
+        for group in balance(small, self.cfg.streams) {
+            let (expected, progress) = (expected.clone(), progress.clone());
+            futs.push(Box::pin(async move {
+                let url = format!("{lease_url}/batch");
+                let resp = self
+                    .send(
+                        &url,
+                        self.http.post(&url).json(&BatchRequest { indices: group }),
+                    )
+                    .await?;
+                let body = resp.bytes_stream();
+                receive_stream(body, expected, WriteMode::TempRename, progress.callback()).await?;
+                Ok(())
+            }));
+        }
+        for i in large {
+            let e = m.entries[i as usize].clone();
+            futs.push(Box::pin(self.fetch_chunked(
+                lease_url,
+                i,
+                e.clone(),
+                target_of(&e),
+                read.chunk_size,
+                progress.clone(),
+            )));
+        }
+        futures::stream::iter(futs)
+            .buffer_unordered(self.cfg.streams.max(1))
+            .try_collect::<Vec<()>>()
+            .await?;
+        // Unchanged files: bring metadata in line; then links and directories.
+        let (root2, m2, fin) = (root.clone(), m.clone(), final_dest.clone());
+        let needed_set: std::collections::HashSet<u32> = needed.into_iter().collect();
+        blocking(move || {
+            for (i, e) in m2.entries.iter().enumerate() {
+                if e.kind == EntryKind::File && !needed_set.contains(&(i as u32)) {
+                    let p = match m2.root {
+                        RootKind::Dir => root2.join(&e.path),
+                        RootKind::File => fin.clone(),
+                    };
+                    apply::fix_metadata(&p, e)?;
+                }
+            }
+            match m2.root {
+                RootKind::Dir => apply::finish_tree(&root2, &m2),
+                RootKind::File => Ok(()),
+            }
+        })
+        .await?;
+        Ok((stats, final_dest))
+    }
+
+    /// Fetches one large file in chunks over parallel range requests.
+    async fn fetch_chunked(
+        &self,
+        lease_url: &str,
+        index: u32,
+        e: Entry,
+        dest: PathBuf,
+        chunk_size: u64,
+        progress: Progress,
+    ) -> Result<(), ClientError> {
+        let file = {
+            let (dest, size) = (dest.clone(), e.size);
+            Arc::new(
+                blocking(move || ChunkedFile::create(&dest, size, WriteMode::TempRename)).await?,
+            )
+        };
+        let asm = Arc::new(Mutex::new(ChunkAssembly::new(e.size, chunk_size)));
+        let n_chunks = chunk_count(e.size, chunk_size);
+        let fetches = (0..n_chunks).map(|n| {
+            let (file, asm, progress) = (file.clone(), asm.clone(), progress.clone());
+            let size = e.size;
+            async move {
+                let (offset, len) = chunk_range(size, chunk_size, n).unwrap_or_default();
+                let url = format!("{lease_url}/files/{index}");
+                let resp = self
+                    .send(
+                        &url,
+                        self.http
+                            .get(&url)
+                            .query(&[("offset", offset), ("len", len)]),
+                    )
+                    .await?;
+                let data: Bytes = resp.bytes().await.map_err(|source| ClientError::Http {
+                    url: url.clone(),
+                    source,
+                })?;
+                if data.len() as u64 != len {
+                    return Err(ClientError::Sync(SyncError::Truncated));
+                }
+                blocking(move || {
+                    file.write_at(offset, &data)?;
+                    let cv = chunk_cv(&data, n, chunk_size);
+                    asm.lock().unwrap_or_else(|p| p.into_inner()).add_cv(n, cv);
+                    Ok(())
+                })
+                .await?;
+                progress.advance(len);
+                Ok::<(), ClientError>(())
+            }
+        });
+        let fetched = futures::stream::iter(fetches)
+            .buffer_unordered(self.cfg.streams.max(1))
+            .try_collect::<Vec<()>>()
+            .await;
+        let file = Arc::try_unwrap(file)
+            .map_err(|_| ClientError::Local("chunk writer still in use".into()))?;
+        if let Err(err) = fetched {
+            file.discard();
+            return Err(err);
+        }
+        let root = asm.lock().unwrap_or_else(|p| p.into_inner()).root();
+        if root != e.hash {
+            file.discard();
+            return Err(SyncError::HashMismatch { path: e.path }.into());
+        }
+        blocking(move || file.finish(&e)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::balance;
+
+    #[test]
+    fn balances_by_size() {
+        let groups = balance(vec![(10, 'a'), (1, 'b'), (1, 'c'), (9, 'd')], 2);
+        assert_eq!(groups, vec![vec!['a'], vec!['b', 'c', 'd']]);
+        assert_eq!(balance::<u8>(vec![], 4).len(), 0);
+        assert_eq!(balance(vec![(1, 1)], 4), vec![vec![1]]);
+    }
+}
