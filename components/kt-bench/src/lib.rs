@@ -1,1 +1,20 @@
+//! Benchmarks of kt.
+//!
+//! - `benches/sync_engine.rs`: criterion benches of the sync engine (scan, hash,
+//!   diff, chunk root composition);
+//! - the `kt-bench-rsync` binary: kt against a real rsync daemon on the same
+//!   machine, both reading and writing tmpfs, each case the median of a few runs.
+//!
+//! The binary's pieces live here so that `main` stays a thin argument parser:
+//! [`size`] (byte sizes such as `256M`), [`scratch`] (a work directory removed on
+//! drop), [`data`] (seeded test trees), [`rsync`] (the daemon and the client
+//! invocation), [`kt`] (in-process metadata and store servers plus a client),
+//! [`compare`] (the cases) and [`report`] (medians, the table, the ratio line).
 
+pub mod compare;
+pub mod data;
+pub mod kt;
+pub mod report;
+pub mod rsync;
+pub mod scratch;
+pub mod size;

@@ -51,8 +51,10 @@ pub fn app(
     let metrics_route = Router::new()
         .route("/metrics", get(metrics::serve_metrics))
         .with_state(metrics.clone());
+    // The fallback sits behind auth too: without a token, every path but health is 401.
     let protected = api
         .merge(metrics_route)
+        .fallback(|| async { ApiError::not_found("no such route") })
         .layer(axum::middleware::from_fn_with_state(
             token,
             auth::require_token,
@@ -62,7 +64,6 @@ pub fn app(
         .route("/readyz", get(readyz))
         .with_state(ready)
         .merge(protected)
-        .fallback(|| async { ApiError::not_found("no such route") })
         .layer(axum::middleware::from_fn_with_state(
             metrics,
             metrics::count_requests,

@@ -258,14 +258,21 @@ pub async fn batch(
     body: Body,
 ) -> Result<ApiJson<BatchAck>, ApiError> {
     let sess = session(&s, &id)?;
-    let got = receive_stream(
+    let received = receive_stream(
         body.into_data_stream(),
         sess.batch.clone(),
         WriteMode::Direct,
         None,
     )
-    .await
-    .map_err(sync_err)?;
+    .await;
+    let got = match received {
+        Ok(got) => got,
+        Err(e) => {
+            // A corrupt or cut stream ends the upload: its staging area goes, nothing is published.
+            abort_session(&s, &id).await;
+            return Err(sync_err(e));
+        }
+    };
     s.metrics.add_bytes_in(got.bytes);
     sess.touch();
     Ok(ApiJson(BatchAck {
@@ -307,7 +314,7 @@ pub async fn chunk(
     }
     let chunk_size = s.cfg.chunk_size;
     let bytes = data.len() as u64;
-    blocking(move || {
+    let written = blocking(move || {
         if slot.done.load(Ordering::SeqCst) {
             return Ok(());
         }
@@ -331,24 +338,20 @@ pub async fn chunk(
         let file = slot.file.write().unwrap_or_else(|p| p.into_inner()).take();
         let Some(file) = file else { return Ok(()) };
         if Some(root) != entry.hash {
-            // Start this file over: a fresh file, no chunks.
             file.discard();
-            let fresh = ChunkedFile::create(
-                &sess.dir.version_path(&sess.version).join(&entry.path),
-                entry.size,
-                WriteMode::Direct,
-            )?;
-            *slot.file.write().unwrap_or_else(|p| p.into_inner()) = Some(fresh);
-            *slot.asm.lock().unwrap_or_else(|p| p.into_inner()) =
-                ChunkAssembly::new(entry.size, chunk_size);
-            slot.done.store(false, Ordering::SeqCst);
             return Err(SyncError::HashMismatch {
                 path: entry.path.clone(),
             });
         }
         file.finish(&entry)
     })
-    .await?;
+    .await;
+    if let Err(e) = written {
+        if e.code == ErrorCode::HashMismatch {
+            abort_session(&s, &id).await;
+        }
+        return Err(e);
+    }
     s.metrics.add_bytes_in(bytes);
     Ok(ApiJson(BatchAck { files: 0, bytes }))
 }
@@ -461,9 +464,36 @@ pub async fn remove_versions(dir: &VersionedDir, versions: Vec<String>) {
     .await;
 }
 
-async fn discard(sess: Arc<PutSession>) {
-    let dir = sess.dir.clone();
-    remove_versions(&dir, vec![sess.version.clone()]).await;
+/// Removes a session's staging version; a key that was never published and has
+/// no other upload in flight loses its directory too.
+async fn discard(s: &Shared, sess: Arc<PutSession>) {
+    let state = s.keys.state(&sess.key);
+    let st = state.lock().await;
+    remove_versions(&sess.dir, vec![sess.version.clone()]).await;
+    let others = s
+        .puts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .any(|p| p.key == sess.key);
+    if st.current.is_none() && !others {
+        let dir = sess.dir.clone();
+        if let Err(e) = blocking(move || dir.remove_all()).await {
+            tracing::warn!(key = %sess.key, error = %e, "could not remove an unpublished key's directory");
+        }
+    }
+}
+
+/// Ends a session and removes its staging area; false when there was none.
+async fn abort_session(s: &Shared, id: &str) -> bool {
+    let sess = s.puts.lock().unwrap_or_else(|p| p.into_inner()).remove(id);
+    match sess {
+        Some(sess) => {
+            discard(s, sess).await;
+            true
+        }
+        None => false,
+    }
 }
 
 /// `DELETE /api/v1/puts/{session}`: drops an upload and its staging area.
@@ -471,14 +501,11 @@ pub async fn abort(
     State(s): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let sess = s
-        .puts
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .remove(&id)
-        .ok_or_else(|| ApiError::not_found(format!("no upload session {id:?}")))?;
-    discard(sess).await;
-    Ok(StatusCode::NO_CONTENT)
+    if abort_session(&s, &id).await {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::not_found(format!("no upload session {id:?}")))
+    }
 }
 
 /// Aborts sessions idle for longer than the session TTL.
@@ -494,7 +521,7 @@ pub async fn sweep(s: &Shared, now: Instant) {
     };
     for sess in stale {
         tracing::info!(session = %sess.id, key = %sess.key, "upload session expired");
-        discard(sess).await;
+        discard(s, sess).await;
     }
 }
 
@@ -508,6 +535,6 @@ pub async fn abort_all(s: &Shared) {
         .map(|(_, v)| v)
         .collect();
     for sess in all {
-        discard(sess).await;
+        discard(s, sess).await;
     }
 }

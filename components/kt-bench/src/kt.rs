@@ -1,0 +1,136 @@
+//! In-process kt servers (metadata and store on 127.0.0.1:0) and a client.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use kt_client::{Client, ClientConfig, Progress, PutSummary};
+use kt_service::Token;
+use kt_types::Key;
+use kt_types::api::PutOptions;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+const TOKEN: &str = "bench";
+
+/// How long the store may take to register with the metadata server.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A metadata server, a store and a client, all in this process. The servers
+/// are told to stop when this is dropped.
+#[derive(Debug)]
+pub struct KtCluster {
+    client: Client,
+    cache_dir: PathBuf,
+    shutdown: CancellationToken,
+    _stop_on_drop: DropGuard,
+    metadata: JoinHandle<Result<(), kt_metadata::MetadataError>>,
+    store: JoinHandle<Result<(), kt_store::StoreError>>,
+}
+
+impl KtCluster {
+    /// Starts both servers with their state under `work` and waits until the
+    /// store is registered with the metadata server.
+    pub async fn start(work: &Path) -> anyhow::Result<Self> {
+        let token = Token::new(TOKEN)?;
+        let shutdown = CancellationToken::new();
+        let stop_on_drop = shutdown.clone().drop_guard();
+
+        let meta_listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("binding the metadata server")?;
+        let metadata_url = format!("http://{}", meta_listener.local_addr()?);
+        let metadata = tokio::spawn(kt_metadata::run(
+            meta_listener,
+            kt_metadata::Config::new(work.join("metadata"), token.clone()),
+            shutdown.clone(),
+        ));
+
+        let store_listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .context("binding the store")?;
+        let store = kt_store::start(
+            store_listener,
+            kt_store::Config::new(work.join("store"), metadata_url.clone(), token),
+            shutdown.clone(),
+        )
+        .context("starting the store")?
+        .task;
+
+        let cache_dir = work.join("client-cache");
+        let mut cfg = ClientConfig::new(metadata_url, TOKEN);
+        cfg.cache_dir = Some(cache_dir.clone());
+        let client = Client::new(cfg)?;
+        let cluster = KtCluster {
+            client,
+            cache_dir,
+            shutdown,
+            _stop_on_drop: stop_on_drop,
+            metadata,
+            store,
+        };
+        cluster.wait_registered().await?;
+        Ok(cluster)
+    }
+
+    async fn wait_registered(&self) -> anyhow::Result<()> {
+        let deadline = Instant::now() + REGISTER_TIMEOUT;
+        loop {
+            let last = match self.client.store_url().await {
+                Ok(_) => return Ok(()),
+                Err(e) => e,
+            };
+            if self.metadata.is_finished() || self.store.is_finished() {
+                bail!("a kt server stopped during start-up (last error: {last})");
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "the store did not register with the metadata server within \
+                     {REGISTER_TIMEOUT:?}: {last}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Puts `src` under `key` with default options; returns the wall time of the put.
+    pub async fn put(&self, key: &str, src: &Path) -> anyhow::Result<(Duration, PutSummary)> {
+        let key = Key::parse(key)?;
+        let started = Instant::now();
+        let summary = self
+            .client
+            .put(&key, src, PutOptions::default(), Progress::none())
+            .await
+            .with_context(|| format!("kt put {key} {}", src.display()))?;
+        Ok((started.elapsed(), summary))
+    }
+
+    pub async fn rm(&self, key: &str) -> anyhow::Result<()> {
+        let key = Key::parse(key)?;
+        self.client
+            .rm(&key, false)
+            .await
+            .with_context(|| format!("kt rm {key}"))?;
+        Ok(())
+    }
+
+    /// Forgets every scan cache, so the next put hashes its whole source.
+    pub fn clear_scan_cache(&self) -> anyhow::Result<()> {
+        crate::scratch::recreate_dir(&self.cache_dir)
+    }
+
+    /// Stops both servers and reports their errors.
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        let meta = self.metadata.await.context("metadata server task")?;
+        let store = self.store.await.context("store task")?;
+        meta.context("metadata server")?;
+        store.context("store")?;
+        Ok(())
+    }
+}

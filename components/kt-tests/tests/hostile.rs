@@ -1,0 +1,446 @@
+//! Hostile input: each gets a clear 4xx, the server keeps serving, nothing on disk changes.
+
+use std::fs;
+
+use kt_client::Progress;
+use kt_tests::{CHUNK, Cluster, TOKEN, listing};
+use kt_types::api::{PutOptions, PutPlan};
+use kt_types::frame;
+use kt_types::{Entry, EntryKind, ErrorBody, ErrorCode, Hash, Key};
+use serde_json::json;
+
+struct Probe {
+    http: reqwest::Client,
+}
+
+impl Probe {
+    async fn expect(&self, req: reqwest::RequestBuilder, status: u16, code: ErrorCode) -> String {
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{:?}", resp);
+        let body: ErrorBody = resp.json().await.expect("a JSON error body");
+        assert_eq!(body.error.code, code, "{}", body.error.message);
+        assert!(!body.error.message.is_empty());
+        body.error.message
+    }
+}
+
+fn file_entry(path: &str, data: &[u8]) -> Entry {
+    Entry {
+        path: path.into(),
+        kind: EntryKind::File,
+        size: data.len() as u64,
+        mode: 0o644,
+        mtime: 0,
+        mtime_nsec: 0,
+        hash: Some(Hash(*blake3::hash(data).as_bytes())),
+        target: None,
+    }
+}
+
+fn put_body(key: &str, entries: serde_json::Value) -> serde_json::Value {
+    json!({ "key": key, "manifest": { "root": "dir", "entries": entries } })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_requests_are_refused_and_change_nothing() {
+    let c = Cluster::start_with(|cfg| cfg.max_request_bytes = 1 << 20).await;
+    let client = c.client();
+    let src = c.dir.path().join("good");
+    fs::write(&src, b"good data").unwrap();
+    let good = Key::parse("safe/good").unwrap();
+    client
+        .put(&good, &src, PutOptions::default(), Progress::none())
+        .await
+        .unwrap();
+    let disk_before = listing(&c.store_data());
+
+    let p = Probe {
+        http: reqwest::Client::new(),
+    };
+    let store = c.store_url();
+    let meta = c.metadata_url();
+    let auth = |r: reqwest::RequestBuilder| r.bearer_auth(TOKEN);
+
+    // Invalid keys, in paths and in bodies. (URL clients fold `%2E%2E` segments
+    // before sending, so `..` is probed in a body below.)
+    let m = p
+        .expect(
+            auth(p.http.get(format!("{meta}/api/v1/keys/a/b%20c"))),
+            400,
+            ErrorCode::InvalidKey,
+        )
+        .await;
+    assert!(m.contains("b c"), "{m}");
+    p.expect(
+        auth(p.http.get(format!("{meta}/api/v1/keys/a//b"))),
+        400,
+        ErrorCode::InvalidKey,
+    )
+    .await;
+    p.expect(
+        auth(p.http.get(format!("{store}/api/v1/trees/x/bad*char"))),
+        400,
+        ErrorCode::InvalidKey,
+    )
+    .await;
+    p.expect(
+        auth(p.http.get(format!("{meta}/api/v1/keys?prefix=a//b"))),
+        400,
+        ErrorCode::InvalidKey,
+    )
+    .await;
+    let long = "k".repeat(1100);
+    p.expect(
+        auth(p.http.get(format!("{meta}/api/v1/keys/{long}"))),
+        400,
+        ErrorCode::InvalidKey,
+    )
+    .await;
+    p.expect(
+        auth(
+            p.http
+                .post(format!("{store}/api/v1/puts"))
+                .json(&put_body("../etc", json!([]))),
+        ),
+        400,
+        ErrorCode::InvalidKey,
+    )
+    .await;
+
+    // Manifests that escape the tree.
+    let e = file_entry("x", b"x");
+    for (bad, what) in [
+        (
+            json!([{ "path": "../x", "kind": "file", "mode": 420, "mtime": 0, "size": 1, "hash": e.hash }]),
+            "..",
+        ),
+        (
+            json!([{ "path": "/etc/passwd", "kind": "file", "mode": 420, "mtime": 0, "size": 1, "hash": e.hash }]),
+            "absolute",
+        ),
+        (
+            json!([{ "path": "l", "kind": "symlink", "mode": 511, "mtime": 0, "target": "../../etc" }]),
+            "outside",
+        ),
+        (
+            json!([{ "path": "l", "kind": "symlink", "mode": 511, "mtime": 0, "target": "/etc" }]),
+            "outside",
+        ),
+        (
+            json!([{ "path": "a/b", "kind": "file", "mode": 420, "mtime": 0, "size": 1, "hash": e.hash }]),
+            "parent",
+        ),
+    ] {
+        let m = p
+            .expect(
+                auth(
+                    p.http
+                        .post(format!("{store}/api/v1/puts"))
+                        .json(&put_body("safe/evil", bad)),
+                ),
+                400,
+                ErrorCode::InvalidManifest,
+            )
+            .await;
+        assert!(m.contains(what), "{m}");
+    }
+    // Malformed JSON.
+    p.expect(
+        auth(
+            p.http
+                .post(format!("{store}/api/v1/puts"))
+                .header("content-type", "application/json")
+                .body("{not json"),
+        ),
+        400,
+        ErrorCode::InvalidRequest,
+    )
+    .await;
+    // Oversized request.
+    let huge = "x".repeat(2 << 20);
+    p.expect(
+        auth(
+            p.http
+                .post(format!("{store}/api/v1/puts"))
+                .header("content-type", "application/json")
+                .body(huge),
+        ),
+        413,
+        ErrorCode::PayloadTooLarge,
+    )
+    .await;
+
+    // A stream with the wrong content, a truncated stream, a stream with unrequested entries.
+    let plan_for = |data: &'static [u8]| {
+        let http = p.http.clone();
+        let store = store.clone();
+        async move {
+            let body = put_body("safe/evil", json!([file_entry("f", data)]));
+            let plan: PutPlan = auth(http.post(format!("{store}/api/v1/puts")).json(&body))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            plan.session.unwrap()
+        }
+    };
+    let sid = plan_for(b"expected").await;
+    let mut wrong = frame::encode(0, 8).to_vec();
+    wrong.extend_from_slice(b"EXPECTED");
+    wrong.extend_from_slice(&frame::encode_end());
+    p.expect(
+        auth(
+            p.http
+                .put(format!("{store}/api/v1/puts/{sid}/batch"))
+                .body(wrong),
+        ),
+        400,
+        ErrorCode::HashMismatch,
+    )
+    .await;
+    // The session is gone with its staging area; committing it is impossible.
+    p.expect(
+        auth(p.http.post(format!("{store}/api/v1/puts/{sid}/commit"))),
+        404,
+        ErrorCode::NotFound,
+    )
+    .await;
+
+    let sid = plan_for(b"expected").await;
+    let mut cut = frame::encode(0, 8).to_vec();
+    cut.extend_from_slice(b"expe");
+    p.expect(
+        auth(
+            p.http
+                .put(format!("{store}/api/v1/puts/{sid}/batch"))
+                .body(cut),
+        ),
+        400,
+        ErrorCode::Truncated,
+    )
+    .await;
+
+    let sid = plan_for(b"expected").await;
+    let mut other = frame::encode(7, 1).to_vec();
+    other.push(b'x');
+    p.expect(
+        auth(
+            p.http
+                .put(format!("{store}/api/v1/puts/{sid}/batch"))
+                .body(other),
+        ),
+        400,
+        ErrorCode::InvalidRequest,
+    )
+    .await;
+
+    // Committing before everything arrived is a conflict, and nothing is published.
+    let sid = plan_for(b"expected").await;
+    p.expect(
+        auth(p.http.post(format!("{store}/api/v1/puts/{sid}/commit"))),
+        409,
+        ErrorCode::Conflict,
+    )
+    .await;
+    assert!(
+        auth(p.http.delete(format!("{store}/api/v1/puts/{sid}")))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .is_success()
+    );
+
+    // Chunks: wrong length, out-of-range chunk, corrupt content.
+    let big: &'static [u8] = Box::leak(kt_tests::bytes(9, (2 * CHUNK) as usize).into_boxed_slice());
+    let sid = plan_for(big).await;
+    p.expect(
+        auth(
+            p.http
+                .put(format!("{store}/api/v1/puts/{sid}/files/0/chunks/0"))
+                .body(vec![0u8; 10]),
+        ),
+        400,
+        ErrorCode::InvalidRequest,
+    )
+    .await;
+    p.expect(
+        auth(
+            p.http
+                .put(format!("{store}/api/v1/puts/{sid}/files/0/chunks/5"))
+                .body(vec![0u8; 10]),
+        ),
+        400,
+        ErrorCode::InvalidRequest,
+    )
+    .await;
+    let half = CHUNK as usize;
+    assert!(
+        auth(
+            p.http
+                .put(format!("{store}/api/v1/puts/{sid}/files/0/chunks/0"))
+                .body(big[..half].to_vec())
+        )
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .is_success()
+    );
+    let mut corrupt = big[half..].to_vec();
+    corrupt[3] ^= 1;
+    p.expect(
+        auth(
+            p.http
+                .put(format!("{store}/api/v1/puts/{sid}/files/0/chunks/1"))
+                .body(corrupt),
+        ),
+        400,
+        ErrorCode::HashMismatch,
+    )
+    .await;
+    // A chunk larger than any chunk may be is refused before it is read.
+    let sid = plan_for(big).await;
+    let resp = auth(
+        p.http
+            .put(format!("{store}/api/v1/puts/{sid}/files/0/chunks/0"))
+            .body(vec![0u8; (CHUNK * 4) as usize]),
+    )
+    .send()
+    .await
+    .unwrap();
+    assert_eq!(resp.status().as_u16(), 413);
+    assert!(
+        auth(p.http.delete(format!("{store}/api/v1/puts/{sid}")))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .is_success()
+    );
+
+    // Reads: unknown lease, ranges outside the file.
+    p.expect(
+        auth(
+            p.http
+                .get(format!("{store}/api/v1/reads/nope/files/0?offset=0&len=1")),
+        ),
+        404,
+        ErrorCode::NotFound,
+    )
+    .await;
+    let read: kt_types::api::ReadManifest =
+        auth(p.http.get(format!("{store}/api/v1/trees/safe/good")))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+    p.expect(
+        auth(p.http.get(format!(
+            "{store}/api/v1/reads/{}/files/0?offset=5&len=100",
+            read.lease
+        ))),
+        400,
+        ErrorCode::InvalidRequest,
+    )
+    .await;
+    p.expect(
+        auth(p.http.get(format!(
+            "{store}/api/v1/reads/{}/files/3?offset=0&len=1",
+            read.lease
+        ))),
+        400,
+        ErrorCode::InvalidRequest,
+    )
+    .await;
+    auth(
+        p.http
+            .delete(format!("{store}/api/v1/reads/{}", read.lease)),
+    )
+    .send()
+    .await
+    .unwrap();
+
+    // Metadata: a store URL that is not a URL.
+    p.expect(
+        auth(
+            p.http
+                .post(format!("{meta}/api/v1/stores"))
+                .json(&json!({"url": "file:///etc"})),
+        ),
+        400,
+        ErrorCode::InvalidRequest,
+    )
+    .await;
+
+    // Nothing on disk changed, and the server still serves.
+    assert_eq!(listing(&c.store_data()), disk_before);
+    let out = c.dir.path().join("out");
+    client.get(&good, &out, Progress::none()).await.unwrap();
+    assert_eq!(fs::read(&out).unwrap(), b"good data");
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_api_needs_the_token() {
+    let c = Cluster::start().await;
+    let http = reqwest::Client::new();
+    for base in [c.metadata_url(), c.store_url()] {
+        for path in ["/healthz", "/readyz"] {
+            assert!(
+                http.get(format!("{base}{path}"))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .is_success()
+            );
+        }
+        for (method, path) in [
+            ("GET", "/metrics"),
+            ("GET", "/api/v1/keys?prefix="),
+            ("GET", "/api/v1/keys/a"),
+            ("PUT", "/api/v1/keys/a"),
+            ("DELETE", "/api/v1/keys/a"),
+            ("POST", "/api/v1/stores"),
+            ("GET", "/api/v1/store"),
+            ("POST", "/api/v1/puts"),
+            ("PUT", "/api/v1/puts/s/batch"),
+            ("GET", "/api/v1/trees/a"),
+            ("DELETE", "/api/v1/trees/a"),
+            ("GET", "/api/v1/reads/l/files/0"),
+        ] {
+            let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+            for token in [None, Some("wrong"), Some("")] {
+                let mut req = http.request(m.clone(), format!("{base}{path}"));
+                if let Some(t) = token {
+                    req = req.bearer_auth(t);
+                }
+                let resp = req.send().await.unwrap();
+                assert_eq!(
+                    resp.status().as_u16(),
+                    401,
+                    "{method} {base}{path} with {token:?}"
+                );
+                let body: ErrorBody = resp.json().await.unwrap();
+                assert_eq!(body.error.code, ErrorCode::Unauthorized);
+            }
+        }
+    }
+    // With the token, metrics are served in the Prometheus text format.
+    let text = http
+        .get(format!("{}/metrics", c.store_url()))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("kt_bytes_received_total"), "{text}");
+    c.stop().await;
+}
