@@ -54,8 +54,8 @@ pub fn table(results: &[CaseResult]) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<14} {:>10} {:>10} {:>9}  {:<24} {:<24} {}",
-        "case", "kt (s)", "rsync (s)", "kt/rsync", "kt runs (s)", "rsync runs (s)", "what"
+        "{:<14} {:>10} {:>10} {:>9}  {:<24} {:<24} what",
+        "case", "kt (s)", "rsync (s)", "kt/rsync", "kt runs (s)", "rsync runs (s)"
     );
     for r in results {
         let _ = writeln!(
