@@ -11,7 +11,7 @@ build:
 	$(CARGO) build --workspace --all-targets
 
 release:
-	$(CARGO) build --release --bins
+	$(CARGO) build --release -p kt-metadata -p kt-store -p kt-client
 
 ## test: the test command (formatting, lints, every unit and cross-component test).
 test: fmt-check clippy unit

@@ -27,6 +27,7 @@ pub struct ReadLease {
     version: String,
     root: PathBuf,
     meta: Arc<VersionMeta>,
+    opened: Instant,
     touched: Mutex<Instant>,
 }
 
@@ -68,6 +69,7 @@ pub async fn open(
         version: cur.version.clone(),
         root,
         meta: cur.meta.clone(),
+        opened: Instant::now(),
         touched: Mutex::new(Instant::now()),
     });
     s.reads
@@ -162,6 +164,7 @@ pub async fn release(
         .unwrap_or_else(|p| p.into_inner())
         .remove(&id)
         .ok_or_else(|| ApiError::not_found(format!("no read lease {id:?}")))?;
+    s.metrics.observe_transfer("get", l.opened.elapsed().as_secs_f64());
     drop_lease(&s, l).await;
     Ok(StatusCode::NO_CONTENT)
 }
