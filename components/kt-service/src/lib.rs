@@ -9,6 +9,7 @@
 //! - [`telemetry`]: logging set-up and the signal handler.
 
 pub mod auth;
+pub mod cli;
 pub mod error;
 pub mod metrics;
 pub mod telemetry;

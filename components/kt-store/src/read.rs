@@ -14,7 +14,7 @@ use kt_sync::batch::{SendItem, send_stream};
 use kt_types::api::{BatchRequest, DeleteResponse, RangeQuery, ReadManifest, TreeList};
 use kt_types::{EntryKind, Key};
 
-use crate::keys::VersionMeta;
+use crate::keys::{Published, VersionMeta};
 use crate::put::remove_versions;
 use crate::server::{AppState, Shared, blocking};
 
@@ -45,21 +45,24 @@ fn lease(s: &Shared, id: &str) -> Result<Arc<ReadLease>, ApiError> {
     Ok(l)
 }
 
+type Locked = tokio::sync::OwnedMutexGuard<crate::keys::KeyState>;
+
+/// A published key: its name, its locked state and its current version; or `not_found`.
+async fn published(s: &Shared, raw: &str) -> Result<(Key, Locked, Published), ApiError> {
+    let key = Key::parse(raw)?;
+    let missing = || ApiError::not_found(format!("key {key} not found in the store"));
+    let state = s.keys.existing(&key).ok_or_else(missing)?;
+    let st = state.lock_owned().await;
+    let cur = st.current.clone().ok_or_else(missing)?;
+    Ok((key, st, cur))
+}
+
 /// `GET /api/v1/trees/{key}`: the current manifest, with a lease pinning its version.
 pub async fn open(
     State(s): State<AppState>,
     Path(key): Path<String>,
 ) -> Result<ApiJson<ReadManifest>, ApiError> {
-    let key = Key::parse(&key)?;
-    let state = s
-        .keys
-        .existing(&key)
-        .ok_or_else(|| ApiError::not_found(format!("key {key} not found in the store")))?;
-    let mut st = state.lock().await;
-    let cur = st
-        .current
-        .clone()
-        .ok_or_else(|| ApiError::not_found(format!("key {key} not found in the store")))?;
+    let (key, mut st, cur) = published(&s, &key).await?;
     st.pin(&cur.version);
     drop(st);
     let id = uuid::Uuid::new_v4().simple().to_string();
@@ -164,7 +167,8 @@ pub async fn release(
         .unwrap_or_else(|p| p.into_inner())
         .remove(&id)
         .ok_or_else(|| ApiError::not_found(format!("no read lease {id:?}")))?;
-    s.metrics.observe_transfer("get", l.opened.elapsed().as_secs_f64());
+    s.metrics
+        .observe_transfer("get", l.opened.elapsed().as_secs_f64());
     drop_lease(&s, l).await;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -193,17 +197,7 @@ pub async fn delete_tree(
     State(s): State<AppState>,
     Path(key): Path<String>,
 ) -> Result<ApiJson<DeleteResponse>, ApiError> {
-    let key = Key::parse(&key)?;
-    let state = s
-        .keys
-        .existing(&key)
-        .ok_or_else(|| ApiError::not_found(format!("key {key} not found in the store")))?;
-    let mut st = state.lock().await;
-    if st.current.is_none() {
-        return Err(ApiError::not_found(format!(
-            "key {key} not found in the store"
-        )));
-    }
+    let (key, mut st, _) = published(&s, &key).await?;
     let dir = s.keys.dir_of(&key);
     blocking(move || dir.remove_all()).await?;
     st.current = None;

@@ -55,6 +55,15 @@ fn set_meta(file: &File, path: &Path, e: &Entry) -> Result<(), SyncError> {
     filetime::set_file_handle_times(file, None, Some(mtime_of(e))).at(path)
 }
 
+/// Removes whatever is at `path` (directories recursively); nothing there is fine.
+fn remove_any(path: &Path) -> Result<(), SyncError> {
+    clear_non_file(path)?;
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(SyncError::io(path, e)),
+        _ => Ok(()),
+    }
+}
+
 /// Removes whatever is at `path` unless it is a plain file (dirs recursively).
 fn clear_non_file(path: &Path) -> Result<(), SyncError> {
     match fs::symlink_metadata(path) {
@@ -171,17 +180,11 @@ pub fn ensure_dirs(root: &Path, m: &Manifest) -> Result<(), SyncError> {
 pub fn finish_tree(root: &Path, m: &Manifest) -> Result<(), SyncError> {
     for e in m.entries.iter().filter(|e| e.kind == EntryKind::Symlink) {
         let p = root.join(&e.path);
-        if fs::symlink_metadata(&p).is_ok() {
-            if fs::read_link(&p).ok().as_deref() == e.target.as_deref().map(Path::new) {
-                filetime::set_symlink_file_times(&p, mtime_of(e), mtime_of(e)).at(&p)?;
-                continue;
-            }
-            clear_non_file(&p)?;
-            if p.exists() {
-                fs::remove_file(&p).at(&p)?;
-            }
+        let target = e.target.as_deref().unwrap_or_default();
+        if fs::read_link(&p).ok().as_deref() != Some(Path::new(target)) {
+            remove_any(&p)?;
+            symlink(target, &p).at(&p)?;
         }
-        symlink(e.target.as_deref().unwrap_or_default(), &p).at(&p)?;
         filetime::set_symlink_file_times(&p, mtime_of(e), mtime_of(e)).at(&p)?;
     }
     for e in m.entries.iter().rev().filter(|e| e.kind == EntryKind::Dir) {

@@ -1,0 +1,33 @@
+//! Flags every server binary shares (each with its env var).
+
+use std::path::PathBuf;
+
+use crate::Token;
+use crate::auth::TokenError;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServerArgs {
+    /// Bearer token (prefer --token-file).
+    #[arg(long, env = "KT_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// File holding the bearer token.
+    #[arg(long, env = "KT_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Requests served at once; more wait.
+    #[arg(long, env = "KT_MAX_CONNECTIONS", default_value_t = 512)]
+    pub max_connections: usize,
+    /// Log filter (tracing EnvFilter syntax).
+    #[arg(long, env = "KT_LOG", default_value = "info")]
+    pub log: String,
+    /// Log format: json, text or auto (json unless stderr is a terminal).
+    #[arg(long, env = "KT_LOG_FORMAT", default_value = "auto")]
+    pub log_format: String,
+}
+
+impl ServerArgs {
+    /// Starts logging and resolves the token.
+    pub fn init(&self) -> Result<Token, TokenError> {
+        crate::telemetry::init_logging(Some(&self.log), Some(&self.log_format));
+        Token::resolve(self.token.as_deref(), self.token_file.as_deref())
+    }
+}
