@@ -54,8 +54,13 @@ async fn hostile_requests_are_refused_and_change_nothing() {
         .unwrap();
     let disk_before = listing(&c.store_data());
 
+    // No connection reuse: a server may close a connection whose request body it
+    // refused to read (oversized bodies), and the next request must not race that.
     let p = Probe {
-        http: reqwest::Client::new(),
+        http: reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap(),
     };
     let store = c.store_url();
     let meta = c.metadata_url();
