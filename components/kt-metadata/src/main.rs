@@ -1,9 +1,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::Parser;
-use tokio_util::sync::CancellationToken;
 
 /// kt metadata server: the key registry of one namespace.
 #[derive(Debug, Parser)]
@@ -23,11 +21,7 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let token = args.server.init()?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
-    let shutdown = CancellationToken::new();
-    kt_service::telemetry::cancel_on_signals(shutdown.clone());
+    let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
     let mut config = kt_metadata::Config::new(args.state_dir, token);
     config.max_in_flight = args.server.max_connections;
     kt_metadata::run(listener, config, shutdown).await?;

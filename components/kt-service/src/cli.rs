@@ -1,6 +1,10 @@
 //! Flags every server binary shares (each with its env var).
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 use crate::Token;
 use crate::auth::TokenError;
@@ -30,4 +34,17 @@ impl ServerArgs {
         crate::telemetry::init_logging(Some(&self.log), Some(&self.log_format));
         Token::resolve(self.token.as_deref(), self.token_file.as_deref())
     }
+}
+
+/// Binds `addr` and returns the listener with a shutdown token that SIGTERM and
+/// SIGINT cancel: the start of every server's `main`.
+pub async fn bind_with_shutdown(
+    addr: SocketAddr,
+) -> std::io::Result<(TcpListener, CancellationToken)> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("binding {addr}: {e}")))?;
+    let shutdown = CancellationToken::new();
+    crate::telemetry::cancel_on_signals(shutdown.clone());
+    Ok((listener, shutdown))
 }

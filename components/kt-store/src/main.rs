@@ -1,9 +1,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::Parser;
-use tokio_util::sync::CancellationToken;
 
 /// kt store server: holds locale=store data and serves it over the sync protocol.
 #[derive(Debug, Parser)]
@@ -32,11 +30,7 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let token = args.server.init()?;
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("binding {}", args.listen))?;
-    let shutdown = CancellationToken::new();
-    kt_service::telemetry::cancel_on_signals(shutdown.clone());
+    let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
     let mut config = kt_store::Config::new(args.data_dir, args.metadata_url, token);
     config.advertise_url = args.advertise_url;
     config.chunk_size = args.chunk_size;
