@@ -118,6 +118,18 @@ impl Registry {
                 e.record = Some(r.clone());
             }
         }
+        if out.is_empty()
+            && let Ok(key) = Key::parse(prefix.as_str())
+            && let Some(r) = self.get(&key, now_ms)
+        {
+            // Like `ls FILE`: a key with nothing below it lists itself.
+            return vec![ListEntry {
+                name: key.name().to_owned(),
+                key: key.to_string(),
+                has_children: false,
+                record: Some(r.clone()),
+            }];
+        }
         out.into_values().collect()
     }
 
@@ -195,6 +207,7 @@ mod tests {
             vec![("b".into(), true, true), ("d".into(), true, false)]
         );
         assert_eq!(names("a/b"), vec![("c".into(), false, true)]);
+        assert_eq!(names("a/b/c"), vec![("c".into(), false, true)]);
         assert!(names("zzz").is_empty());
         assert_eq!(r.keys_within(&KeyPrefix::parse("a").unwrap(), 1).len(), 3);
         assert!(r.has_children(&k("a/b"), 1));
