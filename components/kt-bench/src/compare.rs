@@ -1,5 +1,5 @@
-//! The kt-vs-rsync cases. Each run times kt and then rsync on the same data;
-//! a case reports the median of its runs.
+//! The kt-vs-rsync cases. Each run times kt and rsync on the same data; a case
+//! reports the median of its measured runs, after untimed warm-up runs.
 //!
 //! - `small_cold`: the small tree into a destination that has nothing (kt: a new
 //!   key and an empty scan cache each run; rsync: an emptied module directory);
@@ -8,7 +8,9 @@
 //!   a new mtime), a fresh 1% each run;
 //! - `large_cold`: the large file into a destination that has nothing.
 //!
-//! Setup, checks and clean-up between runs are not timed.
+//! Setup, checks and clean-up between runs are not timed. Within a run, kt
+//! goes first on even runs and rsync on odd ones; each side removes what a
+//! cold run wrote right after it, so both start from the same memory state.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -30,6 +32,9 @@ pub struct Options {
     pub files: usize,
     pub large_size: u64,
     pub runs: usize,
+    /// Untimed runs before the measured ones, per case (first touches of
+    /// memory, connection pools, thread pools).
+    pub warmup: usize,
     pub skip_large: bool,
 }
 
@@ -49,9 +54,10 @@ pub async fn run(opts: &Options) -> anyhow::Result<Vec<CaseResult>> {
     ensure!(opts.files >= 1, "--files must be at least 1");
     let rsync_bin = rsync::binary()?;
     note(format!(
-        "{} ({}); {} runs per case",
+        "{} ({}); {} warm-up and {} measured runs per case",
         rsync::version(&rsync_bin)?,
         rsync_bin.display(),
+        opts.warmup,
         opts.runs
     ));
 
@@ -113,40 +119,58 @@ pub async fn run(opts: &Options) -> anyhow::Result<Vec<CaseResult>> {
     Ok(results)
 }
 
+/// Awaits both timed steps of one run: kt first on even runs, rsync first on
+/// odd ones, so that neither side always runs in the other's wake (on a VM,
+/// the first to touch memory the other just freed pays for it).
+async fn both(
+    run: usize,
+    kt: impl Future<Output = anyhow::Result<f64>>,
+    rsync: impl Future<Output = anyhow::Result<f64>>,
+) -> anyhow::Result<(f64, f64)> {
+    if run % 2 == 0 {
+        let k = kt.await?;
+        Ok((k, rsync.await?))
+    } else {
+        let r = rsync.await?;
+        Ok((kt.await?, r))
+    }
+}
+
 async fn small_cold(
     opts: &Options,
     kt: &KtCluster,
     daemon: &RsyncDaemon,
     tree: &SmallTree,
 ) -> anyhow::Result<CaseResult> {
-    let dest = daemon.module_dir().join("small-cold");
     let mut r = case(
         "small_cold",
         format!("{} files, empty destination", tree.len()),
     );
-    for run in 0..opts.runs {
-        kt.clear_scan_cache()?;
-        let key = format!("bench/small-cold-{run}");
-        let (took, summary) = kt.put(&key, tree.root()).await?;
-        ensure!(
-            summary.stats.files_sent == tree.len() as u64,
-            "small_cold: kt sent {} files, expected {}",
-            summary.stats.files_sent,
-            tree.len()
-        );
-        r.kt.push(secs(took));
-        kt.rm(&key).await?;
-
-        recreate_dir(&dest)?;
-        let took = daemon.sync(tree.root(), "small-cold", true).await?;
-        ensure_same_file_count(&dest, tree.len())?;
-        r.rsync.push(secs(took));
-        note(format!(
-            "small_cold run {run}: kt {:.3}s rsync {:.3}s",
-            r.kt[run], r.rsync[run]
-        ));
+    for run in 0..opts.warmup + opts.runs {
+        let kt_step = async {
+            kt.clear_scan_cache()?;
+            let key = format!("bench/small-cold-{run}");
+            let (took, summary) = kt.put(&key, tree.root()).await?;
+            ensure!(
+                summary.stats.files_sent == tree.len() as u64,
+                "small_cold: kt sent {} files, expected {}",
+                summary.stats.files_sent,
+                tree.len()
+            );
+            kt.rm(&key).await?;
+            Ok(secs(took))
+        };
+        let rsync_step = async {
+            let dest = daemon.module_dir().join("small-cold");
+            recreate_dir(&dest)?;
+            let took = daemon.sync(tree.root(), "small-cold", true).await?;
+            ensure_same_file_count(&dest, tree.len())?;
+            recreate_dir(&dest)?;
+            Ok(secs(took))
+        };
+        let (k, rs) = both(run, kt_step, rsync_step).await?;
+        record(&mut r, opts, run, k, rs, "");
     }
-    recreate_dir(&dest)?;
     Ok(r)
 }
 
@@ -160,20 +184,19 @@ async fn small_noop(
     kt.put("bench/small", tree.root()).await?;
     daemon.sync(tree.root(), "small", true).await?;
     let mut r = case("small_noop", format!("{} files, unchanged", tree.len()));
-    for run in 0..opts.runs {
-        let (took, summary) = kt.put("bench/small", tree.root()).await?;
-        ensure!(
-            summary.unchanged,
-            "small_noop: kt did not see the tree as unchanged (sent {} files)",
-            summary.stats.files_sent
-        );
-        r.kt.push(secs(took));
-        r.rsync
-            .push(secs(daemon.sync(tree.root(), "small", true).await?));
-        note(format!(
-            "small_noop run {run}: kt {:.3}s rsync {:.3}s",
-            r.kt[run], r.rsync[run]
-        ));
+    for run in 0..opts.warmup + opts.runs {
+        let kt_step = async {
+            let (took, summary) = kt.put("bench/small", tree.root()).await?;
+            ensure!(
+                summary.unchanged,
+                "small_noop: kt did not see the tree as unchanged (sent {} files)",
+                summary.stats.files_sent
+            );
+            Ok(secs(took))
+        };
+        let rsync_step = async { Ok(secs(daemon.sync(tree.root(), "small", true).await?)) };
+        let (k, rs) = both(run, kt_step, rsync_step).await?;
+        record(&mut r, opts, run, k, rs, "");
     }
     Ok(r)
 }
@@ -189,28 +212,31 @@ async fn small_changed(
         "small_changed",
         format!("{count} of {} files rewritten", tree.len()),
     );
-    for run in 0..opts.runs {
+    for run in 0..opts.warmup + opts.runs {
         let changed = tree.change(count)?;
-        let (took, summary) = kt.put("bench/small", tree.root()).await?;
-        ensure!(
-            summary.stats.files_sent == changed.len() as u64,
-            "small_changed: kt sent {} files, expected {}",
-            summary.stats.files_sent,
-            changed.len()
-        );
-        r.kt.push(secs(took));
-        r.rsync
-            .push(secs(daemon.sync(tree.root(), "small", true).await?));
-        for rel in &changed {
-            ensure_same_content(
-                &tree.root().join(rel),
-                &daemon.module_dir().join("small").join(rel),
-            )?;
-        }
-        note(format!(
-            "small_changed run {run}: kt {:.3}s rsync {:.3}s",
-            r.kt[run], r.rsync[run]
-        ));
+        let tree = &*tree;
+        let kt_step = async {
+            let (took, summary) = kt.put("bench/small", tree.root()).await?;
+            ensure!(
+                summary.stats.files_sent == changed.len() as u64,
+                "small_changed: kt sent {} files, expected {}",
+                summary.stats.files_sent,
+                changed.len()
+            );
+            Ok(secs(took))
+        };
+        let rsync_step = async {
+            let took = daemon.sync(tree.root(), "small", true).await?;
+            for rel in &changed {
+                ensure_same_content(
+                    &tree.root().join(rel),
+                    &daemon.module_dir().join("small").join(rel),
+                )?;
+            }
+            Ok(secs(took))
+        };
+        let (k, rs) = both(run, kt_step, rsync_step).await?;
+        record(&mut r, opts, run, k, rs, "");
     }
     Ok(r)
 }
@@ -221,44 +247,62 @@ async fn large_cold(
     daemon: &RsyncDaemon,
     large: &Path,
 ) -> anyhow::Result<CaseResult> {
-    let dest = daemon.module_dir().join("large");
     let mut r = case(
         "large_cold",
         format!("1 file of {}, empty destination", human(opts.large_size)),
     );
-    for run in 0..opts.runs {
-        kt.clear_scan_cache()?;
-        let key = format!("bench/large-cold-{run}");
-        let (took, summary) = kt.put(&key, large).await?;
-        ensure!(
-            summary.stats.bytes_sent == opts.large_size,
-            "large_cold: kt sent {} bytes, expected {}",
-            summary.stats.bytes_sent,
-            opts.large_size
+    for run in 0..opts.warmup + opts.runs {
+        let kt_step = async {
+            kt.clear_scan_cache()?;
+            let key = format!("bench/large-cold-{run}");
+            let (took, summary) = kt.put(&key, large).await?;
+            ensure!(
+                summary.stats.bytes_sent == opts.large_size,
+                "large_cold: kt sent {} bytes, expected {}",
+                summary.stats.bytes_sent,
+                opts.large_size
+            );
+            kt.rm(&key).await?;
+            Ok(secs(took))
+        };
+        let rsync_step = async {
+            let dest = daemon.module_dir().join("large");
+            recreate_dir(&dest)?;
+            let took = daemon.sync(large, "large", false).await?;
+            let got = std::fs::metadata(dest.join("large.bin"))
+                .context("large_cold: rsync left no file")?
+                .len();
+            ensure!(
+                got == opts.large_size,
+                "large_cold: rsync wrote {got} bytes"
+            );
+            recreate_dir(&dest)?;
+            Ok(secs(took))
+        };
+        let (k, rs) = both(run, kt_step, rsync_step).await?;
+        let speeds = format!(
+            " (kt {:.0} MiB/s, rsync {:.0} MiB/s)",
+            mib_per_s(opts.large_size, k),
+            mib_per_s(opts.large_size, rs),
         );
-        r.kt.push(secs(took));
-        kt.rm(&key).await?;
-
-        recreate_dir(&dest)?;
-        let took = daemon.sync(large, "large", false).await?;
-        let got = std::fs::metadata(dest.join("large.bin"))
-            .context("large_cold: rsync left no file")?
-            .len();
-        ensure!(
-            got == opts.large_size,
-            "large_cold: rsync wrote {got} bytes"
-        );
-        r.rsync.push(secs(took));
-        note(format!(
-            "large_cold run {run}: kt {:.3}s ({:.0} MiB/s) rsync {:.3}s ({:.0} MiB/s)",
-            r.kt[run],
-            mib_per_s(opts.large_size, r.kt[run]),
-            r.rsync[run],
-            mib_per_s(opts.large_size, r.rsync[run]),
-        ));
+        record(&mut r, opts, run, k, rs, &speeds);
     }
-    recreate_dir(&dest)?;
     Ok(r)
+}
+
+/// Keeps the timings of a measured run (warm-up runs are only reported).
+fn record(r: &mut CaseResult, opts: &Options, run: usize, k: f64, rs: f64, extra: &str) {
+    let label = if run < opts.warmup {
+        format!("warm-up {}", run + 1)
+    } else {
+        r.kt.push(k);
+        r.rsync.push(rs);
+        format!("run {}", run - opts.warmup + 1)
+    };
+    note(format!(
+        "{} {label}: kt {k:.3}s rsync {rs:.3}s{extra}",
+        r.name
+    ));
 }
 
 fn case(name: &'static str, what: String) -> CaseResult {

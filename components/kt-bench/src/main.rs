@@ -5,6 +5,7 @@
 //! (`large_cold` is left out with `--skip-large`).
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use clap::Parser;
 use kt_bench::compare::{self, Options};
@@ -24,26 +25,50 @@ struct Args {
     /// Runs per case; the median is reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Untimed warm-up runs per case before the measured ones.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
     /// Number of 4 KiB files in the small tree.
     #[arg(long, default_value_t = 10_000)]
     files: usize,
     /// Leave out the large-file case.
     #[arg(long)]
     skip_large: bool,
+    /// Log the in-process kt servers and client on stderr with this filter
+    /// (tracing EnvFilter syntax, e.g. `kt_store=debug`); off by default.
+    #[arg(long)]
+    log: Option<String>,
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(filter) = &args.log {
+        kt_service::telemetry::init_logging(Some(filter), Some("text"));
+    }
     let opts = Options {
         dir: args.dir,
         files: args.files,
         large_size: args.large_size,
         runs: args.runs,
+        warmup: args.warmup,
         skip_large: args.skip_large,
     };
-    let results = compare::run(&opts).await?;
-    print!("{}", report::table(&results));
-    println!("{}", report::ratio_line(&results));
-    Ok(())
+    // On Ctrl-C the run is dropped, which removes its work directory and
+    // stops the rsync daemon and the servers.
+    let outcome = tokio::select! {
+        r = compare::run(&opts) => r,
+        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+    };
+    match outcome {
+        Ok(results) => {
+            print!("{}", report::table(&results));
+            println!("{}", report::ratio_line(&results));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("kt-bench-rsync: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }
