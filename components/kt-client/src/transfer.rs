@@ -89,7 +89,7 @@ async fn scan_cached(client: &Client, src: &Path) -> Result<Manifest, ClientErro
             .map(ScanCache::load)
             .unwrap_or_default();
         let m = scan(&src, &mut cache)?;
-        if let Some(p) = cache_path
+        if let Some(p) = cache_path.filter(|_| cache.dirty)
             && let Err(e) = cache.save(&p)
         {
             tracing::debug!(error = %e, "scan cache not saved");
@@ -124,16 +124,20 @@ impl Client {
         let total = manifest.total_bytes();
         let files = manifest.file_count();
         let store = self.store_url().await?;
-        let plan: PutPlan = self
-            .post_json(
-                &format!("{store}/api/v1/puts"),
-                &PutRequest {
-                    key: key.clone(),
-                    manifest: manifest.clone(),
-                    options,
-                },
-            )
-            .await?;
+        // First the digest alone: an unchanged tree costs one small request.
+        let url = format!("{store}/api/v1/puts");
+        let mut req = PutRequest {
+            key: key.clone(),
+            digest: kt_sync::manifest_digest(&manifest),
+            manifest: None,
+            options,
+        };
+        let mut plan: PutPlan = self.post_json(&url, &req).await?;
+        if plan.need_manifest {
+            req.manifest = Some(manifest);
+            plan = self.post_json(&url, &req).await?;
+        }
+        let manifest = req.manifest.unwrap_or_default();
         let Some(session) = plan.session.clone() else {
             return Ok(PutSummary {
                 record: None,

@@ -26,6 +26,8 @@ pub struct VersionMeta {
 pub struct Published {
     pub version: String,
     pub meta: Arc<VersionMeta>,
+    /// `kt_sync::manifest_digest` of the manifest: an unchanged put compares only this.
+    pub digest: kt_types::Hash,
 }
 
 /// One key's mutable state. Locked for plan, commit, pin and delete.
@@ -130,6 +132,7 @@ impl Keys {
             let state = KeyState {
                 current: Some(Published {
                     version,
+                    digest: kt_sync::manifest_digest(&meta.manifest),
                     meta: Arc::new(meta.clone()),
                 }),
                 ..Default::default()

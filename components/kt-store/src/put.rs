@@ -1,6 +1,6 @@
 //! Upload sessions: plan → batch stream and chunks → commit (or abort).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path as FsPath;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -39,6 +39,9 @@ pub struct PutSession {
     meta: Arc<VersionMeta>,
     batch: Arc<HashMap<u32, Expected>>,
     chunked: HashMap<u32, Arc<ChunkSlot>>,
+    digest: Hash,
+    /// Batch entries written and verified so far.
+    received: Mutex<HashSet<u32>>,
     started: Instant,
     touched: Mutex<Instant>,
     bytes_needed: u64,
@@ -84,6 +87,7 @@ fn stage_from_base(
         }
     }
     let mut needed = Vec::new();
+    let mut reuse = Vec::new();
     for (i, e) in m.entries.iter().enumerate() {
         if e.kind != EntryKind::File {
             continue;
@@ -93,19 +97,18 @@ fn stage_from_base(
             .and_then(|h| have.get(&h))
             .zip(base.map(|(root, _)| root));
         match found {
-            Some((old, root)) => {
-                let from = root.join(&old.path);
-                let to = staging.join(&e.path);
-                if old.mode == e.mode && old.mtime == e.mtime && old.mtime_nsec == e.mtime_nsec {
-                    apply::link_or_copy(&from, &to)?;
-                } else {
-                    std::fs::copy(&from, &to).map_err(|err| SyncError::io(&to, err))?;
-                    apply::fix_metadata(&to, e)?;
-                }
-            }
+            Some((old, root)) => reuse.push(apply::Reuse {
+                from: root.join(&old.path),
+                to: staging.join(&e.path),
+                entry: e.clone(),
+                identical: old.mode == e.mode
+                    && old.mtime == e.mtime
+                    && old.mtime_nsec == e.mtime_nsec,
+            }),
             None => needed.push(i as u32),
         }
     }
+    apply::reuse_all(&reuse)?;
     Ok(needed)
 }
 
@@ -129,24 +132,20 @@ pub async fn plan(
     State(s): State<AppState>,
     ApiJson(req): ApiJson<PutRequest>,
 ) -> Result<ApiJson<PutPlan>, ApiError> {
-    req.manifest.validate(&s.cfg.limits)?;
     if let Some(service) = &req.options.service {
         Key::parse(service).map_err(|e| ApiError::bad_request(format!("service name: {e}")))?;
     }
     let key = req.key.clone();
     let state = s.keys.state(&key);
     let st = state.lock().await;
-    if let Some(cur) = &st.current
-        && cur.meta.manifest == req.manifest
-    {
+    if let Some(cur) = st.current.as_ref().filter(|c| c.digest == req.digest) {
         // Unchanged tree: nothing moves; refresh the record (options may differ).
         let published = Published {
-            version: cur.version.clone(),
             meta: Arc::new(VersionMeta {
-                key: key.clone(),
-                manifest: req.manifest,
                 options: req.options,
+                ..(*cur.meta).clone()
             }),
+            ..cur.clone()
         };
         drop(st);
         s.registrar
@@ -157,11 +156,25 @@ pub async fn plan(
             session: None,
             needed: Vec::new(),
             chunk_size: s.cfg.chunk_size,
+            need_manifest: false,
         }));
+    }
+    let Some(manifest) = req.manifest else {
+        return Ok(ApiJson(PutPlan {
+            session: None,
+            needed: Vec::new(),
+            chunk_size: s.cfg.chunk_size,
+            need_manifest: true,
+        }));
+    };
+    manifest.validate(&s.cfg.limits)?;
+    if kt_sync::manifest_digest(&manifest) != req.digest {
+        return Err(ApiError::bad_request(
+            "the digest does not match the manifest",
+        ));
     }
     let dir = s.keys.dir_of(&key);
     let base = st.current.clone();
-    let manifest = req.manifest;
     let key_name = key.to_string();
     let (version, manifest, needed, dir) = {
         let dir = dir.clone();
@@ -233,6 +246,8 @@ pub async fn plan(
             manifest,
             options: req.options,
         }),
+        digest: req.digest,
+        received: Mutex::new(HashSet::new()),
         batch: Arc::new(batch),
         chunked,
         started: now,
@@ -248,6 +263,7 @@ pub async fn plan(
         session: Some(id),
         needed,
         chunk_size: s.cfg.chunk_size,
+        need_manifest: false,
     }))
 }
 
@@ -274,6 +290,10 @@ pub async fn batch(
         }
     };
     s.metrics.add_bytes_in(got.bytes);
+    sess.received
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .extend(got.indices.iter().copied());
     sess.touch();
     Ok(ApiJson(BatchAck {
         files: got.files,
@@ -374,23 +394,14 @@ pub async fn commit(
         .values()
         .filter(|c| !c.done.load(Ordering::SeqCst))
         .count();
-    let check = {
-        let sess = sess.clone();
-        blocking(move || {
-            let missing: Vec<&str> = sess
-                .batch
-                .values()
-                .filter(|x| {
-                    std::fs::symlink_metadata(&x.dest)
-                        .map(|md| !md.is_file() || md.len() != x.entry.size)
-                        .unwrap_or(true)
-                })
-                .map(|x| x.entry.path.as_str())
-                .take(3)
-                .collect();
-            Ok(missing.into_iter().map(str::to_owned).collect::<Vec<_>>())
-        })
-        .await?
+    let check: Vec<String> = {
+        let received = sess.received.lock().unwrap_or_else(|p| p.into_inner());
+        sess.batch
+            .iter()
+            .filter(|(i, _)| !received.contains(i))
+            .map(|(_, x)| x.entry.path.clone())
+            .take(3)
+            .collect()
     };
     if !check.is_empty() || missing_chunked > 0 {
         // Not complete: keep the session so the client can finish it.
@@ -419,6 +430,7 @@ pub async fn commit(
     let published = Published {
         version: sess.version.clone(),
         meta: sess.meta.clone(),
+        digest: sess.digest,
     };
     let collectable = {
         let mut st = state.lock().await;

@@ -208,3 +208,27 @@ pub fn link_or_copy(from: &Path, to: &Path) -> Result<(), SyncError> {
     }
     fs::copy(from, to).at(to).map(|_| ())
 }
+
+/// A file of a new version whose content an older version already has.
+#[derive(Debug, Clone)]
+pub struct Reuse {
+    pub from: PathBuf,
+    pub to: PathBuf,
+    pub entry: Entry,
+    /// Same mode and mtime as the old file: a hard link will do.
+    pub identical: bool,
+}
+
+/// Materialises reused files in parallel: hard links where the old file is
+/// identical, copies with the new metadata otherwise.
+pub fn reuse_all(jobs: &[Reuse]) -> Result<(), SyncError> {
+    use rayon::prelude::*;
+    jobs.par_iter().try_for_each(|j| {
+        if j.identical {
+            link_or_copy(&j.from, &j.to)
+        } else {
+            fs::copy(&j.from, &j.to).at(&j.to)?;
+            fix_metadata(&j.to, &j.entry)
+        }
+    })
+}

@@ -91,11 +91,13 @@ pub struct Expected {
     pub entry: Entry,
 }
 
-/// Totals of one received stream.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What one received stream wrote.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Received {
     pub files: u64,
     pub bytes: u64,
+    /// Manifest indices written (verified), in arrival order.
+    pub indices: Vec<u32>,
 }
 
 /// Decodes a frame stream and writes each file, verified, to its destination.
@@ -124,6 +126,7 @@ where
             write_verified(&x.dest, &x.entry, &data, mode)?;
             total.files += 1;
             total.bytes += data.len() as u64;
+            total.indices.push(index);
             if let Some(p) = &progress {
                 p(data.len() as u64);
             }
@@ -289,11 +292,8 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(
-            got,
-            Received {
-                files: 3,
-                bytes: 70_005
-            }
+            (got.files, got.bytes, got.indices),
+            (3, 70_005, vec![0, 1, 2])
         );
         assert_eq!(std::fs::read(d.path().join("dst/a")).unwrap(), b"alpha");
         assert_eq!(std::fs::read(d.path().join("dst/z")).unwrap(), b"");

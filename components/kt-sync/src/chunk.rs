@@ -42,11 +42,8 @@ pub fn chunk_range(size: u64, chunk_size: u64, n: u64) -> Option<(u64, u64)> {
 pub fn chunk_cv(data: &[u8], n: u64, chunk_size: u64) -> ChainingValue {
     let mut h = blake3::Hasher::new();
     h.set_input_offset(n * chunk_size);
-    if data.len() >= 128 << 10 {
-        h.update_rayon(data);
-    } else {
-        h.update(data);
-    }
+    // Single-threaded: chunks are hashed concurrently already, one per stream.
+    h.update(data);
     h.finalize_non_root()
 }
 

@@ -20,6 +20,27 @@ pub mod publish;
 pub mod scan;
 
 pub use error::SyncError;
+
+/// The digest of a manifest: blake3 of its JSON encoding. Sender and receiver
+/// encode the same struct with the same encoder, so equal trees give equal digests.
+pub fn manifest_digest(m: &kt_types::Manifest) -> kt_types::Hash {
+    let mut h = blake3::Hasher::new();
+    // Writing JSON into a hasher cannot fail.
+    let _ = serde_json::to_writer(HashWriter(&mut h), m);
+    kt_types::Hash(*h.finalize().as_bytes())
+}
+
+struct HashWriter<'a>(&'a mut blake3::Hasher);
+
+impl std::io::Write for HashWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
 pub use scan::{ScanCache, scan};
 
 /// Defaults of the transfer engine; every one is configurable by the caller.

@@ -46,6 +46,9 @@ pub struct ScanCache {
     /// Files hashed (cache misses) by the last scan.
     #[serde(skip)]
     pub hashed: u64,
+    /// Whether the last scan changed the cache (saving is pointless otherwise).
+    #[serde(skip)]
+    pub dirty: bool,
 }
 
 impl ScanCache {
@@ -98,61 +101,62 @@ fn name_of(path: &Path) -> Result<String, SyncError> {
         })
 }
 
-struct Pending {
-    index: usize,
-    abs: PathBuf,
-    stamp: Stamp,
+/// One entry found by the walk; files carry what hashing them needs.
+struct Found {
+    entry: Entry,
+    file: Option<(PathBuf, Stamp)>,
 }
 
 /// Scans `root` (a directory or a single file) into a sorted manifest.
 ///
 /// Symlinks are recorded as links and never followed; a link whose target
 /// leaves the tree is an error. Sockets, FIFOs and devices are skipped.
+/// Subdirectories are walked and files hashed in parallel.
 pub fn scan(root: &Path, cache: &mut ScanCache) -> Result<Manifest, SyncError> {
     let md = fs::metadata(root).at(root)?;
     let mut manifest = Manifest::default();
-    let mut pending = Vec::new();
-    if md.is_file() {
+    let mut found = if md.is_file() {
         manifest.root = RootKind::File;
-        let name = name_of(root)?;
-        push_entry(&mut manifest, &mut pending, root, name, &md)?;
+        found(root, name_of(root)?, &md)?.into_iter().collect()
     } else {
-        walk(root, "", &mut manifest, &mut pending)?;
-    }
+        walk(root, "")?
+    };
+    found.sort_unstable_by(|a, b| a.entry.path.as_bytes().cmp(b.entry.path.as_bytes()));
     let old = std::mem::take(&mut cache.entries);
-    let mut fresh: HashMap<String, (Stamp, Hash)> = HashMap::with_capacity(pending.len());
+    let mut fresh: HashMap<String, (Stamp, Hash)> =
+        HashMap::with_capacity(old.len().max(found.len()));
     let mut misses = Vec::new();
-    for p in pending {
-        let entry = &mut manifest.entries[p.index];
-        match old.get(&entry.path) {
-            Some((stamp, hash)) if *stamp == p.stamp => {
-                entry.hash = Some(*hash);
-                fresh.insert(entry.path.clone(), (p.stamp, *hash));
+    for (index, f) in found.iter_mut().enumerate() {
+        let Some((abs, stamp)) = f.file.take() else {
+            continue;
+        };
+        match old.get(&f.entry.path) {
+            Some((cached, hash)) if *cached == stamp => {
+                f.entry.hash = Some(*hash);
+                fresh.insert(f.entry.path.clone(), (stamp, *hash));
             }
-            _ => misses.push(p),
+            _ => misses.push((index, abs, stamp)),
         }
     }
     let hashed: Vec<(usize, Stamp, Hash)> = misses
         .into_par_iter()
-        .map(|p| hash_file(&p.abs, p.stamp.size).map(|h| (p.index, p.stamp, h)))
+        .map(|(index, abs, stamp)| hash_file(&abs, stamp.size).map(|h| (index, stamp, h)))
         .collect::<Result<_, _>>()?;
     cache.hashed = hashed.len() as u64;
     for (index, stamp, hash) in hashed {
-        let e = &mut manifest.entries[index];
+        let e = &mut found[index].entry;
         e.hash = Some(hash);
         fresh.insert(e.path.clone(), (stamp, hash));
     }
+    cache.dirty = cache.hashed > 0 || fresh.len() != old.len();
     cache.entries = fresh;
-    manifest.sort();
+    manifest.entries = found.into_iter().map(|f| f.entry).collect();
     Ok(manifest)
 }
 
-fn walk(
-    dir: &Path,
-    rel: &str,
-    manifest: &mut Manifest,
-    pending: &mut Vec<Pending>,
-) -> Result<(), SyncError> {
+fn walk(dir: &Path, rel: &str) -> Result<Vec<Found>, SyncError> {
+    let mut here = Vec::new();
+    let mut subdirs = Vec::new();
     for dent in fs::read_dir(dir).at(dir)? {
         let dent = dent.at(dir)?;
         let abs = dent.path();
@@ -162,23 +166,25 @@ fn walk(
         } else {
             format!("{rel}/{name}")
         };
-        let md = fs::symlink_metadata(&abs).at(&abs)?;
-        let is_dir = md.is_dir();
-        if push_entry(manifest, pending, &abs, path.clone(), &md)? && is_dir {
-            walk(&abs, &path, manifest, pending)?;
+        // Stats relative to the open directory (no path walk per file).
+        let md = dent.metadata().at(&abs)?;
+        if let Some(f) = found(&abs, path, &md)? {
+            if f.entry.kind == EntryKind::Dir {
+                subdirs.push((abs, f.entry.path.clone()));
+            }
+            here.push(f);
         }
     }
-    Ok(())
+    let nested: Vec<Vec<Found>> = subdirs
+        .par_iter()
+        .map(|(abs, path)| walk(abs, path))
+        .collect::<Result<_, _>>()?;
+    here.extend(nested.into_iter().flatten());
+    Ok(here)
 }
 
-/// Records one entry; false when it was skipped (special file).
-fn push_entry(
-    manifest: &mut Manifest,
-    pending: &mut Vec<Pending>,
-    abs: &Path,
-    path: String,
-    md: &fs::Metadata,
-) -> Result<bool, SyncError> {
+/// Describes one entry; `None` for special files, which are skipped.
+fn found(abs: &Path, path: String, md: &fs::Metadata) -> Result<Option<Found>, SyncError> {
     let ft = md.file_type();
     let (kind, size, target) = if ft.is_symlink() {
         let t = fs::read_link(abs).at(abs)?;
@@ -198,30 +204,26 @@ fn push_entry(
         (EntryKind::File, md.size(), None)
     } else {
         tracing::warn!(path = %abs.display(), "skipping special file (socket, FIFO or device)");
-        return Ok(false);
+        return Ok(None);
     };
-    if kind == EntryKind::File {
-        pending.push(Pending {
-            index: manifest.entries.len(),
-            abs: abs.to_owned(),
-            stamp: Stamp::of(md),
-        });
-    }
-    manifest.entries.push(Entry {
-        path,
-        kind,
-        size,
-        mode: if kind == EntryKind::Symlink {
-            0o777
-        } else {
-            md.permissions().mode() & 0o7777
+    let file = (kind == EntryKind::File).then(|| (abs.to_owned(), Stamp::of(md)));
+    Ok(Some(Found {
+        entry: Entry {
+            path,
+            kind,
+            size,
+            mode: if kind == EntryKind::Symlink {
+                0o777
+            } else {
+                md.permissions().mode() & 0o7777
+            },
+            mtime: md.mtime(),
+            mtime_nsec: md.mtime_nsec().clamp(0, 999_999_999) as u32,
+            hash: None,
+            target,
         },
-        mtime: md.mtime(),
-        mtime_nsec: md.mtime_nsec().clamp(0, 999_999_999) as u32,
-        hash: None,
-        target,
-    });
-    Ok(true)
+        file,
+    }))
 }
 
 /// Where the content of manifest entry `rel` lives under `root`.
@@ -261,6 +263,7 @@ mod tests {
         let again = scan(r, &mut cache).unwrap();
         assert_eq!(again, m);
         assert_eq!(cache.hashed, 0, "unchanged files must not be re-hashed");
+        assert!(!cache.dirty);
         fs::write(r.join("a/x"), b"hellO").unwrap();
         let changed = scan(r, &mut cache).unwrap();
         assert_eq!(cache.hashed, 1);

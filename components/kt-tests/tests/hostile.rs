@@ -38,7 +38,10 @@ fn file_entry(path: &str, data: &[u8]) -> Entry {
 }
 
 fn put_body(key: &str, entries: serde_json::Value) -> serde_json::Value {
-    json!({ "key": key, "manifest": { "root": "dir", "entries": entries } })
+    let manifest = json!({ "root": "dir", "entries": entries });
+    let parsed: kt_types::Manifest = serde_json::from_value(manifest.clone()).unwrap();
+    let digest = kt_sync::manifest_digest(&parsed);
+    json!({ "key": key, "digest": digest, "manifest": manifest })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -149,6 +152,17 @@ async fn hostile_requests_are_refused_and_change_nothing() {
             .await;
         assert!(m.contains(what), "{m}");
     }
+    // A digest that does not match the manifest.
+    let mut lying = put_body("safe/evil", json!([file_entry("f", b"x")]));
+    lying["digest"] = json!(Hash([7; 32]));
+    let m = p
+        .expect(
+            auth(p.http.post(format!("{store}/api/v1/puts")).json(&lying)),
+            400,
+            ErrorCode::InvalidRequest,
+        )
+        .await;
+    assert!(m.contains("digest"), "{m}");
     // Malformed JSON.
     p.expect(
         auth(

@@ -24,7 +24,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::key::Key;
-use crate::manifest::Manifest;
+use crate::manifest::{Hash, Manifest};
 use crate::model::{KeyRecord, Lifespan, Locale};
 
 pub const API_PREFIX: &str = "/api/v1";
@@ -89,10 +89,16 @@ pub struct DeleteResponse {
     pub deleted: Vec<Key>,
 }
 
+/// Starts a put. The first request may carry only the manifest's digest: when
+/// the store's current version has the same digest nothing moves; otherwise the
+/// store answers `need_manifest` and the client sends the manifest itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PutRequest {
     pub key: Key,
-    pub manifest: Manifest,
+    /// blake3 of the manifest's JSON encoding (see `kt_sync::manifest_digest`).
+    pub digest: Hash,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<Manifest>,
     #[serde(default)]
     pub options: PutOptions,
 }
@@ -107,6 +113,9 @@ pub struct PutPlan {
     pub needed: Vec<u32>,
     /// Files larger than this are sent in chunks of this size.
     pub chunk_size: u64,
+    /// The tree changed (or is new): send the request again with the manifest.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub need_manifest: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
