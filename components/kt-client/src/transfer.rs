@@ -12,7 +12,8 @@ use kt_sync::apply::{self, ChunkedFile, WriteMode};
 use kt_sync::batch::{Expected, SendItem, receive_stream, send_stream};
 use kt_sync::chunk::{ChunkAssembly, chunk_count, chunk_cv, chunk_range};
 use kt_sync::scan::source_path;
-use kt_sync::{ScanCache, SyncError, diff, scan};
+use kt_sync::scan::{Kept, scan_keeping};
+use kt_sync::{ScanCache, SyncError, diff};
 use kt_types::api::{
     BatchAck, BatchRequest, CommitResponse, PutOptions, PutPlan, PutRequest, ReadManifest,
     TransferStats,
@@ -79,8 +80,15 @@ fn cache_file(client: &Client, src: &Path) -> Option<PathBuf> {
     Some(dir.join("scan").join(format!("{}.json", &id[..32])))
 }
 
-/// Scans `src` with its cache.
-async fn scan_cached(client: &Client, src: &Path) -> Result<Manifest, ClientError> {
+/// Small-file contents a put keeps from its scan (so it does not read them twice).
+const KEEP_BUDGET: u64 = 256 << 20;
+
+/// Scans `src` with its cache, keeping up to `keep` bytes of what it reads.
+async fn scan_cached(
+    client: &Client,
+    src: &Path,
+    keep: u64,
+) -> Result<(Manifest, Kept), ClientError> {
     let cache_path = cache_file(client, src);
     let src = src.to_owned();
     blocking(move || {
@@ -88,13 +96,13 @@ async fn scan_cached(client: &Client, src: &Path) -> Result<Manifest, ClientErro
             .as_deref()
             .map(ScanCache::load)
             .unwrap_or_default();
-        let m = scan(&src, &mut cache)?;
+        let scanned = scan_keeping(&src, &mut cache, keep)?;
         if let Some(p) = cache_path.filter(|_| cache.dirty)
             && let Err(e) = cache.save(&p)
         {
             tracing::debug!(error = %e, "scan cache not saved");
         }
-        Ok(m)
+        Ok(scanned)
     })
     .await
 }
@@ -120,7 +128,12 @@ impl Client {
         progress: Progress,
     ) -> Result<PutSummary, ClientError> {
         let started = Instant::now();
-        let manifest = scan_cached(self, src).await?;
+        let (manifest, mut kept) = scan_cached(self, src, KEEP_BUDGET).await?;
+        tracing::debug!(
+            ms = started.elapsed().as_millis() as u64,
+            entries = manifest.entries.len(),
+            "put: scanned"
+        );
         let total = manifest.total_bytes();
         let files = manifest.file_count();
         let store = self.store_url().await?;
@@ -151,9 +164,14 @@ impl Client {
                 duration: started.elapsed(),
             });
         };
+        tracing::debug!(
+            ms = started.elapsed().as_millis() as u64,
+            needed = plan.needed.len(),
+            "put: planned"
+        );
         let base = format!("{store}/api/v1/puts/{session}");
         let result = self
-            .upload(&base, src, &manifest, &plan, progress.clone())
+            .upload(&base, src, &manifest, &plan, &mut kept, progress.clone())
             .await;
         progress.finish();
         let stats = match result {
@@ -163,6 +181,7 @@ impl Client {
                 return Err(e);
             }
         };
+        tracing::debug!(ms = started.elapsed().as_millis() as u64, "put: uploaded");
         let commit: CommitResponse = self
             .json(
                 &format!("{base}/commit"),
@@ -187,6 +206,7 @@ impl Client {
         src: &Path,
         m: &Manifest,
         plan: &PutPlan,
+        kept: &mut Kept,
         progress: Progress,
     ) -> Result<TransferStats, ClientError> {
         let mut small = Vec::new();
@@ -218,6 +238,7 @@ impl Client {
                         path,
                         size: e.size,
                         entry_path: e.path.clone(),
+                        data: kept.remove(&e.path),
                     },
                 ));
             }
@@ -341,8 +362,10 @@ impl Client {
         };
         // What is already there.
         let local = match m.root {
-            RootKind::Dir if dest.is_dir() => Some(scan_cached(self, dest).await?),
-            RootKind::File if final_dest.is_file() => Some(scan_cached(self, &final_dest).await?),
+            RootKind::Dir if dest.is_dir() => Some(scan_cached(self, dest, 0).await?.0),
+            RootKind::File if final_dest.is_file() => {
+                Some(scan_cached(self, &final_dest, 0).await?.0)
+            }
             _ => None,
         };
         let needed: Vec<u32> = match &local {

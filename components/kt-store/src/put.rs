@@ -167,6 +167,7 @@ pub async fn plan(
             need_manifest: true,
         }));
     };
+    let t0 = Instant::now();
     manifest.validate(&s.cfg.limits)?;
     if kt_sync::manifest_digest(&manifest) != req.digest {
         return Err(ApiError::bad_request(
@@ -200,6 +201,7 @@ pub async fn plan(
     };
     drop(st);
 
+    tracing::debug!(ms = t0.elapsed().as_millis() as u64, "upload staged");
     let staging = dir.version_path(&version);
     let mut batch = HashMap::new();
     let mut chunked = HashMap::new();
@@ -254,7 +256,7 @@ pub async fn plan(
         touched: Mutex::new(now),
         bytes_needed,
     });
-    tracing::debug!(session = %id, key = %sess.key, needed = needed.len(), "upload planned");
+    tracing::debug!(session = %id, key = %sess.key, needed = needed.len(), ms = t0.elapsed().as_millis() as u64, "upload planned");
     s.puts
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -417,6 +419,7 @@ pub async fn commit(
             ),
         ));
     }
+    let t0 = Instant::now();
     {
         let sess = sess.clone();
         blocking(move || {
@@ -446,7 +449,7 @@ pub async fn commit(
     remove_versions(&sess.dir, collectable).await;
     s.metrics
         .observe_transfer("put", sess.started.elapsed().as_secs_f64());
-    tracing::info!(key = %sess.key, version = %sess.version, bytes = sess.bytes_needed, "published");
+    tracing::info!(key = %sess.key, version = %sess.version, bytes = sess.bytes_needed, ms = t0.elapsed().as_millis() as u64, "published");
     let record = s
         .registrar
         .register(&sess.key, registration(&s, &published))

@@ -115,6 +115,7 @@ pub async fn batch(
             path: l.root.join(&e.path),
             size: e.size,
             entry_path: e.path.clone(),
+            data: None,
         });
     }
     s.metrics.add_bytes_out(bytes);

@@ -38,20 +38,37 @@ fn temp_sibling(dest: &Path) -> PathBuf {
     dest.with_file_name(format!(".kt-tmp.{short}.{}", uuid::Uuid::new_v4().simple()))
 }
 
-fn open_new(path: &Path) -> Result<File, SyncError> {
+/// The process umask, read once from `/proc/self/status` (no syscall changes it
+/// for us to read it). `None` where it cannot be read: every mode is then set explicitly.
+fn umask() -> Option<u32> {
+    static UMASK: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *UMASK.get_or_init(|| {
+        let status = fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find_map(|l| l.strip_prefix("Umask:"))?;
+        u32::from_str_radix(line.trim(), 8).ok()
+    })
+}
+
+/// Creates (or truncates) a file for writing, never through a symlink, with the
+/// entry's mode as far as the umask allows.
+fn open_new(path: &Path, mode: u32) -> Result<File, SyncError> {
     OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .custom_flags(libc::O_NOFOLLOW)
-        .mode(0o600)
+        .mode(mode & 0o7777)
         .open(path)
         .at(path)
 }
 
-fn set_meta(file: &File, path: &Path, e: &Entry) -> Result<(), SyncError> {
-    file.set_permissions(fs::Permissions::from_mode(e.mode))
-        .at(path)?;
+/// Sets the mtime, and the mode unless creation already gave the file exactly it
+/// (saves a syscall per file when the umask does not strip the entry's bits).
+fn set_meta(file: &File, path: &Path, e: &Entry, created_with_mode: bool) -> Result<(), SyncError> {
+    if !created_with_mode || umask().is_none_or(|u| e.mode & u != 0) {
+        file.set_permissions(fs::Permissions::from_mode(e.mode))
+            .at(path)?;
+    }
     filetime::set_file_handle_times(file, None, Some(mtime_of(e))).at(path)
 }
 
@@ -96,11 +113,11 @@ pub fn write_verified(
         WriteMode::Direct => dest.to_owned(),
         WriteMode::TempRename => temp_sibling(dest),
     };
-    let mut f = open_new(&target)?;
+    let mut f = open_new(&target, entry.mode)?;
     let res = f
         .write_all(data)
         .at(&target)
-        .and_then(|_| set_meta(&f, &target, entry));
+        .and_then(|_| set_meta(&f, &target, entry, true));
     drop(f);
     if let Err(e) = res {
         let _ = fs::remove_file(&target);
@@ -128,7 +145,7 @@ impl ChunkedFile {
             WriteMode::Direct => dest.to_owned(),
             WriteMode::TempRename => temp_sibling(dest),
         };
-        let file = open_new(&path)?;
+        let file = open_new(&path, 0o600)?;
         file.set_len(size).at(&path)?;
         Ok(ChunkedFile {
             file,
@@ -145,7 +162,7 @@ impl ChunkedFile {
     /// Sets metadata and makes the file visible at its destination.
     /// Call only after the assembled hash was verified.
     pub fn finish(self, entry: &Entry) -> Result<(), SyncError> {
-        set_meta(&self.file, &self.path, entry)?;
+        set_meta(&self.file, &self.path, entry, false)?;
         drop(self.file);
         if self.mode == WriteMode::TempRename {
             clear_non_file(&self.dest)?;

@@ -28,6 +28,8 @@ pub struct SendItem {
     pub path: PathBuf,
     pub size: u64,
     pub entry_path: String,
+    /// The content, when the sender already holds it (read while scanning).
+    pub data: Option<Bytes>,
 }
 
 /// A stream of framed file contents, read on a blocking thread.
@@ -59,26 +61,32 @@ pub fn send_stream(
 fn read_into(item: &SendItem, buf: &mut BytesMut) -> Result<(), SyncError> {
     let start = buf.len();
     buf.extend_from_slice(&frame::encode(item.index, item.size));
+    if let Some(data) = item.data.as_ref().filter(|d| d.len() as u64 == item.size) {
+        buf.extend_from_slice(data);
+        return Ok(());
+    }
     let body_start = buf.len();
-    buf.resize(body_start + item.size as usize, 0);
+    // One byte of room beyond the expected size reveals a file that grew.
+    let want = item.size as usize;
+    buf.resize(body_start + want + 1, 0);
     let mut f = File::open(&item.path).at(&item.path)?;
     let mut filled = 0usize;
-    let want = item.size as usize;
-    while filled < want {
+    loop {
+        let room = want + 1 - filled;
         let n = f.read(&mut buf[body_start + filled..]).at(&item.path)?;
-        if n == 0 {
+        filled += n;
+        // A short read of a regular file means its end was reached.
+        if n == 0 || n < room || filled > want {
             break;
         }
-        filled += n;
     }
-    let mut probe = [0u8; 1];
-    let extra = f.read(&mut probe).at(&item.path)?;
-    if filled != want || extra != 0 {
+    buf.truncate(body_start + filled.min(want));
+    if filled != want {
         buf.truncate(start);
         return Err(SyncError::SizeMismatch {
             path: item.entry_path.clone(),
             expected: item.size,
-            actual: (filled + extra) as u64,
+            actual: filled as u64,
         });
     }
     Ok(())
@@ -255,6 +263,7 @@ mod tests {
                 path: p,
                 size: data.len() as u64,
                 entry_path: name.to_string(),
+                data: None,
             });
             exp.insert(
                 i as u32,

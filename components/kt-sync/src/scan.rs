@@ -6,6 +6,7 @@ use std::fs;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use bytes::Bytes;
 use kt_types::manifest::link_stays_inside;
 use kt_types::{Entry, EntryKind, Hash, Manifest, RootKind};
 use rayon::prelude::*;
@@ -82,15 +83,25 @@ impl ScanCache {
 
 /// Hashes one file's content.
 pub fn hash_file(path: &Path, size: u64) -> Result<Hash, SyncError> {
+    hash_and_keep(path, size, false).map(|(h, _)| h)
+}
+
+/// Hashes one file; with `keep`, also returns the content (small files only).
+fn hash_and_keep(path: &Path, size: u64, keep: bool) -> Result<(Hash, Option<Bytes>), SyncError> {
     let mut hasher = blake3::Hasher::new();
     if size >= MMAP_THRESHOLD {
         hasher.update_mmap_rayon(path).at(path)?;
-    } else {
-        let data = fs::read(path).at(path)?;
-        hasher.update(&data);
+        return Ok((Hash(*hasher.finalize().as_bytes()), None));
     }
-    Ok(Hash(*hasher.finalize().as_bytes()))
+    let data = fs::read(path).at(path)?;
+    hasher.update(&data);
+    let hash = Hash(*hasher.finalize().as_bytes());
+    Ok((hash, keep.then(|| Bytes::from(data))))
 }
+
+/// Contents of small files read while hashing, by manifest path, so that a
+/// transfer right after the scan need not read them again.
+pub type Kept = HashMap<String, Bytes>;
 
 fn name_of(path: &Path) -> Result<String, SyncError> {
     path.file_name()
@@ -113,6 +124,16 @@ struct Found {
 /// leaves the tree is an error. Sockets, FIFOs and devices are skipped.
 /// Subdirectories are walked and files hashed in parallel.
 pub fn scan(root: &Path, cache: &mut ScanCache) -> Result<Manifest, SyncError> {
+    scan_keeping(root, cache, 0).map(|(m, _)| m)
+}
+
+/// [`scan`], also keeping the contents of the files it had to read, up to
+/// `keep_budget` bytes in all (files hashed through the cache are not read).
+pub fn scan_keeping(
+    root: &Path,
+    cache: &mut ScanCache,
+    keep_budget: u64,
+) -> Result<(Manifest, Kept), SyncError> {
     let md = fs::metadata(root).at(root)?;
     let mut manifest = Manifest::default();
     let mut found = if md.is_file() {
@@ -138,20 +159,37 @@ pub fn scan(root: &Path, cache: &mut ScanCache) -> Result<Manifest, SyncError> {
             _ => misses.push((index, abs, stamp)),
         }
     }
-    let hashed: Vec<(usize, Stamp, Hash)> = misses
+    let mut budget = keep_budget;
+    let misses: Vec<(usize, PathBuf, Stamp, bool)> = misses
+        .into_iter()
+        .map(|(index, abs, stamp)| {
+            let keep = stamp.size < MMAP_THRESHOLD && stamp.size <= budget;
+            if keep {
+                budget -= stamp.size;
+            }
+            (index, abs, stamp, keep)
+        })
+        .collect();
+    let hashed: Vec<(usize, Stamp, Hash, Option<Bytes>)> = misses
         .into_par_iter()
-        .map(|(index, abs, stamp)| hash_file(&abs, stamp.size).map(|h| (index, stamp, h)))
+        .map(|(index, abs, stamp, keep)| {
+            hash_and_keep(&abs, stamp.size, keep).map(|(h, data)| (index, stamp, h, data))
+        })
         .collect::<Result<_, _>>()?;
     cache.hashed = hashed.len() as u64;
-    for (index, stamp, hash) in hashed {
+    let mut kept = Kept::new();
+    for (index, stamp, hash, data) in hashed {
         let e = &mut found[index].entry;
         e.hash = Some(hash);
         fresh.insert(e.path.clone(), (stamp, hash));
+        if let Some(d) = data.filter(|d| d.len() as u64 == e.size) {
+            kept.insert(e.path.clone(), d);
+        }
     }
     cache.dirty = cache.hashed > 0 || fresh.len() != old.len();
     cache.entries = fresh;
     manifest.entries = found.into_iter().map(|f| f.entry).collect();
-    Ok(manifest)
+    Ok((manifest, kept))
 }
 
 fn walk(dir: &Path, rel: &str) -> Result<Vec<Found>, SyncError> {
