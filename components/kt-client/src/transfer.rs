@@ -53,24 +53,27 @@ async fn blocking<T: Send + 'static>(
         .map_err(ClientError::from)
 }
 
-/// Splits `items` into at most `n` groups of similar byte size.
+/// Splits `items` (in manifest order) into at most `n` contiguous runs of
+/// similar byte size. Contiguous runs keep each stream in its own directories,
+/// so receivers creating files in parallel do not contend on one directory.
 fn balance<T>(items: Vec<(u64, T)>, n: usize) -> Vec<Vec<T>> {
-    let n = n.max(1).min(items.len().max(1));
-    let mut groups: Vec<(u64, Vec<T>)> = (0..n).map(|_| (0, Vec::new())).collect();
+    let total: u64 = items.iter().map(|(size, _)| size.max(&1)).sum();
+    let n = n.max(1) as u64;
+    let mut groups: Vec<Vec<T>> = Vec::new();
+    let mut current = Vec::new();
+    let mut filled = 0u64;
     for (size, item) in items {
-        // Items arrive in manifest order; keep each group in that order (locality on disk).
-        let g = groups
-            .iter_mut()
-            .min_by_key(|(total, _)| *total)
-            .expect("at least one group");
-        g.0 += size.max(1);
-        g.1.push(item);
+        current.push(item);
+        filled += size.max(1);
+        // Close a run once it holds its share of the bytes.
+        if filled * n >= total * (groups.len() as u64 + 1) && (groups.len() as u64) < n - 1 {
+            groups.push(std::mem::take(&mut current));
+        }
+    }
+    if !current.is_empty() {
+        groups.push(current);
     }
     groups
-        .into_iter()
-        .map(|(_, g)| g)
-        .filter(|g| !g.is_empty())
-        .collect()
 }
 
 fn cache_file(client: &Client, src: &Path) -> Option<PathBuf> {
@@ -557,7 +560,9 @@ mod tests {
     #[test]
     fn balances_by_size() {
         let groups = balance(vec![(10, 'a'), (1, 'b'), (1, 'c'), (9, 'd')], 2);
-        assert_eq!(groups, vec![vec!['a'], vec!['b', 'c', 'd']]);
+        assert_eq!(groups, vec![vec!['a', 'b'], vec!['c', 'd']]);
+        let even = balance((0..8).map(|i| (1, i)).collect(), 4);
+        assert_eq!(even, vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
         assert_eq!(balance::<u8>(vec![], 4).len(), 0);
         assert_eq!(balance(vec![(1, 1)], 4), vec![vec![1]]);
     }

@@ -446,7 +446,9 @@ pub async fn commit(
             _ => Vec::new(),
         }
     };
-    remove_versions(&sess.dir, collectable).await;
+    // Superseded versions go in the background; the answer does not wait for them.
+    let dir = sess.dir.clone();
+    tokio::spawn(async move { remove_versions(&dir, collectable).await });
     s.metrics
         .observe_transfer("put", sess.started.elapsed().as_secs_f64());
     tracing::info!(key = %sess.key, version = %sess.version, bytes = sess.bytes_needed, ms = t0.elapsed().as_millis() as u64, "published");
