@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use kt_types::api::{DeleteResponse, ListResponse, StoreLocation};
 use kt_types::{ErrorBody, ErrorCode, Key, KeyPrefix, KeyRecord};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::error::ClientError;
@@ -129,12 +128,23 @@ impl Client {
         self.json(url, self.http.get(url)).await
     }
 
-    pub(crate) async fn post_json<B: Serialize, T: DeserializeOwned>(
+    /// Posts a codec document, answered with JSON.
+    pub(crate) async fn post_document<T: DeserializeOwned>(
         &self,
         url: &str,
-        body: &B,
+        body: Vec<u8>,
     ) -> Result<T, ClientError> {
-        self.json(url, self.http.post(url).json(body)).await
+        self.json(
+            url,
+            self.http
+                .post(url)
+                .header(
+                    reqwest::header::CONTENT_TYPE,
+                    kt_types::codec::DOCUMENT_CONTENT_TYPE,
+                )
+                .body(body),
+        )
+        .await
     }
 
     /// The store's URL, as registered with the metadata server.

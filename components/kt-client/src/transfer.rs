@@ -18,6 +18,7 @@ use kt_types::api::{
     BatchAck, BatchRequest, CommitResponse, PutOptions, PutPlan, PutRequest, ReadManifest,
     TransferStats,
 };
+use kt_types::codec;
 use kt_types::manifest::ManifestLimits;
 use kt_types::{Entry, EntryKind, Key, KeyRecord, Manifest, RootKind};
 
@@ -142,18 +143,20 @@ impl Client {
         let store = self.store_url().await?;
         // First the digest alone: an unchanged tree costs one small request.
         let url = format!("{store}/api/v1/puts");
-        let mut req = PutRequest {
+        let encoded = kt_types::codec::to_bytes(&manifest);
+        let req = PutRequest {
             key: key.clone(),
-            digest: kt_sync::manifest_digest(&manifest),
-            manifest: None,
+            digest: kt_sync::digest_of_encoded(&encoded),
             options,
         };
-        let mut plan: PutPlan = self.post_json(&url, &req).await?;
+        let mut plan: PutPlan = self
+            .post_document(&url, codec::document_with(&req, &[]))
+            .await?;
         if plan.need_manifest {
-            req.manifest = Some(manifest);
-            plan = self.post_json(&url, &req).await?;
+            plan = self
+                .post_document(&url, codec::document_with(&req, &encoded))
+                .await?;
         }
-        let manifest = req.manifest.unwrap_or_default();
         let Some(session) = plan.session.clone() else {
             return Ok(PutSummary {
                 record: None,

@@ -87,6 +87,24 @@ fn from_rejection(r: JsonRejection) -> ApiError {
     }
 }
 
+/// A whole request body, with rejections (too large, cut) mapped to [`ApiError`].
+#[derive(Debug, Clone, Default)]
+pub struct ApiBytes(pub axum::body::Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for ApiBytes {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        match axum::body::Bytes::from_request(req, state).await {
+            Ok(b) => Ok(ApiBytes(b)),
+            Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Err(ApiError::new(ErrorCode::PayloadTooLarge, r.body_text()))
+            }
+            Err(r) => Err(ApiError::new(ErrorCode::Truncated, r.body_text())),
+        }
+    }
+}
+
 impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
     fn into_response(self) -> Response {
         axum::Json(self.0).into_response()

@@ -25,7 +25,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use auth::Token;
-pub use error::{ApiError, ApiJson};
+pub use error::{ApiBytes, ApiError, ApiJson};
 pub use metrics::Metrics;
 
 /// Readiness flag answered on `/readyz`.

@@ -12,13 +12,41 @@ use kt_types::{Key, Manifest};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
-/// What is stored beside each version.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// What is stored beside each version: a codec document whose header is
+/// [`MetaHeader`] and whose body is the manifest.
+#[derive(Debug, Clone)]
 pub struct VersionMeta {
     pub key: Key,
     pub manifest: Manifest,
-    #[serde(default)]
     pub options: PutOptions,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct MetaHeader {
+    key: Key,
+    #[serde(default)]
+    options: PutOptions,
+}
+
+impl VersionMeta {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let header = MetaHeader {
+            key: self.key.clone(),
+            options: self.options.clone(),
+        };
+        kt_types::codec::encode_document(&header, &self.manifest)
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<(Self, kt_types::Hash), kt_types::codec::CodecError> {
+        let (h, encoded): (MetaHeader, &[u8]) = kt_types::codec::split_document(bytes)?;
+        let manifest = kt_types::codec::decode(encoded)?;
+        let meta = VersionMeta {
+            key: h.key,
+            manifest,
+            options: h.options,
+        };
+        Ok((meta, kt_sync::digest_of_encoded(encoded)))
+    }
 }
 
 /// The published version of a key.
@@ -127,12 +155,15 @@ impl Keys {
             let Some(version) = vd.current()? else {
                 continue;
             };
-            let meta: VersionMeta = vd.read_meta(&version)?;
+            let bytes = vd.read_meta(&version)?;
+            let (meta, digest) = VersionMeta::from_bytes(&bytes).map_err(|e| {
+                SyncError::Stream(format!("{}: version {version}: {e}", dent.path().display()))
+            })?;
             tracing::debug!(key = %meta.key, %version, "loaded key");
             let state = KeyState {
                 current: Some(Published {
                     version,
-                    digest: kt_sync::manifest_digest(&meta.manifest),
+                    digest,
                     meta: Arc::new(meta.clone()),
                 }),
                 ..Default::default()

@@ -6,20 +6,31 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use kt_service::{ApiError, ApiJson};
+use kt_service::{ApiBytes, ApiError, ApiJson};
 use kt_sync::SyncError;
 use kt_sync::apply::{self, ChunkedFile, WriteMode};
 use kt_sync::batch::{Expected, receive_stream};
 use kt_sync::chunk::ChunkAssembly;
 use kt_sync::publish::VersionedDir;
 use kt_types::api::{BatchAck, CommitResponse, PutPlan, PutRequest, RegisterKey};
+use kt_types::codec;
 use kt_types::{EntryKind, ErrorCode, Hash, Key, Locale, Manifest, RootKind};
 
 use crate::keys::{Published, VersionMeta};
 use crate::server::{AppState, Shared, blocking, sync_err};
+
+/// The header of a put document as received: the key is parsed by hand so a bad
+/// key is answered as `invalid_key`, naming the offending part.
+#[derive(Debug, serde::Deserialize)]
+struct PutHeader {
+    key: String,
+    digest: Hash,
+    #[serde(default)]
+    options: kt_types::api::PutOptions,
+}
 
 /// One large file arriving in chunks.
 #[derive(Debug)]
@@ -130,8 +141,15 @@ pub fn registration(s: &Shared, p: &Published) -> RegisterKey {
 /// already has, and answers which files must be sent.
 pub async fn plan(
     State(s): State<AppState>,
-    ApiJson(req): ApiJson<PutRequest>,
+    ApiBytes(body): ApiBytes,
 ) -> Result<ApiJson<PutPlan>, ApiError> {
+    let (head, encoded): (PutHeader, &[u8]) = codec::split_document(&body)
+        .map_err(|e| ApiError::bad_request(format!("put request: {e}")))?;
+    let req = PutRequest {
+        key: Key::parse(&head.key)?,
+        digest: head.digest,
+        options: head.options,
+    };
     if let Some(service) = &req.options.service {
         Key::parse(service).map_err(|e| ApiError::bad_request(format!("service name: {e}")))?;
     }
@@ -159,17 +177,19 @@ pub async fn plan(
             need_manifest: false,
         }));
     }
-    let Some(manifest) = req.manifest else {
+    if encoded.is_empty() {
         return Ok(ApiJson(PutPlan {
             session: None,
             needed: Vec::new(),
             chunk_size: s.cfg.chunk_size,
             need_manifest: true,
         }));
-    };
+    }
     let t0 = Instant::now();
+    let manifest = codec::decode(encoded)
+        .map_err(|e| ApiError::new(ErrorCode::InvalidManifest, e.to_string()))?;
     manifest.validate(&s.cfg.limits)?;
-    if kt_sync::manifest_digest(&manifest) != req.digest {
+    if kt_sync::digest_of_encoded(encoded) != req.digest {
         return Err(ApiError::bad_request(
             "the digest does not match the manifest",
         ));
@@ -307,7 +327,7 @@ pub async fn batch(
 pub async fn chunk(
     State(s): State<AppState>,
     Path((id, index, n)): Path<(String, u32, u64)>,
-    data: Bytes,
+    ApiBytes(data): ApiBytes,
 ) -> Result<ApiJson<BatchAck>, ApiError> {
     let sess = session(&s, &id)?;
     let slot = sess.chunked.get(&index).cloned().ok_or_else(|| {
@@ -425,7 +445,7 @@ pub async fn commit(
         blocking(move || {
             let root = sess.dir.version_path(&sess.version);
             apply::finish_tree(&root, &sess.meta.manifest)?;
-            sess.dir.write_meta(&sess.version, &*sess.meta)
+            sess.dir.write_meta(&sess.version, &sess.meta.to_bytes())
         })
         .await?;
     }

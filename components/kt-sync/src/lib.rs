@@ -21,26 +21,17 @@ pub mod scan;
 
 pub use error::SyncError;
 
-/// The digest of a manifest: blake3 of its JSON encoding. Sender and receiver
-/// encode the same struct with the same encoder, so equal trees give equal digests.
+/// The digest of a manifest: blake3 of its binary encoding
+/// ([`kt_types::codec`]), which sender and receiver produce identically.
 pub fn manifest_digest(m: &kt_types::Manifest) -> kt_types::Hash {
-    let mut h = blake3::Hasher::new();
-    // Writing JSON into a hasher cannot fail.
-    let _ = serde_json::to_writer(HashWriter(&mut h), m);
-    kt_types::Hash(*h.finalize().as_bytes())
+    digest_of_encoded(&kt_types::codec::to_bytes(m))
 }
 
-struct HashWriter<'a>(&'a mut blake3::Hasher);
-
-impl std::io::Write for HashWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.update(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
+/// The digest of an already encoded manifest.
+pub fn digest_of_encoded(bytes: &[u8]) -> kt_types::Hash {
+    kt_types::Hash(*blake3::hash(bytes).as_bytes())
 }
+
 pub use scan::{ScanCache, scan};
 
 /// Defaults of the transfer engine; every one is configurable by the caller.

@@ -3,7 +3,7 @@
 //! ```text
 //! <dir>/current -> v-<id>        the published version (a symlink, swapped by rename)
 //! <dir>/v-<id>/                  a version's tree (a staging area until published)
-//! <dir>/v-<id>.meta.json         its manifest and options, written before it is published
+//! <dir>/v-<id>.meta              its manifest and options (opaque to this module), written before it is published
 //! ```
 //!
 //! Readers resolve `current` once and read that version; a new version is staged
@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use crate::error::{IoContext, SyncError};
 
 const CURRENT: &str = "current";
-const META_SUFFIX: &str = ".meta.json";
+const META_SUFFIX: &str = ".meta";
 
 #[derive(Debug, Clone)]
 pub struct VersionedDir {
@@ -74,19 +74,16 @@ impl VersionedDir {
     }
 
     /// Writes a version's description (its manifest and whatever the caller keeps with it).
-    pub fn write_meta<T: serde::Serialize>(&self, id: &str, m: &T) -> Result<(), SyncError> {
+    pub fn write_meta(&self, id: &str, bytes: &[u8]) -> Result<(), SyncError> {
         let p = self.meta_path(id);
         let mut f = fs::File::create(&p).at(&p)?;
-        let bytes = serde_json::to_vec(m).map_err(|e| SyncError::Stream(e.to_string()))?;
-        f.write_all(&bytes).at(&p)?;
+        f.write_all(bytes).at(&p)?;
         f.sync_all().at(&p)
     }
 
-    pub fn read_meta<T: serde::de::DeserializeOwned>(&self, id: &str) -> Result<T, SyncError> {
+    pub fn read_meta(&self, id: &str) -> Result<Vec<u8>, SyncError> {
         let p = self.meta_path(id);
-        let bytes = fs::read(&p).at(&p)?;
-        serde_json::from_slice(&bytes)
-            .map_err(|e| SyncError::Stream(format!("{}: {e}", p.display())))
+        fs::read(&p).at(&p)
     }
 
     /// Atomically makes `id` the current version. Returns the previous one.
@@ -185,7 +182,6 @@ fn make_dirs_writable(path: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kt_types::Manifest;
 
     #[test]
     fn stage_publish_and_cleanup() {
@@ -194,7 +190,7 @@ mod tests {
         assert_eq!(v.current().unwrap(), None);
         let a = v.stage().unwrap();
         fs::write(v.version_path(&a).join("f"), b"1").unwrap();
-        v.write_meta(&a, &Manifest::default()).unwrap();
+        v.write_meta(&a, b"meta").unwrap();
         assert_eq!(v.publish(&a).unwrap(), None);
         assert_eq!(v.current().unwrap().as_deref(), Some(a.as_str()));
         assert_eq!(fs::read(d.path().join("k/current/f")).unwrap(), b"1");
@@ -205,7 +201,7 @@ mod tests {
         assert!(v.cleanup().unwrap());
         assert!(!v.version_path(&b).exists());
         assert_eq!(fs::read(d.path().join("k/current/f")).unwrap(), b"1");
-        assert_eq!(v.read_meta::<Manifest>(&a).unwrap(), Manifest::default());
+        assert_eq!(v.read_meta(&a).unwrap(), b"meta");
 
         let c = v.stage().unwrap();
         assert_eq!(v.publish(&c).unwrap().as_deref(), Some(a.as_str()));

@@ -138,7 +138,7 @@ async fn killed_put_leaves_the_old_version_and_restart_cleans_up() {
     let versions = |dir: &Path| {
         listing(dir)
             .into_iter()
-            .filter(|p| p.starts_with("v-") && !p.contains('/') && !p.ends_with(".json"))
+            .filter(|p| p.starts_with("v-") && !p.contains('/') && !p.ends_with(".meta"))
             .count()
     };
     c.restart_store().await;

@@ -37,11 +37,18 @@ fn file_entry(path: &str, data: &[u8]) -> Entry {
     }
 }
 
-fn put_body(key: &str, entries: serde_json::Value) -> serde_json::Value {
-    let manifest = json!({ "root": "dir", "entries": entries });
-    let parsed: kt_types::Manifest = serde_json::from_value(manifest.clone()).unwrap();
-    let digest = kt_sync::manifest_digest(&parsed);
-    json!({ "key": key, "digest": digest, "manifest": manifest })
+/// A put document (header + encoded manifest) with a digest that matches,
+/// unless `digest` overrides it.
+fn put_doc(key: &str, entries: serde_json::Value, digest: Option<Hash>) -> Vec<u8> {
+    let manifest: kt_types::Manifest =
+        serde_json::from_value(json!({ "root": "dir", "entries": entries })).unwrap();
+    let encoded = kt_types::codec::to_bytes(&manifest);
+    let digest = digest.unwrap_or_else(|| kt_sync::digest_of_encoded(&encoded));
+    kt_types::codec::document_with(&json!({ "key": key, "digest": digest }), &encoded)
+}
+
+fn put_body(key: &str, entries: serde_json::Value) -> Vec<u8> {
+    put_doc(key, entries, None)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -108,7 +115,7 @@ async fn hostile_requests_are_refused_and_change_nothing() {
         auth(
             p.http
                 .post(format!("{store}/api/v1/puts"))
-                .json(&put_body("../etc", json!([]))),
+                .body(put_body("../etc", json!([]))),
         ),
         400,
         ErrorCode::InvalidKey,
@@ -144,7 +151,7 @@ async fn hostile_requests_are_refused_and_change_nothing() {
                 auth(
                     p.http
                         .post(format!("{store}/api/v1/puts"))
-                        .json(&put_body("safe/evil", bad)),
+                        .body(put_body("safe/evil", bad)),
                 ),
                 400,
                 ErrorCode::InvalidManifest,
@@ -153,11 +160,14 @@ async fn hostile_requests_are_refused_and_change_nothing() {
         assert!(m.contains(what), "{m}");
     }
     // A digest that does not match the manifest.
-    let mut lying = put_body("safe/evil", json!([file_entry("f", b"x")]));
-    lying["digest"] = json!(Hash([7; 32]));
+    let lying = put_doc(
+        "safe/evil",
+        json!([file_entry("f", b"x")]),
+        Some(Hash([7; 32])),
+    );
     let m = p
         .expect(
-            auth(p.http.post(format!("{store}/api/v1/puts")).json(&lying)),
+            auth(p.http.post(format!("{store}/api/v1/puts")).body(lying)),
             400,
             ErrorCode::InvalidRequest,
         )
@@ -195,7 +205,7 @@ async fn hostile_requests_are_refused_and_change_nothing() {
         let store = store.clone();
         async move {
             let body = put_body("safe/evil", json!([file_entry("f", data)]));
-            let plan: PutPlan = auth(http.post(format!("{store}/api/v1/puts")).json(&body))
+            let plan: PutPlan = auth(http.post(format!("{store}/api/v1/puts")).body(body))
                 .send()
                 .await
                 .unwrap()

@@ -9,7 +9,7 @@
 //! - `DELETE /api/v1/keys/{key}?recursive=true` → [`DeleteResponse`]
 //!
 //! Store server (the sync protocol):
-//! - `POST /api/v1/puts` [`PutRequest`] → [`PutPlan`]
+//! - `POST /api/v1/puts` (a codec document: [`PutRequest`] + manifest) → [`PutPlan`]
 //! - `PUT  /api/v1/puts/{session}/batch` (frame stream, see [`crate::frame`]) → [`BatchAck`]
 //! - `PUT  /api/v1/puts/{session}/files/{index}/chunks/{n}` (raw bytes) → [`BatchAck`]
 //! - `POST /api/v1/puts/{session}/commit` → [`CommitResponse`]
@@ -89,16 +89,17 @@ pub struct DeleteResponse {
     pub deleted: Vec<Key>,
 }
 
-/// Starts a put. The first request may carry only the manifest's digest: when
-/// the store's current version has the same digest nothing moves; otherwise the
-/// store answers `need_manifest` and the client sends the manifest itself.
+/// Starts a put: the header of the `POST /api/v1/puts` body, which is a
+/// [`crate::codec`] document (this header, then the encoded manifest).
+///
+/// The first request may carry the header alone: when the store's current
+/// version has the same digest nothing moves; otherwise the store answers
+/// `need_manifest` and the client sends the document again with the manifest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PutRequest {
     pub key: Key,
-    /// blake3 of the manifest's JSON encoding (see `kt_sync::manifest_digest`).
+    /// blake3 of the encoded manifest (see `kt_sync::manifest_digest`).
     pub digest: Hash,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub manifest: Option<Manifest>,
     #[serde(default)]
     pub options: PutOptions,
 }

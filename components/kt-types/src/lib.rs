@@ -5,6 +5,7 @@
 //! servers and clients agree on, plus pure validation of that vocabulary.
 
 pub mod api;
+pub mod codec;
 pub mod env;
 pub mod error;
 pub mod frame;
