@@ -10,14 +10,13 @@ use bytes::Bytes;
 use kt_types::manifest::link_stays_inside;
 use kt_types::{Entry, EntryKind, Hash, Manifest, RootKind};
 use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
 
 use crate::error::{IoContext, SyncError};
 
 /// Files at least this large are hashed with memory mapping across threads.
 const MMAP_THRESHOLD: u64 = 4 << 20;
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Stamp {
     ino: u64,
     size: u64,
@@ -41,24 +40,26 @@ impl Stamp {
 }
 
 /// Remembers the hash of each file by its stat stamp.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default)]
 pub struct ScanCache {
     entries: HashMap<String, (Stamp, Hash)>,
     /// Files hashed (cache misses) by the last scan.
-    #[serde(skip)]
     pub hashed: u64,
     /// Whether the last scan changed the cache (saving is pointless otherwise).
-    #[serde(skip)]
     pub dirty: bool,
 }
 
 impl ScanCache {
-    /// Loads a cache file; a missing or unreadable cache is an empty one.
+    /// Loads a cache file; a missing, unreadable or damaged cache is an empty one.
     pub fn load(path: &Path) -> Self {
-        fs::read(path)
+        let entries = fs::read(path)
             .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or_default()
+            .and_then(|b| decode_cache(&b))
+            .unwrap_or_default();
+        ScanCache {
+            entries,
+            ..Default::default()
+        }
     }
 
     /// Saves atomically (temp file + rename).
@@ -67,8 +68,7 @@ impl ScanCache {
             fs::create_dir_all(dir).at(dir)?;
         }
         let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
-        let bytes = serde_json::to_vec(self).map_err(|e| SyncError::Stream(e.to_string()))?;
-        fs::write(&tmp, bytes).at(&tmp)?;
+        fs::write(&tmp, encode_cache(&self.entries)).at(&tmp)?;
         fs::rename(&tmp, path).at(path)
     }
 
@@ -79,6 +79,63 @@ impl ScanCache {
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
+}
+
+const CACHE_MAGIC: &[u8; 4] = b"KTC1";
+
+/// Cache file: magic, count, then per file `path_len:u32 path ino size mtime
+/// mtime_nsec ctime ctime_nsec (8 bytes each) hash:32`, little-endian. Binary
+/// because a JSON cache of a large tree costs more to parse than the scan saves.
+fn encode_cache(entries: &HashMap<String, (Stamp, Hash)>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + entries.len() * 100);
+    out.extend_from_slice(CACHE_MAGIC);
+    out.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    for (path, (st, hash)) in entries {
+        out.extend_from_slice(&(path.len() as u32).to_le_bytes());
+        out.extend_from_slice(path.as_bytes());
+        for v in [st.ino, st.size] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        for v in [st.mtime, st.mtime_nsec, st.ctime, st.ctime_nsec] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&hash.0);
+    }
+    out
+}
+
+fn decode_cache(buf: &[u8]) -> Option<HashMap<String, (Stamp, Hash)>> {
+    fn take<'a>(buf: &'a [u8], pos: &mut usize, n: usize) -> Option<&'a [u8]> {
+        let s = buf.get(*pos..pos.checked_add(n)?)?;
+        *pos += n;
+        Some(s)
+    }
+    fn word(buf: &[u8], pos: &mut usize) -> Option<[u8; 8]> {
+        take(buf, pos, 8)?.try_into().ok()
+    }
+    let mut pos = 0;
+    if take(buf, &mut pos, 4)? != CACHE_MAGIC {
+        return None;
+    }
+    let count = u32::from_le_bytes(take(buf, &mut pos, 4)?.try_into().ok()?) as usize;
+    let mut out = HashMap::with_capacity(count.min(buf.len() / 90 + 1));
+    for _ in 0..count {
+        let len = u32::from_le_bytes(take(buf, &mut pos, 4)?.try_into().ok()?) as usize;
+        let path = std::str::from_utf8(take(buf, &mut pos, len)?)
+            .ok()?
+            .to_owned();
+        let stamp = Stamp {
+            ino: u64::from_le_bytes(word(buf, &mut pos)?),
+            size: u64::from_le_bytes(word(buf, &mut pos)?),
+            mtime: i64::from_le_bytes(word(buf, &mut pos)?),
+            mtime_nsec: i64::from_le_bytes(word(buf, &mut pos)?),
+            ctime: i64::from_le_bytes(word(buf, &mut pos)?),
+            ctime_nsec: i64::from_le_bytes(word(buf, &mut pos)?),
+        };
+        let hash = Hash(take(buf, &mut pos, 32)?.try_into().ok()?);
+        out.insert(path, (stamp, hash));
+    }
+    (pos == buf.len()).then_some(out)
 }
 
 /// Hashes one file's content.
@@ -354,6 +411,10 @@ mod tests {
         cache.save(&file).unwrap();
         let mut loaded = ScanCache::load(&file);
         assert_eq!(loaded.len(), 1);
+        // A damaged cache is an empty one, never an error.
+        let bytes = fs::read(&file).unwrap();
+        fs::write(&file, &bytes[..bytes.len() - 1]).unwrap();
+        assert!(ScanCache::load(&file).is_empty());
         scan(&tree, &mut loaded).unwrap();
         assert_eq!(loaded.hashed, 0);
     }
