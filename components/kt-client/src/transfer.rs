@@ -1,7 +1,6 @@
 //! put and get: the client side of the sync protocol.
 
 use std::collections::HashMap;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -285,10 +284,19 @@ impl Client {
                 len,
             } => {
                 let data = blocking(move || {
-                    let f = std::fs::File::open(&path).map_err(|e| SyncError::io(&path, e))?;
-                    let mut buf = vec![0u8; len as usize];
-                    f.read_exact_at(&mut buf, offset)
-                        .map_err(|e| SyncError::io(&path, e))?;
+                    use std::io::{Read, Seek, SeekFrom};
+                    let mut f = std::fs::File::open(&path).map_err(|e| SyncError::io(&path, e))?;
+                    f.seek(SeekFrom::Start(offset)).map_err(|e| SyncError::io(&path, e))?;
+                    // Read into spare capacity: no zeroing pass over the buffer.
+                    let mut buf = Vec::with_capacity(len as usize);
+                    f.take(len).read_to_end(&mut buf).map_err(|e| SyncError::io(&path, e))?;
+                    if buf.len() as u64 != len {
+                        return Err(SyncError::SizeMismatch {
+                            path: path.display().to_string(),
+                            expected: len,
+                            actual: buf.len() as u64,
+                        });
+                    }
                     Ok(buf)
                 })
                 .await?;

@@ -13,8 +13,8 @@ use rayon::prelude::*;
 
 use crate::error::{IoContext, SyncError};
 
-/// Files at least this large are hashed with memory mapping across threads.
-const MMAP_THRESHOLD: u64 = 4 << 20;
+/// Files at least this large are hashed memory-mapped across threads.
+const LARGE_FILE: u64 = 4 << 20;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Stamp {
@@ -146,7 +146,8 @@ pub fn hash_file(path: &Path, size: u64) -> Result<Hash, SyncError> {
 /// Hashes one file; with `keep`, also returns the content (small files only).
 fn hash_and_keep(path: &Path, size: u64, keep: bool) -> Result<(Hash, Option<Bytes>), SyncError> {
     let mut hasher = blake3::Hasher::new();
-    if size >= MMAP_THRESHOLD {
+    if size >= LARGE_FILE {
+        // Large files: memory-mapped and hashed on all cores.
         hasher.update_mmap_rayon(path).at(path)?;
         return Ok((Hash(*hasher.finalize().as_bytes()), None));
     }
@@ -220,7 +221,7 @@ pub fn scan_keeping(
     let misses: Vec<(usize, PathBuf, Stamp, bool)> = misses
         .into_iter()
         .map(|(index, abs, stamp)| {
-            let keep = stamp.size < MMAP_THRESHOLD && stamp.size <= budget;
+            let keep = stamp.size < LARGE_FILE && stamp.size <= budget;
             if keep {
                 budget -= stamp.size;
             }
