@@ -286,10 +286,13 @@ impl Client {
                 let data = blocking(move || {
                     use std::io::{Read, Seek, SeekFrom};
                     let mut f = std::fs::File::open(&path).map_err(|e| SyncError::io(&path, e))?;
-                    f.seek(SeekFrom::Start(offset)).map_err(|e| SyncError::io(&path, e))?;
+                    f.seek(SeekFrom::Start(offset))
+                        .map_err(|e| SyncError::io(&path, e))?;
                     // Read into spare capacity: no zeroing pass over the buffer.
                     let mut buf = Vec::with_capacity(len as usize);
-                    f.take(len).read_to_end(&mut buf).map_err(|e| SyncError::io(&path, e))?;
+                    f.take(len)
+                        .read_to_end(&mut buf)
+                        .map_err(|e| SyncError::io(&path, e))?;
                     if buf.len() as u64 != len {
                         return Err(SyncError::SizeMismatch {
                             path: path.display().to_string(),

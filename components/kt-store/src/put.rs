@@ -6,14 +6,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
+use blake3::hazmat::ChainingValue;
+use futures::StreamExt;
 use kt_service::{ApiBytes, ApiError, ApiJson};
 use kt_sync::SyncError;
 use kt_sync::apply::{self, ChunkedFile, WriteMode};
 use kt_sync::batch::{Expected, receive_stream};
-use kt_sync::chunk::ChunkAssembly;
+use kt_sync::chunk::{ChunkAssembly, ChunkHasher};
 use kt_sync::publish::VersionedDir;
 use kt_types::api::{BatchAck, CommitResponse, PutPlan, PutRequest, RegisterKey};
 use kt_types::codec;
@@ -327,7 +329,7 @@ pub async fn batch(
 pub async fn chunk(
     State(s): State<AppState>,
     Path((id, index, n)): Path<(String, u32, u64)>,
-    ApiBytes(data): ApiBytes,
+    body: Body,
 ) -> Result<ApiJson<BatchAck>, ApiError> {
     let sess = session(&s, &id)?;
     let slot = sess.chunked.get(&index).cloned().ok_or_else(|| {
@@ -347,27 +349,15 @@ pub async fn chunk(
                 chunk: n,
             })
         })?;
-    if data.len() as u64 != len {
-        return Err(sync_err(SyncError::SizeMismatch {
-            path: format!("{} chunk {n}", entry.path),
-            expected: len,
-            actual: data.len() as u64,
-        }));
-    }
     let chunk_size = s.cfg.chunk_size;
-    let bytes = data.len() as u64;
+    let received = receive_chunk(body, slot.clone(), offset, len, n, chunk_size, &entry.path).await;
+    let (bytes, cv) = match received {
+        Ok(Some(done)) => done,
+        // The file was completed by an earlier copy of this chunk.
+        Ok(None) => return Ok(ApiJson(BatchAck { files: 0, bytes: 0 })),
+        Err(e) => return Err(e),
+    };
     let written = blocking(move || {
-        if slot.done.load(Ordering::SeqCst) {
-            return Ok(());
-        }
-        {
-            let guard = slot.file.read().unwrap_or_else(|p| p.into_inner());
-            let Some(file) = guard.as_ref() else {
-                return Ok(());
-            };
-            file.write_at(offset, &data)?;
-        }
-        let cv = kt_sync::chunk::chunk_cv(&data, n, chunk_size);
         let root = {
             let mut asm = slot.asm.lock().unwrap_or_else(|p| p.into_inner());
             asm.add_cv(n, cv);
@@ -396,6 +386,78 @@ pub async fn chunk(
     }
     s.metrics.add_bytes_in(bytes);
     Ok(ApiJson(BatchAck { files: 0, bytes }))
+}
+
+/// Streams one chunk's body into its file at `offset`, hashing as it goes (no
+/// buffering of the whole chunk). Returns the bytes written and the chunk's
+/// chaining value, or `None` when the file is already complete.
+async fn receive_chunk(
+    body: Body,
+    slot: Arc<ChunkSlot>,
+    offset: u64,
+    len: u64,
+    n: u64,
+    chunk_size: u64,
+    path: &str,
+) -> Result<Option<(u64, ChainingValue)>, ApiError> {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(16);
+    let writer =
+        tokio::task::spawn_blocking(move || -> Result<Option<(u64, ChainingValue)>, SyncError> {
+            let guard = slot.file.read().unwrap_or_else(|p| p.into_inner());
+            let Some(file) = guard.as_ref().filter(|_| !slot.done.load(Ordering::SeqCst)) else {
+                return Ok(None);
+            };
+            let mut hasher = ChunkHasher::new(n, chunk_size);
+            let mut pos = 0u64;
+            while let Some(data) = rx.blocking_recv() {
+                file.write_at(offset + pos, &data)?;
+                hasher.update(&data);
+                pos += data.len() as u64;
+            }
+            Ok(Some((pos, hasher.finish())))
+        });
+    let mut stream = body.into_data_stream();
+    let mut total = 0u64;
+    let mut failure = None;
+    while let Some(frame) = stream.next().await {
+        let data = match frame {
+            Ok(d) => d,
+            Err(e) => {
+                failure = Some(ApiError::new(
+                    ErrorCode::Truncated,
+                    format!("chunk body: {e}"),
+                ));
+                break;
+            }
+        };
+        total += data.len() as u64;
+        if total > len {
+            failure = Some(ApiError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("chunk {n} of {path:?} is longer than its {len} bytes"),
+            ));
+            break;
+        }
+        if tx.send(data).await.is_err() {
+            break; // the writer failed; it says why
+        }
+    }
+    drop(tx);
+    let written = writer
+        .await
+        .map_err(|e| ApiError::internal(format!("chunk writer failed: {e}")))?
+        .map_err(sync_err)?;
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    match written {
+        Some((n_bytes, _)) if n_bytes != len => Err(sync_err(SyncError::SizeMismatch {
+            path: format!("{path} chunk {n}"),
+            expected: len,
+            actual: n_bytes,
+        })),
+        other => Ok(other),
+    }
 }
 
 /// `POST /api/v1/puts/{session}/commit`: verifies completeness and publishes atomically.

@@ -182,14 +182,14 @@ pub async fn run(
 }
 
 fn routes(state: AppState) -> Router {
-    let chunk_limit = state.cfg.chunk_size as usize + 1024;
     let json_limit = state.cfg.max_request_bytes;
     Router::new()
         .route("/api/v1/puts", post(put::plan))
         .route("/api/v1/puts/{session}/batch", put(put::batch))
         .route(
             "/api/v1/puts/{session}/files/{index}/chunks/{n}",
-            put(put::chunk).layer(DefaultBodyLimit::max(chunk_limit)),
+            // Streamed; the handler refuses bytes beyond the chunk's length.
+            put(put::chunk),
         )
         .route("/api/v1/puts/{session}/commit", post(put::commit))
         .route("/api/v1/puts/{session}", delete(put::abort))

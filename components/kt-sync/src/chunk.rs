@@ -40,11 +40,28 @@ pub fn chunk_range(size: u64, chunk_size: u64, n: u64) -> Option<(u64, u64)> {
 
 /// The chaining value of chunk `n` (its data must be the whole chunk).
 pub fn chunk_cv(data: &[u8], n: u64, chunk_size: u64) -> ChainingValue {
-    let mut h = blake3::Hasher::new();
-    h.set_input_offset(n * chunk_size);
-    // Single-threaded: chunks are hashed concurrently already, one per stream.
+    let mut h = ChunkHasher::new(n, chunk_size);
     h.update(data);
-    h.finalize_non_root()
+    h.finish()
+}
+
+/// Hashes chunk `n` incrementally, as its bytes arrive in order.
+#[derive(Debug)]
+pub struct ChunkHasher(blake3::Hasher);
+
+impl ChunkHasher {
+    pub fn new(n: u64, chunk_size: u64) -> Self {
+        let mut h = blake3::Hasher::new();
+        h.set_input_offset(n * chunk_size);
+        ChunkHasher(h)
+    }
+    /// Single-threaded: chunks are hashed concurrently already, one per stream.
+    pub fn update(&mut self, data: &[u8]) {
+        self.0.update(data);
+    }
+    pub fn finish(&self) -> ChainingValue {
+        self.0.finalize_non_root()
+    }
 }
 
 fn left_len(n: usize) -> usize {
