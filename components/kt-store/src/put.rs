@@ -388,6 +388,8 @@ pub async fn chunk(
     Ok(ApiJson(BatchAck { files: 0, bytes }))
 }
 
+const WRITE_PIECE: usize = 1 << 20;
+
 /// Streams one chunk's body into its file at `offset`, hashing as it goes (no
 /// buffering of the whole chunk). Returns the bytes written and the chunk's
 /// chaining value, or `None` when the file is already complete.
@@ -419,6 +421,7 @@ async fn receive_chunk(
     let mut stream = body.into_data_stream();
     let mut total = 0u64;
     let mut failure = None;
+    let mut pending = bytes::BytesMut::with_capacity(WRITE_PIECE);
     while let Some(frame) = stream.next().await {
         let data = match frame {
             Ok(d) => d,
@@ -438,9 +441,14 @@ async fn receive_chunk(
             ));
             break;
         }
-        if tx.send(data).await.is_err() {
+        // Network frames are small; write in pieces of about a MiB.
+        pending.extend_from_slice(&data);
+        if pending.len() >= WRITE_PIECE && tx.send(pending.split().freeze()).await.is_err() {
             break; // the writer failed; it says why
         }
+    }
+    if failure.is_none() && !pending.is_empty() {
+        let _ = tx.send(pending.freeze()).await;
     }
     drop(tx);
     let written = writer
