@@ -416,7 +416,12 @@ async fn receive_chunk(
                 hasher.update(&data);
                 pos += data.len() as u64;
             }
-            Ok(Some((pos, hasher.finish())))
+            // blake3 has no chaining value for an empty subtree; an empty body
+            // is a size mismatch, reported below.
+            Ok(Some((
+                pos,
+                if pos == 0 { [0; 32] } else { hasher.finish() },
+            )))
         });
     let mut stream = body.into_data_stream();
     let mut total = 0u64;
@@ -453,11 +458,11 @@ async fn receive_chunk(
     drop(tx);
     let written = writer
         .await
-        .map_err(|e| ApiError::internal(format!("chunk writer failed: {e}")))?
-        .map_err(sync_err)?;
+        .map_err(|e| ApiError::internal(format!("chunk writer failed: {e}")))?;
     if let Some(e) = failure {
         return Err(e);
     }
+    let written = written.map_err(sync_err)?;
     match written {
         Some((n_bytes, _)) if n_bytes != len => Err(sync_err(SyncError::SizeMismatch {
             path: format!("{path} chunk {n}"),

@@ -305,6 +305,16 @@ async fn hostile_requests_are_refused_and_change_nothing() {
         ErrorCode::InvalidRequest,
     )
     .await;
+    p.expect(
+        auth(
+            p.http
+                .put(format!("{store}/api/v1/puts/{sid}/files/0/chunks/1"))
+                .body(Vec::new()),
+        ),
+        400,
+        ErrorCode::InvalidRequest,
+    )
+    .await;
     let half = CHUNK as usize;
     assert!(
         auth(
