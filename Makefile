@@ -1,6 +1,7 @@
 # The task runner developers type and CI calls (.ci/run -> make test).
 SHELL := /bin/bash
 CARGO ?= cargo
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo "nextest run" || echo "test")
 
 .PHONY: all build release test fmt fmt-check clippy unit scenario bench bench-rsync clean
@@ -30,7 +31,7 @@ unit:
 
 ## scenario: the main job on the local target: real binaries on loopback, whole flows.
 scenario: release
-	bash testbed/local-smoke.sh target/release
+	bash testbed/local-smoke.sh $(TARGET_DIR)/release
 
 ## bench: criterion benches of the sync engine (scan, hash, diff, chunk roots).
 bench:
