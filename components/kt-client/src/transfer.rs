@@ -327,9 +327,18 @@ impl Client {
         let started = Instant::now();
         let record = self.stat(key).await?;
         let source = record.source.trim_end_matches('/').to_owned();
-        let read: ReadManifest = self
-            .get_json(&format!("{source}/api/v1/trees/{key}"))
-            .await?;
+        let url = format!("{source}/api/v1/trees/{key}");
+        let body = self
+            .send(&url, self.http.get(&url))
+            .await?
+            .bytes()
+            .await
+            .map_err(|source| ClientError::Http {
+                url: url.clone(),
+                source,
+            })?;
+        let read = ReadManifest::from_document(&body)
+            .map_err(|e| ClientError::Local(format!("{url}: invalid manifest document: {e}")))?;
         let lease_url = format!("{source}/api/v1/reads/{}", read.lease);
         let result = self
             .download(&lease_url, &read, dest, progress.clone())

@@ -61,7 +61,7 @@ async fn published(s: &Shared, raw: &str) -> Result<(Key, Locked, Published), Ap
 pub async fn open(
     State(s): State<AppState>,
     Path(key): Path<String>,
-) -> Result<ApiJson<ReadManifest>, ApiError> {
+) -> Result<impl axum::response::IntoResponse, ApiError> {
     let (key, mut st, cur) = published(&s, &key).await?;
     st.pin(&cur.version);
     drop(st);
@@ -79,12 +79,20 @@ pub async fn open(
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(id.clone(), l);
-    Ok(ApiJson(ReadManifest {
+    let doc = ReadManifest {
         version: cur.version,
         lease: id,
         chunk_size: s.cfg.chunk_size,
         manifest: cur.meta.manifest.clone(),
-    }))
+    }
+    .to_document();
+    Ok((
+        [(
+            axum::http::header::CONTENT_TYPE,
+            kt_types::codec::DOCUMENT_CONTENT_TYPE,
+        )],
+        doc,
+    ))
 }
 
 fn file_entry(l: &ReadLease, index: u32) -> Result<&kt_types::Entry, ApiError> {

@@ -14,7 +14,7 @@
 //! - `PUT  /api/v1/puts/{session}/files/{index}/chunks/{n}` (raw bytes) → [`BatchAck`]
 //! - `POST /api/v1/puts/{session}/commit` → [`CommitResponse`]
 //! - `DELETE /api/v1/puts/{session}` — abort
-//! - `GET  /api/v1/trees/{key}` → [`ReadManifest`] (opens a read lease pinning the version)
+//! - `GET  /api/v1/trees/{key}` → [`ReadManifest`] as a codec document (opens a read lease pinning the version)
 //! - `POST /api/v1/reads/{lease}/batch` [`BatchRequest`] → frame stream
 //! - `GET  /api/v1/reads/{lease}/files/{index}?offset=O&len=L` → raw bytes
 //! - `DELETE /api/v1/reads/{lease}` — release
@@ -138,12 +138,42 @@ pub struct CommitResponse {
     pub record: KeyRecord,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// The answer to `GET /api/v1/trees/{key}`: a [`crate::codec`] document whose
+/// header is [`ReadHeader`] and whose body is the version's manifest.
+#[derive(Debug, Clone, PartialEq)]
 pub struct ReadManifest {
     pub version: String,
     pub lease: String,
     pub chunk_size: u64,
     pub manifest: Manifest,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadHeader {
+    pub version: String,
+    pub lease: String,
+    pub chunk_size: u64,
+}
+
+impl ReadManifest {
+    pub fn to_document(&self) -> Vec<u8> {
+        let header = ReadHeader {
+            version: self.version.clone(),
+            lease: self.lease.clone(),
+            chunk_size: self.chunk_size,
+        };
+        crate::codec::encode_document(&header, &self.manifest)
+    }
+
+    pub fn from_document(bytes: &[u8]) -> Result<Self, crate::codec::CodecError> {
+        let (h, encoded): (ReadHeader, &[u8]) = crate::codec::split_document(bytes)?;
+        Ok(ReadManifest {
+            version: h.version,
+            lease: h.lease,
+            chunk_size: h.chunk_size,
+            manifest: crate::codec::decode(encoded)?,
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
