@@ -561,12 +561,10 @@ impl Client {
             .buffer_unordered(self.cfg.streams.max(1))
             .try_collect::<Vec<()>>()
             .await;
+        // On failure the temporary file goes when its last writer lets go of it.
+        fetched?;
         let file = Arc::try_unwrap(file)
             .map_err(|_| ClientError::Local("chunk writer still in use".into()))?;
-        if let Err(err) = fetched {
-            file.discard();
-            return Err(err);
-        }
         let root = asm.lock().unwrap_or_else(|p| p.into_inner()).root();
         if root != e.hash {
             file.discard();

@@ -72,6 +72,11 @@ impl Registry {
         self.keys.get(key).filter(|r| !is_expired(r, now_ms))
     }
 
+    /// A record, expired or not.
+    pub fn get_any(&self, key: &Key) -> Option<&KeyRecord> {
+        self.keys.get(key)
+    }
+
     pub fn remove(&mut self, key: &Key) -> Option<KeyRecord> {
         self.keys.remove(key)
     }

@@ -231,10 +231,12 @@ async fn delete_key(
 /// Deletes a key's data at its source, then its record.
 async fn delete_one(s: &Inner, r: &KeyRecord) -> Result<(), ApiError> {
     if r.locale == Locale::Store {
+        // Only the version this record names: a put that published since is kept.
         let url = format!("{}/api/v1/trees/{}", r.source.trim_end_matches('/'), r.key);
         let resp = s
             .http
             .delete(&url)
+            .query(&[("version", r.version.as_str())])
             .bearer_auth(s.token.expose())
             .send()
             .await
@@ -244,8 +246,17 @@ async fn delete_one(s: &Inner, r: &KeyRecord) -> Result<(), ApiError> {
                     format!("store unreachable while deleting {}: {e}", r.key),
                 )
             })?;
-        if !(resp.status().is_success() || resp.status() == reqwest::StatusCode::NOT_FOUND) {
-            let status = resp.status();
+        let status = resp.status();
+        if status == reqwest::StatusCode::CONFLICT {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "{} changed while it was being deleted; nothing was deleted, try again",
+                    r.key
+                ),
+            ));
+        }
+        if !(status.is_success() || status == reqwest::StatusCode::NOT_FOUND) {
             let body = resp.text().await.unwrap_or_default();
             return Err(ApiError::new(
                 ErrorCode::Unavailable,
@@ -253,9 +264,16 @@ async fn delete_one(s: &Inner, r: &KeyRecord) -> Result<(), ApiError> {
             ));
         }
     }
-    s.db.remove_record(&r.key).map_err(db_err)?;
-    s.registry.lock().await.remove(&r.key);
-    tracing::info!(key = %r.key, "key deleted");
+    let mut registry = s.registry.lock().await;
+    // A newer version registered meanwhile keeps its record.
+    if registry
+        .get_any(&r.key)
+        .is_some_and(|cur| cur.version == r.version)
+    {
+        s.db.remove_record(&r.key).map_err(db_err)?;
+        registry.remove(&r.key);
+        tracing::info!(key = %r.key, "key deleted");
+    }
     Ok(())
 }
 

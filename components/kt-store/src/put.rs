@@ -39,7 +39,10 @@ struct PutHeader {
 struct ChunkSlot {
     file: RwLock<Option<ChunkedFile>>,
     asm: Mutex<ChunkAssembly>,
+    /// Set by the request that completes the file (no other request writes after it).
     done: AtomicBool,
+    /// Set once the file is verified and finished (mode, mtime): commit waits for this.
+    finished: AtomicBool,
 }
 
 /// An upload in progress: a staging version plus what is still to arrive.
@@ -246,6 +249,7 @@ pub async fn plan(
                     file: RwLock::new(Some(file)),
                     asm: Mutex::new(ChunkAssembly::new(e.size, s.cfg.chunk_size)),
                     done: AtomicBool::new(false),
+                    finished: AtomicBool::new(false),
                 }),
             );
         } else {
@@ -298,11 +302,14 @@ pub async fn batch(
     body: Body,
 ) -> Result<ApiJson<BatchAck>, ApiError> {
     let sess = session(&s, &id)?;
+    // Each file written keeps the session alive, however long the stream runs.
+    let alive = sess.clone();
+    let touch: kt_sync::batch::Progress = Arc::new(move |_| alive.touch());
     let received = receive_stream(
         body.into_data_stream(),
         sess.batch.clone(),
         WriteMode::Direct,
-        None,
+        Some(touch),
     )
     .await;
     let got = match received {
@@ -375,7 +382,9 @@ pub async fn chunk(
                 path: entry.path.clone(),
             });
         }
-        file.finish(&entry)
+        file.finish(&entry)?;
+        slot.finished.store(true, Ordering::SeqCst);
+        Ok(())
     })
     .await;
     if let Err(e) = written {
@@ -473,6 +482,34 @@ async fn receive_chunk(
     }
 }
 
+/// Finishes the staged tree, writes its description and switches `current` to
+/// it. Returns the superseded versions that no reader holds.
+async fn publish(
+    s: &Shared,
+    sess: &Arc<PutSession>,
+    published: &Published,
+) -> Result<Vec<String>, ApiError> {
+    {
+        let sess = sess.clone();
+        blocking(move || {
+            let root = sess.dir.version_path(&sess.version);
+            apply::finish_tree(&root, &sess.meta.manifest)?;
+            sess.dir.write_meta(&sess.version, &sess.meta.to_bytes())
+        })
+        .await?;
+    }
+    let state = s.keys.state(&sess.key);
+    let mut st = state.lock().await;
+    let dir = sess.dir.clone();
+    let version = sess.version.clone();
+    let previous = blocking(move || dir.publish(&version)).await?;
+    st.current = Some(published.clone());
+    Ok(match previous {
+        Some(prev) if prev != sess.version => st.retire(prev),
+        _ => Vec::new(),
+    })
+}
+
 /// `POST /api/v1/puts/{session}/commit`: verifies completeness and publishes atomically.
 pub async fn commit(
     State(s): State<AppState>,
@@ -489,7 +526,7 @@ pub async fn commit(
     let missing_chunked = sess
         .chunked
         .values()
-        .filter(|c| !c.done.load(Ordering::SeqCst))
+        .filter(|c| !c.finished.load(Ordering::SeqCst))
         .count();
     let check: Vec<String> = {
         let received = sess.received.lock().unwrap_or_else(|p| p.into_inner());
@@ -515,30 +552,17 @@ pub async fn commit(
         ));
     }
     let t0 = Instant::now();
-    {
-        let sess = sess.clone();
-        blocking(move || {
-            let root = sess.dir.version_path(&sess.version);
-            apply::finish_tree(&root, &sess.meta.manifest)?;
-            sess.dir.write_meta(&sess.version, &sess.meta.to_bytes())
-        })
-        .await?;
-    }
-    let state = s.keys.state(&sess.key);
     let published = Published {
         version: sess.version.clone(),
         meta: sess.meta.clone(),
         digest: sess.digest,
     };
-    let collectable = {
-        let mut st = state.lock().await;
-        let dir = sess.dir.clone();
-        let version = sess.version.clone();
-        let previous = blocking(move || dir.publish(&version)).await?;
-        st.current = Some(published.clone());
-        match previous {
-            Some(prev) if prev != sess.version => st.retire(prev),
-            _ => Vec::new(),
+    let collectable = match publish(&s, &sess, &published).await {
+        Ok(c) => c,
+        Err(e) => {
+            // Not published: the staging version must not outlive the session.
+            discard(&s, sess).await;
+            return Err(e);
         }
     };
     // Superseded versions go in the background; the answer does not wait for them.
@@ -582,15 +606,10 @@ async fn discard(s: &Shared, sess: Arc<PutSession>) {
     let state = s.keys.state(&sess.key);
     let st = state.lock().await;
     remove_versions(&sess.dir, vec![sess.version.clone()]).await;
-    let others = s
-        .puts
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .values()
-        .any(|p| p.key == sess.key);
-    if st.current.is_none() && !others {
+    if st.current.is_none() {
+        // Only when no other upload is staging in it (its `v-*` would remain).
         let dir = sess.dir.clone();
-        if let Err(e) = blocking(move || dir.remove_all()).await {
+        if let Err(e) = blocking(move || dir.remove_if_unused()).await {
             tracing::warn!(key = %sess.key, error = %e, "could not remove an unpublished key's directory");
         }
     }

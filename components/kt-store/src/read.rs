@@ -11,7 +11,9 @@ use axum::http::StatusCode;
 use kt_service::{ApiError, ApiJson};
 use kt_sync::SyncError;
 use kt_sync::batch::{SendItem, send_stream};
-use kt_types::api::{BatchRequest, DeleteResponse, RangeQuery, ReadManifest, TreeList};
+use kt_types::api::{
+    BatchRequest, DeleteResponse, RangeQuery, ReadManifest, TreeDeleteQuery, TreeList,
+};
 use kt_types::{EntryKind, Key};
 
 use crate::keys::{Published, VersionMeta};
@@ -31,6 +33,12 @@ pub struct ReadLease {
     touched: Mutex<Instant>,
 }
 
+impl ReadLease {
+    fn touch(&self) {
+        *self.touched.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+}
+
 fn lease(s: &Shared, id: &str) -> Result<Arc<ReadLease>, ApiError> {
     let found = s
         .reads
@@ -41,7 +49,7 @@ fn lease(s: &Shared, id: &str) -> Result<Arc<ReadLease>, ApiError> {
     let l = found.ok_or_else(|| {
         ApiError::not_found(format!("no read lease {id:?} (expired or released)"))
     })?;
-    *l.touched.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    l.touch();
     Ok(l)
 }
 
@@ -127,7 +135,9 @@ pub async fn batch(
         });
     }
     s.metrics.add_bytes_out(bytes);
-    Ok(Body::from_stream(send_stream(items, None)))
+    // Each file sent keeps the lease alive, however long the stream runs.
+    let touch: kt_sync::batch::Progress = Arc::new(move |_| l.touch());
+    Ok(Body::from_stream(send_stream(items, Some(touch))))
 }
 
 /// `GET /api/v1/reads/{lease}/files/{index}?offset=O&len=L`: a byte range of one file.
@@ -205,8 +215,15 @@ pub async fn sweep(s: &Shared, now: Instant) {
 pub async fn delete_tree(
     State(s): State<AppState>,
     Path(key): Path<String>,
+    Query(q): Query<TreeDeleteQuery>,
 ) -> Result<ApiJson<DeleteResponse>, ApiError> {
-    let (key, mut st, _) = published(&s, &key).await?;
+    let (key, mut st, cur) = published(&s, &key).await?;
+    if let Some(v) = q.version.filter(|v| *v != cur.version) {
+        return Err(ApiError::new(
+            kt_types::ErrorCode::Conflict,
+            format!("{key} is at version {}, not {v}", cur.version),
+        ));
+    }
     let dir = s.keys.dir_of(&key);
     blocking(move || dir.remove_all()).await?;
     st.current = None;

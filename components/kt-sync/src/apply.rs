@@ -137,6 +137,8 @@ pub struct ChunkedFile {
     path: PathBuf,
     dest: PathBuf,
     mode: WriteMode,
+    /// Set once the file is in place; until then dropping it removes a temporary file.
+    placed: bool,
 }
 
 impl ChunkedFile {
@@ -152,6 +154,7 @@ impl ChunkedFile {
             path,
             dest: dest.to_owned(),
             mode,
+            placed: false,
         })
     }
 
@@ -161,20 +164,29 @@ impl ChunkedFile {
 
     /// Sets metadata and makes the file visible at its destination.
     /// Call only after the assembled hash was verified.
-    pub fn finish(self, entry: &Entry) -> Result<(), SyncError> {
+    pub fn finish(mut self, entry: &Entry) -> Result<(), SyncError> {
         set_meta(&self.file, &self.path, entry, false)?;
-        drop(self.file);
         if self.mode == WriteMode::TempRename {
             clear_non_file(&self.dest)?;
             fs::rename(&self.path, &self.dest).at(&self.dest)?;
         }
+        self.placed = true;
         Ok(())
     }
 
     /// Drops a file that failed verification.
-    pub fn discard(self) {
-        drop(self.file);
+    pub fn discard(mut self) {
         let _ = fs::remove_file(&self.path);
+        self.placed = true;
+    }
+}
+
+impl Drop for ChunkedFile {
+    /// A temporary file abandoned midway (a failed or cancelled download) is removed.
+    fn drop(&mut self) {
+        if !self.placed && self.mode == WriteMode::TempRename {
+            let _ = fs::remove_file(&self.path);
+        }
     }
 }
 

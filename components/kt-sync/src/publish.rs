@@ -93,9 +93,11 @@ impl VersionedDir {
         let _ = fs::remove_file(&tmp);
         symlink(format!("v-{id}"), &tmp).at(&tmp)?;
         fs::rename(&tmp, self.dir.join(CURRENT)).at(&self.dir)?;
-        fs::File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .at(&self.dir)?;
+        // Published from here on: a failing directory sync is reported, not
+        // returned (the caller must not treat the version as unpublished).
+        if let Err(e) = fs::File::open(&self.dir).and_then(|d| d.sync_all()) {
+            tracing::warn!(dir = %self.dir.display(), error = %e, "directory sync after publish failed");
+        }
         Ok(previous)
     }
 
@@ -108,6 +110,26 @@ impl VersionedDir {
     /// Removes the whole directory: every version and the `current` link.
     pub fn remove_all(&self) -> Result<(), SyncError> {
         force_remove_dir_all(&self.dir)
+    }
+
+    /// Removes the directory when it holds no version at all (no `current`, no
+    /// `v-*` of an upload in progress): what a never-published key leaves behind.
+    pub fn remove_if_unused(&self) -> Result<(), SyncError> {
+        let rd = match fs::read_dir(&self.dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(SyncError::io(&self.dir, e)),
+        };
+        let in_use = rd.flatten().any(|d| {
+            let name = d.file_name();
+            let name = name.to_string_lossy();
+            name == CURRENT || name.starts_with("v-")
+        });
+        if in_use {
+            Ok(())
+        } else {
+            force_remove_dir_all(&self.dir)
+        }
     }
 
     /// Removes everything but the current version. Returns whether a current

@@ -416,6 +416,16 @@ async fn hostile_requests_are_refused_and_change_nothing() {
     )
     .await;
 
+    // A delete naming another version than the current one is refused.
+    p.expect(
+        auth(p.http.delete(format!(
+            "{store}/api/v1/trees/safe/good?version=not-current"
+        ))),
+        409,
+        ErrorCode::Conflict,
+    )
+    .await;
+
     // Nothing on disk changed, and the server still serves.
     assert_eq!(listing(&c.store_data()), disk_before);
     let out = c.dir.path().join("out");

@@ -198,6 +198,14 @@ pub struct DeleteQuery {
     pub recursive: bool,
 }
 
+/// `DELETE /api/v1/trees/{key}?version=V`: with a version, only that version
+/// is deleted (409 when the key has moved on).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TreeDeleteQuery {
+    #[serde(default)]
+    pub version: Option<String>,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ListQuery {
     #[serde(default)]

@@ -192,6 +192,28 @@ pub fn link_stays_inside(link_path: &str, target: &str) -> bool {
     true
 }
 
+/// True when resolving `target` from `link_path` walks through a component
+/// that is itself one of `links` (before its last segment).
+fn passes_through_link(link_path: &str, target: &str, links: &HashSet<&str>) -> bool {
+    let mut at: Vec<&str> = link_path.split('/').collect();
+    at.pop();
+    let segments: Vec<&str> = target
+        .split('/')
+        .filter(|s| !s.is_empty() && *s != ".")
+        .collect();
+    for (i, seg) in segments.iter().enumerate() {
+        if *seg == ".." {
+            at.pop();
+        } else {
+            at.push(seg);
+        }
+        if i + 1 < segments.len() && !at.is_empty() && links.contains(at.join("/").as_str()) {
+            return true;
+        }
+    }
+    false
+}
+
 impl Manifest {
     pub fn file_count(&self) -> u64 {
         self.entries
@@ -279,6 +301,26 @@ impl Manifest {
                             target: target.clone(),
                         });
                     }
+                }
+            }
+        }
+        // A link whose target passes *through* another link of the tree could
+        // resolve anywhere (`d/a -> ..`, `x -> d/a/..`): textual checks cannot
+        // see that, so such targets are refused.
+        let links: HashSet<&str> = self
+            .entries
+            .iter()
+            .filter(|e| e.kind == EntryKind::Symlink)
+            .map(|e| e.path.as_str())
+            .collect();
+        if !links.is_empty() {
+            for e in self.entries.iter().filter(|e| e.kind == EntryKind::Symlink) {
+                let target = e.target.as_deref().unwrap_or_default();
+                if passes_through_link(&e.path, target, &links) {
+                    return Err(ManifestError::LinkEscapes {
+                        path: e.path.clone(),
+                        target: target.to_owned(),
+                    });
                 }
             }
         }
@@ -376,6 +418,14 @@ mod tests {
             check(vec![link("l", "/etc")]),
             Err(ManifestError::LinkEscapes { .. })
         ));
+        // Through another link: `d/a -> ..` is fine alone, `x -> d/a/..` escapes.
+        assert!(check(vec![dir("d"), link("d/a", "..")]).is_ok());
+        assert!(matches!(
+            check(vec![dir("d"), link("d/a", ".."), link("x", "d/a/..")]),
+            Err(ManifestError::LinkEscapes { .. })
+        ));
+        // Pointing *at* a link (not through it) is fine.
+        assert!(check(vec![dir("d"), link("d/a", ".."), link("x", "d/a")]).is_ok());
         assert!(matches!(
             check(vec![file("a/b")]),
             Err(ManifestError::MissingParent { .. })
