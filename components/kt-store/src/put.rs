@@ -170,7 +170,7 @@ pub async fn plan(
             }),
             ..cur.clone()
         };
-        drop(st);
+        // Registered under the key lock, like a commit: records keep publish order.
         s.registrar
             .register(&key, registration(&s, &published))
             .await
@@ -488,7 +488,7 @@ async fn publish(
     s: &Shared,
     sess: &Arc<PutSession>,
     published: &Published,
-) -> Result<Vec<String>, ApiError> {
+) -> Result<(Vec<String>, Locked), ApiError> {
     {
         let sess = sess.clone();
         blocking(move || {
@@ -499,16 +499,20 @@ async fn publish(
         .await?;
     }
     let state = s.keys.state(&sess.key);
-    let mut st = state.lock().await;
+    let mut st = state.lock_owned().await;
     let dir = sess.dir.clone();
     let version = sess.version.clone();
     let previous = blocking(move || dir.publish(&version)).await?;
     st.current = Some(published.clone());
-    Ok(match previous {
+    let collectable = match previous {
         Some(prev) if prev != sess.version => st.retire(prev),
         _ => Vec::new(),
-    })
+    };
+    Ok((collectable, st))
 }
+
+/// A key's state, locked.
+type Locked = tokio::sync::OwnedMutexGuard<crate::keys::KeyState>;
 
 /// `POST /api/v1/puts/{session}/commit`: verifies completeness and publishes atomically.
 pub async fn commit(
@@ -557,7 +561,9 @@ pub async fn commit(
         meta: sess.meta.clone(),
         digest: sess.digest,
     };
-    let collectable = match publish(&s, &sess, &published).await {
+    // The key stays locked until the metadata server has the record, so records
+    // of one key arrive in the order their versions were published.
+    let (collectable, _key_lock) = match publish(&s, &sess, &published).await {
         Ok(c) => c,
         Err(e) => {
             // Not published: the staging version must not outlive the session.
