@@ -4,7 +4,6 @@
 //!
 //! `cargo bench -p kt-bench` (samples are few and short on purpose).
 
-use std::collections::HashSet;
 use std::fs;
 use std::hint::black_box;
 use std::io::Write;
@@ -149,7 +148,6 @@ fn bench_diff(c: &mut Criterion) {
     {
         want.entries[i].hash = Some(random_hash(&mut rng));
     }
-    let have_hashes: HashSet<Hash> = diff::content_hashes(&have);
     let mut g = c.benchmark_group("diff_10000_entries");
     g.throughput(Throughput::Elements(MANIFEST_ENTRIES as u64));
     g.bench_function("changed_files", |b| {
@@ -159,15 +157,12 @@ fn bench_diff(c: &mut Criterion) {
             d
         })
     });
-    g.bench_function("missing_content", |b| {
+    g.bench_function("against_base", |b| {
         b.iter(|| {
-            let d = diff::missing_content(black_box(&want), black_box(&have_hashes));
-            assert_eq!(d.len(), MANIFEST_ENTRIES / 100);
-            d
+            let d = diff::against_base(black_box(&want), Some(black_box(&have)));
+            assert_eq!(d.needed.len(), MANIFEST_ENTRIES / 100);
+            d.needed.len()
         })
-    });
-    g.bench_function("content_hashes", |b| {
-        b.iter(|| diff::content_hashes(black_box(&have)))
     });
     g.finish();
 }

@@ -109,6 +109,22 @@ impl Client {
         check(url, resp).await
     }
 
+    /// A whole response body.
+    pub(crate) async fn bytes(
+        &self,
+        url: &str,
+        req: reqwest::RequestBuilder,
+    ) -> Result<bytes::Bytes, ClientError> {
+        self.send(url, req)
+            .await?
+            .bytes()
+            .await
+            .map_err(|source| ClientError::Http {
+                url: url.to_owned(),
+                source,
+            })
+    }
+
     pub(crate) async fn json<T: DeserializeOwned>(
         &self,
         url: &str,

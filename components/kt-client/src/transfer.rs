@@ -328,15 +328,7 @@ impl Client {
         let record = self.stat(key).await?;
         let source = record.source.trim_end_matches('/').to_owned();
         let url = format!("{source}/api/v1/trees/{key}");
-        let body = self
-            .send(&url, self.http.get(&url))
-            .await?
-            .bytes()
-            .await
-            .map_err(|source| ClientError::Http {
-                url: url.clone(),
-                source,
-            })?;
+        let body = self.bytes(&url, self.http.get(&url)).await?;
         let read = ReadManifest::from_document(&body)
             .map_err(|e| ClientError::Local(format!("{url}: invalid manifest document: {e}")))?;
         let lease_url = format!("{source}/api/v1/reads/{}", read.lease);

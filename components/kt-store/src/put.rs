@@ -19,7 +19,7 @@ use kt_sync::chunk::{ChunkAssembly, ChunkHasher};
 use kt_sync::publish::VersionedDir;
 use kt_types::api::{BatchAck, CommitResponse, PutPlan, PutRequest, RegisterKey};
 use kt_types::codec;
-use kt_types::{EntryKind, ErrorCode, Hash, Key, Locale, Manifest, RootKind};
+use kt_types::{ErrorCode, Hash, Key, Locale, Manifest, RootKind};
 
 use crate::keys::{Published, VersionMeta};
 use crate::server::{AppState, Shared, blocking, sync_err};
@@ -94,36 +94,26 @@ fn stage_from_base(
     base: Option<(&FsPath, &Manifest)>,
 ) -> Result<Vec<u32>, SyncError> {
     apply::ensure_dirs(staging, m)?;
-    let mut have: HashMap<Hash, &kt_types::Entry> = HashMap::new();
-    if let Some((_, bm)) = base {
-        for e in bm.entries.iter().filter(|e| e.kind == EntryKind::File) {
-            if let Some(h) = e.hash {
-                have.entry(h).or_insert(e);
-            }
-        }
-    }
-    let mut needed = Vec::new();
-    let mut reuse = Vec::new();
-    for (i, e) in m.entries.iter().enumerate() {
-        if e.kind != EntryKind::File {
-            continue;
-        }
-        let found = e
-            .hash
-            .and_then(|h| have.get(&h))
-            .zip(base.map(|(root, _)| root));
-        match found {
-            Some((old, root)) => reuse.push(apply::Reuse {
-                from: root.join(&old.path),
-                to: staging.join(&e.path),
-                entry: e.clone(),
-                identical: old.mode == e.mode
-                    && old.mtime == e.mtime
-                    && old.mtime_nsec == e.mtime_nsec,
-            }),
-            None => needed.push(i as u32),
-        }
-    }
+    let plan = kt_sync::diff::against_base(m, base.map(|(_, bm)| bm));
+    let reuse: Vec<apply::Reuse> = match base {
+        Some((root, _)) => plan
+            .reuse
+            .iter()
+            .map(|&(i, old)| {
+                let e = &m.entries[i as usize];
+                apply::Reuse {
+                    from: root.join(&old.path),
+                    to: staging.join(&e.path),
+                    entry: e.clone(),
+                    identical: old.mode == e.mode
+                        && old.mtime == e.mtime
+                        && old.mtime_nsec == e.mtime_nsec,
+                }
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    let needed = plan.needed;
     apply::reuse_all(&reuse)?;
     Ok(needed)
 }

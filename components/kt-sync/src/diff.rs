@@ -1,23 +1,38 @@
 //! What a receiver lacks.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use kt_types::{Entry, EntryKind, Hash, Manifest};
 
-/// Indices of `source` files whose content is in none of `have`'s files.
-pub fn missing_content(source: &Manifest, have: &HashSet<Hash>) -> Vec<u32> {
-    source
-        .entries
-        .iter()
-        .enumerate()
-        .filter(|(_, e)| e.kind == EntryKind::File && e.hash.is_some_and(|h| !have.contains(&h)))
-        .map(|(i, _)| i as u32)
-        .collect()
+/// How a new tree relates to the version a receiver already has.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct AgainstBase<'b> {
+    /// New files whose content the base holds: (index in the new manifest, base entry).
+    pub reuse: Vec<(u32, &'b Entry)>,
+    /// New files whose content must be sent.
+    pub needed: Vec<u32>,
 }
 
-/// Every content hash a manifest holds.
-pub fn content_hashes(m: &Manifest) -> HashSet<Hash> {
-    m.entries.iter().filter_map(|e| e.hash).collect()
+/// Splits the files of `new` into those whose content `base` already has (by
+/// hash, whatever their path: renames are free) and those that must be sent.
+pub fn against_base<'b>(new: &Manifest, base: Option<&'b Manifest>) -> AgainstBase<'b> {
+    let mut have: HashMap<Hash, &'b Entry> = HashMap::new();
+    for e in base.iter().flat_map(|b| &b.entries) {
+        if let (EntryKind::File, Some(h)) = (e.kind, e.hash) {
+            have.entry(h).or_insert(e);
+        }
+    }
+    let mut out = AgainstBase::default();
+    for (i, e) in new.entries.iter().enumerate() {
+        if e.kind != EntryKind::File {
+            continue;
+        }
+        match e.hash.and_then(|h| have.get(&h)) {
+            Some(old) => out.reuse.push((i as u32, old)),
+            None => out.needed.push(i as u32),
+        }
+    }
+    out
 }
 
 /// Files of `want` that differ in content from the same path in `have`
@@ -66,7 +81,16 @@ mod tests {
             ..Default::default()
         };
         // "c" is a rename of "b": its content is already there.
-        assert_eq!(missing_content(&new, &content_hashes(&old)), vec![2]);
+        let d = against_base(&new, Some(&old));
+        assert_eq!(d.needed, vec![2]);
+        assert_eq!(
+            d.reuse
+                .iter()
+                .map(|(i, e)| (*i, e.path.as_str()))
+                .collect::<Vec<_>>(),
+            vec![(0, "a"), (1, "b")]
+        );
+        assert_eq!(against_base(&new, None).needed, vec![0, 1, 2]);
         assert_eq!(changed_files(&new, &old), vec![1, 2]);
     }
 }
