@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kt_client::progress::ProgressSink;
 use kt_client::{Client, ClientConfig, ClientError, Progress};
-use kt_types::api::{ListEntry, PutOptions, TransferStats};
+use kt_types::api::{ListEntry, PutOptions, TransferStats, TransferSummary};
 use kt_types::{ErrorCode, Key, KeyPrefix, Lifespan, Locale};
 
 /// kt: an in-cluster data store. Move files and trees under hierarchical keys.
@@ -55,6 +55,15 @@ enum Output {
     Yaml,
 }
 
+/// How put and get report what they did.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum SummaryFormat {
+    /// One human-readable line.
+    Text,
+    /// One JSON object (`kt_types::api::TransferSummary`).
+    Json,
+}
+
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Store a file or directory tree under KEY.
@@ -75,6 +84,8 @@ enum Cmd {
         /// Owning service (default: the key's first segment).
         #[arg(long)]
         service: Option<String>,
+        #[arg(short, long, default_value = "text")]
+        output: SummaryFormat,
     },
     /// Fetch KEY into a local path.
     Get {
@@ -82,6 +93,8 @@ enum Cmd {
         /// Destination: a directory for tree keys; a file path or a directory for file keys.
         #[arg(long)]
         dest: PathBuf,
+        #[arg(short, long, default_value = "text")]
+        output: SummaryFormat,
     },
     /// List keys below PREFIX.
     Ls {
@@ -232,6 +245,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             lifespan,
             ttl,
             service,
+            output,
         } => {
             let key = Key::parse(&key)?;
             if locale == Locale::Local {
@@ -245,21 +259,51 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 service,
             };
             let s = client.put(&key, &src, opts, progress(cli.progress)).await?;
-            let verb = if s.unchanged {
-                "put (unchanged)"
-            } else {
-                "put"
-            };
-            println!("{}", summary(verb, &key, s.files, &s.stats, s.duration));
+            match output {
+                SummaryFormat::Text => {
+                    let verb = if s.unchanged {
+                        "put (unchanged)"
+                    } else {
+                        "put"
+                    };
+                    println!("{}", summary(verb, &key, s.files, &s.stats, s.duration));
+                }
+                SummaryFormat::Json => println!(
+                    "{}",
+                    serde_json::to_string(&TransferSummary {
+                        op: "put".into(),
+                        key: key.to_string(),
+                        files: s.files,
+                        stats: s.stats,
+                        unchanged: s.unchanged,
+                        seconds: s.duration.as_secs_f64(),
+                        dest: None,
+                    })?
+                ),
+            }
         }
-        Cmd::Get { key, dest } => {
+        Cmd::Get { key, dest, output } => {
             let key = Key::parse(&key)?;
             let s = client.get(&key, &dest, progress(cli.progress)).await?;
-            println!(
-                "{} -> {}",
-                summary("get", &key, s.files, &s.stats, s.duration),
-                s.dest.display()
-            );
+            match output {
+                SummaryFormat::Text => println!(
+                    "{} -> {}",
+                    summary("get", &key, s.files, &s.stats, s.duration),
+                    s.dest.display()
+                ),
+                SummaryFormat::Json => println!(
+                    "{}",
+                    serde_json::to_string(&TransferSummary {
+                        op: "get".into(),
+                        key: key.to_string(),
+                        files: s.files,
+                        stats: s.stats,
+                        unchanged: false,
+                        seconds: s.duration.as_secs_f64(),
+                        dest: Some(s.dest.display().to_string()),
+                    })?
+                ),
+            }
         }
         Cmd::Ls { prefix, output } => {
             let prefix = KeyPrefix::parse(prefix.as_deref().unwrap_or(""))?;

@@ -133,6 +133,25 @@ pub struct TransferStats {
     pub bytes_skipped: u64,
 }
 
+/// The machine-readable summary `kt put|get -o json` prints on stdout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TransferSummary {
+    /// `put` or `get`.
+    pub op: String,
+    pub key: String,
+    /// Files in the key.
+    pub files: u64,
+    #[serde(flatten)]
+    pub stats: TransferStats,
+    /// True when a put found the store already holding exactly this content.
+    #[serde(default)]
+    pub unchanged: bool,
+    pub seconds: f64,
+    /// Where a get wrote the data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dest: Option<String>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommitResponse {
     pub record: KeyRecord,

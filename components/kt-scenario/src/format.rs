@@ -1,0 +1,720 @@
+//! The scenario file format: what a YAML file under `scenarios/` may say.
+//!
+//! Every struct refuses unknown fields, so a typo is an error with a line and a
+//! column rather than a silently ignored option. A step is a mapping with
+//! exactly one action key (`put`, `get`, ...) beside the fields every step has
+//! (`name`, `expect`, `timeout`, `budget`, `record`); [`Step`]'s hand-written
+//! `Deserialize` reads that shape directly from the YAML stream, so errors
+//! inside an action keep their position too.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use serde::de::{self, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer};
+
+/// One scenario file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Defaults to the file's stem; names the snapshot file.
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub description: Option<String>,
+    /// Selection labels (`slow`, `fault`, `netns`, `gpu`, ...).
+    #[serde(default)]
+    pub tags: Vec<String>,
+    /// Wall-clock limit for the whole scenario (default 120s).
+    #[serde(default, with = "opt_duration")]
+    pub timeout: Option<Duration>,
+    /// Values for `{{ vars.NAME }}`.
+    #[serde(default)]
+    pub vars: BTreeMap<String, String>,
+    #[serde(default)]
+    pub topology: Topology,
+    /// Named data sets the generators make before the first step.
+    #[serde(default)]
+    pub data: BTreeMap<String, DataSpec>,
+    pub steps: Vec<Step>,
+    /// Steps that run after `steps`, also when one of them failed.
+    #[serde(default)]
+    pub finally: Vec<Step>,
+}
+
+/// What the testbed runs.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Topology {
+    /// Default link rate of every pod (netns target), e.g. `1gbit`.
+    #[serde(default)]
+    pub link: Option<String>,
+    #[serde(default)]
+    pub store: StoreSpec,
+    #[serde(default)]
+    pub pods: Vec<PodSpec>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSpec {
+    /// Chunk size of the store (a power of two), e.g. `1MiB`.
+    #[serde(default)]
+    pub chunk_size: Option<Size>,
+}
+
+/// A group of identical pods. One replica is named `name`; several are
+/// `name-0` .. `name-(n-1)`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodSpec {
+    pub name: String,
+    #[serde(default = "one")]
+    pub replicas: usize,
+    /// The service the pods belong to (teardown evicts them).
+    #[serde(default)]
+    pub service: Option<String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    #[serde(default)]
+    pub gpu: bool,
+    /// Link rate for these pods (netns target), overriding the topology's.
+    #[serde(default)]
+    pub link: Option<String>,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// A generated data set: a deterministic tree, a single file, or another
+/// data set with changes applied.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataSpec {
+    #[serde(default)]
+    pub seed: u64,
+    /// Number of small files.
+    #[serde(default)]
+    pub files: usize,
+    /// Size range of the small files (log-uniform between min and max).
+    #[serde(default)]
+    pub size: Option<SizeRange>,
+    /// Directories the small files are spread over (nested up to 3 deep).
+    #[serde(default)]
+    pub dirs: Option<usize>,
+    /// Large files added to the tree.
+    #[serde(default)]
+    pub large: Vec<Size>,
+    /// A single file of this size instead of a tree.
+    #[serde(default)]
+    pub file: Option<Size>,
+    /// Start from a copy of this data set, then apply `change`/`add`/`delete`.
+    #[serde(default)]
+    pub from: Option<String>,
+    #[serde(default)]
+    pub change: usize,
+    #[serde(default)]
+    pub add: usize,
+    #[serde(default)]
+    pub delete: usize,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SizeRange {
+    pub min: Size,
+    pub max: Size,
+}
+
+/// A byte count written as `123`, `64KiB`, `1MiB`, `2GiB` (or kB/MB/GB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Size(pub u64);
+
+impl Size {
+    pub fn parse(s: &str) -> Result<Size, String> {
+        let s = s.trim();
+        let split = s
+            .find(|c: char| !c.is_ascii_digit() && c != '_')
+            .unwrap_or(s.len());
+        let (num, unit) = s.split_at(split);
+        let n: u64 = num
+            .replace('_', "")
+            .parse()
+            .map_err(|_| format!("`{s}` is not a size (e.g. 512, 64KiB, 1MiB)"))?;
+        let mult: u64 = match unit.trim() {
+            "" | "B" => 1,
+            "KiB" => 1 << 10,
+            "MiB" => 1 << 20,
+            "GiB" => 1 << 30,
+            "kB" | "KB" => 1_000,
+            "MB" => 1_000_000,
+            "GB" => 1_000_000_000,
+            other => return Err(format!("unknown size unit `{other}` in `{s}`")),
+        };
+        n.checked_mul(mult)
+            .map(Size)
+            .ok_or_else(|| format!("size `{s}` is too large"))
+    }
+}
+
+impl fmt::Display for Size {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", indicatif::BinaryBytes(self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Size;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a size such as 4096, 64KiB or 1MiB")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Size, E> {
+                Ok(Size(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Size, E> {
+                u64::try_from(v)
+                    .map(Size)
+                    .map_err(|_| E::custom("a size cannot be negative"))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Size, E> {
+                Size::parse(v).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// `humantime` durations (`500ms`, `10s`, `2m`) in YAML.
+pub(crate) mod opt_duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer};
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        let s: Option<String> = Option::deserialize(d)?;
+        s.map(|s| humantime::parse_duration(&s).map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
+
+/// What a step must end with.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum Expect {
+    /// Success (the default).
+    #[default]
+    Ok,
+    /// Failure: a class of error and, optionally, a regex its message matches.
+    Error {
+        code: ErrorClass,
+        message: Option<String>,
+    },
+}
+
+/// Error classes, as the `kt` CLI's exit codes tell them apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ErrorClass {
+    /// Any failure.
+    Any,
+    /// Exit 2: bad input (key, request, manifest, conflict).
+    Invalid,
+    /// Exit 3.
+    NotFound,
+    /// Exit 4.
+    Unauthorized,
+    /// Exit 5: no store, server unavailable.
+    Unavailable,
+    /// Exit 1: anything else (I/O, network, killed server mid-transfer).
+    Failed,
+}
+
+impl ErrorClass {
+    /// The class a `kt` exit status belongs to.
+    pub fn of_exit(code: i32) -> ErrorClass {
+        match code {
+            2 => ErrorClass::Invalid,
+            3 => ErrorClass::NotFound,
+            4 => ErrorClass::Unauthorized,
+            5 => ErrorClass::Unavailable,
+            _ => ErrorClass::Failed,
+        }
+    }
+
+    pub fn accepts(self, other: ErrorClass) -> bool {
+        self == ErrorClass::Any || self == other
+    }
+}
+
+impl<'de> Deserialize<'de> for Expect {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct ErrorForm {
+            error: ErrorClass,
+            #[serde(default)]
+            message: Option<String>,
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Form {
+            Word(String),
+            Error(ErrorForm),
+        }
+        match Form::deserialize(d)? {
+            Form::Word(w) if w == "ok" => Ok(Expect::Ok),
+            Form::Word(w) => Err(de::Error::custom(format!(
+                "expect must be `ok` or {{ error: CLASS, message: REGEX }}, not `{w}`"
+            ))),
+            Form::Error(e) => Ok(Expect::Error {
+                code: e.error,
+                message: e.message,
+            }),
+        }
+    }
+}
+
+/// Limits on a step's duration. `max` applies to every pod; `p50`/`p95` to
+/// the distribution across the pods of a multi-pod step; `min` is a floor
+/// (a shaped link must not be faster than its rate).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Budget {
+    #[serde(default, with = "opt_duration")]
+    pub max: Option<Duration>,
+    #[serde(default, with = "opt_duration")]
+    pub p50: Option<Duration>,
+    #[serde(default, with = "opt_duration")]
+    pub p95: Option<Duration>,
+    #[serde(default, with = "opt_duration")]
+    pub min: Option<Duration>,
+}
+
+/// Which credentials a client step presents.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Auth {
+    #[default]
+    Valid,
+    Missing,
+    Wrong,
+}
+
+/// A testbed component that `kill`/`restart`/`wait` name: `metadata`,
+/// `store`, or a pod (group or instance) name.
+pub type ComponentName = String;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+pub enum Signal {
+    #[serde(alias = "SIGKILL", alias = "kill")]
+    #[default]
+    KILL,
+    #[serde(alias = "SIGTERM", alias = "term")]
+    TERM,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PutStep {
+    pub pod: String,
+    pub key: String,
+    /// A data set name (from `data:`).
+    #[serde(default)]
+    pub data: Option<String>,
+    /// Or a path inside the pod (e.g. what an earlier get wrote).
+    #[serde(default)]
+    pub src: Option<String>,
+    #[serde(default)]
+    pub lifespan: Option<String>,
+    #[serde(default)]
+    pub ttl: Option<String>,
+    #[serde(default)]
+    pub service: Option<String>,
+    #[serde(default)]
+    pub auth: Auth,
+    /// Upper bound on the content bytes this put may send (incremental sync).
+    #[serde(default)]
+    pub max_sent: Option<Size>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GetStep {
+    /// A pod group (every replica fetches, in parallel) or one instance.
+    pub pod: String,
+    pub key: String,
+    /// Destination inside each pod (default `get/<key>`).
+    #[serde(default)]
+    pub dest: Option<String>,
+    /// Data set(s) the received tree must equal (one of them, when several).
+    #[serde(default)]
+    pub verify: Vec<String>,
+    #[serde(default)]
+    pub auth: Auth,
+    #[serde(default)]
+    pub max_sent: Option<Size>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LsStep {
+    #[serde(default)]
+    pub prefix: String,
+    /// Run `kt ls` in this pod (default: the first pod).
+    #[serde(default)]
+    pub pod: Option<String>,
+    #[serde(default)]
+    pub auth: Auth,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RmStep {
+    pub key: String,
+    #[serde(default)]
+    pub recursive: bool,
+    #[serde(default)]
+    pub pod: Option<String>,
+    #[serde(default)]
+    pub auth: Auth,
+}
+
+/// One put, many gets coordinated by a broadcast window (`kt get
+/// --broadcast`). Accepted by the format; the runner refuses it until the
+/// client supports broadcasts (issue 4), at validation time.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BroadcastStep {
+    pub from: String,
+    pub to: String,
+    pub key: String,
+    pub data: String,
+    #[serde(default)]
+    pub fanout: Option<u32>,
+    #[serde(default)]
+    pub group: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TeardownStep {
+    pub service: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KillStep {
+    pub component: ComponentName,
+    #[serde(default)]
+    pub signal: Signal,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestartStep {
+    pub component: ComponentName,
+    /// How the running process is stopped first (default TERM).
+    #[serde(default)]
+    pub signal: Option<Signal>,
+}
+
+/// A condition `wait` polls until it holds (or the step times out), written
+/// as a mapping with one key: `{ ready: store }`, `{ key: K }`,
+/// `{ no_key: K }` or `{ metric: { component, name, at_least } }`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(try_from = "ConditionForm")]
+pub enum Condition {
+    /// The component answers `/readyz`.
+    Ready(ComponentName),
+    /// The key exists in the metadata server.
+    Key(String),
+    /// The key does not exist.
+    NoKey(String),
+    /// A Prometheus counter of a server reaches a value.
+    Metric(MetricCondition),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConditionForm {
+    #[serde(default)]
+    ready: Option<ComponentName>,
+    #[serde(default)]
+    key: Option<String>,
+    #[serde(default)]
+    no_key: Option<String>,
+    #[serde(default)]
+    metric: Option<MetricCondition>,
+}
+
+impl TryFrom<ConditionForm> for Condition {
+    type Error = String;
+    fn try_from(f: ConditionForm) -> Result<Condition, String> {
+        let mut found = Vec::new();
+        if let Some(c) = f.ready {
+            found.push(Condition::Ready(c));
+        }
+        if let Some(k) = f.key {
+            found.push(Condition::Key(k));
+        }
+        if let Some(k) = f.no_key {
+            found.push(Condition::NoKey(k));
+        }
+        if let Some(m) = f.metric {
+            found.push(Condition::Metric(m));
+        }
+        match found.len() {
+            1 => Ok(found.remove(0)),
+            _ => Err("a wait names exactly one condition: ready, key, no_key or metric".into()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricCondition {
+    pub component: ComponentName,
+    /// Sample name as exposed, e.g. `kt_bytes_received_total`.
+    pub name: String,
+    pub at_least: Size,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitStep {
+    #[serde(rename = "for")]
+    pub condition: Condition,
+}
+
+/// Checks on the metadata server's state.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AssertStep {
+    /// Keys below this prefix (recursively)...
+    #[serde(default)]
+    pub prefix: Option<String>,
+    /// ...number exactly this many.
+    #[serde(default)]
+    pub count: Option<usize>,
+    /// These keys exist.
+    #[serde(default)]
+    pub exists: Vec<String>,
+    /// These keys do not.
+    #[serde(default)]
+    pub absent: Vec<String>,
+    /// Files in a pod equal a data set: `{ pod: p, path: get/x, data: tree }`.
+    #[serde(default)]
+    pub files: Option<FilesCheck>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilesCheck {
+    pub pod: String,
+    pub path: String,
+    pub data: String,
+}
+
+/// What a `snapshot` step records into the scenario's snapshot.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotStep {
+    /// Entry name inside the scenario's snapshot.
+    pub name: String,
+    /// `metadata` (every key record) or `ls` of a prefix.
+    #[serde(default)]
+    pub metadata: bool,
+    #[serde(default)]
+    pub ls: Option<String>,
+}
+
+/// Runs the `kt` CLI (or, with `program`, another program) inside a pod.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecStep {
+    pub pod: String,
+    pub args: Vec<String>,
+    /// `kt` (default) or `sh`.
+    #[serde(default)]
+    pub program: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub auth: Auth,
+    /// A regex stdout must match.
+    #[serde(default)]
+    pub stdout: Option<String>,
+}
+
+/// One step: an action and the fields every step has.
+#[derive(Debug, Clone)]
+pub struct Step {
+    pub name: Option<String>,
+    pub expect: Expect,
+    pub timeout: Option<Duration>,
+    pub budget: Option<Budget>,
+    /// Record this step's observable result (ls listing, transfer stats)
+    /// in the scenario's snapshot under this name.
+    pub record: Option<String>,
+    pub action: Action,
+}
+
+#[derive(Debug, Clone)]
+pub enum Action {
+    Put(PutStep),
+    Get(GetStep),
+    Ls(LsStep),
+    Rm(RmStep),
+    Broadcast(BroadcastStep),
+    Teardown(TeardownStep),
+    Kill(KillStep),
+    Restart(RestartStep),
+    Wait(WaitStep),
+    Assert(AssertStep),
+    Snapshot(SnapshotStep),
+    Exec(ExecStep),
+    /// Children run at the same time; the step ends when all have.
+    Parallel(Vec<Step>),
+    /// Children run one after another (a branch of a `parallel`).
+    Sequence(Vec<Step>),
+}
+
+pub const ACTIONS: &[&str] = &[
+    "put",
+    "get",
+    "ls",
+    "rm",
+    "broadcast",
+    "teardown",
+    "kill",
+    "restart",
+    "wait",
+    "assert",
+    "snapshot",
+    "exec",
+    "parallel",
+    "sequence",
+];
+/// Every key a step mapping may hold.
+const STEP_KEYS: &[&str] = &[
+    "name",
+    "expect",
+    "timeout",
+    "budget",
+    "record",
+    "put",
+    "get",
+    "ls",
+    "rm",
+    "broadcast",
+    "teardown",
+    "kill",
+    "restart",
+    "wait",
+    "assert",
+    "snapshot",
+    "exec",
+    "parallel",
+    "sequence",
+];
+
+impl Action {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Action::Put(_) => "put",
+            Action::Get(_) => "get",
+            Action::Ls(_) => "ls",
+            Action::Rm(_) => "rm",
+            Action::Broadcast(_) => "broadcast",
+            Action::Teardown(_) => "teardown",
+            Action::Kill(_) => "kill",
+            Action::Restart(_) => "restart",
+            Action::Wait(_) => "wait",
+            Action::Assert(_) => "assert",
+            Action::Snapshot(_) => "snapshot",
+            Action::Exec(_) => "exec",
+            Action::Parallel(_) => "parallel",
+            Action::Sequence(_) => "sequence",
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Step {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Step;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a step: a mapping with one action key (put, get, ls, ...)")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Step, A::Error> {
+                let mut name = None;
+                let mut expect = None;
+                let mut timeout = None;
+                let mut budget = None;
+                let mut record = None;
+                let mut action: Option<Action> = None;
+                while let Some(k) = map.next_key::<String>()? {
+                    let set_action = |a: Action, cur: &mut Option<Action>| match cur {
+                        Some(prev) => Err(de::Error::custom(format!(
+                            "a step has one action, this one has `{}` and `{}`",
+                            prev.kind(),
+                            a.kind()
+                        ))),
+                        None => {
+                            *cur = Some(a);
+                            Ok(())
+                        }
+                    };
+                    match k.as_str() {
+                        "name" => name = Some(map.next_value()?),
+                        "expect" => expect = Some(map.next_value()?),
+                        "timeout" => {
+                            let s: String = map.next_value()?;
+                            timeout =
+                                Some(humantime::parse_duration(&s).map_err(de::Error::custom)?)
+                        }
+                        "budget" => budget = Some(map.next_value()?),
+                        "record" => record = Some(map.next_value()?),
+                        "snapshot" => set_action(Action::Snapshot(map.next_value()?), &mut action)?,
+                        "put" => set_action(Action::Put(map.next_value()?), &mut action)?,
+                        "get" => set_action(Action::Get(map.next_value()?), &mut action)?,
+                        "ls" => set_action(Action::Ls(map.next_value()?), &mut action)?,
+                        "rm" => set_action(Action::Rm(map.next_value()?), &mut action)?,
+                        "broadcast" => {
+                            set_action(Action::Broadcast(map.next_value()?), &mut action)?
+                        }
+                        "teardown" => set_action(Action::Teardown(map.next_value()?), &mut action)?,
+                        "kill" => set_action(Action::Kill(map.next_value()?), &mut action)?,
+                        "restart" => set_action(Action::Restart(map.next_value()?), &mut action)?,
+                        "wait" => set_action(Action::Wait(map.next_value()?), &mut action)?,
+                        "assert" => set_action(Action::Assert(map.next_value()?), &mut action)?,
+                        "exec" => set_action(Action::Exec(map.next_value()?), &mut action)?,
+                        "parallel" => set_action(Action::Parallel(map.next_value()?), &mut action)?,
+                        "sequence" => set_action(Action::Sequence(map.next_value()?), &mut action)?,
+                        other => return Err(de::Error::unknown_field(other, STEP_KEYS)),
+                    }
+                }
+                let action = action.ok_or_else(|| {
+                    de::Error::custom(format!(
+                        "a step needs an action: one of {}",
+                        ACTIONS.join(", ")
+                    ))
+                })?;
+                Ok(Step {
+                    name,
+                    expect: expect.unwrap_or_default(),
+                    timeout,
+                    budget,
+                    record,
+                    action,
+                })
+            }
+        }
+        d.deserialize_map(V)
+    }
+}

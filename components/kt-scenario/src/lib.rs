@@ -1,0 +1,22 @@
+//! kt-scenario: brings up a testbed (local processes, network namespaces,
+//! later docker and kind/k3d), runs YAML scenarios against it, asserts on
+//! insta snapshots and timing budgets, and writes reports.
+//!
+//! - [`format`]: what a scenario file may say; [`validate`]: loading and
+//!   checking files, errors with file:line:column ([`locate`]).
+//! - [`data`]: deterministic data sets and tree digests.
+//! - [`target`]: the [`target::Target`] trait and the local and netns targets.
+//! - [`runner`]: executes scenarios; [`snapshot`]: insta snapshots with
+//!   redactions; [`report`]: terminal table, JSON, JUnit, HTML; [`live`]: the
+//!   progress view.
+
+pub mod data;
+pub mod format;
+pub mod live;
+pub mod locate;
+pub mod report;
+pub mod runner;
+pub mod snapshot;
+pub mod target;
+pub mod template;
+pub mod validate;

@@ -1,0 +1,318 @@
+//! `kt-scenario`: validate and run YAML scenarios against a testbed target.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand, ValueEnum};
+use kt_scenario::live::Live;
+use kt_scenario::report::terminal;
+use kt_scenario::runner::{Options, Runner};
+use kt_scenario::snapshot::{Mode, Snapshots, quiet_snapshot_panics};
+use kt_scenario::target::Target;
+use kt_scenario::target::local::Local;
+use kt_scenario::target::netns::Netns;
+use kt_scenario::validate::{self, Diagnostic, Loaded};
+
+/// Runs kt scenarios: brings up a testbed, drives put/get/ls/rm and faults,
+/// asserts on snapshots and timing budgets, writes reports.
+#[derive(Debug, Parser)]
+#[command(name = "kt-scenario", version)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum TargetKind {
+    /// Processes on loopback (no root).
+    Local,
+    /// A network namespace per pod on a bridge, links shaped with tc (root).
+    Netns,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Check scenario files; errors are printed as file:line:column.
+    Validate {
+        /// Files or directories (default: scenarios).
+        paths: Vec<PathBuf>,
+    },
+    /// List scenarios with their tags.
+    List { paths: Vec<PathBuf> },
+    /// Run scenarios.
+    Run {
+        /// Files or directories (default: scenarios).
+        paths: Vec<PathBuf>,
+        #[arg(long, env = "KT_SCENARIO_TARGET", default_value = "local")]
+        target: TargetKind,
+        /// Run only scenarios with one of these tags.
+        #[arg(long, value_delimiter = ',', env = "KT_SCENARIO_TAGS")]
+        tags: Vec<String>,
+        /// Skip scenarios with any of these tags.
+        #[arg(long, value_delimiter = ',', env = "KT_SCENARIO_EXCLUDE_TAGS")]
+        exclude_tags: Vec<String>,
+        /// Where report.json, junit.xml, report.html and failure dumps go.
+        #[arg(
+            long,
+            env = "KT_SCENARIO_REPORT",
+            default_value = "target/scenario-report"
+        )]
+        report: PathBuf,
+        /// Snapshot directory (default: `snapshots` beside the first scenario file).
+        #[arg(long, env = "KT_SCENARIO_SNAPSHOTS")]
+        snapshots: Option<PathBuf>,
+        /// CI mode: write no pending snapshots; unreferenced snapshots fail the run.
+        #[arg(long, conflicts_with = "accept")]
+        check: bool,
+        /// Accept new and changed snapshots (and remove unreferenced ones on a full run).
+        #[arg(long)]
+        accept: bool,
+        /// Keep a failed scenario's testbed up until Ctrl-C.
+        #[arg(long)]
+        keep: bool,
+        /// Where kt, kt-metadata and kt-store are (default: beside this binary).
+        #[arg(long, env = "KT_SCENARIO_BIN_DIR")]
+        bin_dir: Option<PathBuf>,
+        /// Parent of the per-scenario work directories.
+        #[arg(long, env = "KT_SCENARIO_WORK_DIR")]
+        work_dir: Option<PathBuf>,
+    },
+}
+
+/// Scenario files below `paths` (directories are searched recursively,
+/// skipping `snapshots`), sorted, and whether every path was a directory.
+fn files(paths: &[PathBuf]) -> anyhow::Result<(Vec<PathBuf>, bool)> {
+    let paths = if paths.is_empty() {
+        vec![PathBuf::from("scenarios")]
+    } else {
+        paths.to_vec()
+    };
+    let mut out = Vec::new();
+    let mut all_dirs = true;
+    for p in &paths {
+        if p.is_dir() {
+            walk(p, &mut out).with_context(|| format!("reading {}", p.display()))?;
+        } else if p.is_file() {
+            all_dirs = false;
+            out.push(p.clone());
+        } else {
+            anyhow::bail!("{}: no such file or directory", p.display());
+        }
+    }
+    out.sort();
+    out.dedup();
+    Ok((out, all_dirs))
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    for e in std::fs::read_dir(dir)? {
+        let p = e?.path();
+        if p.is_dir() {
+            if p.file_name().is_some_and(|n| n != "snapshots") {
+                walk(&p, out)?;
+            }
+        } else if p.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+            out.push(p);
+        }
+    }
+    Ok(())
+}
+
+/// Loads every file; on any error prints all diagnostics.
+fn load_all(files: &[PathBuf]) -> Result<Vec<Loaded>, Vec<Diagnostic>> {
+    let mut loaded = Vec::new();
+    let mut diags = Vec::new();
+    for f in files {
+        match validate::load(f) {
+            Ok(l) => loaded.push(l),
+            Err(d) => diags.extend(d),
+        }
+    }
+    // Names key snapshots, so they must be unique across the run.
+    let mut seen = std::collections::BTreeMap::new();
+    for l in &loaded {
+        if let Some(prev) = seen.insert(l.name.clone(), l.file.clone()) {
+            diags.push(Diagnostic {
+                file: l.file.clone(),
+                pos: kt_scenario::locate::Pos { line: 1, col: 1 },
+                message: format!(
+                    "scenario name `{}` is also used by {}",
+                    l.name,
+                    prev.display()
+                ),
+            });
+        }
+    }
+    if diags.is_empty() {
+        Ok(loaded)
+    } else {
+        Err(diags)
+    }
+}
+
+fn print_diags(d: &[Diagnostic]) {
+    for d in d {
+        eprintln!("{d}");
+    }
+    eprintln!("{} error(s)", d.len());
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match real_main(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("kt-scenario: error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
+    match cli.cmd {
+        Cmd::Validate { paths } => {
+            let (files, _) = files(&paths)?;
+            match load_all(&files) {
+                Ok(l) => {
+                    println!("{} scenario file(s) valid", l.len());
+                    Ok(ExitCode::SUCCESS)
+                }
+                Err(d) => {
+                    print_diags(&d);
+                    Ok(ExitCode::from(2))
+                }
+            }
+        }
+        Cmd::List { paths } => {
+            let (files, _) = files(&paths)?;
+            let loaded = match load_all(&files) {
+                Ok(l) => l,
+                Err(d) => {
+                    print_diags(&d);
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            for l in loaded {
+                println!(
+                    "{:<28} [{}] {}",
+                    l.name,
+                    l.scenario.tags.join(","),
+                    l.file.display()
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Run {
+            paths,
+            target,
+            tags,
+            exclude_tags,
+            report,
+            snapshots,
+            check,
+            accept,
+            keep,
+            bin_dir,
+            work_dir,
+        } => {
+            let (files, full) = files(&paths)?;
+            let loaded = match load_all(&files) {
+                Ok(l) => l,
+                Err(d) => {
+                    print_diags(&d);
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            let bin_dir = match bin_dir {
+                Some(d) => d,
+                None => std::env::current_exe()
+                    .context("locating this binary")?
+                    .parent()
+                    .map(Path::to_owned)
+                    .context("locating the binary directory")?,
+            };
+            let snap_dir = snapshots.unwrap_or_else(|| {
+                files
+                    .first()
+                    .and_then(|f| f.parent())
+                    .unwrap_or(Path::new("scenarios"))
+                    .join("snapshots")
+            });
+            let snap_dir = std::path::absolute(&snap_dir).unwrap_or(snap_dir);
+            let mode = if accept {
+                Mode::Accept
+            } else if check {
+                Mode::Check
+            } else {
+                Mode::Auto
+            };
+            let opts = Options {
+                bin_dir,
+                work_root: work_dir.unwrap_or_else(|| std::env::temp_dir().join("kt-scenario")),
+                report_dir: report.clone(),
+                keep,
+                tags: tags.clone(),
+                exclude_tags,
+            };
+            quiet_snapshot_panics();
+            let runner = Runner::new(opts, Snapshots::new(snap_dir, mode), Live::default());
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the runtime")?;
+            let factory = move || -> Box<dyn Target> {
+                match target {
+                    TargetKind::Local => Box::new(Local::new()),
+                    TargetKind::Netns => Box::new(Netns::new()),
+                }
+            };
+            let mut result = rt.block_on(async {
+                let cancel = runner.cancel.clone();
+                tokio::spawn(async move {
+                    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+                    tokio::select! {
+                        _ = tokio::signal::ctrl_c() => {}
+                        Some(()) = async { match term.as_mut() { Some(t) => t.recv().await, None => std::future::pending().await } } => {}
+                    }
+                    eprintln!("kt-scenario: interrupted; tearing the testbed down");
+                    cancel.cancel();
+                });
+                runner.run(&loaded, &factory).await
+            });
+            // Every loaded scenario owns its snapshot, run or skipped.
+            for l in &loaded {
+                runner.snapshots.reference(&l.name);
+            }
+            let full_run = full && tags.is_empty();
+            if full_run {
+                result.unreferenced_snapshots = runner
+                    .snapshots
+                    .unreferenced()
+                    .into_iter()
+                    .map(|p| p.display().to_string())
+                    .collect();
+            }
+            for change in runner.snapshots.finish(full_run)? {
+                eprintln!("{change}");
+            }
+            if mode == Mode::Accept {
+                result.unreferenced_snapshots.clear();
+            }
+            result
+                .write_all(&report)
+                .with_context(|| format!("writing reports to {}", report.display()))?;
+            eprint!(
+                "{}",
+                terminal::render(&result, std::io::stderr().is_terminal())
+            );
+            eprintln!("reports: {}", report.join("report.html").display());
+            Ok(if result.is_failure(check) {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            })
+        }
+    }
+}

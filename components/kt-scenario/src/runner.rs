@@ -1,0 +1,1455 @@
+//! Runs scenarios: brings a target up, generates the data sets, executes the
+//! steps (with expectations, timeouts and budgets), asserts the snapshot,
+//! dumps what a failure needs, and always brings the target down.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use futures::future::{BoxFuture, FutureExt, join_all};
+use kt_client::{Client, ClientConfig};
+use kt_types::api::{ListEntry, TransferSummary};
+use kt_types::{Key, KeyPrefix};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::data::{self, Digest};
+use crate::format::{Action, Auth, Condition, ErrorClass, Expect, Signal, Step};
+use crate::live::Live;
+use crate::report::{BudgetCheck, PodResult, RunReport, ScenarioReport, Status, StepReport};
+use crate::snapshot::{Redactor, Snapshots};
+use crate::target::{
+    Component, ExecOutput, ExecRequest, Plan, PodPlan, Program, Target, parse_link,
+};
+use crate::template::Context;
+use crate::validate::Loaded;
+
+/// Default limit of one step, and of a whole scenario.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+pub const SCENARIO_TIMEOUT: Duration = Duration::from_secs(300);
+const WAIT_POLL: Duration = Duration::from_millis(20);
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Where `kt`, `kt-metadata` and `kt-store` are.
+    pub bin_dir: PathBuf,
+    /// Scenario work dirs go below it (removed after each scenario unless kept).
+    pub work_root: PathBuf,
+    pub report_dir: PathBuf,
+    /// Keep a failed scenario's testbed up until Ctrl-C.
+    pub keep: bool,
+    /// Run only scenarios with one of these tags (all when empty).
+    pub tags: Vec<String>,
+    /// Skip scenarios with any of these tags.
+    pub exclude_tags: Vec<String>,
+}
+
+/// Makes a fresh target for each scenario.
+pub type TargetFactory = dyn Fn() -> Box<dyn Target> + Send + Sync;
+
+#[derive(Debug)]
+pub struct Runner {
+    pub opts: Options,
+    pub snapshots: Snapshots,
+    pub live: Live,
+    pub run_id: String,
+    pub cancel: CancellationToken,
+}
+
+/// Why a selected scenario cannot run on this target.
+fn skip_reason(l: &Loaded, target: &dyn Target) -> Option<String> {
+    let tags = &l.scenario.tags;
+    if tags.iter().any(|t| t == "netns") && target.name() != "netns" {
+        return Some(format!(
+            "needs the netns target (this run uses {})",
+            target.name()
+        ));
+    }
+    if tags.iter().any(|t| t == "gpu") || l.scenario.topology.pods.iter().any(|p| p.gpu) {
+        return Some("needs a GPU, and GPU pods arrive with issue 6".into());
+    }
+    target.unavailable()
+}
+
+impl Runner {
+    pub fn new(opts: Options, snapshots: Snapshots, live: Live) -> Runner {
+        let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+        Runner {
+            opts,
+            snapshots,
+            live,
+            run_id,
+            cancel: CancellationToken::new(),
+        }
+    }
+
+    /// Is `l` selected by the tag filters?
+    pub fn selected(&self, l: &Loaded) -> bool {
+        let tags = &l.scenario.tags;
+        (self.opts.tags.is_empty() || self.opts.tags.iter().any(|t| tags.contains(t)))
+            && !self.opts.exclude_tags.iter().any(|t| tags.contains(t))
+    }
+
+    pub async fn run(&self, scenarios: &[Loaded], make_target: &TargetFactory) -> RunReport {
+        let started = Instant::now();
+        let started_at =
+            humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+        let mut reports = Vec::new();
+        let target_name = make_target().name().to_owned();
+        let selected: Vec<&Loaded> = scenarios.iter().filter(|l| self.selected(l)).collect();
+        for (i, l) in selected.iter().enumerate() {
+            let mut target = make_target();
+            let report = if self.cancel.is_cancelled() {
+                self.skipped(l, "interrupted".into())
+            } else if let Some(why) = skip_reason(l, target.as_ref()) {
+                self.live.skipped(&l.name, &why);
+                self.skipped(l, why)
+            } else {
+                self.live.scenario_start(&l.name, i + 1, selected.len());
+                let r = self.scenario(l, target.as_mut()).await;
+                self.live.scenario_end(&r);
+                r
+            };
+            reports.push(report);
+        }
+        RunReport {
+            run_id: self.run_id.clone(),
+            target: target_name,
+            started_at,
+            duration_ms: ms(started.elapsed()),
+            scenarios: reports,
+            unreferenced_snapshots: Vec::new(),
+        }
+    }
+
+    fn skipped(&self, l: &Loaded, why: String) -> ScenarioReport {
+        ScenarioReport {
+            name: l.name.clone(),
+            file: l.file.display().to_string(),
+            tags: l.scenario.tags.clone(),
+            status: Status::Skipped,
+            message: Some(why),
+            setup_ms: 0.0,
+            pods: 0,
+            duration_ms: 0.0,
+            steps: vec![],
+            snapshot: None,
+            snapshot_diff: None,
+            dump_dir: None,
+        }
+    }
+
+    async fn scenario(&self, l: &Loaded, target: &mut dyn Target) -> ScenarioReport {
+        let started = Instant::now();
+        let mut report = self.skipped(l, String::new());
+        report.message = None;
+        let work = self
+            .opts
+            .work_root
+            .join(format!("{}-{}", l.name, self.run_id));
+        let token = format!("kt-scenario-{}", uuid::Uuid::new_v4().simple());
+        let pods = expand_pods(l);
+        report.pods = pods.len();
+        let plan = Plan {
+            run_id: self.run_id.clone(),
+            scenario: l.name.clone(),
+            work_dir: work.clone(),
+            bin_dir: self.opts.bin_dir.clone(),
+            token: token.clone(),
+            chunk_size: l.scenario.topology.store.chunk_size.map(|s| s.0),
+            pods: pods.clone(),
+        };
+        let mut failure: Option<String> = None;
+        let mut scn = None;
+        // Data first (not part of the testbed's start-up time).
+        let data = match data::generate_all(&l.scenario.data, &work.join("data")) {
+            Ok(d) => Some(d),
+            Err(e) => {
+                failure = Some(format!("generating data: {e}"));
+                None
+            }
+        };
+        if let Some(data) = data {
+            let setup = Instant::now();
+            let up = tokio::select! {
+                r = target.up(&plan) => r.map_err(|e| format!("bringing up the {} testbed: {e}", target.name())),
+                () = self.cancel.cancelled() => Err("interrupted".to_owned()),
+            };
+            report.setup_ms = ms(setup.elapsed());
+            match up {
+                Err(e) => failure = Some(e),
+                Ok(()) => {
+                    let s = Scn::new(self, l, &*target, pods, data, token, &work);
+                    let timeout = l.scenario.timeout.unwrap_or(SCENARIO_TIMEOUT);
+                    let body = async {
+                        let mut first = None;
+                        for (i, step) in l.scenario.steps.iter().enumerate() {
+                            if let Err(e) = s.step(format!("{}", i + 1), step).await {
+                                first = Some(e);
+                                break;
+                            }
+                        }
+                        first
+                    };
+                    let steps_failure = tokio::select! {
+                        r = tokio::time::timeout(timeout, body) => match r {
+                            Ok(f) => f,
+                            Err(_) => Some(format!("scenario timed out after {}", humantime::format_duration(timeout))),
+                        },
+                        () = self.cancel.cancelled() => Some("interrupted".to_owned()),
+                    };
+                    failure = steps_failure;
+                    // `finally` runs whatever happened.
+                    for (i, step) in l.scenario.finally.iter().enumerate() {
+                        if let Err(e) = s.step(format!("finally.{}", i + 1), step).await
+                            && failure.is_none()
+                        {
+                            failure = Some(e);
+                        }
+                    }
+                    scn = Some(s);
+                }
+            }
+        }
+        if let Some(s) = &scn {
+            report.steps = s.steps.lock().map(|v| v.clone()).unwrap_or_default();
+            if failure.is_none() {
+                let value = s.snapshot_value();
+                let outcome = self.snapshots.assert(
+                    &l.name,
+                    &l.file,
+                    l.scenario.description.as_deref().unwrap_or(&l.name),
+                    &value,
+                );
+                report.snapshot = Some(outcome.file.display().to_string());
+                if !outcome.ok && self.snapshots.mode() == crate::snapshot::Mode::Accept {
+                    self.live.line(&format!(
+                        "snapshot {} changed; accepting it:\n{}",
+                        outcome.file.display(),
+                        outcome.diff.as_deref().unwrap_or_default()
+                    ));
+                } else if !outcome.ok {
+                    failure = Some(format!(
+                        "snapshot {} does not match",
+                        outcome.file.display()
+                    ));
+                    report.snapshot_diff = outcome.diff;
+                }
+            }
+        }
+        if let Some(f) = &failure {
+            report.status = Status::Failed;
+            report.message = Some(f.clone());
+            let dir = self.opts.report_dir.join(&l.name);
+            self.dump(
+                &dir,
+                target,
+                scn.as_ref(),
+                f,
+                report.snapshot_diff.as_deref(),
+            )
+            .await;
+            report.dump_dir = Some(dir.display().to_string());
+            if self.opts.keep {
+                self.live.line(&format!(
+                    "kept the testbed of {} up: metadata {}  token {}  work {}; Ctrl-C tears it down",
+                    l.name,
+                    target.metadata_url(),
+                    plan.token,
+                    work.display()
+                ));
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        } else {
+            report.status = Status::Passed;
+        }
+        if let Err(e) = target.down().await {
+            self.live
+                .line(&format!("warning: tearing down {}: {e}", l.name));
+        }
+        if !self.opts.keep || failure.is_none() {
+            let _ = std::fs::remove_dir_all(&work);
+        }
+        report.duration_ms = ms(started.elapsed());
+        report
+    }
+
+    /// Writes what a failure needs into `dir`: component logs, the metadata
+    /// server's state, the failing steps' context and the snapshot diff.
+    async fn dump(
+        &self,
+        dir: &Path,
+        target: &dyn Target,
+        scn: Option<&Scn<'_>>,
+        failure: &str,
+        diff: Option<&str>,
+    ) {
+        let _ = std::fs::remove_dir_all(dir);
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            self.live
+                .line(&format!("warning: cannot create {}: {e}", dir.display()));
+            return;
+        }
+        let mut notes = vec![format!("failure: {failure}")];
+        if let Err(e) = target.collect_logs(&dir.join("logs")).await {
+            notes.push(format!("collecting logs: {e}"));
+        }
+        if let Some(s) = scn {
+            match s.metadata_dump().await {
+                Ok(v) => {
+                    let _ = std::fs::write(
+                        dir.join("metadata.json"),
+                        serde_json::to_vec_pretty(&v).unwrap_or_default(),
+                    );
+                }
+                Err(e) => notes.push(format!("metadata state unavailable: {e}")),
+            }
+            let context = s.context.lock().map(|c| c.join("\n")).unwrap_or_default();
+            notes.push(context);
+        }
+        let _ = std::fs::write(dir.join("failure.txt"), notes.join("\n\n"));
+        if let Some(d) = diff {
+            let _ = std::fs::write(dir.join("snapshot.diff"), d);
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// Pod instances of a scenario's topology, in order.
+pub fn expand_pods(l: &Loaded) -> Vec<PodPlan> {
+    let topo = &l.scenario.topology;
+    let mut out = Vec::new();
+    for p in &topo.pods {
+        let link = p
+            .link
+            .as_ref()
+            .or(topo.link.as_ref())
+            .and_then(|s| parse_link(s).ok());
+        for i in 0..p.replicas {
+            out.push(PodPlan {
+                name: if p.replicas == 1 {
+                    p.name.clone()
+                } else {
+                    format!("{}-{i}", p.name)
+                },
+                group: p.name.clone(),
+                index: i,
+                service: p.service.clone(),
+                labels: p.labels.clone(),
+                gpu: p.gpu,
+                link_bps: link,
+            });
+        }
+    }
+    out
+}
+
+/// One running scenario.
+struct Scn<'a> {
+    runner: &'a Runner,
+    loaded: &'a Loaded,
+    target: &'a dyn Target,
+    ctx: Context,
+    pods: Vec<PodPlan>,
+    data: BTreeMap<String, PathBuf>,
+    digests: Mutex<BTreeMap<String, Digest>>,
+    token: String,
+    client: Option<Client>,
+    redactor: Redactor,
+    steps: Mutex<Vec<StepReport>>,
+    /// Step outcomes and records for the snapshot.
+    outcomes: Mutex<Vec<(String, Value)>>,
+    records: Mutex<BTreeMap<String, Value>>,
+    /// Text about failed steps, for the dump.
+    context: Mutex<Vec<String>>,
+}
+
+/// What one pod's command did.
+struct PodRun {
+    pod: String,
+    args: Vec<String>,
+    out: Result<ExecOutput, String>,
+    finished: Duration,
+}
+
+impl PodRun {
+    fn class(&self) -> Option<ErrorClass> {
+        match &self.out {
+            Ok(o) if o.status == 0 => None,
+            Ok(o) => Some(ErrorClass::of_exit(o.status)),
+            Err(_) => Some(ErrorClass::Failed),
+        }
+    }
+
+    fn message(&self) -> String {
+        match &self.out {
+            Ok(o) => o.stderr.trim().to_owned(),
+            Err(e) => e.clone(),
+        }
+    }
+}
+
+/// Checks one outcome against the expectation; Err says why not.
+fn check_expect(expect: &Expect, class: Option<ErrorClass>, message: &str) -> Result<(), String> {
+    match (expect, class) {
+        (Expect::Ok, None) => Ok(()),
+        (Expect::Ok, Some(c)) => Err(format!("failed ({}): {message}", class_name(c))),
+        (Expect::Error { .. }, None) => Err("succeeded, but an error was expected".into()),
+        (Expect::Error { code, message: re }, Some(c)) => {
+            if !code.accepts(c) {
+                return Err(format!(
+                    "failed with {} where {} was expected: {message}",
+                    class_name(c),
+                    class_name(*code)
+                ));
+            }
+            if let Some(re) = re {
+                let ok = regex::Regex::new(re)
+                    .map(|r| r.is_match(message))
+                    .unwrap_or(false);
+                if !ok {
+                    return Err(format!("error message does not match /{re}/: {message}"));
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+fn class_name(c: ErrorClass) -> String {
+    serde_json::to_value(c)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+/// Nearest-rank percentile of sorted `v` (p in 0..=100).
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Budget checks of `durations` (ms, one per pod or one for the step).
+pub fn budget_checks(b: &crate::format::Budget, durations: &[f64]) -> Vec<BudgetCheck> {
+    let mut sorted = durations.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mut out = Vec::new();
+    let mut add = |kind: &str, limit: Option<Duration>, actual: f64, upper: bool| {
+        if let Some(l) = limit {
+            let limit_ms = ms(l);
+            out.push(BudgetCheck {
+                kind: kind.to_owned(),
+                limit_ms,
+                actual_ms: actual,
+                ok: if upper {
+                    actual <= limit_ms
+                } else {
+                    actual >= limit_ms
+                },
+            });
+        }
+    };
+    add("max", b.max, sorted.last().copied().unwrap_or(0.0), true);
+    add("min", b.min, sorted.first().copied().unwrap_or(0.0), false);
+    add("p50", b.p50, percentile(&sorted, 50.0), true);
+    add("p95", b.p95, percentile(&sorted, 95.0), true);
+    out
+}
+
+fn key_dir(key: &str) -> String {
+    key.replace('/', "_")
+}
+
+impl<'a> Scn<'a> {
+    fn new(
+        runner: &'a Runner,
+        loaded: &'a Loaded,
+        target: &'a dyn Target,
+        pods: Vec<PodPlan>,
+        data: BTreeMap<String, PathBuf>,
+        token: String,
+        work: &Path,
+    ) -> Scn<'a> {
+        let client = Client::new(ClientConfig::new(target.metadata_url(), token.clone())).ok();
+        let redactor = Redactor::new(vec![
+            (work.display().to_string(), "[work]"),
+            (runner.run_id.clone(), "[run]"),
+            (token.clone(), "[token]"),
+        ]);
+        Scn {
+            runner,
+            loaded,
+            target,
+            ctx: Context::new(&loaded.name, &runner.run_id, &loaded.scenario.vars),
+            pods,
+            data,
+            digests: Mutex::new(BTreeMap::new()),
+            token,
+            client,
+            redactor,
+            steps: Mutex::new(Vec::new()),
+            outcomes: Mutex::new(Vec::new()),
+            records: Mutex::new(BTreeMap::new()),
+            context: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Pod instances a name selects (a group or one instance).
+    fn select(&self, name: &str) -> Vec<&PodPlan> {
+        let exact: Vec<&PodPlan> = self.pods.iter().filter(|p| p.name == name).collect();
+        if !exact.is_empty() {
+            return exact;
+        }
+        self.pods.iter().filter(|p| p.group == name).collect()
+    }
+
+    fn components(&self, name: &str) -> Vec<Component> {
+        match name {
+            "metadata" => vec![Component::Metadata],
+            "store" => vec![Component::Store],
+            pod => self
+                .select(pod)
+                .into_iter()
+                .map(|p| Component::Pod(p.name.clone()))
+                .collect(),
+        }
+    }
+
+    fn expand(&self, s: &str) -> Result<String, String> {
+        self.ctx.expand(s).map_err(|e| e.to_string())
+    }
+
+    fn token_for(&self, auth: Auth) -> Option<String> {
+        match auth {
+            Auth::Valid => Some(self.token.clone()),
+            Auth::Missing => None,
+            Auth::Wrong => Some("not-the-token".into()),
+        }
+    }
+
+    fn digest_of_set(&self, name: &str) -> Result<Digest, String> {
+        if let Some(d) = self.digests.lock().ok().and_then(|m| m.get(name).cloned()) {
+            return Ok(d);
+        }
+        let path = self
+            .data
+            .get(name)
+            .ok_or_else(|| format!("no data set {name}"))?;
+        let d = data::digest(path).map_err(|e| e.to_string())?;
+        if let Ok(mut m) = self.digests.lock() {
+            m.insert(name.to_owned(), d.clone());
+        }
+        Ok(d)
+    }
+
+    /// Runs `args(pod)` in every selected pod at once.
+    async fn in_pods(
+        &self,
+        pods: &[&PodPlan],
+        program: Program,
+        auth: Auth,
+        env: &BTreeMap<String, String>,
+        args: impl Fn(&Context) -> Result<Vec<String>, String>,
+        started: Instant,
+        index: &str,
+    ) -> Vec<PodRun> {
+        let live = &self.runner.live;
+        let total = pods.len();
+        let done = std::sync::atomic::AtomicUsize::new(0);
+        let runs = pods.iter().map(|p| {
+            let ctx = self.ctx.for_pod(&p.name, p.index);
+            let args = args(&ctx);
+            let env: Vec<(String, String)> =
+                env.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let done = &done;
+            async move {
+                let (args, out) = match args {
+                    Err(e) => (vec![], Err(e)),
+                    Ok(args) => {
+                        let req = ExecRequest {
+                            pod: p.name.clone(),
+                            program,
+                            args: args.clone(),
+                            env,
+                            token: self.token_for(auth),
+                        };
+                        let out = self.target.exec(req).await.map_err(|e| e.to_string());
+                        (args, out)
+                    }
+                };
+                let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                if total > 1 {
+                    live.pods_done(index, n, total);
+                }
+                PodRun {
+                    pod: p.name.clone(),
+                    args,
+                    out,
+                    finished: started.elapsed(),
+                }
+            }
+        });
+        join_all(runs).await
+    }
+
+    /// One step (and, for groups, its children). Err: the step failed.
+    fn step(&'a self, index: String, step: &'a Step) -> BoxFuture<'a, Result<(), String>> {
+        async move {
+            let label = self.describe(step);
+            self.runner.live.step_start(&index, &label);
+            let started = Instant::now();
+            let limit = step.timeout.unwrap_or(STEP_TIMEOUT);
+            // Groups report their children first, then themselves.
+            let mut result = StepResult {
+                index: index.clone(),
+                ..StepResult::default()
+            };
+            let r = match &step.action {
+                Action::Parallel(children) => {
+                    let runs = children
+                        .iter()
+                        .enumerate()
+                        .map(|(i, c)| self.step(format!("{index}.{}", i + 1), c));
+                    let errs: Vec<String> = join_all(runs)
+                        .await
+                        .into_iter()
+                        .filter_map(Result::err)
+                        .collect();
+                    if errs.is_empty() {
+                        Ok(())
+                    } else {
+                        Err(errs.join("; "))
+                    }
+                }
+                Action::Sequence(children) => {
+                    let mut r = Ok(());
+                    for (i, c) in children.iter().enumerate() {
+                        if let Err(e) = self.step(format!("{index}.{}", i + 1), c).await {
+                            r = Err(e);
+                            break;
+                        }
+                    }
+                    r
+                }
+                _ => match tokio::time::timeout(limit, self.action(step, started, &mut result))
+                    .await
+                {
+                    Ok(r) => r,
+                    Err(_) => Err(format!(
+                        "timed out after {}",
+                        humantime::format_duration(limit)
+                    )),
+                },
+            };
+            let duration = started.elapsed();
+            let mut r = r;
+            let mut report = StepReport {
+                index: index.clone(),
+                name: step.name.clone().unwrap_or_else(|| label.clone()),
+                kind: step.action.kind().to_owned(),
+                status: Status::Passed,
+                error: None,
+                duration_ms: ms(duration),
+                op_ms: ms(result.op),
+                overhead_ms: result
+                    .ran_commands
+                    .then(|| ms(duration.saturating_sub(result.op + result.verify))),
+                budgets: vec![],
+                pods: result.pods,
+            };
+            if let Some(b) = &step.budget {
+                let durations: Vec<f64> = if report.pods.is_empty() {
+                    vec![report.duration_ms]
+                } else {
+                    report.pods.iter().map(|p| p.duration_ms).collect()
+                };
+                report.budgets = budget_checks(b, &durations);
+                let broken: Vec<String> = report
+                    .budgets
+                    .iter()
+                    .filter(|c| !c.ok)
+                    .map(|c| {
+                        format!(
+                            "budget {} {:.0}ms broken: {:.0}ms",
+                            c.kind, c.limit_ms, c.actual_ms
+                        )
+                    })
+                    .collect();
+                if r.is_ok() && !broken.is_empty() {
+                    r = Err(broken.join(", "));
+                }
+            }
+            if let Err(e) = &r {
+                report.status = Status::Failed;
+                report.error = Some(e.clone());
+                if let Ok(mut c) = self.context.lock() {
+                    c.push(format!(
+                        "step {index} ({label}) failed: {e}\n{}",
+                        result.context
+                    ));
+                }
+            }
+            self.runner.live.step_end(&report);
+            // The snapshot sees the outcome, not the timing.
+            let outcome = match (&r, &step.expect) {
+                (Err(e), _) => json!({ "failed": self.redactor.string(e) }),
+                (Ok(()), Expect::Ok) => json!("ok"),
+                (Ok(()), Expect::Error { code, .. }) => json!({ "error": code }),
+            };
+            let mut entry =
+                json!({ "step": index, "do": self.redactor.string(&label), "outcome": outcome });
+            if let Some(n) = &step.name {
+                entry["name"] = json!(n);
+            }
+            if let Ok(mut o) = self.outcomes.lock() {
+                o.push((index.clone(), entry));
+            }
+            if let (Some(name), Some(v)) = (&step.record, result.record)
+                && let Ok(mut rec) = self.records.lock()
+            {
+                rec.insert(name.clone(), self.redactor.value(&v));
+            }
+            if let Ok(mut s) = self.steps.lock() {
+                s.push(report);
+            }
+            r
+        }
+        .boxed()
+    }
+
+    /// A short description of a step, for the live view and the snapshot.
+    fn describe(&self, step: &Step) -> String {
+        let x = |s: &str| self.ctx.expand(s).unwrap_or_else(|_| s.to_owned());
+        match &step.action {
+            Action::Put(p) => format!(
+                "put {} from {} ({})",
+                x(&p.key),
+                p.pod,
+                p.data.clone().or(p.src.clone()).unwrap_or_default()
+            ),
+            Action::Get(g) => format!("get {} into {}", x(&g.key), g.pod),
+            Action::Ls(l) => format!("ls {}", x(&l.prefix)),
+            Action::Rm(r) => format!("rm {}{}", if r.recursive { "-r " } else { "" }, x(&r.key)),
+            Action::Broadcast(b) => format!("broadcast {} from {} to {}", x(&b.key), b.from, b.to),
+            Action::Teardown(t) => format!("teardown {}", t.service),
+            Action::Kill(k) => format!("kill -{:?} {}", k.signal, k.component),
+            Action::Restart(r) => format!("restart {}", r.component),
+            Action::Wait(w) => match &w.condition {
+                Condition::Ready(c) => format!("wait for {c} ready"),
+                Condition::Key(k) => format!("wait for key {}", x(k)),
+                Condition::NoKey(k) => format!("wait for key {} to go", x(k)),
+                Condition::Metric(m) => {
+                    format!("wait for {} {} >= {}", m.component, m.name, m.at_least)
+                }
+            },
+            Action::Assert(_) => "assert".to_owned(),
+            Action::Snapshot(s) => format!("snapshot {}", s.name),
+            Action::Exec(e) => format!(
+                "exec in {}: {} {}",
+                e.pod,
+                e.program.as_deref().unwrap_or("kt"),
+                e.args.iter().map(|a| x(a)).collect::<Vec<_>>().join(" ")
+            ),
+            Action::Parallel(c) => format!("parallel ({} steps)", c.len()),
+            Action::Sequence(c) => format!("sequence ({} steps)", c.len()),
+        }
+    }
+
+    /// Checks the commands' outcomes against the step's expectation and
+    /// fills the per-pod part of the result.
+    fn settle(&self, step: &Step, runs: &[PodRun], result: &mut StepResult) -> Result<(), String> {
+        result.ran_commands = true;
+        let mut errors = Vec::new();
+        for run in runs {
+            let d = match &run.out {
+                Ok(o) => o.duration,
+                Err(_) => Duration::ZERO,
+            };
+            result.op = result.op.max(d);
+            let checked = check_expect(&step.expect, run.class(), &run.message());
+            if let Err(e) = &checked {
+                errors.push(format!("{}: {e}", run.pod));
+                let (stdout, stderr) = match &run.out {
+                    Ok(o) => (o.stdout.as_str(), o.stderr.as_str()),
+                    Err(e) => ("", e.as_str()),
+                };
+                result.context.push_str(&format!(
+                    "--- pod {}: {}\nstdout:\n{stdout}\nstderr:\n{stderr}\n",
+                    run.pod,
+                    run.args.join(" ")
+                ));
+            }
+            result.pods.push(PodResult {
+                pod: run.pod.clone(),
+                ok: checked.is_ok(),
+                duration_ms: ms(d),
+                finished_at_ms: ms(run.finished),
+                exit_code: run.out.as_ref().ok().map(|o| o.status),
+                error: checked.err(),
+            });
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else if errors.len() > 3 {
+            Err(format!(
+                "{} of {} pods: {}; ...",
+                errors.len(),
+                runs.len(),
+                errors[..3].join("; ")
+            ))
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+
+    /// Transfer summaries of successful put/get runs, checked against `max_sent`.
+    fn summaries(
+        &self,
+        runs: &[PodRun],
+        max_sent: Option<crate::format::Size>,
+    ) -> Result<Vec<TransferSummary>, String> {
+        let mut out = Vec::new();
+        for run in runs {
+            let Ok(o) = &run.out else { continue };
+            if o.status != 0 {
+                continue;
+            }
+            let s: TransferSummary = serde_json::from_str(o.stdout.trim())
+                .map_err(|e| format!("{}: unreadable kt summary ({e}): {}", run.pod, o.stdout))?;
+            if let Some(max) = max_sent
+                && s.stats.bytes_sent > max.0
+            {
+                return Err(format!(
+                    "{}: sent {} bytes, more than max_sent {}",
+                    run.pod, s.stats.bytes_sent, max
+                ));
+            }
+            out.push(s);
+        }
+        Ok(out)
+    }
+
+    async fn action(
+        &self,
+        step: &Step,
+        started: Instant,
+        result: &mut StepResult,
+    ) -> Result<(), String> {
+        let none = BTreeMap::new();
+        match &step.action {
+            Action::Put(p) => {
+                let pods = self.select(&p.pod);
+                let src = match (&p.data, &p.src) {
+                    (Some(d), _) => Some(
+                        self.data
+                            .get(d)
+                            .ok_or_else(|| format!("no data set {d}"))?
+                            .display()
+                            .to_string(),
+                    ),
+                    _ => None,
+                };
+                let runs = self
+                    .in_pods(
+                        &pods,
+                        Program::Kt,
+                        p.auth,
+                        &none,
+                        |ctx| {
+                            let src = match (&src, &p.src) {
+                                (Some(s), _) => s.clone(),
+                                (None, Some(s)) => ctx.expand(s).map_err(|e| e.to_string())?,
+                                (None, None) => return Err("a put needs data or src".into()),
+                            };
+                            let mut a = vec![
+                                "put".into(),
+                                ctx.expand(&p.key).map_err(|e| e.to_string())?,
+                                "--src".into(),
+                                src,
+                                "-o".into(),
+                                "json".into(),
+                            ];
+                            if let Some(l) = &p.lifespan {
+                                a.extend(["--lifespan".into(), l.clone()]);
+                            }
+                            if let Some(t) = &p.ttl {
+                                a.extend(["--ttl".into(), t.clone()]);
+                            }
+                            if let Some(s) = &p.service {
+                                a.extend(["--service".into(), s.clone()]);
+                            }
+                            Ok(a)
+                        },
+                        started,
+                        &result.index,
+                    )
+                    .await;
+                self.settle(step, &runs, result)?;
+                let sums = self.summaries(&runs, p.max_sent)?;
+                result.record = Some(transfer_record(&sums));
+                Ok(())
+            }
+            Action::Get(g) => {
+                let pods = self.select(&g.pod);
+                let dest = |ctx: &Context| -> Result<String, String> {
+                    match &g.dest {
+                        Some(d) => ctx.expand(d).map_err(|e| e.to_string()),
+                        None => Ok(format!(
+                            "get/{}",
+                            key_dir(&ctx.expand(&g.key).map_err(|e| e.to_string())?)
+                        )),
+                    }
+                };
+                let runs = self
+                    .in_pods(
+                        &pods,
+                        Program::Kt,
+                        g.auth,
+                        &none,
+                        |ctx| {
+                            Ok(vec![
+                                "get".into(),
+                                ctx.expand(&g.key).map_err(|e| e.to_string())?,
+                                "--dest".into(),
+                                dest(ctx)?,
+                                "-o".into(),
+                                "json".into(),
+                            ])
+                        },
+                        started,
+                        &result.index,
+                    )
+                    .await;
+                self.settle(step, &runs, result)?;
+                let sums = self.summaries(&runs, g.max_sent)?;
+                result.record = Some(transfer_record(&sums));
+                if !g.verify.is_empty() && step.expect == Expect::Ok {
+                    let t = Instant::now();
+                    let want: Vec<(String, Digest)> = g
+                        .verify
+                        .iter()
+                        .map(|n| self.digest_of_set(n).map(|d| (n.clone(), d)))
+                        .collect::<Result<_, _>>()?;
+                    for p in &pods {
+                        let ctx = self.ctx.for_pod(&p.name, p.index);
+                        let path = self.target.pod_dir(&p.name).join(dest(&ctx)?);
+                        self.verify_tree(&p.name, &path, &want)?;
+                    }
+                    result.verify = t.elapsed();
+                }
+                Ok(())
+            }
+            Action::Ls(l) => {
+                let pod = self.pod_or_first(l.pod.as_deref())?;
+                let prefix = self.expand(&l.prefix)?;
+                let runs = self
+                    .in_pods(
+                        &[pod],
+                        Program::Kt,
+                        l.auth,
+                        &none,
+                        |_| {
+                            Ok(vec![
+                                "ls".into(),
+                                prefix.clone(),
+                                "-o".into(),
+                                "json".into(),
+                            ])
+                        },
+                        started,
+                        &result.index,
+                    )
+                    .await;
+                self.settle(step, &runs, result)?;
+                if let Some(Ok(o)) = runs.first().map(|r| &r.out)
+                    && o.status == 0
+                {
+                    let entries: Vec<ListEntry> = serde_json::from_str(&o.stdout)
+                        .map_err(|e| format!("unreadable kt ls output ({e}): {}", o.stdout))?;
+                    result.record = Some(listing(&entries));
+                }
+                Ok(())
+            }
+            Action::Rm(r) => {
+                let pod = self.pod_or_first(r.pod.as_deref())?;
+                let key = self.expand(&r.key)?;
+                let runs = self
+                    .in_pods(
+                        &[pod],
+                        Program::Kt,
+                        r.auth,
+                        &none,
+                        |_| {
+                            let mut a = vec!["rm".into(), key.clone()];
+                            if r.recursive {
+                                a.push("-r".into());
+                            }
+                            Ok(a)
+                        },
+                        started,
+                        &result.index,
+                    )
+                    .await;
+                self.settle(step, &runs, result)?;
+                if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
+                    result.record = Some(json!({ "stdout": o.stdout.lines().collect::<Vec<_>>() }));
+                }
+                Ok(())
+            }
+            Action::Exec(e) => {
+                let pods = self.select(&e.pod);
+                let program = if e.program.as_deref() == Some("sh") {
+                    Program::Shell
+                } else {
+                    Program::Kt
+                };
+                let runs = self
+                    .in_pods(
+                        &pods,
+                        program,
+                        e.auth,
+                        &e.env,
+                        |ctx| {
+                            e.args
+                                .iter()
+                                .map(|a| ctx.expand(a).map_err(|e| e.to_string()))
+                                .collect()
+                        },
+                        started,
+                        &result.index,
+                    )
+                    .await;
+                self.settle(step, &runs, result)?;
+                if let Some(re) = &e.stdout {
+                    let re = regex::Regex::new(re).map_err(|e| e.to_string())?;
+                    for run in &runs {
+                        if let Ok(o) = &run.out
+                            && !re.is_match(&o.stdout)
+                        {
+                            return Err(format!(
+                                "{}: stdout does not match /{re}/: {}",
+                                run.pod, o.stdout
+                            ));
+                        }
+                    }
+                }
+                if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
+                    result.record = Some(
+                        json!({ "status": o.status, "stdout": o.stdout.lines().collect::<Vec<_>>() }),
+                    );
+                }
+                Ok(())
+            }
+            Action::Kill(k) => {
+                let outcome = self
+                    .each_component(&k.component, |c| async move {
+                        self.target.kill(&c, k.signal).await
+                    })
+                    .await;
+                self.expect_plain(step, outcome)
+            }
+            Action::Restart(r) => {
+                let sig = r.signal.unwrap_or(Signal::TERM);
+                let outcome = self
+                    .each_component(&r.component, |c| async move {
+                        self.target.kill(&c, sig).await?;
+                        self.target.start(&c).await
+                    })
+                    .await;
+                self.expect_plain(step, outcome)
+            }
+            Action::Wait(w) => {
+                let outcome = loop {
+                    match self.condition(&w.condition).await {
+                        Ok(true) => break Ok(()),
+                        Ok(false) => {}
+                        // A wait on an unreachable server keeps waiting; the
+                        // step's timeout ends it with the last error.
+                        Err(e) => result.context = format!("last check: {e}"),
+                    }
+                    tokio::time::sleep(WAIT_POLL).await;
+                };
+                self.expect_plain(step, outcome)
+            }
+            Action::Assert(a) => {
+                let outcome = self.assert(a).await;
+                self.expect_plain(step, outcome)
+            }
+            Action::Snapshot(s) => {
+                let v = if s.metadata {
+                    self.metadata_dump().await?
+                } else {
+                    let prefix = KeyPrefix::parse(&self.expand(s.ls.as_deref().unwrap_or(""))?)
+                        .map_err(|e| e.to_string())?;
+                    let list = self
+                        .client()?
+                        .ls(&prefix)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    listing(&list.entries)
+                };
+                if let Ok(mut rec) = self.records.lock() {
+                    rec.insert(s.name.clone(), self.redactor.value(&v));
+                }
+                Ok(())
+            }
+            Action::Broadcast(_) | Action::Teardown(_) => Err(format!(
+                "{} steps are not supported by this build (refused by validation)",
+                step.action.kind()
+            )),
+            Action::Parallel(_) | Action::Sequence(_) => Ok(()),
+        }
+    }
+
+    /// Checks a non-command outcome against the expectation.
+    fn expect_plain(&self, step: &Step, outcome: Result<(), String>) -> Result<(), String> {
+        let msg = outcome.as_ref().err().cloned().unwrap_or_default();
+        check_expect(
+            &step.expect,
+            outcome.err().map(|_| ErrorClass::Failed),
+            &msg,
+        )
+    }
+
+    async fn each_component<F, Fut>(&self, name: &str, f: F) -> Result<(), String>
+    where
+        F: Fn(Component) -> Fut,
+        Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
+    {
+        let comps = self.components(name);
+        if comps.is_empty() {
+            return Err(format!("no component named {name}"));
+        }
+        for c in comps {
+            f(c.clone()).await.map_err(|e| format!("{c}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    fn pod_or_first(&self, name: Option<&str>) -> Result<&PodPlan, String> {
+        match name {
+            Some(n) => self.select(n).into_iter().next(),
+            None => self.pods.first(),
+        }
+        .ok_or_else(|| "the topology has no pod to run kt in".to_owned())
+    }
+
+    fn client(&self) -> Result<&Client, String> {
+        self.client
+            .as_ref()
+            .ok_or_else(|| "no client for the metadata server".to_owned())
+    }
+
+    fn verify_tree(&self, pod: &str, path: &Path, want: &[(String, Digest)]) -> Result<(), String> {
+        let got = data::digest(path).map_err(|e| format!("{pod}: {e}"))?;
+        if want.iter().any(|(_, d)| d.hex == got.hex) {
+            return Ok(());
+        }
+        let names: Vec<&str> = want.iter().map(|(n, _)| n.as_str()).collect();
+        Err(format!(
+            "{pod}: {} ({} files, {} bytes) does not equal data set {} ({} files, {} bytes)",
+            path.display(),
+            got.files,
+            got.bytes,
+            names.join(" or "),
+            want[0].1.files,
+            want[0].1.bytes
+        ))
+    }
+
+    async fn condition(&self, c: &Condition) -> Result<bool, String> {
+        match c {
+            Condition::Ready(name) => {
+                for comp in self.components(name) {
+                    let Some(url) = self.target.component_url(&comp) else {
+                        return Err(format!("{comp} has no readiness endpoint"));
+                    };
+                    let ok = reqwest::get(format!("{url}/readyz"))
+                        .await
+                        .map(|r| r.status().is_success())
+                        .unwrap_or(false);
+                    if !ok {
+                        return Ok(false);
+                    }
+                }
+                Ok(true)
+            }
+            Condition::Key(k) | Condition::NoKey(k) => {
+                let key = Key::parse(&self.expand(k)?).map_err(|e| e.to_string())?;
+                let exists = match self.client()?.stat(&key).await {
+                    Ok(_) => true,
+                    Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => false,
+                    Err(e) => return Err(e.to_string()),
+                };
+                Ok(exists == matches!(c, Condition::Key(_)))
+            }
+            Condition::Metric(m) => {
+                let comp = self.components(&m.component).into_iter().next();
+                let url = comp
+                    .and_then(|c| self.target.component_url(&c))
+                    .ok_or_else(|| format!("{} has no metrics endpoint", m.component))?;
+                let text = reqwest::Client::new()
+                    .get(format!("{url}/metrics"))
+                    .bearer_auth(&self.token)
+                    .send()
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .text()
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(metric_sum(&text, &m.name) >= m.at_least.0 as f64)
+            }
+        }
+    }
+
+    async fn assert(&self, a: &crate::format::AssertStep) -> Result<(), String> {
+        let mut errs = Vec::new();
+        if let Some(p) = &a.prefix {
+            let keys = self.keys_below(&self.expand(p)?).await?;
+            if let Some(n) = a.count
+                && keys.len() != n
+            {
+                errs.push(format!(
+                    "{} keys below `{}`, expected {n}: {keys:?}",
+                    keys.len(),
+                    self.expand(p)?
+                ));
+            }
+        }
+        for (list, want) in [(&a.exists, true), (&a.absent, false)] {
+            for k in list {
+                let key = Key::parse(&self.expand(k)?).map_err(|e| e.to_string())?;
+                let found = match self.client()?.stat(&key).await {
+                    Ok(_) => true,
+                    Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => false,
+                    Err(e) => return Err(e.to_string()),
+                };
+                if found != want {
+                    errs.push(format!(
+                        "key {key} {}",
+                        if want { "is missing" } else { "still exists" }
+                    ));
+                }
+            }
+        }
+        if let Some(f) = &a.files {
+            let want = self.digest_of_set(&f.data)?;
+            for p in self.select(&f.pod) {
+                let ctx = self.ctx.for_pod(&p.name, p.index);
+                let path = self
+                    .target
+                    .pod_dir(&p.name)
+                    .join(ctx.expand(&f.path).map_err(|e| e.to_string())?);
+                if let Err(e) = self.verify_tree(&p.name, &path, &[(f.data.clone(), want.clone())])
+                {
+                    errs.push(e);
+                }
+            }
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs.join("; "))
+        }
+    }
+
+    /// Every key below `prefix`, walking the listing level by level.
+    async fn keys_below(&self, prefix: &str) -> Result<Vec<String>, String> {
+        Ok(self
+            .records_below(prefix)
+            .await?
+            .into_iter()
+            .map(|r| r.key.to_string())
+            .collect())
+    }
+
+    async fn records_below(&self, prefix: &str) -> Result<Vec<kt_types::KeyRecord>, String> {
+        let client = self.client()?;
+        let mut todo = vec![prefix.to_owned()];
+        let mut out = Vec::new();
+        while let Some(p) = todo.pop() {
+            let prefix = KeyPrefix::parse(&p).map_err(|e| e.to_string())?;
+            let list = client.ls(&prefix).await.map_err(|e| e.to_string())?;
+            for e in list.entries {
+                if let Some(r) = e.record {
+                    out.push(r);
+                }
+                if e.has_children {
+                    todo.push(e.key);
+                }
+            }
+        }
+        out.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
+        Ok(out)
+    }
+
+    /// The metadata server's state: every key record and the store.
+    async fn metadata_dump(&self) -> Result<Value, String> {
+        let records = self.records_below("").await?;
+        let store = self.client()?.store_url().await.ok();
+        Ok(json!({ "store": store, "keys": records }))
+    }
+
+    /// The scenario's snapshot: every step's outcome and what was recorded.
+    fn snapshot_value(&self) -> Value {
+        let mut outcomes = self.outcomes.lock().map(|o| o.clone()).unwrap_or_default();
+        // Execution order differs inside parallel groups; the snapshot must not.
+        outcomes.sort_by(|a, b| index_order(&a.0).cmp(&index_order(&b.0)));
+        let records = self.records.lock().map(|r| r.clone()).unwrap_or_default();
+        json!({
+            "scenario": self.loaded.name,
+            "steps": outcomes.into_iter().map(|(_, v)| v).collect::<Vec<_>>(),
+            "recorded": records,
+        })
+    }
+}
+
+/// `3.10` after `3.9`; `finally.1` after every numbered step.
+fn index_order(i: &str) -> Vec<u64> {
+    let mut v: Vec<u64> = Vec::new();
+    for part in i.split('.') {
+        match part {
+            "finally" => v.push(u64::MAX),
+            n => v.push(n.parse().unwrap_or(0)),
+        }
+    }
+    v
+}
+
+/// The observable result of puts/gets: one summary, or totals over pods.
+fn transfer_record(sums: &[TransferSummary]) -> Value {
+    match sums {
+        [s] => json!({
+            "files": s.files,
+            "files_sent": s.stats.files_sent,
+            "bytes_sent": s.stats.bytes_sent,
+            "bytes_skipped": s.stats.bytes_skipped,
+            "unchanged": s.unchanged,
+        }),
+        many => json!({
+            "pods": many.len(),
+            "files": many.iter().map(|s| s.files).max().unwrap_or(0),
+            "files_sent_total": many.iter().map(|s| s.stats.files_sent).sum::<u64>(),
+            "bytes_sent_total": many.iter().map(|s| s.stats.bytes_sent).sum::<u64>(),
+        }),
+    }
+}
+
+fn listing(entries: &[ListEntry]) -> Value {
+    Value::Array(
+        entries
+            .iter()
+            .map(|e| {
+                let mut v = json!({ "name": e.name, "key": e.key, "has_children": e.has_children });
+                if let Some(r) = &e.record {
+                    v["record"] = serde_json::to_value(r).unwrap_or(Value::Null);
+                }
+                v
+            })
+            .collect(),
+    )
+}
+
+/// The sum of every sample of `name` (all label sets) in Prometheus text.
+pub fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let metric = series.split('{').next()?;
+            (metric == name)
+                .then(|| value.parse::<f64>().ok())
+                .flatten()
+        })
+        .sum()
+}
+
+/// What one step's action produced beside success or failure.
+#[derive(Debug, Default)]
+struct StepResult {
+    /// The step's index (for the live view).
+    index: String,
+    /// Longest command's own wall time.
+    op: Duration,
+    /// Time spent verifying what getters received.
+    verify: Duration,
+    ran_commands: bool,
+    pods: Vec<PodResult>,
+    record: Option<Value>,
+    context: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::Budget;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 50.0), 50.0);
+        assert_eq!(percentile(&v, 95.0), 95.0);
+        assert_eq!(percentile(&[7.0], 95.0), 7.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+
+    #[test]
+    fn budgets_check_every_limit() {
+        let b = Budget {
+            max: Some(Duration::from_millis(100)),
+            p50: Some(Duration::from_millis(20)),
+            p95: None,
+            min: Some(Duration::from_millis(5)),
+        };
+        let checks = budget_checks(&b, &[10.0, 30.0, 120.0]);
+        let by: BTreeMap<&str, bool> = checks.iter().map(|c| (c.kind.as_str(), c.ok)).collect();
+        assert_eq!(by["max"], false);
+        assert_eq!(by["p50"], false);
+        assert_eq!(by["min"], true);
+    }
+
+    #[test]
+    fn expectations() {
+        assert!(check_expect(&Expect::Ok, None, "").is_ok());
+        assert!(
+            check_expect(&Expect::Ok, Some(ErrorClass::Failed), "boom")
+                .unwrap_err()
+                .contains("boom")
+        );
+        let nf = Expect::Error {
+            code: ErrorClass::NotFound,
+            message: Some("no such key".into()),
+        };
+        assert!(check_expect(&nf, Some(ErrorClass::NotFound), "kt: error: no such key x").is_ok());
+        assert!(check_expect(&nf, Some(ErrorClass::NotFound), "other").is_err());
+        assert!(check_expect(&nf, Some(ErrorClass::Invalid), "no such key").is_err());
+        assert!(check_expect(&nf, None, "").is_err());
+        let any = Expect::Error {
+            code: ErrorClass::Any,
+            message: None,
+        };
+        assert!(check_expect(&any, Some(ErrorClass::Unavailable), "x").is_ok());
+    }
+
+    #[test]
+    fn metric_sums_add_label_sets() {
+        let text = "# HELP x\nkt_bytes_received_total 1024\nkt_http_requests_total{path=\"/a\"} 2\nkt_http_requests_total{path=\"/b\"} 3\n";
+        assert_eq!(metric_sum(text, "kt_bytes_received_total"), 1024.0);
+        assert_eq!(metric_sum(text, "kt_http_requests_total"), 5.0);
+        assert_eq!(metric_sum(text, "missing"), 0.0);
+    }
+
+    #[test]
+    fn step_indices_sort_numerically() {
+        let mut v = vec!["10", "2", "finally.1", "3.10", "3.9", "3"];
+        v.sort_by_key(|i| index_order(i));
+        assert_eq!(v, vec!["2", "3", "3.9", "3.10", "10", "finally.1"]);
+    }
+}

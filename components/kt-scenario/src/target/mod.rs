@@ -1,0 +1,203 @@
+//! Testbed targets: where the components and pods of a scenario run.
+//!
+//! The runner only talks to [`Target`]; a new target (docker, kind, k3d)
+//! implements it and nothing in the runner changes. A target owns every
+//! process, namespace or container it creates and removes them in
+//! [`Target::down`], which must be idempotent and must also run after a
+//! failure or Ctrl-C.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+pub mod local;
+pub mod netns;
+pub mod procs;
+
+/// What to bring up for one scenario.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Unique per run; targets put it into every name they create.
+    pub run_id: String,
+    pub scenario: String,
+    /// The scenario's own directory on the runner's host: targets keep logs,
+    /// state and pod directories below it.
+    pub work_dir: PathBuf,
+    /// Where `kt`, `kt-metadata` and `kt-store` are.
+    pub bin_dir: PathBuf,
+    pub token: String,
+    pub chunk_size: Option<u64>,
+    pub pods: Vec<PodPlan>,
+}
+
+/// One pod instance.
+#[derive(Debug, Clone)]
+pub struct PodPlan {
+    /// Instance name (`getter-3`, or the group name for a single replica).
+    pub name: String,
+    /// The group (`getter`).
+    pub group: String,
+    pub index: usize,
+    pub service: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub gpu: bool,
+    /// Link rate in bits per second (netns shapes it; others ignore it).
+    pub link_bps: Option<u64>,
+}
+
+/// A part of the testbed that steps can kill, restart or wait for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Component {
+    Metadata,
+    Store,
+    /// A pod instance.
+    Pod(String),
+}
+
+impl std::fmt::Display for Component {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Component::Metadata => f.write_str("metadata"),
+            Component::Store => f.write_str("store"),
+            Component::Pod(p) => write!(f, "pod {p}"),
+        }
+    }
+}
+
+/// Which program an exec runs inside the pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Program {
+    /// The `kt` CLI, with the testbed's metadata URL in its environment.
+    Kt,
+    /// `sh -c`, for checks a scenario wants to make inside a pod.
+    Shell,
+}
+
+/// A command to run inside a pod, with its working directory at the pod's
+/// root ([`Target::pod_dir`]).
+#[derive(Debug, Clone)]
+pub struct ExecRequest {
+    pub pod: String,
+    pub program: Program,
+    pub args: Vec<String>,
+    /// Extra environment. The target sets `KT_METADATA_URL` and
+    /// `KT_PROGRESS=never`; the token is `token`.
+    pub env: Vec<(String, String)>,
+    /// The bearer token the command gets in `KT_TOKEN` (None: no token).
+    pub token: Option<String>,
+}
+
+/// How an exec ended.
+#[derive(Debug, Clone)]
+pub struct ExecOutput {
+    /// Exit code, or 128 + signal number when a signal ended it.
+    pub status: i32,
+    pub stdout: String,
+    pub stderr: String,
+    /// Wall time of the command itself (spawn to exit).
+    pub duration: Duration,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl TargetError {
+    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TargetError {
+        let what = what.into();
+        move |source| TargetError::Io { what, source }
+    }
+}
+
+#[async_trait]
+pub trait Target: Send + Sync {
+    fn name(&self) -> &'static str;
+
+    /// Why this target cannot run on this machine (checked once, before any
+    /// scenario), e.g. "netns needs root".
+    fn unavailable(&self) -> Option<String>;
+
+    /// Starts the metadata server, the store and the pods, and returns once
+    /// every server answers `/readyz`.
+    async fn up(&mut self, plan: &Plan) -> Result<(), TargetError>;
+
+    /// The metadata server's URL as the runner reaches it.
+    fn metadata_url(&self) -> String;
+
+    /// The base URL of a server component as the runner reaches it (for
+    /// `/readyz` and `/metrics`); None for components without one.
+    fn component_url(&self, c: &Component) -> Option<String>;
+
+    /// The pod's root directory as the runner sees it: generated data is
+    /// staged below it and what getters wrote is verified there.
+    fn pod_dir(&self, pod: &str) -> PathBuf;
+
+    /// Runs a command inside a pod and waits for it.
+    async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError>;
+
+    /// Sends a signal: to a server's process (and waits for it to exit), or
+    /// to every process of a pod. Takes `&self` because it runs while other
+    /// steps exec in pods: targets keep their servers behind a lock.
+    async fn kill(&self, c: &Component, signal: crate::format::Signal) -> Result<(), TargetError>;
+
+    /// Starts a stopped server again with the same state, address and port,
+    /// and returns once it is ready.
+    async fn start(&self, c: &Component) -> Result<(), TargetError>;
+
+    /// Copies every component log into `dir`.
+    async fn collect_logs(&self, dir: &Path) -> Result<(), TargetError>;
+
+    /// Stops everything and removes what `up` created. Idempotent.
+    async fn down(&mut self) -> Result<(), TargetError>;
+}
+
+/// Parses a link rate such as `100mbit`, `1gbit`, `500kbit` into bits/s.
+pub fn parse_link(s: &str) -> Result<u64, String> {
+    let s = s.trim().to_ascii_lowercase();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a link rate (e.g. 100mbit, 1gbit)"))?;
+    let mult = match unit {
+        "bit" => 1,
+        "kbit" => 1_000,
+        "mbit" => 1_000_000,
+        "gbit" => 1_000_000_000,
+        other => {
+            return Err(format!(
+                "unknown link rate unit `{other}` (bit, kbit, mbit, gbit)"
+            ));
+        }
+    };
+    match n.checked_mul(mult) {
+        Some(0) | None => Err(format!("link rate `{s}` is out of range")),
+        Some(v) => Ok(v),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_rates() {
+        assert_eq!(parse_link("1gbit"), Ok(1_000_000_000));
+        assert_eq!(parse_link("100Mbit"), Ok(100_000_000));
+        assert!(parse_link("fast").is_err());
+        assert!(parse_link("0mbit").is_err());
+        assert!(parse_link("10mb").is_err());
+    }
+}

@@ -1,0 +1,1125 @@
+//! The `netns` target: like `local`, but the metadata server, the store and
+//! every pod each live in a Linux network namespace of their own, plugged
+//! by a veth pair into one bridge per run, so traffic crosses real
+//! interfaces and a pod's link can be shaped with `tc`. Needs root.
+//!
+//! Layout of a run with short id `<id>` (see [`short_id`]), all in
+//! 198.18.0.0/15 (the benchmarking range, never routed on the internet):
+//!
+//! | what     | namespace            | host-side veth   | address         |
+//! |----------|----------------------|------------------|-----------------|
+//! | runner   | (the root namespace) | (bridge `ktb<id>`) | 198.18.0.1/15 |
+//! | metadata | `kt-<id>-meta`       | `ktv<id>0`       | 198.18.0.2:8081 |
+//! | store    | `kt-<id>-store`      | `ktv<id>1`       | 198.18.0.3:8082 |
+//! | pod *i*  | `kt-<id>-pod-<name>` | `ktv<id><i+2>` (base 36) | [`pod_ip`] |
+//!
+//! Inside each namespace the veth end is `eth0`. Pod namespaces carry a
+//! `pod-` infix so that pods named `meta` or `store` cannot collide with the
+//! servers'.
+//!
+//! What a run creates is recorded in `/run/kt-scenario/<id>` (the owning
+//! pid); [`sweep_stale`] removes the leftovers of runs whose owner died
+//! without cleaning up, and [`Target::up`] calls it first.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use async_trait::async_trait;
+use tokio::process::Command;
+
+use super::local::{Servers, copy_logs, exec_argv, make_pod_dirs, pod_env, server_argvs};
+use super::procs::{PodProcs, Server, binary};
+use super::{Component, ExecOutput, ExecRequest, Plan, Target, TargetError};
+use crate::format::Signal;
+
+/// The host side of the bridge: the runner reaches the servers through it.
+pub const BRIDGE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+pub const METADATA_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
+pub const STORE_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 3);
+const SUBNET: &str = "198.18.0.0/15";
+const PREFIX_LEN: u8 = 15;
+const METADATA_PORT: u16 = 8081;
+const STORE_PORT: u16 = 8082;
+/// A Linux bridge has at most 1023 ports; the servers take two.
+pub const MAX_PODS: usize = 1021;
+
+const STATE_DIR: &str = "/run/kt-scenario";
+const NETNS_DIR: &str = "/run/netns";
+const SYS_NET: &str = "/sys/class/net";
+
+const NEED_ROOT: &str = "the netns target needs root (it creates network namespaces, a bridge \
+                         and tc qdiscs); run as root or use --target local";
+
+/// The 6-character id (`[0-9a-z]`) that names a run's network objects.
+/// Hashed from the run id and the scenario, so runs whose ids share a prefix
+/// (timestamps) and scenarios of one run still get distinct names.
+pub fn short_id(run_id: &str, scenario: &str) -> String {
+    let hash = blake3::hash(format!("{run_id}\0{scenario}").as_bytes());
+    let n = hash.as_bytes()[..8]
+        .iter()
+        .fold(0u64, |a, b| a << 8 | u64::from(*b));
+    format!("{:0>6}", base36(n % 36u64.pow(6)))
+}
+
+fn is_short_id(s: &str) -> bool {
+    s.len() == 6
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || b.is_ascii_lowercase())
+}
+
+fn base36(mut n: u64) -> String {
+    let mut digits = Vec::new();
+    loop {
+        digits.push(char::from_digit((n % 36) as u32, 36).unwrap_or('0'));
+        n /= 36;
+        if n == 0 {
+            return digits.iter().rev().collect();
+        }
+    }
+}
+
+fn bridge_name(id: &str) -> String {
+    format!("ktb{id}")
+}
+
+/// The host side of node `n`'s veth pair (≤ 11 characters for n < 1296).
+fn veth_name(id: &str, n: usize) -> String {
+    format!("ktv{id}{}", base36(n as u64))
+}
+
+/// The address of the `i`th pod: 198.18.1.1 to 198.18.1.250, then
+/// 198.18.2.1, ... (250 a block, so no pod gets a .0 or .255 address);
+/// None from [`MAX_PODS`] on.
+pub fn pod_ip(i: usize) -> Option<Ipv4Addr> {
+    let i = u32::try_from(i).ok().filter(|&i| (i as usize) < MAX_PODS)?;
+    let base = u32::from(Ipv4Addr::new(198, 18, 0, 0));
+    Some(Ipv4Addr::from(base + ((1 + i / 250) << 8) + 1 + i % 250))
+}
+
+/// The token bucket for a link of `rate_bps` bit/s, in bytes. tbf sends at
+/// most one bucket per timer tick, so the bucket must hold a tick's worth of
+/// traffic or the link tops out below its rate: rate/8/250 bytes covers
+/// 4 ms (HZ=250, the coarsest common tick), e.g. 500 KB at 1 gbit. The
+/// 32 KiB floor keeps low rates above a handful of MTU-sized frames and lets
+/// GSO segments through unsplit; at 1 mbit it allows a ¼ s burst.
+fn tbf_burst(rate_bps: u64) -> u64 {
+    (rate_bps / 8 / 250).max(32 * 1024)
+}
+
+/// The qdisc spec of a shaped link. 50 ms of queue on top of the bucket
+/// lets TCP fill the link without the latency of a deep (bufferbloated)
+/// queue at low rates.
+fn tbf(rate_bps: u64) -> String {
+    format!(
+        "tbf rate {rate_bps}bit burst {} latency 50ms",
+        tbf_burst(rate_bps)
+    )
+}
+
+/// One network namespace on the run's bridge.
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub netns: String,
+    /// The host side of the veth pair; the namespace side is `eth0`.
+    pub veth: String,
+    pub ip: Ipv4Addr,
+    /// Shaped in both directions when set (bit/s).
+    pub link_bps: Option<u64>,
+}
+
+/// The namespaces, veths and bridge of one run. Plumbing only: no kt
+/// processes, so it can be tested on its own.
+#[derive(Debug)]
+pub struct Network {
+    id: String,
+    /// Metadata, store, then the pods in order.
+    nodes: Vec<Node>,
+}
+
+impl Network {
+    /// Creates the bridge and a namespace per server and pod (`pods`: name
+    /// and link rate). On error, removes whatever it had created.
+    pub fn create(id: &str, pods: &[(String, Option<u64>)]) -> Result<Network, TargetError> {
+        if !is_short_id(id) {
+            return Err(TargetError::Failed(format!("`{id}` is not a netns run id")));
+        }
+        if pods.len() > MAX_PODS {
+            return Err(TargetError::Failed(format!(
+                "the netns target runs at most {MAX_PODS} pods (a Linux bridge has 1023 ports), \
+                 this scenario has {}",
+                pods.len()
+            )));
+        }
+        let server = |n: usize, name: &str, ip| Node {
+            netns: format!("kt-{id}-{name}"),
+            veth: veth_name(id, n),
+            ip,
+            link_bps: None,
+        };
+        let mut nodes = vec![server(0, "meta", METADATA_IP), server(1, "store", STORE_IP)];
+        for (i, (name, link_bps)) in pods.iter().enumerate() {
+            check_pod_name(name)?;
+            nodes.push(Node {
+                netns: format!("kt-{id}-pod-{name}"),
+                veth: veth_name(id, i + 2),
+                ip: pod_ip(i)
+                    .ok_or_else(|| TargetError::Failed(format!("no address for pod {i}")))?,
+                link_bps: *link_bps,
+            });
+        }
+        check_subnet_free()?;
+        claim(id)?;
+        let net = Network {
+            id: id.to_owned(),
+            nodes,
+        };
+        if let Err(e) = net.build() {
+            if let Err(cleanup) = net.destroy() {
+                tracing::warn!("cleaning up the half-created network {id}: {cleanup}");
+            }
+            return Err(e);
+        }
+        Ok(net)
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn bridge(&self) -> String {
+        bridge_name(&self.id)
+    }
+
+    pub fn metadata(&self) -> &Node {
+        &self.nodes[0]
+    }
+
+    pub fn store(&self) -> &Node {
+        &self.nodes[1]
+    }
+
+    pub fn pods(&self) -> &[Node] {
+        &self.nodes[2..]
+    }
+
+    /// Removes every namespace, veth, the bridge, the FORWARD rule and the
+    /// state file of this run. Idempotent. Processes still running inside a
+    /// namespace keep it alive (without interfaces) until they exit.
+    pub fn destroy(&self) -> Result<(), TargetError> {
+        remove_run(&self.id).map(drop)
+    }
+
+    fn build(&self) -> Result<(), TargetError> {
+        let br = self.bridge();
+        raise_neighbour_limit(self.nodes.len());
+        // Everything in the root namespace in one `ip` process: 1000 pods
+        // would otherwise cost thousands of process starts.
+        let mut root = vec![
+            format!("link add {br} type bridge"),
+            format!("addr add {BRIDGE_IP}/{PREFIX_LEN} dev {br}"),
+            format!("link set {br} up"),
+        ];
+        for n in &self.nodes {
+            root.push(format!("netns add {}", n.netns));
+            root.push(format!(
+                "link add {} type veth peer name eth0 netns {}",
+                n.veth, n.netns
+            ));
+            root.push(format!("link set {} master {br} up", n.veth));
+        }
+        batch("ip", &[], &root)?;
+        // Download into a pod: egress of the host-side veth.
+        let shaped: Vec<String> = (self.nodes.iter())
+            .filter_map(|n| {
+                Some(format!(
+                    "qdisc add dev {} root {}",
+                    n.veth,
+                    tbf(n.link_bps?)
+                ))
+            })
+            .collect();
+        if !shaped.is_empty() {
+            batch("tc", &[], &shaped)?;
+        }
+        for n in &self.nodes {
+            let inside = [
+                "link set lo up".to_owned(),
+                format!("addr add {}/{PREFIX_LEN} dev eth0", n.ip),
+                "link set eth0 up".to_owned(),
+            ];
+            batch("ip", &["-n", &n.netns], &inside)?;
+            // Upload from a pod: egress of its eth0.
+            if let Some(rate) = n.link_bps {
+                batch(
+                    "tc",
+                    &["-n", &n.netns],
+                    &[format!("qdisc add dev eth0 root {}", tbf(rate))],
+                )?;
+            }
+        }
+        // Docker loads br_netfilter: bridged frames then traverse the
+        // iptables FORWARD chain, whose policy Docker sets to DROP.
+        let nf = std::fs::read_to_string("/proc/sys/net/bridge/bridge-nf-call-iptables");
+        if nf.is_ok_and(|v| v.trim() == "1") {
+            if on_path("iptables") {
+                run("iptables", &forward_rule("-I", &br))?;
+            } else {
+                tracing::warn!("bridged traffic goes through iptables, which is not installed");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Pod names become namespace names (file names under /run/netns).
+fn check_pod_name(name: &str) -> Result<(), TargetError> {
+    let ok = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if name.is_empty() || name.len() > 200 || !name.chars().all(ok) {
+        return Err(TargetError::Failed(format!(
+            "pod name `{name}` cannot name a network namespace (use letters, digits, '-', '_', '.')"
+        )));
+    }
+    Ok(())
+}
+
+/// Two testbeds cannot share 198.18.0.0/15: their routes would clash.
+fn check_subnet_free() -> Result<(), TargetError> {
+    let used = run("ip", &["-o", "-4", "addr", "show", "to", SUBNET])?;
+    match used.lines().next() {
+        None => Ok(()),
+        Some(line) => Err(TargetError::Failed(format!(
+            "{SUBNET} is already in use on this machine ({} has an address in it), probably by \
+             another netns testbed (see {STATE_DIR}); the netns target runs one testbed at a time",
+            line.split_whitespace().nth(1).unwrap_or("an interface")
+        ))),
+    }
+}
+
+/// The kernel's ARP table is shared by all namespaces and refuses entries
+/// beyond `gc_thresh3` (1024 by default); with hundreds of pods each server
+/// namespace alone caches one entry per pod. Raises the limits (never
+/// lowers them, and leaves them raised: other users of the host may rely
+/// on the value by then) to 64 entries a namespace.
+fn raise_neighbour_limit(namespaces: usize) {
+    let want = namespaces as u64 * 64;
+    for (knob, want) in [("gc_thresh2", want / 2), ("gc_thresh3", want)] {
+        let path = format!("/proc/sys/net/ipv4/neigh/default/{knob}");
+        let current = std::fs::read_to_string(&path)
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok());
+        if current.is_some_and(|c| c < want) {
+            match std::fs::write(&path, want.to_string()) {
+                Ok(()) => tracing::info!("raised net.ipv4.neigh.default.{knob} to {want}"),
+                Err(e) => tracing::warn!("could not raise {path} to {want}: {e}"),
+            }
+        }
+    }
+}
+
+/// `iptables` arguments that insert (`-I`), check (`-C`) or delete (`-D`)
+/// the rule accepting traffic between the ports of `bridge`.
+fn forward_rule<'a>(op: &'a str, bridge: &'a str) -> [&'a str; 9] {
+    [
+        "-w", op, "FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT",
+    ]
+}
+
+fn state_path(id: &str) -> PathBuf {
+    Path::new(STATE_DIR).join(id)
+}
+
+/// Records in the state file that this process owns run `id`'s network
+/// objects. The file appears complete and only if it did not exist (a link
+/// of a finished temporary file), so a concurrent sweep never reads half of
+/// it and two owners cannot claim one id.
+fn claim(id: &str) -> Result<(), TargetError> {
+    std::fs::create_dir_all(STATE_DIR).map_err(TargetError::io(format!("creating {STATE_DIR}")))?;
+    let pid = std::process::id();
+    let start = process_start(pid)
+        .ok_or_else(|| TargetError::Failed(format!("cannot read /proc/{pid}/stat")))?;
+    let tmp = Path::new(STATE_DIR).join(format!(".{id}.{pid}"));
+    std::fs::write(&tmp, format!("{pid} {start}\n"))
+        .map_err(TargetError::io(format!("writing {}", tmp.display())))?;
+    let linked = std::fs::hard_link(&tmp, state_path(id));
+    let _ = std::fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            Err(TargetError::Failed(format!(
+                "a netns testbed with id {id} is already up ({})",
+                state_path(id).display()
+            )))
+        }
+        Err(e) => Err(TargetError::io(format!(
+            "writing {}",
+            state_path(id).display()
+        ))(e)),
+    }
+}
+
+/// The start time of process `pid` (field 22 of its stat), None when it is
+/// gone or a zombie. With the pid it identifies a process across pid reuse.
+fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces: count from its ')'.
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    if fields.first() == Some(&"Z") {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+/// Whether the process recorded in a state file still runs.
+fn owner_alive(state: &Path) -> bool {
+    let text = std::fs::read_to_string(state).unwrap_or_default();
+    let mut it = text.split_whitespace().map(str::parse::<u64>);
+    match (it.next(), it.next()) {
+        (Some(Ok(pid)), Some(Ok(start))) => {
+            u32::try_from(pid).ok().and_then(process_start) == Some(start)
+        }
+        _ => false,
+    }
+}
+
+/// Removes the network objects of earlier runs whose runner died without
+/// cleaning up (its recorded pid is gone). Returns one line per run it
+/// removed or failed to remove, for the runner to log.
+pub fn sweep_stale() -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(STATE_DIR) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let id = e.file_name().to_string_lossy().into_owned();
+        if !is_short_id(&id) || owner_alive(&e.path()) {
+            continue;
+        }
+        out.push(match remove_run(&id) {
+            Ok(removed) => format!(
+                "removed the netns testbed {id} of a runner that exited without cleaning up ({})",
+                removed.join(", ")
+            ),
+            Err(e) => format!("could not remove the stale netns testbed {id}: {e}"),
+        });
+    }
+    out
+}
+
+/// Names in `dir` (namespaces, interfaces) starting with `prefix`.
+fn names_in(dir: &str, prefix: &str) -> Vec<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut names: Vec<String> = (entries.flatten())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Everything of run `id` that exists now: veths, namespaces, the bridge.
+fn run_objects(id: &str) -> (Vec<String>, Vec<String>, Vec<String>) {
+    (
+        names_in(SYS_NET, &format!("ktv{id}")),
+        names_in(NETNS_DIR, &format!("kt-{id}-")),
+        names_in(SYS_NET, &bridge_name(id)),
+    )
+}
+
+/// Removes whatever exists of run `id`, checks that nothing is left, then
+/// drops its state file. Returns a summary of what it removed.
+fn remove_run(id: &str) -> Result<Vec<String>, TargetError> {
+    let (veths, netns, bridges) = run_objects(id);
+    // Deleting a veth removes both ends even if a process still holds the
+    // namespace; deleting namespaces alone would leave those.
+    let lines: Vec<String> = (veths.iter().map(|v| format!("link del {v}")))
+        .chain(netns.iter().map(|n| format!("netns del {n}")))
+        .chain(bridges.iter().map(|b| format!("link del {b}")))
+        .collect();
+    let failed = if lines.is_empty() {
+        None
+    } else {
+        batch("ip", &["-force"], &lines).err()
+    };
+    let mut removed = Vec::new();
+    for (n, what) in [(veths.len(), "veths"), (netns.len(), "namespaces")] {
+        if n > 0 {
+            removed.push(format!("{n} {what}"));
+        }
+    }
+    removed.extend(bridges.iter().map(|b| format!("bridge {b}")));
+    if on_path("iptables") {
+        let br = bridge_name(id);
+        // Bounded: a rule inserted twice (never by us) is deleted twice.
+        for _ in 0..8 {
+            if run("iptables", &forward_rule("-C", &br)).is_err() {
+                break;
+            }
+            run("iptables", &forward_rule("-D", &br))?;
+            removed.push("iptables FORWARD rule".to_owned());
+        }
+    }
+    let (veths, netns, bridges) = run_objects(id);
+    let left = [veths, netns, bridges].concat();
+    if !left.is_empty() {
+        return Err(TargetError::Failed(format!(
+            "could not remove {}{}",
+            left.join(", "),
+            failed.map(|e| format!(": {e}")).unwrap_or_default()
+        )));
+    }
+    match std::fs::remove_file(state_path(id)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(TargetError::io(format!(
+            "removing {}",
+            state_path(id).display()
+        ))(e)),
+        _ => Ok(removed),
+    }
+}
+
+fn on_path(prog: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()))
+}
+
+/// Runs `prog args...` and returns its stdout; the error names the command
+/// line and carries its stderr.
+fn run(prog: &str, args: &[&str]) -> Result<String, TargetError> {
+    command(prog, args, None)
+}
+
+/// Runs `lines` through `prog opts... -batch -`; the error names the line
+/// that failed.
+fn batch(prog: &str, opts: &[&str], lines: &[String]) -> Result<(), TargetError> {
+    let args: Vec<&str> = opts.iter().copied().chain(["-batch", "-"]).collect();
+    command(prog, &args, Some(&lines.join("\n")))
+        .map(drop)
+        .map_err(|e| {
+            // iproute2 reports "Command failed -:<line number>".
+            let at = e
+                .to_string()
+                .rsplit_once("Command failed -:")
+                .and_then(|(_, n)| {
+                    let n: usize = n.trim().parse().ok()?;
+                    lines.get(n.checked_sub(1)?)
+                });
+            match at {
+                Some(line) => TargetError::Failed(format!("{e} (at `{line}`)")),
+                None => e,
+            }
+        })
+}
+
+fn command(prog: &str, args: &[&str], input: Option<&str>) -> Result<String, TargetError> {
+    let line = std::iter::once(prog)
+        .chain(args.iter().copied())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut child = std::process::Command::new(prog)
+        .args(args)
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(TargetError::io(format!("running `{line}`")))?;
+    // A failing batch stops reading its input: its exit status and stderr
+    // then say more than the broken pipe, so look at them first.
+    let wrote = match (input, child.stdin.take()) {
+        (Some(text), Some(mut stdin)) => stdin.write_all(text.as_bytes()),
+        _ => Ok(()),
+    };
+    let out = child
+        .wait_with_output()
+        .map_err(TargetError::io(format!("waiting for `{line}`")))?;
+    if !out.status.success() {
+        return Err(TargetError::Failed(format!(
+            "`{line}` failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    wrote.map_err(TargetError::io(format!("feeding `{line}`")))?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Runs blocking network plumbing off the async runtime.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, TargetError> + Send + 'static,
+) -> Result<T, TargetError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| TargetError::Failed(format!("the network setup task failed: {e}")))?
+}
+
+/// `argv` run inside namespace `ns`.
+fn in_netns(ns: &str, argv: Vec<String>) -> Vec<String> {
+    ["ip", "netns", "exec", ns]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(argv)
+        .collect()
+}
+
+#[derive(Debug)]
+pub struct Netns {
+    http: reqwest::Client,
+    work: PathBuf,
+    bin_kt: String,
+    metadata_url: String,
+    store_url: String,
+    servers: tokio::sync::Mutex<Servers>,
+    net: Option<Network>,
+    /// Pod name → its namespace and address.
+    pods: HashMap<String, (String, Ipv4Addr)>,
+    procs: PodProcs,
+}
+
+impl Default for Netns {
+    fn default() -> Netns {
+        Netns {
+            // The servers are on a private subnet: never through a proxy.
+            http: reqwest::Client::builder()
+                .no_proxy()
+                .build()
+                .unwrap_or_default(),
+            work: PathBuf::new(),
+            bin_kt: String::new(),
+            metadata_url: String::new(),
+            store_url: String::new(),
+            servers: Default::default(),
+            net: None,
+            pods: HashMap::new(),
+            procs: PodProcs::default(),
+        }
+    }
+}
+
+impl Netns {
+    pub fn new() -> Netns {
+        Netns::default()
+    }
+
+    async fn bring_up(&mut self, plan: &Plan) -> Result<(), TargetError> {
+        self.work = plan.work_dir.clone();
+        self.bin_kt = binary(&plan.bin_dir, "kt")?;
+        self.metadata_url = format!("http://{METADATA_IP}:{METADATA_PORT}");
+        self.store_url = format!("http://{STORE_IP}:{STORE_PORT}");
+        let (margv, sargv) = server_argvs(
+            plan,
+            &format!("{METADATA_IP}:{METADATA_PORT}"),
+            &self.metadata_url,
+            &format!("{STORE_IP}:{STORE_PORT}"),
+            &self.store_url,
+        )?;
+        make_pod_dirs(plan)?;
+        let id = short_id(&plan.run_id, &plan.scenario);
+        tracing::info!(
+            "netns testbed {id}: run {}, scenario {}",
+            plan.run_id,
+            plan.scenario
+        );
+        let pods: Vec<_> = plan
+            .pods
+            .iter()
+            .map(|p| (p.name.clone(), p.link_bps))
+            .collect();
+        let net = blocking(move || {
+            for line in sweep_stale() {
+                tracing::warn!("{line}");
+            }
+            Network::create(&id, &pods)
+        })
+        .await?;
+        self.pods = (plan.pods.iter().zip(net.pods()))
+            .map(|(p, n)| (p.name.clone(), (n.netns.clone(), n.ip)))
+            .collect();
+        let env = vec![("KT_TOKEN".to_owned(), plan.token.clone())];
+        let logs = plan.work_dir.join("logs");
+        let servers = self.servers.get_mut();
+        servers.metadata = Some((
+            Server::new(
+                "metadata",
+                in_netns(&net.metadata().netns, margv),
+                env.clone(),
+                logs.join("metadata.log"),
+            ),
+            self.metadata_url.clone(),
+        ));
+        servers.store = Some((
+            Server::new(
+                "store",
+                in_netns(&net.store().netns, sargv),
+                env,
+                logs.join("store.log"),
+            ),
+            self.store_url.clone(),
+        ));
+        self.net = Some(net);
+        servers.start(&self.http, &Component::Metadata).await?;
+        servers.start(&self.http, &Component::Store).await
+    }
+}
+
+#[async_trait]
+impl Target for Netns {
+    fn name(&self) -> &'static str {
+        "netns"
+    }
+
+    fn unavailable(&self) -> Option<String> {
+        if !rustix::process::geteuid().is_root() {
+            return Some(NEED_ROOT.to_owned());
+        }
+        let missing: Vec<&str> = ["ip", "tc"].into_iter().filter(|p| !on_path(p)).collect();
+        (!missing.is_empty()).then(|| {
+            format!(
+                "the netns target needs `{}` (iproute2), not found on PATH; install iproute2 or \
+                 use --target local",
+                missing.join("` and `")
+            )
+        })
+    }
+
+    async fn up(&mut self, plan: &Plan) -> Result<(), TargetError> {
+        let result = self.bring_up(plan).await;
+        if result.is_err()
+            && let Err(e) = self.down().await
+        {
+            tracing::warn!("cleaning up after a failed netns start: {e}");
+        }
+        result
+    }
+
+    fn metadata_url(&self) -> String {
+        self.metadata_url.clone()
+    }
+
+    fn component_url(&self, c: &Component) -> Option<String> {
+        match c {
+            Component::Metadata => Some(self.metadata_url.clone()),
+            Component::Store => Some(self.store_url.clone()),
+            Component::Pod(_) => None,
+        }
+    }
+
+    fn pod_dir(&self, pod: &str) -> PathBuf {
+        self.work.join("pods").join(pod)
+    }
+
+    async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError> {
+        let (ns, ip) = (self.pods.get(&req.pod))
+            .ok_or_else(|| TargetError::Failed(format!("no pod named {}", req.pod)))?;
+        let dir = self.pod_dir(&req.pod);
+        let argv = in_netns(ns, exec_argv(&self.bin_kt, &req));
+        let mut cmd = Command::new(&argv[0]);
+        cmd.args(&argv[1..]).current_dir(&dir).envs(pod_env(
+            &req,
+            &self.metadata_url,
+            &dir,
+            &ip.to_string(),
+        ));
+        self.procs.run(&req.pod, cmd).await
+    }
+
+    async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
+        if let Component::Pod(p) = c {
+            self.procs.signal(p, signal);
+            return Ok(());
+        }
+        self.servers.lock().await.kill(c, signal).await
+    }
+
+    async fn start(&self, c: &Component) -> Result<(), TargetError> {
+        self.servers.lock().await.start(&self.http, c).await
+    }
+
+    async fn collect_logs(&self, dir: &Path) -> Result<(), TargetError> {
+        copy_logs(self.servers.lock().await.logs(), dir)
+    }
+
+    async fn down(&mut self) -> Result<(), TargetError> {
+        self.procs.signal_all(Signal::KILL);
+        // Servers first (a namespace lives on while a process is in it), but
+        // the network goes even when stopping them failed.
+        let stopped = self.servers.get_mut().stop_all().await;
+        if let Some(id) = self.net.as_ref().map(|n| n.id().to_owned()) {
+            blocking(move || remove_run(&id)).await?;
+            self.net = None;
+        }
+        stopped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+    use std::io::{BufRead, BufReader, Read};
+
+    use super::*;
+
+    #[test]
+    fn names_fit_the_interface_name_limit_and_are_distinct() {
+        let id = short_id("20250101-120000", "transfer");
+        assert!(is_short_id(&id), "{id}");
+        assert_eq!(id, short_id("20250101-120000", "transfer"), "stable");
+        assert_ne!(id, short_id("20250101-120000", "restart"));
+        assert_ne!(id, short_id("20250101-120001", "transfer"));
+        // Linux interface names are at most 15 bytes (IFNAMSIZ - 1).
+        assert!(bridge_name(&id).len() <= 15);
+        let veths: HashSet<String> = (0..MAX_PODS + 2).map(|n| veth_name(&id, n)).collect();
+        assert_eq!(veths.len(), MAX_PODS + 2);
+        assert!(veths.iter().all(|v| v.len() <= 15), "{veths:?}");
+        assert!(!veths.contains(&bridge_name(&id)));
+        assert!(check_pod_name("getter-3").is_ok());
+        for bad in ["", "a/b", "a b", "pod\n"] {
+            assert!(check_pod_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn pod_addresses_are_distinct_hosts_of_the_subnet() {
+        let base = u32::from(Ipv4Addr::new(198, 18, 0, 0));
+        let ips: Vec<Ipv4Addr> = (0..MAX_PODS).map_while(pod_ip).collect();
+        assert_eq!(ips.len(), MAX_PODS);
+        assert_eq!(ips[0], Ipv4Addr::new(198, 18, 1, 1));
+        assert_eq!(pod_ip(MAX_PODS), None);
+        let set: HashSet<_> = ips.iter().collect();
+        assert_eq!(set.len(), MAX_PODS);
+        for ip in &ips {
+            assert_eq!(u32::from(*ip) >> 17, base >> 17, "{ip} is outside {SUBNET}");
+            assert!(![BRIDGE_IP, METADATA_IP, STORE_IP].contains(ip));
+            assert!(!matches!(ip.octets()[3], 0 | 255), "{ip}");
+        }
+    }
+
+    #[test]
+    fn token_buckets_hold_a_tick_of_traffic() {
+        assert_eq!(tbf_burst(1_000_000), 32 * 1024);
+        assert_eq!(tbf_burst(1_000_000_000), 500_000);
+        for rate in [1_000, 1_000_000, 100_000_000, 1_000_000_000, 10_000_000_000] {
+            // A 4 ms tick (HZ=250) of traffic fits in the bucket.
+            assert!(tbf_burst(rate) * 8 * 250 >= rate, "{rate}");
+        }
+        assert_eq!(
+            tbf(100_000_000),
+            "tbf rate 100000000bit burst 50000 latency 50ms"
+        );
+    }
+
+    #[test]
+    fn too_many_pods_fail_before_touching_the_host() {
+        let pods = vec![("p".to_owned(), None); MAX_PODS + 1];
+        let err = Network::create("zzzzzz", &pods).unwrap_err().to_string();
+        assert!(err.contains("at most 1021 pods"), "{err}");
+        let err = Network::create("no", &[]).unwrap_err().to_string();
+        assert!(err.contains("not a netns run id"), "{err}");
+    }
+
+    /// Root tests share 198.18.0.0/15, so they run one at a time.
+    pub(super) static ROOT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn root() -> Option<std::sync::MutexGuard<'static, ()>> {
+        if !rustix::process::geteuid().is_root() {
+            println!("skipped: needs root");
+            return None;
+        }
+        let guard = ROOT.lock().unwrap_or_else(|e| e.into_inner());
+        for line in sweep_stale() {
+            println!("{line}");
+        }
+        Some(guard)
+    }
+
+    fn assert_gone(id: &str) {
+        let netns = run("ip", &["netns", "list"]).unwrap();
+        assert!(!netns.contains(&format!("kt-{id}-")), "{netns}");
+        let links = run("ip", &["link", "show"]).unwrap();
+        assert!(!links.contains(&format!("ktb{id}")), "{links}");
+        assert!(!links.contains(&format!("ktv{id}")), "{links}");
+        let br = bridge_name(id);
+        assert!(run("iptables", &forward_rule("-C", &br)).is_err());
+        assert!(!state_path(id).exists());
+    }
+
+    /// Listens in `ns` on `ip:9000` and answers `hi` to `n` connections.
+    fn listener(ns: &str, ip: Ipv4Addr, n: usize) -> std::process::Child {
+        let script = "import socket, sys\n\
+            s = socket.socket(); s.settimeout(20)\n\
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+            s.bind((sys.argv[1], 9000)); s.listen()\n\
+            print('ready', flush=True)\n\
+            for _ in range(int(sys.argv[2])):\n    c, _ = s.accept(); c.sendall(b'hi'); c.close()\n";
+        let mut child = std::process::Command::new("ip")
+            .args(["netns", "exec", ns, "python3", "-c", script])
+            .args([ip.to_string(), n.to_string()])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), "ready");
+        child
+    }
+
+    #[test]
+    fn a_network_connects_pods_shapes_links_and_goes_away() {
+        let Some(_root) = root() else { return };
+        let id = short_id(&format!("test-{}", std::process::id()), "network");
+        let pods = [("a".to_owned(), None), ("b".to_owned(), Some(50_000_000))];
+        let net = Network::create(&id, &pods).unwrap();
+        let (a, b) = (&net.pods()[0], &net.pods()[1]);
+        assert_eq!((a.ip, b.ip), (pod_ip(0).unwrap(), pod_ip(1).unwrap()));
+
+        if on_path("python3") {
+            // Pod to pod crosses the bridge (and FORWARD, under Docker);
+            // the runner reaches pods through the bridge address.
+            let mut server = listener(&b.netns, b.ip, 2);
+            let client = "import socket, sys\n\
+                print(socket.create_connection((sys.argv[1], 9000), timeout=5).recv(2).decode())";
+            let out = run(
+                "ip",
+                &[
+                    "netns",
+                    "exec",
+                    &a.netns,
+                    "python3",
+                    "-c",
+                    client,
+                    &b.ip.to_string(),
+                ],
+            )
+            .unwrap();
+            assert_eq!(out.trim(), "hi");
+            let addr = std::net::SocketAddr::from((b.ip, 9000));
+            let mut conn =
+                std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(5))
+                    .unwrap();
+            let mut got = String::new();
+            conn.read_to_string(&mut got).unwrap();
+            assert_eq!(got, "hi");
+            assert!(server.wait().unwrap().success());
+            println!("pod a -> pod b and root -> pod b: connected");
+        } else {
+            println!("no python3: connectivity not checked");
+        }
+
+        let down = run("tc", &["qdisc", "show", "dev", &b.veth]).unwrap();
+        let up = run("tc", &["-n", &b.netns, "qdisc", "show", "dev", "eth0"]).unwrap();
+        println!("{}\n{}", down.trim(), up.trim());
+        assert!(down.contains("tbf") && down.contains("50Mbit"), "{down}");
+        assert!(up.contains("tbf") && up.contains("50Mbit"), "{up}");
+        let plain = run("tc", &["qdisc", "show", "dev", &a.veth]).unwrap();
+        assert!(!plain.contains("tbf"), "{plain}");
+
+        net.destroy().unwrap();
+        assert_gone(&id);
+        net.destroy().unwrap();
+    }
+
+    #[test]
+    fn the_sweep_removes_networks_of_dead_runners_only() {
+        let Some(_root) = root() else { return };
+        let id = short_id(&format!("test-{}", std::process::id()), "sweep");
+        let net = Network::create(&id, &[("p".to_owned(), None)]).unwrap();
+        assert!(sweep_stale().is_empty(), "a live runner's network is kept");
+        assert!(Path::new(SYS_NET).join(net.bridge()).exists());
+        // A runner killed with SIGKILL: its pid is gone.
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        dead.wait().unwrap();
+        std::fs::write(state_path(&id), format!("{} 1\n", dead.id())).unwrap();
+        let swept = sweep_stale();
+        println!("{swept:?}");
+        assert!(swept.len() == 1 && swept[0].contains(&format!("removed the netns testbed {id}")));
+        assert_gone(&id);
+        net.destroy().unwrap();
+    }
+
+    #[test]
+    fn a_failed_create_leaves_nothing_behind() {
+        let Some(_root) = root() else { return };
+        let id = short_id(&format!("test-{}", std::process::id()), "failed");
+        // Two pods with one name: the second namespace cannot be created.
+        let pods = [("twin".to_owned(), None), ("twin".to_owned(), None)];
+        let err = Network::create(&id, &pods).unwrap_err().to_string();
+        println!("{err}");
+        assert!(err.contains(&format!("kt-{id}-pod-twin")), "{err}");
+        assert_gone(&id);
+    }
+}
+
+#[cfg(test)]
+mod e2e_tmp {
+    use super::*;
+    use crate::target::{PodPlan, Program};
+
+    fn req(pod: &str, program: Program, args: &[&str]) -> ExecRequest {
+        ExecRequest {
+            pod: pod.into(),
+            program,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            env: vec![],
+            token: Some("tok".into()),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn e2e() {
+        let _g = super::tests::ROOT.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = tempfile::tempdir().unwrap();
+        let pod = |name: &str, i, link| PodPlan {
+            name: name.into(),
+            group: name.into(),
+            index: i,
+            service: None,
+            labels: Default::default(),
+            gpu: false,
+            link_bps: link,
+        };
+        let plan = Plan {
+            run_id: format!("e2e-{}", std::process::id()),
+            scenario: "e2e".into(),
+            work_dir: dir.path().to_owned(),
+            bin_dir: std::path::PathBuf::from("/work/main/target/debug"),
+            token: "tok".into(),
+            chunk_size: None,
+            pods: vec![pod("putter", 0, None), pod("getter", 1, Some(20_000_000))],
+        };
+        let mut t = Netns::new();
+        assert!(t.unavailable().is_none());
+        let t0 = std::time::Instant::now();
+        t.up(&plan).await.unwrap();
+        println!("up in {:?}; {}", t0.elapsed(), t.metadata_url());
+        let id = t.net.as_ref().unwrap().id().to_owned();
+        let o = t.exec(req("putter", Program::Shell, &["pwd; echo $KT_POD_IP $KT_METADATA_URL; ip -br addr; head -c 5000000 /dev/urandom > data"])).await.unwrap();
+        println!("{o:?}");
+        let o = t
+            .exec(req("putter", Program::Kt, &["put", "--src", "data", "k"]))
+            .await
+            .unwrap();
+        println!("put {:?} {} {}", o.duration, o.status, o.stderr);
+        let o = t
+            .exec(req("getter", Program::Kt, &["get", "--dest", "out", "k"]))
+            .await
+            .unwrap();
+        println!(
+            "get (20mbit) {:?} {} {} {}",
+            o.duration, o.status, o.stdout, o.stderr
+        );
+        assert_eq!(o.status, 0);
+        assert!(o.duration.as_secs_f64() > 1.6, "5 MB at 20 mbit take 2 s");
+        t.kill(&Component::Store, Signal::KILL).await.unwrap();
+        t.start(&Component::Store).await.unwrap();
+        let o = t
+            .exec(req("getter", Program::Kt, &["ls", ""]))
+            .await
+            .unwrap();
+        println!(
+            "ls after store restart: {} {} {}",
+            o.status, o.stdout, o.stderr
+        );
+        t.collect_logs(&dir.path().join("collected")).await.unwrap();
+        println!(
+            "{:?}",
+            std::fs::read_dir(dir.path().join("collected"))
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name())
+                .collect::<Vec<_>>()
+        );
+        t.down().await.unwrap();
+        t.down().await.unwrap();
+        assert!(!state_path(&id).exists());
+        assert!(names_in(NETNS_DIR, &format!("kt-{id}")).is_empty());
+        assert!(names_in(SYS_NET, &format!("ktv{id}")).is_empty());
+    }
+}
+
+#[cfg(test)]
+mod rate_tmp {
+    use super::*;
+
+    #[test]
+    fn rates() {
+        let _g = super::tests::ROOT.lock().unwrap_or_else(|e| e.into_inner());
+        let id = short_id("rates", &std::process::id().to_string());
+        let rates = [
+            None,
+            Some(100_000_000u64),
+            Some(1_000_000_000),
+            Some(5_000_000_000),
+        ];
+        let pods: Vec<_> = rates
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (format!("p{i}"), *r))
+            .collect();
+        let net = Network::create(&id, &pods).unwrap();
+        let sender = &net.pods()[0];
+        for (i, rate) in rates.iter().enumerate() {
+            let rx = &net.pods()[i];
+            let mb = match rate {
+                Some(r) if *r < 500_000_000 => 25,
+                _ => 300,
+            };
+            let recv = "import socket,sys,time\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind((sys.argv[1],9001));s.listen();print('ready',flush=True)\nc,_=s.accept();n=0;t=time.time()\nwhile True:\n  b=c.recv(1<<20)\n  if not b: break\n  n+=len(b)\nd=time.time()-t;print(f'{n*8/d/1e6:.0f} mbit/s ({n} B in {d:.2f}s)')";
+            let send = "import socket,sys\nc=socket.create_connection((sys.argv[1],9001));buf=b'x'*(1<<20)\nfor _ in range(int(sys.argv[2])): c.sendall(buf)\nc.close()";
+            let target = if i == 0 { &net.pods()[1] } else { rx };
+            let _ = target;
+            // upload direction for pod 0 unshaped -> measure pod0 -> pod i (download into pod i)
+            let mut r = std::process::Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &rx.netns,
+                    "python3",
+                    "-c",
+                    recv,
+                    &rx.ip.to_string(),
+                ])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let mut out = r.stdout.take().unwrap();
+            let mut b = [0u8; 6];
+            std::io::Read::read_exact(&mut out, &mut b).unwrap();
+            let src = if i == 0 { &net.pods()[1] } else { sender };
+            let src = if i == 0 { &net.pods()[0] } else { src };
+            let _ = std::process::Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &src.netns,
+                    "python3",
+                    "-c",
+                    send,
+                    &rx.ip.to_string(),
+                    &mb.to_string(),
+                ])
+                .status()
+                .unwrap();
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut out, &mut s).unwrap();
+            r.wait().unwrap();
+            println!(
+                "{} -> {} (link {:?}): {}",
+                src.netns,
+                rx.netns,
+                rate,
+                s.trim()
+            );
+        }
+        let st = run("tc", &["-s", "qdisc", "show", "dev", &net.pods()[2].veth]).unwrap();
+        println!("{st}");
+        net.destroy().unwrap();
+    }
+}

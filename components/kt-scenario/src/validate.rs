@@ -1,0 +1,580 @@
+//! Loading and checking scenario files: syntax and shape errors from the YAML
+//! deserializer, then checks across fields (pods, data sets, templates,
+//! regexes, budgets), every one reported as `file:line:column: message`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use crate::format::{Action, Condition, Expect, Scenario, Step};
+use crate::locate::{Pos, Positions};
+use crate::target::parse_link;
+use crate::template;
+
+/// One problem in a scenario file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diagnostic {
+    pub file: PathBuf,
+    pub pos: Pos,
+    pub message: String,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.file.display(),
+            self.pos.line,
+            self.pos.col,
+            self.message
+        )
+    }
+}
+
+/// A scenario that passed every check.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    pub file: PathBuf,
+    pub name: String,
+    pub scenario: Scenario,
+}
+
+/// Reads and checks one file.
+pub fn load(file: &Path) -> Result<Loaded, Vec<Diagnostic>> {
+    let src = std::fs::read_to_string(file).map_err(|e| {
+        vec![Diagnostic {
+            file: file.to_owned(),
+            pos: Pos { line: 1, col: 1 },
+            message: format!("cannot read: {e}"),
+        }]
+    })?;
+    parse(file, &src)
+}
+
+/// Checks `src` as the contents of `file`.
+pub fn parse(file: &Path, src: &str) -> Result<Loaded, Vec<Diagnostic>> {
+    let scenario: Scenario = serde_yaml_ng::from_str(src).map_err(|e| {
+        let pos = e
+            .location()
+            .map(|l| Pos {
+                line: l.line(),
+                col: l.column(),
+            })
+            .unwrap_or(Pos { line: 1, col: 1 });
+        // serde_yaml_ng appends " at line L column C"; the position leads instead.
+        let msg = e.to_string();
+        let msg = msg.split(" at line ").next().unwrap_or(&msg).to_owned();
+        vec![Diagnostic {
+            file: file.to_owned(),
+            pos,
+            message: msg,
+        }]
+    })?;
+    let name = scenario.name.clone().unwrap_or_else(|| {
+        file.file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    });
+    let mut c = Checker {
+        file,
+        pos: Positions::index(src),
+        out: Vec::new(),
+        pods: BTreeMap::new(),
+        records: BTreeSet::new(),
+        scenario: &scenario,
+    };
+    c.check(&name);
+    if c.out.is_empty() {
+        Ok(Loaded {
+            file: file.to_owned(),
+            name,
+            scenario,
+        })
+    } else {
+        c.out.sort_by_key(|d| (d.pos.line, d.pos.col));
+        Err(c.out)
+    }
+}
+
+/// Steps the runner cannot execute with this build (they need the node agent
+/// of issue 4): refused at validation, so no scenario half-runs.
+const NOT_YET: &[(&str, &str)] = &[
+    (
+        "broadcast",
+        "broadcast steps need `kt get --broadcast`, which arrives with the node agent; not supported by this build",
+    ),
+    (
+        "teardown",
+        "teardown steps need `kt teardown`, which arrives with the node agent; not supported by this build",
+    ),
+];
+
+struct Checker<'a> {
+    file: &'a Path,
+    pos: Positions,
+    out: Vec<Diagnostic>,
+    /// Pod group and instance names → number of instances.
+    pods: BTreeMap<String, usize>,
+    records: BTreeSet<String>,
+    scenario: &'a Scenario,
+}
+
+fn is_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 40
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+impl Checker<'_> {
+    fn err(&mut self, path: &str, message: impl Into<String>) {
+        self.out.push(Diagnostic {
+            file: self.file.to_owned(),
+            pos: self.pos.of(path),
+            message: message.into(),
+        });
+    }
+
+    fn check(&mut self, name: &str) {
+        let s = self.scenario;
+        if !is_label(name) {
+            self.err(
+                "name",
+                format!("scenario name `{name}` must be lowercase letters, digits and dashes"),
+            );
+        }
+        for (i, t) in s.tags.iter().enumerate() {
+            if !is_label(t) {
+                self.err(
+                    &format!("tags.{i}"),
+                    format!("tag `{t}` must be a lowercase word"),
+                );
+            }
+        }
+        if let Some(l) = &s.topology.link
+            && let Err(e) = parse_link(l)
+        {
+            self.err("topology.link", e);
+        }
+        for (i, p) in s.topology.pods.iter().enumerate() {
+            let at = format!("topology.pods.{i}");
+            if !is_label(&p.name) {
+                self.err(
+                    &format!("{at}.name"),
+                    format!("pod name `{}` must be a DNS label", p.name),
+                );
+            }
+            if p.replicas == 0 {
+                self.err(&format!("{at}.replicas"), "replicas must be at least 1");
+            }
+            if let Some(l) = &p.link
+                && let Err(e) = parse_link(l)
+            {
+                self.err(&format!("{at}.link"), e);
+            }
+            let mut names = vec![p.name.clone()];
+            if p.replicas > 1 {
+                names.extend((0..p.replicas).map(|r| format!("{}-{r}", p.name)));
+            }
+            for n in names {
+                if self.pods.insert(n.clone(), p.replicas).is_some() {
+                    self.err(
+                        &format!("{at}.name"),
+                        format!("pod name `{n}` is used twice"),
+                    );
+                }
+            }
+        }
+        if let Some(cs) = s.topology.store.chunk_size
+            && (!cs.0.is_power_of_two() || cs.0 < 4096)
+        {
+            self.err(
+                "topology.store.chunk_size",
+                "chunk_size must be a power of two of at least 4KiB",
+            );
+        }
+        for (name, message) in crate::data::check(&s.data) {
+            self.err(&format!("data.{name}"), message);
+        }
+        if s.steps.is_empty() {
+            self.err("steps", "a scenario needs at least one step");
+        }
+        for (i, step) in s.steps.iter().enumerate() {
+            self.step(&format!("steps.{i}"), step);
+        }
+        for (i, step) in s.finally.iter().enumerate() {
+            self.step(&format!("finally.{i}"), step);
+        }
+    }
+
+    fn template(&mut self, path: &str, value: &str, per_pod: bool) {
+        match template::names(value) {
+            Err(e) => self.err(path, e.to_string()),
+            Ok(names) => {
+                for n in names {
+                    let known = matches!(n.as_str(), "scenario" | "run")
+                        || (per_pod && matches!(n.as_str(), "pod" | "index"))
+                        || n.strip_prefix("vars.")
+                            .is_some_and(|v| self.scenario.vars.contains_key(v));
+                    if !known {
+                        let hint = if matches!(n.as_str(), "pod" | "index") {
+                            " (pod and index exist only in fields evaluated per pod)"
+                        } else {
+                            ""
+                        };
+                        self.err(path, format!("unknown template variable `{n}`{hint}"));
+                    }
+                }
+            }
+        }
+    }
+
+    fn pod(&mut self, path: &str, name: &str) {
+        if !self.pods.contains_key(name) {
+            let known: Vec<&String> = self.pods.keys().collect();
+            self.err(
+                path,
+                format!("no pod named `{name}` in the topology (pods: {known:?})"),
+            );
+        }
+    }
+
+    fn component(&mut self, path: &str, name: &str) {
+        if name != "metadata" && name != "store" {
+            if !self.pods.contains_key(name) {
+                self.err(
+                    path,
+                    format!("`{name}` is not a component: use metadata, store or a pod name"),
+                );
+            }
+        }
+    }
+
+    fn data(&mut self, path: &str, name: &str) {
+        if !self.scenario.data.contains_key(name) {
+            self.err(path, format!("no data set named `{name}` under `data:`"));
+        }
+    }
+
+    fn regex(&mut self, path: &str, re: &str) {
+        if let Err(e) = regex::Regex::new(re) {
+            self.err(path, format!("invalid regex: {e}"));
+        }
+    }
+
+    fn step(&mut self, at: &str, step: &Step) {
+        let kind = step.action.kind();
+        let body = format!("{at}.{kind}");
+        if let Some((_, why)) = NOT_YET.iter().find(|(k, _)| *k == kind) {
+            self.err(&body, *why);
+        }
+        if let Expect::Error {
+            message: Some(m), ..
+        } = &step.expect
+        {
+            self.regex(&format!("{at}.expect.message"), m);
+        }
+        if let Some(r) = &step.record {
+            if !is_label(r) {
+                self.err(&format!("{at}.record"), "record names are lowercase words");
+            } else if !self.records.insert(r.clone()) {
+                self.err(&format!("{at}.record"), format!("`{r}` is recorded twice"));
+            }
+        }
+        if let Some(b) = &step.budget {
+            if b.max.is_none() && b.p50.is_none() && b.p95.is_none() && b.min.is_none() {
+                self.err(
+                    &format!("{at}.budget"),
+                    "an empty budget: give max, min, p50 or p95",
+                );
+            }
+            if matches!(step.action, Action::Parallel(_) | Action::Sequence(_))
+                && (b.p50.is_some() || b.p95.is_some())
+            {
+                self.err(
+                    &format!("{at}.budget"),
+                    "p50/p95 apply to steps that run in pods, not to groups",
+                );
+            }
+        }
+        match &step.action {
+            Action::Put(p) => {
+                self.pod(&format!("{body}.pod"), &p.pod);
+                self.template(&format!("{body}.key"), &p.key, true);
+                match (&p.data, &p.src) {
+                    (Some(d), None) => self.data(&format!("{body}.data"), d),
+                    (None, Some(s)) => self.template(&format!("{body}.src"), s, true),
+                    _ => self.err(&body, "a put needs exactly one of `data` (a data set) or `src` (a path in the pod)"),
+                }
+                if let Some(l) = &p.lifespan
+                    && l != "cluster"
+                    && l != "resource"
+                {
+                    self.err(
+                        &format!("{body}.lifespan"),
+                        "lifespan is `cluster` or `resource`",
+                    );
+                }
+                if let Some(t) = &p.ttl
+                    && let Err(e) = humantime::parse_duration(t)
+                {
+                    self.err(&format!("{body}.ttl"), format!("ttl: {e}"));
+                }
+            }
+            Action::Get(g) => {
+                self.pod(&format!("{body}.pod"), &g.pod);
+                self.template(&format!("{body}.key"), &g.key, true);
+                if let Some(d) = &g.dest {
+                    self.template(&format!("{body}.dest"), d, true);
+                    if d.starts_with('/') || d.split('/').any(|s| s == "..") {
+                        self.err(
+                            &format!("{body}.dest"),
+                            "dest is a relative path inside the pod",
+                        );
+                    }
+                }
+                for (i, v) in g.verify.iter().enumerate() {
+                    self.data(&format!("{body}.verify.{i}"), v);
+                }
+            }
+            Action::Ls(l) => {
+                self.template(&format!("{body}.prefix"), &l.prefix, false);
+                if let Some(p) = &l.pod {
+                    self.pod(&format!("{body}.pod"), p);
+                }
+            }
+            Action::Rm(r) => {
+                self.template(&format!("{body}.key"), &r.key, false);
+                if let Some(p) = &r.pod {
+                    self.pod(&format!("{body}.pod"), p);
+                }
+            }
+            Action::Broadcast(b) => {
+                self.pod(&format!("{body}.from"), &b.from);
+                self.pod(&format!("{body}.to"), &b.to);
+                self.data(&format!("{body}.data"), &b.data);
+            }
+            Action::Teardown(_) => {}
+            Action::Kill(k) => self.component(&format!("{body}.component"), &k.component),
+            Action::Restart(r) => {
+                self.component(&format!("{body}.component"), &r.component);
+                if self.pods.contains_key(&r.component) {
+                    self.err(
+                        &format!("{body}.component"),
+                        "pods have no server to restart yet (the node agent arrives with issue 4); use kill",
+                    );
+                }
+            }
+            Action::Wait(w) => match &w.condition {
+                Condition::Ready(c) => {
+                    let c = c.clone();
+                    self.component(&format!("{body}.for.ready"), &c);
+                }
+                Condition::Key(k) | Condition::NoKey(k) => {
+                    self.template(&format!("{body}.for"), k, false)
+                }
+                Condition::Metric(m) => {
+                    if m.component != "metadata" && m.component != "store" {
+                        self.err(
+                            &format!("{body}.for.metric.component"),
+                            "metrics come from `metadata` or `store`",
+                        );
+                    }
+                }
+            },
+            Action::Assert(a) => {
+                if a.count.is_some() && a.prefix.is_none() {
+                    self.err(&format!("{body}.count"), "count needs a prefix");
+                }
+                if let Some(p) = &a.prefix {
+                    self.template(&format!("{body}.prefix"), p, false);
+                }
+                for (i, k) in a.exists.iter().enumerate() {
+                    self.template(&format!("{body}.exists.{i}"), k, false);
+                }
+                for (i, k) in a.absent.iter().enumerate() {
+                    self.template(&format!("{body}.absent.{i}"), k, false);
+                }
+                if let Some(f) = &a.files {
+                    self.pod(&format!("{body}.files.pod"), &f.pod);
+                    self.data(&format!("{body}.files.data"), &f.data);
+                    self.template(&format!("{body}.files.path"), &f.path, true);
+                }
+                if a.count.is_none()
+                    && a.exists.is_empty()
+                    && a.absent.is_empty()
+                    && a.files.is_none()
+                {
+                    self.err(&body, "an assert needs count, exists, absent or files");
+                }
+            }
+            Action::Snapshot(s) => {
+                if !is_label(&s.name) {
+                    self.err(
+                        &format!("{body}.name"),
+                        "snapshot names are lowercase words",
+                    );
+                } else if !self.records.insert(s.name.clone()) {
+                    self.err(
+                        &format!("{body}.name"),
+                        format!("`{}` is recorded twice", s.name),
+                    );
+                }
+                match (&s.ls, s.metadata) {
+                    (Some(p), false) => self.template(&format!("{body}.ls"), p, false),
+                    (None, true) => {}
+                    _ => self.err(
+                        &body,
+                        "a snapshot captures either `metadata: true` or `ls: PREFIX`",
+                    ),
+                }
+            }
+            Action::Exec(e) => {
+                self.pod(&format!("{body}.pod"), &e.pod);
+                if e.args.is_empty() {
+                    self.err(&format!("{body}.args"), "exec needs arguments");
+                }
+                for (i, a) in e.args.iter().enumerate() {
+                    self.template(&format!("{body}.args.{i}"), a, true);
+                }
+                if let Some(p) = &e.program
+                    && p != "kt"
+                    && p != "sh"
+                {
+                    self.err(&format!("{body}.program"), "program is `kt` or `sh`");
+                }
+                if let Some(r) = &e.stdout {
+                    self.regex(&format!("{body}.stdout"), r);
+                }
+            }
+            Action::Parallel(children) | Action::Sequence(children) => {
+                if children.is_empty() {
+                    self.err(&body, format!("an empty {kind}"));
+                }
+                if step.expect != Expect::Ok {
+                    self.err(
+                        &format!("{at}.expect"),
+                        "groups succeed when all their steps do; put `expect` on the steps",
+                    );
+                }
+                for (i, c) in children.iter().enumerate() {
+                    self.step(&format!("{body}.{i}"), c);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errors(src: &str) -> Vec<String> {
+        match parse(Path::new("s.yaml"), src) {
+            Ok(_) => vec![],
+            Err(d) => d.iter().map(|d| d.to_string()).collect(),
+        }
+    }
+
+    const GOOD: &str = "\
+tags: [smoke]
+topology:
+  pods:
+    - name: producer
+    - name: getter
+      replicas: 3
+data:
+  tree: { seed: 1, files: 10 }
+steps:
+  - put: { pod: producer, key: \"{{scenario}}/t\", data: tree }
+  - get: { pod: getter, key: \"{{scenario}}/t\", verify: [tree], dest: \"out/{{pod}}\" }
+    budget: { p95: 5s }
+  - parallel:
+      - kill: { component: store }
+      - sequence:
+          - wait: { for: { ready: metadata } }
+  - exec: { pod: getter-1, args: [ls] }
+    expect: { error: not-found, message: \"no key\" }
+";
+
+    #[test]
+    fn a_good_file_loads() {
+        let l = parse(Path::new("dir/roundtrip.yaml"), GOOD).unwrap();
+        assert_eq!(l.name, "roundtrip");
+        assert_eq!(l.scenario.steps.len(), 4);
+    }
+
+    #[test]
+    fn shape_errors_carry_line_and_column() {
+        let e = errors("steps:\n  - put: { pod: a, key: k, dta: x }\n");
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(e[0].starts_with("s.yaml:2:"), "{e:?}");
+        assert!(e[0].contains("unknown field `dta`"), "{e:?}");
+
+        let e = errors("steps:\n  - frobnicate: {}\n");
+        assert!(
+            e[0].starts_with("s.yaml:2:") && e[0].contains("frobnicate"),
+            "{e:?}"
+        );
+
+        let e = errors("steps:\n  - put: { pod: a, key: k }\n    get: { pod: a, key: k }\n");
+        assert!(e[0].contains("one action"), "{e:?}");
+    }
+
+    #[test]
+    fn cross_field_errors_point_at_the_field() {
+        let src = "\
+topology:
+  pods: [ { name: a } ]
+steps:
+  - put: { pod: b, key: \"{{nope}}\", data: missing }
+  - wait: { for: { ready: nobody } }
+  - exec: { pod: a, args: [x], stdout: \"(\" }
+";
+        let e = errors(src);
+        assert!(
+            e.iter()
+                .any(|m| m.starts_with("s.yaml:4:16:") && m.contains("no pod named `b`")),
+            "{e:?}"
+        );
+        assert!(
+            e.iter()
+                .any(|m| m.starts_with("s.yaml:4:") && m.contains("`nope`")),
+            "{e:?}"
+        );
+        assert!(
+            e.iter().any(|m| m.contains("no data set named `missing`")),
+            "{e:?}"
+        );
+        assert!(
+            e.iter()
+                .any(|m| m.starts_with("s.yaml:5:") && m.contains("`nobody`")),
+            "{e:?}"
+        );
+        assert!(
+            e.iter()
+                .any(|m| m.starts_with("s.yaml:6:") && m.contains("invalid regex")),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn per_pod_names_only_where_evaluated_per_pod() {
+        let src = "topology: { pods: [ { name: a } ] }\nsteps:\n  - rm: { key: \"x/{{pod}}\" }\n";
+        let e = errors(src);
+        assert!(e[0].contains("only in fields evaluated per pod"), "{e:?}");
+    }
+
+    #[test]
+    fn steps_this_build_cannot_run_are_refused() {
+        let src = "topology: { pods: [ { name: a } ] }\ndata: { d: { file: 10 } }\nsteps:\n  - broadcast: { from: a, to: a, key: k, data: d }\n";
+        let e = errors(src);
+        assert!(
+            e[0].starts_with("s.yaml:4:") && e[0].contains("not supported by this build"),
+            "{e:?}"
+        );
+    }
+}
