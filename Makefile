@@ -3,8 +3,12 @@ SHELL := /bin/bash
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo "nextest run" || echo "test")
+# Scenario target: local (default) or netns (root).
+TARGET ?= local
+SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TARGET) \
+	$(if $(filter true 1,$(CI)),--check) $(if $(ACCEPT),--accept) $(SCENARIO_ARGS)
 
-.PHONY: all build release test fmt fmt-check clippy unit scenario bench bench-rsync clean
+.PHONY: all build release test fmt fmt-check clippy unit validate scenario bench bench-rsync clean
 
 all: build
 
@@ -12,10 +16,11 @@ build:
 	$(CARGO) build --workspace --all-targets
 
 release:
-	$(CARGO) build --release -p kt-metadata -p kt-store -p kt-client
+	$(CARGO) build --release -p kt-metadata -p kt-store -p kt-client -p kt-scenario
 
-## test: the test command (formatting, lints, every unit and cross-component test).
-test: fmt-check clippy unit
+## test: the test command (formatting, lints, every unit and cross-component
+## test, the runner's own tests, and validation of every scenario file).
+test: fmt-check clippy unit validate
 
 fmt:
 	$(CARGO) fmt --all
@@ -26,12 +31,19 @@ fmt-check:
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
+# The runner's self-tests start the real binaries: build them first.
 unit:
+	$(CARGO) build --workspace --bins
 	$(CARGO) $(NEXTEST) --workspace
 
-## scenario: the main job on the local target: real binaries on loopback, whole flows.
+validate:
+	$(CARGO) run -q -p kt-scenario -- validate scenarios testbed/selftest
+
+## scenario: the main job: every scenario under scenarios/ on $(TARGET)
+## (local by default; TARGET=netns as root). ACCEPT=1 records new or changed
+## snapshots; CI=true rejects pending and unreferenced ones.
 scenario: release
-	bash testbed/local-smoke.sh $(TARGET_DIR)/release
+	INSTA_WORKSPACE_ROOT=$(CURDIR) $(TARGET_DIR)/release/kt-scenario run scenarios $(SCENARIO_FLAGS)
 
 ## bench: criterion benches of the sync engine (scan, hash, diff, chunk roots).
 bench:

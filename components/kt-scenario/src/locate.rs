@@ -82,10 +82,8 @@ impl Positions {
                         path.pop();
                     }
                 }
-                Event::Scalar(..) | Event::Alias(_) => {
-                    if !stack.is_empty() {
-                        path.pop();
-                    }
+                Event::Scalar(..) | Event::Alias(_) if !stack.is_empty() => {
+                    path.pop();
                 }
                 _ => {}
             }
@@ -125,7 +123,7 @@ mod tests {
         let p = Positions::index(src);
         assert_eq!(p.of("name"), Pos { line: 1, col: 7 });
         assert_eq!(p.of("steps.0.put.pod"), Pos { line: 4, col: 12 });
-        assert_eq!(p.of("steps.1.get.pod"), Pos { line: 6, col: 16 });
+        assert_eq!(p.of("steps.1.get.pod"), Pos { line: 6, col: 17 });
         assert_eq!(p.of("steps.1"), Pos { line: 6, col: 5 });
         // Unknown paths fall back to the nearest ancestor.
         assert_eq!(p.of("steps.1.get.nothing"), p.of("steps.1.get"));

@@ -159,8 +159,25 @@ fn print_diags(d: &[Diagnostic]) {
     eprintln!("{} error(s)", d.len());
 }
 
+/// Tells insta how to treat snapshots in this process (`--check`: write
+/// nothing, `--accept`: write new and changed snapshots). insta reads only
+/// its environment for this.
+#[allow(unsafe_code)]
+fn set_insta_update(value: &str) {
+    // SAFETY: called at the start of `main`, before the runtime or any other
+    // thread exists, so nothing can read the environment concurrently.
+    unsafe { std::env::set_var("INSTA_UPDATE", value) }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Cmd::Run { check, accept, .. } = &cli.cmd {
+        match (check, accept) {
+            (true, _) => set_insta_update("no"),
+            (_, true) => set_insta_update("always"),
+            _ => {}
+        }
+    }
     match real_main(cli) {
         Ok(code) => code,
         Err(e) => {

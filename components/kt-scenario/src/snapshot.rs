@@ -330,24 +330,21 @@ mod tests {
     #[test]
     fn matching_mismatching_and_unreferenced_snapshots() {
         let dir = tempfile::tempdir().unwrap();
-        let snaps = Snapshots::new(dir.path().to_owned(), Mode::Accept);
         let src = dir.path().join("s.yaml");
-        // A new snapshot fails and is accepted by finish().
-        let o = snaps.assert("alpha", &src, "d", &json!({"a": 1}));
-        assert!(!o.ok && o.diff.unwrap().contains("a: 1"));
-        std::fs::write(dir.path().join("stale.snap"), "x").unwrap();
-        snaps.finish(true).unwrap();
-        assert!(snaps.file_of("alpha").exists());
-        assert!(!dir.path().join("stale.snap").exists());
-        // The same value now matches; another value gives a diff.
+        std::fs::write(dir.path().join("alpha.snap"), "---\nsource: x\n---\na: 1\n").unwrap();
+        std::fs::write(dir.path().join("stale.snap"), "---\n---\nx\n").unwrap();
         let snaps = Snapshots::new(dir.path().to_owned(), Mode::Check);
         assert!(snaps.assert("alpha", &src, "d", &json!({"a": 1})).ok);
         let o = snaps.assert("alpha", &src, "d", &json!({"a": 2}));
         assert!(!o.ok);
         let diff = o.diff.unwrap();
         assert!(diff.contains("-a: 1") && diff.contains("+a: 2"), "{diff}");
+        // A snapshot nobody recorded yet fails and shows what it would hold.
+        let o = snaps.assert("beta", &src, "d", &json!({"b": true}));
+        assert!(!o.ok && o.diff.unwrap().contains("b: true"));
         snaps.finish(true).unwrap();
         assert!(!dir.path().join("alpha.snap.new").exists());
-        assert!(snaps.unreferenced().is_empty());
+        assert!(!dir.path().join("beta.snap.new").exists());
+        assert_eq!(snaps.unreferenced(), vec![dir.path().join("stale.snap")]);
     }
 }

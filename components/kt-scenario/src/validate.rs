@@ -243,13 +243,11 @@ impl Checker<'_> {
     }
 
     fn component(&mut self, path: &str, name: &str) {
-        if name != "metadata" && name != "store" {
-            if !self.pods.contains_key(name) {
-                self.err(
-                    path,
-                    format!("`{name}` is not a component: use metadata, store or a pod name"),
-                );
-            }
+        if name != "metadata" && name != "store" && !self.pods.contains_key(name) {
+            self.err(
+                path,
+                format!("`{name}` is not a component: use metadata, store or a pod name"),
+            );
         }
     }
 
@@ -537,7 +535,7 @@ steps:
         let e = errors(src);
         assert!(
             e.iter()
-                .any(|m| m.starts_with("s.yaml:4:16:") && m.contains("no pod named `b`")),
+                .any(|m| m.starts_with("s.yaml:4:17:") && m.contains("no pod named `b`")),
             "{e:?}"
         );
         assert!(

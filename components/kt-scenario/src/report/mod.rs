@@ -75,7 +75,8 @@ pub struct StepReport {
     pub error: Option<String>,
     /// Wall time of the step as the runner saw it.
     pub duration_ms: f64,
-    /// Time spent in the operations themselves (the longest pod's command).
+    /// Time spent in the operations themselves: from the first pod command's
+    /// start to the last one's exit.
     pub op_ms: f64,
     /// `duration_ms - op_ms` for steps that run commands: the runner's cost.
     #[serde(default, skip_serializing_if = "Option::is_none")]

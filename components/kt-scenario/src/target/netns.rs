@@ -21,11 +21,12 @@
 //! pid); [`sweep_stale`] removes the leftovers of runs whose owner died
 //! without cleaning up, and [`Target::up`] calls it first.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use tokio::process::Command;
@@ -45,6 +46,8 @@ const METADATA_PORT: u16 = 8081;
 const STORE_PORT: u16 = 8082;
 /// A Linux bridge has at most 1023 ports; the servers take two.
 pub const MAX_PODS: usize = 1021;
+/// Setup commands run at once.
+const PARALLEL: usize = 16;
 
 const STATE_DIR: &str = "/run/kt-scenario";
 const NETNS_DIR: &str = "/run/netns";
@@ -205,18 +208,18 @@ impl Network {
         &self.nodes[2..]
     }
 
-    /// Removes every namespace, veth, the bridge, the FORWARD rule and the
-    /// state file of this run. Idempotent. Processes still running inside a
-    /// namespace keep it alive (without interfaces) until they exit.
+    /// Kills what still runs in this run's namespaces, then removes them,
+    /// the veths, the bridge, the FORWARD rule and the state file.
+    /// Idempotent.
     pub fn destroy(&self) -> Result<(), TargetError> {
         remove_run(&self.id).map(drop)
     }
 
     fn build(&self) -> Result<(), TargetError> {
         let br = self.bridge();
-        raise_neighbour_limit(self.nodes.len());
-        // Everything in the root namespace in one `ip` process: 1000 pods
-        // would otherwise cost thousands of process starts.
+        raise_host_limits(self.nodes.len());
+        // The root namespace's part in one `ip` process: 1000 pods would
+        // otherwise cost thousands of process starts.
         let mut root = vec![
             format!("link add {br} type bridge"),
             format!("addr add {BRIDGE_IP}/{PREFIX_LEN} dev {br}"),
@@ -230,8 +233,28 @@ impl Network {
             ));
             root.push(format!("link set {} master {br} up", n.veth));
         }
-        batch("ip", &[], &root)?;
-        // Download into a pod: egress of the host-side veth.
+        let t0 = Instant::now();
+        Cmd::batch(&["ip"], root).run()?;
+        eprintln!("root {:?}", t0.elapsed());
+        // Inside each namespace: lo, the address, and the upload shaping
+        // (egress of eth0).
+        let mut inside = Vec::new();
+        for n in &self.nodes {
+            let addr = format!("addr add {}/{PREFIX_LEN} dev eth0", n.ip);
+            let lines = vec![
+                "link set lo up".to_owned(),
+                addr,
+                "link set eth0 up".to_owned(),
+            ];
+            inside.push(Cmd::batch(&["ip"], lines).inside(&n.netns));
+            if let Some(rate) = n.link_bps {
+                let qdisc = format!("qdisc add dev eth0 root {}", tbf(rate));
+                inside.push(Cmd::batch(&["tc"], vec![qdisc]).inside(&n.netns));
+            }
+        }
+        run_all(&inside)?;
+        eprintln!("inside {:?}", t0.elapsed());
+        // The download shaping: egress of the host-side veths.
         let shaped: Vec<String> = (self.nodes.iter())
             .filter_map(|n| {
                 Some(format!(
@@ -242,30 +265,14 @@ impl Network {
             })
             .collect();
         if !shaped.is_empty() {
-            batch("tc", &[], &shaped)?;
-        }
-        for n in &self.nodes {
-            let inside = [
-                "link set lo up".to_owned(),
-                format!("addr add {}/{PREFIX_LEN} dev eth0", n.ip),
-                "link set eth0 up".to_owned(),
-            ];
-            batch("ip", &["-n", &n.netns], &inside)?;
-            // Upload from a pod: egress of its eth0.
-            if let Some(rate) = n.link_bps {
-                batch(
-                    "tc",
-                    &["-n", &n.netns],
-                    &[format!("qdisc add dev eth0 root {}", tbf(rate))],
-                )?;
-            }
+            Cmd::batch(&["tc"], shaped).run()?;
         }
         // Docker loads br_netfilter: bridged frames then traverse the
         // iptables FORWARD chain, whose policy Docker sets to DROP.
         let nf = std::fs::read_to_string("/proc/sys/net/bridge/bridge-nf-call-iptables");
         if nf.is_ok_and(|v| v.trim() == "1") {
             if on_path("iptables") {
-                run("iptables", &forward_rule("-I", &br))?;
+                Cmd::new(&forward_rule("-I", &br)).run()?;
             } else {
                 tracing::warn!("bridged traffic goes through iptables, which is not installed");
             }
@@ -287,7 +294,7 @@ fn check_pod_name(name: &str) -> Result<(), TargetError> {
 
 /// Two testbeds cannot share 198.18.0.0/15: their routes would clash.
 fn check_subnet_free() -> Result<(), TargetError> {
-    let used = run("ip", &["-o", "-4", "addr", "show", "to", SUBNET])?;
+    let used = Cmd::new(&["ip", "-o", "-4", "addr", "show", "to", SUBNET]).run()?;
     match used.lines().next() {
         None => Ok(()),
         Some(line) => Err(TargetError::Failed(format!(
@@ -298,21 +305,31 @@ fn check_subnet_free() -> Result<(), TargetError> {
     }
 }
 
-/// The kernel's ARP table is shared by all namespaces and refuses entries
-/// beyond `gc_thresh3` (1024 by default); with hundreds of pods each server
-/// namespace alone caches one entry per pod. Raises the limits (never
-/// lowers them, and leaves them raised: other users of the host may rely
-/// on the value by then) to 64 entries a namespace.
-fn raise_neighbour_limit(namespaces: usize) {
-    let want = namespaces as u64 * 64;
-    for (knob, want) in [("gc_thresh2", want / 2), ("gc_thresh3", want)] {
-        let path = format!("/proc/sys/net/ipv4/neigh/default/{knob}");
+/// Raises host-wide limits that a flat network of `namespaces` ports
+/// outgrows (never lowers them, and leaves them raised: by then other users
+/// of the host may rely on the value):
+/// - the ARP table, shared by all namespaces, refuses entries beyond
+///   `gc_thresh3` (1024 by default), and each server namespace alone caches
+///   one per pod: 64 entries a namespace;
+/// - every ARP broadcast is copied to every port at once, into a per-CPU
+///   backlog of `netdev_max_backlog` (1000 by default) packets: with more
+///   ports than that, broadcasts are dropped and pods fail with "No route to
+///   host". Room for 8 broadcasts at once.
+fn raise_host_limits(namespaces: usize) {
+    let n = namespaces as u64;
+    let limits = [
+        ("net/ipv4/neigh/default/gc_thresh2", n * 32),
+        ("net/ipv4/neigh/default/gc_thresh3", n * 64),
+        ("net/core/netdev_max_backlog", n * 8),
+    ];
+    for (knob, want) in limits {
+        let path = format!("/proc/sys/{knob}");
         let current = std::fs::read_to_string(&path)
             .ok()
             .and_then(|s| s.trim().parse::<u64>().ok());
         if current.is_some_and(|c| c < want) {
             match std::fs::write(&path, want.to_string()) {
-                Ok(()) => tracing::info!("raised net.ipv4.neigh.default.{knob} to {want}"),
+                Ok(()) => tracing::info!("raised {} to {want}", knob.replace('/', ".")),
                 Err(e) => tracing::warn!("could not raise {path} to {want}: {e}"),
             }
         }
@@ -321,9 +338,9 @@ fn raise_neighbour_limit(namespaces: usize) {
 
 /// `iptables` arguments that insert (`-I`), check (`-C`) or delete (`-D`)
 /// the rule accepting traffic between the ports of `bridge`.
-fn forward_rule<'a>(op: &'a str, bridge: &'a str) -> [&'a str; 9] {
+fn forward_rule<'a>(op: &'a str, bridge: &'a str) -> [&'a str; 10] {
     [
-        "-w", op, "FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT",
+        "iptables", "-w", op, "FORWARD", "-i", bridge, "-o", bridge, "-j", "ACCEPT",
     ]
 }
 
@@ -430,36 +447,95 @@ fn run_objects(id: &str) -> (Vec<String>, Vec<String>, Vec<String>) {
     )
 }
 
+/// Kills the processes in the namespaces `netns` (servers a killed runner
+/// left behind, daemons a pod command started); returns how many. A process
+/// is matched by the inode of its network namespace, on the nsfs device.
+fn kill_processes_in(netns: &[String]) -> usize {
+    use rustix::process::{Pid, Signal as Sig, kill_process};
+    use std::os::unix::fs::MetadataExt;
+    let Ok(nsfs) = std::fs::metadata("/proc/self/ns/net").map(|m| m.dev()) else {
+        return 0;
+    };
+    let inodes: HashSet<u64> = (netns.iter())
+        .filter_map(|n| std::fs::metadata(Path::new(NETNS_DIR).join(n)).ok())
+        .filter(|m| m.dev() == nsfs)
+        .map(|m| m.ino())
+        .collect();
+    if inodes.is_empty() {
+        return 0;
+    }
+    let mut killed = 0;
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let pid = e
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse().ok())
+            .and_then(Pid::from_raw);
+        let ns = std::fs::metadata(e.path().join("ns/net")).ok();
+        if let (Some(pid), Some(ns)) = (pid, ns)
+            && ns.dev() == nsfs
+            && inodes.contains(&ns.ino())
+            && kill_process(pid, Sig::KILL).is_ok()
+        {
+            killed += 1;
+        }
+    }
+    killed
+}
+
+/// Waits while the kernel tears deleted namespaces down (asynchronously:
+/// about 3 s for 1000), until their veths are gone or none went for a
+/// second (something still holds the namespace).
+fn await_teardown(id: &str) {
+    let veths = || names_in(SYS_NET, &format!("ktv{id}")).len();
+    let (mut left, mut progress) = (veths(), Instant::now());
+    while left > 0 && progress.elapsed() < Duration::from_secs(1) {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = veths();
+        if now < left {
+            progress = Instant::now();
+        }
+        left = now;
+    }
+}
+
 /// Removes whatever exists of run `id`, checks that nothing is left, then
 /// drops its state file. Returns a summary of what it removed.
 fn remove_run(id: &str) -> Result<Vec<String>, TargetError> {
-    let (veths, netns, bridges) = run_objects(id);
-    // Deleting a veth removes both ends even if a process still holds the
-    // namespace; deleting namespaces alone would leave those.
-    let lines: Vec<String> = (veths.iter().map(|v| format!("link del {v}")))
-        .chain(netns.iter().map(|n| format!("netns del {n}")))
-        .chain(bridges.iter().map(|b| format!("link del {b}")))
-        .collect();
-    let failed = if lines.is_empty() {
-        None
-    } else {
-        batch("ip", &["-force"], &lines).err()
-    };
     let mut removed = Vec::new();
-    for (n, what) in [(veths.len(), "veths"), (netns.len(), "namespaces")] {
-        if n > 0 {
-            removed.push(format!("{n} {what}"));
-        }
+    let mut failed = None;
+    let netns = names_in(NETNS_DIR, &format!("kt-{id}-"));
+    let killed = kill_processes_in(&netns);
+    if killed > 0 {
+        removed.push(format!("{killed} processes"));
+    }
+    // Deleting the namespaces deletes their veths in one kernel pass, much
+    // faster than deleting 1000 veths one by one.
+    if !netns.is_empty() {
+        let lines = netns.iter().map(|n| format!("netns del {n}")).collect();
+        failed = Cmd::batch(&["ip", "-force"], lines).run().err();
+        removed.push(format!("{} namespaces", netns.len()));
+    }
+    await_teardown(id);
+    // Veths whose namespace something still holds, and the bridge.
+    let (veths, _, bridges) = run_objects(id);
+    let lines: Vec<String> = veths
+        .iter()
+        .chain(&bridges)
+        .map(|l| format!("link del {l}"))
+        .collect();
+    if !lines.is_empty() {
+        failed = failed.or(Cmd::batch(&["ip", "-force"], lines).run().err());
     }
     removed.extend(bridges.iter().map(|b| format!("bridge {b}")));
     if on_path("iptables") {
         let br = bridge_name(id);
         // Bounded: a rule inserted twice (never by us) is deleted twice.
         for _ in 0..8 {
-            if run("iptables", &forward_rule("-C", &br)).is_err() {
+            if Cmd::new(&forward_rule("-C", &br)).run().is_err() {
                 break;
             }
-            run("iptables", &forward_rule("-D", &br))?;
+            Cmd::new(&forward_rule("-D", &br)).run()?;
             removed.push("iptables FORWARD rule".to_owned());
         }
     }
@@ -486,68 +562,109 @@ fn on_path(prog: &str) -> bool {
         .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(prog).is_file()))
 }
 
-/// Runs `prog args...` and returns its stdout; the error names the command
-/// line and carries its stderr.
-fn run(prog: &str, args: &[&str]) -> Result<String, TargetError> {
-    command(prog, args, None)
+/// An external command (`ip`, `tc`, `iptables`), optionally fed `lines` as
+/// a `-batch -`. Its errors name the command line and carry its stderr and,
+/// for a batch, the line that failed.
+#[derive(Debug)]
+struct Cmd {
+    argv: Vec<String>,
+    lines: Option<Vec<String>>,
 }
 
-/// Runs `lines` through `prog opts... -batch -`; the error names the line
-/// that failed.
-fn batch(prog: &str, opts: &[&str], lines: &[String]) -> Result<(), TargetError> {
-    let args: Vec<&str> = opts.iter().copied().chain(["-batch", "-"]).collect();
-    command(prog, &args, Some(&lines.join("\n")))
-        .map(drop)
-        .map_err(|e| {
-            // iproute2 reports "Command failed -:<line number>".
-            let at = e
-                .to_string()
-                .rsplit_once("Command failed -:")
-                .and_then(|(_, n)| {
-                    let n: usize = n.trim().parse().ok()?;
-                    lines.get(n.checked_sub(1)?)
-                });
-            match at {
-                Some(line) => TargetError::Failed(format!("{e} (at `{line}`)")),
-                None => e,
-            }
-        })
-}
+type Started = (std::process::Child, std::io::Result<()>);
 
-fn command(prog: &str, args: &[&str], input: Option<&str>) -> Result<String, TargetError> {
-    let line = std::iter::once(prog)
-        .chain(args.iter().copied())
-        .collect::<Vec<_>>()
-        .join(" ");
-    let mut child = std::process::Command::new(prog)
-        .args(args)
-        .stdin(if input.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(TargetError::io(format!("running `{line}`")))?;
-    // A failing batch stops reading its input: its exit status and stderr
-    // then say more than the broken pipe, so look at them first.
-    let wrote = match (input, child.stdin.take()) {
-        (Some(text), Some(mut stdin)) => stdin.write_all(text.as_bytes()),
-        _ => Ok(()),
-    };
-    let out = child
-        .wait_with_output()
-        .map_err(TargetError::io(format!("waiting for `{line}`")))?;
-    if !out.status.success() {
-        return Err(TargetError::Failed(format!(
-            "`{line}` failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
+impl Cmd {
+    fn new(argv: &[&str]) -> Cmd {
+        let argv = argv.iter().map(|a| (*a).to_owned()).collect();
+        Cmd { argv, lines: None }
     }
-    wrote.map_err(TargetError::io(format!("feeding `{line}`")))?;
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+
+    /// `argv -batch -`, reading `lines`.
+    fn batch(argv: &[&str], lines: Vec<String>) -> Cmd {
+        let mut cmd = Cmd::new(argv);
+        cmd.argv.extend(["-batch".to_owned(), "-".to_owned()]);
+        cmd.lines = Some(lines);
+        cmd
+    }
+
+    /// The command inside namespace `ns`. `nsenter` switches only the
+    /// network namespace: several times cheaper than `ip -n`, which also
+    /// remounts /sys.
+    fn inside(mut self, ns: &str) -> Cmd {
+        let enter = ["nsenter".to_owned(), format!("--net={NETNS_DIR}/{ns}")];
+        self.argv.splice(0..0, enter);
+        self
+    }
+
+    fn line(&self) -> String {
+        self.argv.join(" ")
+    }
+
+    /// Runs the command and returns its stdout.
+    fn run(&self) -> Result<String, TargetError> {
+        self.spawn().and_then(|started| self.finish(started))
+    }
+
+    fn spawn(&self) -> Result<Started, TargetError> {
+        let mut child = std::process::Command::new(&self.argv[0])
+            .args(&self.argv[1..])
+            .stdin(if self.lines.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(TargetError::io(format!("running `{}`", self.line())))?;
+        // A failing batch stops reading: its status and stderr then say
+        // more than the broken pipe, so `finish` looks at them first.
+        let wrote = match (&self.lines, child.stdin.take()) {
+            (Some(lines), Some(mut stdin)) => {
+                stdin.write_all(format!("{}\n", lines.join("\n")).as_bytes())
+            }
+            _ => Ok(()),
+        };
+        Ok((child, wrote))
+    }
+
+    fn finish(&self, (child, wrote): Started) -> Result<String, TargetError> {
+        let out = child
+            .wait_with_output()
+            .map_err(TargetError::io(format!("waiting for `{}`", self.line())))?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            // iproute2 names the line of a batch that failed: "Command failed -:<n>".
+            let at = stderr.rsplit_once("Command failed -:").and_then(|(_, n)| {
+                let n: usize = n.trim().parse().ok()?;
+                self.lines.as_ref()?.get(n.checked_sub(1)?)
+            });
+            return Err(TargetError::Failed(format!(
+                "`{}` failed ({}): {}{}",
+                self.line(),
+                out.status,
+                stderr.trim(),
+                at.map(|l| format!(" (at `{l}`)")).unwrap_or_default()
+            )));
+        }
+        wrote.map_err(TargetError::io(format!("feeding `{}`", self.line())))?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+/// Runs `cmds`, [`PARALLEL`] at a time: namespace setup mostly waits on
+/// the kernel, so this is several times faster than one by one.
+fn run_all(cmds: &[Cmd]) -> Result<(), TargetError> {
+    for chunk in cmds.chunks(PARALLEL) {
+        let started: Vec<_> = chunk.iter().map(|c| (c, c.spawn())).collect();
+        // Every started command is waited for before an error returns.
+        let done: Vec<_> = started
+            .into_iter()
+            .map(|(c, s)| s.and_then(|s| c.finish(s)))
+            .collect();
+        done.into_iter().collect::<Result<Vec<_>, _>>()?;
+    }
+    Ok(())
 }
 
 /// Runs blocking network plumbing off the async runtime.
@@ -678,12 +795,19 @@ impl Target for Netns {
         if !rustix::process::geteuid().is_root() {
             return Some(NEED_ROOT.to_owned());
         }
-        let missing: Vec<&str> = ["ip", "tc"].into_iter().filter(|p| !on_path(p)).collect();
+        let needs = [
+            ("ip", "iproute2"),
+            ("tc", "iproute2"),
+            ("nsenter", "util-linux"),
+        ];
+        let missing: Vec<String> = (needs.into_iter())
+            .filter(|(prog, _)| !on_path(prog))
+            .map(|(prog, package)| format!("`{prog}` ({package})"))
+            .collect();
         (!missing.is_empty()).then(|| {
             format!(
-                "the netns target needs `{}` (iproute2), not found on PATH; install iproute2 or \
-                 use --target local",
-                missing.join("` and `")
+                "the netns target needs {}, not found on PATH; install it or use --target local",
+                missing.join(" and ")
             )
         })
     }
@@ -839,13 +963,13 @@ mod tests {
     }
 
     fn assert_gone(id: &str) {
-        let netns = run("ip", &["netns", "list"]).unwrap();
+        let netns = Cmd::new(&["ip", "netns", "list"]).run().unwrap();
         assert!(!netns.contains(&format!("kt-{id}-")), "{netns}");
-        let links = run("ip", &["link", "show"]).unwrap();
+        let links = Cmd::new(&["ip", "link", "show"]).run().unwrap();
         assert!(!links.contains(&format!("ktb{id}")), "{links}");
         assert!(!links.contains(&format!("ktv{id}")), "{links}");
         let br = bridge_name(id);
-        assert!(run("iptables", &forward_rule("-C", &br)).is_err());
+        assert!(Cmd::new(&forward_rule("-C", &br)).run().is_err());
         assert!(!state_path(id).exists());
     }
 
@@ -886,19 +1010,11 @@ mod tests {
             let mut server = listener(&b.netns, b.ip, 2);
             let client = "import socket, sys\n\
                 print(socket.create_connection((sys.argv[1], 9000), timeout=5).recv(2).decode())";
-            let out = run(
-                "ip",
-                &[
-                    "netns",
-                    "exec",
-                    &a.netns,
-                    "python3",
-                    "-c",
-                    client,
-                    &b.ip.to_string(),
-                ],
-            )
-            .unwrap();
+            let ip = b.ip.to_string();
+            let out = Cmd::new(&["python3", "-c", client, &ip])
+                .inside(&a.netns)
+                .run()
+                .unwrap();
             assert_eq!(out.trim(), "hi");
             let addr = std::net::SocketAddr::from((b.ip, 9000));
             let mut conn =
@@ -913,12 +1029,18 @@ mod tests {
             println!("no python3: connectivity not checked");
         }
 
-        let down = run("tc", &["qdisc", "show", "dev", &b.veth]).unwrap();
-        let up = run("tc", &["-n", &b.netns, "qdisc", "show", "dev", "eth0"]).unwrap();
+        let down = Cmd::new(&["tc", "qdisc", "show", "dev", &b.veth])
+            .run()
+            .unwrap();
+        let up = Cmd::new(&["tc", "-n", &b.netns, "qdisc", "show", "dev", "eth0"])
+            .run()
+            .unwrap();
         println!("{}\n{}", down.trim(), up.trim());
         assert!(down.contains("tbf") && down.contains("50Mbit"), "{down}");
         assert!(up.contains("tbf") && up.contains("50Mbit"), "{up}");
-        let plain = run("tc", &["qdisc", "show", "dev", &a.veth]).unwrap();
+        let plain = Cmd::new(&["tc", "qdisc", "show", "dev", &a.veth])
+            .run()
+            .unwrap();
         assert!(!plain.contains("tbf"), "{plain}");
 
         net.destroy().unwrap();
@@ -1118,8 +1240,72 @@ mod rate_tmp {
                 s.trim()
             );
         }
-        let st = run("tc", &["-s", "qdisc", "show", "dev", &net.pods()[2].veth]).unwrap();
+        let st = Cmd::new(&["tc", "-s", "qdisc", "show", "dev", &net.pods()[2].veth])
+            .run()
+            .unwrap();
         println!("{st}");
         net.destroy().unwrap();
+    }
+}
+
+#[cfg(test)]
+mod scale_tmp {
+    use super::*;
+
+    #[test]
+    fn scale() {
+        let _g = super::tests::ROOT.lock().unwrap_or_else(|e| e.into_inner());
+        let id = short_id("scale", &std::process::id().to_string());
+        let pods: Vec<_> = (0..1000)
+            .map(|i| {
+                (
+                    format!("getter-{i}"),
+                    if i % 2 == 0 {
+                        Some(100_000_000u64)
+                    } else {
+                        None
+                    },
+                )
+            })
+            .collect();
+        let t = std::time::Instant::now();
+        let net = Network::create(&id, &pods).unwrap();
+        println!("created 1000 pods in {:?}", t.elapsed());
+        let m = net.metadata();
+        let recv = "import socket,sys\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind((sys.argv[1],8081));s.listen(2000);print('ready',flush=True)\nfor _ in range(1000):\n  c,_=s.accept();c.sendall(b'hi');c.close()";
+        let mut r = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &m.netns,
+                "python3",
+                "-c",
+                recv,
+                &m.ip.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(std::time::Duration::from_secs(2));
+        let t = std::time::Instant::now();
+        let script = format!(
+            "printf '%s\\n' {} | xargs -P 16 -I NS ip netns exec NS bash -c 'exec 3<>/dev/tcp/198.18.0.2/8081 && head -c2 <&3 && echo || echo FAIL NS' 2>&1 > /tmp/scale.txt; sort /tmp/scale.txt | uniq -c | sort -rn | head -5",
+            net.pods()
+                .iter()
+                .map(|p| p.netns.clone())
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        let out = Cmd::new(&["sh", "-c", &script]).run().unwrap();
+        println!("{} pods reached metadata in {:?}", out.trim(), t.elapsed());
+        let _ = r.kill();
+        let _ = r.wait();
+        println!(
+            "neigh: {}",
+            std::fs::read_to_string("/proc/sys/net/ipv4/neigh/default/gc_thresh3").unwrap()
+        );
+        let t = std::time::Instant::now();
+        net.destroy().unwrap();
+        println!("destroyed in {:?}", t.elapsed());
     }
 }

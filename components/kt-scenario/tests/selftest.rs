@@ -1,0 +1,226 @@
+//! The runner on itself: real `kt-scenario` runs of small scenarios against
+//! the local target (the kt binaries must be built beside it: `make test`
+//! builds them first).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin_dir() -> PathBuf {
+    let exe = PathBuf::from(env!("CARGO_BIN_EXE_kt-scenario"));
+    let dir = exe.parent().expect("binary dir").to_owned();
+    for b in ["kt", "kt-metadata", "kt-store"] {
+        assert!(
+            dir.join(b).is_file(),
+            "{} is missing: build the workspace binaries first (cargo build --workspace --bins)",
+            dir.join(b).display()
+        );
+    }
+    dir
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Copies the self-test scenario `name` (and its snapshot) into a temp dir
+/// and runs it there, so nothing is written into the repository.
+fn run(name: &str, extra: &[&str]) -> (tempfile::TempDir, Output) {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = repo().join("testbed/selftest");
+    std::fs::create_dir_all(tmp.path().join("s/snapshots")).unwrap();
+    std::fs::copy(
+        src.join(format!("{name}.yaml")),
+        tmp.path().join(format!("s/{name}.yaml")),
+    )
+    .unwrap();
+    let snap = src.join(format!("snapshots/{name}.snap"));
+    if snap.exists() {
+        std::fs::copy(&snap, tmp.path().join(format!("s/snapshots/{name}.snap"))).unwrap();
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_kt-scenario"))
+        .arg("run")
+        .arg(tmp.path().join(format!("s/{name}.yaml")))
+        .arg("--report")
+        .arg(tmp.path().join("report"))
+        .arg("--work-dir")
+        .arg(tmp.path().join("work"))
+        .arg("--bin-dir")
+        .arg(bin_dir())
+        .args(extra)
+        .env("INSTA_WORKSPACE_ROOT", tmp.path())
+        .env_remove("KT_SCENARIO_TAGS")
+        .output()
+        .unwrap();
+    (tmp, out)
+}
+
+fn report(tmp: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(tmp.join("report/report.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn a_snapshot_mismatch_fails_with_a_diff_and_a_dump() {
+    let (tmp, out) = run("broken-snapshot", &["--check"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let r = report(tmp.path());
+    let s = &r["scenarios"][0];
+    assert_eq!(s["status"], "failed");
+    let diff = s["snapshot_diff"].as_str().unwrap();
+    assert!(
+        diff.contains("-    files: 3") && diff.contains("+    files: 4"),
+        "{diff}"
+    );
+    assert!(
+        stderr.contains("+    files: 4"),
+        "the diff is shown: {stderr}"
+    );
+    let dump = PathBuf::from(s["dump_dir"].as_str().unwrap());
+    for f in [
+        "logs/metadata.log",
+        "logs/store.log",
+        "metadata.json",
+        "failure.txt",
+        "snapshot.diff",
+    ] {
+        assert!(dump.join(f).is_file(), "{f} missing in the dump");
+    }
+    let state = std::fs::read_to_string(dump.join("metadata.json")).unwrap();
+    assert!(state.contains("broken-snapshot/tree"), "{state}");
+    let junit = std::fs::read_to_string(tmp.path().join("report/junit.xml")).unwrap();
+    assert!(junit.contains("<failure"), "{junit}");
+    // --check writes no pending snapshot and leaves the recorded one alone.
+    assert!(
+        !tmp.path()
+            .join("s/snapshots/broken-snapshot.snap.new")
+            .exists()
+    );
+    // The testbed is gone: no work dir left behind.
+    assert_eq!(
+        std::fs::read_dir(tmp.path().join("work")).unwrap().count(),
+        0
+    );
+}
+
+#[test]
+fn a_failing_step_dumps_its_context_and_still_runs_finally() {
+    let (tmp, out) = run("broken-step", &["--check"]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = report(tmp.path());
+    let s = &r["scenarios"][0];
+    let steps = s["steps"].as_array().unwrap();
+    assert_eq!(steps[0]["status"], "failed");
+    assert!(
+        steps[0]["error"].as_str().unwrap().contains("not_found")
+            || steps[0]["error"].as_str().unwrap().contains("not-found")
+    );
+    assert_eq!(steps[1]["index"], "finally.1", "finally ran");
+    let failure =
+        std::fs::read_to_string(PathBuf::from(s["dump_dir"].as_str().unwrap()).join("failure.txt"))
+            .unwrap();
+    assert!(
+        failure.contains("get broken-step/nothing") && failure.contains("stderr:"),
+        "{failure}"
+    );
+}
+
+#[test]
+fn accepting_records_a_snapshot_that_then_passes_in_check_mode() {
+    let (tmp, out) = run("broken-snapshot", &["--accept"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let snap =
+        std::fs::read_to_string(tmp.path().join("s/snapshots/broken-snapshot.snap")).unwrap();
+    assert!(snap.contains("files: 4"), "{snap}");
+    // Run again from the same directory, in check mode.
+    let out = Command::new(env!("CARGO_BIN_EXE_kt-scenario"))
+        .args(["run", "--check", "--bin-dir"])
+        .arg(bin_dir())
+        .arg("--report")
+        .arg(tmp.path().join("report2"))
+        .arg("--work-dir")
+        .arg(tmp.path().join("work"))
+        .arg(tmp.path().join("s"))
+        .env("INSTA_WORKSPACE_ROOT", tmp.path())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let html = std::fs::read_to_string(tmp.path().join("report2/report.html")).unwrap();
+    assert!(html.contains("<svg"), "the HTML report has plots");
+}
+
+#[test]
+fn unreferenced_snapshots_fail_a_full_check_run() {
+    let (tmp, _) = run("broken-snapshot", &["--accept"]);
+    std::fs::write(tmp.path().join("s/snapshots/orphan.snap"), "---\n---\nx\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kt-scenario"))
+        .args(["run", "--check", "--bin-dir"])
+        .arg(bin_dir())
+        .arg("--report")
+        .arg(tmp.path().join("report2"))
+        .arg("--work-dir")
+        .arg(tmp.path().join("work"))
+        .arg(tmp.path().join("s"))
+        .env("INSTA_WORKSPACE_ROOT", tmp.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("orphan.snap"), "{stderr}");
+}
+
+#[test]
+fn validate_reports_file_line_and_column() {
+    let tmp = tempfile::tempdir().unwrap();
+    let f = tmp.path().join("bad.yaml");
+    std::fs::write(
+        &f,
+        "topology:\n  pods:\n    - name: app\nsteps:\n  - put: { pod: app, key: k, data: nope }\n  - get: { pod: nobody, key: k }\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kt-scenario"))
+        .arg("validate")
+        .arg(&f)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let shown = f.display().to_string();
+    assert!(
+        stderr.contains(&format!("{shown}:5:36: no data set named `nope`")),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("{shown}:6:17: no pod named `nobody`")),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn the_repository_scenarios_are_valid() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kt-scenario"))
+        .arg("validate")
+        .arg(repo().join("scenarios"))
+        .arg(repo().join("testbed/selftest"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
