@@ -242,8 +242,9 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     return Ok(ExitCode::from(2));
                 }
             };
+            // Absolute: pod commands run with the pod's directory as cwd.
             let bin_dir = match bin_dir {
-                Some(d) => d,
+                Some(d) => std::path::absolute(&d).unwrap_or(d),
                 None => std::env::current_exe()
                     .context("locating this binary")?
                     .parent()

@@ -137,6 +137,9 @@ pub fn server_argvs(
     Ok((meta, store))
 }
 
+/// The networks testbeds use (local: loopback; netns: 198.18.0.0/15).
+const TESTBED_NETS: &str = "127.0.0.0/8,198.18.0.0/15,localhost";
+
 /// The environment every command in a pod gets.
 pub fn pod_env(
     req: &ExecRequest,
@@ -154,6 +157,9 @@ pub fn pod_env(
             "XDG_CACHE_HOME".to_owned(),
             pod_dir.join(".cache").display().to_string(),
         ),
+        // Testbed traffic never goes through a proxy the runner's user has set.
+        ("NO_PROXY".to_owned(), TESTBED_NETS.to_owned()),
+        ("no_proxy".to_owned(), TESTBED_NETS.to_owned()),
     ];
     if let Some(t) = &req.token {
         env.push(("KT_TOKEN".to_owned(), t.clone()));

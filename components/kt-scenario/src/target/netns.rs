@@ -219,11 +219,14 @@ impl Network {
         let br = self.bridge();
         raise_host_limits(self.nodes.len());
         // The root namespace's part in one `ip` process: 1000 pods would
-        // otherwise cost thousands of process starts.
+        // otherwise cost thousands of process starts. No interface gets an
+        // IPv6 address (`addrgenmode none`): the testbed is IPv4, and the
+        // address autoconfiguration of 1000 interfaces floods every port
+        // with multicast.
         let mut root = vec![
             format!("link add {br} type bridge"),
             format!("addr add {BRIDGE_IP}/{PREFIX_LEN} dev {br}"),
-            format!("link set {br} up"),
+            format!("link set {br} addrgenmode none up"),
         ];
         for n in &self.nodes {
             root.push(format!("netns add {}", n.netns));
@@ -231,11 +234,12 @@ impl Network {
                 "link add {} type veth peer name eth0 netns {}",
                 n.veth, n.netns
             ));
-            root.push(format!("link set {} master {br} up", n.veth));
+            root.push(format!(
+                "link set {} master {br} addrgenmode none up",
+                n.veth
+            ));
         }
-        let t0 = Instant::now();
         Cmd::batch(&["ip"], root).run()?;
-        eprintln!("root {:?}", t0.elapsed());
         // Inside each namespace: lo, the address, and the upload shaping
         // (egress of eth0).
         let mut inside = Vec::new();
@@ -244,7 +248,7 @@ impl Network {
             let lines = vec![
                 "link set lo up".to_owned(),
                 addr,
-                "link set eth0 up".to_owned(),
+                "link set eth0 addrgenmode none up".to_owned(),
             ];
             inside.push(Cmd::batch(&["ip"], lines).inside(&n.netns));
             if let Some(rate) = n.link_bps {
@@ -253,7 +257,6 @@ impl Network {
             }
         }
         run_all(&inside)?;
-        eprintln!("inside {:?}", t0.elapsed());
         // The download shaping: egress of the host-side veths.
         let shaped: Vec<String> = (self.nodes.iter())
             .filter_map(|n| {
@@ -507,7 +510,7 @@ fn remove_run(id: &str) -> Result<Vec<String>, TargetError> {
     let netns = names_in(NETNS_DIR, &format!("kt-{id}-"));
     let killed = kill_processes_in(&netns);
     if killed > 0 {
-        removed.push(format!("{killed} processes"));
+        removed.push(format!("{killed} process(es)"));
     }
     // Deleting the namespaces deletes their veths in one kernel pass, much
     // faster than deleting 1000 veths one by one.
@@ -948,7 +951,7 @@ mod tests {
     }
 
     /// Root tests share 198.18.0.0/15, so they run one at a time.
-    pub(super) static ROOT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    static ROOT: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     fn root() -> Option<std::sync::MutexGuard<'static, ()>> {
         if !rustix::process::geteuid().is_root() {
@@ -1055,13 +1058,31 @@ mod tests {
         let net = Network::create(&id, &[("p".to_owned(), None)]).unwrap();
         assert!(sweep_stale().is_empty(), "a live runner's network is kept");
         assert!(Path::new(SYS_NET).join(net.bridge()).exists());
-        // A runner killed with SIGKILL: its pid is gone.
+        // A runner killed with SIGKILL: its pid is gone, a server it
+        // started still runs in its namespace.
         let mut dead = std::process::Command::new("true").spawn().unwrap();
         dead.wait().unwrap();
         std::fs::write(state_path(&id), format!("{} 1\n", dead.id())).unwrap();
+        let mut orphan = std::process::Command::new("ip")
+            .args(["netns", "exec", &net.pods()[0].netns])
+            .args(["sh", "-c", "echo ready; exec sleep 60"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(orphan.stdout.as_mut().unwrap())
+            .read_line(&mut line)
+            .unwrap();
         let swept = sweep_stale();
         println!("{swept:?}");
-        assert!(swept.len() == 1 && swept[0].contains(&format!("removed the netns testbed {id}")));
+        assert_eq!(swept.len(), 1);
+        assert!(
+            swept[0].contains(&format!("removed the netns testbed {id}")),
+            "{swept:?}"
+        );
+        assert!(swept[0].contains("1 process(es)"), "{swept:?}");
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(orphan.wait().unwrap().signal(), Some(9));
         assert_gone(&id);
         net.destroy().unwrap();
     }
@@ -1076,236 +1097,5 @@ mod tests {
         println!("{err}");
         assert!(err.contains(&format!("kt-{id}-pod-twin")), "{err}");
         assert_gone(&id);
-    }
-}
-
-#[cfg(test)]
-mod e2e_tmp {
-    use super::*;
-    use crate::target::{PodPlan, Program};
-
-    fn req(pod: &str, program: Program, args: &[&str]) -> ExecRequest {
-        ExecRequest {
-            pod: pod.into(),
-            program,
-            args: args.iter().map(|s| s.to_string()).collect(),
-            env: vec![],
-            token: Some("tok".into()),
-        }
-    }
-
-    #[tokio::test(flavor = "multi_thread")]
-    async fn e2e() {
-        let _g = super::tests::ROOT.lock().unwrap_or_else(|e| e.into_inner());
-        let dir = tempfile::tempdir().unwrap();
-        let pod = |name: &str, i, link| PodPlan {
-            name: name.into(),
-            group: name.into(),
-            index: i,
-            service: None,
-            labels: Default::default(),
-            gpu: false,
-            link_bps: link,
-        };
-        let plan = Plan {
-            run_id: format!("e2e-{}", std::process::id()),
-            scenario: "e2e".into(),
-            work_dir: dir.path().to_owned(),
-            bin_dir: std::path::PathBuf::from("/work/main/target/debug"),
-            token: "tok".into(),
-            chunk_size: None,
-            pods: vec![pod("putter", 0, None), pod("getter", 1, Some(20_000_000))],
-        };
-        let mut t = Netns::new();
-        assert!(t.unavailable().is_none());
-        let t0 = std::time::Instant::now();
-        t.up(&plan).await.unwrap();
-        println!("up in {:?}; {}", t0.elapsed(), t.metadata_url());
-        let id = t.net.as_ref().unwrap().id().to_owned();
-        let o = t.exec(req("putter", Program::Shell, &["pwd; echo $KT_POD_IP $KT_METADATA_URL; ip -br addr; head -c 5000000 /dev/urandom > data"])).await.unwrap();
-        println!("{o:?}");
-        let o = t
-            .exec(req("putter", Program::Kt, &["put", "--src", "data", "k"]))
-            .await
-            .unwrap();
-        println!("put {:?} {} {}", o.duration, o.status, o.stderr);
-        let o = t
-            .exec(req("getter", Program::Kt, &["get", "--dest", "out", "k"]))
-            .await
-            .unwrap();
-        println!(
-            "get (20mbit) {:?} {} {} {}",
-            o.duration, o.status, o.stdout, o.stderr
-        );
-        assert_eq!(o.status, 0);
-        assert!(o.duration.as_secs_f64() > 1.6, "5 MB at 20 mbit take 2 s");
-        t.kill(&Component::Store, Signal::KILL).await.unwrap();
-        t.start(&Component::Store).await.unwrap();
-        let o = t
-            .exec(req("getter", Program::Kt, &["ls", ""]))
-            .await
-            .unwrap();
-        println!(
-            "ls after store restart: {} {} {}",
-            o.status, o.stdout, o.stderr
-        );
-        t.collect_logs(&dir.path().join("collected")).await.unwrap();
-        println!(
-            "{:?}",
-            std::fs::read_dir(dir.path().join("collected"))
-                .unwrap()
-                .flatten()
-                .map(|e| e.file_name())
-                .collect::<Vec<_>>()
-        );
-        t.down().await.unwrap();
-        t.down().await.unwrap();
-        assert!(!state_path(&id).exists());
-        assert!(names_in(NETNS_DIR, &format!("kt-{id}")).is_empty());
-        assert!(names_in(SYS_NET, &format!("ktv{id}")).is_empty());
-    }
-}
-
-#[cfg(test)]
-mod rate_tmp {
-    use super::*;
-
-    #[test]
-    fn rates() {
-        let _g = super::tests::ROOT.lock().unwrap_or_else(|e| e.into_inner());
-        let id = short_id("rates", &std::process::id().to_string());
-        let rates = [
-            None,
-            Some(100_000_000u64),
-            Some(1_000_000_000),
-            Some(5_000_000_000),
-        ];
-        let pods: Vec<_> = rates
-            .iter()
-            .enumerate()
-            .map(|(i, r)| (format!("p{i}"), *r))
-            .collect();
-        let net = Network::create(&id, &pods).unwrap();
-        let sender = &net.pods()[0];
-        for (i, rate) in rates.iter().enumerate() {
-            let rx = &net.pods()[i];
-            let mb = match rate {
-                Some(r) if *r < 500_000_000 => 25,
-                _ => 300,
-            };
-            let recv = "import socket,sys,time\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind((sys.argv[1],9001));s.listen();print('ready',flush=True)\nc,_=s.accept();n=0;t=time.time()\nwhile True:\n  b=c.recv(1<<20)\n  if not b: break\n  n+=len(b)\nd=time.time()-t;print(f'{n*8/d/1e6:.0f} mbit/s ({n} B in {d:.2f}s)')";
-            let send = "import socket,sys\nc=socket.create_connection((sys.argv[1],9001));buf=b'x'*(1<<20)\nfor _ in range(int(sys.argv[2])): c.sendall(buf)\nc.close()";
-            let target = if i == 0 { &net.pods()[1] } else { rx };
-            let _ = target;
-            // upload direction for pod 0 unshaped -> measure pod0 -> pod i (download into pod i)
-            let mut r = std::process::Command::new("ip")
-                .args([
-                    "netns",
-                    "exec",
-                    &rx.netns,
-                    "python3",
-                    "-c",
-                    recv,
-                    &rx.ip.to_string(),
-                ])
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap();
-            let mut out = r.stdout.take().unwrap();
-            let mut b = [0u8; 6];
-            std::io::Read::read_exact(&mut out, &mut b).unwrap();
-            let src = if i == 0 { &net.pods()[1] } else { sender };
-            let src = if i == 0 { &net.pods()[0] } else { src };
-            let _ = std::process::Command::new("ip")
-                .args([
-                    "netns",
-                    "exec",
-                    &src.netns,
-                    "python3",
-                    "-c",
-                    send,
-                    &rx.ip.to_string(),
-                    &mb.to_string(),
-                ])
-                .status()
-                .unwrap();
-            let mut s = String::new();
-            std::io::Read::read_to_string(&mut out, &mut s).unwrap();
-            r.wait().unwrap();
-            println!(
-                "{} -> {} (link {:?}): {}",
-                src.netns,
-                rx.netns,
-                rate,
-                s.trim()
-            );
-        }
-        let st = Cmd::new(&["tc", "-s", "qdisc", "show", "dev", &net.pods()[2].veth])
-            .run()
-            .unwrap();
-        println!("{st}");
-        net.destroy().unwrap();
-    }
-}
-
-#[cfg(test)]
-mod scale_tmp {
-    use super::*;
-
-    #[test]
-    fn scale() {
-        let _g = super::tests::ROOT.lock().unwrap_or_else(|e| e.into_inner());
-        let id = short_id("scale", &std::process::id().to_string());
-        let pods: Vec<_> = (0..1000)
-            .map(|i| {
-                (
-                    format!("getter-{i}"),
-                    if i % 2 == 0 {
-                        Some(100_000_000u64)
-                    } else {
-                        None
-                    },
-                )
-            })
-            .collect();
-        let t = std::time::Instant::now();
-        let net = Network::create(&id, &pods).unwrap();
-        println!("created 1000 pods in {:?}", t.elapsed());
-        let m = net.metadata();
-        let recv = "import socket,sys\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind((sys.argv[1],8081));s.listen(2000);print('ready',flush=True)\nfor _ in range(1000):\n  c,_=s.accept();c.sendall(b'hi');c.close()";
-        let mut r = std::process::Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &m.netns,
-                "python3",
-                "-c",
-                recv,
-                &m.ip.to_string(),
-            ])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(std::time::Duration::from_secs(2));
-        let t = std::time::Instant::now();
-        let script = format!(
-            "printf '%s\\n' {} | xargs -P 16 -I NS ip netns exec NS bash -c 'exec 3<>/dev/tcp/198.18.0.2/8081 && head -c2 <&3 && echo || echo FAIL NS' 2>&1 > /tmp/scale.txt; sort /tmp/scale.txt | uniq -c | sort -rn | head -5",
-            net.pods()
-                .iter()
-                .map(|p| p.netns.clone())
-                .collect::<Vec<_>>()
-                .join(" ")
-        );
-        let out = Cmd::new(&["sh", "-c", &script]).run().unwrap();
-        println!("{} pods reached metadata in {:?}", out.trim(), t.elapsed());
-        let _ = r.kill();
-        let _ = r.wait();
-        println!(
-            "neigh: {}",
-            std::fs::read_to_string("/proc/sys/net/ipv4/neigh/default/gc_thresh3").unwrap()
-        );
-        let t = std::time::Instant::now();
-        net.destroy().unwrap();
-        println!("destroyed in {:?}", t.elapsed());
     }
 }
