@@ -77,6 +77,11 @@ fn write_random(path: &Path, len: u64, rng: &mut Rng) -> Result<(), DataError> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent).map_err(io(parent))?;
     }
+    // A fresh inode: `path` may be a hard link into another data set.
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(path)(e)),
+        _ => {}
+    }
     let f = std::fs::File::create(path).map_err(io(path))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
     let mut buf = vec![0u8; 1 << 16];
@@ -225,8 +230,6 @@ pub fn generate(spec: &DataSpec, base: Option<&Path>, path: &Path) -> Result<(),
         for _ in 0..spec.change.min(files.len()) {
             let f = files.remove(rng.below(files.len() as u64) as usize);
             let len = std::fs::metadata(&f).map_err(io(&f))?.len().max(1);
-            // Replace, never write through: `f` may be a hard link of the base.
-            std::fs::remove_file(&f).map_err(io(&f))?;
             write_random(&f, len, &mut rng)?;
         }
         for _ in 0..spec.delete.min(files.len()) {

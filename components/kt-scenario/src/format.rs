@@ -26,7 +26,8 @@ pub struct Scenario {
     /// Selection labels (`slow`, `fault`, `netns`, `gpu`, ...).
     #[serde(default)]
     pub tags: Vec<String>,
-    /// Wall-clock limit for the whole scenario (default 120s).
+    /// Wall-clock limit for the whole scenario (default 300s); every step's
+    /// own limit (default 60s) is capped by what is left of it.
     #[serde(default, with = "opt_duration")]
     pub timeout: Option<Duration>,
     /// Values for `{{ vars.NAME }}`.

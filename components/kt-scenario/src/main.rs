@@ -159,24 +159,37 @@ fn print_diags(d: &[Diagnostic]) {
     eprintln!("{} error(s)", d.len());
 }
 
-/// Tells insta how to treat snapshots in this process (`--check`: write
-/// nothing, `--accept`: write new and changed snapshots). insta reads only
-/// its environment for this.
+/// Sets insta's environment for this process: `INSTA_UPDATE` (`--check`:
+/// write nothing, `--accept`: write new and changed snapshots) and, unless
+/// given, `INSTA_WORKSPACE_ROOT` (the current directory, so insta never runs
+/// `cargo metadata` to find it). insta reads only its environment for these.
 #[allow(unsafe_code)]
-fn set_insta_update(value: &str) {
+fn set_insta_env(update: Option<&str>) {
     // SAFETY: called at the start of `main`, before the runtime or any other
     // thread exists, so nothing can read the environment concurrently.
-    unsafe { std::env::set_var("INSTA_UPDATE", value) }
+    unsafe {
+        if let Some(v) = update {
+            std::env::set_var("INSTA_UPDATE", v);
+        }
+        if std::env::var_os("INSTA_WORKSPACE_ROOT").is_none()
+            && let Ok(cwd) = std::env::current_dir()
+        {
+            std::env::set_var("INSTA_WORKSPACE_ROOT", cwd);
+        }
+    }
 }
+
+/// Exit status of an interrupted run (128 + SIGINT).
+const INTERRUPTED: u8 = 130;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Cmd::Run { check, accept, .. } = &cli.cmd {
-        match (check, accept) {
-            (true, _) => set_insta_update("no"),
-            (_, true) => set_insta_update("always"),
-            _ => {}
-        }
+        set_insta_env(match (check, accept) {
+            (true, _) => Some("no"),
+            (_, true) => Some("always"),
+            _ => None,
+        });
     }
     match real_main(cli) {
         Ok(code) => code,
@@ -289,13 +302,24 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             let mut result = rt.block_on(async {
                 let cancel = runner.cancel.clone();
                 tokio::spawn(async move {
-                    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-                    tokio::select! {
-                        _ = tokio::signal::ctrl_c() => {}
-                        Some(()) = async { match term.as_mut() { Some(t) => t.recv().await, None => std::future::pending().await } } => {}
+                    // The first SIGINT/SIGTERM/SIGHUP cancels the run (the
+                    // current testbed is torn down); a second one ends the
+                    // process at once.
+                    use tokio::signal::unix::{SignalKind, signal};
+                    let mut sigs: Vec<_> = [SignalKind::interrupt(), SignalKind::terminate(), SignalKind::hangup()]
+                        .into_iter()
+                        .filter_map(|k| signal(k).ok())
+                        .collect();
+                    for n in 0.. {
+                        let any = futures::future::select_all(sigs.iter_mut().map(|s| Box::pin(s.recv())));
+                        any.await;
+                        if n == 0 {
+                            eprintln!("kt-scenario: interrupted; tearing the testbed down (again to quit at once)");
+                            cancel.cancel();
+                        } else {
+                            std::process::exit(i32::from(INTERRUPTED));
+                        }
                     }
-                    eprintln!("kt-scenario: interrupted; tearing the testbed down");
-                    cancel.cancel();
                 });
                 runner.run(&loaded, &factory).await
             });
@@ -326,7 +350,9 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 terminal::render(&result, std::io::stderr().is_terminal())
             );
             eprintln!("reports: {}", report.join("report.html").display());
-            Ok(if result.is_failure(check) {
+            Ok(if runner.cancel.is_cancelled() {
+                ExitCode::from(INTERRUPTED)
+            } else if result.is_failure(check) {
                 ExitCode::from(1)
             } else {
                 ExitCode::SUCCESS

@@ -29,6 +29,9 @@ use crate::validate::Loaded;
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 pub const SCENARIO_TIMEOUT: Duration = Duration::from_secs(300);
 const WAIT_POLL: Duration = Duration::from_millis(20);
+/// Limit of the runner's own requests (readiness, metrics, state dumps).
+const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
+const DUMP_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -170,42 +173,52 @@ impl Runner {
                 None
             }
         };
+        let dump_dir = self.opts.report_dir.join(&l.name);
+        let mut dumped = false;
         if let Some(data) = data {
             let setup = Instant::now();
-            let up = tokio::select! {
-                r = target.up(&plan) => r.map_err(|e| format!("bringing up the {} testbed: {e}", target.name())),
-                () = self.cancel.cancelled() => Err("interrupted".to_owned()),
-            };
+            // Not raced against Ctrl-C: only once `up` returns does the target
+            // know everything it made (its own waits have timeouts), and
+            // `down` below removes it.
+            let up = target
+                .up(&plan)
+                .await
+                .map_err(|e| format!("bringing up the {} testbed: {e}", target.name()));
             report.setup_ms = ms(setup.elapsed());
             match up {
                 Err(e) => failure = Some(e),
+                Ok(()) if self.cancel.is_cancelled() => failure = Some("interrupted".into()),
                 Ok(()) => {
-                    let s = Scn::new(self, l, &*target, pods, data, token, &work);
                     let timeout = l.scenario.timeout.unwrap_or(SCENARIO_TIMEOUT);
+                    let s = Scn::new(self, l, &*target, pods, data, token, &work);
+                    s.set_deadline(Instant::now() + timeout);
                     let body = async {
-                        let mut first = None;
                         for (i, step) in l.scenario.steps.iter().enumerate() {
                             if let Err(e) = s.step(format!("{}", i + 1), step).await {
-                                first = Some(e);
-                                break;
+                                return Some(e);
                             }
                         }
-                        first
+                        None
                     };
-                    let steps_failure = tokio::select! {
-                        r = tokio::time::timeout(timeout, body) => match r {
-                            Ok(f) => f,
-                            Err(_) => Some(format!("scenario timed out after {}", humantime::format_duration(timeout))),
-                        },
+                    failure = tokio::select! {
+                        f = body => f,
                         () = self.cancel.cancelled() => Some("interrupted".to_owned()),
                     };
-                    failure = steps_failure;
-                    // `finally` runs whatever happened.
-                    for (i, step) in l.scenario.finally.iter().enumerate() {
-                        if let Err(e) = s.step(format!("finally.{}", i + 1), step).await
-                            && failure.is_none()
-                        {
-                            failure = Some(e);
+                    if let Some(f) = &failure {
+                        // The state at the failure, before `finally` changes it.
+                        self.dump(&dump_dir, target, Some(&s), f).await;
+                        dumped = true;
+                    }
+                    // `finally` runs whatever happened, unless the user
+                    // interrupted the run; each of its steps gets a fresh limit.
+                    if !self.cancel.is_cancelled() {
+                        for (i, step) in l.scenario.finally.iter().enumerate() {
+                            s.set_deadline(Instant::now() + STEP_TIMEOUT);
+                            if let Err(e) = s.step(format!("finally.{}", i + 1), step).await
+                                && failure.is_none()
+                            {
+                                failure = Some(e);
+                            }
                         }
                     }
                     scn = Some(s);
@@ -241,16 +254,13 @@ impl Runner {
         if let Some(f) = &failure {
             report.status = Status::Failed;
             report.message = Some(f.clone());
-            let dir = self.opts.report_dir.join(&l.name);
-            self.dump(
-                &dir,
-                target,
-                scn.as_ref(),
-                f,
-                report.snapshot_diff.as_deref(),
-            )
-            .await;
-            report.dump_dir = Some(dir.display().to_string());
+            if !dumped {
+                self.dump(&dump_dir, target, scn.as_ref(), f).await;
+            }
+            if let Some(d) = &report.snapshot_diff {
+                let _ = std::fs::write(dump_dir.join("snapshot.diff"), d);
+            }
+            report.dump_dir = Some(dump_dir.display().to_string());
             if self.opts.keep {
                 self.live.line(&format!(
                     "kept the testbed of {} up: metadata {}  token {}  work {}; Ctrl-C tears it down",
@@ -277,14 +287,7 @@ impl Runner {
 
     /// Writes what a failure needs into `dir`: component logs, the metadata
     /// server's state, the failing steps' context and the snapshot diff.
-    async fn dump(
-        &self,
-        dir: &Path,
-        target: &dyn Target,
-        scn: Option<&Scn<'_>>,
-        failure: &str,
-        diff: Option<&str>,
-    ) {
+    async fn dump(&self, dir: &Path, target: &dyn Target, scn: Option<&Scn<'_>>, failure: &str) {
         let _ = std::fs::remove_dir_all(dir);
         if let Err(e) = std::fs::create_dir_all(dir) {
             self.live
@@ -296,7 +299,11 @@ impl Runner {
             notes.push(format!("collecting logs: {e}"));
         }
         if let Some(s) = scn {
-            match s.metadata_dump().await {
+            // Bounded: the metadata server may be the thing that is wedged.
+            let state = tokio::time::timeout(DUMP_TIMEOUT, s.metadata_dump())
+                .await
+                .unwrap_or_else(|_| Err("timed out".into()));
+            match state {
                 Ok(v) => {
                     let _ = std::fs::write(
                         dir.join("metadata.json"),
@@ -309,9 +316,6 @@ impl Runner {
             notes.push(context);
         }
         let _ = std::fs::write(dir.join("failure.txt"), notes.join("\n\n"));
-        if let Some(d) = diff {
-            let _ = std::fs::write(dir.join("snapshot.diff"), d);
-        }
     }
 }
 
@@ -390,6 +394,8 @@ struct Scn<'a> {
     records: Mutex<BTreeMap<String, Value>>,
     /// Text about failed steps, for the dump.
     context: Mutex<Vec<String>>,
+    /// No step runs past this (the scenario's timeout; then per `finally` step).
+    deadline: Mutex<Instant>,
 }
 
 /// What one pod's command did.
@@ -501,7 +507,9 @@ impl<'a> Scn<'a> {
         token: String,
         work: &Path,
     ) -> Scn<'a> {
-        let client = Client::new(ClientConfig::new(target.metadata_url(), token.clone())).ok();
+        let mut cfg = ClientConfig::new(target.metadata_url(), token.clone());
+        cfg.timeout = HTTP_TIMEOUT * 6;
+        let client = Client::new(cfg).ok();
         let redactor = Redactor::new(vec![
             (work.display().to_string(), "[work]"),
             (runner.run_id.clone(), "[run]"),
@@ -517,13 +525,26 @@ impl<'a> Scn<'a> {
             digests: Mutex::new(BTreeMap::new()),
             token,
             client,
-            http: reqwest::Client::new(),
+            http: reqwest::Client::builder()
+                .timeout(HTTP_TIMEOUT)
+                .no_proxy()
+                .build()
+                .unwrap_or_default(),
             redactor,
             steps: Mutex::new(Vec::new()),
             outcomes: Mutex::new(Vec::new()),
             records: Mutex::new(BTreeMap::new()),
             context: Mutex::new(Vec::new()),
+            deadline: Mutex::new(Instant::now() + SCENARIO_TIMEOUT),
         }
+    }
+
+    fn deadline(&self) -> Instant {
+        *self.deadline.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_deadline(&self, at: Instant) {
+        *self.deadline.lock().unwrap_or_else(|e| e.into_inner()) = at;
     }
 
     /// Pod instances a name selects (a group or one instance).
@@ -559,7 +580,7 @@ impl<'a> Scn<'a> {
         }
     }
 
-    fn digest_of_set(&self, name: &str) -> Result<Digest, String> {
+    async fn digest_of_set(&self, name: &str) -> Result<Digest, String> {
         if let Some(d) = self.digests.lock().ok().and_then(|m| m.get(name).cloned()) {
             return Ok(d);
         }
@@ -567,7 +588,7 @@ impl<'a> Scn<'a> {
             .data
             .get(name)
             .ok_or_else(|| format!("no data set {name}"))?;
-        let d = data::digest(path).map_err(|e| e.to_string())?;
+        let d = digest_off_runtime(path.clone()).await?;
         if let Ok(mut m) = self.digests.lock() {
             m.insert(name.to_owned(), d.clone());
         }
@@ -579,7 +600,7 @@ impl<'a> Scn<'a> {
         &self,
         pods: &[&PodPlan],
         how: Invocation<'_>,
-        args: impl Fn(&Context) -> Result<Vec<String>, String>,
+        args: impl Fn(&PodPlan, &Context) -> Result<Vec<String>, String>,
         started: Instant,
         index: &str,
     ) -> Vec<PodRun> {
@@ -588,7 +609,7 @@ impl<'a> Scn<'a> {
         let done = std::sync::atomic::AtomicUsize::new(0);
         let runs = pods.iter().map(|p| {
             let ctx = self.ctx.for_pod(&p.name, p.index);
-            let args = args(&ctx);
+            let args = args(p, &ctx);
             let env: Vec<(String, String)> = how
                 .env
                 .iter()
@@ -631,48 +652,52 @@ impl<'a> Scn<'a> {
             let label = self.describe(step);
             self.runner.live.step_start(&index, &label);
             let started = Instant::now();
-            let limit = step.timeout.unwrap_or(STEP_TIMEOUT);
+            // A step's own limit, capped by the scenario's: a step that runs
+            // into the scenario timeout still reports itself.
+            let left = self.deadline().saturating_duration_since(started);
+            let own = step.timeout.unwrap_or(match step.action {
+                Action::Parallel(_) | Action::Sequence(_) => left,
+                _ => STEP_TIMEOUT,
+            });
+            let limit = own.min(left);
             // Groups report their children first, then themselves.
             let mut result = StepResult {
                 index: index.clone(),
                 ..StepResult::default()
             };
-            let r = match &step.action {
-                Action::Parallel(children) => {
-                    let runs = children
-                        .iter()
-                        .enumerate()
-                        .map(|(i, c)| self.step(format!("{index}.{}", i + 1), c));
-                    let errs: Vec<String> = join_all(runs)
-                        .await
-                        .into_iter()
-                        .filter_map(Result::err)
-                        .collect();
-                    if errs.is_empty() {
-                        Ok(())
-                    } else {
-                        Err(errs.join("; "))
-                    }
-                }
-                Action::Sequence(children) => {
-                    let mut r = Ok(());
-                    for (i, c) in children.iter().enumerate() {
-                        if let Err(e) = self.step(format!("{index}.{}", i + 1), c).await {
-                            r = Err(e);
-                            break;
+            let run = async {
+                match &step.action {
+                    Action::Parallel(children) => {
+                        let runs = children
+                            .iter()
+                            .enumerate()
+                            .map(|(i, c)| self.step(format!("{index}.{}", i + 1), c));
+                        let errs: Vec<String> = join_all(runs)
+                            .await
+                            .into_iter()
+                            .filter_map(Result::err)
+                            .collect();
+                        if errs.is_empty() {
+                            Ok(())
+                        } else {
+                            Err(errs.join("; "))
                         }
                     }
-                    r
+                    Action::Sequence(children) => {
+                        for (i, c) in children.iter().enumerate() {
+                            self.step(format!("{index}.{}", i + 1), c).await?;
+                        }
+                        Ok(())
+                    }
+                    _ => self.action(step, started, &mut result).await,
                 }
-                _ => match tokio::time::timeout(limit, self.action(step, started, &mut result))
-                    .await
-                {
-                    Ok(r) => r,
-                    Err(_) => Err(format!(
-                        "timed out after {}",
-                        humantime::format_duration(limit)
-                    )),
-                },
+            };
+            let r = match tokio::time::timeout(limit, run).await {
+                Ok(r) => r,
+                Err(_) => Err(format!(
+                    "timed out after {}",
+                    humantime::format_duration(limit)
+                )),
             };
             let duration = started.elapsed();
             let mut r = r;
@@ -740,7 +765,7 @@ impl<'a> Scn<'a> {
             if let (Some(name), Some(v)) = (&step.record, result.record)
                 && let Ok(mut rec) = self.records.lock()
             {
-                rec.insert(name.clone(), self.redactor.value(&v));
+                rec.insert(name.clone(), v);
             }
             if let Ok(mut s) = self.steps.lock() {
                 s.push(report);
@@ -883,8 +908,7 @@ impl<'a> Scn<'a> {
                         self.data
                             .get(d)
                             .ok_or_else(|| format!("no data set {d}"))?
-                            .display()
-                            .to_string(),
+                            .clone(),
                     ),
                     _ => None,
                 };
@@ -892,9 +916,12 @@ impl<'a> Scn<'a> {
                     .in_pods(
                         &pods,
                         Invocation::kt(p.auth),
-                        |ctx| {
+                        |pod, ctx| {
                             let src = match (&src, &p.src) {
-                                (Some(s), _) => s.clone(),
+                                (Some(host), _) => self
+                                    .target
+                                    .data_path(&pod.name, host)
+                                    .map_err(|e| e.to_string())?,
                                 (None, Some(s)) => ctx.expand(s).map_err(|e| e.to_string())?,
                                 (None, None) => return Err("a put needs data or src".into()),
                             };
@@ -941,7 +968,7 @@ impl<'a> Scn<'a> {
                     .in_pods(
                         &pods,
                         Invocation::kt(g.auth),
-                        |ctx| {
+                        |_, ctx| {
                             Ok(vec![
                                 "get".into(),
                                 ctx.expand(&g.key).map_err(|e| e.to_string())?,
@@ -960,15 +987,14 @@ impl<'a> Scn<'a> {
                 result.record = Some(transfer_record(&sums));
                 if !g.verify.is_empty() && step.expect == Expect::Ok {
                     let t = Instant::now();
-                    let want: Vec<(String, Digest)> = g
-                        .verify
-                        .iter()
-                        .map(|n| self.digest_of_set(n).map(|d| (n.clone(), d)))
-                        .collect::<Result<_, _>>()?;
+                    let mut want: Vec<(String, Digest)> = Vec::new();
+                    for n in &g.verify {
+                        want.push((n.clone(), self.digest_of_set(n).await?));
+                    }
                     for p in &pods {
                         let ctx = self.ctx.for_pod(&p.name, p.index);
                         let path = self.target.pod_dir(&p.name).join(dest(&ctx)?);
-                        self.verify_tree(&p.name, &path, &want)?;
+                        self.verify_tree(&p.name, &path, &want).await?;
                     }
                     result.verify = t.elapsed();
                 }
@@ -981,7 +1007,7 @@ impl<'a> Scn<'a> {
                     .in_pods(
                         &[pod],
                         Invocation::kt(l.auth),
-                        |_| {
+                        |_, _| {
                             Ok(vec![
                                 "ls".into(),
                                 prefix.clone(),
@@ -1010,7 +1036,7 @@ impl<'a> Scn<'a> {
                     .in_pods(
                         &[pod],
                         Invocation::kt(r.auth),
-                        |_| {
+                        |_, _| {
                             let mut a = vec!["rm".into(), key.clone()];
                             if r.recursive {
                                 a.push("-r".into());
@@ -1042,7 +1068,7 @@ impl<'a> Scn<'a> {
                             auth: e.auth,
                             env: &e.env,
                         },
-                        |ctx| {
+                        |_, ctx| {
                             e.args
                                 .iter()
                                 .map(|a| ctx.expand(a).map_err(|e| e.to_string()))
@@ -1122,7 +1148,7 @@ impl<'a> Scn<'a> {
                     listing(&list.entries)
                 };
                 if let Ok(mut rec) = self.records.lock() {
-                    rec.insert(s.name.clone(), self.redactor.value(&v));
+                    rec.insert(s.name.clone(), v);
                 }
                 Ok(())
             }
@@ -1173,8 +1199,15 @@ impl<'a> Scn<'a> {
             .ok_or_else(|| "no client for the metadata server".to_owned())
     }
 
-    fn verify_tree(&self, pod: &str, path: &Path, want: &[(String, Digest)]) -> Result<(), String> {
-        let got = data::digest(path).map_err(|e| format!("{pod}: {e}"))?;
+    async fn verify_tree(
+        &self,
+        pod: &str,
+        path: &Path,
+        want: &[(String, Digest)],
+    ) -> Result<(), String> {
+        let got = digest_off_runtime(path.to_owned())
+            .await
+            .map_err(|e| format!("{pod}: {e}"))?;
         if want.iter().any(|(_, d)| d.hex == got.hex) {
             return Ok(());
         }
@@ -1270,14 +1303,16 @@ impl<'a> Scn<'a> {
             }
         }
         if let Some(f) = &a.files {
-            let want = self.digest_of_set(&f.data)?;
+            let want = self.digest_of_set(&f.data).await?;
             for p in self.select(&f.pod) {
                 let ctx = self.ctx.for_pod(&p.name, p.index);
                 let path = self
                     .target
                     .pod_dir(&p.name)
                     .join(ctx.expand(&f.path).map_err(|e| e.to_string())?);
-                if let Err(e) = self.verify_tree(&p.name, &path, &[(f.data.clone(), want.clone())])
+                if let Err(e) = self
+                    .verify_tree(&p.name, &path, &[(f.data.clone(), want.clone())])
+                    .await
                 {
                     errs.push(e);
                 }
@@ -1333,12 +1368,22 @@ impl<'a> Scn<'a> {
         // Execution order differs inside parallel groups; the snapshot must not.
         outcomes.sort_by_key(|a| index_order(&a.0));
         let records = self.records.lock().map(|r| r.clone()).unwrap_or_default();
-        json!({
+        // Redacted here, in one deterministic pass, so ids are numbered in
+        // the snapshot's order rather than in the order parallel steps ended.
+        self.redactor.value(&json!({
             "scenario": self.loaded.name,
             "steps": outcomes.into_iter().map(|(_, v)| v).collect::<Vec<_>>(),
             "recorded": records,
-        })
+        }))
     }
+}
+
+/// Hashes a tree on a blocking thread, so polls and kills in parallel steps
+/// are not held up by it.
+async fn digest_off_runtime(path: PathBuf) -> Result<Digest, String> {
+    tokio::task::spawn_blocking(move || data::digest(&path).map_err(|e| e.to_string()))
+        .await
+        .map_err(|e| format!("digest task: {e}"))?
 }
 
 /// `3.10` after `3.9`; `finally.1` after every numbered step.

@@ -12,7 +12,7 @@
 //! assertion's panic is caught and becomes the scenario's failure, with a
 //! unified diff for the report.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -26,6 +26,9 @@ use serde_json::Value;
 pub struct Redactor {
     literal: Vec<(String, &'static str)>,
     patterns: Vec<(Regex, &'static str)>,
+    /// Opaque ids in order of first appearance: `[id1]`, `[id2]`, ... so a
+    /// snapshot still shows whether two versions are the same or differ.
+    ids: std::sync::Mutex<BTreeMap<String, usize>>,
 }
 
 /// Object keys whose values are times or durations, whatever they hold.
@@ -55,9 +58,18 @@ impl Redactor {
                 ),
                 (re(r"\blocalhost:\d+\b"), "[addr]"),
                 (re(r"/tmp/[^\s\x22']+"), "[tmp]"),
-                (re(r"\b\d+(\.\d+)?(ms|s)\b"), "[duration]"),
+                // A duration stands alone (after a space, `(` or `=`), so
+                // key and pod names such as `ckpt/30s` are left alone.
+                (re(r"(^|[\s(=])\d+(\.\d+)?(ms|s)\b"), "${1}[duration]"),
             ],
+            ids: std::sync::Mutex::new(BTreeMap::new()),
         }
+    }
+
+    fn id(&self, id: &str) -> String {
+        let mut ids = self.ids.lock().unwrap_or_else(|e| e.into_inner());
+        let next = ids.len() + 1;
+        format!("[id{}]", ids.entry(id.to_owned()).or_insert(next))
     }
 
     pub fn string(&self, s: &str) -> String {
@@ -80,8 +92,9 @@ impl Redactor {
                     .map(|(k, x)| {
                         let red = if TIME_KEYS.contains(&k.as_str()) && !x.is_null() {
                             Value::String("[time]".into())
-                        } else if ID_KEYS.contains(&k.as_str()) && x.is_string() {
-                            Value::String("[id]".into())
+                        } else if let (true, Some(id)) = (ID_KEYS.contains(&k.as_str()), x.as_str())
+                        {
+                            Value::String(self.id(id))
                         } else {
                             self.value(x)
                         };
@@ -199,14 +212,16 @@ impl Snapshots {
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             settings.bind(|| insta::assert_yaml_snapshot!(name, value));
         }));
-        if result.is_ok() {
+        let compared = recording.0.lock().ok().and_then(|mut g| g.take());
+        // A pass needs both: no panic, and no difference seen by the
+        // comparator (INSTA_FORCE_PASS would otherwise hide one).
+        if result.is_ok() && compared.is_none() {
             return Outcome {
                 file,
                 ok: true,
                 diff: None,
             };
         }
-        let compared = recording.0.lock().ok().and_then(|mut g| g.take());
         let diff = match compared {
             Some((old, new)) => similar::TextDiff::from_lines(&old, &new)
                 .unified_diff()
@@ -320,7 +335,7 @@ mod tests {
                 "path": "[work]/pods/a/out",
                 "created_at_ms": "[time]",
                 "expires_at_ms": null,
-                "version": "[id]",
+                "version": "[id1]",
                 "files": 12,
                 "msg": "timed out after [duration] at [addr]",
             })

@@ -13,8 +13,11 @@ pub fn render(r: &RunReport) -> String {
 }
 
 fn write_report(x: &mut String, r: &RunReport) -> fmt::Result {
-    let tests = r.scenarios.len();
-    let failures = r.failed();
+    // Unreferenced snapshots fail the run, so they are a failing test case
+    // too (a CI view must not be green while the run exits 1).
+    let orphans = !r.unreferenced_snapshots.is_empty();
+    let tests = r.scenarios.len() + usize::from(orphans);
+    let failures = r.failed() + usize::from(orphans);
     let skipped = r
         .scenarios
         .iter()
@@ -44,8 +47,17 @@ fn write_report(x: &mut String, r: &RunReport) -> fmt::Result {
     for s in &r.scenarios {
         write_case(x, s)?;
     }
-    if !r.unreferenced_snapshots.is_empty() {
+    if orphans {
         let list = r.unreferenced_snapshots.join("\n");
+        writeln!(
+            x,
+            r#"    <testcase classname="scenarios" name="unreferenced snapshots" time="0"><failure message="{}">{}</failure></testcase>"#,
+            escape_attr(&format!(
+                "{} snapshot file(s) belong to no scenario; remove them or run with --accept",
+                r.unreferenced_snapshots.len()
+            )),
+            escape(&list)
+        )?;
         writeln!(
             x,
             "    <system-out>unreferenced snapshots:\n{}</system-out>",
@@ -271,10 +283,12 @@ pub(crate) mod tests {
         let xml = render(&sample());
         check_xml(&xml).unwrap_or_else(|e| panic!("{e}\n{xml}"));
         assert!(xml.contains(
-            r#"<testsuite name="kt-scenario (local)" tests="3" failures="1" errors="0" skipped="1" time="12.340""#
+            r#"<testsuite name="kt-scenario (local)" tests="4" failures="2" errors="0" skipped="1" time="12.340""#
         ));
-        assert_eq!(xml.matches("<testcase ").count(), 3);
-        assert_eq!(xml.matches("<failure ").count(), 1);
+        // Three scenarios, and the unreferenced snapshots as a failing case.
+        assert_eq!(xml.matches("<testcase ").count(), 4);
+        assert_eq!(xml.matches("<failure ").count(), 2);
+        assert!(xml.contains(r#"name="unreferenced snapshots""#));
         assert_eq!(xml.matches("<skipped ").count(), 1);
         assert!(xml.contains(r#"name="basic" file="scenarios/basic.yaml" time="3.400""#));
         assert!(xml.contains(r#"<skipped message="needs the netns target"/>"#));

@@ -48,8 +48,8 @@ pub struct ScenarioReport {
     pub setup_ms: f64,
     pub pods: usize,
     pub duration_ms: f64,
-    /// Steps in execution order; children of `parallel`/`sequence` follow
-    /// their parent with a dotted index (`3.1`).
+    /// Steps in the order they ended: the children of a `parallel` or
+    /// `sequence` (dotted index, `3.1`) come before the group itself.
     pub steps: Vec<StepReport>,
     /// The snapshot file this scenario asserted on, relative to the repo.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -30,59 +30,77 @@ pub fn pod_ip(i: usize) -> Ipv4Addr {
 }
 
 /// The two servers of a process-based testbed, each with the URL the runner
-/// reaches it at. Behind a lock: kill and restart run while pods exec.
+/// reaches it at. Each behind its own lock: kill and restart run while pods
+/// exec, and restarting one server never waits on the other's start-up (the
+/// store's readiness waits for the metadata server).
 #[derive(Debug, Default)]
 pub struct Servers {
-    pub metadata: Option<(Server, String)>,
-    pub store: Option<(Server, String)>,
+    metadata: tokio::sync::Mutex<Option<(Server, String)>>,
+    store: tokio::sync::Mutex<Option<(Server, String)>>,
 }
 
+type Slot = tokio::sync::Mutex<Option<(Server, String)>>;
+
 impl Servers {
-    pub fn get(&mut self, c: &Component) -> Result<&mut (Server, String), TargetError> {
-        match c {
-            Component::Metadata => self.metadata.as_mut(),
-            Component::Store => self.store.as_mut(),
+    /// Sets up (does not start) the server of `c`.
+    pub fn set(&mut self, c: &Component, server: Server, url: String) -> Result<(), TargetError> {
+        let slot = match c {
+            Component::Metadata => &mut self.metadata,
+            Component::Store => &mut self.store,
             Component::Pod(p) => {
-                return Err(TargetError::Failed(format!(
-                    "pod {p} has no server to restart"
-                )));
+                return Err(TargetError::Failed(format!("pod {p} is not a server")));
             }
+        };
+        *slot.get_mut() = Some((server, url));
+        Ok(())
+    }
+
+    fn slot(&self, c: &Component) -> Result<&Slot, TargetError> {
+        match c {
+            Component::Metadata => Ok(&self.metadata),
+            Component::Store => Ok(&self.store),
+            Component::Pod(p) => Err(TargetError::Failed(format!(
+                "pod {p} has no server to restart"
+            ))),
         }
-        .ok_or_else(|| TargetError::Failed("the testbed is not up".into()))
     }
 
     /// Signals one server and waits for it to exit.
-    pub async fn kill(&mut self, c: &Component, signal: Signal) -> Result<(), TargetError> {
-        self.get(c)?.0.stop(signal, GRACE).await
+    pub async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
+        match self.slot(c)?.lock().await.as_mut() {
+            Some((s, _)) => s.stop(signal, GRACE).await,
+            None => Err(TargetError::Failed("the testbed is not up".into())),
+        }
     }
 
     /// Starts one server again and waits until it is ready.
-    pub async fn start(
-        &mut self,
-        http: &reqwest::Client,
-        c: &Component,
-    ) -> Result<(), TargetError> {
-        let (server, url) = self.get(c)?;
-        server.start()?;
-        server
-            .wait_ready(http, &format!("{url}/readyz"), READY_TIMEOUT)
-            .await
+    pub async fn start(&self, http: &reqwest::Client, c: &Component) -> Result<(), TargetError> {
+        match self.slot(c)?.lock().await.as_mut() {
+            Some((server, url)) => {
+                server.start()?;
+                server
+                    .wait_ready(http, &format!("{url}/readyz"), READY_TIMEOUT)
+                    .await
+            }
+            None => Err(TargetError::Failed("the testbed is not up".into())),
+        }
     }
 
     /// Stops both, the store first (it talks to the metadata server while
     /// stopping).
-    pub async fn stop_all(&mut self) -> Result<(), TargetError> {
-        if let Some((s, _)) = self.store.as_mut() {
-            s.stop(Signal::TERM, GRACE).await?;
-        }
-        if let Some((m, _)) = self.metadata.as_mut() {
-            m.stop(Signal::TERM, GRACE).await?;
+    pub async fn stop_all(&self) -> Result<(), TargetError> {
+        for slot in [&self.store, &self.metadata] {
+            if let Some((s, _)) = slot.lock().await.as_mut() {
+                s.stop(Signal::TERM, GRACE).await?;
+            }
         }
         Ok(())
     }
 
-    pub fn logs(&self) -> impl Iterator<Item = &Server> {
-        self.metadata.iter().chain(self.store.iter()).map(|s| &s.0)
+    /// Copies both logs into `dir`.
+    pub async fn copy_logs(&self, dir: &Path) -> Result<(), TargetError> {
+        let (m, s) = (self.metadata.lock().await, self.store.lock().await);
+        copy_logs(m.iter().chain(s.iter()).map(|x| &x.0), dir)
     }
 }
 
@@ -93,14 +111,23 @@ pub struct Local {
     bin_kt: String,
     metadata_url: String,
     store_url: String,
-    servers: tokio::sync::Mutex<Servers>,
+    servers: Servers,
     pods: HashMap<String, Ipv4Addr>,
     procs: PodProcs,
 }
 
 impl Local {
     pub fn new() -> Local {
-        Local::default()
+        Local {
+            // Bounded requests: a server that accepts but never answers must
+            // not hang a readiness wait past its deadline. Never via a proxy.
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(2))
+                .no_proxy()
+                .build()
+                .unwrap_or_default(),
+            ..Local::default()
+        }
     }
 }
 
@@ -236,15 +263,17 @@ impl Target for Local {
         let logs = plan.work_dir.join("logs");
         self.metadata_url = metadata_url.clone();
         self.store_url = store_url.clone();
-        let servers = self.servers.get_mut();
-        servers.metadata = Some((
+        self.servers.set(
+            &Component::Metadata,
             Server::new("metadata", margv, env.clone(), logs.join("metadata.log")),
             metadata_url,
-        ));
-        servers.store = Some((
+        )?;
+        self.servers.set(
+            &Component::Store,
             Server::new("store", sargv, env, logs.join("store.log")),
             store_url,
-        ));
+        )?;
+        let servers = &self.servers;
         servers.start(&self.http, &Component::Metadata).await?;
         servers.start(&self.http, &Component::Store).await?;
         self.pods = plan
@@ -294,20 +323,20 @@ impl Target for Local {
             self.procs.signal(p, signal);
             return Ok(());
         }
-        self.servers.lock().await.kill(c, signal).await
+        self.servers.kill(c, signal).await
     }
 
     async fn start(&self, c: &Component) -> Result<(), TargetError> {
-        self.servers.lock().await.start(&self.http, c).await
+        self.servers.start(&self.http, c).await
     }
 
     async fn collect_logs(&self, dir: &Path) -> Result<(), TargetError> {
-        copy_logs(self.servers.lock().await.logs(), dir)
+        self.servers.copy_logs(dir).await
     }
 
     async fn down(&mut self) -> Result<(), TargetError> {
         self.procs.signal_all(Signal::KILL);
-        self.servers.get_mut().stop_all().await
+        self.servers.stop_all().await
     }
 }
 

@@ -125,7 +125,7 @@ impl TargetError {
 pub trait Target: Send + Sync {
     fn name(&self) -> &'static str;
 
-    /// Why this target cannot run on this machine (checked once, before any
+    /// Why this target cannot run on this machine (checked before each
     /// scenario), e.g. "netns needs root".
     fn unavailable(&self) -> Option<String>;
 
@@ -140,9 +140,18 @@ pub trait Target: Send + Sync {
     /// `/readyz` and `/metrics`); None for components without one.
     fn component_url(&self, c: &Component) -> Option<String>;
 
-    /// The pod's root directory as the runner sees it: generated data is
-    /// staged below it and what getters wrote is verified there.
+    /// The pod's root directory as the runner sees it: what getters wrote is
+    /// verified there (a container target bind-mounts it into the pod).
     fn pod_dir(&self, pod: &str) -> PathBuf;
+
+    /// The path under which `pod` sees `host`, a generated data set on the
+    /// runner's host (below the plan's work dir). Targets that share the
+    /// host's filesystem (local, netns) return it unchanged; a container
+    /// target bind-mounts the work dir and maps the path.
+    fn data_path(&self, pod: &str, host: &Path) -> Result<String, TargetError> {
+        let _ = pod;
+        Ok(host.display().to_string())
+    }
 
     /// Runs a command inside a pod and waits for it.
     async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError>;

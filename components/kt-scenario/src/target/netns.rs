@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use tokio::process::Command;
 
-use super::local::{Servers, copy_logs, exec_argv, make_pod_dirs, pod_env, server_argvs};
+use super::local::{Servers, exec_argv, make_pod_dirs, pod_env, server_argvs};
 use super::procs::{PodProcs, Server, binary};
 use super::{Component, ExecOutput, ExecRequest, Plan, Target, TargetError};
 use crate::format::Signal;
@@ -695,7 +695,7 @@ pub struct Netns {
     bin_kt: String,
     metadata_url: String,
     store_url: String,
-    servers: tokio::sync::Mutex<Servers>,
+    servers: Servers,
     net: Option<Network>,
     /// Pod name → its namespace and address.
     pods: HashMap<String, (String, Ipv4Addr)>,
@@ -763,8 +763,8 @@ impl Netns {
             .collect();
         let env = vec![("KT_TOKEN".to_owned(), plan.token.clone())];
         let logs = plan.work_dir.join("logs");
-        let servers = self.servers.get_mut();
-        servers.metadata = Some((
+        self.servers.set(
+            &Component::Metadata,
             Server::new(
                 "metadata",
                 in_netns(&net.metadata().netns, margv),
@@ -772,8 +772,9 @@ impl Netns {
                 logs.join("metadata.log"),
             ),
             self.metadata_url.clone(),
-        ));
-        servers.store = Some((
+        )?;
+        self.servers.set(
+            &Component::Store,
             Server::new(
                 "store",
                 in_netns(&net.store().netns, sargv),
@@ -781,10 +782,10 @@ impl Netns {
                 logs.join("store.log"),
             ),
             self.store_url.clone(),
-        ));
+        )?;
         self.net = Some(net);
-        servers.start(&self.http, &Component::Metadata).await?;
-        servers.start(&self.http, &Component::Store).await
+        self.servers.start(&self.http, &Component::Metadata).await?;
+        self.servers.start(&self.http, &Component::Store).await
     }
 }
 
@@ -861,22 +862,22 @@ impl Target for Netns {
             self.procs.signal(p, signal);
             return Ok(());
         }
-        self.servers.lock().await.kill(c, signal).await
+        self.servers.kill(c, signal).await
     }
 
     async fn start(&self, c: &Component) -> Result<(), TargetError> {
-        self.servers.lock().await.start(&self.http, c).await
+        self.servers.start(&self.http, c).await
     }
 
     async fn collect_logs(&self, dir: &Path) -> Result<(), TargetError> {
-        copy_logs(self.servers.lock().await.logs(), dir)
+        self.servers.copy_logs(dir).await
     }
 
     async fn down(&mut self) -> Result<(), TargetError> {
         self.procs.signal_all(Signal::KILL);
         // Servers first (a namespace lives on while a process is in it), but
         // the network goes even when stopping them failed.
-        let stopped = self.servers.get_mut().stop_all().await;
+        let stopped = self.servers.stop_all().await;
         if let Some(id) = self.net.as_ref().map(|n| n.id().to_owned()) {
             blocking(move || remove_run(&id)).await?;
             self.net = None;

@@ -171,8 +171,7 @@ impl PodProcs {
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
+            .process_group(0);
         let started = Instant::now();
         let child = cmd
             .spawn()
@@ -181,13 +180,16 @@ impl PodProcs {
         if let Some(pid) = pid {
             self.lock().entry(pod.to_owned()).or_default().insert(pid);
         }
+        // If this future is dropped (a step timeout, Ctrl-C), the guard kills
+        // the command's whole process group, not only the direct child.
+        let guard = GroupGuard {
+            procs: self,
+            pod,
+            pid,
+        };
         let out = child.wait_with_output().await;
         let duration = started.elapsed();
-        if let Some(pid) = pid
-            && let Some(set) = self.lock().get_mut(pod)
-        {
-            set.remove(&pid);
-        }
+        guard.forget();
         let out = out.map_err(TargetError::io(format!(
             "waiting for a command in pod {pod}"
         )))?;
@@ -217,6 +219,39 @@ impl PodProcs {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, HashSet<u32>>> {
         self.running.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Unregisters a pod command when it ends; kills its process group when the
+/// wait was abandoned.
+struct GroupGuard<'a> {
+    procs: &'a PodProcs,
+    pod: &'a str,
+    pid: Option<u32>,
+}
+
+impl GroupGuard<'_> {
+    /// The command exited: only unregister it.
+    fn forget(mut self) {
+        self.unregister();
+        self.pid = None;
+    }
+
+    fn unregister(&self) {
+        if let Some(pid) = self.pid
+            && let Some(set) = self.procs.lock().get_mut(self.pod)
+        {
+            set.remove(&pid);
+        }
+    }
+}
+
+impl Drop for GroupGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(pid) = self.pid {
+            signal_group(pid, Signal::KILL);
+            self.unregister();
+        }
     }
 }
 
