@@ -118,6 +118,8 @@ mod tests {
     fn survives_reopen() {
         let d = tempfile::tempdir().unwrap();
         let rec = KeyRecord {
+            holder: kt_types::STORE_HOLDER.to_owned(),
+            peers: vec![],
             key: Key::parse("a/b").unwrap(),
             locale: Locale::Store,
             source: "http://s".into(),

@@ -51,6 +51,11 @@ impl Registry {
         KeyRecord {
             locale: reg.locale,
             source: reg.source,
+            holder: reg
+                .holder
+                .unwrap_or_else(|| kt_types::STORE_HOLDER.to_owned()),
+            // A new version: earlier copies no longer match.
+            peers: Vec::new(),
             version: reg.version,
             is_dir: reg.is_dir,
             size: reg.size,
@@ -160,6 +165,7 @@ mod tests {
 
     fn reg(ttl: Option<u64>) -> RegisterKey {
         RegisterKey {
+            holder: None,
             locale: Locale::Store,
             source: "http://store".into(),
             version: "v1".into(),

@@ -122,6 +122,7 @@ fn stage_from_base(
 pub fn registration(s: &Shared, p: &Published) -> RegisterKey {
     let m = &p.meta.manifest;
     RegisterKey {
+        holder: None,
         locale: Locale::Store,
         source: s.url.clone(),
         version: p.version.clone(),

@@ -7,6 +7,17 @@
 //! - `GET  /api/v1/keys/{key}` → [`KeyRecord`]
 //! - `GET  /api/v1/keys?prefix=P` → [`ListResponse`]
 //! - `DELETE /api/v1/keys/{key}?recursive=true` → [`DeleteResponse`]
+//! - `POST /api/v1/keys/{key}/lease` [`LeaseRequest`] → [`SourceLease`]: the
+//!   least-loaded live source, held until released or expired
+//! - `PUT  /api/v1/leases/{id}` — renew; `DELETE /api/v1/leases/{id}` — release
+//! - `POST /api/v1/leases/{id}/failed` [`SourceFailure`] — the source failed this getter
+//! - `GET  /api/v1/leases` → [`LeaseList`] (load per source, for operators and tests)
+//! - `POST /api/v1/agents` [`AgentHeartbeat`] → [`HeartbeatReply`]
+//! - `GET  /api/v1/agents` → [`AgentList`]
+//! - `DELETE /api/v1/services/{name}` → [`TeardownResponse`]
+//!
+//! Node agent (read-only): the read half of the store protocol below
+//! (`/api/v1/trees/{key}`, `/api/v1/reads/...`), for what it exports.
 //!
 //! Store server (the sync protocol):
 //! - `POST /api/v1/puts` (a codec document: [`PutRequest`] + manifest) → [`PutPlan`]
@@ -25,7 +36,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::key::Key;
 use crate::manifest::{Hash, Manifest};
-use crate::model::{KeyRecord, Lifespan, Locale};
+use crate::model::{KeyRecord, Lifespan, Locale, Source};
 
 pub const API_PREFIX: &str = "/api/v1";
 
@@ -52,11 +63,15 @@ pub struct PutOptions {
     pub service: Option<String>,
 }
 
-/// Sent by the store to the metadata server when a version is published.
+/// Sent to the metadata server when a version is published: by the store,
+/// or by a node agent for a `locale=local` put (with `holder` its id).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegisterKey {
     pub locale: Locale,
     pub source: String,
+    /// The agent holding the origin copy; absent for the store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<String>,
     pub version: String,
     pub is_dir: bool,
     pub size: u64,
@@ -229,4 +244,99 @@ pub struct TreeDeleteQuery {
 pub struct ListQuery {
     #[serde(default)]
     pub prefix: String,
+}
+
+/// A getter asks for a source of a key.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRequest {
+    /// Source ids that already failed this getter.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
+    /// The getter's own agent id (never handed itself).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub getter: Option<String>,
+}
+
+/// A source handed to one getter, counted in that source's load until the
+/// lease is released or expires (a crashed getter never leaks a slot).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceLease {
+    pub lease: String,
+    pub source: Source,
+    /// Renew (`PUT /api/v1/leases/{id}`) well within this.
+    pub ttl_ms: u64,
+    pub record: KeyRecord,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SourceFailure {
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseInfo {
+    pub lease: String,
+    pub key: Key,
+    pub source: String,
+    pub expires_in_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseList {
+    pub leases: Vec<LeaseInfo>,
+}
+
+/// What an agent serves: one key's version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Served {
+    pub key: Key,
+    pub version: String,
+}
+
+/// An agent's periodic announcement: who it is and everything it serves.
+/// The metadata server reconciles its peers with it on every beat, so an
+/// agent or metadata restart heals by itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentHeartbeat {
+    /// Unique per pod (the pod's name).
+    pub id: String,
+    pub url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    #[serde(default)]
+    pub serves: Vec<Served>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeartbeatReply {
+    /// Beat at least this often; an agent silent for `ttl_ms` is evicted.
+    pub interval_ms: u64,
+    pub ttl_ms: u64,
+    /// Served keys the agent should drop: deleted, or superseded by a newer
+    /// version.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drop: Vec<Key>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentInfo {
+    pub id: String,
+    pub url: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    pub last_seen_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentList {
+    pub agents: Vec<AgentInfo>,
+}
+
+/// What `DELETE /api/v1/services/{name}` removed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TeardownResponse {
+    /// The service's `resource` keys.
+    pub deleted: Vec<Key>,
+    /// The service's agents, no longer sources.
+    pub evicted: Vec<String>,
 }

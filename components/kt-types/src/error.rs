@@ -17,6 +17,8 @@ pub enum ErrorCode {
     HashMismatch,
     Truncated,
     NoStore,
+    /// A key exists but none of its sources is alive.
+    NoSource,
     Unavailable,
     Internal,
 }
@@ -34,7 +36,7 @@ impl ErrorCode {
             ErrorCode::NotFound => 404,
             ErrorCode::Conflict => 409,
             ErrorCode::PayloadTooLarge => 413,
-            ErrorCode::NoStore | ErrorCode::Unavailable => 503,
+            ErrorCode::NoStore | ErrorCode::NoSource | ErrorCode::Unavailable => 503,
             ErrorCode::Internal => 500,
         }
     }
@@ -51,6 +53,7 @@ impl ErrorCode {
             ErrorCode::HashMismatch => "hash_mismatch",
             ErrorCode::Truncated => "truncated",
             ErrorCode::NoStore => "no_store",
+            ErrorCode::NoSource => "no_source",
             ErrorCode::Unavailable => "unavailable",
             ErrorCode::Internal => "internal",
         }

@@ -4,6 +4,7 @@
 //! vocabulary (keys, manifests, API bodies, error codes, env var names) that
 //! servers and clients agree on, plus pure validation of that vocabulary.
 
+pub mod agent;
 pub mod api;
 pub mod codec;
 pub mod env;
@@ -16,4 +17,4 @@ pub mod model;
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use key::{Key, KeyError, KeyPrefix};
 pub use manifest::{Entry, EntryKind, Hash, Manifest, ManifestError, RootKind};
-pub use model::{BroadcastWindow, KeyRecord, Lifespan, Locale};
+pub use model::{BroadcastWindow, KeyRecord, Lifespan, Locale, STORE_HOLDER, Source};

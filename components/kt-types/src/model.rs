@@ -92,13 +92,39 @@ impl Default for BroadcastWindow {
     }
 }
 
+/// The holder name of data kept by the store.
+pub const STORE_HOLDER: &str = "store";
+
+fn store_holder() -> String {
+    STORE_HOLDER.to_owned()
+}
+
+/// A place the data of one version can be fetched from: the store, the
+/// producer's node agent, or an agent that downloaded it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Source {
+    /// `store`, or the agent's id (its pod name).
+    pub id: String,
+    /// Base URL serving the read protocol.
+    pub url: String,
+    /// The version it holds.
+    pub version: String,
+}
+
 /// What the metadata server knows about one key.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeyRecord {
     pub key: Key,
     pub locale: Locale,
-    /// Base URL of the server holding the data.
+    /// Base URL of the origin: the store, or the producer's node agent.
     pub source: String,
+    /// Who holds the origin copy: `store`, or the producer pod's agent id.
+    #[serde(default = "store_holder")]
+    pub holder: String,
+    /// Agents that downloaded the current version and serve it too (every
+    /// getter becomes a source). Only live agents are listed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<Source>,
     /// Opaque id of the published version.
     pub version: String,
     /// True when the key holds a directory tree, false for a single file.
@@ -137,5 +163,15 @@ mod tests {
         assert_eq!("local".parse::<Locale>().unwrap(), Locale::Local);
         assert!("disk".parse::<Locale>().is_err());
         assert_eq!("resource".parse::<Lifespan>().unwrap(), Lifespan::Resource);
+    }
+
+    #[test]
+    fn records_without_holder_are_store_records() {
+        let json = r#"{"key":"a/b","locale":"store","source":"http://s","version":"v1",
+            "is_dir":true,"size":1,"files":1,"lifespan":"cluster","service":"a",
+            "created_at_ms":1,"updated_at_ms":1}"#;
+        let r: KeyRecord = serde_json::from_str(json).unwrap();
+        assert_eq!(r.holder, STORE_HOLDER);
+        assert!(r.peers.is_empty());
     }
 }

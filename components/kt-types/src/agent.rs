@@ -1,0 +1,122 @@
+//! The node agent's local control protocol, spoken over a Unix socket by the
+//! `kt` client (and, later, by applications registering tensors).
+//!
+//! Framing (version 1): every message is a 4-byte big-endian length followed
+//! by that many bytes of UTF-8 JSON. The client's first message is
+//! [`ControlRequest::Hello`] with the version it speaks; the agent answers
+//! [`ControlReply::Hello`] (or an error when it does not speak it). Then
+//! requests and replies alternate, one reply per request. Any peer that can
+//! write a length and JSON (Python's `struct.pack(">I", n)`) can speak it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::api::PutOptions;
+use crate::error::ErrorCode;
+use crate::key::Key;
+use crate::manifest::Manifest;
+use crate::model::KeyRecord;
+
+/// The protocol version this build speaks.
+pub const CONTROL_VERSION: u32 = 1;
+
+/// Largest control message accepted (a manifest of a big tree fits).
+pub const MAX_CONTROL_MESSAGE: u32 = 256 << 20;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ControlRequest {
+    Hello {
+        version: u32,
+    },
+    /// `kt put --locale local`: serve the file or tree at `path` (absolute)
+    /// under `key`, and register it as the key's origin. Nothing is copied.
+    ExportLocal {
+        key: Key,
+        path: String,
+        #[serde(default)]
+        options: PutOptions,
+    },
+    /// After a `kt get`: serve the downloaded copy at `path` (absolute) of
+    /// `version` of `key` (this manifest's entries, nothing else there).
+    ExportCopy {
+        key: Key,
+        version: String,
+        path: String,
+        manifest: Manifest,
+    },
+    /// What the agent serves.
+    Status,
+}
+
+/// One key an agent serves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportInfo {
+    pub key: Key,
+    pub version: String,
+    pub path: String,
+    /// True for `locale=local` puts (this pod is the key's origin).
+    pub origin: bool,
+    pub files: u64,
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum ControlReply {
+    Hello {
+        version: u32,
+        agent: String,
+        url: String,
+    },
+    /// The export is registered (for a local put: the key's record).
+    Exported {
+        export: ExportInfo,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        record: Option<KeyRecord>,
+    },
+    Status {
+        agent: String,
+        url: String,
+        exports: Vec<ExportInfo>,
+    },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+/// Encodes one frame.
+pub fn encode_frame<T: Serialize>(msg: &T) -> Result<Vec<u8>, serde_json::Error> {
+    let body = serde_json::to_vec(msg)?;
+    let mut out = Vec::with_capacity(4 + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// The length announced by a frame header, checked against the limit.
+pub fn frame_len(header: [u8; 4]) -> Result<usize, String> {
+    let n = u32::from_be_bytes(header);
+    if n > MAX_CONTROL_MESSAGE {
+        return Err(format!(
+            "control message of {n} bytes is over the {MAX_CONTROL_MESSAGE}-byte limit"
+        ));
+    }
+    Ok(n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_carry_tagged_json() {
+        let f = encode_frame(&ControlRequest::Hello { version: 1 }).unwrap();
+        let n = frame_len(f[..4].try_into().unwrap()).unwrap();
+        assert_eq!(n, f.len() - 4);
+        assert_eq!(&f[4..], br#"{"op":"hello","version":1}"#);
+        let back: ControlRequest = serde_json::from_slice(&f[4..]).unwrap();
+        assert_eq!(back, ControlRequest::Hello { version: 1 });
+        assert!(frame_len(u32::MAX.to_be_bytes()).is_err());
+    }
+}
