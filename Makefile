@@ -16,7 +16,7 @@ build:
 	$(CARGO) build --workspace --all-targets
 
 release:
-	$(CARGO) build --release -p kt-metadata -p kt-store -p kt-client -p kt-scenario
+	$(CARGO) build --release -p kt-metadata -p kt-store -p kt-agent -p kt-client -p kt-scenario
 
 ## test: the test command (formatting, lints, every unit and cross-component
 ## test, the runner's own tests, and validation of every scenario file).

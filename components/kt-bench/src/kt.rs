@@ -61,6 +61,8 @@ impl KtCluster {
         let cache_dir = work.join("client-cache");
         let mut cfg = ClientConfig::new(metadata_url, TOKEN);
         cfg.cache_dir = Some(cache_dir.clone());
+        // Transfers only: no node agent takes the copies.
+        cfg.serve_copies = false;
         let client = Client::new(cfg)?;
         let cluster = KtCluster {
             client,

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kt_types::api::{DeleteResponse, ListResponse, StoreLocation};
+use kt_types::api::{DeleteResponse, ListResponse, StoreLocation, TeardownResponse};
 use kt_types::{ErrorBody, ErrorCode, Key, KeyPrefix, KeyRecord};
 use serde::de::DeserializeOwned;
 
@@ -18,6 +18,12 @@ pub struct ClientConfig {
     pub streams: usize,
     /// Where scan caches live (one file per source tree); `None` disables caching.
     pub cache_dir: Option<PathBuf>,
+    /// This pod's node agent control socket.
+    pub agent_socket: PathBuf,
+    /// After a get, have the node agent serve the copy to other getters
+    /// (every getter becomes a source). Needs a running agent; one is
+    /// started on demand inside a pod (`KT_POD_IP` set).
+    pub serve_copies: bool,
     pub timeout: Duration,
 }
 
@@ -28,6 +34,8 @@ impl ClientConfig {
             token: token.into(),
             streams: kt_sync::defaults::STREAMS,
             cache_dir: default_cache_dir(),
+            agent_socket: crate::agent::default_socket(),
+            serve_copies: true,
             timeout: Duration::from_secs(3600),
         }
     }
@@ -180,6 +188,12 @@ impl Client {
             self.http.get(&url).query(&[("prefix", prefix.as_str())]),
         )
         .await
+    }
+
+    /// Deletes a service's `resource` keys and evicts its pods as sources.
+    pub async fn teardown(&self, service: &str) -> Result<TeardownResponse, ClientError> {
+        let url = self.meta(&format!("services/{service}"));
+        self.json(&url, self.http.delete(&url)).await
     }
 
     pub async fn rm(&self, key: &Key, recursive: bool) -> Result<DeleteResponse, ClientError> {

@@ -72,7 +72,8 @@ enum Cmd {
         /// The file or directory to store.
         #[arg(long)]
         src: PathBuf,
-        /// store (copied into the store) or local (stays on this pod; needs the node agent).
+        /// store (copied into the store) or local (stays on this pod, served by
+        /// its node agent, which is started if none runs).
         #[arg(long, default_value = "store")]
         locale: Locale,
         /// cluster (kept until deleted) or resource (deleted with its service).
@@ -93,6 +94,9 @@ enum Cmd {
         /// Destination: a directory for tree keys; a file path or a directory for file keys.
         #[arg(long)]
         dest: PathBuf,
+        /// Do not have this pod's agent serve the copy to other getters.
+        #[arg(long)]
+        no_serve: bool,
         #[arg(short, long, default_value = "text")]
         output: SummaryFormat,
     },
@@ -102,6 +106,9 @@ enum Cmd {
         #[arg(short, long, default_value = "table")]
         output: Output,
     },
+    /// Tear down SERVICE: delete its `resource` keys and stop using its pods
+    /// as sources.
+    Teardown { service: String },
     /// Delete KEY (with -r, everything below it too).
     Rm {
         key: String,
@@ -162,53 +169,43 @@ fn when(ms: u64) -> String {
     humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
+/// Where a key's data lives, for people: `store`, or `local@<pod>`.
+fn location(r: &kt_types::KeyRecord) -> String {
+    match r.locale {
+        Locale::Store => "store".into(),
+        Locale::Local => format!("local@{}", r.holder),
+    }
+}
+
 fn print_table(entries: &[ListEntry], wide: bool) {
-    let mut rows = vec![if wide {
-        vec![
-            "NAME", "TYPE", "LOCALE", "SIZE", "FILES", "UPDATED", "LIFESPAN", "EXPIRES", "SOURCE",
-        ]
-        .into_iter()
-        .map(String::from)
-        .collect::<Vec<_>>()
-    } else {
-        vec!["NAME", "TYPE", "LOCALE", "SIZE", "UPDATED"]
-            .into_iter()
-            .map(String::from)
-            .collect()
-    }];
+    let mut head = vec![
+        "NAME", "TYPE", "LOCALE", "SIZE", "LIFESPAN", "EXPIRES", "UPDATED",
+    ];
+    if wide {
+        head.extend(["FILES", "PEERS", "SOURCE"]);
+    }
+    let mut rows = vec![head.into_iter().map(String::from).collect::<Vec<_>>()];
     for e in entries {
         if let Some(r) = &e.record {
             let mut row = vec![
                 e.name.clone(),
                 if r.is_dir { "dir" } else { "file" }.into(),
-                format!("{:?}", r.locale).to_lowercase(),
+                location(r),
                 human(r.size),
+                format!("{:?}", r.lifespan).to_lowercase(),
+                r.expires_at_ms.map(when).unwrap_or_else(|| "-".into()),
+                when(r.updated_at_ms),
             ];
             if wide {
                 row.push(r.files.to_string());
-            }
-            row.push(when(r.updated_at_ms));
-            if wide {
-                row.push(format!("{:?}", r.lifespan).to_lowercase());
-                row.push(r.expires_at_ms.map(when).unwrap_or_else(|| "-".into()));
+                row.push(r.peers.len().to_string());
                 row.push(r.source.clone());
             }
             rows.push(row);
         }
         if e.has_children {
-            let mut row = vec![
-                format!("{}/", e.name),
-                "prefix".into(),
-                "-".into(),
-                "-".into(),
-            ];
-            if wide {
-                row.push("-".into());
-            }
-            row.push("-".into());
-            if wide {
-                row.extend(["-".into(), "-".into(), "-".into()]);
-            }
+            let mut row = vec![format!("{}/", e.name), "prefix".into()];
+            row.resize(rows[0].len(), "-".into());
             rows.push(row);
         }
     }
@@ -248,17 +245,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             output,
         } => {
             let key = Key::parse(&key)?;
-            if locale == Locale::Local {
-                anyhow::bail!(
-                    "--locale local needs the node agent, which this build does not include yet; use --locale store"
-                );
-            }
             let opts = PutOptions {
                 lifespan,
                 ttl_secs: ttl.map(|d| d.as_secs().max(1)),
                 service,
             };
-            let s = client.put(&key, &src, opts, progress(cli.progress)).await?;
+            let s = match locale {
+                Locale::Store => client.put(&key, &src, opts, progress(cli.progress)).await?,
+                Locale::Local => client.put_local(&key, &src, opts).await?,
+            };
             match output {
                 SummaryFormat::Text => {
                     let verb = if s.unchanged {
@@ -282,8 +277,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 ),
             }
         }
-        Cmd::Get { key, dest, output } => {
+        Cmd::Get {
+            key,
+            dest,
+            no_serve,
+            output,
+        } => {
             let key = Key::parse(&key)?;
+            let client = if no_serve {
+                let mut cfg = client.config().clone();
+                cfg.serve_copies = false;
+                Client::new(cfg)?
+            } else {
+                client
+            };
             let s = client.get(&key, &dest, progress(cli.progress)).await?;
             match output {
                 SummaryFormat::Text => println!(
@@ -315,6 +322,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 Output::Yaml => print!("{}", serde_yaml_ng::to_string(&list.entries)?),
             }
         }
+        Cmd::Teardown { service } => {
+            let r = client.teardown(&service).await?;
+            for k in &r.deleted {
+                println!("deleted {k}");
+            }
+            for a in &r.evicted {
+                println!("evicted {a}");
+            }
+            if r.deleted.is_empty() && r.evicted.is_empty() {
+                println!("nothing to tear down for service {service}");
+            }
+        }
         Cmd::Rm { key, recursive } => {
             let key = Key::parse(&key)?;
             let r = client.rm(&key, recursive).await?;
@@ -340,7 +359,7 @@ fn exit_code(e: &anyhow::Error) -> u8 {
         ) => 2,
         Some(ErrorCode::NotFound) => 3,
         Some(ErrorCode::Unauthorized) => 4,
-        Some(ErrorCode::NoStore | ErrorCode::Unavailable) => 5,
+        Some(ErrorCode::NoStore | ErrorCode::NoSource | ErrorCode::Unavailable) => 5,
         _ => 1,
     }
 }

@@ -26,6 +26,32 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// True when the failure lies with the source a get was fetching from
+    /// (unreachable, gone, corrupt, or lost the key), so another source may
+    /// succeed; false for local problems and for bad requests.
+    pub fn is_source_failure(&self) -> bool {
+        match self {
+            ClientError::Http { .. } => true,
+            ClientError::Api { status, code, .. } => *status >= 500 || *code == ErrorCode::NotFound,
+            ClientError::Manifest(_) => true,
+            ClientError::Sync(e) => !matches!(
+                e,
+                kt_sync::SyncError::Io { .. }
+                    | kt_sync::SyncError::NotFound { .. }
+                    | kt_sync::SyncError::NonUtf8 { .. }
+            ),
+            ClientError::Key(_) | ClientError::Local(_) => false,
+        }
+    }
+
+    /// The server's message, for API errors.
+    pub fn message(&self) -> Option<&str> {
+        match self {
+            ClientError::Api { message, .. } => Some(message),
+            _ => None,
+        }
+    }
+
     /// The API error code, when the server gave one.
     pub fn code(&self) -> Option<ErrorCode> {
         match self {

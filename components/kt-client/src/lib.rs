@@ -3,6 +3,7 @@
 //! Invariant: the client depends on the wire types and the sync engine only,
 //! never on a server crate.
 
+pub mod agent;
 pub mod api;
 pub mod error;
 pub mod progress;

@@ -13,14 +13,16 @@ use kt_sync::chunk::{ChunkAssembly, chunk_count, chunk_cv, chunk_range};
 use kt_sync::scan::source_path;
 use kt_sync::scan::{Kept, scan_keeping};
 use kt_sync::{ScanCache, SyncError, diff};
+use kt_types::agent::{ControlReply, ControlRequest};
 use kt_types::api::{
-    BatchAck, BatchRequest, CommitResponse, PutOptions, PutPlan, PutRequest, ReadManifest,
-    TransferStats,
+    BatchAck, BatchRequest, CommitResponse, LeaseRequest, PutOptions, PutPlan, PutRequest,
+    ReadManifest, SourceLease, TransferStats,
 };
 use kt_types::codec;
 use kt_types::manifest::ManifestLimits;
 use kt_types::{Entry, EntryKind, Key, KeyRecord, Manifest, RootKind};
 
+use crate::agent::AgentConn;
 use crate::api::Client;
 use crate::error::ClientError;
 use crate::progress::Progress;
@@ -325,25 +327,200 @@ impl Client {
         progress: Progress,
     ) -> Result<GetSummary, ClientError> {
         let started = Instant::now();
-        let record = self.stat(key).await?;
-        let source = record.source.trim_end_matches('/').to_owned();
+        // This pod's agent (to learn our own id, and to serve the copy).
+        let mut agent = if self.cfg.serve_copies {
+            self.agent_for_copies().await?
+        } else {
+            None
+        };
+        let getter = agent.as_ref().map(|a| a.id.clone());
+        let mut exclude: Vec<String> = Vec::new();
+        let mut last: Option<(String, ClientError)> = None;
+        loop {
+            let lease = match self.lease(key, &exclude, getter.clone()).await {
+                Ok(l) => l,
+                // Every source failed us: say what the last one did.
+                Err(e) if e.code() == Some(kt_types::ErrorCode::NoSource) && last.is_some() => {
+                    let (id, err) = last
+                        .take()
+                        .map(|(i, e)| (i, e.to_string()))
+                        .unwrap_or_default();
+                    return Err(ClientError::Api {
+                        status: 503,
+                        code: kt_types::ErrorCode::NoSource,
+                        message: format!(
+                            "every source of {key} failed (the last, {id}: {err}); {}",
+                            e.message().unwrap_or_default()
+                        ),
+                    });
+                }
+                Err(e) => return Err(e),
+            };
+            let renewal = self.keep_lease(&lease);
+            let result = self
+                .get_from(&lease.source.url, key, dest, progress.clone())
+                .await;
+            renewal.abort();
+            let lease_url = self.meta(&format!("leases/{}", lease.lease));
+            match result {
+                Ok((stats, final_dest, read)) => {
+                    let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
+                    progress.finish();
+                    if let Some(a) = agent.as_mut() {
+                        self.serve_copy(a, key, &read, &final_dest).await;
+                    }
+                    return Ok(GetSummary {
+                        stats,
+                        files: read.manifest.file_count(),
+                        dest: final_dest,
+                        duration: started.elapsed(),
+                    });
+                }
+                Err(e) if e.is_source_failure() => {
+                    tracing::warn!(%key, source = %lease.source.id, error = %e, "source failed; trying another");
+                    let url = format!("{lease_url}/failed");
+                    let body = kt_types::api::SourceFailure {
+                        reason: e.to_string(),
+                    };
+                    let _ = self.send(&url, self.http.post(&url).json(&body)).await;
+                    exclude.push(lease.source.id.clone());
+                    last = Some((lease.source.id, e));
+                }
+                Err(e) => {
+                    let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
+                    progress.finish();
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    /// A lease on the least-loaded live source of `key`.
+    async fn lease(
+        &self,
+        key: &Key,
+        exclude: &[String],
+        getter: Option<String>,
+    ) -> Result<SourceLease, ClientError> {
+        let url = self.meta(&format!("keys/{key}/lease"));
+        let req = LeaseRequest {
+            exclude: exclude.to_vec(),
+            getter,
+        };
+        self.json(&url, self.http.post(&url).json(&req)).await
+    }
+
+    /// Renews `lease` in the background until aborted.
+    fn keep_lease(&self, lease: &SourceLease) -> tokio::task::JoinHandle<()> {
+        let client = self.clone();
+        let url = self.meta(&format!("leases/{}", lease.lease));
+        let every = Duration::from_millis((lease.ttl_ms / 3).max(100));
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if let Err(e) = client.send(&url, client.http.put(&url)).await {
+                    tracing::warn!(error = %e, "renewing a source lease");
+                }
+            }
+        })
+    }
+
+    /// This pod's agent for serving copies: the running one, or (inside a
+    /// pod) one started on demand. Outside pods without an agent: none.
+    async fn agent_for_copies(&self) -> Result<Option<AgentConn>, ClientError> {
+        if let Some(a) = AgentConn::connect(&self.cfg.agent_socket).await? {
+            return Ok(Some(a));
+        }
+        if std::env::var_os("KT_POD_IP").is_some() {
+            return AgentConn::connect_or_start(
+                &self.cfg.agent_socket,
+                &self.cfg.metadata_url,
+                &self.cfg.token,
+            )
+            .await
+            .map(Some);
+        }
+        Ok(None)
+    }
+
+    /// Tells the agent to serve what a get wrote. A failure here never fails
+    /// the get: the copy is there, it just is not shared.
+    async fn serve_copy(&self, agent: &mut AgentConn, key: &Key, read: &ReadManifest, dest: &Path) {
+        let path = std::path::absolute(dest).unwrap_or_else(|_| dest.to_owned());
+        let req = ControlRequest::ExportCopy {
+            key: key.clone(),
+            version: read.version.clone(),
+            path: path.display().to_string(),
+            manifest: read.manifest.clone(),
+        };
+        if let Err(e) = agent.request(&req).await {
+            tracing::warn!(%key, error = %e, "the node agent did not take the copy; it is not shared");
+        }
+    }
+
+    /// `kt put --locale local`: the node agent serves `src` where it is and
+    /// registers this pod as the key's origin. Nothing is copied.
+    pub async fn put_local(
+        &self,
+        key: &Key,
+        src: &Path,
+        options: PutOptions,
+    ) -> Result<PutSummary, ClientError> {
+        let started = Instant::now();
+        let path = std::path::absolute(src)
+            .map_err(|e| ClientError::Local(format!("{}: {e}", src.display())))?;
+        if !path.exists() {
+            return Err(ClientError::Sync(SyncError::NotFound { path }));
+        }
+        let mut agent = AgentConn::connect_or_start(
+            &self.cfg.agent_socket,
+            &self.cfg.metadata_url,
+            &self.cfg.token,
+        )
+        .await?;
+        let reply = agent
+            .request(&ControlRequest::ExportLocal {
+                key: key.clone(),
+                path: path.display().to_string(),
+                options,
+            })
+            .await?;
+        let ControlReply::Exported { export, record } = reply else {
+            return Err(ClientError::Local(format!(
+                "unexpected reply from the node agent: {reply:?}"
+            )));
+        };
+        Ok(PutSummary {
+            record: record.map(|r| *r),
+            stats: TransferStats {
+                files_sent: 0,
+                bytes_sent: 0,
+                bytes_skipped: export.size,
+            },
+            files: export.files,
+            unchanged: false,
+            duration: started.elapsed(),
+        })
+    }
+
+    /// One attempt at one source: manifest, transfer, release of the read.
+    async fn get_from(
+        &self,
+        source: &str,
+        key: &Key,
+        dest: &Path,
+        progress: Progress,
+    ) -> Result<(TransferStats, PathBuf, ReadManifest), ClientError> {
+        let source = source.trim_end_matches('/');
         let url = format!("{source}/api/v1/trees/{key}");
         let body = self.bytes(&url, self.http.get(&url)).await?;
         let read = ReadManifest::from_document(&body)
             .map_err(|e| ClientError::Local(format!("{url}: invalid manifest document: {e}")))?;
         let lease_url = format!("{source}/api/v1/reads/{}", read.lease);
-        let result = self
-            .download(&lease_url, &read, dest, progress.clone())
-            .await;
-        progress.finish();
+        let result = self.download(&lease_url, &read, dest, progress).await;
         let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
         let (stats, dest) = result?;
-        Ok(GetSummary {
-            stats,
-            files: read.manifest.file_count(),
-            dest,
-            duration: started.elapsed(),
-        })
+        Ok((stats, dest, read))
     }
 
     async fn download(

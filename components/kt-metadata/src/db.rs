@@ -2,11 +2,14 @@
 
 use std::path::Path;
 
+use kt_types::api::AgentInfo;
 use kt_types::{Key, KeyRecord};
 use redb::{Database, ReadableTable, TableDefinition};
 
 const KEYS: TableDefinition<&str, &[u8]> = TableDefinition::new("keys");
 const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
+/// Node agents by id (JSON [`AgentInfo`]; `last_seen_ms` is not meaningful after a restart).
+const AGENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("agents");
 const STORE_URL: &str = "store_url";
 
 #[derive(Debug, thiserror::Error)]
@@ -40,7 +43,26 @@ pub struct Db {
 #[derive(Debug, Default)]
 pub struct Loaded {
     pub records: Vec<KeyRecord>,
+    pub agents: Vec<AgentInfo>,
     pub store_url: Option<String>,
+}
+
+/// Mutations committed together, in one transaction.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Batch {
+    pub put_records: Vec<KeyRecord>,
+    pub remove_keys: Vec<Key>,
+    pub put_agents: Vec<AgentInfo>,
+    pub remove_agents: Vec<String>,
+}
+
+impl Batch {
+    pub fn is_empty(&self) -> bool {
+        self.put_records.is_empty()
+            && self.remove_keys.is_empty()
+            && self.put_agents.is_empty()
+            && self.remove_agents.is_empty()
+    }
 }
 
 impl Db {
@@ -53,6 +75,7 @@ impl Db {
         let tx = db.begin_write().map_err(redb_err)?;
         tx.open_table(KEYS).map_err(redb_err)?;
         tx.open_table(META).map_err(redb_err)?;
+        tx.open_table(AGENTS).map_err(redb_err)?;
         tx.commit().map_err(redb_err)?;
         let this = Db { db };
         let loaded = this.load()?;
@@ -61,42 +84,62 @@ impl Db {
 
     fn load(&self) -> Result<Loaded, DbError> {
         let tx = self.db.begin_read().map_err(redb_err)?;
-        let keys = tx.open_table(KEYS).map_err(redb_err)?;
-        let mut records = Vec::new();
-        for row in keys.iter().map_err(redb_err)? {
-            let (k, v) = row.map_err(redb_err)?;
-            let rec: KeyRecord =
-                serde_json::from_slice(v.value()).map_err(|source| DbError::Corrupt {
-                    key: k.value().to_owned(),
-                    source,
-                })?;
-            records.push(rec);
-        }
+        let records = read_json(&tx.open_table(KEYS).map_err(redb_err)?)?;
+        let agents = read_json(&tx.open_table(AGENTS).map_err(redb_err)?)?;
         let meta = tx.open_table(META).map_err(redb_err)?;
         let store_url = meta
             .get(STORE_URL)
             .map_err(redb_err)?
             .map(|v| v.value().to_owned());
-        Ok(Loaded { records, store_url })
+        Ok(Loaded {
+            records,
+            agents,
+            store_url,
+        })
+    }
+
+    /// Commits `batch` (nothing when it is empty).
+    pub fn write(&self, batch: &Batch) -> Result<(), DbError> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let tx = self.db.begin_write().map_err(redb_err)?;
+        {
+            let mut keys = tx.open_table(KEYS).map_err(redb_err)?;
+            for r in &batch.put_records {
+                let bytes = serde_json::to_vec(r).map_err(redb_err)?;
+                keys.insert(r.key.as_str(), bytes.as_slice())
+                    .map_err(redb_err)?;
+            }
+            for k in &batch.remove_keys {
+                keys.remove(k.as_str()).map_err(redb_err)?;
+            }
+            let mut agents = tx.open_table(AGENTS).map_err(redb_err)?;
+            for a in &batch.put_agents {
+                let bytes = serde_json::to_vec(a).map_err(redb_err)?;
+                agents
+                    .insert(a.id.as_str(), bytes.as_slice())
+                    .map_err(redb_err)?;
+            }
+            for id in &batch.remove_agents {
+                agents.remove(id.as_str()).map_err(redb_err)?;
+            }
+        }
+        tx.commit().map_err(redb_err)
     }
 
     pub fn put_record(&self, r: &KeyRecord) -> Result<(), DbError> {
-        let bytes = serde_json::to_vec(r).map_err(redb_err)?;
-        let tx = self.db.begin_write().map_err(redb_err)?;
-        tx.open_table(KEYS)
-            .map_err(redb_err)?
-            .insert(r.key.as_str(), bytes.as_slice())
-            .map_err(redb_err)?;
-        tx.commit().map_err(redb_err)
+        self.write(&Batch {
+            put_records: vec![r.clone()],
+            ..Batch::default()
+        })
     }
 
     pub fn remove_record(&self, key: &Key) -> Result<(), DbError> {
-        let tx = self.db.begin_write().map_err(redb_err)?;
-        tx.open_table(KEYS)
-            .map_err(redb_err)?
-            .remove(key.as_str())
-            .map_err(redb_err)?;
-        tx.commit().map_err(redb_err)
+        self.write(&Batch {
+            remove_keys: vec![key.clone()],
+            ..Batch::default()
+        })
     }
 
     pub fn set_store_url(&self, url: &str) -> Result<(), DbError> {
@@ -107,6 +150,22 @@ impl Db {
             .map_err(redb_err)?;
         tx.commit().map_err(redb_err)
     }
+}
+
+/// Every row of a table of JSON values.
+fn read_json<T: serde::de::DeserializeOwned>(
+    table: &redb::ReadOnlyTable<&str, &[u8]>,
+) -> Result<Vec<T>, DbError> {
+    let mut out = Vec::new();
+    for row in table.iter().map_err(redb_err)? {
+        let (k, v) = row.map_err(redb_err)?;
+        let value = serde_json::from_slice(v.value()).map_err(|source| DbError::Corrupt {
+            key: k.value().to_owned(),
+            source,
+        })?;
+        out.push(value);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -133,17 +192,46 @@ mod tests {
             created_at_ms: 1,
             updated_at_ms: 2,
         };
+        let agent = |id: &str| AgentInfo {
+            id: id.into(),
+            url: format!("http://{id}"),
+            service: Some("a".into()),
+            last_seen_ms: 7,
+        };
+        let mut local = rec.clone();
+        local.key = Key::parse("a/local").unwrap();
+        local.locale = Locale::Local;
+        local.holder = "p1".into();
+        local.peers = vec![kt_types::Source {
+            id: "p2".into(),
+            url: "http://p2".into(),
+            version: "v".into(),
+        }];
         {
             let (db, loaded) = Db::open(d.path()).unwrap();
-            assert!(loaded.records.is_empty());
+            assert!(loaded.records.is_empty() && loaded.agents.is_empty());
             db.put_record(&rec).unwrap();
             db.set_store_url("http://s").unwrap();
+            db.write(&Batch {
+                put_records: vec![local.clone()],
+                put_agents: vec![agent("p1"), agent("p2")],
+                ..Batch::default()
+            })
+            .unwrap();
         }
         let (db, loaded) = Db::open(d.path()).unwrap();
-        assert_eq!(loaded.records, vec![rec.clone()]);
+        assert_eq!(loaded.records, vec![rec.clone(), local.clone()]);
+        assert_eq!(loaded.agents, vec![agent("p1"), agent("p2")]);
         assert_eq!(loaded.store_url.as_deref(), Some("http://s"));
         db.remove_record(&rec.key).unwrap();
+        db.write(&Batch {
+            remove_agents: vec!["p2".into()],
+            ..Batch::default()
+        })
+        .unwrap();
         drop(db);
-        assert!(Db::open(d.path()).unwrap().1.records.is_empty());
+        let loaded = Db::open(d.path()).unwrap().1;
+        assert_eq!(loaded.records, vec![local]);
+        assert_eq!(loaded.agents, vec![agent("p1")]);
     }
 }

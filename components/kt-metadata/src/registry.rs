@@ -1,20 +1,112 @@
-//! The key registry as a plain state machine: no I/O, no clock (callers pass `now`).
+//! The registry as a plain state machine: keys, the node agents that serve
+//! them, and which agents are peers of which keys. No I/O, no clock (callers
+//! pass `now`).
+//!
+//! A key has one origin (its `holder`: the store, or the producer pod's agent)
+//! and any number of peers (agents that downloaded its current version).
+//! An agent is live while its last heartbeat is younger than the agent TTL;
+//! only live agents are offered as sources, and stale ones are evicted by
+//! [`Registry::evict_stale`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use kt_types::api::{ListEntry, RegisterKey};
-use kt_types::{Key, KeyPrefix, KeyRecord};
+use kt_types::api::{AgentHeartbeat, AgentInfo, LeaseRequest, ListEntry, RegisterKey};
+use kt_types::{Key, KeyPrefix, KeyRecord, Lifespan, STORE_HOLDER, Source};
 
-#[derive(Debug, Default, Clone)]
+use crate::leases::Candidate;
+
+/// How long an agent stays live after a heartbeat, unless configured.
+pub const DEFAULT_AGENT_TTL_MS: u64 = 10_000;
+
+/// Why no source can be offered for a key.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceError {
+    #[error("key {0} not found")]
+    UnknownKey(Key),
+    #[error("key {key} has no live source: {reason}")]
+    NoSource { key: Key, reason: String },
+}
+
+#[derive(Debug, Clone)]
+struct Agent {
+    info: AgentInfo,
+    /// Keys whose `peers` name this agent, kept in step with the records.
+    peer_of: BTreeSet<Key>,
+}
+
+/// What a heartbeat changed.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Beat {
+    /// Served keys without a live record, or whose current version is another.
+    pub drop: Vec<Key>,
+    /// Records whose peers or origin URL changed (to persist).
+    pub changed: Vec<KeyRecord>,
+    /// The agent's entry when it is new or its URL or service changed (to persist).
+    pub agent: Option<AgentInfo>,
+}
+
+/// What an eviction changed.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Eviction {
+    /// Agents removed, by id.
+    pub agents: Vec<String>,
+    /// Records that lost a peer (to persist).
+    pub changed: Vec<KeyRecord>,
+}
+
+/// The sources of one key that a getter may be handed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sources {
+    pub record: KeyRecord,
+    pub candidates: Vec<Candidate>,
+}
+
+#[derive(Debug, Clone)]
 pub struct Registry {
     keys: BTreeMap<Key, KeyRecord>,
+    agents: BTreeMap<String, Agent>,
+    agent_ttl_ms: u64,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self::new(DEFAULT_AGENT_TTL_MS)
+    }
 }
 
 impl Registry {
-    pub fn from_records(records: impl IntoIterator<Item = KeyRecord>) -> Self {
+    pub fn new(agent_ttl_ms: u64) -> Self {
         Registry {
-            keys: records.into_iter().map(|r| (r.key.clone(), r)).collect(),
+            keys: BTreeMap::new(),
+            agents: BTreeMap::new(),
+            agent_ttl_ms,
         }
+    }
+
+    /// Rebuilds the registry from what the database held. Every agent is
+    /// treated as seen at `now_ms` (a full TTL to beat again); peers naming an
+    /// agent the database does not hold are dropped.
+    pub fn restore(
+        agent_ttl_ms: u64,
+        records: impl IntoIterator<Item = KeyRecord>,
+        agents: impl IntoIterator<Item = AgentInfo>,
+        now_ms: u64,
+    ) -> Self {
+        let mut r = Self::new(agent_ttl_ms);
+        for mut info in agents {
+            info.last_seen_ms = now_ms;
+            r.agents.insert(
+                info.id.clone(),
+                Agent {
+                    info,
+                    peer_of: BTreeSet::new(),
+                },
+            );
+        }
+        for record in records {
+            r.insert(record);
+        }
+        r
     }
 
     pub fn len(&self) -> usize {
@@ -32,30 +124,57 @@ impl Registry {
         record
     }
 
-    pub fn insert(&mut self, record: KeyRecord) {
+    /// Stores `record` as is, but for its peers: only known agents other than
+    /// the holder, once each.
+    pub fn insert(&mut self, mut record: KeyRecord) {
+        self.retain_valid_peers(&mut record);
+        if let Some(old) = self.keys.remove(&record.key) {
+            self.unindex(&old);
+        }
+        for p in &record.peers {
+            if let Some(a) = self.agents.get_mut(&p.id) {
+                a.peer_of.insert(record.key.clone());
+            }
+        }
         self.keys.insert(record.key.clone(), record);
     }
 
-    /// The record a registration would produce, without applying it.
+    fn retain_valid_peers(&self, record: &mut KeyRecord) {
+        let mut seen = BTreeSet::new();
+        let holder = &record.holder;
+        record.peers.retain(|p| {
+            &p.id != holder && self.agents.contains_key(&p.id) && seen.insert(p.id.clone())
+        });
+    }
+
+    fn unindex(&mut self, r: &KeyRecord) {
+        for p in &r.peers {
+            if let Some(a) = self.agents.get_mut(&p.id) {
+                a.peer_of.remove(&r.key);
+            }
+        }
+    }
+
+    /// The record a registration would produce, without applying it. A new
+    /// version starts without peers (their copies no longer match); the same
+    /// version registered again keeps them.
     pub fn record_for(&self, key: Key, reg: RegisterKey, now_ms: u64) -> KeyRecord {
-        let created_at_ms = self
-            .keys
-            .get(&key)
-            .map(|r| r.created_at_ms)
-            .unwrap_or(now_ms);
+        let existing = self.keys.get(&key);
+        let created_at_ms = existing.map(|r| r.created_at_ms).unwrap_or(now_ms);
+        let peers = existing
+            .filter(|r| r.version == reg.version)
+            .map(|r| r.peers.clone())
+            .unwrap_or_default();
         let service = reg
             .options
             .service
             .clone()
             .unwrap_or_else(|| key.service().to_owned());
-        KeyRecord {
+        let mut record = KeyRecord {
             locale: reg.locale,
             source: reg.source,
-            holder: reg
-                .holder
-                .unwrap_or_else(|| kt_types::STORE_HOLDER.to_owned()),
-            // A new version: earlier copies no longer match.
-            peers: Vec::new(),
+            holder: reg.holder.unwrap_or_else(|| STORE_HOLDER.to_owned()),
+            peers,
             version: reg.version,
             is_dir: reg.is_dir,
             size: reg.size,
@@ -69,7 +188,9 @@ impl Registry {
             created_at_ms,
             updated_at_ms: now_ms,
             key,
-        }
+        };
+        self.retain_valid_peers(&mut record);
+        record
     }
 
     /// A live (unexpired) record.
@@ -83,7 +204,9 @@ impl Registry {
     }
 
     pub fn remove(&mut self, key: &Key) -> Option<KeyRecord> {
-        self.keys.remove(key)
+        let r = self.keys.remove(key)?;
+        self.unindex(&r);
+        Some(r)
     }
 
     /// Live keys equal to or below `prefix`.
@@ -153,6 +276,298 @@ impl Registry {
     }
 }
 
+/// Agents, peers and sources.
+impl Registry {
+    /// True while agent `id` has beaten (or registered a key) within the agent TTL.
+    pub fn is_live(&self, id: &str, now_ms: u64) -> bool {
+        self.live_agent(id, now_ms).is_some()
+    }
+
+    fn live_agent(&self, id: &str, now_ms: u64) -> Option<&AgentInfo> {
+        self.agents
+            .get(id)
+            .map(|a| &a.info)
+            .filter(|a| now_ms.saturating_sub(a.last_seen_ms) < self.agent_ttl_ms)
+    }
+
+    /// Live agents, by id.
+    pub fn agents(&self, now_ms: u64) -> Vec<AgentInfo> {
+        self.agents
+            .keys()
+            .filter_map(|id| self.live_agent(id, now_ms))
+            .cloned()
+            .collect()
+    }
+
+    /// Records that agent `id` is alive at `url` now; `service` replaces the
+    /// known one when given. Returns the entry when it is new or its URL or
+    /// service changed (what is persisted; `last_seen_ms` is not).
+    pub fn touch_agent(
+        &mut self,
+        id: &str,
+        url: &str,
+        service: Option<&str>,
+        now_ms: u64,
+    ) -> Option<AgentInfo> {
+        let Some(agent) = self.agents.get_mut(id) else {
+            let info = AgentInfo {
+                id: id.to_owned(),
+                url: url.to_owned(),
+                service: service.map(str::to_owned),
+                last_seen_ms: now_ms,
+            };
+            let agent = Agent {
+                info: info.clone(),
+                peer_of: BTreeSet::new(),
+            };
+            self.agents.insert(id.to_owned(), agent);
+            return Some(info);
+        };
+        let info = &mut agent.info;
+        info.last_seen_ms = info.last_seen_ms.max(now_ms);
+        let mut changed = false;
+        if info.url != url {
+            info.url = url.to_owned();
+            changed = true;
+        }
+        if let Some(s) = service
+            && info.service.as_deref() != Some(s)
+        {
+            info.service = Some(s.to_owned());
+            changed = true;
+        }
+        changed.then(|| info.clone())
+    }
+
+    /// Reconciles what an agent serves with the records: it becomes (or stays)
+    /// a peer of every listed key whose current version it serves (unless it
+    /// is that key's origin), stops being a peer of keys it no longer lists,
+    /// and is told to drop listed keys that are gone or at another version.
+    pub fn heartbeat(&mut self, hb: AgentHeartbeat, now_ms: u64) -> Beat {
+        let agent = self.touch_agent(&hb.id, &hb.url, hb.service.as_deref(), now_ms);
+        let mut drop = BTreeSet::new();
+        let mut listed = BTreeSet::new();
+        let mut changed = BTreeSet::new();
+        for served in hb.serves {
+            let Some(r) = self
+                .keys
+                .get_mut(&served.key)
+                .filter(|r| !is_expired(r, now_ms) && r.version == served.version)
+            else {
+                drop.insert(served.key);
+                continue;
+            };
+            if r.holder == hb.id {
+                // The origin: nothing to add, but follow it if its URL moved.
+                if r.source != hb.url {
+                    r.source.clone_from(&hb.url);
+                    changed.insert(served.key);
+                }
+                continue;
+            }
+            let peer = Source {
+                id: hb.id.clone(),
+                url: hb.url.clone(),
+                version: served.version,
+            };
+            match r.peers.iter_mut().find(|p| p.id == hb.id) {
+                Some(p) if *p == peer => {}
+                Some(p) => {
+                    *p = peer;
+                    changed.insert(served.key.clone());
+                }
+                None => {
+                    // Sorted by id: listings and snapshots do not depend on
+                    // the order agents beat in.
+                    let at = r.peers.partition_point(|p| p.id < peer.id);
+                    r.peers.insert(at, peer);
+                    changed.insert(served.key.clone());
+                }
+            }
+            listed.insert(served.key);
+        }
+        let was = match self.agents.get_mut(&hb.id) {
+            Some(a) => std::mem::replace(&mut a.peer_of, listed.clone()),
+            None => BTreeSet::new(),
+        };
+        for key in was.difference(&listed) {
+            if let Some(r) = self.keys.get_mut(key) {
+                r.peers.retain(|p| p.id != hb.id);
+                changed.insert(key.clone());
+            }
+        }
+        Beat {
+            drop: drop.into_iter().collect(),
+            changed: self.records(changed),
+            agent,
+        }
+    }
+
+    fn records(&self, keys: BTreeSet<Key>) -> Vec<KeyRecord> {
+        keys.into_iter()
+            .filter_map(|k| self.keys.get(&k).cloned())
+            .collect()
+    }
+
+    /// Removes agents (and them as peers of every key). Keys they hold as
+    /// origin keep their records, without a live origin.
+    pub fn evict(&mut self, ids: &[String]) -> Eviction {
+        let mut agents = Vec::new();
+        let mut changed = BTreeSet::new();
+        for id in ids {
+            let Some(a) = self.agents.remove(id) else {
+                continue;
+            };
+            for key in a.peer_of {
+                if let Some(r) = self.keys.get_mut(&key) {
+                    r.peers.retain(|p| &p.id != id);
+                    changed.insert(key);
+                }
+            }
+            agents.push(id.clone());
+        }
+        Eviction {
+            agents,
+            changed: self.records(changed),
+        }
+    }
+
+    /// Evicts agents that have not beaten within the agent TTL.
+    pub fn evict_stale(&mut self, now_ms: u64) -> Eviction {
+        let stale: Vec<String> = self
+            .agents
+            .keys()
+            .filter(|id| !self.is_live(id, now_ms))
+            .cloned()
+            .collect();
+        self.evict(&stale)
+    }
+
+    /// Stops offering agent `id` as a peer of `key`; the changed record, if
+    /// it was one.
+    pub fn remove_peer(&mut self, key: &Key, id: &str) -> Option<KeyRecord> {
+        let r = self.keys.get_mut(key)?;
+        let before = r.peers.len();
+        r.peers.retain(|p| p.id != id);
+        if r.peers.len() == before {
+            return None;
+        }
+        if let Some(a) = self.agents.get_mut(id) {
+            a.peer_of.remove(key);
+        }
+        Some(r.clone())
+    }
+
+    /// The live sources of `key` that `req` accepts (neither excluded nor the
+    /// getter itself): its origin when live (the store when one is
+    /// registered, or the holder's agent) and its live peers.
+    pub fn sources(
+        &self,
+        key: &Key,
+        req: &LeaseRequest,
+        store_registered: bool,
+        now_ms: u64,
+    ) -> Result<Sources, SourceError> {
+        let record = self
+            .get(key, now_ms)
+            .ok_or_else(|| SourceError::UnknownKey(key.clone()))?;
+        let refused = |id: &str| {
+            if req.getter.as_deref() == Some(id) {
+                Some("is the getter itself")
+            } else if req.exclude.iter().any(|e| e == id) {
+                Some("was excluded by the getter")
+            } else {
+                None
+            }
+        };
+        let source = |id: &str, url: &str| Source {
+            id: id.to_owned(),
+            url: url.to_owned(),
+            version: record.version.clone(),
+        };
+        let mut candidates = Vec::new();
+        let origin = if record.holder == STORE_HOLDER {
+            "the store".to_owned()
+        } else {
+            format!("pod {}", record.holder)
+        };
+        let origin_why = if let Some(why) = refused(&record.holder) {
+            Some(format!("its origin {origin} {why}"))
+        } else if record.holder == STORE_HOLDER {
+            if store_registered {
+                candidates.push(Candidate {
+                    source: source(STORE_HOLDER, &record.source),
+                    origin: true,
+                });
+                None
+            } else {
+                Some("no store is registered".to_owned())
+            }
+        } else if let Some(a) = self.live_agent(&record.holder, now_ms) {
+            candidates.push(Candidate {
+                source: source(&record.holder, &a.url),
+                origin: true,
+            });
+            None
+        } else {
+            Some(format!("its origin {origin} is gone"))
+        };
+        let mut unusable = Vec::new();
+        for p in &record.peers {
+            if let Some(why) = refused(&p.id) {
+                unusable.push(format!("{} {why}", p.id));
+            } else if let Some(a) = self.live_agent(&p.id, now_ms) {
+                candidates.push(Candidate {
+                    source: source(&p.id, &a.url),
+                    origin: false,
+                });
+            } else {
+                unusable.push(format!("{} is gone", p.id));
+            }
+        }
+        if candidates.is_empty() {
+            let peers_why = if unusable.is_empty() {
+                format!("no peer holds version {}", record.version)
+            } else {
+                format!(
+                    "no live peer holds version {} ({})",
+                    record.version,
+                    unusable.join(", ")
+                )
+            };
+            return Err(SourceError::NoSource {
+                key: key.clone(),
+                reason: match origin_why {
+                    Some(o) => format!("{o} and {peers_why}"),
+                    None => peers_why,
+                },
+            });
+        }
+        Ok(Sources {
+            record: record.clone(),
+            candidates,
+        })
+    }
+
+    /// What tearing down `service` removes: its `resource` keys (expired or
+    /// not) and its agents, by id.
+    pub fn teardown_plan(&self, service: &str) -> (Vec<KeyRecord>, Vec<String>) {
+        let keys = self
+            .keys
+            .values()
+            .filter(|r| r.service == service && r.lifespan == Lifespan::Resource)
+            .cloned()
+            .collect();
+        let agents = self
+            .agents
+            .values()
+            .filter(|a| a.info.service.as_deref() == Some(service))
+            .map(|a| a.info.id.clone())
+            .collect();
+        (keys, agents)
+    }
+}
+
 fn is_expired(r: &KeyRecord, now_ms: u64) -> bool {
     r.expires_at_ms.is_some_and(|t| t <= now_ms)
 }
@@ -160,8 +575,8 @@ fn is_expired(r: &KeyRecord, now_ms: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kt_types::api::PutOptions;
-    use kt_types::{Lifespan, Locale};
+    use kt_types::Locale;
+    use kt_types::api::{PutOptions, Served};
 
     fn reg(ttl: Option<u64>) -> RegisterKey {
         RegisterKey {
@@ -233,5 +648,265 @@ mod tests {
         assert!(r.get(&k("t/x"), 11_000).is_none());
         assert_eq!(r.expired(11_000).len(), 1);
         assert!(r.list(&KeyPrefix::root(), 11_000).is_empty());
+    }
+
+    const TTL: u64 = 1_000;
+
+    fn local(holder: &str, version: &str, lifespan: Lifespan) -> RegisterKey {
+        RegisterKey {
+            holder: Some(holder.into()),
+            locale: Locale::Local,
+            source: format!("http://{holder}"),
+            version: version.into(),
+            options: PutOptions {
+                lifespan,
+                ..PutOptions::default()
+            },
+            ..reg(None)
+        }
+    }
+    fn beat(id: &str, service: Option<&str>, serves: &[(&str, &str)]) -> AgentHeartbeat {
+        AgentHeartbeat {
+            id: id.into(),
+            url: format!("http://{id}"),
+            service: service.map(Into::into),
+            serves: serves
+                .iter()
+                .map(|(key, version)| Served {
+                    key: k(key),
+                    version: (*version).into(),
+                })
+                .collect(),
+        }
+    }
+    fn peer_ids(r: &Registry, key: &str) -> Vec<String> {
+        r.get_any(&k(key))
+            .unwrap()
+            .peers
+            .iter()
+            .map(|p| p.id.clone())
+            .collect()
+    }
+    fn keys_of(records: &[KeyRecord]) -> Vec<String> {
+        records.iter().map(|r| r.key.to_string()).collect()
+    }
+    fn source_ids(s: &Sources) -> Vec<(String, bool)> {
+        s.candidates
+            .iter()
+            .map(|c| (c.source.id.clone(), c.origin))
+            .collect()
+    }
+
+    #[test]
+    fn heartbeats_add_refresh_and_remove_peers() {
+        let mut r = Registry::new(TTL);
+        r.upsert(k("s/a"), reg(None), 0);
+        r.upsert(k("s/b"), reg(None), 0);
+        let b = r.heartbeat(beat("p1", Some("s"), &[("s/a", "v1"), ("s/b", "v1")]), 0);
+        assert_eq!(b.drop, Vec::<Key>::new());
+        assert_eq!(keys_of(&b.changed), ["s/a", "s/b"]);
+        assert_eq!(b.agent.unwrap().service.as_deref(), Some("s"));
+        assert_eq!(peer_ids(&r, "s/a"), ["p1"]);
+        // The same beat again changes nothing (nothing to persist).
+        let b = r.heartbeat(beat("p1", Some("s"), &[("s/a", "v1"), ("s/b", "v1")]), 10);
+        assert_eq!(b, Beat::default());
+        // A new URL refreshes the agent and its peer entries, without duplicates.
+        let mut moved = beat("p1", Some("s"), &[("s/a", "v1"), ("s/a", "v1")]);
+        moved.url = "http://p1-new".into();
+        let b = r.heartbeat(moved, 20);
+        assert_eq!(b.agent.unwrap().url, "http://p1-new");
+        // s/a refreshed, s/b no longer listed: p1 stops being its peer.
+        assert_eq!(keys_of(&b.changed), ["s/a", "s/b"]);
+        let a = r.get_any(&k("s/a")).unwrap();
+        assert_eq!(a.peers.len(), 1);
+        assert_eq!(a.peers[0].url, "http://p1-new");
+        assert!(peer_ids(&r, "s/b").is_empty());
+        // A second agent joins as another peer.
+        r.heartbeat(beat("p2", None, &[("s/a", "v1")]), 20);
+        assert_eq!(peer_ids(&r, "s/a"), ["p1", "p2"]);
+        assert_eq!(r.agents(20).len(), 2);
+    }
+
+    #[test]
+    fn heartbeats_drop_what_is_gone_or_superseded() {
+        let mut r = Registry::new(TTL);
+        r.upsert(k("s/a"), reg(None), 0);
+        r.upsert(k("s/t"), reg(Some(1)), 0);
+        r.heartbeat(beat("p1", None, &[("s/a", "v1"), ("s/t", "v1")]), 0);
+        assert_eq!(peer_ids(&r, "s/t"), ["p1"]);
+        // s/a is re-put at v2: peers of v1 are cleared; s/t expired; s/gone never existed.
+        let mut v2 = reg(None);
+        v2.version = "v2".into();
+        assert!(r.upsert(k("s/a"), v2, 5).peers.is_empty());
+        let b = r.heartbeat(
+            beat(
+                "p1",
+                None,
+                &[("s/a", "v1"), ("s/t", "v1"), ("s/gone", "v1")],
+            ),
+            1_000,
+        );
+        assert_eq!(b.drop, vec![k("s/a"), k("s/gone"), k("s/t")]);
+        // The expired key loses p1 as a peer too.
+        assert_eq!(keys_of(&b.changed), ["s/t"]);
+        assert!(peer_ids(&r, "s/t").is_empty());
+        // The same version registered again keeps its peers.
+        r.heartbeat(beat("p1", None, &[("s/a", "v2")]), 1_000);
+        let mut again = reg(None);
+        again.version = "v2".into();
+        assert_eq!(r.upsert(k("s/a"), again, 1_001).peers.len(), 1);
+    }
+
+    #[test]
+    fn the_origin_is_not_its_own_peer() {
+        let mut r = Registry::new(TTL);
+        r.touch_agent("p1", "http://p1", None, 0);
+        r.upsert(k("s/l"), local("p1", "v1", Lifespan::Cluster), 0);
+        let mut hb = beat("p1", None, &[("s/l", "v1")]);
+        hb.url = "http://p1:9".into();
+        let b = r.heartbeat(hb, 1);
+        assert!(b.drop.is_empty());
+        // Not a peer, but the origin's URL follows the agent.
+        assert!(peer_ids(&r, "s/l").is_empty());
+        assert_eq!(keys_of(&b.changed), ["s/l"]);
+        assert_eq!(r.get_any(&k("s/l")).unwrap().source, "http://p1:9");
+        // A peer that becomes the holder of the same version is no longer a peer.
+        r.heartbeat(beat("p2", None, &[("s/l", "v1")]), 1);
+        assert_eq!(peer_ids(&r, "s/l"), ["p2"]);
+        let rec = r.upsert(k("s/l"), local("p2", "v1", Lifespan::Cluster), 2);
+        assert!(rec.peers.is_empty());
+    }
+
+    #[test]
+    fn stale_agents_are_not_sources_and_are_evicted() {
+        let mut r = Registry::new(TTL);
+        r.touch_agent("p1", "http://p1", None, 0);
+        r.upsert(k("s/l"), local("p1", "v1", Lifespan::Cluster), 0);
+        r.upsert(k("s/a"), reg(None), 0);
+        r.heartbeat(beat("p2", None, &[("s/l", "v1"), ("s/a", "v1")]), 500);
+        let req = LeaseRequest::default();
+        let s = r.sources(&k("s/l"), &req, true, 999).unwrap();
+        assert_eq!(source_ids(&s), [("p1".into(), true), ("p2".into(), false)]);
+        // p1 is past its TTL: not offered even before a sweep.
+        let s = r.sources(&k("s/l"), &req, true, 1_000).unwrap();
+        assert_eq!(source_ids(&s), [("p2".into(), false)]);
+        let e = r.evict_stale(1_000);
+        assert_eq!(e.agents, ["p1"]);
+        assert!(e.changed.is_empty());
+        // The local key keeps its record without a live origin.
+        assert_eq!(r.get(&k("s/l"), 1_000).unwrap().holder, "p1");
+        let e = r.evict_stale(1_500);
+        assert_eq!(e.agents, ["p2"]);
+        assert_eq!(keys_of(&e.changed), ["s/a", "s/l"]);
+        assert!(peer_ids(&r, "s/a").is_empty());
+        assert!(r.agents(1_500).is_empty());
+        let err = r.sources(&k("s/l"), &req, true, 1_500).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "key s/l has no live source: its origin pod p1 is gone and no peer holds version v1"
+        );
+    }
+
+    #[test]
+    fn sources_honour_exclusions_and_explain_refusals() {
+        let mut r = Registry::new(TTL);
+        r.upsert(k("s/a"), reg(None), 0);
+        r.heartbeat(beat("p1", None, &[("s/a", "v1")]), 0);
+        r.heartbeat(beat("p2", None, &[("s/a", "v1")]), 0);
+        let req = |exclude: &[&str], getter: Option<&str>| LeaseRequest {
+            exclude: exclude.iter().map(|s| s.to_string()).collect(),
+            getter: getter.map(Into::into),
+        };
+        let s = r.sources(&k("s/a"), &req(&[], None), true, 0).unwrap();
+        assert_eq!(s.record.version, "v1");
+        assert_eq!(
+            source_ids(&s),
+            [
+                ("store".into(), true),
+                ("p1".into(), false),
+                ("p2".into(), false)
+            ]
+        );
+        assert_eq!(s.candidates[0].source.url, "http://store");
+        let s = r
+            .sources(&k("s/a"), &req(&["store", "p2"], Some("p9")), true, 0)
+            .unwrap();
+        assert_eq!(source_ids(&s), [("p1".into(), false)]);
+        let err = r
+            .sources(&k("s/a"), &req(&["store", "p2"], Some("p1")), true, 0)
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "key s/a has no live source: its origin the store was excluded by the getter \
+             and no live peer holds version v1 (p1 is the getter itself, p2 was excluded by the getter)"
+        );
+        // Without a registered store, a store key's origin is not offered.
+        let err = r
+            .sources(&k("s/a"), &req(&["p1", "p2"], None), false, 0)
+            .unwrap_err();
+        assert!(err.to_string().contains("no store is registered"), "{err}");
+        assert_eq!(
+            r.sources(&k("s/zz"), &req(&[], None), true, 0),
+            Err(SourceError::UnknownKey(k("s/zz")))
+        );
+    }
+
+    #[test]
+    fn removed_peers_and_evicted_agents_leave_the_index() {
+        let mut r = Registry::new(TTL);
+        r.upsert(k("s/a"), reg(None), 0);
+        r.heartbeat(beat("p1", None, &[("s/a", "v1")]), 0);
+        assert_eq!(r.remove_peer(&k("s/a"), "p1").unwrap().peers, vec![]);
+        assert!(r.remove_peer(&k("s/a"), "p1").is_none());
+        // The next beat re-adds it (it still serves the version).
+        let b = r.heartbeat(beat("p1", None, &[("s/a", "v1")]), 1);
+        assert_eq!(keys_of(&b.changed), ["s/a"]);
+        // Removing the key forgets p1 as its peer: a later beat just drops it.
+        r.remove(&k("s/a"));
+        let b = r.heartbeat(beat("p1", None, &[]), 2);
+        assert!(b.changed.is_empty());
+        assert!(r.evict(&["p1".into(), "nobody".into()]).agents == ["p1"]);
+    }
+
+    #[test]
+    fn teardown_selects_resource_keys_and_agents_of_the_service() {
+        let mut r = Registry::new(TTL);
+        let resource = |holder: Option<&str>| RegisterKey {
+            options: PutOptions {
+                lifespan: Lifespan::Resource,
+                ..PutOptions::default()
+            },
+            ..match holder {
+                Some(h) => local(h, "v1", Lifespan::Resource),
+                None => reg(None),
+            }
+        };
+        r.heartbeat(beat("p1", Some("svc"), &[]), 0);
+        r.heartbeat(beat("p2", Some("other"), &[]), 0);
+        r.upsert(k("svc/store"), resource(None), 0);
+        r.upsert(k("svc/local"), resource(Some("p1")), 0);
+        r.upsert(k("svc/kept"), reg(None), 0);
+        r.upsert(k("other/x"), resource(None), 0);
+        let mut named = resource(None);
+        named.options.service = Some("svc".into());
+        r.upsert(k("misc/owned"), named, 0);
+        let (keys, agents) = r.teardown_plan("svc");
+        assert_eq!(keys_of(&keys), ["misc/owned", "svc/local", "svc/store"]);
+        assert_eq!(agents, ["p1"]);
+        assert_eq!(r.teardown_plan("nothing"), (vec![], vec![]));
+    }
+
+    #[test]
+    fn restore_gives_agents_a_full_ttl_and_drops_unknown_peers() {
+        let mut r = Registry::new(TTL);
+        r.upsert(k("s/a"), reg(None), 0);
+        r.heartbeat(beat("p1", None, &[("s/a", "v1")]), 0);
+        r.heartbeat(beat("p2", None, &[("s/a", "v1")]), 0);
+        let records: Vec<KeyRecord> = r.keys_within(&KeyPrefix::root(), 0);
+        let agents: Vec<AgentInfo> = r.agents(0).into_iter().filter(|a| a.id == "p1").collect();
+        let restored = Registry::restore(TTL, records, agents, 50_000);
+        assert_eq!(peer_ids(&restored, "s/a"), ["p1"]);
+        assert!(restored.is_live("p1", 50_999));
+        assert!(!restored.is_live("p1", 51_000));
     }
 }

@@ -7,18 +7,21 @@ use std::time::Duration;
 use axum::Router;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post, put};
 use kt_service::{ApiError, ApiJson, Metrics, Ready, Token};
 use kt_types::api::{
-    DeleteQuery, DeleteResponse, ListQuery, ListResponse, RegisterKey, RegisterStore, StoreLocation,
+    AgentHeartbeat, AgentList, DeleteQuery, DeleteResponse, HeartbeatReply, LeaseInfo, LeaseList,
+    LeaseRequest, ListQuery, ListResponse, RegisterKey, RegisterStore, SourceFailure, SourceLease,
+    StoreLocation, TeardownResponse,
 };
-use kt_types::{ErrorCode, Key, KeyPrefix, KeyRecord, Locale};
+use kt_types::{ErrorCode, Key, KeyPrefix, KeyRecord, Locale, STORE_HOLDER};
 use tokio::net::TcpListener;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use crate::db::{Db, DbError};
-use crate::registry::Registry;
+use crate::db::{Batch, Db, DbError};
+use crate::leases::Leases;
+use crate::registry::{Eviction, Registry, SourceError};
 
 /// Everything the server needs besides its listener.
 #[derive(Debug, Clone)]
@@ -27,11 +30,21 @@ pub struct Config {
     pub token: Token,
     /// Requests served at once; more wait.
     pub max_in_flight: usize,
-    /// How often expired keys are swept.
+    /// How often expired keys, leases and silent agents are swept.
     pub sweep_interval: Duration,
+    /// How often agents are told to beat.
+    pub heartbeat_interval: Duration,
+    /// An agent silent this long is no longer a source, and is evicted.
+    pub agent_ttl: Duration,
+    /// How long a source lease lasts unless renewed.
+    pub lease_ttl: Duration,
 }
 
 impl Config {
+    pub const DEFAULT_HEARTBEAT_INTERVAL: Duration = Duration::from_secs(2);
+    pub const DEFAULT_AGENT_TTL: Duration = Duration::from_secs(10);
+    pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
+
     /// Defaults for everything but the state directory and token.
     pub fn new(state_dir: impl Into<PathBuf>, token: Token) -> Self {
         Config {
@@ -39,7 +52,25 @@ impl Config {
             token,
             max_in_flight: 512,
             sweep_interval: Duration::from_secs(5),
+            heartbeat_interval: Self::DEFAULT_HEARTBEAT_INTERVAL,
+            agent_ttl: Self::DEFAULT_AGENT_TTL,
+            lease_ttl: Self::DEFAULT_LEASE_TTL,
         }
+    }
+
+    fn validate(&self) -> Result<(), MetadataError> {
+        let fail = |msg: String| Err(MetadataError::Config(msg));
+        if self.heartbeat_interval.is_zero() || self.lease_ttl.is_zero() {
+            return fail("the heartbeat interval and the lease TTL must be positive".into());
+        }
+        if self.agent_ttl <= self.heartbeat_interval {
+            return fail(format!(
+                "the agent TTL ({:?}) must be longer than the heartbeat interval ({:?}), \
+                 or every agent is evicted between two beats",
+                self.agent_ttl, self.heartbeat_interval
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -51,14 +82,20 @@ pub enum MetadataError {
     Serve(#[from] std::io::Error),
     #[error("http client: {0}")]
     Client(String),
+    #[error("configuration: {0}")]
+    Config(String),
 }
 
 struct Inner {
     registry: Mutex<Registry>,
+    leases: Mutex<Leases>,
     store_url: Mutex<Option<String>>,
     db: Db,
     http: reqwest::Client,
     token: Token,
+    heartbeat_interval_ms: u64,
+    agent_ttl_ms: u64,
+    lease_ttl_ms: u64,
 }
 
 type AppState = Arc<Inner>;
@@ -70,8 +107,22 @@ fn now_ms() -> u64 {
         .unwrap_or_default()
 }
 
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 fn db_err(e: DbError) -> ApiError {
     ApiError::internal(e.to_string())
+}
+
+impl From<SourceError> for ApiError {
+    fn from(e: SourceError) -> Self {
+        let code = match e {
+            SourceError::UnknownKey(_) => ErrorCode::NotFound,
+            SourceError::NoSource { .. } => ErrorCode::NoSource,
+        };
+        ApiError::new(code, e.to_string())
+    }
 }
 
 /// Runs the metadata server on `listener` until `shutdown` is cancelled.
@@ -80,18 +131,30 @@ pub async fn run(
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<(), MetadataError> {
+    config.validate()?;
     let (db, loaded) = Db::open(&config.state_dir)?;
-    tracing::info!(keys = loaded.records.len(), state_dir = %config.state_dir.display(), "registry loaded");
+    tracing::info!(
+        keys = loaded.records.len(),
+        agents = loaded.agents.len(),
+        state_dir = %config.state_dir.display(),
+        "registry loaded"
+    );
+    let agent_ttl_ms = millis(config.agent_ttl);
+    let registry = Registry::restore(agent_ttl_ms, loaded.records, loaded.agents, now_ms());
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
         .build()
         .map_err(|e| MetadataError::Client(e.to_string()))?;
     let state: AppState = Arc::new(Inner {
-        registry: Mutex::new(Registry::from_records(loaded.records)),
+        registry: Mutex::new(registry),
+        leases: Mutex::new(Leases::default()),
         store_url: Mutex::new(loaded.store_url),
         db,
         http,
         token: config.token.clone(),
+        heartbeat_interval_ms: millis(config.heartbeat_interval),
+        agent_ttl_ms,
+        lease_ttl_ms: millis(config.lease_ttl),
     });
     let api = Router::new()
         .route("/api/v1/stores", post(register_store))
@@ -99,8 +162,16 @@ pub async fn run(
         .route("/api/v1/keys", get(list_keys))
         .route(
             "/api/v1/keys/{*key}",
-            get(get_key).put(put_key).delete(delete_key),
+            get(get_key).put(put_key).delete(delete_key).post(lease_key),
         )
+        .route("/api/v1/leases", get(list_leases))
+        .route(
+            "/api/v1/leases/{id}",
+            put(renew_lease).delete(release_lease),
+        )
+        .route("/api/v1/leases/{id}/failed", post(lease_failed))
+        .route("/api/v1/agents", post(heartbeat).get(list_agents))
+        .route("/api/v1/services/{name}", delete(teardown))
         .with_state(state.clone());
     let ready = Ready::default();
     ready.set(true);
@@ -111,11 +182,7 @@ pub async fn run(
         ready,
         config.max_in_flight,
     );
-    let sweeper = tokio::spawn(sweep_expired(
-        state,
-        config.sweep_interval,
-        shutdown.clone(),
-    ));
+    let sweeper = tokio::spawn(sweep(state, config.sweep_interval, shutdown.clone()));
     tracing::info!(addr = %listener.local_addr()?, "metadata server listening");
     let served = kt_service::serve(listener, app, shutdown.clone(), Duration::from_secs(10)).await;
     shutdown.cancel();
@@ -155,14 +222,76 @@ async fn put_key(
     ApiJson(reg): ApiJson<RegisterKey>,
 ) -> Result<ApiJson<KeyRecord>, ApiError> {
     let key = Key::parse(&key)?;
-    if let Some(service) = &reg.options.service {
-        Key::parse(service).map_err(|e| ApiError::bad_request(format!("service name: {e}")))?;
-    }
-    let mut reg_lock = s.registry.lock().await;
-    let record = reg_lock.record_for(key, reg, now_ms());
-    s.db.put_record(&record).map_err(db_err)?;
-    reg_lock.insert(record.clone());
+    check_registration(&reg)?;
+    let now = now_ms();
+    let mut registry = s.registry.lock().await;
+    // An agent registering a local key is alive, even before its first beat.
+    let agent = match (reg.locale, &reg.holder) {
+        (Locale::Local, Some(holder)) => registry.touch_agent(holder, &reg.source, None, now),
+        _ => None,
+    };
+    let record = registry.record_for(key, reg, now);
+    s.db.write(&Batch {
+        put_records: vec![record.clone()],
+        put_agents: agent.into_iter().collect(),
+        ..Batch::default()
+    })
+    .map_err(db_err)?;
+    registry.insert(record.clone());
     Ok(ApiJson(record))
+}
+
+/// A store key is held by the store; a local key by the agent named in `holder`.
+fn check_registration(reg: &RegisterKey) -> Result<(), ApiError> {
+    check_service(reg.options.service.as_deref())?;
+    check_url("source", &reg.source)?;
+    match (reg.locale, reg.holder.as_deref()) {
+        (Locale::Store, None | Some(STORE_HOLDER)) => Ok(()),
+        (Locale::Store, Some(h)) => Err(ApiError::bad_request(format!(
+            "a locale=store key is held by the store, not by {h:?}"
+        ))),
+        (Locale::Local, Some(h)) => check_agent_id(h),
+        (Locale::Local, None) => Err(ApiError::bad_request(
+            "a locale=local key needs its holder: the id of the agent serving it",
+        )),
+    }
+}
+
+/// Service names follow the key grammar.
+fn check_service(service: Option<&str>) -> Result<(), ApiError> {
+    match service {
+        Some(name) => Key::parse(name)
+            .map(drop)
+            .map_err(|e| ApiError::bad_request(format!("service name: {e}"))),
+        None => Ok(()),
+    }
+}
+
+fn check_url(what: &str, url: &str) -> Result<(), ApiError> {
+    if url.starts_with("http://") || url.starts_with("https://") {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(format!(
+            "{what} {url:?} is not an http(s) URL"
+        )))
+    }
+}
+
+/// Agent ids are pod names: 1 to 253 of `[A-Za-z0-9._-]`, and never `store`.
+fn check_agent_id(id: &str) -> Result<(), ApiError> {
+    let valid = !id.is_empty()
+        && id.len() <= 253
+        && id != STORE_HOLDER
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if valid {
+        Ok(())
+    } else {
+        Err(ApiError::bad_request(format!(
+            "agent id {id:?} is not a pod name (1 to 253 letters, digits, '.', '_' or '-'; not {STORE_HOLDER:?})"
+        )))
+    }
 }
 
 async fn get_key(
@@ -228,9 +357,10 @@ async fn delete_key(
     Ok(ApiJson(DeleteResponse { deleted }))
 }
 
-/// Deletes a key's data at its source, then its record.
+/// Deletes a key's data at the store, then its record. A local key's record is
+/// just dropped: its agent learns it from the `drop` list of its next beat.
 async fn delete_one(s: &Inner, r: &KeyRecord) -> Result<(), ApiError> {
-    if r.locale == Locale::Store {
+    if r.locale == Locale::Store && r.holder == STORE_HOLDER {
         // Only the version this record names: a put that published since is kept.
         let url = format!("{}/api/v1/trees/{}", r.source.trim_end_matches('/'), r.key);
         let resp = s
@@ -277,14 +407,200 @@ async fn delete_one(s: &Inner, r: &KeyRecord) -> Result<(), ApiError> {
     Ok(())
 }
 
-async fn sweep_expired(s: AppState, every: Duration, shutdown: CancellationToken) {
+/// Source leases: `POST /api/v1/keys/{key}/lease` (the only POST under `/keys`).
+async fn lease_key(
+    State(s): State<AppState>,
+    Path(path): Path<String>,
+    ApiJson(req): ApiJson<LeaseRequest>,
+) -> Result<ApiJson<SourceLease>, ApiError> {
+    let Some(key) = path.strip_suffix("/lease") else {
+        return Err(ApiError::not_found("no such route"));
+    };
+    let key = Key::parse(key)?;
+    let now = now_ms();
+    let store_registered = s.store_url.lock().await.is_some();
+    let sources = s
+        .registry
+        .lock()
+        .await
+        .sources(&key, &req, store_registered, now)?;
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    let lease = s
+        .leases
+        .lock()
+        .await
+        .grant(id, key, &sources.candidates, now, s.lease_ttl_ms)
+        .ok_or_else(|| ApiError::internal("a key with sources yielded no lease"))?;
+    Ok(ApiJson(SourceLease {
+        lease: lease.id,
+        source: lease.source,
+        ttl_ms: s.lease_ttl_ms,
+        record: sources.record,
+    }))
+}
+
+fn unknown_lease(id: &str) -> ApiError {
+    ApiError::not_found(format!("lease {id} not found (released or expired)"))
+}
+
+async fn renew_lease(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<ApiJson<LeaseInfo>, ApiError> {
+    let now = now_ms();
+    let lease = s.leases.lock().await.renew(&id, now, s.lease_ttl_ms);
+    lease
+        .map(|l| ApiJson(l.info(now)))
+        .ok_or_else(|| unknown_lease(&id))
+}
+
+async fn release_lease(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let lease = s.leases.lock().await.release(&id, now_ms());
+    lease
+        .map(|_| StatusCode::NO_CONTENT)
+        .ok_or_else(|| unknown_lease(&id))
+}
+
+/// Ends the lease; a peer that failed a getter stops being offered for that
+/// key (its next heartbeat adds it back if it still serves the version). An
+/// origin is only released: the getter excludes it from its next request.
+async fn lease_failed(
+    State(s): State<AppState>,
+    Path(id): Path<String>,
+    ApiJson(failure): ApiJson<SourceFailure>,
+) -> Result<StatusCode, ApiError> {
+    let lease = s
+        .leases
+        .lock()
+        .await
+        .release(&id, now_ms())
+        .ok_or_else(|| unknown_lease(&id))?;
+    tracing::warn!(
+        key = %lease.key,
+        source = %lease.source.id,
+        url = %lease.source.url,
+        reason = %failure.reason,
+        "a source failed a getter"
+    );
+    let mut registry = s.registry.lock().await;
+    if let Some(record) = registry.remove_peer(&lease.key, &lease.source.id) {
+        s.db.put_record(&record).map_err(db_err)?;
+        tracing::info!(key = %lease.key, peer = %lease.source.id, "peer no longer offered");
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn list_leases(State(s): State<AppState>) -> ApiJson<LeaseList> {
+    let leases = s.leases.lock().await.list(now_ms());
+    ApiJson(LeaseList { leases })
+}
+
+async fn heartbeat(
+    State(s): State<AppState>,
+    ApiJson(hb): ApiJson<AgentHeartbeat>,
+) -> Result<ApiJson<HeartbeatReply>, ApiError> {
+    check_agent_id(&hb.id)?;
+    check_url("agent url", &hb.url)?;
+    check_service(hb.service.as_deref())?;
+    let id = hb.id.clone();
+    let mut registry = s.registry.lock().await;
+    let beat = registry.heartbeat(hb, now_ms());
+    if let Some(a) = &beat.agent {
+        tracing::info!(agent = %a.id, url = %a.url, service = ?a.service, "agent announced");
+    }
+    let changed = beat.changed.len();
+    s.db.write(&Batch {
+        put_records: beat.changed,
+        put_agents: beat.agent.into_iter().collect(),
+        ..Batch::default()
+    })
+    .map_err(db_err)?;
+    drop(registry);
+    if changed > 0 || !beat.drop.is_empty() {
+        tracing::debug!(agent = %id, changed, dropped = beat.drop.len(), "agent reconciled");
+    }
+    Ok(ApiJson(HeartbeatReply {
+        interval_ms: s.heartbeat_interval_ms,
+        ttl_ms: s.agent_ttl_ms,
+        drop: beat.drop,
+    }))
+}
+
+async fn list_agents(State(s): State<AppState>) -> ApiJson<AgentList> {
+    let agents = s.registry.lock().await.agents(now_ms());
+    ApiJson(AgentList { agents })
+}
+
+/// Removes agents and their peer entries, committing the change.
+fn commit_eviction(s: &Inner, e: &Eviction, why: &str) -> Result<(), DbError> {
+    for id in &e.agents {
+        tracing::info!(agent = %id, why, "agent evicted");
+    }
+    s.db.write(&Batch {
+        put_records: e.changed.clone(),
+        remove_agents: e.agents.clone(),
+        ..Batch::default()
+    })
+}
+
+/// `DELETE /api/v1/services/{name}`: evicts the service's agents and deletes
+/// its `resource` keys. Run again after a partial failure: it is idempotent.
+async fn teardown(
+    State(s): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<ApiJson<TeardownResponse>, ApiError> {
+    // Agents first, so none is handed out as a source while keys go.
+    let (targets, evicted) = {
+        let mut registry = s.registry.lock().await;
+        let (targets, agents) = registry.teardown_plan(&name);
+        let eviction = registry.evict(&agents);
+        commit_eviction(&s, &eviction, "service torn down").map_err(db_err)?;
+        (targets, eviction.agents)
+    };
+    let mut deleted = Vec::new();
+    let mut failed = Vec::new();
+    for r in targets {
+        match delete_one(&s, &r).await {
+            Ok(()) => deleted.push(r.key),
+            Err(e) => failed.push(e),
+        }
+    }
+    if let Some(first) = failed.first() {
+        return Err(ApiError::new(
+            first.code,
+            format!(
+                "teardown of service {name} incomplete: {} key(s) deleted, {} not ({}); run it again",
+                deleted.len(),
+                failed.len(),
+                first.message
+            ),
+        ));
+    }
+    tracing::info!(service = %name, keys = deleted.len(), agents = evicted.len(), "service torn down");
+    Ok(ApiJson(TeardownResponse { deleted, evicted }))
+}
+
+/// Every `every`: drops expired leases, evicts silent agents, deletes expired keys.
+async fn sweep(s: AppState, every: Duration, shutdown: CancellationToken) {
     let mut tick = tokio::time::interval(every);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let expired = s.registry.lock().await.expired(now_ms());
+        let now = now_ms();
+        s.leases.lock().await.expire(now);
+        {
+            let mut registry = s.registry.lock().await;
+            let eviction = registry.evict_stale(now);
+            if let Err(e) = commit_eviction(&s, &eviction, "no heartbeat within the agent TTL") {
+                tracing::warn!(error = %e, "could not persist an eviction; it is redone at start");
+            }
+        }
+        let expired = s.registry.lock().await.expired(now);
         for r in expired {
             if let Err(e) = delete_one(&s, &r).await {
                 tracing::warn!(key = %r.key, error = %e, "could not delete expired key; will retry");

@@ -52,9 +52,44 @@ pub struct Topology {
     #[serde(default)]
     pub link: Option<String>,
     #[serde(default)]
+    pub metadata: MetadataSpec,
+    #[serde(default)]
     pub store: StoreSpec,
     #[serde(default)]
     pub pods: Vec<PodSpec>,
+}
+
+/// Timing knobs of the metadata server (faster than production defaults
+/// make fault scenarios quick).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetadataSpec {
+    /// Agents silent this long are evicted as sources.
+    #[serde(default)]
+    pub agent_ttl: Option<String>,
+    /// How often agents beat.
+    #[serde(default)]
+    pub heartbeat_interval: Option<String>,
+    /// Source leases not renewed this long expire.
+    #[serde(default)]
+    pub lease_ttl: Option<String>,
+}
+
+impl MetadataSpec {
+    /// The metadata server flags these settings make.
+    pub fn flags(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (flag, v) in [
+            ("--agent-ttl", &self.agent_ttl),
+            ("--heartbeat-interval", &self.heartbeat_interval),
+            ("--lease-ttl", &self.lease_ttl),
+        ] {
+            if let Some(v) = v {
+                out.extend([flag.to_owned(), v.clone()]);
+            }
+        }
+        out
+    }
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -87,6 +122,10 @@ pub struct PodSpec {
 
 fn one() -> usize {
     1
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A generated data set: a deterministic tree, a single file, or another
@@ -329,6 +368,9 @@ pub struct PutStep {
     /// Or a path inside the pod (e.g. what an earlier get wrote).
     #[serde(default)]
     pub src: Option<String>,
+    /// `store` (default) or `local` (the pod's agent serves it; zero copy).
+    #[serde(default)]
+    pub locale: Option<String>,
     #[serde(default)]
     pub lifespan: Option<String>,
     #[serde(default)]
@@ -354,6 +396,9 @@ pub struct GetStep {
     /// Data set(s) the received tree must equal (one of them, when several).
     #[serde(default)]
     pub verify: Vec<String>,
+    /// Have the pod's agent serve the copy afterwards (default true).
+    #[serde(default = "yes")]
+    pub serve: bool,
     #[serde(default)]
     pub auth: Auth,
     #[serde(default)]
@@ -404,6 +449,9 @@ pub struct BroadcastStep {
 #[serde(deny_unknown_fields)]
 pub struct TeardownStep {
     pub service: String,
+    /// Run `kt teardown` in this pod (default: the first pod).
+    #[serde(default)]
+    pub pod: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -437,6 +485,17 @@ pub enum Condition {
     NoKey(String),
     /// A Prometheus counter of a server reaches a value.
     Metric(MetricCondition),
+    /// At most this many source leases are active (load returned to zero).
+    Leases(usize),
+    /// A key has at least this many peers (getters serving it).
+    Peers(PeersCondition),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeersCondition {
+    pub key: String,
+    pub at_least: usize,
 }
 
 #[derive(Debug, Deserialize)]
@@ -450,6 +509,10 @@ struct ConditionForm {
     no_key: Option<String>,
     #[serde(default)]
     metric: Option<MetricCondition>,
+    #[serde(default)]
+    leases: Option<usize>,
+    #[serde(default)]
+    peers: Option<PeersCondition>,
 }
 
 impl TryFrom<ConditionForm> for Condition {
@@ -468,9 +531,18 @@ impl TryFrom<ConditionForm> for Condition {
         if let Some(m) = f.metric {
             found.push(Condition::Metric(m));
         }
+        if let Some(n) = f.leases {
+            found.push(Condition::Leases(n));
+        }
+        if let Some(p) = f.peers {
+            found.push(Condition::Peers(p));
+        }
         match found.len() {
             1 => Ok(found.remove(0)),
-            _ => Err("a wait names exactly one condition: ready, key, no_key or metric".into()),
+            _ => Err(
+                "a wait names exactly one condition: ready, key, no_key, metric, leases or peers"
+                    .into(),
+            ),
         }
     }
 }

@@ -161,6 +161,7 @@ impl Runner {
             bin_dir: self.opts.bin_dir.clone(),
             token: token.clone(),
             chunk_size: l.scenario.topology.store.chunk_size.map(|s| s.0),
+            metadata_flags: l.scenario.topology.metadata.flags(),
             pods: pods.clone(),
         };
         let mut failure: Option<String> = None;
@@ -799,6 +800,8 @@ impl<'a> Scn<'a> {
                 Condition::Metric(m) => {
                     format!("wait for {} {} >= {}", m.component, m.name, m.at_least)
                 }
+                Condition::Leases(n) => format!("wait for at most {n} source leases"),
+                Condition::Peers(p) => format!("wait for {} peers of {}", p.at_least, x(&p.key)),
             },
             Action::Assert(_) => "assert".to_owned(),
             Action::Snapshot(s) => format!("snapshot {}", s.name),
@@ -933,6 +936,9 @@ impl<'a> Scn<'a> {
                                 "-o".into(),
                                 "json".into(),
                             ];
+                            if let Some(l) = &p.locale {
+                                a.extend(["--locale".into(), l.clone()]);
+                            }
                             if let Some(l) = &p.lifespan {
                                 a.extend(["--lifespan".into(), l.clone()]);
                             }
@@ -969,14 +975,18 @@ impl<'a> Scn<'a> {
                         &pods,
                         Invocation::kt(g.auth),
                         |_, ctx| {
-                            Ok(vec![
+                            let mut a: Vec<String> = vec![
                                 "get".into(),
                                 ctx.expand(&g.key).map_err(|e| e.to_string())?,
                                 "--dest".into(),
                                 dest(ctx)?,
                                 "-o".into(),
                                 "json".into(),
-                            ])
+                            ];
+                            if !g.serve {
+                                a.push("--no-serve".into());
+                            }
+                            Ok(a)
                         },
                         started,
                         &result.index,
@@ -1152,7 +1162,24 @@ impl<'a> Scn<'a> {
                 }
                 Ok(())
             }
-            Action::Broadcast(_) | Action::Teardown(_) => Err(format!(
+            Action::Teardown(t) => {
+                let pod = self.pod_or_first(t.pod.as_deref())?;
+                let runs = self
+                    .in_pods(
+                        &[pod],
+                        Invocation::kt(Auth::Valid),
+                        |_, _| Ok(vec!["teardown".into(), t.service.clone()]),
+                        started,
+                        &result.index,
+                    )
+                    .await;
+                self.settle(step, &runs, result)?;
+                if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
+                    result.record = Some(json!({ "stdout": o.stdout.lines().collect::<Vec<_>>() }));
+                }
+                Ok(())
+            }
+            Action::Broadcast(_) => Err(format!(
                 "{} steps are not supported by this build (refused by validation)",
                 step.action.kind()
             )),
@@ -1268,6 +1295,27 @@ impl<'a> Scn<'a> {
                     .await
                     .map_err(|e| e.to_string())?;
                 Ok(metric_sum(&text, &m.name) >= m.at_least.0 as f64)
+            }
+            Condition::Leases(n) => {
+                let url = format!("{}/api/v1/leases", self.target.metadata_url());
+                let list: kt_types::api::LeaseList = self
+                    .http
+                    .get(&url)
+                    .bearer_auth(&self.token)
+                    .send()
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .error_for_status()
+                    .map_err(|e| e.to_string())?
+                    .json()
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok(list.leases.len() <= *n)
+            }
+            Condition::Peers(p) => {
+                let key = Key::parse(&self.expand(&p.key)?).map_err(|e| e.to_string())?;
+                let r = self.client()?.stat(&key).await.map_err(|e| e.to_string())?;
+                Ok(r.peers.len() >= p.at_least)
             }
         }
     }

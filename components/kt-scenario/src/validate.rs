@@ -99,16 +99,10 @@ pub fn parse(file: &Path, src: &str) -> Result<Loaded, Vec<Diagnostic>> {
 
 /// Steps the runner cannot execute with this build (they need the node agent
 /// of issue 4): refused at validation, so no scenario half-runs.
-const NOT_YET: &[(&str, &str)] = &[
-    (
-        "broadcast",
-        "broadcast steps need `kt get --broadcast`, which arrives with the node agent; not supported by this build",
-    ),
-    (
-        "teardown",
-        "teardown steps need `kt teardown`, which arrives with the node agent; not supported by this build",
-    ),
-];
+const NOT_YET: &[(&str, &str)] = &[(
+    "broadcast",
+    "broadcast steps need `kt get --broadcast`, which arrives with the node agent; not supported by this build",
+)];
 
 struct Checker<'a> {
     file: &'a Path,
@@ -186,6 +180,18 @@ impl Checker<'_> {
                         format!("pod name `{n}` is used twice"),
                     );
                 }
+            }
+        }
+        let m = &s.topology.metadata;
+        for (name, v) in [
+            ("agent_ttl", &m.agent_ttl),
+            ("heartbeat_interval", &m.heartbeat_interval),
+            ("lease_ttl", &m.lease_ttl),
+        ] {
+            if let Some(v) = v
+                && let Err(e) = humantime::parse_duration(v)
+            {
+                self.err(&format!("topology.metadata.{name}"), format!("{name}: {e}"));
             }
         }
         if let Some(cs) = s.topology.store.chunk_size
@@ -278,12 +284,17 @@ impl Checker<'_> {
         if let Some(r) = &step.record {
             let records = matches!(
                 step.action,
-                Action::Put(_) | Action::Get(_) | Action::Ls(_) | Action::Rm(_) | Action::Exec(_)
+                Action::Put(_)
+                    | Action::Get(_)
+                    | Action::Ls(_)
+                    | Action::Rm(_)
+                    | Action::Exec(_)
+                    | Action::Teardown(_)
             );
             if !records {
                 self.err(
                     &format!("{at}.record"),
-                    format!("a {kind} step has no result to record (put, get, ls, rm and exec do)"),
+                    format!("a {kind} step has no result to record (put, get, ls, rm, exec and teardown do)"),
                 );
             } else if !is_label(r) {
                 self.err(&format!("{at}.record"), "record names are lowercase words");
@@ -320,6 +331,12 @@ impl Checker<'_> {
                     (Some(d), None) => self.data(&format!("{body}.data"), d),
                     (None, Some(s)) => self.template(&format!("{body}.src"), s, true),
                     _ => self.err(&body, "a put needs exactly one of `data` (a data set) or `src` (a path in the pod)"),
+                }
+                if let Some(l) = &p.locale
+                    && l != "store"
+                    && l != "local"
+                {
+                    self.err(&format!("{body}.locale"), "locale is `store` or `local`");
                 }
                 if let Some(l) = &p.lifespan
                     && l != "cluster"
@@ -369,25 +386,18 @@ impl Checker<'_> {
                 self.pod(&format!("{body}.to"), &b.to);
                 self.data(&format!("{body}.data"), &b.data);
             }
-            Action::Teardown(_) => {}
-            Action::Kill(k) => self.component(&format!("{body}.component"), &k.component),
-            Action::Restart(r) => {
-                self.component(&format!("{body}.component"), &r.component);
-                if self.pods.contains_key(&r.component) {
-                    self.err(
-                        &format!("{body}.component"),
-                        "pods have no server to restart yet (the node agent arrives with issue 4); use kill",
-                    );
+            Action::Teardown(t) => {
+                if let Some(p) = &t.pod {
+                    self.pod(&format!("{body}.pod"), p);
                 }
             }
+            Action::Kill(k) => self.component(&format!("{body}.component"), &k.component),
+            Action::Restart(r) => self.component(&format!("{body}.component"), &r.component),
             Action::Wait(w) => match &w.condition {
-                Condition::Ready(c) => {
-                    if c != "metadata" && c != "store" {
-                        self.err(
-                            &format!("{body}.for.ready"),
-                            "readiness is known for `metadata` and `store` (pods get agents with issue 4)",
-                        );
-                    }
+                Condition::Ready(c) => self.component(&format!("{body}.for.ready"), c),
+                Condition::Leases(_) => {}
+                Condition::Peers(p) => {
+                    self.template(&format!("{body}.for.peers.key"), &p.key, false)
                 }
                 Condition::Key(k) | Condition::NoKey(k) => {
                     self.template(&format!("{body}.for"), k, false)
@@ -567,7 +577,7 @@ steps:
         );
         assert!(
             e.iter()
-                .any(|m| m.starts_with("s.yaml:5:") && m.contains("readiness is known")),
+                .any(|m| m.starts_with("s.yaml:5:") && m.contains("`nobody`")),
             "{e:?}"
         );
         assert!(

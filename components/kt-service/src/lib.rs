@@ -6,12 +6,15 @@
 //! - [`ApiJson`]: a JSON extractor whose rejections are [`ApiError`]s;
 //! - [`auth`]: bearer-token middleware (everything but `/healthz` and `/readyz`);
 //! - [`metrics`]: Prometheus counters every server exposes on `/metrics`;
+//! - [`reads`]: the read half of the sync protocol (read leases, batch streams,
+//!   ranges) over any [`reads::ReadSource`]: the store and node agents;
 //! - [`telemetry`]: logging set-up and the signal handler.
 
 pub mod auth;
 pub mod cli;
 pub mod error;
 pub mod metrics;
+pub mod reads;
 pub mod telemetry;
 
 use std::sync::Arc;
@@ -27,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 pub use auth::Token;
 pub use error::{ApiBytes, ApiError, ApiJson};
 pub use metrics::Metrics;
+pub use reads::{blocking, sync_err};
 
 /// Readiness flag answered on `/readyz`.
 #[derive(Debug, Clone, Default)]

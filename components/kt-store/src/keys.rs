@@ -17,7 +17,8 @@ use tokio::sync::Mutex;
 #[derive(Debug, Clone)]
 pub struct VersionMeta {
     pub key: Key,
-    pub manifest: Manifest,
+    /// Shared with the read leases of this version.
+    pub manifest: Arc<Manifest>,
     pub options: PutOptions,
 }
 
@@ -42,7 +43,7 @@ impl VersionMeta {
         let manifest = kt_types::codec::decode(encoded)?;
         let meta = VersionMeta {
             key: h.key,
-            manifest,
+            manifest: Arc::new(manifest),
             options: h.options,
         };
         Ok((meta, kt_sync::digest_of_encoded(encoded)))

@@ -3,7 +3,8 @@
 //! - [`keys`]: per-key versioned directories on disk, the current manifest of
 //!   each, read pins, and garbage collection of superseded versions;
 //! - [`put`]: upload sessions (plan, batch stream, chunks, commit);
-//! - [`read`]: read leases (manifest, batch stream, ranges);
+//! - [`read`]: the store as a [`kt_service::reads::ReadSource`] (a read pins
+//!   its version; the lease protocol itself is shared), tree listing and deletes;
 //! - [`registrar`]: announcing the store and its keys to the metadata server.
 //!
 //! Invariants: a put is staged in a fresh version directory and published by an

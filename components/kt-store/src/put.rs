@@ -203,7 +203,7 @@ pub async fn plan(
             let base_pair = base
                 .as_ref()
                 .zip(base_root.as_deref())
-                .map(|(b, root)| (root, &b.meta.manifest));
+                .map(|(b, root)| (root, &*b.meta.manifest));
             let needed = match stage_from_base(&dir.version_path(&version), &manifest, base_pair) {
                 Ok(n) => n,
                 Err(e) => {
@@ -262,7 +262,7 @@ pub async fn plan(
         version,
         meta: Arc::new(VersionMeta {
             key: req.key,
-            manifest,
+            manifest: Arc::new(manifest),
             options: req.options,
         }),
         digest: req.digest,

@@ -124,11 +124,13 @@ impl Registrar {
                 .bearer_auth(self.token.expose())
                 .send()
                 .await;
+            // Up to date, or superseded by a `locale=local` put (the key
+            // now belongs to a pod's agent, not to us): nothing to do.
             let up_to_date = match known {
-                Ok(r) if r.status().is_success() => r
-                    .json::<KeyRecord>()
-                    .await
-                    .is_ok_and(|rec| rec.version == reg.version && rec.source == reg.source),
+                Ok(r) if r.status().is_success() => r.json::<KeyRecord>().await.is_ok_and(|rec| {
+                    rec.holder != kt_types::STORE_HOLDER
+                        || (rec.version == reg.version && rec.source == reg.source)
+                }),
                 _ => false,
             };
             if !up_to_date && let Err(e) = self.register(&key, reg).await {

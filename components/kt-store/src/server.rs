@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{delete, get, post, put};
-use kt_service::{ApiError, Metrics, Ready, Token};
+use kt_service::reads::Reads;
+use kt_service::{Metrics, Ready, Token};
 use kt_sync::SyncError;
-use kt_types::ErrorCode;
 use kt_types::manifest::ManifestLimits;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::keys::Keys;
 use crate::put::PutSession;
-use crate::read::ReadLease;
+use crate::read::StoreVersions;
 use crate::registrar::Registrar;
 use crate::{put, read};
 
@@ -80,9 +80,10 @@ pub enum StoreError {
 #[derive(Debug)]
 pub struct Shared {
     pub cfg: Config,
-    pub keys: Keys,
+    pub keys: Arc<Keys>,
     pub puts: std::sync::Mutex<HashMap<String, Arc<PutSession>>>,
-    pub reads: std::sync::Mutex<HashMap<String, Arc<ReadLease>>>,
+    /// Read leases over [`StoreVersions`] (the shared read protocol).
+    pub reads: Arc<Reads<StoreVersions>>,
     pub metrics: Arc<Metrics>,
     pub registrar: Arc<Registrar>,
     pub url: String,
@@ -90,34 +91,7 @@ pub struct Shared {
 
 pub type AppState = Arc<Shared>;
 
-/// Maps sync-engine errors to API errors.
-pub fn sync_err(e: SyncError) -> ApiError {
-    let code = match &e {
-        SyncError::HashMismatch { .. } => ErrorCode::HashMismatch,
-        SyncError::Truncated => ErrorCode::Truncated,
-        SyncError::UnexpectedEntry { .. }
-        | SyncError::TrailingData
-        | SyncError::SizeMismatch { .. }
-        | SyncError::BadChunk { .. }
-        | SyncError::Stream(_) => ErrorCode::InvalidRequest,
-        SyncError::Manifest(_) | SyncError::LinkEscapes { .. } | SyncError::NonUtf8 { .. } => {
-            ErrorCode::InvalidManifest
-        }
-        SyncError::NotFound { .. } => ErrorCode::NotFound,
-        SyncError::Io { .. } | SyncError::BadChunkSize(_) => ErrorCode::Internal,
-    };
-    ApiError::new(code, e.to_string())
-}
-
-/// Runs blocking file work off the async threads.
-pub async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, SyncError> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::internal(format!("worker failed: {e}")))?
-        .map_err(sync_err)
-}
+pub use kt_service::{blocking, sync_err};
 
 /// A running store: its counters and its task.
 #[derive(Debug)]
@@ -149,16 +123,24 @@ pub fn start(
     shutdown: CancellationToken,
 ) -> Result<StoreHandle, StoreError> {
     kt_sync::chunk::check_chunk_size(cfg.chunk_size)?;
-    let keys = Keys::open(&cfg.data_dir)?;
+    let keys = Arc::new(Keys::open(&cfg.data_dir)?);
     let url = advertised(listener.local_addr()?, cfg.advertise_url.as_deref());
     let registrar = Arc::new(
         Registrar::new(&cfg.metadata_url, &url, cfg.token.clone()).map_err(StoreError::Config)?,
     );
     let metrics = Arc::new(Metrics::new());
+    let reads = Reads::new(
+        StoreVersions {
+            keys: keys.clone(),
+            chunk_size: cfg.chunk_size,
+        },
+        metrics.clone(),
+        cfg.lease_ttl,
+    );
     let shared = Arc::new(Shared {
         keys,
         puts: Default::default(),
-        reads: Default::default(),
+        reads,
         metrics: metrics.clone(),
         registrar,
         url: url.clone(),
@@ -194,15 +176,11 @@ fn routes(state: AppState) -> Router {
         .route("/api/v1/puts/{session}/commit", post(put::commit))
         .route("/api/v1/puts/{session}", delete(put::abort))
         .route("/api/v1/trees", get(read::list))
-        .route(
-            "/api/v1/trees/{*key}",
-            get(read::open).delete(read::delete_tree),
-        )
-        .route("/api/v1/reads/{lease}/batch", post(read::batch))
-        .route("/api/v1/reads/{lease}/files/{index}", get(read::range))
-        .route("/api/v1/reads/{lease}", delete(read::release))
+        .route("/api/v1/trees/{*key}", delete(read::delete_tree))
+        .with_state(state.clone())
+        // GET /api/v1/trees/{key} and /api/v1/reads/...
+        .merge(state.reads.routes())
         .layer(DefaultBodyLimit::max(json_limit))
-        .with_state(state)
 }
 
 async fn serve(
@@ -255,7 +233,7 @@ async fn background(s: AppState, ready: Ready, shutdown: CancellationToken) {
             _ = tick.tick() => {}
         }
         s.registrar.retry_pending().await;
-        read::sweep(&s, Instant::now()).await;
+        s.reads.sweep(Instant::now()).await;
         put::sweep(&s, Instant::now()).await;
     }
     // Abort unfinished uploads so their staging areas do not outlive us.

@@ -114,6 +114,8 @@ impl Cluster {
     pub fn client(&self) -> Client {
         let mut cfg = ClientConfig::new(self.metadata_url(), TOKEN);
         cfg.cache_dir = Some(self.dir.path().join(format!("cache-{}", uuid_like())));
+        // This test's own socket path: never an agent some other process runs.
+        cfg.agent_socket = self.dir.path().join("client-agent.sock");
         Client::new(cfg).expect("client")
     }
 
@@ -266,4 +268,283 @@ pub fn listing(root: &Path) -> Vec<String> {
     walk(root, root, &mut out);
     out.sort();
     out
+}
+
+/// A node agent in-process on `127.0.0.1:0`, with its control socket and
+/// state directory under the cluster's directory; restartable on the same
+/// address, socket and state.
+#[derive(Debug)]
+pub struct Agent {
+    pub id: String,
+    /// The URL it advertises (and serves the read protocol on).
+    pub url: String,
+    pub config: kt_agent::Config,
+    pub exports: std::sync::Arc<kt_agent::exports::Exports>,
+    server: Option<Server>,
+}
+
+impl Cluster {
+    /// Starts a node agent named `id` that beats to this cluster's metadata server.
+    pub async fn start_agent(&self, id: &str) -> Agent {
+        let run = self.dir.path().join(format!("agent-{id}"));
+        let cfg = kt_agent::Config::new(
+            id,
+            self.metadata_url(),
+            Token::new(TOKEN).expect("token"),
+            run.join("agent.sock"),
+        );
+        let (server, url, exports) = start_agent_at(&cfg, "127.0.0.1:0").await;
+        Agent {
+            id: id.to_owned(),
+            url,
+            config: cfg,
+            exports,
+            server: Some(server),
+        }
+    }
+}
+
+impl Agent {
+    pub fn socket(&self) -> &Path {
+        &self.config.socket
+    }
+
+    /// A control connection past the hello.
+    pub async fn control(&self) -> ControlClient {
+        let mut c = ControlClient::connect(self.socket())
+            .await
+            .expect("connect to the agent");
+        let hello = c
+            .ask(&kt_types::agent::ControlRequest::Hello {
+                version: kt_types::agent::CONTROL_VERSION,
+            })
+            .await;
+        assert!(
+            matches!(hello, Some(kt_types::agent::ControlReply::Hello { .. })),
+            "{hello:?}"
+        );
+        c
+    }
+
+    /// Stops the agent (as on SIGTERM) and starts it again on the same
+    /// address, socket and state directory.
+    pub async fn restart(&mut self) {
+        let old = self.server.take().expect("agent running");
+        let addr = old.addr;
+        old.stop().await;
+        let (server, url, exports) = start_agent_at(&self.config, &addr.to_string()).await;
+        self.server = Some(server);
+        self.url = url;
+        self.exports = exports;
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(s) = self.server.take() {
+            s.stop().await;
+        }
+    }
+}
+
+async fn start_agent_at(
+    cfg: &kt_agent::Config,
+    addr: &str,
+) -> (Server, String, std::sync::Arc<kt_agent::exports::Exports>) {
+    let listener = bind(addr).await;
+    let addr = listener.local_addr().expect("addr");
+    let shutdown = CancellationToken::new();
+    let handle = kt_agent::start(listener, cfg.clone(), shutdown.clone()).expect("agent");
+    let (url, exports) = (handle.url.clone(), handle.exports.clone());
+    let task = tokio::spawn(async move {
+        handle.task.await.expect("join").expect("agent");
+    });
+    (
+        Server {
+            addr,
+            shutdown,
+            task,
+        },
+        url,
+        exports,
+    )
+}
+
+/// A raw client of an agent's control socket (length-prefixed JSON).
+#[derive(Debug)]
+pub struct ControlClient {
+    stream: tokio::net::UnixStream,
+}
+
+impl ControlClient {
+    pub async fn connect(socket: &Path) -> std::io::Result<Self> {
+        Ok(ControlClient {
+            stream: tokio::net::UnixStream::connect(socket).await?,
+        })
+    }
+
+    /// One request, one reply; `None` when the agent closed the connection.
+    pub async fn ask(
+        &mut self,
+        req: &kt_types::agent::ControlRequest,
+    ) -> Option<kt_types::agent::ControlReply> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let frame = kt_types::agent::encode_frame(req).expect("encode");
+        self.stream.write_all(&frame).await.ok()?;
+        let mut head = [0u8; 4];
+        self.stream.read_exact(&mut head).await.ok()?;
+        let mut body = vec![0u8; kt_types::agent::frame_len(head).expect("frame length")];
+        self.stream.read_exact(&mut body).await.ok()?;
+        Some(serde_json::from_slice(&body).expect("a control reply"))
+    }
+}
+
+/// A failed read-protocol request: its status and error body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadFailure {
+    pub status: u16,
+    pub code: Option<kt_types::ErrorCode>,
+    pub message: String,
+}
+
+async fn failure(resp: reqwest::Response) -> ReadFailure {
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap_or_default();
+    let body = serde_json::from_str::<kt_types::ErrorBody>(&text).ok();
+    ReadFailure {
+        status,
+        code: body.as_ref().map(|b| b.error.code),
+        message: body.map(|b| b.error.message).unwrap_or(text),
+    }
+}
+
+/// Opens a read lease on `key` at `base` (a store or an agent).
+pub async fn open_read(
+    http: &reqwest::Client,
+    base: &str,
+    key: &str,
+) -> Result<kt_types::api::ReadManifest, ReadFailure> {
+    let resp = http
+        .get(format!("{base}/api/v1/trees/{key}"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("request");
+    if !resp.status().is_success() {
+        return Err(failure(resp).await);
+    }
+    let doc = resp.bytes().await.expect("body");
+    Ok(kt_types::api::ReadManifest::from_document(&doc).expect("read manifest"))
+}
+
+/// Reads `len` bytes at `offset` of manifest entry `index` under a read lease.
+pub async fn read_range(
+    http: &reqwest::Client,
+    base: &str,
+    lease: &str,
+    index: u32,
+    offset: u64,
+    len: u64,
+) -> Result<bytes::Bytes, ReadFailure> {
+    let resp = http
+        .get(format!("{base}/api/v1/reads/{lease}/files/{index}"))
+        .query(&[("offset", offset), ("len", len)])
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("request");
+    if !resp.status().is_success() {
+        return Err(failure(resp).await);
+    }
+    Ok(resp.bytes().await.expect("body"))
+}
+
+/// Fetches `key` from `base` over the read protocol, the way a getter does
+/// (small files in one batch stream, large ones in chunk-sized ranges), into
+/// `dest`, every file verified against its hash; then releases the lease.
+/// Returns the read manifest.
+pub async fn fetch(
+    http: &reqwest::Client,
+    base: &str,
+    key: &str,
+    dest: &Path,
+) -> Result<kt_types::api::ReadManifest, ReadFailure> {
+    use kt_sync::apply::{self, WriteMode};
+    use kt_types::{EntryKind, RootKind};
+    let read = open_read(http, base, key).await?;
+    let m = std::sync::Arc::new(read.manifest.clone());
+    let path_of = |e: &kt_types::Entry| match m.root {
+        RootKind::Dir => dest.join(&e.path),
+        RootKind::File => dest.to_owned(),
+    };
+    match m.root {
+        RootKind::Dir => apply::ensure_dirs(dest, &m).expect("dirs"),
+        RootKind::File => std::fs::create_dir_all(dest.parent().expect("parent")).expect("mkdir"),
+    }
+    let mut small = std::collections::HashMap::new();
+    for (i, e) in m.entries.iter().enumerate() {
+        if e.kind != EntryKind::File {
+            continue;
+        }
+        if e.size <= read.chunk_size {
+            small.insert(
+                i as u32,
+                kt_sync::batch::Expected {
+                    dest: path_of(e),
+                    entry: e.clone(),
+                },
+            );
+            continue;
+        }
+        let mut data = Vec::with_capacity(e.size as usize);
+        let mut offset = 0;
+        while offset < e.size {
+            let len = read.chunk_size.min(e.size - offset);
+            let part = read_range(http, base, &read.lease, i as u32, offset, len).await?;
+            data.extend_from_slice(&part);
+            offset += len;
+        }
+        apply::write_verified(&path_of(e), e, &data, WriteMode::Direct).map_err(|err| {
+            ReadFailure {
+                status: 0,
+                code: None,
+                message: err.to_string(),
+            }
+        })?;
+    }
+    if !small.is_empty() {
+        let mut indices: Vec<u32> = small.keys().copied().collect();
+        indices.sort_unstable();
+        let resp = http
+            .post(format!("{base}/api/v1/reads/{}/batch", read.lease))
+            .json(&kt_types::api::BatchRequest { indices })
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("request");
+        if !resp.status().is_success() {
+            return Err(failure(resp).await);
+        }
+        kt_sync::batch::receive_stream(
+            Box::pin(resp.bytes_stream()),
+            std::sync::Arc::new(small),
+            WriteMode::Direct,
+            None,
+        )
+        .await
+        .map_err(|err| ReadFailure {
+            status: 0,
+            code: None,
+            message: err.to_string(),
+        })?;
+    }
+    if m.root == RootKind::Dir {
+        apply::finish_tree(dest, &m).expect("finish tree");
+    }
+    let released = http
+        .delete(format!("{base}/api/v1/reads/{}", read.lease))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .expect("request");
+    assert!(released.status().is_success(), "releasing the lease");
+    Ok(read)
 }

@@ -72,7 +72,7 @@ pub enum ControlReply {
     Exported {
         export: ExportInfo,
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        record: Option<KeyRecord>,
+        record: Option<Box<KeyRecord>>,
     },
     Status {
         agent: String,

@@ -12,7 +12,7 @@ use async_trait::async_trait;
 use tokio::process::Command;
 
 use super::procs::{PodProcs, Server, binary, free_port};
-use super::{Component, ExecOutput, ExecRequest, Plan, Program, Target, TargetError};
+use super::{Component, ExecOutput, ExecRequest, Plan, PodPlan, Program, Target, TargetError};
 use crate::format::Signal;
 
 /// How long a server gets to become ready.
@@ -29,47 +29,36 @@ pub fn pod_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::new(127, 0, 1 + (n / 250) as u8, 2 + (n % 250) as u8)
 }
 
-/// The two servers of a process-based testbed, each with the URL the runner
-/// reaches it at. Each behind its own lock: kill and restart run while pods
-/// exec, and restarting one server never waits on the other's start-up (the
+/// The long-running processes of a process-based testbed: the metadata
+/// server, the store and every pod's node agent, each with the URL the
+/// runner reaches it at. Each behind its own lock: kill and restart run while
+/// pods exec, and restarting one never waits on another's start-up (the
 /// store's readiness waits for the metadata server).
 #[derive(Debug, Default)]
 pub struct Servers {
-    metadata: tokio::sync::Mutex<Option<(Server, String)>>,
-    store: tokio::sync::Mutex<Option<(Server, String)>>,
+    slots: HashMap<Component, Slot>,
 }
 
 type Slot = tokio::sync::Mutex<Option<(Server, String)>>;
 
 impl Servers {
     /// Sets up (does not start) the server of `c`.
-    pub fn set(&mut self, c: &Component, server: Server, url: String) -> Result<(), TargetError> {
-        let slot = match c {
-            Component::Metadata => &mut self.metadata,
-            Component::Store => &mut self.store,
-            Component::Pod(p) => {
-                return Err(TargetError::Failed(format!("pod {p} is not a server")));
-            }
-        };
-        *slot.get_mut() = Some((server, url));
-        Ok(())
+    pub fn set(&mut self, c: &Component, server: Server, url: String) {
+        self.slots
+            .insert(c.clone(), tokio::sync::Mutex::new(Some((server, url))));
     }
 
     fn slot(&self, c: &Component) -> Result<&Slot, TargetError> {
-        match c {
-            Component::Metadata => Ok(&self.metadata),
-            Component::Store => Ok(&self.store),
-            Component::Pod(p) => Err(TargetError::Failed(format!(
-                "pod {p} has no server to restart"
-            ))),
-        }
+        self.slots
+            .get(c)
+            .ok_or_else(|| TargetError::Failed(format!("{c} has no server (is the testbed up?)")))
     }
 
     /// Signals one server and waits for it to exit.
     pub async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
         match self.slot(c)?.lock().await.as_mut() {
             Some((s, _)) => s.stop(signal, GRACE).await,
-            None => Err(TargetError::Failed("the testbed is not up".into())),
+            None => Ok(()),
         }
     }
 
@@ -82,26 +71,97 @@ impl Servers {
                     .wait_ready(http, &format!("{url}/readyz"), READY_TIMEOUT)
                     .await
             }
-            None => Err(TargetError::Failed("the testbed is not up".into())),
+            None => Err(TargetError::Failed(format!("{c} is not set up"))),
         }
     }
 
-    /// Stops both, the store first (it talks to the metadata server while
-    /// stopping).
+    /// Starts every pod's agent at once and waits until all are ready.
+    pub async fn start_pods(&self, http: &reqwest::Client) -> Result<(), TargetError> {
+        let pods: Vec<&Component> = self
+            .slots
+            .keys()
+            .filter(|c| matches!(c, Component::Pod(_)))
+            .collect();
+        let started =
+            futures::future::join_all(pods.into_iter().map(|c| self.start(http, c))).await;
+        started.into_iter().collect()
+    }
+
+    /// The URL of a server.
+    pub async fn url(&self, c: &Component) -> Option<String> {
+        let slot = self.slots.get(c)?;
+        slot.lock().await.as_ref().map(|(_, u)| u.clone())
+    }
+
+    /// Stops everything: pods' agents, then the store (it talks to the
+    /// metadata server while stopping), then the metadata server.
     pub async fn stop_all(&self) -> Result<(), TargetError> {
-        for slot in [&self.store, &self.metadata] {
-            if let Some((s, _)) = slot.lock().await.as_mut() {
+        let pods = self
+            .slots
+            .iter()
+            .filter(|(c, _)| matches!(c, Component::Pod(_)))
+            .map(|(_, slot)| async move {
+                match slot.lock().await.as_mut() {
+                    Some((s, _)) => s.stop(Signal::TERM, GRACE).await,
+                    None => Ok(()),
+                }
+            });
+        let stopped: Result<(), TargetError> =
+            futures::future::join_all(pods).await.into_iter().collect();
+        for c in [Component::Store, Component::Metadata] {
+            if let Some(slot) = self.slots.get(&c)
+                && let Some((s, _)) = slot.lock().await.as_mut()
+            {
                 s.stop(Signal::TERM, GRACE).await?;
             }
         }
-        Ok(())
+        stopped
     }
 
-    /// Copies both logs into `dir`.
+    /// Copies every server's log into `dir`.
     pub async fn copy_logs(&self, dir: &Path) -> Result<(), TargetError> {
-        let (m, s) = (self.metadata.lock().await, self.store.lock().await);
-        copy_logs(m.iter().chain(s.iter()).map(|x| &x.0), dir)
+        let mut guards = Vec::new();
+        for slot in self.slots.values() {
+            guards.push(slot.lock().await);
+        }
+        copy_logs(guards.iter().filter_map(|g| g.as_ref()).map(|x| &x.0), dir)
     }
+}
+
+/// The command line of a pod's node agent (`kt-agent`): listening on the
+/// pod's address, its control socket and state in the pod's directory.
+pub fn agent_argv(
+    plan: &Plan,
+    pod: &PodPlan,
+    listen: &str,
+    url: &str,
+    metadata_url: &str,
+) -> Result<Vec<String>, TargetError> {
+    let dir = plan.work_dir.join("pods").join(&pod.name);
+    let mut argv = vec![
+        binary(&plan.bin_dir, "kt-agent")?,
+        "--listen".into(),
+        listen.into(),
+        "--advertise-url".into(),
+        url.into(),
+        "--id".into(),
+        pod.name.clone(),
+        "--metadata-url".into(),
+        metadata_url.into(),
+        "--socket".into(),
+        agent_socket(&dir).display().to_string(),
+        "--state-dir".into(),
+        dir.join(".kt-agent").display().to_string(),
+    ];
+    if let Some(s) = &pod.service {
+        argv.extend(["--service".into(), s.clone()]);
+    }
+    Ok(argv)
+}
+
+/// Where a pod's agent listens for its `kt` commands.
+pub fn agent_socket(pod_dir: &Path) -> PathBuf {
+    pod_dir.join("agent.sock")
 }
 
 #[derive(Debug, Default)]
@@ -111,6 +171,7 @@ pub struct Local {
     bin_kt: String,
     metadata_url: String,
     store_url: String,
+    agent_urls: HashMap<String, String>,
     servers: Servers,
     pods: HashMap<String, Ipv4Addr>,
     procs: PodProcs,
@@ -140,13 +201,14 @@ pub fn server_argvs(
     store_listen: &str,
     store_url: &str,
 ) -> Result<(Vec<String>, Vec<String>), TargetError> {
-    let meta = vec![
+    let mut meta = vec![
         binary(&plan.bin_dir, "kt-metadata")?,
         "--listen".into(),
         metadata_listen.into(),
         "--state-dir".into(),
         plan.work_dir.join("metadata").display().to_string(),
     ];
+    meta.extend(plan.metadata_flags.iter().cloned());
     let mut store = vec![
         binary(&plan.bin_dir, "kt-store")?,
         "--listen".into(),
@@ -180,6 +242,10 @@ pub fn pod_env(
         ("KT_POD_NAME".to_owned(), req.pod.clone()),
         ("KT_POD_IP".to_owned(), pod_ip.to_owned()),
         ("HOME".to_owned(), pod_dir.display().to_string()),
+        (
+            "KT_AGENT_SOCKET".to_owned(),
+            agent_socket(pod_dir).display().to_string(),
+        ),
         (
             "XDG_CACHE_HOME".to_owned(),
             pod_dir.join(".cache").display().to_string(),
@@ -266,23 +332,35 @@ impl Target for Local {
         self.servers.set(
             &Component::Metadata,
             Server::new("metadata", margv, env.clone(), logs.join("metadata.log")),
-            metadata_url,
-        )?;
+            metadata_url.clone(),
+        );
         self.servers.set(
             &Component::Store,
-            Server::new("store", sargv, env, logs.join("store.log")),
+            Server::new("store", sargv, env.clone(), logs.join("store.log")),
             store_url,
-        )?;
-        let servers = &self.servers;
-        servers.start(&self.http, &Component::Metadata).await?;
-        servers.start(&self.http, &Component::Store).await?;
+        );
         self.pods = plan
             .pods
             .iter()
             .enumerate()
             .map(|(i, p)| (p.name.clone(), pod_ip(i)))
             .collect();
-        Ok(())
+        for p in &plan.pods {
+            let ip = self.pods[&p.name];
+            let port = free_port(IpAddr::V4(ip))?;
+            let url = format!("http://{ip}:{port}");
+            let argv = agent_argv(plan, p, &format!("{ip}:{port}"), &url, &metadata_url)?;
+            let log = logs.join(format!("agent-{}.log", p.name));
+            self.agent_urls.insert(p.name.clone(), url.clone());
+            self.servers.set(
+                &Component::Pod(p.name.clone()),
+                Server::new(&format!("agent-{}", p.name), argv, env.clone(), log),
+                url,
+            );
+        }
+        self.servers.start(&self.http, &Component::Metadata).await?;
+        self.servers.start(&self.http, &Component::Store).await?;
+        self.servers.start_pods(&self.http).await
     }
 
     fn metadata_url(&self) -> String {
@@ -293,7 +371,7 @@ impl Target for Local {
         match c {
             Component::Metadata => Some(self.metadata_url.clone()),
             Component::Store => Some(self.store_url.clone()),
-            Component::Pod(_) => None,
+            Component::Pod(p) => self.agent_urls.get(p).cloned(),
         }
     }
 
@@ -319,9 +397,9 @@ impl Target for Local {
     }
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
+        // A pod dies whole: its commands and its agent.
         if let Component::Pod(p) = c {
             self.procs.signal(p, signal);
-            return Ok(());
         }
         self.servers.kill(c, signal).await
     }

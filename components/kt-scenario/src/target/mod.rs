@@ -29,6 +29,8 @@ pub struct Plan {
     pub bin_dir: PathBuf,
     pub token: String,
     pub chunk_size: Option<u64>,
+    /// Extra flags of the metadata server (timing knobs).
+    pub metadata_flags: Vec<String>,
     pub pods: Vec<PodPlan>,
 }
 

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use tokio::process::Command;
 
-use super::local::{Servers, exec_argv, make_pod_dirs, pod_env, server_argvs};
+use super::local::{Servers, agent_argv, exec_argv, make_pod_dirs, pod_env, server_argvs};
 use super::procs::{PodProcs, Server, binary};
 use super::{Component, ExecOutput, ExecRequest, Plan, Target, TargetError};
 use crate::format::Signal;
@@ -44,6 +44,8 @@ const SUBNET: &str = "198.18.0.0/15";
 const PREFIX_LEN: u8 = 15;
 const METADATA_PORT: u16 = 8081;
 const STORE_PORT: u16 = 8082;
+/// Every pod's node agent listens on this port of the pod's address.
+const AGENT_PORT: u16 = 8090;
 /// A Linux bridge has at most 1023 ports; the servers take two.
 pub const MAX_PODS: usize = 1021;
 /// Setup commands run at once.
@@ -696,6 +698,8 @@ pub struct Netns {
     metadata_url: String,
     store_url: String,
     servers: Servers,
+    /// Pod name → its agent's URL.
+    agent_urls: HashMap<String, String>,
     net: Option<Network>,
     /// Pod name → its namespace and address.
     pods: HashMap<String, (String, Ipv4Addr)>,
@@ -715,6 +719,7 @@ impl Default for Netns {
             metadata_url: String::new(),
             store_url: String::new(),
             servers: Default::default(),
+            agent_urls: HashMap::new(),
             net: None,
             pods: HashMap::new(),
             procs: PodProcs::default(),
@@ -772,20 +777,43 @@ impl Netns {
                 logs.join("metadata.log"),
             ),
             self.metadata_url.clone(),
-        )?;
+        );
         self.servers.set(
             &Component::Store,
             Server::new(
                 "store",
                 in_netns(&net.store().netns, sargv),
-                env,
+                env.clone(),
                 logs.join("store.log"),
             ),
             self.store_url.clone(),
-        )?;
+        );
+        // Every pod's node agent, in the pod's namespace on its address.
+        for (p, n) in plan.pods.iter().zip(net.pods()) {
+            let url = format!("http://{}:{AGENT_PORT}", n.ip);
+            let argv = agent_argv(
+                plan,
+                p,
+                &format!("{}:{AGENT_PORT}", n.ip),
+                &url,
+                &self.metadata_url,
+            )?;
+            self.agent_urls.insert(p.name.clone(), url.clone());
+            self.servers.set(
+                &Component::Pod(p.name.clone()),
+                Server::new(
+                    &format!("agent-{}", p.name),
+                    in_netns(&n.netns, argv),
+                    env.clone(),
+                    logs.join(format!("agent-{}.log", p.name)),
+                ),
+                url,
+            );
+        }
         self.net = Some(net);
         self.servers.start(&self.http, &Component::Metadata).await?;
-        self.servers.start(&self.http, &Component::Store).await
+        self.servers.start(&self.http, &Component::Store).await?;
+        self.servers.start_pods(&self.http).await
     }
 }
 
@@ -834,7 +862,7 @@ impl Target for Netns {
         match c {
             Component::Metadata => Some(self.metadata_url.clone()),
             Component::Store => Some(self.store_url.clone()),
-            Component::Pod(_) => None,
+            Component::Pod(p) => self.agent_urls.get(p).cloned(),
         }
     }
 
@@ -858,9 +886,9 @@ impl Target for Netns {
     }
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
+        // A pod dies whole: its commands and its agent.
         if let Component::Pod(p) = c {
             self.procs.signal(p, signal);
-            return Ok(());
         }
         self.servers.kill(c, signal).await
     }

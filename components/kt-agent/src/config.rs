@@ -1,0 +1,178 @@
+//! Configuration of an agent, and the defaults its flags fall back to.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kt_service::Token;
+use kt_types::manifest::ManifestLimits;
+
+/// Everything an agent needs besides its listener.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Unique per pod (the pod's name): the agent's id at the metadata server.
+    pub id: String,
+    /// URL under which peers reach this agent; see [`advertised`].
+    pub advertise_url: Option<String>,
+    /// The pod's IP (`KT_POD_IP`): advertised when listening on an unspecified address.
+    pub pod_ip: Option<String>,
+    /// The owning service, announced with every heartbeat.
+    pub service: Option<String>,
+    pub metadata_url: String,
+    pub token: Token,
+    /// The control socket (created mode 0600; a stale one is replaced).
+    pub socket: PathBuf,
+    /// Where exports are persisted (and scan caches of local exports kept).
+    pub state_dir: PathBuf,
+    /// Large files are fetched from this agent in ranges of this size.
+    pub chunk_size: u64,
+    pub max_in_flight: usize,
+    /// Largest JSON request (batch requests list indices).
+    pub max_request_bytes: usize,
+    pub limits: ManifestLimits,
+    /// Idle read leases are released after this.
+    pub lease_ttl: Duration,
+    /// Heartbeat period until the metadata server names its own.
+    pub heartbeat: Duration,
+    /// Timeout of each request to the metadata server.
+    pub metadata_timeout: Duration,
+    /// How long in-flight requests may finish after shutdown is requested.
+    pub drain: Duration,
+}
+
+impl Config {
+    pub fn new(
+        id: impl Into<String>,
+        metadata_url: impl Into<String>,
+        token: Token,
+        socket: impl Into<PathBuf>,
+    ) -> Self {
+        let socket = socket.into();
+        Config {
+            id: id.into(),
+            advertise_url: None,
+            pod_ip: None,
+            service: None,
+            metadata_url: metadata_url.into(),
+            token,
+            state_dir: default_state_dir(&socket),
+            socket,
+            chunk_size: kt_sync::defaults::CHUNK_SIZE,
+            max_in_flight: 512,
+            max_request_bytes: 64 << 20,
+            limits: ManifestLimits::default(),
+            lease_ttl: Duration::from_secs(300),
+            heartbeat: Duration::from_secs(2),
+            metadata_timeout: Duration::from_secs(10),
+            drain: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The real uid of this process, from `/proc` (0 where it cannot be read),
+/// the same way `kt` finds it.
+fn uid() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|v| v.split_whitespace().next().map(str::to_owned))
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// `$XDG_RUNTIME_DIR/kt/agent.sock`, else `/tmp/kt-agent-<uid>.sock`
+/// (`KT_AGENT_SOCKET` overrides it, through the flag).
+pub fn default_socket() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        Some(d) => PathBuf::from(d).join("kt").join("agent.sock"),
+        None => PathBuf::from(format!("/tmp/kt-agent-{}.sock", uid())),
+    }
+}
+
+/// Beside the socket: `agent.sock` → `agent.state/`.
+pub fn default_state_dir(socket: &Path) -> PathBuf {
+    socket.with_extension("state")
+}
+
+/// `KT_POD_NAME`, else the host name, else `kt-agent`.
+pub fn default_id() -> String {
+    let from_env = std::env::var("KT_POD_NAME").ok();
+    let from_host = || {
+        ["/proc/sys/kernel/hostname", "/etc/hostname"]
+            .iter()
+            .find_map(|p| std::fs::read_to_string(p).ok())
+    };
+    from_env
+        .or_else(from_host)
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "kt-agent".to_owned())
+}
+
+/// The URL peers use: the configured one; else, listening on an unspecified
+/// address, the pod IP (or 127.0.0.1, with a warning); else the listen address.
+pub fn advertised(addr: SocketAddr, configured: Option<&str>, pod_ip: Option<&str>) -> String {
+    if let Some(u) = configured.filter(|u| !u.is_empty()) {
+        return u.trim_end_matches('/').to_owned();
+    }
+    let ip = if addr.ip().is_unspecified() {
+        match pod_ip.and_then(|p| p.trim().parse::<IpAddr>().ok()) {
+            Some(ip) => ip,
+            None => {
+                tracing::warn!(
+                    "listening on an unspecified address without KT_POD_IP; advertising 127.0.0.1 (set --advertise-url)"
+                );
+                IpAddr::from([127, 0, 0, 1])
+            }
+        }
+    } else {
+        addr.ip()
+    };
+    format!("http://{}", SocketAddr::new(ip, addr.port()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advertised_urls() {
+        let any: SocketAddr = "0.0.0.0:8090".parse().unwrap();
+        let lo: SocketAddr = "127.0.0.3:9000".parse().unwrap();
+        assert_eq!(advertised(any, None, None), "http://127.0.0.1:8090");
+        assert_eq!(
+            advertised(any, None, Some("10.1.2.3")),
+            "http://10.1.2.3:8090"
+        );
+        assert_eq!(
+            advertised(any, None, Some("fd00::5")),
+            "http://[fd00::5]:8090"
+        );
+        assert_eq!(
+            advertised(lo, None, Some("10.1.2.3")),
+            "http://127.0.0.3:9000"
+        );
+        assert_eq!(
+            advertised(any, Some("http://agent.svc:1/"), Some("10.1.2.3")),
+            "http://agent.svc:1"
+        );
+    }
+
+    #[test]
+    fn state_dir_sits_beside_the_socket() {
+        assert_eq!(
+            default_state_dir(Path::new("/run/user/1/kt/agent.sock")),
+            PathBuf::from("/run/user/1/kt/agent.state")
+        );
+        assert_eq!(
+            default_state_dir(Path::new("/tmp/kt-agent-1.sock")),
+            PathBuf::from("/tmp/kt-agent-1.state")
+        );
+        assert!(!default_id().is_empty());
+        let s = default_socket();
+        assert!(s.to_string_lossy().ends_with(".sock"), "{}", s.display());
+    }
+}

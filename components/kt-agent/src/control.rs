@@ -1,0 +1,389 @@
+//! The local control socket ([`kt_types::agent`]): a Unix socket, mode 0600,
+//! speaking length-prefixed JSON. Each connection must start with `hello`
+//! (a version it does not speak is answered with an error, and the
+//! connection closed); then one reply per request. Many clients may be
+//! connected at once.
+
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kt_service::ApiError;
+use kt_sync::{ScanCache, SyncError};
+use kt_types::agent::{
+    CONTROL_VERSION, ControlReply, ControlRequest, ExportInfo, encode_frame, frame_len,
+};
+use kt_types::api::{PutOptions, RegisterKey};
+use kt_types::manifest::ManifestLimits;
+use kt_types::{ErrorCode, Key, Locale, Manifest, RootKind};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio_util::sync::CancellationToken;
+
+use crate::exports::{Export, Exports};
+use crate::metadata::MetadataClient;
+
+/// Longest version id an export may carry.
+const MAX_VERSION_LEN: usize = 256;
+
+/// What control requests act on.
+#[derive(Debug)]
+pub struct Agent {
+    pub id: String,
+    pub url: String,
+    pub exports: Arc<Exports>,
+    pub metadata: Arc<MetadataClient>,
+    pub limits: ManifestLimits,
+    /// Held from registration to export of a local put.
+    pub local_puts: tokio::sync::Mutex<()>,
+}
+
+impl Agent {
+    /// Answers one request (after the handshake). Failures are `Error` replies.
+    pub async fn handle(&self, req: ControlRequest) -> ControlReply {
+        let res = match req {
+            ControlRequest::Hello { version } => Ok(self.hello(version)),
+            ControlRequest::ExportLocal { key, path, options } => {
+                self.export_local(key, &path, options).await
+            }
+            ControlRequest::ExportCopy {
+                key,
+                version,
+                path,
+                manifest,
+            } => self.export_copy(key, version, &path, manifest).await,
+            ControlRequest::Status => Ok(ControlReply::Status {
+                agent: self.id.clone(),
+                url: self.url.clone(),
+                exports: self.exports.all().iter().map(|e| e.info()).collect(),
+            }),
+        };
+        res.unwrap_or_else(|e| ControlReply::Error {
+            code: e.code,
+            message: e.message,
+        })
+    }
+
+    fn hello(&self, version: u32) -> ControlReply {
+        if version != CONTROL_VERSION {
+            return ControlReply::Error {
+                code: ErrorCode::InvalidRequest,
+                message: format!(
+                    "control protocol version {version} is not spoken here; this agent speaks {CONTROL_VERSION}"
+                ),
+            };
+        }
+        ControlReply::Hello {
+            version: CONTROL_VERSION,
+            agent: self.id.clone(),
+            url: self.url.clone(),
+        }
+    }
+
+    /// `kt put --locale local`: scan the user's files in place, serve them,
+    /// register the key with this agent as its holder.
+    async fn export_local(
+        &self,
+        key: Key,
+        path: &str,
+        options: PutOptions,
+    ) -> Result<ControlReply, ApiError> {
+        let root = canonical(path).await?;
+        let cache_path = self.exports.scan_cache(&key);
+        let limits = self.limits;
+        let scan_root = root.clone();
+        let manifest = kt_service::blocking(move || {
+            let mut cache = ScanCache::load(&cache_path);
+            let m = kt_sync::scan(&scan_root, &mut cache)?;
+            m.validate(&limits)?;
+            if cache.dirty
+                && let Err(e) = cache.save(&cache_path)
+            {
+                tracing::warn!(error = %e, "could not save a scan cache");
+            }
+            Ok(m)
+        })
+        .await?;
+        let version = kt_sync::manifest_digest(&manifest).to_hex();
+        let reg = RegisterKey {
+            locale: Locale::Local,
+            source: self.url.clone(),
+            holder: Some(self.id.clone()),
+            version: version.clone(),
+            is_dir: manifest.root == RootKind::Dir,
+            size: manifest.total_bytes(),
+            files: manifest.file_count(),
+            options: options.clone(),
+        };
+        let export = Export {
+            key: key.clone(),
+            version,
+            path: root,
+            origin: true,
+            options,
+            manifest: Arc::new(manifest),
+        };
+        // Registered, then served: a heartbeat never announces a version the
+        // metadata server does not know yet (it would answer "drop"). One
+        // local put at a time, so records and exports agree on the last one.
+        let _one = self.local_puts.lock().await;
+        let record = self.metadata.register(&key, &reg).await?;
+        self.exports
+            .insert(export.clone())
+            .await
+            .map_err(internal)?;
+        tracing::info!(%key, version = %export.version, path = %export.path.display(), "exported (local put)");
+        Ok(ControlReply::Exported {
+            export: export.info(),
+            record: Some(Box::new(record)),
+        })
+    }
+
+    /// After a get: serve the downloaded copy (its manifest's entries only).
+    async fn export_copy(
+        &self,
+        key: Key,
+        version: String,
+        path: &str,
+        manifest: Manifest,
+    ) -> Result<ControlReply, ApiError> {
+        if version.is_empty()
+            || version.len() > MAX_VERSION_LEN
+            || version.chars().any(char::is_control)
+        {
+            return Err(ApiError::bad_request(format!(
+                "version {version:?} is empty, longer than {MAX_VERSION_LEN} bytes or has control characters"
+            )));
+        }
+        manifest.validate(&self.limits)?;
+        let root = canonical(path).await?;
+        let want_dir = manifest.root == RootKind::Dir;
+        let check = root.clone();
+        let kind_ok = kt_service::blocking(move || {
+            let md = std::fs::metadata(&check).map_err(|e| SyncError::io(&check, e))?;
+            Ok(if want_dir { md.is_dir() } else { md.is_file() })
+        })
+        .await?;
+        if !kind_ok {
+            return Err(ApiError::bad_request(format!(
+                "{path:?} is not a {} as the manifest says",
+                if want_dir { "directory" } else { "file" }
+            )));
+        }
+        if let Some(cur) = self
+            .exports
+            .get(&key)
+            .filter(|e| e.origin && e.version == version)
+        {
+            // This pod is the key's origin: the origin export stays.
+            return Ok(exported(cur.info()));
+        }
+        let export = Export {
+            key: key.clone(),
+            version,
+            path: root,
+            origin: false,
+            options: PutOptions::default(),
+            manifest: Arc::new(manifest),
+        };
+        self.exports
+            .insert(export.clone())
+            .await
+            .map_err(internal)?;
+        tracing::info!(%key, version = %export.version, path = %export.path.display(), "exported (downloaded copy)");
+        Ok(exported(export.info()))
+    }
+}
+
+fn exported(export: ExportInfo) -> ControlReply {
+    ControlReply::Exported {
+        export,
+        record: None,
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    tracing::error!(error = %e, "agent state");
+    ApiError::internal(e.to_string())
+}
+
+/// The canonical form of an absolute path that exists.
+async fn canonical(path: &str) -> Result<PathBuf, ApiError> {
+    let p = PathBuf::from(path);
+    if !p.is_absolute() {
+        return Err(ApiError::bad_request(format!(
+            "path {path:?} must be absolute"
+        )));
+    }
+    kt_service::blocking(move || std::fs::canonicalize(&p).map_err(|e| SyncError::io(&p, e))).await
+}
+
+/// The control socket file; removed on drop if it is still the one we bound.
+#[derive(Debug)]
+pub struct SocketFile {
+    path: PathBuf,
+    id: (u64, u64),
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| (m.dev(), m.ino()) == self.id) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    #[error("control socket {}: another agent is listening there", .0.display())]
+    InUse(PathBuf),
+    #[error("control socket {}: something other than a socket is in the way", .0.display())]
+    NotASocket(PathBuf),
+    #[error("control socket {}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Binds the control socket at `path` (mode 0600; its directory is created
+/// 0700 when missing). A stale socket (nobody listening) is replaced; a live
+/// one is an error.
+pub fn bind(path: &Path) -> Result<(UnixListener, SocketFile), SocketError> {
+    let io = |source| SocketError::Io {
+        path: path.to_owned(),
+        source,
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(io)?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(md) if md.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(SocketError::InUse(path.to_owned()));
+            }
+            tracing::info!(socket = %path.display(), "replacing a stale control socket");
+            std::fs::remove_file(path).map_err(io)?;
+        }
+        Ok(_) => return Err(SocketError::NotASocket(path.to_owned())),
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(path).map_err(io)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    let md = std::fs::symlink_metadata(path).map_err(io)?;
+    Ok((
+        listener,
+        SocketFile {
+            path: path.to_owned(),
+            id: (md.dev(), md.ino()),
+        },
+    ))
+}
+
+/// Accepts control connections until `shutdown`.
+pub async fn serve(listener: UnixListener, agent: Arc<Agent>, shutdown: CancellationToken) {
+    loop {
+        let accepted = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                tokio::spawn(connection(stream, agent.clone(), shutdown.clone()));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "control socket accept failed");
+                // Out of file descriptors and the like: do not spin.
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+enum Incoming {
+    Frame(Vec<u8>),
+    Closed,
+    Refused(String),
+}
+
+async fn read_frame(stream: &mut UnixStream) -> std::io::Result<Incoming> {
+    let mut head = [0u8; 4];
+    match stream.read_exact(&mut head).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Incoming::Closed),
+        Err(e) => return Err(e),
+    }
+    let n = match frame_len(head) {
+        Ok(n) => n,
+        Err(msg) => return Ok(Incoming::Refused(msg)),
+    };
+    let mut body = vec![0u8; n];
+    stream.read_exact(&mut body).await?;
+    Ok(Incoming::Frame(body))
+}
+
+async fn write_reply(stream: &mut UnixStream, reply: &ControlReply) -> std::io::Result<()> {
+    let frame = encode_frame(reply).map_err(std::io::Error::other)?;
+    stream.write_all(&frame).await
+}
+
+/// One client: hello first, then requests answered in order.
+async fn connection(mut stream: UnixStream, agent: Arc<Agent>, shutdown: CancellationToken) {
+    let mut greeted = false;
+    loop {
+        let incoming = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = read_frame(&mut stream) => r,
+        };
+        let body = match incoming {
+            Ok(Incoming::Frame(b)) => b,
+            Ok(Incoming::Closed) => return,
+            Ok(Incoming::Refused(msg)) => {
+                let reply = ControlReply::Error {
+                    code: ErrorCode::PayloadTooLarge,
+                    message: msg,
+                };
+                let _ = write_reply(&mut stream, &reply).await;
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "control connection ended");
+                return;
+            }
+        };
+        let (reply, close) = match serde_json::from_slice::<ControlRequest>(&body) {
+            Err(e) => (
+                ControlReply::Error {
+                    code: ErrorCode::InvalidRequest,
+                    message: format!("unreadable control request: {e}"),
+                },
+                !greeted,
+            ),
+            Ok(ControlRequest::Hello { version }) => {
+                let reply = agent.hello(version);
+                greeted = matches!(reply, ControlReply::Hello { .. });
+                (reply, !greeted)
+            }
+            Ok(_) if !greeted => (
+                ControlReply::Error {
+                    code: ErrorCode::InvalidRequest,
+                    message: "the first request must be hello".to_owned(),
+                },
+                true,
+            ),
+            Ok(req) => (agent.handle(req).await, false),
+        };
+        if let Err(e) = write_reply(&mut stream, &reply).await {
+            tracing::debug!(error = %e, "control client went away");
+            return;
+        }
+        if close {
+            return;
+        }
+    }
+}

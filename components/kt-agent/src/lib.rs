@@ -1,0 +1,28 @@
+//! The kt node agent: one per pod (a sidecar, or started on demand by `kt`).
+//!
+//! - [`exports`]: what the agent serves — `locale=local` puts (the user's own
+//!   files, zero copy) and downloaded copies — persisted in its state
+//!   directory and served read-only through [`kt_service::reads`];
+//! - [`control`]: the local control socket ([`kt_types::agent`]): hello,
+//!   export a local path, export a downloaded copy, status;
+//! - [`metadata`]: registration of local puts and the heartbeat loop that
+//!   announces every export and drops what the metadata server says is gone;
+//! - [`config`]: configuration and its defaults (socket, state dir, id, URL).
+//!
+//! Start one in-process with [`start`] (or [`run`]) on a bound listener.
+//!
+//! Invariants: the HTTP API is the read half of the sync protocol and nothing
+//! else; it serves the file entries of exported manifests only, never through
+//! a symlink and never outside an export's path. The agent never writes to,
+//! or deletes, exported files. A local export is served from the user's files
+//! as they are: if they change after the export, getters' blake3 checks fail
+//! and they fail over to another source (export again to publish the change).
+
+pub mod config;
+pub mod control;
+pub mod exports;
+pub mod metadata;
+mod server;
+
+pub use config::Config;
+pub use server::{AgentError, AgentHandle, run, start};

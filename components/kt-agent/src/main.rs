@@ -1,0 +1,62 @@
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use clap::Parser;
+
+/// kt node agent: serves this pod's locale=local data and downloaded copies
+/// read-only to peers, heartbeats to the metadata server, and takes requests
+/// from `kt` on a local control socket.
+#[derive(Debug, Parser)]
+#[command(name = "kt-agent", version)]
+struct Args {
+    /// Address to serve peers on.
+    #[arg(long, env = "KT_AGENT_LISTEN", default_value = "0.0.0.0:8090")]
+    listen: SocketAddr,
+    /// URL under which peers reach this agent (default: http://$KT_POD_IP:PORT
+    /// when listening on 0.0.0.0, else the listen address).
+    #[arg(long, env = "KT_AGENT_URL")]
+    advertise_url: Option<String>,
+    /// This pod's IP, advertised when listening on an unspecified address.
+    #[arg(long, env = "KT_POD_IP")]
+    pod_ip: Option<String>,
+    /// Agent id, unique per pod (default: $KT_POD_NAME, else the host name).
+    #[arg(long, env = "KT_AGENT_ID")]
+    id: Option<String>,
+    /// Service this pod belongs to (announced to the metadata server).
+    #[arg(long, env = "KT_SERVICE")]
+    service: Option<String>,
+    /// URL of the metadata server.
+    #[arg(long, env = "KT_METADATA_URL")]
+    metadata_url: String,
+    /// Control socket (default: $XDG_RUNTIME_DIR/kt/agent.sock, else /tmp/kt-agent-<uid>.sock).
+    #[arg(long, env = "KT_AGENT_SOCKET")]
+    socket: Option<PathBuf>,
+    /// Where exports are persisted (default: beside the socket, <socket>.state).
+    #[arg(long, env = "KT_AGENT_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    #[command(flatten)]
+    server: kt_service::cli::ServerArgs,
+    /// Range size for large files, in bytes (a power of two).
+    #[arg(long, env = "KT_CHUNK_SIZE", default_value_t = kt_sync::defaults::CHUNK_SIZE)]
+    chunk_size: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let token = args.server.init()?;
+    let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
+    let socket = args.socket.unwrap_or_else(kt_agent::config::default_socket);
+    let id = args.id.unwrap_or_else(kt_agent::config::default_id);
+    let mut config = kt_agent::Config::new(id, args.metadata_url, token, socket);
+    if let Some(dir) = args.state_dir {
+        config.state_dir = dir;
+    }
+    config.advertise_url = args.advertise_url;
+    config.pod_ip = args.pod_ip;
+    config.service = args.service;
+    config.chunk_size = args.chunk_size;
+    config.max_in_flight = args.server.max_connections;
+    kt_agent::run(listener, config, shutdown).await?;
+    Ok(())
+}

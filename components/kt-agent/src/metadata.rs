@@ -1,0 +1,183 @@
+//! The agent's side of the metadata server: registering local puts, and the
+//! heartbeat that announces every export.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use kt_service::{ApiError, Token};
+use kt_types::api::{AgentHeartbeat, HeartbeatReply, RegisterKey};
+use kt_types::{ErrorBody, ErrorCode, Key, KeyRecord};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+
+use crate::exports::Exports;
+
+/// Heartbeat periods the metadata server may ask for are kept within these.
+const MIN_INTERVAL: Duration = Duration::from_millis(50);
+const MAX_INTERVAL: Duration = Duration::from_secs(60);
+
+/// A client of the metadata server's agent-facing API.
+#[derive(Debug)]
+pub struct MetadataClient {
+    http: reqwest::Client,
+    base: String,
+    token: Token,
+}
+
+impl MetadataClient {
+    pub fn new(base: &str, token: Token, timeout: Duration) -> Result<Self, String> {
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .build()
+            .map_err(|e| e.to_string())?;
+        Ok(MetadataClient {
+            http,
+            base: base.trim_end_matches('/').to_owned(),
+            token,
+        })
+    }
+
+    async fn send<T: DeserializeOwned>(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: &impl Serialize,
+    ) -> Result<T, ApiError> {
+        let url = format!("{}{path}", self.base);
+        let resp = self
+            .http
+            .request(method, &url)
+            .bearer_auth(self.token.expose())
+            .json(body)
+            .send()
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    ErrorCode::Unavailable,
+                    format!("metadata server unreachable ({url}): {e}"),
+                )
+            })?;
+        let status = resp.status();
+        if status.is_success() {
+            return resp.json().await.map_err(|e| {
+                ApiError::new(
+                    ErrorCode::Unavailable,
+                    format!("unreadable answer from the metadata server ({url}): {e}"),
+                )
+            });
+        }
+        let text = resp.text().await.unwrap_or_default();
+        Err(match serde_json::from_str::<ErrorBody>(&text) {
+            Ok(b) => ApiError::new(
+                b.error.code,
+                format!("metadata server: {}", b.error.message),
+            ),
+            Err(_) => ApiError::new(
+                ErrorCode::Unavailable,
+                format!("metadata server answered {status} ({url}): {text}"),
+            ),
+        })
+    }
+
+    /// `PUT /api/v1/keys/{key}`: records a local put with this agent as holder.
+    pub async fn register(&self, key: &Key, reg: &RegisterKey) -> Result<KeyRecord, ApiError> {
+        self.send(reqwest::Method::PUT, &format!("/api/v1/keys/{key}"), reg)
+            .await
+    }
+
+    /// `POST /api/v1/agents`.
+    pub async fn heartbeat(&self, beat: &AgentHeartbeat) -> Result<HeartbeatReply, ApiError> {
+        self.send(reqwest::Method::POST, "/api/v1/agents", beat)
+            .await
+    }
+}
+
+/// Counters of the heartbeat loop (status and tests).
+#[derive(Debug, Default)]
+pub struct BeatStats {
+    pub ok: AtomicU64,
+    pub failed: AtomicU64,
+    pub dropped: AtomicU64,
+}
+
+/// Who is beating: the parts of the heartbeat that do not change.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub id: String,
+    pub url: String,
+    pub service: Option<String>,
+}
+
+/// Heartbeats until `shutdown`: every `interval` (then what the metadata
+/// server answers), and at once whenever the exports change. Keys the
+/// answer lists in `drop` stop being served (if still at the announced
+/// version). A failing metadata server is logged and retried; the agent keeps
+/// serving meanwhile.
+pub async fn heartbeat_loop(
+    client: Arc<MetadataClient>,
+    who: Identity,
+    exports: Arc<crate::exports::Exports>,
+    stats: Arc<BeatStats>,
+    mut interval: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut failing = false;
+    loop {
+        let serves = exports.serves();
+        let beat = AgentHeartbeat {
+            id: who.id.clone(),
+            url: who.url.clone(),
+            service: who.service.clone(),
+            serves,
+        };
+        let answer = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            a = client.heartbeat(&beat) => a,
+        };
+        match answer {
+            Ok(reply) => {
+                if failing {
+                    tracing::info!("metadata server reachable again");
+                    failing = false;
+                }
+                stats.ok.fetch_add(1, Ordering::Relaxed);
+                interval =
+                    Duration::from_millis(reply.interval_ms).clamp(MIN_INTERVAL, MAX_INTERVAL);
+                drop_keys(&exports, &beat, &reply.drop, &stats).await;
+            }
+            Err(e) => {
+                stats.failed.fetch_add(1, Ordering::Relaxed);
+                if failing {
+                    tracing::debug!(error = %e, "heartbeat failed");
+                } else {
+                    tracing::warn!(error = %e, "heartbeat failed; retrying (still serving)");
+                    failing = true;
+                }
+            }
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(interval) => {}
+            _ = exports.changed() => {}
+        }
+    }
+}
+
+async fn drop_keys(exports: &Exports, beat: &AgentHeartbeat, drop: &[Key], stats: &BeatStats) {
+    for key in drop {
+        // Only the version this beat announced: a newer export of the key stays.
+        let Some(sent) = beat.serves.iter().find(|s| s.key == *key) else {
+            continue;
+        };
+        match exports.remove(key, Some(&sent.version)).await {
+            Ok(true) => {
+                stats.dropped.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(%key, version = %sent.version, "no longer serving (deleted or superseded)");
+            }
+            Ok(false) => {}
+            Err(e) => tracing::warn!(%key, error = %e, "could not drop an export"),
+        }
+    }
+}

@@ -1,0 +1,486 @@
+//! Wiring: the read API over HTTP, the control socket, the heartbeat.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::DefaultBodyLimit;
+use kt_service::reads::Reads;
+use kt_service::{Metrics, Ready};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, advertised};
+use crate::control::{self, Agent, SocketError};
+use crate::exports::{ExportError, Exports};
+use crate::metadata::{BeatStats, Identity, MetadataClient, heartbeat_loop};
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("state: {0}")]
+    State(#[from] ExportError),
+    #[error("{0}")]
+    Socket(#[from] SocketError),
+    #[error("serving: {0}")]
+    Serve(#[from] std::io::Error),
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+/// A running agent.
+#[derive(Debug)]
+pub struct AgentHandle {
+    pub id: String,
+    /// The URL peers fetch from (announced in heartbeats and records).
+    pub url: String,
+    pub socket: PathBuf,
+    pub metrics: Arc<Metrics>,
+    pub exports: Arc<Exports>,
+    pub heartbeats: Arc<BeatStats>,
+    pub task: JoinHandle<Result<(), AgentError>>,
+}
+
+/// Loads the exports, binds the control socket, and starts serving on
+/// `listener` in a task that ends after `shutdown` is cancelled (the socket
+/// file is removed then).
+pub fn start(
+    listener: TcpListener,
+    cfg: Config,
+    shutdown: CancellationToken,
+) -> Result<AgentHandle, AgentError> {
+    kt_sync::chunk::check_chunk_size(cfg.chunk_size)
+        .map_err(|e| AgentError::Config(e.to_string()))?;
+    check_id(&cfg.id)?;
+    if let Some(service) = &cfg.service {
+        kt_types::Key::parse(service)
+            .map_err(|e| AgentError::Config(format!("service name: {e}")))?;
+    }
+    if let Some(u) = cfg
+        .advertise_url
+        .as_deref()
+        .filter(|u| !(u.starts_with("http://") || u.starts_with("https://")))
+    {
+        return Err(AgentError::Config(format!(
+            "advertise URL {u:?} is not an http(s) URL"
+        )));
+    }
+    let url = advertised(
+        listener.local_addr()?,
+        cfg.advertise_url.as_deref(),
+        cfg.pod_ip.as_deref(),
+    );
+    let exports = Arc::new(Exports::open(&cfg.state_dir, cfg.chunk_size, &cfg.limits)?);
+    let metadata = Arc::new(
+        MetadataClient::new(&cfg.metadata_url, cfg.token.clone(), cfg.metadata_timeout)
+            .map_err(AgentError::Config)?,
+    );
+    let (control_listener, socket_file) = control::bind(&cfg.socket)?;
+    let metrics = Arc::new(Metrics::new());
+    let reads = Reads::new(exports.clone(), metrics.clone(), cfg.lease_ttl);
+    let heartbeats = Arc::new(BeatStats::default());
+    let agent = Arc::new(Agent {
+        id: cfg.id.clone(),
+        url: url.clone(),
+        exports: exports.clone(),
+        metadata: metadata.clone(),
+        limits: cfg.limits,
+        local_puts: Default::default(),
+    });
+    tracing::info!(
+        id = %cfg.id,
+        %url,
+        socket = %cfg.socket.display(),
+        state_dir = %cfg.state_dir.display(),
+        exports = exports.len(),
+        "agent starting"
+    );
+    let ready = Ready::default();
+    let app = kt_service::app(
+        reads
+            .routes()
+            .layer(DefaultBodyLimit::max(cfg.max_request_bytes)),
+        cfg.token.clone(),
+        metrics.clone(),
+        ready.clone(),
+        cfg.max_in_flight,
+    );
+    let who = Identity {
+        id: cfg.id.clone(),
+        url: url.clone(),
+        service: cfg.service.clone(),
+    };
+    let beat = tokio::spawn(heartbeat_loop(
+        metadata,
+        who,
+        exports.clone(),
+        heartbeats.clone(),
+        cfg.heartbeat,
+        shutdown.clone(),
+    ));
+    let control = tokio::spawn(control::serve(control_listener, agent, shutdown.clone()));
+    let sweeper = tokio::spawn(sweep(reads.clone(), shutdown.clone()));
+    ready.set(true);
+    let drain = cfg.drain;
+    let stop = shutdown.clone();
+    let task = tokio::spawn(async move {
+        let served = kt_service::serve(listener, app, stop.clone(), drain).await;
+        stop.cancel();
+        let _ = tokio::join!(beat, control, sweeper);
+        reads.release_all().await;
+        drop(socket_file);
+        tracing::info!("agent stopped");
+        served.map_err(AgentError::from)
+    });
+    Ok(AgentHandle {
+        id: cfg.id,
+        url,
+        socket: cfg.socket,
+        metrics,
+        exports,
+        heartbeats,
+        task,
+    })
+}
+
+/// An agent id is a pod name: what the metadata server accepts.
+fn check_id(id: &str) -> Result<(), AgentError> {
+    let valid = !id.is_empty()
+        && id.len() <= 253
+        && id != kt_types::STORE_HOLDER
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if valid {
+        Ok(())
+    } else {
+        Err(AgentError::Config(format!(
+            "agent id {id:?} is not a pod name (1 to 253 letters, digits, '.', '_' or '-'; not {:?})",
+            kt_types::STORE_HOLDER
+        )))
+    }
+}
+
+/// Runs an agent until `shutdown` is cancelled.
+pub async fn run(
+    listener: TcpListener,
+    cfg: Config,
+    shutdown: CancellationToken,
+) -> Result<(), AgentError> {
+    let handle = start(listener, cfg, shutdown)?;
+    handle
+        .task
+        .await
+        .map_err(|e| AgentError::Config(format!("agent task failed: {e}")))?
+}
+
+/// Releases read leases a crashed getter left idle.
+async fn sweep(reads: Arc<Reads<Arc<Exports>>>, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let n = reads.sweep(Instant::now()).await;
+        if n > 0 {
+            tracing::info!(leases = n, "released idle read leases");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use axum::Router;
+    use axum::extract::{Path, State};
+    use axum::http::StatusCode;
+    use axum::routing::{post, put};
+    use kt_service::Token;
+    use kt_types::agent::{CONTROL_VERSION, ControlReply, ControlRequest, encode_frame, frame_len};
+    use kt_types::api::{AgentHeartbeat, HeartbeatReply, RegisterKey};
+    use kt_types::{ErrorCode, Key, KeyRecord, Lifespan};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::UnixStream;
+
+    use super::*;
+
+    /// A metadata server that records what agents send and answers `drop`
+    /// as told; the first `fail` heartbeats get a 503.
+    #[derive(Debug, Default)]
+    struct Fake {
+        beats: Mutex<Vec<AgentHeartbeat>>,
+        keys: Mutex<Vec<(String, RegisterKey)>>,
+        drop: Mutex<Vec<Key>>,
+        fail: AtomicU64,
+    }
+
+    async fn beat(
+        State(f): State<Arc<Fake>>,
+        axum::Json(hb): axum::Json<AgentHeartbeat>,
+    ) -> Result<axum::Json<HeartbeatReply>, StatusCode> {
+        if f.fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(StatusCode::SERVICE_UNAVAILABLE);
+        }
+        f.beats.lock().unwrap().push(hb);
+        Ok(axum::Json(HeartbeatReply {
+            interval_ms: 20,
+            ttl_ms: 1000,
+            drop: std::mem::take(&mut *f.drop.lock().unwrap()),
+        }))
+    }
+
+    async fn register(
+        State(f): State<Arc<Fake>>,
+        Path(key): Path<String>,
+        axum::Json(reg): axum::Json<RegisterKey>,
+    ) -> axum::Json<KeyRecord> {
+        f.keys.lock().unwrap().push((key.clone(), reg.clone()));
+        axum::Json(KeyRecord {
+            key: Key::parse(&key).unwrap(),
+            locale: reg.locale,
+            source: reg.source,
+            holder: reg.holder.unwrap_or_default(),
+            peers: Vec::new(),
+            version: reg.version,
+            is_dir: reg.is_dir,
+            size: reg.size,
+            files: reg.files,
+            lifespan: Lifespan::Cluster,
+            service: "s".into(),
+            expires_at_ms: None,
+            created_at_ms: 1,
+            updated_at_ms: 1,
+        })
+    }
+
+    async fn fake_metadata(f: Arc<Fake>) -> String {
+        let app = Router::new()
+            .route("/api/v1/agents", post(beat))
+            .route("/api/v1/keys/{*key}", put(register))
+            .with_state(f);
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(l, app).await });
+        url
+    }
+
+    async fn agent(dir: &std::path::Path, metadata: &str) -> (AgentHandle, CancellationToken) {
+        let mut cfg = Config::new(
+            "pod-a",
+            metadata,
+            Token::new("t").unwrap(),
+            dir.join("run/agent.sock"),
+        );
+        cfg.heartbeat = Duration::from_millis(20);
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stop = CancellationToken::new();
+        (start(l, cfg, stop.clone()).unwrap(), stop)
+    }
+
+    async fn ask(s: &mut UnixStream, req: &ControlRequest) -> Option<ControlReply> {
+        s.write_all(&encode_frame(req).unwrap()).await.ok()?;
+        let mut head = [0u8; 4];
+        s.read_exact(&mut head).await.ok()?;
+        let mut body = vec![0; frame_len(head).unwrap()];
+        s.read_exact(&mut body).await.ok()?;
+        Some(serde_json::from_slice(&body).unwrap())
+    }
+
+    async fn until(what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn control_socket_handshake_and_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(Fake::default());
+        let (a, stop) = agent(dir.path(), &fake_metadata(fake).await).await;
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&a.socket).unwrap().permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o600);
+
+        // Anything before hello is refused, and the connection closed.
+        let mut s = UnixStream::connect(&a.socket).await.unwrap();
+        let r = ask(&mut s, &ControlRequest::Status).await.unwrap();
+        assert!(
+            matches!(
+                r,
+                ControlReply::Error {
+                    code: ErrorCode::InvalidRequest,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert!(ask(&mut s, &ControlRequest::Status).await.is_none());
+
+        // A version we do not speak.
+        let mut s = UnixStream::connect(&a.socket).await.unwrap();
+        let r = ask(&mut s, &ControlRequest::Hello { version: 99 })
+            .await
+            .unwrap();
+        match r {
+            ControlReply::Error { code, message } => {
+                assert_eq!(code, ErrorCode::InvalidRequest);
+                assert!(message.contains("99"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+
+        // Many clients at once; relative paths and missing paths are errors.
+        let mut clients = Vec::new();
+        for _ in 0..8 {
+            let mut s = UnixStream::connect(&a.socket).await.unwrap();
+            let hello = ask(
+                &mut s,
+                &ControlRequest::Hello {
+                    version: CONTROL_VERSION,
+                },
+            )
+            .await;
+            assert_eq!(
+                hello,
+                Some(ControlReply::Hello {
+                    version: CONTROL_VERSION,
+                    agent: "pod-a".into(),
+                    url: a.url.clone()
+                })
+            );
+            clients.push(s);
+        }
+        for (path, code) in [
+            ("relative/path", ErrorCode::InvalidRequest),
+            ("/does/not/exist", ErrorCode::NotFound),
+        ] {
+            let r = ask(
+                &mut clients[3],
+                &ControlRequest::ExportLocal {
+                    key: Key::parse("a/b").unwrap(),
+                    path: path.into(),
+                    options: Default::default(),
+                },
+            )
+            .await
+            .unwrap();
+            assert!(
+                matches!(r, ControlReply::Error { code: c, .. } if c == code),
+                "{path}: {r:?}"
+            );
+        }
+        // Garbage is answered, and the connection stays usable.
+        let s = &mut clients[5];
+        s.write_all(&[0, 0, 0, 2, b'{', b'x']).await.unwrap();
+        let mut head = [0u8; 4];
+        s.read_exact(&mut head).await.unwrap();
+        let mut body = vec![0; frame_len(head).unwrap()];
+        s.read_exact(&mut body).await.unwrap();
+        let r: ControlReply = serde_json::from_slice(&body).unwrap();
+        assert!(matches!(
+            r,
+            ControlReply::Error {
+                code: ErrorCode::InvalidRequest,
+                ..
+            }
+        ));
+        let r = ask(s, &ControlRequest::Status).await.unwrap();
+        assert!(
+            matches!(r, ControlReply::Status { ref exports, .. } if exports.is_empty()),
+            "{r:?}"
+        );
+
+        // A second agent on the same socket is refused; after shutdown the socket is gone.
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let cfg = Config::new(
+            "pod-b",
+            "http://127.0.0.1:1",
+            Token::new("t").unwrap(),
+            &a.socket,
+        );
+        assert!(matches!(
+            start(l, cfg, CancellationToken::new()),
+            Err(AgentError::Socket(SocketError::InUse(_)))
+        ));
+        stop.cancel();
+        a.task.await.unwrap().unwrap();
+        assert!(!a.socket.exists());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn heartbeats_survive_outages_and_drop_what_they_are_told() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = Arc::new(Fake::default());
+        fake.fail.store(3, Ordering::SeqCst);
+        let url = fake_metadata(fake.clone()).await;
+        // A stale socket file from a killed agent is replaced.
+        let sock = dir.path().join("run/agent.sock");
+        std::fs::create_dir_all(sock.parent().unwrap()).unwrap();
+        drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+        let (a, stop) = agent(dir.path(), &url).await;
+        until("beats after an outage", || {
+            a.heartbeats.failed.load(Ordering::SeqCst) >= 3
+                && !fake.beats.lock().unwrap().is_empty()
+        })
+        .await;
+
+        let tree = dir.path().join("tree");
+        std::fs::create_dir_all(tree.join("d")).unwrap();
+        std::fs::write(tree.join("d/f"), b"hello").unwrap();
+        let mut s = UnixStream::connect(&a.socket).await.unwrap();
+        ask(
+            &mut s,
+            &ControlRequest::Hello {
+                version: CONTROL_VERSION,
+            },
+        )
+        .await
+        .unwrap();
+        let key = Key::parse("team/data").unwrap();
+        let r = ask(
+            &mut s,
+            &ControlRequest::ExportLocal {
+                key: key.clone(),
+                path: tree.display().to_string(),
+                options: Default::default(),
+            },
+        )
+        .await
+        .unwrap();
+        let ControlReply::Exported { export, record } = r else {
+            panic!("{r:?}")
+        };
+        assert!(export.origin);
+        assert_eq!((export.files, export.size), (1, 5));
+        let record = record.unwrap();
+        assert_eq!(record.holder, "pod-a");
+        assert_eq!(record.source, a.url);
+        let (_, reg) = fake.keys.lock().unwrap()[0].clone();
+        assert_eq!(reg.locale, kt_types::Locale::Local);
+        assert_eq!(reg.version, export.version);
+        until("a beat announcing the export", || {
+            fake.beats
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|b| b.id == "pod-a" && b.url == a.url && b.serves.iter().any(|s| s.key == key))
+        })
+        .await;
+
+        // The metadata server says the key is gone: the agent stops serving it.
+        fake.drop.lock().unwrap().push(key.clone());
+        until("the export dropped", || a.exports.is_empty()).await;
+        assert_eq!(a.heartbeats.dropped.load(Ordering::SeqCst), 1);
+        stop.cancel();
+        a.task.await.unwrap().unwrap();
+    }
+}

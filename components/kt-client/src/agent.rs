@@ -1,0 +1,240 @@
+//! Talking to this pod's node agent over its control socket
+//! ([`kt_types::agent`]), and starting one when none is running.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kt_types::agent::{CONTROL_VERSION, ControlReply, ControlRequest, encode_frame, frame_len};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+use crate::ClientError;
+
+/// How long an agent started on demand gets to open its socket.
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `$KT_AGENT_SOCKET`, else `$XDG_RUNTIME_DIR/kt/agent.sock`, else
+/// `/tmp/kt-agent-<uid>.sock` (the agent's own default).
+pub fn default_socket() -> PathBuf {
+    if let Some(p) = std::env::var_os("KT_AGENT_SOCKET") {
+        return PathBuf::from(p);
+    }
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
+        return PathBuf::from(d).join("kt").join("agent.sock");
+    }
+    PathBuf::from(format!("/tmp/kt-agent-{}.sock", current_uid()))
+}
+
+fn current_uid() -> u32 {
+    // The uid of this process, from /proc (no libc call needed).
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|v| v.split_whitespace().next().map(str::to_owned))
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// An open control connection, past the version handshake.
+#[derive(Debug)]
+pub struct AgentConn {
+    stream: UnixStream,
+    /// The agent's id (its pod's name) and the URL peers fetch from.
+    pub id: String,
+    pub url: String,
+}
+
+fn local(msg: impl Into<String>) -> ClientError {
+    ClientError::Local(msg.into())
+}
+
+impl AgentConn {
+    /// Connects and says hello; `None` when no agent listens at `socket`.
+    pub async fn connect(socket: &Path) -> Result<Option<AgentConn>, ClientError> {
+        let stream = match UnixStream::connect(socket).await {
+            Ok(s) => s,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                ) =>
+            {
+                return Ok(None);
+            }
+            Err(e) => {
+                return Err(local(format!("agent socket {}: {e}", socket.display())));
+            }
+        };
+        let mut conn = AgentConn {
+            stream,
+            id: String::new(),
+            url: String::new(),
+        };
+        match conn
+            .request(&ControlRequest::Hello {
+                version: CONTROL_VERSION,
+            })
+            .await?
+        {
+            ControlReply::Hello {
+                version,
+                agent,
+                url,
+            } if version == CONTROL_VERSION => {
+                conn.id = agent;
+                conn.url = url;
+                Ok(Some(conn))
+            }
+            ControlReply::Hello { version, .. } => Err(local(format!(
+                "the node agent speaks control protocol {version}, this kt speaks {CONTROL_VERSION}"
+            ))),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Connects, starting `kt-agent` in the background when none runs (it
+    /// gets this client's metadata server and token).
+    pub async fn connect_or_start(
+        socket: &Path,
+        metadata_url: &str,
+        token: &str,
+    ) -> Result<AgentConn, ClientError> {
+        if let Some(c) = AgentConn::connect(socket).await? {
+            return Ok(c);
+        }
+        start_agent(socket, metadata_url, token)?;
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Some(c) = AgentConn::connect(socket).await? {
+                return Ok(c);
+            }
+            if Instant::now() >= deadline {
+                return Err(local(format!(
+                    "started kt-agent, but it did not open {} within {START_TIMEOUT:?}; see {}",
+                    socket.display(),
+                    agent_log(socket).display()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// One request, one reply. `Error` replies become errors.
+    pub async fn request(&mut self, req: &ControlRequest) -> Result<ControlReply, ClientError> {
+        let frame = encode_frame(req).map_err(|e| local(format!("encoding a request: {e}")))?;
+        let io = |e: std::io::Error| local(format!("agent control socket: {e}"));
+        self.stream.write_all(&frame).await.map_err(io)?;
+        let mut head = [0u8; 4];
+        self.stream.read_exact(&mut head).await.map_err(io)?;
+        let n = frame_len(head).map_err(local)?;
+        let mut body = vec![0u8; n];
+        self.stream.read_exact(&mut body).await.map_err(io)?;
+        let reply: ControlReply = serde_json::from_slice(&body)
+            .map_err(|e| local(format!("unreadable reply from the node agent: {e}")))?;
+        match reply {
+            ControlReply::Error { code, message } => Err(ClientError::Api {
+                status: code.http_status(),
+                code,
+                message: format!("node agent: {message}"),
+            }),
+            r => Ok(r),
+        }
+    }
+}
+
+fn unexpected(r: ControlReply) -> ClientError {
+    local(format!("unexpected reply from the node agent: {r:?}"))
+}
+
+fn agent_log(socket: &Path) -> PathBuf {
+    socket.with_extension("log")
+}
+
+/// Starts `kt-agent` (beside this binary, else on PATH) detached, in its own
+/// process group, logging next to its socket.
+fn start_agent(socket: &Path, metadata_url: &str, token: &str) -> Result<(), ClientError> {
+    let exe = std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join("kt-agent")))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from("kt-agent"));
+    if let Some(dir) = socket.parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| local(format!("creating {}: {e}", dir.display())))?;
+    }
+    let log_path = agent_log(socket);
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(|e| local(format!("{}: {e}", log_path.display())))?;
+    let err = log
+        .try_clone()
+        .map_err(|e| local(format!("{}: {e}", log_path.display())))?;
+    std::process::Command::new(&exe)
+        .arg("--socket")
+        .arg(socket)
+        .arg("--metadata-url")
+        .arg(metadata_url)
+        .env("KT_TOKEN", token)
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(err)
+        .process_group(0)
+        .spawn()
+        .map_err(|e| local(format!("starting {}: {e}", exe.display())))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn no_agent_is_none_not_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(
+            AgentConn::connect(&dir.path().join("nope.sock"))
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[tokio::test]
+    async fn handshake_and_errors_over_a_fake_agent() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            for reply in [
+                ControlReply::Hello {
+                    version: CONTROL_VERSION,
+                    agent: "pod-a".into(),
+                    url: "http://10.0.0.1:8090".into(),
+                },
+                ControlReply::Error {
+                    code: kt_types::ErrorCode::InvalidRequest,
+                    message: "path must be absolute".into(),
+                },
+            ] {
+                let mut head = [0u8; 4];
+                s.read_exact(&mut head).await.unwrap();
+                let mut body = vec![0; frame_len(head).unwrap()];
+                s.read_exact(&mut body).await.unwrap();
+                let _: ControlRequest = serde_json::from_slice(&body).unwrap();
+                s.write_all(&encode_frame(&reply).unwrap()).await.unwrap();
+            }
+        });
+        let mut c = AgentConn::connect(&path).await.unwrap().unwrap();
+        assert_eq!(c.id, "pod-a");
+        let err = c.request(&ControlRequest::Status).await.unwrap_err();
+        assert_eq!(err.code(), Some(kt_types::ErrorCode::InvalidRequest));
+        assert!(err.to_string().contains("path must be absolute"));
+    }
+}

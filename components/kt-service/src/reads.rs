@@ -1,0 +1,490 @@
+//! The read half of the sync protocol, shared by every server that serves
+//! trees (the store, and node agents for what they export):
+//!
+//! - `GET    /api/v1/trees/{key}` → the current manifest as a codec document
+//!   ([`kt_types::api::ReadManifest`]), with a read lease that pins the version;
+//! - `POST   /api/v1/reads/{lease}/batch` ([`BatchRequest`]) → a frame stream
+//!   of the requested files;
+//! - `GET    /api/v1/reads/{lease}/files/{index}?offset=O&len=L` → a byte range;
+//! - `DELETE /api/v1/reads/{lease}` → release.
+//!
+//! What a key's current version is, and how it is pinned, belongs to the
+//! server: it implements [`ReadSource`]. [`Reads`] holds the lease table,
+//! answers the routes above, counts bytes and transfer durations in the
+//! server's [`Metrics`], and releases leases a crashed getter left idle
+//! ([`Reads::sweep`]).
+//!
+//! Only file entries of the pinned manifest are served, by index: a getter
+//! can name nothing else. A source whose files live in a directory other
+//! processes may change (an agent serving a user's tree) sets
+//! [`OpenVersion::check_links`]: every file is then reached only through real
+//! directories below the root (no symlink on the way) and opened without
+//! following a final symlink, so nothing outside the exported tree is ever read.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::future::Future;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::StatusCode;
+use axum::http::header::CONTENT_TYPE;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use kt_sync::SyncError;
+use kt_sync::batch::{SendItem, send_stream};
+use kt_types::api::{BatchRequest, RangeQuery, ReadHeader};
+use kt_types::{Entry, EntryKind, ErrorCode, Key, Manifest};
+
+use crate::{ApiError, ApiJson, Metrics};
+
+/// Largest range one request may read.
+pub const MAX_RANGE: u64 = 64 << 20;
+
+/// Where the files of an opened version are.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Files {
+    /// Every entry at `dir.join(entry.path)` (trees, and the store's
+    /// single-file keys, which it keeps inside a version directory).
+    Under(PathBuf),
+    /// A single-file manifest whose one file is this path, whatever the
+    /// entry's name (a file exported or downloaded under another name).
+    Single(PathBuf),
+}
+
+impl Files {
+    /// Where `entry`'s content is.
+    pub fn path_of(&self, entry: &Entry) -> PathBuf {
+        match self {
+            Files::Under(dir) => dir.join(&entry.path),
+            Files::Single(file) => file.clone(),
+        }
+    }
+
+    /// The directory the files of this version must stay in.
+    fn root(&self) -> &Path {
+        match self {
+            Files::Under(dir) => dir,
+            Files::Single(file) => file.parent().unwrap_or(file),
+        }
+    }
+}
+
+/// A version of a key opened for reading; the source keeps it available
+/// until [`ReadSource::close`] is called with it.
+#[derive(Debug, Clone)]
+pub struct OpenVersion {
+    pub key: Key,
+    pub version: String,
+    pub files: Files,
+    pub manifest: Arc<Manifest>,
+    /// Files above this size are fetched as ranges of this size.
+    pub chunk_size: u64,
+    /// The files live where others may change them: reach them only through
+    /// real directories below the root (which must be canonical) and never
+    /// through a final symlink.
+    pub check_links: bool,
+}
+
+/// What a server serves reads from.
+pub trait ReadSource: Send + Sync + 'static {
+    /// Opens the current version of `key`, pinned until [`ReadSource::close`].
+    /// A key this source does not hold is `not_found`.
+    fn open(&self, key: &Key) -> impl Future<Output = Result<OpenVersion, ApiError>> + Send;
+
+    /// Releases what [`ReadSource::open`] pinned.
+    fn close(&self, opened: &OpenVersion) -> impl Future<Output = ()> + Send;
+}
+
+/// A shared source is a source (a server keeps its own handle on it).
+impl<T: ReadSource> ReadSource for Arc<T> {
+    fn open(&self, key: &Key) -> impl Future<Output = Result<OpenVersion, ApiError>> + Send {
+        (**self).open(key)
+    }
+
+    fn close(&self, opened: &OpenVersion) -> impl Future<Output = ()> + Send {
+        (**self).close(opened)
+    }
+}
+
+/// Maps sync-engine errors to API errors (one mapping for every server).
+pub fn sync_err(e: SyncError) -> ApiError {
+    let code = match &e {
+        SyncError::HashMismatch { .. } => ErrorCode::HashMismatch,
+        SyncError::Truncated => ErrorCode::Truncated,
+        SyncError::UnexpectedEntry { .. }
+        | SyncError::TrailingData
+        | SyncError::SizeMismatch { .. }
+        | SyncError::BadChunk { .. }
+        | SyncError::Stream(_) => ErrorCode::InvalidRequest,
+        SyncError::Manifest(_) | SyncError::LinkEscapes { .. } | SyncError::NonUtf8 { .. } => {
+            ErrorCode::InvalidManifest
+        }
+        SyncError::NotFound { .. } => ErrorCode::NotFound,
+        SyncError::Io { .. } | SyncError::BadChunkSize(_) => ErrorCode::Internal,
+    };
+    ApiError::new(code, e.to_string())
+}
+
+impl From<SyncError> for ApiError {
+    fn from(e: SyncError) -> Self {
+        sync_err(e)
+    }
+}
+
+/// Runs blocking file work off the async threads.
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, SyncError> + Send + 'static,
+) -> Result<T, ApiError> {
+    off_thread(move || f().map_err(sync_err)).await
+}
+
+async fn off_thread<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("worker failed: {e}")))?
+}
+
+#[derive(Debug)]
+struct Lease {
+    opened: OpenVersion,
+    started: Instant,
+    touched: Mutex<Instant>,
+}
+
+impl Lease {
+    fn touch(&self) {
+        *self.touched.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+
+    fn idle_since(&self) -> Instant {
+        *self.touched.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn file(&self, index: u32) -> Result<&Entry, ApiError> {
+        self.opened
+            .manifest
+            .entries
+            .get(index as usize)
+            .filter(|e| e.kind == EntryKind::File)
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("entry #{index} is not a file of this version"))
+            })
+    }
+}
+
+/// The read leases of one server over its [`ReadSource`].
+#[derive(Debug)]
+pub struct Reads<S> {
+    source: S,
+    leases: Mutex<HashMap<String, Arc<Lease>>>,
+    metrics: Arc<Metrics>,
+    /// Leases idle for longer than this are released by [`Reads::sweep`].
+    ttl: Duration,
+}
+
+impl<S: ReadSource> Reads<S> {
+    pub fn new(source: S, metrics: Arc<Metrics>, ttl: Duration) -> Arc<Self> {
+        Arc::new(Reads {
+            source,
+            leases: Mutex::new(HashMap::new()),
+            metrics,
+            ttl,
+        })
+    }
+
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// Open leases (for status and tests).
+    pub fn open_leases(&self) -> usize {
+        self.table().len()
+    }
+
+    /// The read routes (see the module documentation), with this state applied.
+    pub fn routes(self: &Arc<Self>) -> Router {
+        Router::new()
+            .route("/api/v1/trees/{*key}", get(open::<S>))
+            .route("/api/v1/reads/{lease}/batch", post(batch::<S>))
+            .route("/api/v1/reads/{lease}/files/{index}", get(range::<S>))
+            .route("/api/v1/reads/{lease}", delete(release::<S>))
+            .with_state(self.clone())
+    }
+
+    fn table(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Lease>>> {
+        self.leases.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lease(&self, id: &str) -> Result<Arc<Lease>, ApiError> {
+        let l = self.table().get(id).cloned().ok_or_else(|| {
+            ApiError::not_found(format!("no read lease {id:?} (expired or released)"))
+        })?;
+        l.touch();
+        Ok(l)
+    }
+
+    /// Opens `key` and a lease on it: the read manifest document
+    /// ([`kt_types::api::ReadManifest`]) a getter starts from.
+    pub async fn open_lease(&self, key: &Key) -> Result<Vec<u8>, ApiError> {
+        let opened = self.source.open(key).await?;
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let header = ReadHeader {
+            version: opened.version.clone(),
+            lease: id.clone(),
+            chunk_size: opened.chunk_size,
+        };
+        let doc = kt_types::codec::encode_document(&header, &opened.manifest);
+        let now = Instant::now();
+        self.table().insert(
+            id,
+            Arc::new(Lease {
+                opened,
+                started: now,
+                touched: Mutex::new(now),
+            }),
+        );
+        Ok(doc)
+    }
+
+    /// Releases lease `id`: `not_found` when there is none.
+    pub async fn release_lease(&self, id: &str) -> Result<(), ApiError> {
+        let l = self
+            .table()
+            .remove(id)
+            .ok_or_else(|| ApiError::not_found(format!("no read lease {id:?}")))?;
+        self.metrics
+            .observe_transfer("get", l.started.elapsed().as_secs_f64());
+        self.source.close(&l.opened).await;
+        Ok(())
+    }
+
+    /// Releases leases idle for longer than the TTL (a crashed getter);
+    /// returns how many.
+    pub async fn sweep(&self, now: Instant) -> usize {
+        let stale: Vec<Arc<Lease>> = {
+            let mut table = self.table();
+            let ids: Vec<String> = table
+                .iter()
+                .filter(|(_, l)| now.saturating_duration_since(l.idle_since()) > self.ttl)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.iter().filter_map(|id| table.remove(id)).collect()
+        };
+        for l in &stale {
+            self.source.close(&l.opened).await;
+        }
+        stale.len()
+    }
+
+    /// Releases every lease (at shutdown).
+    pub async fn release_all(&self) {
+        let all: Vec<Arc<Lease>> = self.table().drain().map(|(_, l)| l).collect();
+        for l in all {
+            self.source.close(&l.opened).await;
+        }
+    }
+}
+
+/// `GET /api/v1/trees/{key}`.
+async fn open<S: ReadSource>(
+    State(r): State<Arc<Reads<S>>>,
+    UrlPath(key): UrlPath<String>,
+) -> Result<Response, ApiError> {
+    let key = Key::parse(&key)?;
+    let doc = r.open_lease(&key).await?;
+    Ok((
+        [(CONTENT_TYPE, kt_types::codec::DOCUMENT_CONTENT_TYPE)],
+        doc,
+    )
+        .into_response())
+}
+
+/// `POST /api/v1/reads/{lease}/batch`: the requested files as one frame stream.
+async fn batch<S: ReadSource>(
+    State(r): State<Arc<Reads<S>>>,
+    UrlPath(id): UrlPath<String>,
+    ApiJson(req): ApiJson<BatchRequest>,
+) -> Result<Body, ApiError> {
+    let l = r.lease(&id)?;
+    let mut items = Vec::with_capacity(req.indices.len());
+    let mut bytes = 0;
+    for &index in &req.indices {
+        let e = l.file(index)?;
+        bytes += e.size;
+        items.push(SendItem {
+            index,
+            path: l.opened.files.path_of(e),
+            size: e.size,
+            entry_path: e.path.clone(),
+            data: None,
+        });
+    }
+    if l.opened.check_links {
+        let files = l.opened.files.clone();
+        items = off_thread(move || {
+            let mut checked = HashSet::new();
+            for item in &items {
+                confined(&files, &item.path, &item.entry_path, &mut checked)?;
+            }
+            Ok(items)
+        })
+        .await?;
+    }
+    r.metrics.add_bytes_out(bytes);
+    // Each file sent keeps the lease alive, however long the stream runs.
+    let touch: kt_sync::batch::Progress = Arc::new(move |_| l.touch());
+    Ok(Body::from_stream(send_stream(items, Some(touch))))
+}
+
+/// `GET /api/v1/reads/{lease}/files/{index}?offset=O&len=L`: a byte range of one file.
+async fn range<S: ReadSource>(
+    State(r): State<Arc<Reads<S>>>,
+    UrlPath((id, index)): UrlPath<(String, u32)>,
+    Query(q): Query<RangeQuery>,
+) -> Result<Bytes, ApiError> {
+    let l = r.lease(&id)?;
+    let e = l.file(index)?;
+    if q.len > MAX_RANGE || q.offset.checked_add(q.len).is_none_or(|end| end > e.size) {
+        return Err(ApiError::bad_request(format!(
+            "range {}+{} is outside {:?} ({} bytes) or longer than {MAX_RANGE}",
+            q.offset, q.len, e.path, e.size
+        )));
+    }
+    let path = l.opened.files.path_of(e);
+    let entry_path = e.path.clone();
+    let files = l.opened.files.clone();
+    let check = l.opened.check_links;
+    let data = off_thread(move || {
+        let f = if check {
+            confined(&files, &path, &entry_path, &mut HashSet::new())?;
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)
+                .map_err(|e| changed(&entry_path, &e.to_string()))?;
+            let md = f
+                .metadata()
+                .map_err(|e| sync_err(SyncError::io(&path, e)))?;
+            if !md.is_file() {
+                return Err(changed(&entry_path, "not a regular file"));
+            }
+            f
+        } else {
+            File::open(&path).map_err(|e| sync_err(SyncError::io(&path, e)))?
+        };
+        let mut buf = vec![0u8; q.len as usize];
+        f.read_exact_at(&mut buf, q.offset)
+            .map_err(|e| sync_err(SyncError::io(&path, e)))?;
+        Ok(buf)
+    })
+    .await?;
+    r.metrics.add_bytes_out(q.len);
+    Ok(Bytes::from(data))
+}
+
+/// `DELETE /api/v1/reads/{lease}`.
+async fn release<S: ReadSource>(
+    State(r): State<Arc<Reads<S>>>,
+    UrlPath(id): UrlPath<String>,
+) -> Result<StatusCode, ApiError> {
+    r.release_lease(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The file of `entry_path` is no longer what was exported.
+fn changed(entry_path: &str, why: &str) -> ApiError {
+    ApiError::new(
+        ErrorCode::Conflict,
+        format!("{entry_path:?} cannot be served: {why} (the exported files changed)"),
+    )
+}
+
+/// Checks that `path` is reached through real directories only, from the
+/// (canonical) root down, and is itself a regular file, not a link.
+/// `checked` remembers directories already found good.
+fn confined(
+    files: &Files,
+    path: &Path,
+    entry_path: &str,
+    checked: &mut HashSet<PathBuf>,
+) -> Result<(), ApiError> {
+    let root = files.root();
+    let parent = path.parent().unwrap_or(root);
+    if !parent.starts_with(root) {
+        return Err(changed(entry_path, "outside the exported tree"));
+    }
+    if !checked.contains(parent) {
+        // A canonical path equal to the path itself means no component is a link.
+        match std::fs::canonicalize(parent) {
+            Ok(real) if real == parent => {
+                checked.insert(parent.to_owned());
+            }
+            Ok(_) => return Err(changed(entry_path, "a directory on its way is a symlink")),
+            Err(e) => return Err(changed(entry_path, &e.to_string())),
+        }
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(md) if md.is_file() => Ok(()),
+        Ok(_) => Err(changed(entry_path, "not a regular file")),
+        Err(e) => Err(changed(entry_path, &e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_resolve_entries() {
+        let e = Entry {
+            path: "a/b.txt".into(),
+            kind: EntryKind::File,
+            size: 1,
+            mode: 0o644,
+            mtime: 0,
+            mtime_nsec: 0,
+            hash: None,
+            target: None,
+        };
+        assert_eq!(
+            Files::Under("/x".into()).path_of(&e),
+            PathBuf::from("/x/a/b.txt")
+        );
+        assert_eq!(
+            Files::Single("/y/other".into()).path_of(&e),
+            PathBuf::from("/y/other")
+        );
+    }
+
+    #[test]
+    fn confinement_refuses_links_on_the_way() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = std::fs::canonicalize(dir.path()).unwrap().join("root");
+        let outside = dir.path().join("outside");
+        std::fs::create_dir_all(root.join("d")).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(root.join("d/f"), b"ok").unwrap();
+        std::fs::write(outside.join("secret"), b"no").unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("l")).unwrap();
+        std::os::unix::fs::symlink(outside.join("secret"), root.join("d/s")).unwrap();
+        let files = Files::Under(root.clone());
+        let mut seen = HashSet::new();
+        assert!(confined(&files, &root.join("d/f"), "d/f", &mut seen).is_ok());
+        for rel in ["l/secret", "d/s", "d/missing"] {
+            let err = confined(&files, &root.join(rel), rel, &mut seen).unwrap_err();
+            assert_eq!(err.code, ErrorCode::Conflict, "{rel}: {err}");
+        }
+        let single = Files::Single(root.join("d/f"));
+        assert!(confined(&single, &root.join("d/f"), "f", &mut HashSet::new()).is_ok());
+        let via_link = Files::Single(root.join("l/secret"));
+        assert!(confined(&via_link, &root.join("l/secret"), "f", &mut HashSet::new()).is_err());
+    }
+}
