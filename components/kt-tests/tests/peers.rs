@@ -258,7 +258,11 @@ async fn leases_go_to_the_least_loaded_source_peers_first() {
     let v = put_store(&c, "ml/weights", Lifespan::Cluster).await;
     api.beat("p2", None, &[("ml/weights", &v)]).await;
     api.beat("p1", None, &[("ml/weights", &v)]).await;
-    assert_eq!(api.peers("ml/weights").await, ["p1", "p2"], "peers are listed by id");
+    assert_eq!(
+        api.peers("ml/weights").await,
+        ["p1", "p2"],
+        "peers are listed by id"
+    );
 
     // Idle sources: peers before the origin, then by id; then round and round.
     let mut leases = Vec::new();
