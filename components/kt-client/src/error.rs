@@ -27,12 +27,15 @@ pub enum ClientError {
 
 impl ClientError {
     /// True when the failure lies with the source a get was fetching from
-    /// (unreachable, gone, corrupt, or lost the key), so another source may
-    /// succeed; false for local problems and for bad requests.
+    /// (unreachable, gone, refusing, corrupt, serving another version), so
+    /// another source may succeed; false for local problems (writing the
+    /// destination).
     pub fn is_source_failure(&self) -> bool {
         match self {
             ClientError::Http { .. } => true,
-            ClientError::Api { status, code, .. } => *status >= 500 || *code == ErrorCode::NotFound,
+            // Whatever the source answered: an agent whose files changed
+            // (409), a stale token (401), a lost key (404), an outage (5xx).
+            ClientError::Api { .. } => true,
             ClientError::Manifest(_) => true,
             ClientError::Sync(e) => !matches!(
                 e,

@@ -27,6 +27,15 @@ use crate::api::Client;
 use crate::error::ClientError;
 use crate::progress::Progress;
 
+/// Aborts a background task when dropped (also when a get is cancelled).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// What a put did.
 #[derive(Debug, Clone)]
 pub struct PutSummary {
@@ -328,8 +337,13 @@ impl Client {
     ) -> Result<GetSummary, ClientError> {
         let started = Instant::now();
         // This pod's agent (to learn our own id, and to serve the copy).
+        // An agent that cannot be reached or started never fails the get:
+        // the copy is just not shared.
         let mut agent = if self.cfg.serve_copies {
-            self.agent_for_copies().await?
+            self.agent_for_copies().await.unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "no node agent: this copy will not be shared");
+                None
+            })
         } else {
             None
         };
@@ -356,11 +370,17 @@ impl Client {
                 }
                 Err(e) => return Err(e),
             };
-            let renewal = self.keep_lease(&lease);
+            let renewal = AbortOnDrop(self.keep_lease(&lease));
             let result = self
-                .get_from(&lease.source.url, key, dest, progress.clone())
+                .get_from(
+                    &lease.source.url,
+                    &lease.source.version,
+                    key,
+                    dest,
+                    progress.clone(),
+                )
                 .await;
-            renewal.abort();
+            drop(renewal);
             let lease_url = self.meta(&format!("leases/{}", lease.lease));
             match result {
                 Ok((stats, final_dest, read)) => {
@@ -418,8 +438,13 @@ impl Client {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                if let Err(e) = client.send(&url, client.http.put(&url)).await {
-                    tracing::warn!(error = %e, "renewing a source lease");
+                let renew = client.http.put(&url).timeout(every);
+                match client.send(&url, renew).await {
+                    Ok(_) => {}
+                    // Released, expired, or forgotten by a restart: the get
+                    // goes on without it.
+                    Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => return,
+                    Err(e) => tracing::warn!(error = %e, "renewing a source lease"),
                 }
             }
         })
@@ -431,7 +456,8 @@ impl Client {
         if let Some(a) = AgentConn::connect(&self.cfg.agent_socket).await? {
             return Ok(Some(a));
         }
-        if std::env::var_os("KT_POD_IP").is_some() {
+        let autostart = std::env::var("KT_AGENT_AUTOSTART").map_or(true, |v| v != "0");
+        if autostart && std::env::var_os("KT_POD_IP").is_some() {
             return AgentConn::connect_or_start(
                 &self.cfg.agent_socket,
                 &self.cfg.metadata_url,
@@ -507,6 +533,7 @@ impl Client {
     async fn get_from(
         &self,
         source: &str,
+        version: &str,
         key: &Key,
         dest: &Path,
         progress: Progress,
@@ -514,9 +541,23 @@ impl Client {
         let source = source.trim_end_matches('/');
         let url = format!("{source}/api/v1/trees/{key}");
         let body = self.bytes(&url, self.http.get(&url)).await?;
-        let read = ReadManifest::from_document(&body)
-            .map_err(|e| ClientError::Local(format!("{url}: invalid manifest document: {e}")))?;
+        let read = ReadManifest::from_document(&body).map_err(|e| ClientError::Api {
+            status: 502,
+            code: kt_types::ErrorCode::InvalidManifest,
+            message: format!("{url}: invalid manifest document: {e}"),
+        })?;
         let lease_url = format!("{source}/api/v1/reads/{}", read.lease);
+        if read.version != version {
+            let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
+            return Err(ClientError::Api {
+                status: 409,
+                code: kt_types::ErrorCode::Conflict,
+                message: format!(
+                    "{source} serves version {} of {key}, the key is at {version}",
+                    read.version
+                ),
+            });
+        }
         let result = self.download(&lease_url, &read, dest, progress).await;
         let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
         let (stats, dest) = result?;

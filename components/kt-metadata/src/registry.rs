@@ -66,6 +66,10 @@ pub struct Registry {
     keys: BTreeMap<Key, KeyRecord>,
     agents: BTreeMap<String, Agent>,
     agent_ttl_ms: u64,
+    /// Agents of torn-down services: their heartbeats are told to drop
+    /// everything and never make them sources again (until they register a
+    /// local put themselves). In memory: a restart forgets them.
+    retired: BTreeSet<String>,
 }
 
 impl Default for Registry {
@@ -80,6 +84,7 @@ impl Registry {
             keys: BTreeMap::new(),
             agents: BTreeMap::new(),
             agent_ttl_ms,
+            retired: BTreeSet::new(),
         }
     }
 
@@ -309,6 +314,8 @@ impl Registry {
         service: Option<&str>,
         now_ms: u64,
     ) -> Option<AgentInfo> {
+        // A registration (a new local put) brings a retired agent back.
+        self.retired.remove(id);
         let Some(agent) = self.agents.get_mut(id) else {
             let info = AgentInfo {
                 id: id.to_owned(),
@@ -344,6 +351,14 @@ impl Registry {
     /// is that key's origin), stops being a peer of keys it no longer lists,
     /// and is told to drop listed keys that are gone or at another version.
     pub fn heartbeat(&mut self, hb: AgentHeartbeat, now_ms: u64) -> Beat {
+        if self.retired.contains(&hb.id) {
+            // Torn down: serve nothing, be no source.
+            return Beat {
+                drop: hb.serves.into_iter().map(|s| s.key).collect(),
+                changed: Vec::new(),
+                agent: None,
+            };
+        }
         let agent = self.touch_agent(&hb.id, &hb.url, hb.service.as_deref(), now_ms);
         let mut drop = BTreeSet::new();
         let mut listed = BTreeSet::new();
@@ -430,6 +445,13 @@ impl Registry {
             agents,
             changed: self.records(changed),
         }
+    }
+
+    /// Evicts the agents of a torn-down service for good: their later
+    /// heartbeats are answered with "drop everything".
+    pub fn retire(&mut self, ids: &[String]) -> Eviction {
+        self.retired.extend(ids.iter().cloned());
+        self.evict(ids)
     }
 
     /// Evicts agents that have not beaten within the agent TTL.
@@ -695,6 +717,22 @@ mod tests {
             .iter()
             .map(|c| (c.source.id.clone(), c.origin))
             .collect()
+    }
+
+    #[test]
+    fn retired_agents_stay_out_until_they_register_again() {
+        let mut r = Registry::new(TTL);
+        r.upsert(k("s/a"), reg(None), 0);
+        r.heartbeat(beat("p1", Some("s"), &[("s/a", "v1")]), 0);
+        assert_eq!(peer_ids(&r, "s/a"), ["p1"]);
+        assert_eq!(r.retire(&["p1".into()]).agents, ["p1"]);
+        let b = r.heartbeat(beat("p1", Some("s"), &[("s/a", "v1")]), 1);
+        assert_eq!(b.drop, vec![k("s/a")], "told to drop what it serves");
+        assert!(peer_ids(&r, "s/a").is_empty(), "and not a source again");
+        // A local put of its own brings it back.
+        r.touch_agent("p1", "http://p1", None, 2);
+        r.heartbeat(beat("p1", Some("s"), &[("s/a", "v1")]), 3);
+        assert_eq!(peer_ids(&r, "s/a"), ["p1"]);
     }
 
     #[test]

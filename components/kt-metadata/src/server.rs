@@ -556,7 +556,7 @@ async fn teardown(
     let (targets, evicted) = {
         let mut registry = s.registry.lock().await;
         let (targets, agents) = registry.teardown_plan(&name);
-        let eviction = registry.evict(&agents);
+        let eviction = registry.retire(&agents);
         commit_eviction(&s, &eviction, "service torn down").map_err(db_err)?;
         (targets, eviction.agents)
     };

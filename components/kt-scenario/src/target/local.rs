@@ -250,6 +250,8 @@ pub fn pod_env(
             "XDG_CACHE_HOME".to_owned(),
             pod_dir.join(".cache").display().to_string(),
         ),
+        // Pods have their agent as a sidecar: kt must never start another.
+        ("KT_AGENT_AUTOSTART".to_owned(), "0".to_owned()),
         // Testbed traffic never goes through a proxy the runner's user has set.
         ("NO_PROXY".to_owned(), TESTBED_NETS.to_owned()),
         ("no_proxy".to_owned(), TESTBED_NETS.to_owned()),
