@@ -71,7 +71,7 @@ impl Config {
 
 /// The real uid of this process, from `/proc` (0 where it cannot be read),
 /// the same way `kt` finds it.
-fn uid() -> u32 {
+pub(crate) fn uid() -> u32 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
@@ -83,12 +83,14 @@ fn uid() -> u32 {
         .unwrap_or(0)
 }
 
-/// `$XDG_RUNTIME_DIR/kt/agent.sock`, else `/tmp/kt-agent-<uid>.sock`
+/// `$XDG_RUNTIME_DIR/kt/agent.sock`, else `/tmp/kt-<uid>/agent.sock`
 /// (`KT_AGENT_SOCKET` overrides it, through the flag).
 pub fn default_socket() -> PathBuf {
     match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
         Some(d) => PathBuf::from(d).join("kt").join("agent.sock"),
-        None => PathBuf::from(format!("/tmp/kt-agent-{}.sock", uid())),
+        // A private directory (0700, checked at bind), never a bare name in
+        // the world-writable /tmp.
+        None => PathBuf::from(format!("/tmp/kt-{}", uid())).join("agent.sock"),
     }
 }
 

@@ -239,6 +239,11 @@ pub enum SocketError {
     InUse(PathBuf),
     #[error("control socket {}: something other than a socket is in the way", .0.display())]
     NotASocket(PathBuf),
+    #[error(
+        "control socket directory {} is not a directory of this user that only it may write to",
+        .0.display()
+    )]
+    UnsafeDir(PathBuf),
     #[error("control socket {}: {source}", path.display())]
     Io {
         path: PathBuf,
@@ -261,6 +266,12 @@ pub fn bind(path: &Path) -> Result<(UnixListener, SocketFile), SocketError> {
             .mode(0o700)
             .create(dir)
             .map_err(io)?;
+        // Someone else's directory (a squatter in /tmp), or one others may
+        // write to, could swap the socket or the state: refuse it.
+        let md = std::fs::symlink_metadata(dir).map_err(io)?;
+        if !md.is_dir() || md.uid() != crate::config::uid() || md.mode() & 0o022 != 0 {
+            return Err(SocketError::UnsafeDir(dir.to_owned()));
+        }
     }
     match std::fs::symlink_metadata(path) {
         Ok(md) if md.file_type().is_socket() => {
@@ -322,8 +333,13 @@ async fn read_frame(stream: &mut UnixStream) -> std::io::Result<Incoming> {
         Ok(n) => n,
         Err(msg) => return Ok(Incoming::Refused(msg)),
     };
-    let mut body = vec![0u8; n];
-    stream.read_exact(&mut body).await?;
+    // Grown as bytes arrive: a header announcing a large frame costs
+    // nothing until the peer actually sends it.
+    let mut body = Vec::new();
+    (&mut *stream).take(n as u64).read_to_end(&mut body).await?;
+    if body.len() != n {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
     Ok(Incoming::Frame(body))
 }
 

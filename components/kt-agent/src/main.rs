@@ -28,7 +28,7 @@ struct Args {
     /// URL of the metadata server.
     #[arg(long, env = "KT_METADATA_URL")]
     metadata_url: String,
-    /// Control socket (default: $XDG_RUNTIME_DIR/kt/agent.sock, else /tmp/kt-agent-<uid>.sock).
+    /// Control socket (default: $XDG_RUNTIME_DIR/kt/agent.sock, else /tmp/kt-<uid>/agent.sock).
     #[arg(long, env = "KT_AGENT_SOCKET")]
     socket: Option<PathBuf>,
     /// Where exports are persisted (default: beside the socket, <socket>.state).

@@ -3,7 +3,9 @@
 //! - `benches/sync_engine.rs`: criterion benches of the sync engine (scan, hash,
 //!   diff, chunk root composition);
 //! - the `kt-bench-rsync` binary: kt against a real rsync daemon on the same
-//!   machine, both reading and writing tmpfs, each case the median of a few runs.
+//!   machine, both reading and writing tmpfs, each case the median of a few runs;
+//! - the `kt-bench-metadata` binary: a metadata server under concurrent lookups
+//!   ([`metaload`], latencies in a [`histogram`]).
 //!
 //! The binary's pieces live here so that `main` stays a thin argument parser:
 //! [`size`] (byte sizes such as `256M`), [`scratch`] (a work directory removed on
@@ -13,7 +15,9 @@
 
 pub mod compare;
 pub mod data;
+pub mod histogram;
 pub mod kt;
+pub mod metaload;
 pub mod report;
 pub mod rsync;
 pub mod scratch;

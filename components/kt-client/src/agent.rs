@@ -15,15 +15,15 @@ use crate::ClientError;
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `$KT_AGENT_SOCKET`, else `$XDG_RUNTIME_DIR/kt/agent.sock`, else
-/// `/tmp/kt-agent-<uid>.sock` (the agent's own default).
+/// `/tmp/kt-<uid>/agent.sock` (the agent's own default).
 pub fn default_socket() -> PathBuf {
-    if let Some(p) = std::env::var_os("KT_AGENT_SOCKET") {
+    if let Some(p) = std::env::var_os("KT_AGENT_SOCKET").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
-    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR") {
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
         return PathBuf::from(d).join("kt").join("agent.sock");
     }
-    PathBuf::from(format!("/tmp/kt-agent-{}.sock", current_uid()))
+    PathBuf::from(format!("/tmp/kt-{}", current_uid())).join("agent.sock")
 }
 
 fn current_uid() -> u32 {
@@ -131,8 +131,15 @@ impl AgentConn {
         let mut head = [0u8; 4];
         self.stream.read_exact(&mut head).await.map_err(io)?;
         let n = frame_len(head).map_err(local)?;
-        let mut body = vec![0u8; n];
-        self.stream.read_exact(&mut body).await.map_err(io)?;
+        let mut body = Vec::new();
+        (&mut self.stream)
+            .take(n as u64)
+            .read_to_end(&mut body)
+            .await
+            .map_err(io)?;
+        if body.len() != n {
+            return Err(local("the node agent closed the control socket mid-reply"));
+        }
         let reply: ControlReply = serde_json::from_slice(&body)
             .map_err(|e| local(format!("unreadable reply from the node agent: {e}")))?;
         match reply {

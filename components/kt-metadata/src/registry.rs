@@ -480,9 +480,10 @@ impl Registry {
         Some(r.clone())
     }
 
-    /// The live sources of `key` that `req` accepts (neither excluded nor the
-    /// getter itself): its origin when live (the store when one is
-    /// registered, or the holder's agent) and its live peers.
+    /// The live sources of `key` that `req` accepts: its origin when live
+    /// (the store when one is registered, or the holder's agent, also when
+    /// the holder is the getter) unless excluded, and its live peers other
+    /// than the getter and the excluded ones.
     pub fn sources(
         &self,
         key: &Key,
@@ -513,8 +514,11 @@ impl Registry {
         } else {
             format!("pod {}", record.holder)
         };
-        let origin_why = if let Some(why) = refused(&record.holder) {
-            Some(format!("its origin {origin} {why}"))
+        // The getter's own agent is never handed out as a peer, but it may
+        // be the origin: a producer getting its own local key copies it
+        // through its agent.
+        let origin_why = if req.exclude.iter().any(|e| e == &record.holder) {
+            Some(format!("its origin {origin} was excluded by the getter"))
         } else if record.holder == STORE_HOLDER {
             if store_registered {
                 candidates.push(Candidate {
@@ -843,6 +847,23 @@ mod tests {
             err.to_string(),
             "key s/l has no live source: its origin pod p1 is gone and no peer holds version v1"
         );
+    }
+
+    #[test]
+    fn a_producer_may_get_its_own_local_key() {
+        let mut r = Registry::new(TTL);
+        let mut local = reg(None);
+        local.locale = Locale::Local;
+        local.holder = Some("p1".into());
+        local.source = "http://p1".into();
+        r.touch_agent("p1", "http://p1", None, 0);
+        r.upsert(k("s/a"), local, 0);
+        let req = LeaseRequest {
+            exclude: vec![],
+            getter: Some("p1".into()),
+        };
+        let s = r.sources(&k("s/a"), &req, false, 1).unwrap();
+        assert_eq!(source_ids(&s), [("p1".to_owned(), true)]);
     }
 
     #[test]
