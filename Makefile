@@ -8,7 +8,7 @@ TARGET ?= local
 SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TARGET) \
 	$(if $(filter true 1,$(CI)),--check) $(if $(ACCEPT),--accept) $(SCENARIO_ARGS)
 
-.PHONY: all build release test fmt fmt-check clippy unit validate scenario bench bench-rsync clean
+.PHONY: all build release test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata clean
 
 all: build
 
@@ -53,6 +53,11 @@ bench:
 bench-rsync:
 	@command -v rsync >/dev/null 2>&1 || { echo "rsync missing: apt-get install -y rsync"; exit 1; }
 	$(CARGO) run --release -p kt-bench --bin kt-bench-rsync -- $(BENCH_ARGS)
+
+## bench-metadata: 200 concurrent clients doing lookups (lease + release, or
+## --op stat) against an in-process metadata server; lookups/s and p99.
+bench-metadata:
+	$(CARGO) run --release -p kt-bench --bin kt-bench-metadata -- $(BENCH_ARGS)
 
 clean:
 	$(CARGO) clean

@@ -34,7 +34,9 @@ use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HOST, HeaderValue};
 use hyper::{Method, Request, StatusCode, Uri};
 use hyper_util::rt::TokioIo;
 use kt_service::Token;
-use kt_types::api::{AgentHeartbeat, HeartbeatReply, RegisterKey, RegisterStore, Served};
+use kt_types::api::{
+    AgentHeartbeat, HeartbeatReply, RegisterKey, RegisterStore, Served, StoreLocation,
+};
 use kt_types::{KeyRecord, Locale, STORE_HOLDER, api::PutOptions};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -366,7 +368,7 @@ impl Conn {
     }
 
     /// Sends and requires `want`; the error names the request and the answer.
-    async fn expect(
+    async fn call(
         &mut self,
         method: Method,
         path: &str,
@@ -388,7 +390,7 @@ impl Conn {
         body: Option<Bytes>,
     ) -> anyhow::Result<T> {
         let bytes = self
-            .expect(method.clone(), path, body, StatusCode::OK)
+            .call(method.clone(), path, body, StatusCode::OK)
             .await
             .map_err(anyhow::Error::msg)?;
         serde_json::from_slice(&bytes).with_context(|| format!("{method} {path}: the answer"))
@@ -491,6 +493,9 @@ struct Seeded {
     /// Heartbeat bodies, one per agent, sent again through the run.
     beats: Vec<Bytes>,
     interval: Duration,
+    /// The keys name the server's own store (not the fake one), which can
+    /// delete them.
+    real_store: bool,
 }
 
 /// Registers the store (unless the server has one), the keys, and the agents'
@@ -498,28 +503,36 @@ struct Seeded {
 async fn seed(ep: &Arc<Endpoint>, plan: &Plan, external: bool) -> anyhow::Result<Seeded> {
     let mut conn = Conn::new(ep.clone());
     // A server that already has a store keeps it: registering ours would
-    // send its real puts to nowhere. Keys then name that store as source.
+    // send its real puts to nowhere. Keys then name that store as source
+    // (and can be deleted through it at the end).
     let (status, body) = conn
         .send(Method::GET, "/api/v1/store", None)
         .await
         .map_err(anyhow::Error::msg)?;
-    let store_url = if status == StatusCode::OK && external {
-        let loc: kt_types::api::StoreLocation =
-            serde_json::from_slice(&body).context("GET /api/v1/store")?;
-        loc.url
-    } else {
-        let reg = json_body(&RegisterStore {
-            url: FAKE_STORE_URL.to_owned(),
-        })?;
-        conn.expect(
-            Method::POST,
-            "/api/v1/stores",
-            Some(reg),
-            StatusCode::NO_CONTENT,
-        )
-        .await
-        .map_err(anyhow::Error::msg)?;
-        FAKE_STORE_URL.to_owned()
+    let real_store = match status {
+        StatusCode::OK if external => {
+            let loc: StoreLocation = serde_json::from_slice(&body).context("GET /api/v1/store")?;
+            Some(loc.url)
+        }
+        StatusCode::OK | StatusCode::SERVICE_UNAVAILABLE => None,
+        _ => bail!(bad_status(&Method::GET, "/api/v1/store", status, &body)),
+    };
+    let store_url = match &real_store {
+        Some(url) => url.clone(),
+        None => {
+            let reg = json_body(&RegisterStore {
+                url: FAKE_STORE_URL.to_owned(),
+            })?;
+            conn.call(
+                Method::POST,
+                "/api/v1/stores",
+                Some(reg),
+                StatusCode::NO_CONTENT,
+            )
+            .await
+            .map_err(anyhow::Error::msg)?;
+            FAKE_STORE_URL.to_owned()
+        }
     };
 
     let body = json_body(&plan.register_body(&store_url))?;
@@ -530,7 +543,7 @@ async fn seed(ep: &Arc<Endpoint>, plan: &Plan, external: bool) -> anyhow::Result
             let mut conn = Conn::new(ep);
             for k in (t..plan.keys()).step_by(SEED_CONNECTIONS) {
                 let path = format!("/api/v1/keys/{}", plan.key(k));
-                conn.expect(Method::PUT, &path, Some(body.clone()), StatusCode::OK)
+                conn.call(Method::PUT, &path, Some(body.clone()), StatusCode::OK)
                     .await?;
             }
             Ok::<_, String>(())
@@ -549,10 +562,10 @@ async fn seed(ep: &Arc<Endpoint>, plan: &Plan, external: bool) -> anyhow::Result
             .await?;
         ensure!(
             reply.drop.is_empty(),
-            "agent {} was told to drop {} of the keys it serves (first: {})",
+            "agent {} was told to drop {} of the keys it serves (first: {:?})",
             plan.agent_id(a),
             reply.drop.len(),
-            reply.drop[0]
+            reply.drop.first()
         );
         interval = Duration::from_millis(reply.interval_ms.max(100));
         beats.push(beat);
@@ -573,7 +586,11 @@ async fn seed(ep: &Arc<Endpoint>, plan: &Plan, external: bool) -> anyhow::Result
     if external {
         println!("seeded under {}/ (store {store_url})", plan.service());
     }
-    Ok(Seeded { beats, interval })
+    Ok(Seeded {
+        beats,
+        interval,
+        real_store: real_store.is_some(),
+    })
 }
 
 /// Beats for every agent at the server's interval until `stop`, so the fake
@@ -595,7 +612,12 @@ async fn keep_beating(
         }
         for beat in &beats {
             match conn
-                .expect(Method::POST, "/api/v1/agents", Some(beat.clone()), StatusCode::OK)
+                .call(
+                    Method::POST,
+                    "/api/v1/agents",
+                    Some(beat.clone()),
+                    StatusCode::OK,
+                )
                 .await
             {
                 Ok(_) => sent += 1,
@@ -890,7 +912,10 @@ impl Outcome {
 /// are reported in the outcome (they are not an `Err`).
 pub async fn run(opts: &Options) -> anyhow::Result<Outcome> {
     ensure!(opts.clients > 0, "at least one client is needed");
-    ensure!(!opts.duration.is_zero(), "the measured duration must be positive");
+    ensure!(
+        !opts.duration.is_zero(),
+        "the measured duration must be positive"
+    );
     let plan = Plan::new(
         &Plan::unique_prefix(),
         opts.keys,
@@ -921,6 +946,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<Outcome> {
     );
 
     let stop_beats = CancellationToken::new();
+    let real_store = seeded.real_store;
     let beating = tokio::spawn(keep_beating(
         ep.clone(),
         seeded.beats,
@@ -979,9 +1005,9 @@ pub async fn run(opts: &Options) -> anyhow::Result<Outcome> {
     outcome.heartbeats = heartbeats;
     outcome.errors.merge(beat_errors);
     if external {
-        outcome.cleanup = cleanup(&ep, &plan).await.err().map(|e| {
+        outcome.cleanup = cleanup(&ep, &plan, real_store).await.err().map(|e| {
             format!(
-                "could not remove the seeded keys under {}/ ({e:#})",
+                "could not remove what was seeded under {}/: {e:#}",
                 plan.service()
             )
         });
@@ -1013,21 +1039,33 @@ async fn wait_ready(ep: &Arc<Endpoint>, server: Option<&InProcessServer>) -> any
 }
 
 /// Tears down the seeding's service (its agents stop being sources) and
-/// deletes its keys.
-async fn cleanup(ep: &Arc<Endpoint>, plan: &Plan) -> anyhow::Result<()> {
+/// deletes its keys, which only the store they name can do: keys naming the
+/// fake store are left to the operator.
+async fn cleanup(ep: &Arc<Endpoint>, plan: &Plan, real_store: bool) -> anyhow::Result<()> {
     let mut conn = Conn::new(ep.clone());
     let service = format!("/api/v1/services/{}", plan.service());
-    conn.expect(Method::DELETE, &service, None, StatusCode::OK)
+    conn.call(Method::DELETE, &service, None, StatusCode::OK)
         .await
         .map_err(anyhow::Error::msg)?;
+    ensure!(
+        real_store,
+        "the server had no store, so a fake one was registered ({FAKE_STORE_URL}), and \
+         deletes of store keys go through the store: the keys are left (the fake agents \
+         were torn down); use a throwaway server"
+    );
     let keys = format!("/api/v1/keys/{}?recursive=true", plan.service());
-    conn.expect(Method::DELETE, &keys, None, StatusCode::OK)
+    conn.call(Method::DELETE, &keys, None, StatusCode::OK)
         .await
         .map_err(anyhow::Error::msg)?;
     Ok(())
 }
 
-fn collect(opts: &Options, stats: &[WorkerStats], measure_from: Instant, in_process: bool) -> Outcome {
+fn collect(
+    opts: &Options,
+    stats: &[WorkerStats],
+    measure_from: Instant,
+    in_process: bool,
+) -> Outcome {
     let mut first = Histogram::new();
     let mut release = Histogram::new();
     let mut pair = Histogram::new();
@@ -1198,6 +1236,9 @@ mod tests {
         o.errors.add("GET /x: HTTP 500".into());
         o.errors.add("second".into());
         let r = o.report();
-        assert!(r.contains("errors: 2\nfirst error: GET /x: HTTP 500\n"), "{r}");
+        assert!(
+            r.contains("errors: 2\nfirst error: GET /x: HTTP 500\n"),
+            "{r}"
+        );
     }
 }
