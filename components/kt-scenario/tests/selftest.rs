@@ -54,6 +54,21 @@ fn run(name: &str, extra: &[&str]) -> (tempfile::TempDir, Output) {
     (tmp, out)
 }
 
+/// Runs the whole copied directory again in `--check` mode (a full run).
+fn check_again(tmp: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kt-scenario"))
+        .args(["run", "--check", "--bin-dir"])
+        .arg(bin_dir())
+        .arg("--report")
+        .arg(tmp.join("report2"))
+        .arg("--work-dir")
+        .arg(tmp.join("work"))
+        .arg(tmp.join("s"))
+        .env("INSTA_WORKSPACE_ROOT", tmp)
+        .output()
+        .unwrap()
+}
+
 fn report(tmp: &Path) -> serde_json::Value {
     serde_json::from_slice(&std::fs::read(tmp.join("report/report.json")).unwrap()).unwrap()
 }
@@ -142,17 +157,7 @@ fn accepting_records_a_snapshot_that_then_passes_in_check_mode() {
         std::fs::read_to_string(tmp.path().join("s/snapshots/broken-snapshot.snap")).unwrap();
     assert!(snap.contains("files: 4"), "{snap}");
     // Run again from the same directory, in check mode.
-    let out = Command::new(env!("CARGO_BIN_EXE_kt-scenario"))
-        .args(["run", "--check", "--bin-dir"])
-        .arg(bin_dir())
-        .arg("--report")
-        .arg(tmp.path().join("report2"))
-        .arg("--work-dir")
-        .arg(tmp.path().join("work"))
-        .arg(tmp.path().join("s"))
-        .env("INSTA_WORKSPACE_ROOT", tmp.path())
-        .output()
-        .unwrap();
+    let out = check_again(tmp.path());
     assert_eq!(
         out.status.code(),
         Some(0),
@@ -167,17 +172,7 @@ fn accepting_records_a_snapshot_that_then_passes_in_check_mode() {
 fn unreferenced_snapshots_fail_a_full_check_run() {
     let (tmp, _) = run("broken-snapshot", &["--accept"]);
     std::fs::write(tmp.path().join("s/snapshots/orphan.snap"), "---\n---\nx\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kt-scenario"))
-        .args(["run", "--check", "--bin-dir"])
-        .arg(bin_dir())
-        .arg("--report")
-        .arg(tmp.path().join("report2"))
-        .arg("--work-dir")
-        .arg(tmp.path().join("work"))
-        .arg(tmp.path().join("s"))
-        .env("INSTA_WORKSPACE_ROOT", tmp.path())
-        .output()
-        .unwrap();
+    let out = check_again(tmp.path());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("orphan.snap"), "{stderr}");

@@ -62,6 +62,19 @@ impl Servers {
         }
     }
 
+    /// Kills a component; a pod dies whole: its commands and its agent.
+    pub async fn kill_with_pods(
+        &self,
+        procs: &PodProcs,
+        c: &Component,
+        signal: Signal,
+    ) -> Result<(), TargetError> {
+        if let Component::Pod(p) = c {
+            procs.signal(p, signal);
+        }
+        self.kill(c, signal).await
+    }
+
     /// Starts one server again and waits until it is ready.
     pub async fn start(&self, http: &reqwest::Client, c: &Component) -> Result<(), TargetError> {
         match self.slot(c)?.lock().await.as_mut() {
@@ -399,11 +412,7 @@ impl Target for Local {
     }
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
-        // A pod dies whole: its commands and its agent.
-        if let Component::Pod(p) = c {
-            self.procs.signal(p, signal);
-        }
-        self.servers.kill(c, signal).await
+        self.servers.kill_with_pods(&self.procs, c, signal).await
     }
 
     async fn start(&self, c: &Component) -> Result<(), TargetError> {

@@ -886,11 +886,7 @@ impl Target for Netns {
     }
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
-        // A pod dies whole: its commands and its agent.
-        if let Component::Pod(p) = c {
-            self.procs.signal(p, signal);
-        }
-        self.servers.kill(c, signal).await
+        self.servers.kill_with_pods(&self.procs, c, signal).await
     }
 
     async fn start(&self, c: &Component) -> Result<(), TargetError> {
