@@ -36,14 +36,31 @@ impl ServerArgs {
     }
 }
 
+/// Connections the kernel queues before a server accepts them. The usual
+/// 128 drops SYNs when hundreds of getters join a broadcast at once (they
+/// retry only after a second).
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds `addr` (address reuse on, as servers restart on their port) with a
+/// [`LISTEN_BACKLOG`]-deep queue. Needs a runtime.
+pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// Binds `addr` and returns the listener with a shutdown token that SIGTERM and
 /// SIGINT cancel: the start of every server's `main`.
 pub async fn bind_with_shutdown(
     addr: SocketAddr,
 ) -> std::io::Result<(TcpListener, CancellationToken)> {
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|e| std::io::Error::new(e.kind(), format!("binding {addr}: {e}")))?;
+    let listener =
+        listen(addr).map_err(|e| std::io::Error::new(e.kind(), format!("binding {addr}: {e}")))?;
     let shutdown = CancellationToken::new();
     crate::telemetry::cancel_on_signals(shutdown.clone());
     Ok((listener, shutdown))

@@ -53,6 +53,7 @@ fn umask() -> Option<u32> {
 /// entry's mode as far as the umask allows.
 fn open_new(path: &Path, mode: u32) -> Result<File, SyncError> {
     OpenOptions::new()
+        .read(true)
         .write(true)
         .create(true)
         .truncate(true)
@@ -160,6 +161,12 @@ impl ChunkedFile {
 
     pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), SyncError> {
         self.file.write_all_at(data, offset).at(&self.path)
+    }
+
+    /// A second handle on the file being written, for reading what is
+    /// already there (it stays valid once the file is renamed into place).
+    pub fn reader(&self) -> Result<File, SyncError> {
+        self.file.try_clone().at(&self.path)
     }
 
     /// Sets metadata and makes the file visible at its destination.

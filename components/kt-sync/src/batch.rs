@@ -114,10 +114,32 @@ pub struct Received {
 /// manifest gives; a stream that stops before its end record is `Truncated`.
 /// Writing runs on a blocking thread, overlapped with reading the stream.
 pub async fn receive_stream<S, E>(
-    mut body: S,
+    body: S,
     expected: Arc<HashMap<u32, Expected>>,
     mode: WriteMode,
     progress: Option<Progress>,
+) -> Result<Received, SyncError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    let written = progress.map(|p| {
+        let f: Written = Arc::new(move |_, n| p(n));
+        f
+    });
+    receive_stream_notify(body, expected, mode, written).await
+}
+
+/// Callback told each file written (verified and in place): its index and size.
+pub type Written = Arc<dyn Fn(u32, u64) + Send + Sync>;
+
+/// [`receive_stream`], telling `written` about each file as soon as it is in
+/// place (a relay serves it on from there).
+pub async fn receive_stream_notify<S, E>(
+    mut body: S,
+    expected: Arc<HashMap<u32, Expected>>,
+    mode: WriteMode,
+    written: Option<Written>,
 ) -> Result<Received, SyncError>
 where
     S: Stream<Item = Result<Bytes, E>> + Unpin,
@@ -135,8 +157,8 @@ where
             total.files += 1;
             total.bytes += data.len() as u64;
             total.indices.push(index);
-            if let Some(p) = &progress {
-                p(data.len() as u64);
+            if let Some(w) = &written {
+                w(index, data.len() as u64);
             }
         }
         Ok(total)

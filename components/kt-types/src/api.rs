@@ -15,6 +15,9 @@
 //! - `POST /api/v1/agents` [`AgentHeartbeat`] → [`HeartbeatReply`]
 //! - `GET  /api/v1/agents` → [`AgentList`]
 //! - `DELETE /api/v1/services/{name}` → [`TeardownResponse`]
+//! - `GET  /api/v1/broadcasts/join` — upgrades to the WebSocket of one
+//!   broadcast member ([`crate::broadcast`]: join, parents, releases)
+//! - `GET  /api/v1/broadcasts/{group}` → [`crate::broadcast::GroupInfo`]
 //!
 //! Node agent (read-only): the read half of the store protocol below
 //! (`/api/v1/trees/{key}`, `/api/v1/reads/...`), for what it exports.
@@ -165,6 +168,20 @@ pub struct TransferSummary {
     /// Where a get wrote the data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dest: Option<String>,
+    /// For a broadcast get: its place in the tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub broadcast: Option<BroadcastPlace>,
+}
+
+/// A broadcast getter's place in its tree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BroadcastPlace {
+    pub group: String,
+    pub rank: u32,
+    /// Ranks fetched from, in order (more than one when a parent was replaced).
+    pub parents: Vec<u32>,
+    /// Bytes its relay served to its children.
+    pub relayed: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

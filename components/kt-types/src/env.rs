@@ -14,3 +14,6 @@ pub const MAX_CONNECTIONS: &str = "KT_MAX_CONNECTIONS";
 pub const CHUNK_SIZE: &str = "KT_CHUNK_SIZE";
 pub const STREAMS: &str = "KT_STREAMS";
 pub const PROGRESS: &str = "KT_PROGRESS";
+/// The pod's own IP (set by the pod spec, or the testbed): agents advertise
+/// it, and broadcast relays listen on it.
+pub const POD_IP: &str = "KT_POD_IP";

@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod broadcast;
 pub mod codec;
 pub mod env;
 pub mod error;

@@ -69,14 +69,14 @@ pub struct BroadcastWindow {
 }
 
 impl BroadcastWindow {
-    pub const DEFAULT_FANOUT: u32 = 50;
+    pub const DEFAULT_FANOUT: u32 = crate::broadcast::DEFAULT_FANOUT;
     fn default_fanout() -> u32 {
         Self::DEFAULT_FANOUT
     }
 
     /// Parent rank of `rank` in the tree: rank 0 is the source.
     pub fn parent_of(&self, rank: u32) -> Option<u32> {
-        (rank > 0).then(|| (rank - 1) / self.fanout.max(1))
+        crate::broadcast::parent_rank(rank, self.fanout)
     }
 }
 

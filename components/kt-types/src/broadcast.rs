@@ -1,0 +1,230 @@
+//! Filesystem broadcasts: the protocol between getters and the metadata
+//! server that arranges them in a tree.
+//!
+//! `GET /api/v1/broadcasts/join` upgrades to a WebSocket (bearer token as on
+//! every route). Messages are JSON text frames, tagged by `op`:
+//!
+//! 1. the getter sends [`GetterMessage::Join`] (with [`JoinRequest::rejoin`]
+//!    set when it reconnects after losing the connection, e.g. across a
+//!    metadata-server restart: it keeps its rank);
+//! 2. the server answers [`GroupMessage::Assigned`]: the group, this getter's
+//!    rank and its parent. Rank 0 is the key's origin (the store or the
+//!    producer's agent); rank `r > 0` gets parent `(r - 1) / fanout`, or the
+//!    nearest ancestor still there;
+//! 3. the getter fetches from its parent, which may still be downloading
+//!    (cut-through: a parent serves every chunk it has as soon as it has it,
+//!    from its relay), and serves what it has at its own `relay_url`;
+//! 4. when its parent fails it, the getter sends
+//!    [`GetterMessage::ParentFailed`]; when a parent leaves without finishing
+//!    the server moves its children. Either way the server sends
+//!    [`GroupMessage::Parent`] with a replacement (an ancestor, a finished
+//!    member, or the origin) and the getter resumes, keeping every chunk it has;
+//! 5. the getter sends [`GetterMessage::Done`] once its copy is complete and
+//!    keeps serving until [`GroupMessage::Release`]: none of its children still
+//!    needs it. A finished member whose agent serves the copy (`served_by`)
+//!    stays a parent for later joiners after it leaves.
+//!
+//! A group accepts joins for its window (`window_ms` from its first join).
+//! Named groups are unique: joining a group whose window has closed is a
+//! `conflict`, never a stale answer. Getters that name no group join the
+//! key's open unnamed group, or start a new one.
+//!
+//! `GET /api/v1/broadcasts/{group}` → [`GroupInfo`]: the tree as it stands.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ErrorCode;
+use crate::key::Key;
+
+/// Children per node when the first getter names none.
+pub const DEFAULT_FANOUT: u32 = 50;
+/// How long a group accepts joins when the first getter names no window.
+pub const DEFAULT_WINDOW_MS: u64 = 60_000;
+/// Longest accepted group id.
+pub const MAX_GROUP_ID: usize = 128;
+
+/// Parent rank of `rank` in a tree of `fanout` children per node; rank 0 (the
+/// origin) has none.
+pub fn parent_rank(rank: u32, fanout: u32) -> Option<u32> {
+    (rank > 0).then(|| (rank - 1) / fanout.max(1))
+}
+
+/// Checks a group id: 1 to [`MAX_GROUP_ID`] characters of `[A-Za-z0-9._-]`.
+pub fn check_group_id(id: &str) -> Result<(), String> {
+    if id.is_empty() || id.len() > MAX_GROUP_ID {
+        return Err(format!(
+            "group id must be 1 to {MAX_GROUP_ID} characters, got {}",
+            id.len()
+        ));
+    }
+    if id == "join" {
+        return Err("group id \"join\" is reserved (it names the join route)".into());
+    }
+    if let Some(c) = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(format!(
+            "group id {id:?} holds {c:?}; use letters, digits, '.', '_' and '-'"
+        ));
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum GetterMessage {
+    Join(JoinRequest),
+    /// This getter's copy is complete; from now on (once it has left) its
+    /// agent serves it at `served_by`, when given.
+    Done {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        served_by: Option<String>,
+    },
+    /// The parent at `parent` (a rank) failed this getter.
+    ParentFailed {
+        parent: u32,
+        reason: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JoinRequest {
+    pub key: Key,
+    /// A named group (unique per run); `None` joins the key's unnamed group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    /// Children per node; set by the group's first getter (later getters
+    /// asking for another fanout are refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fanout: Option<u32>,
+    /// How long the group accepts joins, from its first join.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_ms: Option<u64>,
+    /// Where this getter serves what it has so far (the read protocol).
+    pub relay_url: String,
+    /// This getter's node agent id, when it has one (for the tree's listing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub getter: Option<String>,
+    /// Set when reconnecting: the membership this getter already holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejoin: Option<Rejoin>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rejoin {
+    pub group: String,
+    pub rank: u32,
+    pub version: String,
+    /// The rank it fetches from now.
+    pub parent: u32,
+    pub done: bool,
+}
+
+/// Where a getter fetches from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Parent {
+    pub rank: u32,
+    /// Base URL of the read protocol (an origin, a relay, or an agent).
+    pub url: String,
+    /// `store`, an agent id, or `rank-N` for a relay.
+    pub id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum GroupMessage {
+    Assigned {
+        group: String,
+        rank: u32,
+        /// The version every member of the group gets.
+        version: String,
+        fanout: u32,
+        parent: Parent,
+    },
+    /// Fetch from this parent from now on (the previous one failed or left).
+    Parent { parent: Parent },
+    /// No child needs this member any more: it may stop serving.
+    Release,
+    /// The join was refused, or the group cannot go on; the connection closes.
+    Error { code: ErrorCode, message: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemberState {
+    /// Downloading (and relaying what it has).
+    Active,
+    /// Its copy is complete (once it has left, it is a parent only when its
+    /// agent serves the copy).
+    Done,
+    /// Left before finishing.
+    Gone,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberInfo {
+    pub rank: u32,
+    pub parent: u32,
+    pub state: MemberState,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub getter: Option<String>,
+    /// Parents this member moved away from, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replaced: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupInfo {
+    pub group: String,
+    pub key: Key,
+    pub version: String,
+    pub fanout: u32,
+    /// The origin at rank 0 (`store` or the producer's agent id).
+    pub origin: String,
+    /// Whether the group still accepts joins.
+    pub open: bool,
+    /// By rank.
+    pub members: Vec<MemberInfo>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tree_parents() {
+        assert_eq!(parent_rank(0, 2), None);
+        assert_eq!(
+            (1..=6)
+                .map(|r| parent_rank(r, 2).unwrap())
+                .collect::<Vec<_>>(),
+            vec![0, 0, 1, 1, 2, 2]
+        );
+        assert_eq!(parent_rank(51, 50), Some(1));
+        assert_eq!(parent_rank(3, 0), Some(2), "fanout 0 reads as 1");
+    }
+
+    #[test]
+    fn group_ids() {
+        assert!(check_group_id("run-42.a_b").is_ok());
+        assert!(check_group_id("").is_err());
+        assert!(check_group_id("a/b").is_err());
+        assert!(check_group_id("join").is_err());
+        assert!(check_group_id(&"x".repeat(MAX_GROUP_ID + 1)).is_err());
+    }
+
+    #[test]
+    fn messages_are_tagged() {
+        let m = GroupMessage::Release;
+        assert_eq!(serde_json::to_string(&m).unwrap(), r#"{"op":"release"}"#);
+        let j: GetterMessage =
+            serde_json::from_str(r#"{"op":"done","served_by":"http://a"}"#).unwrap();
+        assert_eq!(
+            j,
+            GetterMessage::Done {
+                served_by: Some("http://a".into())
+            }
+        );
+    }
+}
