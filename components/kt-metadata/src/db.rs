@@ -6,10 +6,14 @@ use kt_types::api::AgentInfo;
 use kt_types::{Key, KeyRecord};
 use redb::{Database, ReadableTable, TableDefinition};
 
+use crate::broadcast::GroupRecord;
+
 const KEYS: TableDefinition<&str, &[u8]> = TableDefinition::new("keys");
 const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
 /// Node agents by id (JSON [`AgentInfo`]; `last_seen_ms` is not meaningful after a restart).
 const AGENTS: TableDefinition<&str, &[u8]> = TableDefinition::new("agents");
+/// Broadcast groups by id (JSON [`GroupRecord`]: no members, which rejoin).
+const BROADCASTS: TableDefinition<&str, &[u8]> = TableDefinition::new("broadcasts");
 const STORE_URL: &str = "store_url";
 
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +49,7 @@ pub struct Loaded {
     pub records: Vec<KeyRecord>,
     pub agents: Vec<AgentInfo>,
     pub store_url: Option<String>,
+    pub groups: Vec<GroupRecord>,
 }
 
 /// Mutations committed together, in one transaction.
@@ -54,6 +59,9 @@ pub struct Batch {
     pub remove_keys: Vec<Key>,
     pub put_agents: Vec<AgentInfo>,
     pub remove_agents: Vec<String>,
+    pub put_groups: Vec<GroupRecord>,
+    /// Broadcast group ids.
+    pub remove_groups: Vec<String>,
 }
 
 impl Batch {
@@ -62,6 +70,8 @@ impl Batch {
             && self.remove_keys.is_empty()
             && self.put_agents.is_empty()
             && self.remove_agents.is_empty()
+            && self.put_groups.is_empty()
+            && self.remove_groups.is_empty()
     }
 }
 
@@ -76,6 +86,7 @@ impl Db {
         tx.open_table(KEYS).map_err(redb_err)?;
         tx.open_table(META).map_err(redb_err)?;
         tx.open_table(AGENTS).map_err(redb_err)?;
+        tx.open_table(BROADCASTS).map_err(redb_err)?;
         tx.commit().map_err(redb_err)?;
         let this = Db { db };
         let loaded = this.load()?;
@@ -86,6 +97,7 @@ impl Db {
         let tx = self.db.begin_read().map_err(redb_err)?;
         let records = read_json(&tx.open_table(KEYS).map_err(redb_err)?)?;
         let agents = read_json(&tx.open_table(AGENTS).map_err(redb_err)?)?;
+        let groups = read_json(&tx.open_table(BROADCASTS).map_err(redb_err)?)?;
         let meta = tx.open_table(META).map_err(redb_err)?;
         let store_url = meta
             .get(STORE_URL)
@@ -95,6 +107,7 @@ impl Db {
             records,
             agents,
             store_url,
+            groups,
         })
     }
 
@@ -123,6 +136,26 @@ impl Db {
             }
             for id in &batch.remove_agents {
                 agents.remove(id.as_str()).map_err(redb_err)?;
+            }
+            let mut groups = tx.open_table(BROADCASTS).map_err(redb_err)?;
+            for g in &batch.put_groups {
+                // Reservations are committed from several tasks: whatever
+                // order they land in, the one kept is the largest.
+                let stored = groups
+                    .get(g.id.as_str())
+                    .map_err(redb_err)?
+                    .and_then(|v| serde_json::from_slice::<GroupRecord>(v.value()).ok());
+                let mut g = g.clone();
+                if let Some(stored) = stored {
+                    g.reserved = g.reserved.max(stored.reserved);
+                }
+                let bytes = serde_json::to_vec(&g).map_err(redb_err)?;
+                groups
+                    .insert(g.id.as_str(), bytes.as_slice())
+                    .map_err(redb_err)?;
+            }
+            for id in &batch.remove_groups {
+                groups.remove(id.as_str()).map_err(redb_err)?;
             }
         }
         tx.commit().map_err(redb_err)
@@ -233,5 +266,52 @@ mod tests {
         let loaded = Db::open(d.path()).unwrap().1;
         assert_eq!(loaded.records, vec![local]);
         assert_eq!(loaded.agents, vec![agent("p1")]);
+    }
+
+    #[test]
+    fn broadcast_groups_survive_reopen() {
+        let d = tempfile::tempdir().unwrap();
+        let group = |id: &str, reserved: u32| GroupRecord {
+            id: id.into(),
+            key: Key::parse("a/b").unwrap(),
+            version: "v1".into(),
+            fanout: 50,
+            origin: kt_types::broadcast::Parent {
+                rank: 0,
+                url: "http://s".into(),
+                id: "store".into(),
+            },
+            created_ms: 1,
+            window_ms: 60_000,
+            named: true,
+            reserved,
+        };
+        {
+            let (db, loaded) = Db::open(d.path()).unwrap();
+            assert!(loaded.groups.is_empty());
+            db.write(&Batch {
+                put_groups: vec![group("g1", 257), group("g2", 257)],
+                ..Batch::default()
+            })
+            .unwrap();
+            db.write(&Batch {
+                put_groups: vec![group("g1", 769)],
+                remove_groups: vec!["g2".into()],
+                ..Batch::default()
+            })
+            .unwrap();
+            // A reservation that lands late never shrinks the stored one.
+            let mut late = group("g1", 513);
+            late.window_ms = 1;
+            db.write(&Batch {
+                put_groups: vec![late],
+                ..Batch::default()
+            })
+            .unwrap();
+        }
+        let loaded = Db::open(d.path()).unwrap().1;
+        let mut want = group("g1", 769);
+        want.window_ms = 1;
+        assert_eq!(loaded.groups, vec![want]);
     }
 }

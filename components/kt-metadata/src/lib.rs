@@ -3,12 +3,16 @@
 //! [`registry`] is the pure state machine of keys, node agents and peers
 //! (listing, TTLs, heartbeat reconciliation, eviction, source candidates,
 //! teardown); [`leases`] the pure state machine of source leases (least-loaded
-//! choice, expiry); [`db`] persists keys and agents in redb; [`server`] is the
-//! HTTP API around them.
+//! choice, expiry); [`broadcast`] the pure state machine of broadcast groups
+//! (the tree of getters of one key, parents, replacements, releases, rank
+//! reservations); [`db`] persists keys, agents and broadcast groups in redb;
+//! [`server`] is the HTTP API around them (and the WebSocket of broadcast
+//! members).
 //!
 //! Invariant: a mutation is committed to the database before it is answered,
 //! so a restart loses nothing that a client was told happened.
 
+pub mod broadcast;
 pub mod db;
 pub mod leases;
 pub mod registry;
