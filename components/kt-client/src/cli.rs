@@ -7,9 +7,10 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
+use kt_client::broadcast::BroadcastOptions;
 use kt_client::progress::ProgressSink;
 use kt_client::{Client, ClientConfig, ClientError, Progress};
-use kt_types::api::{ListEntry, PutOptions, TransferStats, TransferSummary};
+use kt_types::api::{BroadcastPlace, ListEntry, PutOptions, TransferStats, TransferSummary};
 use kt_types::{ErrorCode, Key, KeyPrefix, Lifespan, Locale};
 
 /// kt: an in-cluster data store. Move files and trees under hierarchical keys.
@@ -97,6 +98,19 @@ enum Cmd {
         /// Do not have this pod's agent serve the copy to other getters.
         #[arg(long)]
         no_serve: bool,
+        /// Join a broadcast: getters form a tree, each fetching from its
+        /// parent while that parent is still downloading.
+        #[arg(long)]
+        broadcast: bool,
+        /// Broadcast group id, unique per run (default: the key's open group).
+        #[arg(long, requires = "broadcast")]
+        group: Option<String>,
+        /// Children per node of the broadcast tree (set by the group's first getter).
+        #[arg(long, requires = "broadcast")]
+        fanout: Option<u32>,
+        /// How long the broadcast group accepts joins, e.g. 60s (set by its first getter).
+        #[arg(long, requires = "broadcast", value_parser = humantime::parse_duration)]
+        timeout: Option<Duration>,
         #[arg(short, long, default_value = "text")]
         output: SummaryFormat,
     },
@@ -273,6 +287,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         unchanged: s.unchanged,
                         seconds: s.duration.as_secs_f64(),
                         dest: None,
+                        broadcast: None,
                     })?
                 ),
             }
@@ -281,6 +296,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             key,
             dest,
             no_serve,
+            broadcast,
+            group,
+            fanout,
+            timeout,
             output,
         } => {
             let key = Key::parse(&key)?;
@@ -291,13 +310,46 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             } else {
                 client
             };
-            let s = client.get(&key, &dest, progress(cli.progress)).await?;
+            let (s, place) = if broadcast {
+                let options = BroadcastOptions {
+                    group,
+                    fanout,
+                    window: timeout,
+                };
+                let b = client
+                    .get_broadcast(&key, &dest, &options, progress(cli.progress))
+                    .await?;
+                let place = BroadcastPlace {
+                    group: b.group,
+                    rank: b.rank,
+                    parents: b.parents,
+                    relayed: b.relayed,
+                };
+                (b.get, Some(place))
+            } else {
+                (client.get(&key, &dest, progress(cli.progress)).await?, None)
+            };
             match output {
-                SummaryFormat::Text => println!(
-                    "{} -> {}",
-                    summary("get", &key, s.files, &s.stats, s.duration),
-                    s.dest.display()
-                ),
+                SummaryFormat::Text => {
+                    let tree = place.map_or(String::new(), |p| {
+                        format!(
+                            " (broadcast {} rank {} from {}, relayed {})",
+                            p.group,
+                            p.rank,
+                            p.parents
+                                .iter()
+                                .map(|r| r.to_string())
+                                .collect::<Vec<_>>()
+                                .join(" then "),
+                            human(p.relayed)
+                        )
+                    });
+                    println!(
+                        "{} -> {}{tree}",
+                        summary("get", &key, s.files, &s.stats, s.duration),
+                        s.dest.display()
+                    )
+                }
                 SummaryFormat::Json => println!(
                     "{}",
                     serde_json::to_string(&TransferSummary {
@@ -308,6 +360,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         unchanged: false,
                         seconds: s.duration.as_secs_f64(),
                         dest: Some(s.dest.display().to_string()),
+                        broadcast: place,
                     })?
                 ),
             }

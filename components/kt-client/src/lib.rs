@@ -1,12 +1,16 @@
 //! The kt client: put/get/ls/rm against a metadata server and the store it names.
 //!
-//! Invariant: the client depends on the wire types and the sync engine only,
-//! never on a server crate.
+//! Invariant: the client depends on the wire types, the sync engine and the
+//! shared service plumbing (its broadcast relay is a small read server), never
+//! on a server crate.
 
 pub mod agent;
 pub mod api;
+pub mod broadcast;
+mod download;
 pub mod error;
 pub mod progress;
+pub mod relay;
 pub mod transfer;
 
 pub use api::{Client, ClientConfig};

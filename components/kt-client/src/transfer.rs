@@ -1,31 +1,29 @@
 //! put and get: the client side of the sync protocol.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
-use kt_sync::apply::{self, ChunkedFile, WriteMode};
-use kt_sync::batch::{Expected, SendItem, receive_stream, send_stream};
-use kt_sync::chunk::{ChunkAssembly, chunk_count, chunk_cv, chunk_range};
+use kt_sync::batch::{SendItem, send_stream};
+use kt_sync::chunk::{chunk_count, chunk_range};
 use kt_sync::scan::source_path;
 use kt_sync::scan::{Kept, scan_keeping};
-use kt_sync::{ScanCache, SyncError, diff};
+use kt_sync::{ScanCache, SyncError};
 use kt_types::agent::{ControlReply, ControlRequest};
 use kt_types::api::{
-    BatchAck, BatchRequest, CommitResponse, LeaseRequest, PutOptions, PutPlan, PutRequest,
-    ReadManifest, SourceLease, TransferStats,
+    BatchAck, CommitResponse, LeaseRequest, PutOptions, PutPlan, PutRequest, ReadManifest,
+    SourceLease, TransferStats,
 };
 use kt_types::codec;
-use kt_types::manifest::ManifestLimits;
-use kt_types::{Entry, EntryKind, Key, KeyRecord, Manifest, RootKind};
+use kt_types::{Key, KeyRecord, Manifest};
 
 use crate::agent::AgentConn;
 use crate::api::Client;
+use crate::download::Download;
 use crate::error::ClientError;
 use crate::progress::Progress;
+use crate::relay::Board;
 
 /// Aborts a background task when dropped (also when a get is cancelled).
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -55,7 +53,7 @@ pub struct GetSummary {
     pub duration: Duration,
 }
 
-async fn blocking<T: Send + 'static>(
+pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, SyncError> + Send + 'static,
 ) -> Result<T, ClientError> {
     tokio::task::spawn_blocking(f)
@@ -67,7 +65,7 @@ async fn blocking<T: Send + 'static>(
 /// Splits `items` (in manifest order) into at most `n` contiguous runs of
 /// similar byte size. Contiguous runs keep each stream in its own directories,
 /// so receivers creating files in parallel do not contend on one directory.
-fn balance<T>(items: Vec<(u64, T)>, n: usize) -> Vec<Vec<T>> {
+pub(crate) fn balance<T>(items: Vec<(u64, T)>, n: usize) -> Vec<Vec<T>> {
     let total: u64 = items.iter().map(|(size, _)| size.max(&1)).sum();
     let n = n.max(1) as u64;
     let mut groups: Vec<Vec<T>> = Vec::new();
@@ -98,7 +96,7 @@ fn cache_file(client: &Client, src: &Path) -> Option<PathBuf> {
 const KEEP_BUDGET: u64 = 256 << 20;
 
 /// Scans `src` with its cache, keeping up to `keep` bytes of what it reads.
-async fn scan_cached(
+pub(crate) async fn scan_cached(
     client: &Client,
     src: &Path,
     keep: u64,
@@ -336,20 +334,12 @@ impl Client {
         progress: Progress,
     ) -> Result<GetSummary, ClientError> {
         let started = Instant::now();
-        // This pod's agent (to learn our own id, and to serve the copy).
-        // An agent that cannot be reached or started never fails the get:
-        // the copy is just not shared.
-        let mut agent = if self.cfg.serve_copies {
-            self.agent_for_copies().await.unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "no node agent: this copy will not be shared");
-                None
-            })
-        } else {
-            None
-        };
+        let mut agent = self.agent_if_serving().await;
         let getter = agent.as_ref().map(|a| a.id.clone());
         let mut exclude: Vec<String> = Vec::new();
         let mut last: Option<(String, ClientError)> = None;
+        // Kept across sources: a failover fetches only what is missing.
+        let mut dl: Option<Download> = None;
         loop {
             let lease = match self.lease(key, &exclude, getter.clone()).await {
                 Ok(l) => l,
@@ -372,27 +362,33 @@ impl Client {
             };
             let renewal = AbortOnDrop(self.keep_lease(&lease));
             let result = self
-                .get_from(
+                .fetch_from(
                     &lease.source.url,
                     &lease.source.version,
                     key,
                     dest,
-                    progress.clone(),
+                    &mut dl,
+                    None,
+                    &progress,
                 )
                 .await;
             drop(renewal);
             let lease_url = self.meta(&format!("leases/{}", lease.lease));
             match result {
-                Ok((stats, final_dest, read)) => {
+                Ok(()) => {
                     let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
                     progress.finish();
+                    let Some(d) = dl else {
+                        return Err(ClientError::Local("no download was planned".into()));
+                    };
+                    d.finish().await?;
                     if let Some(a) = agent.as_mut() {
-                        self.serve_copy(a, key, &read, &final_dest).await;
+                        self.serve_copy(a, key, &d.read, &d.final_dest).await;
                     }
                     return Ok(GetSummary {
-                        stats,
-                        files: read.manifest.file_count(),
-                        dest: final_dest,
+                        stats: d.stats,
+                        files: d.read.manifest.file_count(),
+                        dest: d.final_dest.clone(),
                         duration: started.elapsed(),
                     });
                 }
@@ -450,6 +446,19 @@ impl Client {
         })
     }
 
+    /// This pod's agent, when copies are served (to learn our own id, and
+    /// to serve the copy). An agent that cannot be reached or started never
+    /// fails a get: the copy is just not shared.
+    pub(crate) async fn agent_if_serving(&self) -> Option<AgentConn> {
+        if !self.cfg.serve_copies {
+            return None;
+        }
+        self.agent_for_copies().await.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "no node agent: this copy will not be shared");
+            None
+        })
+    }
+
     /// This pod's agent for serving copies: the running one, or (inside a
     /// pod) one started on demand. Outside pods without an agent: none.
     async fn agent_for_copies(&self) -> Result<Option<AgentConn>, ClientError> {
@@ -471,7 +480,14 @@ impl Client {
 
     /// Tells the agent to serve what a get wrote. A failure here never fails
     /// the get: the copy is there, it just is not shared.
-    async fn serve_copy(&self, agent: &mut AgentConn, key: &Key, read: &ReadManifest, dest: &Path) {
+    /// Returns whether the agent took it.
+    pub(crate) async fn serve_copy(
+        &self,
+        agent: &mut AgentConn,
+        key: &Key,
+        read: &ReadManifest,
+        dest: &Path,
+    ) -> bool {
         let path = std::path::absolute(dest).unwrap_or_else(|_| dest.to_owned());
         let req = ControlRequest::ExportCopy {
             key: key.clone(),
@@ -479,8 +495,12 @@ impl Client {
             path: path.display().to_string(),
             manifest: read.manifest.clone(),
         };
-        if let Err(e) = agent.request(&req).await {
-            tracing::warn!(%key, error = %e, "the node agent did not take the copy; it is not shared");
+        match agent.request(&req).await {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(%key, error = %e, "the node agent did not take the copy; it is not shared");
+                false
+            }
         }
     }
 
@@ -529,15 +549,20 @@ impl Client {
         })
     }
 
-    /// One attempt at one source: manifest, transfer, release of the read.
-    async fn get_from(
+    /// One attempt at one source: opens `key` there (it must serve
+    /// `version`), plans `dl` from its manifest on first use, fetches what
+    /// `dl` still misses, and releases the read.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn fetch_from(
         &self,
         source: &str,
         version: &str,
         key: &Key,
         dest: &Path,
-        progress: Progress,
-    ) -> Result<(TransferStats, PathBuf, ReadManifest), ClientError> {
+        dl: &mut Option<Download>,
+        board: Option<&Arc<Board>>,
+        progress: &Progress,
+    ) -> Result<(), ClientError> {
         let source = source.trim_end_matches('/');
         let url = format!("{source}/api/v1/trees/{key}");
         let body = self.bytes(&url, self.http.get(&url)).await?;
@@ -547,7 +572,11 @@ impl Client {
             message: format!("{url}: invalid manifest document: {e}"),
         })?;
         let lease_url = format!("{source}/api/v1/reads/{}", read.lease);
-        if read.version != version {
+        let same = match dl {
+            Some(d) => d.read.version == read.version && d.manifest() == &read.manifest,
+            None => read.version == version,
+        };
+        if !same {
             let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
             return Err(ClientError::Api {
                 status: 409,
@@ -558,229 +587,27 @@ impl Client {
                 ),
             });
         }
-        let result = self.download(&lease_url, &read, dest, progress).await;
+        if dl.is_none() {
+            let planned = Download::plan(self, read, dest, board.cloned()).await;
+            let planned = match planned {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
+                    return Err(e);
+                }
+            };
+            progress.start(planned.stats.bytes_sent, planned.stats.files_sent);
+            if let Some(b) = board {
+                b.publish(key, &planned.read);
+            }
+            *dl = Some(planned);
+        }
+        let result = match dl {
+            Some(d) => d.run(self, &lease_url, progress).await,
+            None => Ok(()),
+        };
         let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
-        let (stats, dest) = result?;
-        Ok((stats, dest, read))
-    }
-
-    async fn download(
-        &self,
-        lease_url: &str,
-        read: &ReadManifest,
-        dest: &Path,
-        progress: Progress,
-    ) -> Result<(TransferStats, PathBuf), ClientError> {
-        let m = &read.manifest;
-        m.validate(&ManifestLimits::default())?;
-        kt_sync::chunk::check_chunk_size(read.chunk_size)?;
-        // Where entry paths are rooted locally.
-        let (root, final_dest) = match m.root {
-            RootKind::Dir => (dest.to_owned(), dest.to_owned()),
-            RootKind::File => {
-                let name = &m.entries[0].path;
-                if dest.is_dir() {
-                    (dest.to_owned(), dest.join(name))
-                } else {
-                    let parent = dest
-                        .parent()
-                        .filter(|p| !p.as_os_str().is_empty())
-                        .unwrap_or(Path::new("."));
-                    (parent.to_owned(), dest.to_owned())
-                }
-            }
-        };
-        let target_of = |e: &Entry| -> PathBuf {
-            match m.root {
-                RootKind::Dir => root.join(&e.path),
-                RootKind::File => final_dest.clone(),
-            }
-        };
-        // What is already there.
-        let local = match m.root {
-            RootKind::Dir if dest.is_dir() => Some(scan_cached(self, dest, 0).await?.0),
-            RootKind::File if final_dest.is_file() => {
-                Some(scan_cached(self, &final_dest, 0).await?.0)
-            }
-            _ => None,
-        };
-        let needed: Vec<u32> = match &local {
-            Some(l) => {
-                let mut have = l.clone();
-                if m.root == RootKind::File {
-                    // Compare by content under the key's file name.
-                    for e in &mut have.entries {
-                        e.path = m.entries[0].path.clone();
-                    }
-                }
-                diff::changed_files(m, &have)
-            }
-            None => m
-                .entries
-                .iter()
-                .enumerate()
-                .filter(|(_, e)| e.kind == EntryKind::File)
-                .map(|(i, _)| i as u32)
-                .collect(),
-        };
-        {
-            let (root, m2) = (root.clone(), m.clone());
-            blocking(move || match m2.root {
-                RootKind::Dir => apply::ensure_dirs(&root, &m2),
-                RootKind::File => {
-                    std::fs::create_dir_all(&root).map_err(|e| SyncError::io(&root, e))
-                }
-            })
-            .await?;
-        }
-        let mut stats = TransferStats::default();
-        let mut small = Vec::new();
-        let mut large = Vec::new();
-        for &i in &needed {
-            let e = &m.entries[i as usize];
-            stats.files_sent += 1;
-            stats.bytes_sent += e.size;
-            if e.size > read.chunk_size {
-                large.push(i);
-            } else {
-                small.push((e.size, i));
-            }
-        }
-        stats.bytes_skipped = m.total_bytes() - stats.bytes_sent;
-        progress.start(stats.bytes_sent, stats.files_sent);
-
-        let expected: Arc<HashMap<u32, Expected>> = Arc::new(
-            small
-                .iter()
-                .map(|&(_, i)| {
-                    let e = &m.entries[i as usize];
-                    (
-                        i,
-                        Expected {
-                            dest: target_of(e),
-                            entry: e.clone(),
-                        },
-                    )
-                })
-                .collect(),
-        );
-        let mut futs: Vec<futures::future::BoxFuture<'_, Result<(), ClientError>>> = Vec::new();
-        for group in balance(small, self.cfg.streams) {
-            let (expected, progress) = (expected.clone(), progress.clone());
-            futs.push(Box::pin(async move {
-                let url = format!("{lease_url}/batch");
-                let resp = self
-                    .send(
-                        &url,
-                        self.http.post(&url).json(&BatchRequest { indices: group }),
-                    )
-                    .await?;
-                let body = resp.bytes_stream();
-                receive_stream(body, expected, WriteMode::TempRename, progress.callback()).await?;
-                Ok(())
-            }));
-        }
-        for i in large {
-            let e = m.entries[i as usize].clone();
-            futs.push(Box::pin(self.fetch_chunked(
-                lease_url,
-                i,
-                e.clone(),
-                target_of(&e),
-                read.chunk_size,
-                progress.clone(),
-            )));
-        }
-        futures::stream::iter(futs)
-            .buffer_unordered(self.cfg.streams.max(1))
-            .try_collect::<Vec<()>>()
-            .await?;
-        // Unchanged files: bring metadata in line; then links and directories.
-        let (root2, m2, fin) = (root.clone(), m.clone(), final_dest.clone());
-        let needed_set: std::collections::HashSet<u32> = needed.into_iter().collect();
-        blocking(move || {
-            for (i, e) in m2.entries.iter().enumerate() {
-                if e.kind == EntryKind::File && !needed_set.contains(&(i as u32)) {
-                    let p = match m2.root {
-                        RootKind::Dir => root2.join(&e.path),
-                        RootKind::File => fin.clone(),
-                    };
-                    apply::fix_metadata(&p, e)?;
-                }
-            }
-            match m2.root {
-                RootKind::Dir => apply::finish_tree(&root2, &m2),
-                RootKind::File => Ok(()),
-            }
-        })
-        .await?;
-        Ok((stats, final_dest))
-    }
-
-    /// Fetches one large file in chunks over parallel range requests.
-    async fn fetch_chunked(
-        &self,
-        lease_url: &str,
-        index: u32,
-        e: Entry,
-        dest: PathBuf,
-        chunk_size: u64,
-        progress: Progress,
-    ) -> Result<(), ClientError> {
-        let file = {
-            let (dest, size) = (dest.clone(), e.size);
-            Arc::new(
-                blocking(move || ChunkedFile::create(&dest, size, WriteMode::TempRename)).await?,
-            )
-        };
-        let asm = Arc::new(Mutex::new(ChunkAssembly::new(e.size, chunk_size)));
-        let n_chunks = chunk_count(e.size, chunk_size);
-        let fetches = (0..n_chunks).map(|n| {
-            let (file, asm, progress) = (file.clone(), asm.clone(), progress.clone());
-            let size = e.size;
-            async move {
-                let (offset, len) = chunk_range(size, chunk_size, n).unwrap_or_default();
-                let url = format!("{lease_url}/files/{index}");
-                let resp = self
-                    .send(
-                        &url,
-                        self.http
-                            .get(&url)
-                            .query(&[("offset", offset), ("len", len)]),
-                    )
-                    .await?;
-                let data: Bytes = resp.bytes().await.map_err(|source| ClientError::Http {
-                    url: url.clone(),
-                    source,
-                })?;
-                if data.len() as u64 != len {
-                    return Err(ClientError::Sync(SyncError::Truncated));
-                }
-                blocking(move || {
-                    file.write_at(offset, &data)?;
-                    let cv = chunk_cv(&data, n, chunk_size);
-                    asm.lock().unwrap_or_else(|p| p.into_inner()).add_cv(n, cv);
-                    Ok(())
-                })
-                .await?;
-                progress.advance(len);
-                Ok::<(), ClientError>(())
-            }
-        });
-        let fetched = futures::stream::iter(fetches)
-            .buffer_unordered(self.cfg.streams.max(1))
-            .try_collect::<Vec<()>>()
-            .await;
-        // On failure the temporary file goes when its last writer lets go of it.
-        fetched?;
-        let file = Arc::try_unwrap(file)
-            .map_err(|_| ClientError::Local("chunk writer still in use".into()))?;
-        let root = asm.lock().unwrap_or_else(|p| p.into_inner()).root();
-        if root != e.hash {
-            file.discard();
-            return Err(SyncError::HashMismatch { path: e.path }.into());
-        }
-        blocking(move || file.finish(&e)).await
+        result
     }
 }
 

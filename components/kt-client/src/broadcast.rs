@@ -1,0 +1,475 @@
+//! `kt get --broadcast`: one getter of a broadcast tree (the protocol is in
+//! [`kt_types::broadcast`]).
+//!
+//! The getter starts its [`Relay`], joins the group over a WebSocket held by
+//! a background session, and downloads from the parent it is given while its
+//! relay serves every chunk it has to its own children. When the parent
+//! fails it, or the server moves it, it resumes from the new parent with the
+//! chunks it has. The session reconnects (keeping its rank) when the
+//! metadata server goes away, e.g. across a restart: the data keeps flowing
+//! meanwhile. Once complete, the copy is handed to this pod's agent and the
+//! relay serves on until no child needs it.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{SinkExt, StreamExt};
+use kt_types::Key;
+use kt_types::broadcast::{GetterMessage, GroupMessage, JoinRequest, Parent, Rejoin};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+use crate::api::Client;
+use crate::download::Download;
+use crate::error::ClientError;
+use crate::progress::Progress;
+use crate::relay::{Relay, STALL};
+use crate::transfer::GetSummary;
+
+/// How long a session keeps trying to reach the metadata server again.
+const RECONNECT_FOR: Duration = Duration::from_secs(120);
+/// How long a getter waits for a replacement parent.
+const PARENT_WAIT: Duration = Duration::from_secs(60);
+
+/// How a getter joins a broadcast.
+#[derive(Debug, Clone, Default)]
+pub struct BroadcastOptions {
+    /// A group id unique to this run; `None` joins the key's unnamed group.
+    pub group: Option<String>,
+    /// Children per node (the group's first getter sets it).
+    pub fanout: Option<u32>,
+    /// How long the group accepts joins (the first getter sets it).
+    pub window: Option<Duration>,
+}
+
+/// What a broadcast get did.
+#[derive(Debug, Clone)]
+pub struct BroadcastSummary {
+    pub get: GetSummary,
+    pub group: String,
+    pub rank: u32,
+    /// The ranks fetched from, in order (more than one when a parent was replaced).
+    pub parents: Vec<u32>,
+    /// Bytes this getter's relay served to its children.
+    pub relayed: u64,
+}
+
+/// This getter's membership, as the session re-presents it on reconnecting.
+#[derive(Debug, Clone)]
+struct Membership {
+    request: JoinRequest,
+    group: String,
+    rank: u32,
+    version: String,
+    parent: u32,
+    done: bool,
+}
+
+type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+fn lost(what: impl std::fmt::Display) -> ClientError {
+    ClientError::Local(format!("broadcast session: {what}"))
+}
+
+/// The group connection, run in the background.
+struct Session {
+    shared: Arc<Mutex<Membership>>,
+    out: mpsc::UnboundedSender<GetterMessage>,
+    events: mpsc::UnboundedReceiver<GroupMessage>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Session {
+    async fn connect(client: &Client) -> Result<Socket, ClientError> {
+        let base = &client.cfg.metadata_url;
+        let url = match base.split_once("://") {
+            Some(("https", rest)) => format!("wss://{rest}/api/v1/broadcasts/join"),
+            Some((_, rest)) => format!("ws://{rest}/api/v1/broadcasts/join"),
+            None => format!("ws://{base}/api/v1/broadcasts/join"),
+        };
+        let mut req = url.as_str().into_client_request().map_err(lost)?;
+        let auth = format!("Bearer {}", client.cfg.token)
+            .parse()
+            .map_err(|_| lost("the token is not a valid header value"))?;
+        req.headers_mut()
+            .insert(reqwest::header::AUTHORIZATION, auth);
+        let (ws, _) = tokio_tungstenite::connect_async(req)
+            .await
+            .map_err(|e| lost(format!("{url}: {e}")))?;
+        Ok(ws)
+    }
+
+    async fn send(ws: &mut Socket, msg: &GetterMessage) -> Result<(), ClientError> {
+        let text = serde_json::to_string(msg).map_err(lost)?;
+        ws.send(Message::text(text)).await.map_err(lost)
+    }
+
+    /// The next message from the group; `None` when the connection is gone.
+    async fn next(ws: &mut Socket) -> Option<Result<GroupMessage, ClientError>> {
+        loop {
+            match ws.next().await? {
+                Ok(Message::Text(t)) => {
+                    return Some(serde_json::from_str(t.as_str()).map_err(lost));
+                }
+                Ok(Message::Close(_)) | Err(_) => return None,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// Joins, and hands the connection to a background task.
+    async fn join(
+        client: &Client,
+        request: JoinRequest,
+    ) -> Result<(Session, Membership, Parent), ClientError> {
+        let mut ws = Self::connect(client).await?;
+        Self::send(&mut ws, &GetterMessage::Join(request.clone())).await?;
+        let first = Self::next(&mut ws)
+            .await
+            .unwrap_or_else(|| Err(lost("the metadata server closed the connection")))?;
+        let (group, rank, version, parent) = match first {
+            GroupMessage::Assigned {
+                group,
+                rank,
+                version,
+                parent,
+                ..
+            } => (group, rank, version, parent),
+            GroupMessage::Error { code, message } => {
+                return Err(ClientError::Api {
+                    status: code.http_status(),
+                    code,
+                    message,
+                });
+            }
+            other => return Err(lost(format!("expected an assignment, got {other:?}"))),
+        };
+        let membership = Membership {
+            request,
+            group,
+            rank,
+            version,
+            parent: parent.rank,
+            done: false,
+        };
+        let shared = Arc::new(Mutex::new(membership.clone()));
+        let (out_tx, out_rx) = mpsc::unbounded_channel();
+        let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(Self::run(client.clone(), ws, shared.clone(), out_rx, ev_tx));
+        let session = Session {
+            shared,
+            out: out_tx,
+            events: ev_rx,
+            task,
+        };
+        Ok((session, membership, parent))
+    }
+
+    /// Relays messages both ways; on a lost connection, rejoins with the
+    /// same rank until [`RECONNECT_FOR`] has passed.
+    async fn run(
+        client: Client,
+        mut ws: Socket,
+        shared: Arc<Mutex<Membership>>,
+        mut out: mpsc::UnboundedReceiver<GetterMessage>,
+        events: mpsc::UnboundedSender<GroupMessage>,
+    ) {
+        let mut unsent: Vec<GetterMessage> = Vec::new();
+        loop {
+            // Pass messages until the connection drops.
+            loop {
+                if let Some(m) = unsent.first() {
+                    if Self::send(&mut ws, m).await.is_err() {
+                        break;
+                    }
+                    unsent.remove(0);
+                    continue;
+                }
+                tokio::select! {
+                    m = out.recv() => match m {
+                        Some(m) => unsent.push(m),
+                        None => {
+                            let _ = ws.close(None).await;
+                            return;
+                        }
+                    },
+                    ev = Self::next(&mut ws) => match ev {
+                        Some(Ok(ev)) => {
+                            if let GroupMessage::Parent { parent } = &ev {
+                                lock(&shared).parent = parent.rank;
+                            }
+                            if events.send(ev).is_err() {
+                                return;
+                            }
+                        }
+                        Some(Err(e)) => tracing::warn!(error = %e, "broadcast session: bad message"),
+                        None => break,
+                    },
+                }
+            }
+            tracing::warn!("lost the metadata server; rejoining the broadcast group");
+            let Some(again) = Self::rejoin(&client, &shared).await else {
+                tracing::warn!("could not rejoin the broadcast group; going on without it");
+                return;
+            };
+            ws = again;
+            // A Done already given is carried by the rejoin.
+            if lock(&shared).done {
+                unsent.retain(|m| !matches!(m, GetterMessage::Done { .. }));
+            }
+        }
+    }
+
+    async fn rejoin(client: &Client, shared: &Arc<Mutex<Membership>>) -> Option<Socket> {
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(50);
+        while started.elapsed() < RECONNECT_FOR {
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
+            let m = lock(shared).clone();
+            let mut request = m.request.clone();
+            request.rejoin = Some(Rejoin {
+                group: m.group.clone(),
+                rank: m.rank,
+                version: m.version.clone(),
+                parent: m.parent,
+                done: m.done,
+            });
+            let Ok(mut ws) = Self::connect(client).await else {
+                continue;
+            };
+            if Self::send(&mut ws, &GetterMessage::Join(request))
+                .await
+                .is_err()
+            {
+                continue;
+            }
+            match Self::next(&mut ws).await {
+                Some(Ok(GroupMessage::Assigned { rank, .. })) if rank == m.rank => {
+                    tracing::info!(rank, "rejoined the broadcast group");
+                    return Some(ws);
+                }
+                Some(Ok(GroupMessage::Error { code, message })) => {
+                    tracing::warn!(%code, %message, "the broadcast group refused the rejoin");
+                    return None;
+                }
+                _ => continue,
+            }
+        }
+        None
+    }
+
+    fn tell(&self, msg: GetterMessage) {
+        if matches!(msg, GetterMessage::Done { .. }) {
+            lock(&self.shared).done = true;
+        }
+        let _ = self.out.send(msg);
+    }
+
+    /// Waits for a replacement parent (skipping other messages).
+    async fn next_parent(&mut self) -> Result<Parent, ClientError> {
+        let deadline = tokio::time::Instant::now() + PARENT_WAIT;
+        loop {
+            match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Err(_) => {
+                    return Err(lost(format!(
+                        "no replacement parent within {PARENT_WAIT:?}"
+                    )));
+                }
+                Ok(None) => return Err(lost("the group connection is gone")),
+                Ok(Some(GroupMessage::Parent { parent })) => return Ok(parent),
+                Ok(Some(GroupMessage::Error { code, message })) => {
+                    return Err(ClientError::Api {
+                        status: code.http_status(),
+                        code,
+                        message,
+                    });
+                }
+                Ok(Some(_)) => {}
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The address this getter's relay listens on: the pod's IP inside a pod.
+fn relay_ip() -> String {
+    std::env::var(kt_types::env::POD_IP)
+        .ok()
+        .filter(|ip| !ip.is_empty())
+        .unwrap_or_else(|| "127.0.0.1".to_owned())
+}
+
+impl Client {
+    /// Gets `key` into `dest` as one member of a broadcast (see the module
+    /// documentation).
+    pub async fn get_broadcast(
+        &self,
+        key: &Key,
+        dest: &Path,
+        options: &BroadcastOptions,
+        progress: Progress,
+    ) -> Result<BroadcastSummary, ClientError> {
+        let started = Instant::now();
+        let mut agent = self.agent_if_serving().await;
+        let relay = Relay::start(&relay_ip(), &self.cfg.token).await?;
+        let request = JoinRequest {
+            key: key.clone(),
+            group: options.group.clone(),
+            fanout: options.fanout,
+            window_ms: options.window.map(|w| w.as_millis() as u64),
+            relay_url: relay.url.clone(),
+            getter: agent.as_ref().map(|a| a.id.clone()),
+            rejoin: None,
+        };
+        let joined = Session::join(self, request).await;
+        let (mut session, membership, parent) = match joined {
+            Ok(j) => j,
+            Err(e) => {
+                relay.stop().await;
+                return Err(e);
+            }
+        };
+        tracing::debug!(group = %membership.group, rank = membership.rank, parent = parent.rank, "joined");
+        let mut parents = vec![parent.rank];
+        let fetched = self
+            .fetch_tree(
+                key,
+                dest,
+                &membership.version,
+                parent,
+                &mut session,
+                &relay,
+                &mut parents,
+                &progress,
+            )
+            .await;
+        progress.finish();
+        let dl = match fetched {
+            Ok(dl) => dl,
+            Err(e) => {
+                relay.board.fail(e.to_string());
+                relay.stop().await;
+                return Err(e);
+            }
+        };
+        let mut served_by = None;
+        if let Some(a) = agent.as_mut()
+            && self.serve_copy(a, key, &dl.read, &dl.final_dest).await
+        {
+            served_by = Some(a.url.clone());
+        }
+        session.tell(GetterMessage::Done { served_by });
+        // Serve on until no child needs this relay (bounded: a child that
+        // hangs does not hold this getter forever).
+        let linger = options.window.unwrap_or(STALL).max(STALL) * 3;
+        let released = tokio::time::timeout(linger, async {
+            while let Some(ev) = session.events.recv().await {
+                if matches!(ev, GroupMessage::Release) {
+                    return true;
+                }
+            }
+            false
+        })
+        .await;
+        if !matches!(released, Ok(true)) {
+            tracing::debug!("leaving the broadcast without a release");
+        }
+        let relayed = relay.board.served();
+        relay.stop().await;
+        drop(session);
+        Ok(BroadcastSummary {
+            get: GetSummary {
+                stats: dl.stats,
+                files: dl.read.manifest.file_count(),
+                dest: dl.final_dest.clone(),
+                duration: started.elapsed(),
+            },
+            group: membership.group,
+            rank: membership.rank,
+            parents,
+            relayed,
+        })
+    }
+
+    /// Downloads from the tree, moving to the parents the group assigns.
+    #[allow(clippy::too_many_arguments)]
+    async fn fetch_tree(
+        &self,
+        key: &Key,
+        dest: &Path,
+        version: &str,
+        mut parent: Parent,
+        session: &mut Session,
+        relay: &Relay,
+        parents: &mut Vec<u32>,
+        progress: &Progress,
+    ) -> Result<Download, ClientError> {
+        let mut dl: Option<Download> = None;
+        let mut connected = true;
+        loop {
+            let attempt = self.fetch_from(
+                &parent.url,
+                version,
+                key,
+                dest,
+                &mut dl,
+                Some(&relay.board),
+                progress,
+            );
+            let outcome = if connected {
+                tokio::select! {
+                    r = attempt => Some(r),
+                    ev = session.events.recv() => match ev {
+                        Some(GroupMessage::Parent { parent: p }) => {
+                            tracing::info!(from = parent.rank, to = p.rank, "parent replaced by the group");
+                            parent = p;
+                            parents.push(parent.rank);
+                            None
+                        }
+                        Some(GroupMessage::Error { code, message }) => {
+                            return Err(ClientError::Api { status: code.http_status(), code, message });
+                        }
+                        Some(_) => None,
+                        None => {
+                            connected = false;
+                            None
+                        }
+                    },
+                }
+            } else {
+                Some(attempt.await)
+            };
+            match outcome {
+                None => continue,
+                Some(Ok(())) => break,
+                Some(Err(e)) if e.is_source_failure() && connected => {
+                    tracing::warn!(parent = parent.rank, error = %e, "parent failed; asking for another");
+                    session.tell(GetterMessage::ParentFailed {
+                        parent: parent.rank,
+                        reason: e.to_string(),
+                    });
+                    parent = session.next_parent().await?;
+                    parents.push(parent.rank);
+                }
+                Some(Err(e)) => return Err(e),
+            }
+        }
+        let dl = dl.ok_or_else(|| ClientError::Local("no download was planned".into()))?;
+        dl.finish().await?;
+        Ok(dl)
+    }
+}

@@ -1,0 +1,411 @@
+//! One version of a key downloaded into a destination, resumable across
+//! sources: a file or chunk once written stays written, so a getter that
+//! moves to another source (failover, a broadcast parent replaced) fetches
+//! only what it is still missing.
+//!
+//! A [`Download`] is planned once from the first source's manifest
+//! ([`Download::plan`]: what is already at the destination is kept), then
+//! [`Download::run`] against one source after another until one succeeds,
+//! then [`Download::finish`]ed. Everything it places is told to its
+//! [`Board`] (a broadcast relay serves it on at once).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use kt_sync::SyncError;
+use kt_sync::apply::{self, ChunkedFile, WriteMode};
+use kt_sync::batch::{Expected, Written, receive_stream_notify};
+use kt_sync::chunk::{ChunkAssembly, chunk_count, chunk_cv, chunk_range};
+use kt_sync::diff;
+use kt_types::api::{BatchRequest, ReadManifest, TransferStats};
+use kt_types::manifest::ManifestLimits;
+use kt_types::{Entry, EntryKind, Manifest, RootKind};
+
+use crate::api::Client;
+use crate::error::ClientError;
+use crate::progress::Progress;
+use crate::relay::Board;
+use crate::transfer::{balance, blocking, scan_cached};
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A large file being assembled chunk by chunk.
+#[derive(Debug)]
+struct Large {
+    entry: Entry,
+    dest: PathBuf,
+    /// Created on first use; taken when the file is placed.
+    file: Mutex<Option<Arc<ChunkedFile>>>,
+    asm: Mutex<ChunkAssembly>,
+    have: Mutex<Vec<bool>>,
+}
+
+impl Large {
+    fn missing(&self) -> Vec<u64> {
+        lock(&self.have)
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| !**h)
+            .map(|(n, _)| n as u64)
+            .collect()
+    }
+
+    fn placed(&self) -> bool {
+        lock(&self.have).iter().all(|h| *h) && lock(&self.file).is_none()
+    }
+}
+
+/// A download in progress (see the module documentation).
+#[derive(Debug)]
+pub(crate) struct Download {
+    pub read: ReadManifest,
+    root: PathBuf,
+    pub final_dest: PathBuf,
+    /// Files fetched by this download (not already at the destination).
+    needed: BTreeSet<u32>,
+    /// Small files still to fetch.
+    pending: Arc<Mutex<BTreeSet<u32>>>,
+    large: BTreeMap<u32, Arc<Large>>,
+    pub stats: TransferStats,
+    board: Option<Arc<Board>>,
+}
+
+impl Download {
+    /// Validates `read`, looks at what `dest` already holds, creates the
+    /// directories, and tells `board` what is already in place.
+    pub async fn plan(
+        client: &Client,
+        read: ReadManifest,
+        dest: &Path,
+        board: Option<Arc<Board>>,
+    ) -> Result<Self, ClientError> {
+        let m = &read.manifest;
+        m.validate(&ManifestLimits::default())?;
+        kt_sync::chunk::check_chunk_size(read.chunk_size)?;
+        // Where entry paths are rooted locally.
+        let (root, final_dest) = match m.root {
+            RootKind::Dir => (dest.to_owned(), dest.to_owned()),
+            RootKind::File => {
+                let name = &m.entries[0].path;
+                if dest.is_dir() {
+                    (dest.to_owned(), dest.join(name))
+                } else {
+                    let parent = dest
+                        .parent()
+                        .filter(|p| !p.as_os_str().is_empty())
+                        .unwrap_or(Path::new("."));
+                    (parent.to_owned(), dest.to_owned())
+                }
+            }
+        };
+        // What is already there.
+        let local = match m.root {
+            RootKind::Dir if dest.is_dir() => Some(scan_cached(client, dest, 0).await?.0),
+            RootKind::File if final_dest.is_file() => {
+                Some(scan_cached(client, &final_dest, 0).await?.0)
+            }
+            _ => None,
+        };
+        let needed: BTreeSet<u32> = match &local {
+            Some(l) => {
+                let mut have = l.clone();
+                if m.root == RootKind::File {
+                    // Compare by content under the key's file name.
+                    for e in &mut have.entries {
+                        e.path = m.entries[0].path.clone();
+                    }
+                }
+                diff::changed_files(m, &have).into_iter().collect()
+            }
+            None => m
+                .entries
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.kind == EntryKind::File)
+                .map(|(i, _)| i as u32)
+                .collect(),
+        };
+        {
+            let (root, m2) = (root.clone(), m.clone());
+            blocking(move || match m2.root {
+                RootKind::Dir => apply::ensure_dirs(&root, &m2),
+                RootKind::File => {
+                    std::fs::create_dir_all(&root).map_err(|e| SyncError::io(&root, e))
+                }
+            })
+            .await?;
+        }
+        let mut this = Download {
+            root,
+            final_dest,
+            needed: BTreeSet::new(),
+            pending: Arc::default(),
+            large: BTreeMap::new(),
+            stats: TransferStats::default(),
+            board,
+            read,
+        };
+        let mut pending = BTreeSet::new();
+        for (i, e) in this.read.manifest.entries.iter().enumerate() {
+            let i = i as u32;
+            if e.kind != EntryKind::File {
+                continue;
+            }
+            let target = this.target_of(e);
+            if !needed.contains(&i) {
+                if let Some(b) = &this.board {
+                    b.file_at(i, target);
+                }
+                continue;
+            }
+            this.stats.files_sent += 1;
+            this.stats.bytes_sent += e.size;
+            if e.size > this.read.chunk_size {
+                let chunks = chunk_count(e.size, this.read.chunk_size) as usize;
+                this.large.insert(
+                    i,
+                    Arc::new(Large {
+                        entry: e.clone(),
+                        dest: target,
+                        file: Mutex::new(None),
+                        asm: Mutex::new(ChunkAssembly::new(e.size, this.read.chunk_size)),
+                        have: Mutex::new(vec![false; chunks]),
+                    }),
+                );
+            } else {
+                pending.insert(i);
+            }
+        }
+        this.stats.bytes_skipped = this.read.manifest.total_bytes() - this.stats.bytes_sent;
+        this.needed = needed;
+        *lock(&this.pending) = pending;
+        Ok(this)
+    }
+
+    fn target_of(&self, e: &Entry) -> PathBuf {
+        match self.read.manifest.root {
+            RootKind::Dir => self.root.join(&e.path),
+            RootKind::File => self.final_dest.clone(),
+        }
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.read.manifest
+    }
+
+    /// Fetches what is still missing from the read lease at `lease_url`.
+    /// On error, what was written stays: the next run starts from there.
+    pub async fn run(
+        &self,
+        client: &Client,
+        lease_url: &str,
+        progress: &Progress,
+    ) -> Result<(), ClientError> {
+        let m = &self.read.manifest;
+        let small: Vec<(u64, u32)> = lock(&self.pending)
+            .iter()
+            .map(|&i| (m.entries[i as usize].size, i))
+            .collect();
+        let expected: Arc<HashMap<u32, Expected>> = Arc::new(
+            small
+                .iter()
+                .map(|&(_, i)| {
+                    let e = &m.entries[i as usize];
+                    let x = Expected {
+                        dest: self.target_of(e),
+                        entry: e.clone(),
+                    };
+                    (i, x)
+                })
+                .collect(),
+        );
+        let written: Written = {
+            let (pending, board, expected) =
+                (self.pending.clone(), self.board.clone(), expected.clone());
+            let progress = progress.clone();
+            Arc::new(move |i, n| {
+                lock(&pending).remove(&i);
+                if let (Some(b), Some(x)) = (&board, expected.get(&i)) {
+                    b.file_at(i, x.dest.clone());
+                }
+                progress.advance(n);
+            })
+        };
+        let mut futs: Vec<futures::future::BoxFuture<'_, Result<(), ClientError>>> = Vec::new();
+        for group in balance(small, client.cfg.streams) {
+            let (expected, written) = (expected.clone(), written.clone());
+            futs.push(Box::pin(async move {
+                let url = format!("{lease_url}/batch");
+                let req = client
+                    .http
+                    .post(&url)
+                    .json(&BatchRequest { indices: group });
+                let body = client.send(&url, req).await?.bytes_stream();
+                receive_stream_notify(body, expected, WriteMode::TempRename, Some(written)).await?;
+                Ok(())
+            }));
+        }
+        for (&i, large) in &self.large {
+            if large.placed() {
+                continue;
+            }
+            futs.push(Box::pin(self.fetch_chunked(
+                client,
+                lease_url,
+                i,
+                large.clone(),
+                progress.clone(),
+            )));
+        }
+        futures::stream::iter(futs)
+            .buffer_unordered(client.cfg.streams.max(1))
+            .try_collect::<Vec<()>>()
+            .await?;
+        Ok(())
+    }
+
+    /// Fetches the missing chunks of one large file over parallel range
+    /// requests, and places it once all are there and its hash checks out.
+    async fn fetch_chunked(
+        &self,
+        client: &Client,
+        lease_url: &str,
+        index: u32,
+        large: Arc<Large>,
+        progress: Progress,
+    ) -> Result<(), ClientError> {
+        let chunk_size = self.read.chunk_size;
+        let file = {
+            let existing = lock(&large.file).clone();
+            match existing {
+                Some(f) => f,
+                None => {
+                    let (dest, size) = (large.dest.clone(), large.entry.size);
+                    let created = Arc::new(
+                        blocking(move || ChunkedFile::create(&dest, size, WriteMode::TempRename))
+                            .await?,
+                    );
+                    if let Some(b) = &self.board {
+                        b.partial(index, created.reader()?, chunk_size, &lock(&large.have));
+                    }
+                    lock(&large.file).get_or_insert(created).clone()
+                }
+            }
+        };
+        let fetches = large.missing().into_iter().map(|n| {
+            let (file, large, progress) = (file.clone(), large.clone(), progress.clone());
+            let board = self.board.clone();
+            async move {
+                let (offset, len) =
+                    chunk_range(large.entry.size, chunk_size, n).unwrap_or_default();
+                let url = format!("{lease_url}/files/{index}");
+                let req = client
+                    .http
+                    .get(&url)
+                    .query(&[("offset", offset), ("len", len)]);
+                let resp = client.send(&url, req).await?;
+                let data: Bytes = resp.bytes().await.map_err(|source| ClientError::Http {
+                    url: url.clone(),
+                    source,
+                })?;
+                if data.len() as u64 != len {
+                    return Err(ClientError::Sync(SyncError::Truncated));
+                }
+                let l = large.clone();
+                blocking(move || {
+                    file.write_at(offset, &data)?;
+                    let cv = chunk_cv(&data, n, chunk_size);
+                    lock(&l.asm).add_cv(n, cv);
+                    lock(&l.have)[n as usize] = true;
+                    Ok(())
+                })
+                .await?;
+                if let Some(b) = &board {
+                    b.chunk(index, n);
+                }
+                progress.advance(len);
+                Ok::<(), ClientError>(())
+            }
+        });
+        futures::stream::iter(fetches)
+            .buffer_unordered(client.cfg.streams.max(1))
+            .try_collect::<Vec<()>>()
+            .await?;
+        drop(file);
+        self.place(index, &large).await
+    }
+
+    /// Verifies an assembled large file and renames it into place.
+    async fn place(&self, index: u32, large: &Large) -> Result<(), ClientError> {
+        let Some(file) = lock(&large.file).take() else {
+            return Ok(());
+        };
+        let file = match Arc::try_unwrap(file) {
+            Ok(f) => f,
+            Err(shared) => {
+                // Another run still writes it (a cancelled one winding
+                // down): leave it for the last one.
+                *lock(&large.file) = Some(shared);
+                return Ok(());
+            }
+        };
+        let root = lock(&large.asm).root();
+        if root != large.entry.hash {
+            // Start this file over: the chunks we have do not add up.
+            file.discard();
+            if let Some(b) = &self.board {
+                b.forget(index);
+            }
+            let chunks = lock(&large.have).len();
+            *lock(&large.have) = vec![false; chunks];
+            *lock(&large.asm) = ChunkAssembly::new(large.entry.size, self.read.chunk_size);
+            return Err(SyncError::HashMismatch {
+                path: large.entry.path.clone(),
+            }
+            .into());
+        }
+        let e = large.entry.clone();
+        blocking(move || file.finish(&e)).await
+    }
+
+    /// True once every needed file is in place.
+    pub fn complete(&self) -> bool {
+        lock(&self.pending).is_empty() && self.large.values().all(|l| l.placed())
+    }
+
+    /// Brings unchanged files' metadata in line, then links and directories.
+    pub async fn finish(&self) -> Result<(), ClientError> {
+        if !self.complete() {
+            return Err(ClientError::Local(
+                "download finished with files still missing".into(),
+            ));
+        }
+        let (root, m, fin) = (
+            self.root.clone(),
+            self.read.manifest.clone(),
+            self.final_dest.clone(),
+        );
+        let needed: HashSet<u32> = self.needed.iter().copied().collect();
+        blocking(move || {
+            for (i, e) in m.entries.iter().enumerate() {
+                if e.kind == EntryKind::File && !needed.contains(&(i as u32)) {
+                    let p = match m.root {
+                        RootKind::Dir => root.join(&e.path),
+                        RootKind::File => fin.clone(),
+                    };
+                    apply::fix_metadata(&p, e)?;
+                }
+            }
+            match m.root {
+                RootKind::Dir => apply::finish_tree(&root, &m),
+                RootKind::File => Ok(()),
+            }
+        })
+        .await
+    }
+}

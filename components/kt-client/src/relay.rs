@@ -1,0 +1,407 @@
+//! The relay of a broadcast getter: it serves, over the read protocol of
+//! [`kt_service::reads`], the version it is downloading, while it downloads
+//! it (cut-through). A child asking for a chunk its parent does not have yet
+//! waits for it; a parent that stops making progress answers
+//! `unavailable`, and the child asks the metadata server for another parent.
+//!
+//! The [`Board`] is what the download tells the relay: the manifest, each
+//! file placed, each chunk written. Partially written files are read through
+//! their own handle, which stays valid when the file is renamed into place.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path as UrlPath, Query, State};
+use axum::http::StatusCode;
+use axum::http::header::CONTENT_TYPE;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use kt_service::reads::MAX_RANGE;
+use kt_service::{ApiError, ApiJson, Metrics, Ready, Token};
+use kt_types::api::{BatchRequest, RangeQuery, ReadHeader, ReadManifest};
+use kt_types::{EntryKind, ErrorCode, Key, frame};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::error::ClientError;
+
+/// A reader waiting this long without the download moving on gets
+/// `unavailable` (its parent is stuck; it had better move).
+pub const STALL: Duration = Duration::from_secs(20);
+
+/// Where the bytes of one file are.
+#[derive(Debug)]
+enum Avail {
+    /// Complete, at this path.
+    At(PathBuf),
+    /// Being written in chunks of `chunk` bytes; `have[n]` once chunk `n` is.
+    Partial {
+        file: Arc<File>,
+        chunk: u64,
+        have: Vec<bool>,
+    },
+}
+
+impl Avail {
+    fn covers(&self, offset: u64, len: u64) -> bool {
+        match self {
+            Avail::At(_) => true,
+            Avail::Partial { chunk, have, .. } => {
+                if len == 0 {
+                    return true;
+                }
+                let (first, last) = (offset / chunk, (offset + len - 1) / chunk);
+                (first..=last).all(|n| have.get(n as usize).copied().unwrap_or(false))
+            }
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct State_ {
+    key: Option<Key>,
+    read: Option<Arc<ReadManifest>>,
+    files: HashMap<u32, Avail>,
+    failed: Option<String>,
+}
+
+/// What a download has, for its relay (see the module documentation).
+#[derive(Debug)]
+pub struct Board {
+    state: Mutex<State_>,
+    changed: watch::Sender<u64>,
+    lease: String,
+    served: AtomicU64,
+}
+
+impl Default for Board {
+    fn default() -> Self {
+        Board {
+            state: Mutex::default(),
+            changed: watch::Sender::new(0),
+            lease: format!("relay-{}", uuid::Uuid::new_v4().simple()),
+            served: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Board {
+    fn update(&self, f: impl FnOnce(&mut State_)) {
+        f(&mut self.state.lock().unwrap_or_else(|p| p.into_inner()));
+        self.changed.send_modify(|g| *g += 1);
+    }
+
+    /// The version being downloaded: the relay starts answering.
+    pub fn publish(&self, key: &Key, read: &ReadManifest) {
+        let read = Arc::new(read.clone());
+        self.update(|s| {
+            s.key = Some(key.clone());
+            s.read = Some(read);
+        });
+    }
+
+    /// File `index` is complete at `path`.
+    pub fn file_at(&self, index: u32, path: PathBuf) {
+        self.update(|s| {
+            s.files.insert(index, Avail::At(path));
+        });
+    }
+
+    /// File `index` is being written in chunks through `file`.
+    pub fn partial(&self, index: u32, file: File, chunk: u64, have: &[bool]) {
+        let file = Arc::new(file);
+        self.update(|s| {
+            s.files.insert(
+                index,
+                Avail::Partial {
+                    file,
+                    chunk,
+                    have: have.to_vec(),
+                },
+            );
+        });
+    }
+
+    /// Chunk `n` of file `index` is written.
+    pub fn chunk(&self, index: u32, n: u64) {
+        self.update(|s| {
+            if let Some(Avail::Partial { have, .. }) = s.files.get_mut(&index)
+                && let Some(h) = have.get_mut(n as usize)
+            {
+                *h = true;
+            }
+        });
+    }
+
+    /// File `index` is being started over (its chunks did not verify).
+    pub fn forget(&self, index: u32) {
+        self.update(|s| {
+            s.files.remove(&index);
+        });
+    }
+
+    /// The download gave up: waiting readers are answered at once.
+    pub fn fail(&self, reason: impl Into<String>) {
+        let reason = reason.into();
+        self.update(|s| s.failed = Some(reason));
+    }
+
+    /// Bytes served to children so far.
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
+    }
+
+    /// Waits until `ready` finds what it needs, the download fails, or it
+    /// stalls for [`STALL`].
+    async fn wait<T>(
+        &self,
+        mut ready: impl FnMut(&State_) -> Option<Result<T, ApiError>>,
+    ) -> Result<T, ApiError> {
+        let mut rx = self.changed.subscribe();
+        loop {
+            {
+                let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(r) = ready(&s) {
+                    return r;
+                }
+                if let Some(why) = &s.failed {
+                    return Err(ApiError::new(
+                        ErrorCode::Unavailable,
+                        format!("this relay's download failed: {why}"),
+                    ));
+                }
+            }
+            match tokio::time::timeout(STALL, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => {
+                    return Err(ApiError::new(
+                        ErrorCode::Unavailable,
+                        format!("this relay made no progress for {STALL:?}"),
+                    ));
+                }
+            }
+        }
+    }
+
+    async fn read(&self) -> Result<Arc<ReadManifest>, ApiError> {
+        self.wait(|s| s.read.clone().map(Ok)).await
+    }
+
+    /// Waits until `len` bytes at `offset` of file `index` are there, then reads them.
+    async fn read_range(&self, index: u32, offset: u64, len: u64) -> Result<Bytes, ApiError> {
+        enum Src {
+            Path(PathBuf),
+            File(Arc<File>),
+        }
+        let src = self
+            .wait(|s| {
+                let a = s.files.get(&index).filter(|a| a.covers(offset, len))?;
+                Some(Ok(match a {
+                    Avail::At(p) => Src::Path(p.clone()),
+                    Avail::Partial { file, .. } => Src::File(file.clone()),
+                }))
+            })
+            .await?;
+        let data = kt_service::blocking(move || {
+            let mut buf = vec![0u8; len as usize];
+            match src {
+                Src::Path(p) => File::open(&p)
+                    .and_then(|f| f.read_exact_at(&mut buf, offset))
+                    .map_err(|e| kt_sync::SyncError::io(&p, e))?,
+                Src::File(f) => f
+                    .read_exact_at(&mut buf, offset)
+                    .map_err(|e| kt_sync::SyncError::io("(file being downloaded)", e))?,
+            }
+            Ok(buf)
+        })
+        .await?;
+        self.served.fetch_add(len, Ordering::Relaxed);
+        Ok(Bytes::from(data))
+    }
+}
+
+type Shared = Arc<Board>;
+
+fn check_lease(b: &Board, id: &str) -> Result<(), ApiError> {
+    if id == b.lease {
+        Ok(())
+    } else {
+        Err(ApiError::not_found(format!("no read lease {id:?}")))
+    }
+}
+
+/// The size of file `index` of the version being relayed.
+fn file_size(read: &ReadManifest, index: u32) -> Result<u64, ApiError> {
+    read.manifest
+        .entries
+        .get(index as usize)
+        .filter(|e| e.kind == EntryKind::File)
+        .map(|e| e.size)
+        .ok_or_else(|| {
+            ApiError::bad_request(format!("entry #{index} is not a file of this version"))
+        })
+}
+
+async fn open(
+    State(b): State<Shared>,
+    UrlPath(key): UrlPath<String>,
+) -> Result<Response, ApiError> {
+    let key = Key::parse(&key)?;
+    let read = b.read().await?;
+    let relaying = b
+        .state
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .key
+        .clone();
+    if relaying.as_ref() != Some(&key) {
+        return Err(ApiError::not_found(format!(
+            "this relay serves no key {key}"
+        )));
+    }
+    let header = ReadHeader {
+        version: read.version.clone(),
+        lease: b.lease.clone(),
+        chunk_size: read.chunk_size,
+    };
+    let doc = kt_types::codec::encode_document(&header, &read.manifest);
+    Ok((
+        [(CONTENT_TYPE, kt_types::codec::DOCUMENT_CONTENT_TYPE)],
+        doc,
+    )
+        .into_response())
+}
+
+async fn batch(
+    State(b): State<Shared>,
+    UrlPath(id): UrlPath<String>,
+    ApiJson(req): ApiJson<BatchRequest>,
+) -> Result<Body, ApiError> {
+    check_lease(&b, &id)?;
+    let read = b.read().await?;
+    let mut files = Vec::with_capacity(req.indices.len());
+    for &i in &req.indices {
+        files.push((i, file_size(&read, i)?));
+    }
+    // One record per file, each sent as soon as the file is there.
+    let records = futures::stream::unfold(
+        (b, files.into_iter(), false),
+        |(b, mut files, ended)| async move {
+            if ended {
+                return None;
+            }
+            let Some((i, size)) = files.next() else {
+                let end = Bytes::copy_from_slice(&frame::encode_end());
+                return Some((Ok(end), (b, files, true)));
+            };
+            let item = match b.read_range(i, 0, size).await {
+                Ok(data) => {
+                    let mut rec = Vec::with_capacity(frame::HEADER_LEN + data.len());
+                    rec.extend_from_slice(&frame::encode(i, size));
+                    rec.extend_from_slice(&data);
+                    Ok(Bytes::from(rec))
+                }
+                // The body just stops: the child sees a truncated stream.
+                Err(e) => Err(std::io::Error::other(e.to_string())),
+            };
+            let stop = item.is_err();
+            Some((item, (b, files, stop)))
+        },
+    );
+    Ok(Body::from_stream(records))
+}
+
+async fn range(
+    State(b): State<Shared>,
+    UrlPath((id, index)): UrlPath<(String, u32)>,
+    Query(q): Query<RangeQuery>,
+) -> Result<Bytes, ApiError> {
+    check_lease(&b, &id)?;
+    let read = b.read().await?;
+    let size = file_size(&read, index)?;
+    if q.len > MAX_RANGE || q.offset.checked_add(q.len).is_none_or(|end| end > size) {
+        return Err(ApiError::bad_request(format!(
+            "range {}+{} is outside entry #{index} ({size} bytes) or longer than {MAX_RANGE}",
+            q.offset, q.len
+        )));
+    }
+    b.read_range(index, q.offset, q.len).await
+}
+
+async fn release(
+    State(b): State<Shared>,
+    UrlPath(id): UrlPath<String>,
+) -> Result<StatusCode, ApiError> {
+    check_lease(&b, &id)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A running relay.
+#[derive(Debug)]
+pub struct Relay {
+    pub url: String,
+    pub board: Arc<Board>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    /// Serves `board` on `ip` (a port of the system's choosing), behind `token`.
+    pub async fn start(ip: &str, token: &str) -> Result<Relay, ClientError> {
+        let addr: std::net::IpAddr = ip
+            .parse()
+            .map_err(|e| ClientError::Local(format!("relay: pod IP {ip:?}: {e}")))?;
+        let listener = kt_service::cli::listen(std::net::SocketAddr::new(addr, 0))
+            .map_err(|e| ClientError::Local(format!("relay: binding {ip}: {e}")))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| ClientError::Local(format!("relay: {e}")))?;
+        let board = Arc::new(Board::default());
+        let routes = Router::new()
+            .route("/api/v1/trees/{*key}", get(open))
+            .route("/api/v1/reads/{lease}/batch", post(batch))
+            .route("/api/v1/reads/{lease}/files/{index}", get(range))
+            .route("/api/v1/reads/{lease}", delete(release))
+            .with_state(board.clone());
+        let ready = Ready::default();
+        ready.set(true);
+        let token =
+            Token::new(token).map_err(|e| ClientError::Local(format!("relay token: {e}")))?;
+        let app = kt_service::app(routes, token, Arc::new(Metrics::new()), ready, 1024);
+        let stop = CancellationToken::new();
+        let s = stop.clone();
+        let task = tokio::spawn(async move {
+            if let Err(e) = kt_service::serve(listener, app, s, Duration::from_secs(1)).await {
+                tracing::warn!(error = %e, "relay stopped");
+            }
+        });
+        Ok(Relay {
+            url: format!("http://{addr}"),
+            board,
+            stop,
+            task,
+        })
+    }
+
+    /// Stops serving (readers still waiting are cut off).
+    pub async fn stop(mut self) {
+        self.stop.cancel();
+        let _ = (&mut self.task).await;
+    }
+}
+
+impl Drop for Relay {
+    /// A getter dropped midway (cancelled) stops relaying at once: its
+    /// children see it gone and move on.
+    fn drop(&mut self) {
+        self.stop.cancel();
+        self.board.fail("the getter stopped");
+    }
+}
