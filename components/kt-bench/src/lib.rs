@@ -5,7 +5,10 @@
 //! - the `kt-bench-rsync` binary: kt against a real rsync daemon on the same
 //!   machine, both reading and writing tmpfs, each case the median of a few runs;
 //! - the `kt-bench-metadata` binary: a metadata server under concurrent lookups
-//!   ([`metaload`], latencies in a [`histogram`]).
+//!   ([`metaload`], latencies in a [`histogram`]);
+//! - the `kt-bench-broadcast` binary: drives the broadcast benchmark scenario
+//!   (`testbed/bench/broadcast.yaml`, netns target) and summarizes its report
+//!   ([`broadcast`]).
 //!
 //! The binary's pieces live here so that `main` stays a thin argument parser:
 //! [`size`] (byte sizes such as `256M`), [`scratch`] (a work directory removed on
@@ -13,6 +16,7 @@
 //! invocation), [`kt`] (in-process metadata and store servers plus a client),
 //! [`compare`] (the cases) and [`report`] (medians, the table, the ratio line).
 
+pub mod broadcast;
 pub mod compare;
 pub mod data;
 pub mod histogram;

@@ -18,6 +18,9 @@
 //! `kt-meta-srv`, as many as there are cores, like the `kt-metadata` binary),
 //! so on this machine server and load generator share the cores; the report
 //! says how the CPU time split between them.
+//!
+//! [`joins`] is the broadcast join benchmark (`--joins N`): N getters holding
+//! a WebSocket each join one broadcast group.
 
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
@@ -47,6 +50,8 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 
 use crate::histogram::{Histogram, ms};
 use crate::scratch::ScratchDir;
+
+pub mod joins;
 
 /// Token of the in-process server.
 const TOKEN: &str = "bench";

@@ -1,15 +1,19 @@
-//! `kt-bench-metadata`: the metadata server under concurrent lookups.
+//! `kt-bench-metadata`: the metadata server under concurrent lookups, and
+//! broadcast joins.
 //!
 //! Prints a latency table (per request kind: count, rate, p50/p95/p99/max),
 //! the lookup rate, the CPU split and the errors, then one line
 //! `metadata lookups_per_s=N p99_ms=X clients=C op=OP` (p99 of every request).
-//! Exits non-zero when any request failed.
+//! With `--joins N` it then lets N getters join one broadcast group, each on
+//! its own WebSocket, and prints `joins=N assigned in Xs (Y joins/s), p99 Z ms`
+//! (`--only-joins` skips the lookups). Exits non-zero when any request failed.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use kt_bench::metaload::joins::{self, JoinOptions};
 use kt_bench::metaload::{self, Op, Options, Target};
 
 /// Loads a metadata server (in process by default) with concurrent lookups.
@@ -55,6 +59,24 @@ struct Args {
     /// EnvFilter syntax, e.g. `kt_metadata=debug`); off by default.
     #[arg(long)]
     log: Option<String>,
+    /// Then let this many getters join one broadcast group, each holding a
+    /// WebSocket until all are assigned (the in-process server then runs in
+    /// a child process: one process cannot hold both ends of that many
+    /// connections).
+    #[arg(long)]
+    joins: Option<usize>,
+    /// Run the join benchmark alone, without the lookups.
+    #[arg(long, requires = "joins")]
+    only_joins: bool,
+    /// Getters between connecting and being assigned at once.
+    #[arg(long, default_value_t = 256)]
+    join_concurrency: usize,
+    /// Children per node of the joined group.
+    #[arg(long, default_value_t = 50)]
+    join_fanout: u32,
+    /// Internal: serve a metadata server for the join benchmark, state under DIR.
+    #[arg(long, hide = true, value_name = "DIR")]
+    serve_metadata: Option<PathBuf>,
 }
 
 #[tokio::main]
@@ -63,40 +85,77 @@ async fn main() -> ExitCode {
     if let Some(filter) = &args.log {
         kt_service::telemetry::init_logging(Some(filter), Some("text"));
     }
+    if let Some(dir) = &args.serve_metadata {
+        return match joins::serve_child(dir).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kt-bench-metadata (server): {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let target = match (args.url, args.token) {
         (Some(url), Some(token)) => Target::External { url, token },
         _ => Target::InProcess { dir: args.dir },
     };
-    let opts = Options {
-        target,
-        keys: args.keys,
-        agents: args.agents,
-        peers_per_key: args.peers_per_key,
-        clients: args.clients,
-        warmup: args.warmup,
-        duration: args.duration,
-        op: args.op,
-        seed: args.seed,
-    };
-    // On Ctrl-C the run is dropped, which stops the in-process server and
-    // removes its state.
-    let outcome = tokio::select! {
-        r = metaload::run(&opts) => r,
-        _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
-    };
-    match outcome {
-        Ok(o) => {
-            print!("{}", o.report());
-            println!("{}", o.summary_line());
-            if o.errors.count == 0 {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::FAILURE
+    let mut ok = true;
+    if !args.only_joins {
+        let opts = Options {
+            target: target.clone(),
+            keys: args.keys,
+            agents: args.agents,
+            peers_per_key: args.peers_per_key,
+            clients: args.clients,
+            warmup: args.warmup,
+            duration: args.duration,
+            op: args.op,
+            seed: args.seed,
+        };
+        // On Ctrl-C the run is dropped, which stops the in-process server and
+        // removes its state.
+        let outcome = tokio::select! {
+            r = metaload::run(&opts) => r,
+            _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+        };
+        match outcome {
+            Ok(o) => {
+                print!("{}", o.report());
+                println!("{}", o.summary_line());
+                ok &= o.errors.count == 0;
+            }
+            Err(e) => {
+                eprintln!("kt-bench-metadata: {e:#}");
+                return ExitCode::FAILURE;
             }
         }
-        Err(e) => {
-            eprintln!("kt-bench-metadata: {e:#}");
-            ExitCode::FAILURE
+    }
+    if let Some(n) = args.joins {
+        let opts = JoinOptions {
+            target,
+            joins: n,
+            concurrency: args.join_concurrency,
+            fanout: args.join_fanout,
+        };
+        // On Ctrl-C the run is dropped: the server process is killed.
+        let outcome = tokio::select! {
+            r = joins::run(&opts) => r,
+            _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
+        };
+        match outcome {
+            Ok(o) => {
+                print!("{}", o.report());
+                println!("{}", o.summary_line());
+                ok &= o.errors.count == 0 && o.assigned == n;
+            }
+            Err(e) => {
+                eprintln!("kt-bench-metadata: {e:#}");
+                return ExitCode::FAILURE;
+            }
         }
+    }
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
     }
 }

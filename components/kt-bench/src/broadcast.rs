@@ -1,0 +1,578 @@
+//! The broadcast benchmark's driver (`kt-bench-broadcast`, `make
+//! bench-broadcast`): runs `testbed/bench/broadcast.yaml` with kt-scenario on
+//! the netns target and turns what it reports into a table and one line.
+//!
+//! The scenario moves one payload to 32 pods three ways — a single
+//! point-to-point get (`single`), 32 gets from the store at once (`star`) and
+//! a broadcast tree (`tree`) — and records the store's `kt_bytes_sent_total`
+//! between them. From the run the driver reads:
+//! - `report.json`: each step's status, its operation time (`op_ms`: first pod
+//!   command's start to the last one's exit; verification not included) and
+//!   per-pod durations;
+//! - the scenario's snapshot (written into the report directory, accepted
+//!   fresh each run): the steps' records — transfer totals, the tree's shape
+//!   and the store counter's readings.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// The steps the scenario names, in order.
+pub const STEPS: [&str; 3] = ["single", "star", "tree"];
+/// The issue's targets: cut-through makes a tree about as fast as one
+/// transfer, and far faster than the store serving everyone.
+pub const TREE_OVER_SINGLE_MAX: f64 = 1.5;
+pub const STAR_OVER_TREE_MIN: f64 = 8.0;
+
+/// Where the run's files are.
+#[derive(Debug, Clone)]
+pub struct RunFiles {
+    pub report_dir: PathBuf,
+    /// Where kt-scenario keeps (and, with `--accept`, writes) snapshots.
+    pub snapshot_dir: PathBuf,
+}
+
+impl RunFiles {
+    pub fn new(report_dir: &Path) -> RunFiles {
+        RunFiles {
+            report_dir: report_dir.to_owned(),
+            snapshot_dir: report_dir.join("snapshots"),
+        }
+    }
+
+    /// Removes what an earlier run left, so nothing stale is read.
+    pub fn clear(&self) -> std::io::Result<()> {
+        for f in ["report.json", "junit.xml", "report.html"] {
+            match std::fs::remove_file(self.report_dir.join(f)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        match std::fs::remove_dir_all(&self.snapshot_dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The `kt-scenario run` arguments of the benchmark: snapshots go to the
+/// report directory and are accepted (they hold the run's measurements, not
+/// expectations).
+pub fn scenario_args(
+    scenario: &Path,
+    target: &str,
+    files: &RunFiles,
+    bin_dir: &Path,
+    extra: &[String],
+) -> Vec<String> {
+    let mut a: Vec<String> = vec![
+        "run".into(),
+        scenario.display().to_string(),
+        "--target".into(),
+        target.into(),
+        "--report".into(),
+        files.report_dir.display().to_string(),
+        "--snapshots".into(),
+        files.snapshot_dir.display().to_string(),
+        "--accept".into(),
+        "--bin-dir".into(),
+        bin_dir.display().to_string(),
+    ];
+    a.extend(extra.iter().cloned());
+    a
+}
+
+/// The parts of kt-scenario's `report.json` the driver reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RunReport {
+    pub target: String,
+    pub duration_ms: f64,
+    pub scenarios: Vec<ScenarioReport>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ScenarioReport {
+    pub name: String,
+    pub status: String,
+    #[serde(default)]
+    pub message: Option<String>,
+    pub setup_ms: f64,
+    pub duration_ms: f64,
+    pub steps: Vec<StepReport>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct StepReport {
+    pub name: String,
+    pub status: String,
+    #[serde(default)]
+    pub error: Option<String>,
+    pub duration_ms: f64,
+    pub op_ms: f64,
+    #[serde(default)]
+    pub pods: Vec<PodReport>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct PodReport {
+    pub pod: String,
+    pub ok: bool,
+    pub duration_ms: f64,
+    pub finished_at_ms: f64,
+}
+
+/// One measured way of moving the payload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Leg {
+    pub name: &'static str,
+    pub pods: usize,
+    /// Seconds from the first get's start to the last one's exit.
+    pub secs: f64,
+    /// Per-pod command durations, seconds, sorted.
+    pub pod_secs: Vec<f64>,
+    /// What the store served meanwhile (its counter's difference), bytes.
+    pub store_egress: Option<u64>,
+}
+
+/// Everything the summary needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Results {
+    /// The payload's size, bytes.
+    pub size: u64,
+    pub legs: Vec<Leg>,
+    /// The tree's fanout, members with the store as parent, and members that
+    /// had a parent replaced.
+    pub fanout: Option<u64>,
+    pub store_children: Option<u64>,
+    pub replaced: Option<u64>,
+    /// Depth of the deepest member (rank 0 at depth 0).
+    pub depth: Option<u64>,
+}
+
+impl Results {
+    pub fn leg(&self, name: &str) -> Option<&Leg> {
+        self.legs.iter().find(|l| l.name == name)
+    }
+
+    /// The store's egress during the tree step: its counter when read, else
+    /// what the tree's shape implies (a full copy to each child of rank 0).
+    pub fn store_egress_tree(&self) -> Option<u64> {
+        self.leg("tree")?
+            .store_egress
+            .or_else(|| Some(self.store_children? * self.size))
+    }
+}
+
+/// Reads `report.json`.
+pub fn read_report(files: &RunFiles) -> anyhow::Result<RunReport> {
+    let path = files.report_dir.join("report.json");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// The body of an insta snapshot file (after its `---` header) as JSON.
+pub fn parse_snapshot(text: &str) -> anyhow::Result<Value> {
+    let body = text
+        .strip_prefix("---\n")
+        .and_then(|rest| rest.split_once("\n---\n"))
+        .map(|(_, body)| body)
+        .context("not an insta snapshot (no `---` header)")?;
+    serde_yaml_ng::from_str(body).context("the snapshot's body is not YAML")
+}
+
+/// The records of scenario `name`'s snapshot.
+pub fn read_records(files: &RunFiles, name: &str) -> anyhow::Result<Value> {
+    let path = files.snapshot_dir.join(format!("{name}.snap"));
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let v = parse_snapshot(&text).with_context(|| path.display().to_string())?;
+    Ok(v.get("recorded").cloned().unwrap_or(Value::Null))
+}
+
+/// The value of `kt_bytes_sent_total` in an exec step's record.
+fn counter(record: &Value) -> Option<u64> {
+    record.get("stdout")?.as_array()?.iter().find_map(|l| {
+        let (name, v) = l.as_str()?.trim().rsplit_once(' ')?;
+        (name == "kt_bytes_sent_total")
+            .then(|| v.parse::<f64>().ok().map(|f| f as u64))
+            .flatten()
+    })
+}
+
+/// Depth of rank `r` in a tree given as `rank -> parent`.
+fn depth_of(parents: &std::collections::BTreeMap<u64, u64>, mut r: u64) -> u64 {
+    let mut d = 0;
+    while r != 0 && d <= parents.len() as u64 {
+        r = parents.get(&r).copied().unwrap_or(0);
+        d += 1;
+    }
+    d
+}
+
+/// Puts the scenario's report and records together.
+pub fn results(scenario: &ScenarioReport, records: &Value) -> anyhow::Result<Results> {
+    let single = &records["single"];
+    let size =
+        single["bytes_sent"].as_u64().unwrap_or(0) + single["bytes_skipped"].as_u64().unwrap_or(0);
+    if size == 0 {
+        bail!("the single get's record holds no size: {single}");
+    }
+    let readings: Vec<Option<u64>> = (0..=STEPS.len())
+        .map(|i| records.get(format!("store-sent-{i}")).and_then(counter))
+        .collect();
+    let mut legs = Vec::new();
+    for (i, name) in STEPS.iter().enumerate() {
+        let Some(step) = scenario.steps.iter().find(|s| s.name == *name) else {
+            continue;
+        };
+        if step.status != "passed" {
+            continue;
+        }
+        let mut pod_secs: Vec<f64> = step.pods.iter().map(|p| p.duration_ms / 1e3).collect();
+        pod_secs.sort_by(f64::total_cmp);
+        let store_egress = match (readings[i], readings[i + 1]) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a)),
+            _ => None,
+        };
+        legs.push(Leg {
+            name,
+            pods: step.pods.len(),
+            secs: step.op_ms / 1e3,
+            pod_secs,
+            store_egress,
+        });
+    }
+    let bc = &records["tree"]["broadcast"];
+    // Small trees are recorded rank by rank (`rank <- parent state`), large
+    // ones as children per parent.
+    let mut parents = std::collections::BTreeMap::new();
+    for line in bc["tree"].as_array().into_iter().flatten() {
+        let mut it = line.as_str().unwrap_or("").split_whitespace();
+        if let (Some(r), Some("<-"), Some(p)) = (it.next(), it.next(), it.next())
+            && let (Ok(r), Ok(p)) = (r.parse::<u64>(), p.parse::<u64>())
+        {
+            parents.insert(r, p);
+        }
+    }
+    let fanout = bc["fanout"].as_u64();
+    let members = bc["members"].as_u64();
+    if parents.is_empty()
+        && let (Some(n), Some(f)) = (members, fanout)
+    {
+        // The layout the group starts with: rank r under (r - 1) / fanout.
+        parents = (1..=n).map(|r| (r, (r - 1) / f.max(1))).collect();
+    }
+    let store_children = match bc["children_per_parent"].get("0") {
+        Some(c) => c.as_u64(),
+        None => (!parents.is_empty()).then(|| parents.values().filter(|p| **p == 0).count() as u64),
+    };
+    let depth = (!parents.is_empty()).then(|| {
+        parents
+            .keys()
+            .map(|r| depth_of(&parents, *r))
+            .max()
+            .unwrap_or(0)
+    });
+    Ok(Results {
+        size,
+        legs,
+        fanout,
+        store_children,
+        replaced: bc["replaced"].as_u64(),
+        depth,
+    })
+}
+
+/// `4.35s`, `139.2s`.
+pub fn secs(s: f64) -> String {
+    if s < 100.0 {
+        format!("{s:.2}s")
+    } else {
+        format!("{s:.1}s")
+    }
+}
+
+/// `1.17`, `27.3`.
+pub fn ratio(r: f64) -> String {
+    if r < 10.0 {
+        format!("{r:.2}")
+    } else {
+        format!("{r:.1}")
+    }
+}
+
+/// `1.00GiB`, `512.0MiB`, `900B`.
+pub fn bytes(b: u64) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    const MIB: f64 = (1u64 << 20) as f64;
+    let f = b as f64;
+    if f >= GIB {
+        format!("{:.2}GiB", f / GIB)
+    } else if f >= MIB {
+        format!("{:.1}MiB", f / MIB)
+    } else if f >= 1024.0 {
+        format!("{:.1}KiB", f / 1024.0)
+    } else {
+        format!("{b}B")
+    }
+}
+
+/// Nearest-rank percentile of sorted `v`.
+fn pct(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+/// The results table: per way, pods, time, per-pod spread, delivered rate
+/// and the store's egress.
+pub fn table(r: &Results) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<7} {:>4} {:>9} {:>9} {:>9} {:>9} {:>12} {:>13} {:>11}",
+        "way",
+        "pods",
+        "time",
+        "pod min",
+        "pod p50",
+        "pod max",
+        "delivered",
+        "store egress",
+        "store link"
+    );
+    for l in &r.legs {
+        let delivered = l.pods as u64 * r.size;
+        let gbit = |b: u64| b as f64 * 8.0 / l.secs / 1e9;
+        let _ = writeln!(
+            out,
+            "{:<7} {:>4} {:>9} {:>9} {:>9} {:>9} {:>7.2}Gbit/s {:>13} {:>11}",
+            l.name,
+            l.pods,
+            secs(l.secs),
+            secs(pct(&l.pod_secs, 0.0)),
+            secs(pct(&l.pod_secs, 50.0)),
+            secs(pct(&l.pod_secs, 100.0)),
+            gbit(delivered),
+            l.store_egress.map(bytes).unwrap_or_else(|| "?".into()),
+            l.store_egress
+                .map(|b| format!("{:.2}Gbit/s", gbit(b)))
+                .unwrap_or_else(|| "?".into()),
+        );
+    }
+    let _ = write!(out, "payload {}", bytes(r.size));
+    if let Some(f) = r.fanout {
+        let _ = write!(out, "; tree: fanout {f}");
+    }
+    if let Some(d) = r.depth {
+        let _ = write!(out, ", depth {d}");
+    }
+    if let Some(c) = r.store_children {
+        let _ = write!(out, ", {c} member(s) fed by the store");
+    }
+    if let Some(n) = r.replaced.filter(|n| *n > 0) {
+        let _ = write!(out, ", {n} parent replacement(s)");
+    }
+    out.push('\n');
+    out
+}
+
+/// `broadcast single=… star=… tree=… tree/single=… star/tree=… store_egress_tree=…`
+/// (a missing way leaves its fields out).
+pub fn final_line(r: &Results) -> String {
+    let mut line = String::from("broadcast");
+    let t = |n: &str| r.leg(n).map(|l| l.secs);
+    for n in STEPS {
+        if let Some(s) = t(n) {
+            let _ = write!(line, " {n}={}", secs(s));
+        }
+    }
+    if let (Some(tree), Some(single)) = (t("tree"), t("single")) {
+        let _ = write!(line, " tree/single={}", ratio(tree / single));
+    }
+    if let (Some(star), Some(tree)) = (t("star"), t("tree")) {
+        let _ = write!(line, " star/tree={}", ratio(star / tree));
+    }
+    if let Some(b) = r.store_egress_tree() {
+        let _ = write!(line, " store_egress_tree={}", bytes(b));
+    }
+    line
+}
+
+/// Whether the issue's targets are met (informational).
+pub fn targets(r: &Results) -> Vec<String> {
+    let t = |n: &str| r.leg(n).map(|l| l.secs);
+    let mut out = Vec::new();
+    if let (Some(tree), Some(single)) = (t("tree"), t("single")) {
+        let v = tree / single;
+        out.push(format!(
+            "tree/single {} <= {TREE_OVER_SINGLE_MAX}: {}",
+            ratio(v),
+            if v <= TREE_OVER_SINGLE_MAX {
+                "met"
+            } else {
+                "NOT met"
+            }
+        ));
+        if let Some(f) = r.fanout.filter(|f| *f > 1) {
+            out.push(format!(
+                "  (with equal links a relay's egress carries each byte to {f} children: \
+                 tree/single >= about {f} unless relays split their children's chunks)"
+            ));
+        }
+    }
+    if let (Some(star), Some(tree)) = (t("star"), t("tree")) {
+        let v = star / tree;
+        out.push(format!(
+            "star/tree {} >= {STAR_OVER_TREE_MIN}: {}",
+            ratio(v),
+            if v >= STAR_OVER_TREE_MIN {
+                "met"
+            } else {
+                "NOT met"
+            }
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const SNAP: &str = "---\nsource: components/kt-scenario/src/snapshot.rs\ndescription: \"x\"\n---\nrecorded:\n  single:\n    bytes_sent: 536870912\n    bytes_skipped: 0\n    files: 1\n  star:\n    bytes_sent_total: 17179869184\n    pods: 32\n  store-sent-0:\n    status: 0\n    stdout:\n      - kt_bytes_sent_total 0\n  store-sent-1:\n    status: 0\n    stdout:\n      - kt_bytes_sent_total 536870912\n  store-sent-2:\n    stdout:\n      - kt_bytes_sent_total 17716740096\n  store-sent-3:\n    stdout:\n      - kt_bytes_sent_total 18790481920\n  tree:\n    broadcast:\n      fanout: 2\n      replaced: 0\n      tree:\n        - 1 <- 0 done\n        - 2 <- 0 done\n        - 3 <- 1 done\n        - 4 <- 1 done\n        - 5 <- 2 done\n        - 6 <- 3 done\nscenario: broadcast\n";
+
+    fn step(name: &str, op_ms: f64, pods: usize) -> StepReport {
+        StepReport {
+            name: name.into(),
+            status: "passed".into(),
+            error: None,
+            duration_ms: op_ms + 1000.0,
+            op_ms,
+            pods: (0..pods)
+                .map(|i| PodReport {
+                    pod: format!("{name}-{i}"),
+                    ok: true,
+                    duration_ms: op_ms - i as f64,
+                    finished_at_ms: op_ms,
+                })
+                .collect(),
+        }
+    }
+
+    fn scenario() -> ScenarioReport {
+        ScenarioReport {
+            name: "broadcast".into(),
+            status: "passed".into(),
+            message: None,
+            setup_ms: 1.0,
+            duration_ms: 2.0,
+            steps: vec![
+                step("single", 4350.0, 1),
+                step("star", 139_200.0, 32),
+                step("tree", 5100.0, 6),
+            ],
+        }
+    }
+
+    #[test]
+    fn the_snapshot_body_is_read_past_its_header() {
+        let v = parse_snapshot(SNAP).unwrap();
+        assert_eq!(v["scenario"], json!("broadcast"));
+        assert_eq!(v["recorded"]["single"]["bytes_sent"], json!(536870912u64));
+        assert!(parse_snapshot("a: 1\n").is_err());
+    }
+
+    #[test]
+    fn results_and_the_final_line() {
+        let recs = parse_snapshot(SNAP).unwrap()["recorded"].clone();
+        let r = results(&scenario(), &recs).unwrap();
+        assert_eq!(r.size, 512 << 20);
+        assert_eq!(r.legs.len(), 3);
+        assert_eq!(r.leg("single").unwrap().store_egress, Some(512 << 20));
+        assert_eq!(r.leg("star").unwrap().store_egress, Some(16 << 30));
+        assert_eq!(r.store_egress_tree(), Some(1 << 30));
+        assert_eq!(
+            (r.fanout, r.store_children, r.depth),
+            (Some(2), Some(2), Some(3))
+        );
+        assert_eq!(
+            final_line(&r),
+            "broadcast single=4.35s star=139.2s tree=5.10s tree/single=1.17 star/tree=27.3 \
+             store_egress_tree=1.00GiB"
+        );
+        let t = targets(&r);
+        assert!(t[0].starts_with("tree/single 1.17 <= 1.5: met"), "{t:?}");
+        assert!(
+            t.last().unwrap().contains("star/tree 27.3 >= 8: met"),
+            "{t:?}"
+        );
+        let table = table(&r);
+        assert!(table.lines().count() == 5, "{table}");
+        assert!(table.contains("16.00GiB"), "{table}");
+    }
+
+    #[test]
+    fn without_the_counter_the_tree_shape_gives_the_store_egress() {
+        let mut recs = parse_snapshot(SNAP).unwrap()["recorded"].clone();
+        recs.as_object_mut().unwrap().remove("store-sent-3");
+        let r = results(&scenario(), &recs).unwrap();
+        assert_eq!(r.leg("tree").unwrap().store_egress, None);
+        assert_eq!(r.store_egress_tree(), Some(2 * (512 << 20)));
+        // A failed step is left out of the line.
+        let mut s = scenario();
+        s.steps[2].status = "failed".into();
+        let r = results(&s, &recs).unwrap();
+        assert_eq!(final_line(&r), "broadcast single=4.35s star=139.2s");
+    }
+
+    #[test]
+    fn large_trees_are_read_from_children_per_parent() {
+        let mut recs = parse_snapshot(SNAP).unwrap()["recorded"].clone();
+        recs["tree"]["broadcast"] = json!({
+            "fanout": 2, "members": 32, "replaced": 0,
+            "children_per_parent": { "0": 2, "1": 2, "15": 1 },
+            "states": { "done": 32 },
+        });
+        let r = results(&scenario(), &recs).unwrap();
+        assert_eq!(
+            (r.fanout, r.store_children, r.depth),
+            (Some(2), Some(2), Some(5))
+        );
+    }
+
+    #[test]
+    fn formats() {
+        assert_eq!(secs(4.349), "4.35s");
+        assert_eq!(secs(139.24), "139.2s");
+        assert_eq!(ratio(1.172), "1.17");
+        assert_eq!(ratio(27.29), "27.3");
+        assert_eq!(bytes(1 << 30), "1.00GiB");
+        assert_eq!(bytes(512 << 20), "512.0MiB");
+        assert_eq!(bytes(900), "900B");
+    }
+
+    #[test]
+    fn the_run_is_driven_with_fresh_accepted_snapshots() {
+        let f = RunFiles::new(Path::new("target/bench-broadcast"));
+        let a = scenario_args(
+            Path::new("testbed/bench/broadcast.yaml"),
+            "netns",
+            &f,
+            Path::new("target/release"),
+            &["--keep".into()],
+        );
+        assert_eq!(
+            a.join(" "),
+            "run testbed/bench/broadcast.yaml --target netns --report target/bench-broadcast \
+             --snapshots target/bench-broadcast/snapshots --accept --bin-dir target/release --keep"
+        );
+    }
+}
