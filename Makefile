@@ -8,7 +8,7 @@ TARGET ?= local
 SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TARGET) \
 	$(if $(filter true 1,$(CI)),--check) $(if $(ACCEPT),--accept) $(SCENARIO_ARGS)
 
-.PHONY: all build release test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata clean
+.PHONY: all build release test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast clean
 
 all: build
 
@@ -37,7 +37,7 @@ unit:
 	$(CARGO) $(NEXTEST) --workspace
 
 validate:
-	$(CARGO) run -q -p kt-scenario -- validate scenarios testbed/selftest
+	$(CARGO) run -q -p kt-scenario -- validate scenarios testbed/selftest testbed/bench
 
 ## scenario: the main job: every scenario under scenarios/ on $(TARGET)
 ## (local by default; TARGET=netns as root). ACCEPT=1 records new or changed
@@ -58,6 +58,13 @@ bench-rsync:
 ## --op stat) against an in-process metadata server; lookups/s and p99.
 bench-metadata:
 	$(CARGO) run --release -p kt-bench --bin kt-bench-metadata -- $(BENCH_ARGS)
+
+## bench-broadcast: one 512 MiB payload to 32 pods over 1 Gbit/s links on the
+## netns target (root): single get, star (all from the store), fanout-2 tree.
+bench-broadcast: release
+	$(CARGO) build --release -p kt-bench --bin kt-bench-broadcast
+	$(TARGET_DIR)/release/kt-bench-broadcast --bin-dir $(TARGET_DIR)/release \
+		--report $(TARGET_DIR)/bench-broadcast $(BENCH_ARGS)
 
 clean:
 	$(CARGO) clean

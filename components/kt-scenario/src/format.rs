@@ -98,6 +98,11 @@ pub struct StoreSpec {
     /// Chunk size of the store (a power of two), e.g. `1MiB`.
     #[serde(default)]
     pub chunk_size: Option<Size>,
+    /// Link rate of the store's node (netns target), e.g. `1gbit`, shaped in
+    /// both directions like a pod's link. Unlike pods, the store does not
+    /// take the topology's `link`: it is unshaped unless this is set.
+    #[serde(default)]
+    pub link: Option<String>,
 }
 
 /// A group of identical pods. One replica is named `name`; several are
@@ -403,6 +408,16 @@ pub struct GetStep {
     pub auth: Auth,
     #[serde(default)]
     pub max_sent: Option<Size>,
+    /// `broadcast` steps only: the group id, unique per run (use `{{run}}`);
+    /// default: the key's open group.
+    #[serde(default)]
+    pub group: Option<String>,
+    /// `broadcast` steps only: children per node of the tree.
+    #[serde(default)]
+    pub fanout: Option<u32>,
+    /// `broadcast` steps only: how long the group accepts joins (e.g. `30s`).
+    #[serde(default)]
+    pub window: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -427,22 +442,6 @@ pub struct RmStep {
     pub pod: Option<String>,
     #[serde(default)]
     pub auth: Auth,
-}
-
-/// One put, many gets coordinated by a broadcast window (`kt get
-/// --broadcast`). Accepted by the format; the runner refuses it until the
-/// client supports broadcasts (issue 4), at validation time.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct BroadcastStep {
-    pub from: String,
-    pub to: String,
-    pub key: String,
-    pub data: String,
-    #[serde(default)]
-    pub fanout: Option<u32>,
-    #[serde(default)]
-    pub group: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -489,6 +488,15 @@ pub enum Condition {
     Leases(usize),
     /// A key has at least this many peers (getters serving it).
     Peers(PeersCondition),
+    /// A broadcast group has at least this many members (joined getters).
+    Members(MembersCondition),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MembersCondition {
+    pub group: String,
+    pub at_least: usize,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -513,6 +521,8 @@ struct ConditionForm {
     leases: Option<usize>,
     #[serde(default)]
     peers: Option<PeersCondition>,
+    #[serde(default)]
+    members: Option<MembersCondition>,
 }
 
 impl TryFrom<ConditionForm> for Condition {
@@ -537,10 +547,13 @@ impl TryFrom<ConditionForm> for Condition {
         if let Some(p) = f.peers {
             found.push(Condition::Peers(p));
         }
+        if let Some(m) = f.members {
+            found.push(Condition::Members(m));
+        }
         match found.len() {
             1 => Ok(found.remove(0)),
             _ => Err(
-                "a wait names exactly one condition: ready, key, no_key, metric, leases or peers"
+                "a wait names exactly one condition: ready, key, no_key, metric, leases, peers or members"
                     .into(),
             ),
         }
@@ -642,7 +655,8 @@ pub enum Action {
     Get(GetStep),
     Ls(LsStep),
     Rm(RmStep),
-    Broadcast(BroadcastStep),
+    /// A get whose pods join one broadcast tree (`kt get --broadcast`).
+    Broadcast(GetStep),
     Teardown(TeardownStep),
     Kill(KillStep),
     Restart(RestartStep),

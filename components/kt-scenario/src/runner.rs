@@ -161,6 +161,8 @@ impl Runner {
             bin_dir: self.opts.bin_dir.clone(),
             token: token.clone(),
             chunk_size: l.scenario.topology.store.chunk_size.map(|s| s.0),
+            store_link_bps: (l.scenario.topology.store.link.as_deref())
+                .and_then(|s| parse_link(s).ok()),
             metadata_flags: l.scenario.topology.metadata.flags(),
             pods: pods.clone(),
         };
@@ -789,7 +791,7 @@ impl<'a> Scn<'a> {
             Action::Get(g) => format!("get {} into {}", x(&g.key), g.pod),
             Action::Ls(l) => format!("ls {}", x(&l.prefix)),
             Action::Rm(r) => format!("rm {}{}", if r.recursive { "-r " } else { "" }, x(&r.key)),
-            Action::Broadcast(b) => format!("broadcast {} from {} to {}", x(&b.key), b.from, b.to),
+            Action::Broadcast(g) => format!("broadcast {} into {}", x(&g.key), g.pod),
             Action::Teardown(t) => format!("teardown {}", t.service),
             Action::Kill(k) => format!("kill -{:?} {}", k.signal, k.component),
             Action::Restart(r) => format!("restart {}", r.component),
@@ -802,6 +804,9 @@ impl<'a> Scn<'a> {
                 }
                 Condition::Leases(n) => format!("wait for at most {n} source leases"),
                 Condition::Peers(p) => format!("wait for {} peers of {}", p.at_least, x(&p.key)),
+                Condition::Members(m) => {
+                    format!("wait for {} members of group {}", m.at_least, x(&m.group))
+                }
             },
             Action::Assert(_) => "assert".to_owned(),
             Action::Snapshot(s) => format!("snapshot {}", s.name),
@@ -854,6 +859,12 @@ impl<'a> Scn<'a> {
                 finished_at_ms: ms(run.finished),
                 exit_code: run.out.as_ref().ok().map(|o| o.status),
                 error: checked.err(),
+                stdout: run
+                    .out
+                    .as_ref()
+                    .ok()
+                    .filter(|o| !o.stdout.is_empty())
+                    .map(|o| o.stdout.chars().take(1024).collect()),
             });
         }
         if errors.is_empty() {
@@ -895,6 +906,76 @@ impl<'a> Scn<'a> {
             out.push(s);
         }
         Ok(out)
+    }
+
+    /// A broadcast group as the metadata server has it.
+    async fn group_info(&self, group: &str) -> Result<kt_types::broadcast::GroupInfo, String> {
+        self.meta_json(&format!("broadcasts/{group}")).await
+    }
+
+    /// `GET /api/v1/{path}` of the metadata server, as JSON.
+    async fn meta_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, String> {
+        let url = format!("{}/api/v1/{path}", self.target.metadata_url());
+        self.http
+            .get(&url)
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .map_err(|e| e.to_string())?
+            .error_for_status()
+            .map_err(|e| e.to_string())?
+            .json()
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// A broadcast group's tree as it stands: per rank its parent and
+    /// state, in rank order (which pod holds which rank varies from run to
+    /// run; the shape does not).
+    async fn tree(&self, group: &str) -> Result<Value, String> {
+        let info = self.group_info(group).await?;
+        // Small trees rank by rank; large ones as children per parent.
+        if info.members.len() > 16 {
+            let mut by_parent: std::collections::BTreeMap<u32, usize> = Default::default();
+            let mut states: std::collections::BTreeMap<String, usize> = Default::default();
+            for m in &info.members {
+                *by_parent.entry(m.parent).or_default() += 1;
+                let state = serde_json::to_value(m.state).unwrap_or(Value::Null);
+                *states
+                    .entry(state.as_str().unwrap_or("?").to_owned())
+                    .or_default() += 1;
+            }
+            return Ok(json!({
+                "group": info.group,
+                "origin": info.origin,
+                "fanout": info.fanout,
+                "members": info.members.len(),
+                "replaced": info.members.iter().filter(|m| !m.replaced.is_empty()).count(),
+                "children_per_parent": by_parent,
+                "states": states,
+            }));
+        }
+        let ranks: Vec<Value> = info
+            .members
+            .iter()
+            .map(|m| {
+                let state = serde_json::to_value(m.state).unwrap_or(Value::Null);
+                json!(format!(
+                    "{} <- {} {}",
+                    m.rank,
+                    m.parent,
+                    state.as_str().unwrap_or("?")
+                ))
+            })
+            .collect();
+        Ok(json!({
+            "group": info.group,
+            "origin": info.origin,
+            "fanout": info.fanout,
+            "members": info.members.len(),
+            "replaced": info.members.iter().filter(|m| !m.replaced.is_empty()).count(),
+            "tree": ranks,
+        }))
     }
 
     async fn action(
@@ -959,7 +1040,9 @@ impl<'a> Scn<'a> {
                 result.record = Some(transfer_record(&sums));
                 Ok(())
             }
-            Action::Get(g) => {
+            Action::Get(g) | Action::Broadcast(g) => {
+                let broadcast = matches!(step.action, Action::Broadcast(_));
+                let group = g.group.as_deref().map(|t| self.expand(t)).transpose()?;
                 let pods = self.select(&g.pod);
                 let dest = |ctx: &Context| -> Result<String, String> {
                     match &g.dest {
@@ -986,6 +1069,18 @@ impl<'a> Scn<'a> {
                             if !g.serve {
                                 a.push("--no-serve".into());
                             }
+                            if broadcast {
+                                a.push("--broadcast".into());
+                                if let Some(grp) = &group {
+                                    a.extend(["--group".into(), grp.clone()]);
+                                }
+                                if let Some(f) = g.fanout {
+                                    a.extend(["--fanout".into(), f.to_string()]);
+                                }
+                                if let Some(w) = &g.window {
+                                    a.extend(["--timeout".into(), w.clone()]);
+                                }
+                            }
                             Ok(a)
                         },
                         started,
@@ -994,7 +1089,18 @@ impl<'a> Scn<'a> {
                     .await;
                 self.settle(step, &runs, result)?;
                 let sums = self.summaries(&runs, g.max_sent)?;
-                result.record = Some(transfer_record(&sums));
+                let mut record = transfer_record(&sums);
+                if broadcast {
+                    let groups: std::collections::BTreeSet<&str> = sums
+                        .iter()
+                        .filter_map(|s| s.broadcast.as_ref().map(|b| b.group.as_str()))
+                        .collect();
+                    if let Some(grp) = group.as_deref().or(groups.first().copied()) {
+                        record["broadcast"] = self.tree(grp).await?;
+                    }
+                    record["groups"] = json!(groups.len());
+                }
+                result.record = Some(record);
                 if !g.verify.is_empty() && step.expect == Expect::Ok {
                     let t = Instant::now();
                     let mut want: Vec<(String, Digest)> = Vec::new();
@@ -1179,10 +1285,6 @@ impl<'a> Scn<'a> {
                 }
                 Ok(())
             }
-            Action::Broadcast(_) => Err(format!(
-                "{} steps are not supported by this build (refused by validation)",
-                step.action.kind()
-            )),
             Action::Parallel(_) | Action::Sequence(_) => Ok(()),
         }
     }
@@ -1297,25 +1399,21 @@ impl<'a> Scn<'a> {
                 Ok(metric_sum(&text, &m.name) >= m.at_least.0 as f64)
             }
             Condition::Leases(n) => {
-                let url = format!("{}/api/v1/leases", self.target.metadata_url());
-                let list: kt_types::api::LeaseList = self
-                    .http
-                    .get(&url)
-                    .bearer_auth(&self.token)
-                    .send()
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .error_for_status()
-                    .map_err(|e| e.to_string())?
-                    .json()
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let list: kt_types::api::LeaseList = self.meta_json("leases").await?;
                 Ok(list.leases.len() <= *n)
             }
             Condition::Peers(p) => {
                 let key = Key::parse(&self.expand(&p.key)?).map_err(|e| e.to_string())?;
                 let r = self.client()?.stat(&key).await.map_err(|e| e.to_string())?;
                 Ok(r.peers.len() >= p.at_least)
+            }
+            Condition::Members(m) => {
+                let group = self.expand(&m.group)?;
+                // A group nobody joined yet is unknown: not there yet.
+                Ok(self
+                    .group_info(&group)
+                    .await
+                    .is_ok_and(|g| g.members.len() >= m.at_least))
             }
         }
     }

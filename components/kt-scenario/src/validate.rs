@@ -97,13 +97,6 @@ pub fn parse(file: &Path, src: &str) -> Result<Loaded, Vec<Diagnostic>> {
     }
 }
 
-/// Steps the runner cannot execute with this build (they need the node agent
-/// of issue 4): refused at validation, so no scenario half-runs.
-const NOT_YET: &[(&str, &str)] = &[(
-    "broadcast",
-    "broadcast steps need `kt get --broadcast`, which arrives with the node agent; not supported by this build",
-)];
-
 struct Checker<'a> {
     file: &'a Path,
     pos: Positions,
@@ -194,6 +187,11 @@ impl Checker<'_> {
                 self.err(&format!("topology.metadata.{name}"), format!("{name}: {e}"));
             }
         }
+        if let Some(l) = &s.topology.store.link
+            && let Err(e) = parse_link(l)
+        {
+            self.err("topology.store.link", e);
+        }
         if let Some(cs) = s.topology.store.chunk_size
             && (!cs.0.is_power_of_two() || cs.0 < 4096)
         {
@@ -272,9 +270,6 @@ impl Checker<'_> {
     fn step(&mut self, at: &str, step: &Step) {
         let kind = step.action.kind();
         let body = format!("{at}.{kind}");
-        if let Some((_, why)) = NOT_YET.iter().find(|(k, _)| *k == kind) {
-            self.err(&body, *why);
-        }
         if let Expect::Error {
             message: Some(m), ..
         } = &step.expect
@@ -286,6 +281,7 @@ impl Checker<'_> {
                 step.action,
                 Action::Put(_)
                     | Action::Get(_)
+                    | Action::Broadcast(_)
                     | Action::Ls(_)
                     | Action::Rm(_)
                     | Action::Exec(_)
@@ -294,7 +290,7 @@ impl Checker<'_> {
             if !records {
                 self.err(
                     &format!("{at}.record"),
-                    format!("a {kind} step has no result to record (put, get, ls, rm, exec and teardown do)"),
+                    format!("a {kind} step has no result to record (put, get, broadcast, ls, rm, exec and teardown do)"),
                 );
             } else if !is_label(r) {
                 self.err(&format!("{at}.record"), "record names are lowercase words");
@@ -353,7 +349,34 @@ impl Checker<'_> {
                     self.err(&format!("{body}.ttl"), format!("ttl: {e}"));
                 }
             }
-            Action::Get(g) => {
+            Action::Get(g) | Action::Broadcast(g) => {
+                let broadcast = matches!(step.action, Action::Broadcast(_));
+                for (field, set) in [
+                    ("group", g.group.is_some()),
+                    ("fanout", g.fanout.is_some()),
+                    ("window", g.window.is_some()),
+                ] {
+                    if set && !broadcast {
+                        self.err(
+                            &format!("{body}.{field}"),
+                            format!("`{field}` belongs to broadcast steps (use `broadcast:` instead of `get:`)"),
+                        );
+                    }
+                }
+                if let Some(grp) = &g.group {
+                    self.template(&format!("{body}.group"), grp, false);
+                }
+                if g.fanout == Some(0) {
+                    self.err(&format!("{body}.fanout"), "fanout must be at least 1");
+                }
+                if let Some(w) = &g.window
+                    && humantime::parse_duration(w).is_err()
+                {
+                    self.err(
+                        &format!("{body}.window"),
+                        format!("{w:?} is not a duration like 30s"),
+                    );
+                }
                 self.pod(&format!("{body}.pod"), &g.pod);
                 self.template(&format!("{body}.key"), &g.key, true);
                 if let Some(d) = &g.dest {
@@ -381,11 +404,6 @@ impl Checker<'_> {
                     self.pod(&format!("{body}.pod"), p);
                 }
             }
-            Action::Broadcast(b) => {
-                self.pod(&format!("{body}.from"), &b.from);
-                self.pod(&format!("{body}.to"), &b.to);
-                self.data(&format!("{body}.data"), &b.data);
-            }
             Action::Teardown(t) => {
                 if let Some(p) = &t.pod {
                     self.pod(&format!("{body}.pod"), p);
@@ -398,6 +416,9 @@ impl Checker<'_> {
                 Condition::Leases(_) => {}
                 Condition::Peers(p) => {
                     self.template(&format!("{body}.for.peers.key"), &p.key, false)
+                }
+                Condition::Members(m) => {
+                    self.template(&format!("{body}.for.members.group"), &m.group, false)
                 }
                 Condition::Key(k) | Condition::NoKey(k) => {
                     self.template(&format!("{body}.for"), k, false)
@@ -595,11 +616,32 @@ steps:
     }
 
     #[test]
-    fn steps_this_build_cannot_run_are_refused() {
-        let src = "topology: { pods: [ { name: a } ] }\ndata: { d: { file: 10 } }\nsteps:\n  - broadcast: { from: a, to: a, key: k, data: d }\n";
+    fn broadcast_options_only_in_broadcast_steps() {
+        let src = "topology: { pods: [ { name: a } ] }\nsteps:\n  - get: { pod: a, key: k, fanout: 2 }\n  - broadcast: { pod: a, key: k, fanout: 0, window: soon }\n";
         let e = errors(src);
         assert!(
-            e[0].starts_with("s.yaml:4:") && e[0].contains("not supported by this build"),
+            e[0].starts_with("s.yaml:3:") && e[0].contains("belongs to broadcast steps"),
+            "{e:?}"
+        );
+        assert!(e[1].contains("at least 1"), "{e:?}");
+        assert!(e[2].contains("not a duration"), "{e:?}");
+    }
+
+    #[test]
+    fn link_rates_are_checked_for_pods_and_the_store() {
+        let good = "topology:\n  link: 1gbit\n  store: { chunk_size: 4MiB, link: 1gbit }\n  pods: [ { name: a, link: 100mbit } ]\nsteps:\n  - ls: {}\n";
+        assert!(errors(good).is_empty(), "{:?}", errors(good));
+        let src = "topology:\n  store:\n    link: fast\n  pods:\n    - { name: a, link: 10mb }\nsteps:\n  - ls: {}\n";
+        let e = errors(src);
+        assert_eq!(e.len(), 2, "{e:?}");
+        assert!(
+            e.iter()
+                .any(|m| m.starts_with("s.yaml:3:") && m.contains("`fast` is not a link rate")),
+            "{e:?}"
+        );
+        assert!(
+            e.iter()
+                .any(|m| m.starts_with("s.yaml:5:") && m.contains("unknown link rate unit")),
             "{e:?}"
         );
     }

@@ -111,6 +111,10 @@ pub struct PodResult {
     pub exit_code: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The start of what the pod's command printed (exec steps print
+    /// figures worth keeping, like an agent's peak memory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout: Option<String>,
 }
 
 impl RunReport {

@@ -324,6 +324,7 @@ pub(crate) mod tests {
                 finished_at_ms: 50.0 - 3.0 * i as f64,
                 exit_code: Some(if Some(i) == failed { 1 } else { 0 }),
                 error: (Some(i) == failed).then(|| "exit 1: <boom> & \"x\"".to_string()),
+                stdout: None,
             })
             .collect()
     }

@@ -29,6 +29,9 @@ pub struct Plan {
     pub bin_dir: PathBuf,
     pub token: String,
     pub chunk_size: Option<u64>,
+    /// The store's link rate in bits per second (netns shapes it like a
+    /// pod's; others ignore it). None: unshaped.
+    pub store_link_bps: Option<u64>,
     /// Extra flags of the metadata server (timing knobs).
     pub metadata_flags: Vec<String>,
     pub pods: Vec<PodPlan>,

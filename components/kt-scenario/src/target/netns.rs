@@ -1,7 +1,8 @@
 //! The `netns` target: like `local`, but the metadata server, the store and
 //! every pod each live in a Linux network namespace of their own, plugged
 //! by a veth pair into one bridge per run, so traffic crosses real
-//! interfaces and a pod's link can be shaped with `tc`. Needs root.
+//! interfaces and a pod's link (and the store's, with `store.link`) can be
+//! shaped with `tc`. Needs root.
 //!
 //! Layout of a run with short id `<id>` (see [`short_id`]), all in
 //! 198.18.0.0/15 (the benchmarking range, never routed on the internet):
@@ -145,9 +146,33 @@ pub struct Network {
 }
 
 impl Network {
-    /// Creates the bridge and a namespace per server and pod (`pods`: name
-    /// and link rate). On error, removes whatever it had created.
-    pub fn create(id: &str, pods: &[(String, Option<u64>)]) -> Result<Network, TargetError> {
+    /// Creates the bridge and a namespace per server and pod (`store_link`:
+    /// the store's link rate; `pods`: name and link rate). On error, removes
+    /// whatever it had created.
+    pub fn create(
+        id: &str,
+        store_link: Option<u64>,
+        pods: &[(String, Option<u64>)],
+    ) -> Result<Network, TargetError> {
+        let net = Network::layout(id, store_link, pods)?;
+        check_subnet_free()?;
+        claim(id)?;
+        if let Err(e) = net.build() {
+            if let Err(cleanup) = net.destroy() {
+                tracing::warn!("cleaning up the half-created network {id}: {cleanup}");
+            }
+            return Err(e);
+        }
+        Ok(net)
+    }
+
+    /// The names, addresses and link rates of a run's nodes, checked;
+    /// touches nothing on the host.
+    fn layout(
+        id: &str,
+        store_link: Option<u64>,
+        pods: &[(String, Option<u64>)],
+    ) -> Result<Network, TargetError> {
         if !is_short_id(id) {
             return Err(TargetError::Failed(format!("`{id}` is not a netns run id")));
         }
@@ -158,13 +183,18 @@ impl Network {
                 pods.len()
             )));
         }
-        let server = |n: usize, name: &str, ip| Node {
+        let server = |n: usize, name: &str, ip, link_bps| Node {
             netns: format!("kt-{id}-{name}"),
             veth: veth_name(id, n),
             ip,
-            link_bps: None,
+            link_bps,
         };
-        let mut nodes = vec![server(0, "meta", METADATA_IP), server(1, "store", STORE_IP)];
+        // The metadata server's link is never shaped: its traffic is
+        // control, not data.
+        let mut nodes = vec![
+            server(0, "meta", METADATA_IP, None),
+            server(1, "store", STORE_IP, store_link),
+        ];
         for (i, (name, link_bps)) in pods.iter().enumerate() {
             check_pod_name(name)?;
             nodes.push(Node {
@@ -175,19 +205,10 @@ impl Network {
                 link_bps: *link_bps,
             });
         }
-        check_subnet_free()?;
-        claim(id)?;
-        let net = Network {
+        Ok(Network {
             id: id.to_owned(),
             nodes,
-        };
-        if let Err(e) = net.build() {
-            if let Err(cleanup) = net.destroy() {
-                tracing::warn!("cleaning up the half-created network {id}: {cleanup}");
-            }
-            return Err(e);
-        }
-        Ok(net)
+        })
     }
 
     pub fn id(&self) -> &str {
@@ -253,22 +274,12 @@ impl Network {
                 "link set eth0 addrgenmode none up".to_owned(),
             ];
             inside.push(Cmd::batch(&["ip"], lines).inside(&n.netns));
-            if let Some(rate) = n.link_bps {
-                let qdisc = format!("qdisc add dev eth0 root {}", tbf(rate));
-                inside.push(Cmd::batch(&["tc"], vec![qdisc]).inside(&n.netns));
-            }
+        }
+        for (netns, qdisc) in self.upload_shaping() {
+            inside.push(Cmd::batch(&["tc"], vec![qdisc]).inside(&netns));
         }
         run_all(&inside)?;
-        // The download shaping: egress of the host-side veths.
-        let shaped: Vec<String> = (self.nodes.iter())
-            .filter_map(|n| {
-                Some(format!(
-                    "qdisc add dev {} root {}",
-                    n.veth,
-                    tbf(n.link_bps?)
-                ))
-            })
-            .collect();
+        let shaped = self.download_shaping();
         if !shaped.is_empty() {
             Cmd::batch(&["tc"], shaped).run()?;
         }
@@ -283,6 +294,33 @@ impl Network {
             }
         }
         Ok(())
+    }
+}
+
+impl Network {
+    /// The upload shaping of every shaped node: `tc` arguments for the
+    /// egress of `eth0` inside its namespace, with the namespace.
+    fn upload_shaping(&self) -> Vec<(String, String)> {
+        (self.nodes.iter())
+            .filter_map(|n| {
+                let qdisc = format!("qdisc add dev eth0 root {}", tbf(n.link_bps?));
+                Some((n.netns.clone(), qdisc))
+            })
+            .collect()
+    }
+
+    /// The download shaping of every shaped node: `tc` arguments for the
+    /// egress of its host-side veth (run in the root namespace).
+    fn download_shaping(&self) -> Vec<String> {
+        (self.nodes.iter())
+            .filter_map(|n| {
+                Some(format!(
+                    "qdisc add dev {} root {}",
+                    n.veth,
+                    tbf(n.link_bps?)
+                ))
+            })
+            .collect()
     }
 }
 
@@ -756,11 +794,12 @@ impl Netns {
             .iter()
             .map(|p| (p.name.clone(), p.link_bps))
             .collect();
+        let store_link = plan.store_link_bps;
         let net = blocking(move || {
             for line in sweep_stale() {
                 tracing::warn!("{line}");
             }
-            Network::create(&id, &pods)
+            Network::create(&id, store_link, &pods)
         })
         .await?;
         self.pods = (plan.pods.iter().zip(net.pods()))
@@ -969,10 +1008,53 @@ mod tests {
     #[test]
     fn too_many_pods_fail_before_touching_the_host() {
         let pods = vec![("p".to_owned(), None); MAX_PODS + 1];
-        let err = Network::create("zzzzzz", &pods).unwrap_err().to_string();
+        let err = Network::create("zzzzzz", None, &pods)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("at most 1021 pods"), "{err}");
-        let err = Network::create("no", &[]).unwrap_err().to_string();
+        let err = Network::create("no", None, &[]).unwrap_err().to_string();
         assert!(err.contains("not a netns run id"), "{err}");
+    }
+
+    #[test]
+    fn shaped_nodes_get_tbf_both_ways() {
+        let pods = [("a".to_owned(), None), ("b".to_owned(), Some(50_000_000))];
+        let net = Network::layout("abc123", Some(1_000_000_000), &pods).unwrap();
+        assert_eq!(net.store().link_bps, Some(1_000_000_000));
+        assert_eq!(net.metadata().link_bps, None);
+        let gbit = "tbf rate 1000000000bit burst 500000 latency 50ms";
+        let mbit = "tbf rate 50000000bit burst 32768 latency 50ms";
+        // Uploads: the egress of eth0 inside the store's and pod b's namespaces.
+        assert_eq!(
+            net.upload_shaping(),
+            vec![
+                (
+                    "kt-abc123-store".to_owned(),
+                    format!("qdisc add dev eth0 root {gbit}")
+                ),
+                (
+                    "kt-abc123-pod-b".to_owned(),
+                    format!("qdisc add dev eth0 root {mbit}")
+                ),
+            ]
+        );
+        // Downloads: the egress of their host-side veths (store = node 1,
+        // pod b = node 3).
+        assert_eq!(
+            net.download_shaping(),
+            vec![
+                format!("qdisc add dev ktvabc1231 root {gbit}"),
+                format!("qdisc add dev ktvabc1233 root {mbit}"),
+            ]
+        );
+        // Unshaped by default: nothing for the store, as before.
+        let net = Network::layout("abc123", None, &pods).unwrap();
+        assert_eq!(net.store().link_bps, None);
+        assert_eq!(net.upload_shaping().len(), 1);
+        assert_eq!(
+            net.download_shaping(),
+            vec![format!("qdisc add dev ktvabc1233 root {mbit}")]
+        );
     }
 
     /// Root tests share 198.18.0.0/15, so they run one at a time.
@@ -1028,7 +1110,7 @@ mod tests {
         let Some(_root) = root() else { return };
         let id = short_id(&format!("test-{}", std::process::id()), "network");
         let pods = [("a".to_owned(), None), ("b".to_owned(), Some(50_000_000))];
-        let net = Network::create(&id, &pods).unwrap();
+        let net = Network::create(&id, Some(200_000_000), &pods).unwrap();
         let (a, b) = (&net.pods()[0], &net.pods()[1]);
         assert_eq!((a.ip, b.ip), (pod_ip(0).unwrap(), pod_ip(1).unwrap()));
 
@@ -1070,6 +1152,20 @@ mod tests {
             .run()
             .unwrap();
         assert!(!plain.contains("tbf"), "{plain}");
+        // The store's link is shaped like a pod's; the metadata server's never.
+        let store = net.store();
+        let down = Cmd::new(&["tc", "qdisc", "show", "dev", &store.veth])
+            .run()
+            .unwrap();
+        let up = Cmd::new(&["tc", "-n", &store.netns, "qdisc", "show", "dev", "eth0"])
+            .run()
+            .unwrap();
+        assert!(down.contains("tbf") && down.contains("200Mbit"), "{down}");
+        assert!(up.contains("tbf") && up.contains("200Mbit"), "{up}");
+        let meta = Cmd::new(&["tc", "qdisc", "show", "dev", &net.metadata().veth])
+            .run()
+            .unwrap();
+        assert!(!meta.contains("tbf"), "{meta}");
 
         net.destroy().unwrap();
         assert_gone(&id);
@@ -1080,7 +1176,7 @@ mod tests {
     fn the_sweep_removes_networks_of_dead_runners_only() {
         let Some(_root) = root() else { return };
         let id = short_id(&format!("test-{}", std::process::id()), "sweep");
-        let net = Network::create(&id, &[("p".to_owned(), None)]).unwrap();
+        let net = Network::create(&id, None, &[("p".to_owned(), None)]).unwrap();
         assert!(sweep_stale().is_empty(), "a live runner's network is kept");
         assert!(Path::new(SYS_NET).join(net.bridge()).exists());
         // A runner killed with SIGKILL: its pid is gone, a server it
@@ -1118,7 +1214,7 @@ mod tests {
         let id = short_id(&format!("test-{}", std::process::id()), "failed");
         // Two pods with one name: the second namespace cannot be created.
         let pods = [("twin".to_owned(), None), ("twin".to_owned(), None)];
-        let err = Network::create(&id, &pods).unwrap_err().to_string();
+        let err = Network::create(&id, None, &pods).unwrap_err().to_string();
         println!("{err}");
         assert!(err.contains(&format!("kt-{id}-pod-twin")), "{err}");
         assert_gone(&id);
