@@ -317,17 +317,19 @@ impl Download {
                     return Err(ClientError::Sync(SyncError::Truncated));
                 }
                 let l = large.clone();
+                // The download and the relay learn of the chunk together,
+                // even when this fetch is cancelled while the write runs.
                 blocking(move || {
                     file.write_at(offset, &data)?;
                     let cv = chunk_cv(&data, n, chunk_size);
                     lock(&l.asm).add_cv(n, cv);
                     lock(&l.have)[n as usize] = true;
+                    if let Some(b) = &board {
+                        b.chunk(index, n);
+                    }
                     Ok(())
                 })
                 .await?;
-                if let Some(b) = &board {
-                    b.chunk(index, n);
-                }
                 progress.advance(len);
                 Ok::<(), ClientError>(())
             }
