@@ -21,6 +21,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 use crate::api::Client;
@@ -103,7 +104,12 @@ impl Session {
             .map_err(|_| lost("the token is not a valid header value"))?;
         req.headers_mut()
             .insert(reqwest::header::AUTHORIZATION, auth);
-        let (ws, _) = tokio_tungstenite::connect_async(req)
+        // Small messages on a long-held connection: small buffers (the
+        // defaults take 128 KiB per connection).
+        let config = WebSocketConfig::default()
+            .read_buffer_size(4 << 10)
+            .write_buffer_size(0);
+        let (ws, _) = tokio_tungstenite::connect_async_with_config(req, Some(config), true)
             .await
             .map_err(|e| lost(format!("{url}: {e}")))?;
         Ok(ws)
