@@ -69,29 +69,10 @@ impl Config {
     }
 }
 
-/// The real uid of this process, from `/proc` (0 where it cannot be read),
-/// the same way `kt` finds it.
-pub(crate) fn uid() -> u32 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|v| v.split_whitespace().next().map(str::to_owned))
-        })
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 /// `$XDG_RUNTIME_DIR/kt/agent.sock`, else `/tmp/kt-<uid>/agent.sock`
 /// (`KT_AGENT_SOCKET` overrides it, through the flag).
 pub fn default_socket() -> PathBuf {
-    match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
-        Some(d) => PathBuf::from(d).join("kt").join("agent.sock"),
-        // A private directory (0700, checked at bind), never a bare name in
-        // the world-writable /tmp.
-        None => PathBuf::from(format!("/tmp/kt-{}", uid())).join("agent.sock"),
-    }
+    kt_service::cli::default_agent_socket()
 }
 
 /// Beside the socket: `agent.sock` → `agent.state/`.

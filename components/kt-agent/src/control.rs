@@ -269,7 +269,7 @@ pub fn bind(path: &Path) -> Result<(UnixListener, SocketFile), SocketError> {
         // Someone else's directory (a squatter in /tmp), or one others may
         // write to, could swap the socket or the state: refuse it.
         let md = std::fs::symlink_metadata(dir).map_err(io)?;
-        if !md.is_dir() || md.uid() != crate::config::uid() || md.mode() & 0o022 != 0 {
+        if !md.is_dir() || md.uid() != kt_service::cli::uid() || md.mode() & 0o022 != 0 {
             return Err(SocketError::UnsafeDir(dir.to_owned()));
         }
     }

@@ -14,29 +14,13 @@ use crate::ClientError;
 /// How long an agent started on demand gets to open its socket.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// `$KT_AGENT_SOCKET`, else `$XDG_RUNTIME_DIR/kt/agent.sock`, else
-/// `/tmp/kt-<uid>/agent.sock` (the agent's own default).
+/// `$KT_AGENT_SOCKET`, else the agent's own default
+/// ([`kt_service::cli::default_agent_socket`]).
 pub fn default_socket() -> PathBuf {
     if let Some(p) = std::env::var_os("KT_AGENT_SOCKET").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
-    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
-        return PathBuf::from(d).join("kt").join("agent.sock");
-    }
-    PathBuf::from(format!("/tmp/kt-{}", current_uid())).join("agent.sock")
-}
-
-fn current_uid() -> u32 {
-    // The uid of this process, from /proc (no libc call needed).
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("Uid:"))
-                .and_then(|v| v.split_whitespace().next().map(str::to_owned))
-        })
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    kt_service::cli::default_agent_socket()
 }
 
 /// An open control connection, past the version handshake.

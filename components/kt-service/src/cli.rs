@@ -65,3 +65,27 @@ pub async fn bind_with_shutdown(
     crate::telemetry::cancel_on_signals(shutdown.clone());
     Ok((listener, shutdown))
 }
+
+/// The real uid of this process, from `/proc` (0 where it cannot be read).
+pub fn uid() -> u32 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Uid:"))
+                .and_then(|v| v.split_whitespace().next().map(str::to_owned))
+        })
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Where a node agent's control socket is by default, for the agent and for
+/// `kt` alike: `$XDG_RUNTIME_DIR/kt/agent.sock`, else
+/// `/tmp/kt-<uid>/agent.sock` (a private directory, 0700, checked by the
+/// agent before it binds; never a bare name in the world-writable /tmp).
+pub fn default_agent_socket() -> std::path::PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        Some(d) => std::path::PathBuf::from(d).join("kt").join("agent.sock"),
+        None => std::path::PathBuf::from(format!("/tmp/kt-{}", uid())).join("agent.sock"),
+    }
+}
