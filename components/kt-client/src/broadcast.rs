@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::{SinkExt, StreamExt};
-use kt_types::Key;
 use kt_types::broadcast::{GetterMessage, GroupMessage, JoinRequest, Parent, Rejoin};
+use kt_types::{ErrorCode, Key};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
@@ -68,6 +68,7 @@ struct Membership {
     version: String,
     parent: u32,
     done: bool,
+    served_by: Option<String>,
 }
 
 type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
@@ -167,6 +168,7 @@ impl Session {
             version,
             parent: parent.rank,
             done: false,
+            served_by: None,
         };
         let shared = Arc::new(Mutex::new(membership.clone()));
         let (out_tx, out_rx) = mpsc::unbounded_channel();
@@ -224,11 +226,18 @@ impl Session {
                 }
             }
             tracing::warn!("lost the metadata server; rejoining the broadcast group");
-            let Some(again) = Self::rejoin(&client, &shared).await else {
+            let Some((again, moved)) = Self::rejoin(&client, &shared).await else {
                 tracing::warn!("could not rejoin the broadcast group; going on without it");
                 return;
             };
             ws = again;
+            // The group may have placed it under another parent meanwhile.
+            if let Some(parent) = moved {
+                lock(&shared).parent = parent.rank;
+                if events.send(GroupMessage::Parent { parent }).is_err() {
+                    return;
+                }
+            }
             // A Done already given is carried by the rejoin.
             if lock(&shared).done {
                 unsent.retain(|m| !matches!(m, GetterMessage::Done { .. }));
@@ -236,7 +245,12 @@ impl Session {
         }
     }
 
-    async fn rejoin(client: &Client, shared: &Arc<Mutex<Membership>>) -> Option<Socket> {
+    /// Reconnects with the same rank; also returns the parent the group
+    /// gave it when that is not the one it has.
+    async fn rejoin(
+        client: &Client,
+        shared: &Arc<Mutex<Membership>>,
+    ) -> Option<(Socket, Option<Parent>)> {
         let started = Instant::now();
         let mut pause = Duration::from_millis(50);
         while started.elapsed() < RECONNECT_FOR {
@@ -250,6 +264,7 @@ impl Session {
                 version: m.version.clone(),
                 parent: m.parent,
                 done: m.done,
+                served_by: m.served_by.clone(),
             });
             let Ok(mut ws) = Self::connect(client).await else {
                 continue;
@@ -261,9 +276,21 @@ impl Session {
                 continue;
             }
             match Self::next(&mut ws).await {
-                Some(Ok(GroupMessage::Assigned { rank, .. })) if rank == m.rank => {
+                Some(Ok(GroupMessage::Assigned { rank, parent, .. })) if rank == m.rank => {
                     tracing::info!(rank, "rejoined the broadcast group");
-                    return Some(ws);
+                    // An empty url: its parent has not rejoined yet; it stays.
+                    let moved =
+                        (parent.rank != m.parent && !parent.url.is_empty()).then_some(parent);
+                    return Some((ws, moved));
+                }
+                // Passing trouble on the server's side: try again.
+                Some(Ok(GroupMessage::Error { code, message }))
+                    if matches!(
+                        code,
+                        ErrorCode::Unavailable | ErrorCode::Internal | ErrorCode::NoSource
+                    ) =>
+                {
+                    tracing::warn!(%code, %message, "rejoining the broadcast group; retrying");
                 }
                 Some(Ok(GroupMessage::Error { code, message })) => {
                     tracing::warn!(%code, %message, "the broadcast group refused the rejoin");
@@ -276,8 +303,10 @@ impl Session {
     }
 
     fn tell(&self, msg: GetterMessage) {
-        if matches!(msg, GetterMessage::Done { .. }) {
-            lock(&self.shared).done = true;
+        if let GetterMessage::Done { served_by } = &msg {
+            let mut m = lock(&self.shared);
+            m.done = true;
+            m.served_by = served_by.clone();
         }
         let _ = self.out.send(msg);
     }
@@ -427,38 +456,45 @@ impl Client {
         let mut dl: Option<Download> = None;
         let mut connected = true;
         loop {
-            let attempt = self.fetch_from(
-                &parent.url,
-                version,
-                key,
-                dest,
-                &mut dl,
-                Some(&relay.board),
-                progress,
-            );
-            let outcome = if connected {
-                tokio::select! {
-                    r = attempt => Some(r),
-                    ev = session.events.recv() => match ev {
-                        Some(GroupMessage::Parent { parent: p }) => {
-                            tracing::info!(from = parent.rank, to = p.rank, "parent replaced by the group");
-                            parent = p;
-                            parents.push(parent.rank);
-                            None
-                        }
-                        Some(GroupMessage::Error { code, message }) => {
-                            return Err(ClientError::Api { status: code.http_status(), code, message });
-                        }
-                        Some(_) => None,
-                        None => {
-                            connected = false;
-                            None
-                        }
-                    },
+            let (outcome, moved) = {
+                let attempt = self.fetch_from(
+                    &parent.url,
+                    version,
+                    key,
+                    dest,
+                    &mut dl,
+                    Some(&relay.board),
+                    progress,
+                );
+                tokio::pin!(attempt);
+                loop {
+                    if !connected {
+                        break (Some(attempt.as_mut().await), None);
+                    }
+                    tokio::select! {
+                        r = attempt.as_mut() => break (Some(r), None),
+                        ev = session.events.recv() => match ev {
+                            // The parent it has (a confirmation): carry on.
+                            Some(GroupMessage::Parent { parent: p }) if p == parent => {}
+                            Some(GroupMessage::Parent { parent: p }) => break (None, Some(p)),
+                            Some(GroupMessage::Error { code, message }) => {
+                                return Err(ClientError::Api { status: code.http_status(), code, message });
+                            }
+                            Some(_) => {}
+                            None => connected = false,
+                        },
+                    }
                 }
-            } else {
-                Some(attempt.await)
             };
+            if let Some(p) = moved {
+                tracing::info!(
+                    from = parent.rank,
+                    to = p.rank,
+                    "parent replaced by the group"
+                );
+                parent = p;
+                parents.push(parent.rank);
+            }
             match outcome {
                 None => continue,
                 Some(Ok(())) => break,

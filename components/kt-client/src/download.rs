@@ -12,6 +12,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
@@ -43,6 +44,8 @@ struct Large {
     file: Mutex<Option<Arc<ChunkedFile>>>,
     asm: Mutex<ChunkAssembly>,
     have: Mutex<Vec<bool>>,
+    /// Set once the file is verified and in place.
+    done: std::sync::atomic::AtomicBool,
 }
 
 impl Large {
@@ -56,7 +59,7 @@ impl Large {
     }
 
     fn placed(&self) -> bool {
-        lock(&self.have).iter().all(|h| *h) && lock(&self.file).is_none()
+        self.done.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -104,10 +107,14 @@ impl Download {
             }
         };
         // What is already there.
+        // Trouble with the destination is ours, never the source's.
+        let here = |e: ClientError| ClientError::Local(format!("{}: {e}", dest.display()));
         let local = match m.root {
-            RootKind::Dir if dest.is_dir() => Some(scan_cached(client, dest, 0).await?.0),
+            RootKind::Dir if dest.is_dir() => {
+                Some(scan_cached(client, dest, 0).await.map_err(here)?.0)
+            }
             RootKind::File if final_dest.is_file() => {
-                Some(scan_cached(client, &final_dest, 0).await?.0)
+                Some(scan_cached(client, &final_dest, 0).await.map_err(here)?.0)
             }
             _ => None,
         };
@@ -138,7 +145,8 @@ impl Download {
                     std::fs::create_dir_all(&root).map_err(|e| SyncError::io(&root, e))
                 }
             })
-            .await?;
+            .await
+            .map_err(here)?;
         }
         let mut this = Download {
             root,
@@ -175,6 +183,7 @@ impl Download {
                         file: Mutex::new(None),
                         asm: Mutex::new(ChunkAssembly::new(e.size, this.read.chunk_size)),
                         have: Mutex::new(vec![false; chunks]),
+                        done: Default::default(),
                     }),
                 );
             } else {
@@ -321,6 +330,9 @@ impl Download {
                 // even when this fetch is cancelled while the write runs.
                 blocking(move || {
                     file.write_at(offset, &data)?;
+                    // Let go of the file before the chunk counts as there:
+                    // once all are, placing it must find no other holder.
+                    drop(file);
                     let cv = chunk_cv(&data, n, chunk_size);
                     lock(&l.asm).add_cv(n, cv);
                     lock(&l.have)[n as usize] = true;
@@ -344,16 +356,26 @@ impl Download {
 
     /// Verifies an assembled large file and renames it into place.
     async fn place(&self, index: u32, large: &Large) -> Result<(), ClientError> {
-        let Some(file) = lock(&large.file).take() else {
+        let Some(mut file) = lock(&large.file).take() else {
             return Ok(());
         };
-        let file = match Arc::try_unwrap(file) {
-            Ok(f) => f,
-            Err(shared) => {
-                // Another run still writes it (a cancelled one winding
-                // down): leave it for the last one.
-                *lock(&large.file) = Some(shared);
-                return Ok(());
+        // A write of a cancelled run may still hold the file: it lets go
+        // as soon as its write is done.
+        let waited = std::time::Instant::now();
+        let file = loop {
+            match Arc::try_unwrap(file) {
+                Ok(f) => break f,
+                Err(shared) if waited.elapsed() < Duration::from_secs(30) => {
+                    file = shared;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err(shared) => {
+                    *lock(&large.file) = Some(shared);
+                    return Err(ClientError::Local(format!(
+                        "{}: a chunk write never finished",
+                        large.entry.path
+                    )));
+                }
             }
         };
         let root = lock(&large.asm).root();
@@ -372,7 +394,9 @@ impl Download {
             .into());
         }
         let e = large.entry.clone();
-        blocking(move || file.finish(&e)).await
+        blocking(move || file.finish(&e)).await?;
+        large.done.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
     }
 
     /// True once every needed file is in place.

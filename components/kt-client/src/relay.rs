@@ -288,7 +288,14 @@ async fn batch(
     let read = b.read().await?;
     let mut files = Vec::with_capacity(req.indices.len());
     for &i in &req.indices {
-        files.push((i, file_size(&read, i)?));
+        let size = file_size(&read, i)?;
+        // Batches carry small files; larger ones go by ranges.
+        if size > read.chunk_size {
+            return Err(ApiError::bad_request(format!(
+                "entry #{i} ({size} bytes) is larger than a chunk: fetch it by ranges"
+            )));
+        }
+        files.push((i, size));
     }
     // One record per file, each sent as soon as the file is there.
     let records = futures::stream::unfold(

@@ -360,6 +360,13 @@ impl Client {
                 }
                 Err(e) => return Err(e),
             };
+            // The key moved on to another version: start over for it.
+            if dl
+                .as_ref()
+                .is_some_and(|d| d.read.version != lease.source.version)
+            {
+                dl = None;
+            }
             let renewal = AbortOnDrop(self.keep_lease(&lease));
             let result = self
                 .fetch_from(

@@ -799,6 +799,8 @@ impl Groups {
         let (served_by, replaced, released) = existing
             .map(|m| (m.served_by.clone(), m.replaced.clone(), m.released))
             .unwrap_or_default();
+        // After a restart only the member knows where its agent serves.
+        let served_by = served_by.or_else(|| rj.served_by.clone());
         let member = Member {
             rank: rj.rank,
             parent: rj.parent,
@@ -830,7 +832,10 @@ impl Groups {
             g.connected += 1;
         }
         let mut events = Vec::new();
-        if rj.done {
+        if rj.done && released {
+            // Its release may have been lost with the old connection.
+            events.push((rj.rank, GroupMessage::Release));
+        } else if rj.done {
             g.maybe_release(rj.rank, now_ms, &mut events);
         }
         if parent.rank != rj.parent {
@@ -1634,6 +1639,33 @@ mod tests {
     }
 
     #[test]
+    fn a_rejoin_restores_served_by_and_repeats_a_lost_release() {
+        let mut gs = Groups::default();
+        let js = join_n(&mut gs, "g", 2, 1);
+        assert_eq!(released(&gs.done("g", 1, js[0].session, None, T0)), [1]);
+        // The Release went out on a connection that then dropped.
+        let again = JoinRequest {
+            rejoin: Some(Rejoin {
+                group: "g".into(),
+                rank: 1,
+                version: "v1".into(),
+                parent: 0,
+                done: true,
+                served_by: Some("http://agent-1".into()),
+            }),
+            ..req(None, None, 1)
+        };
+        let r = gs
+            .join(&again, origin(), "v1", T0 + 10, &mut ids())
+            .unwrap();
+        assert_eq!(released(&r.events), [1]);
+        assert_eq!(
+            gs.get("g").unwrap().member(1).unwrap().served_by.as_deref(),
+            Some("http://agent-1")
+        );
+    }
+
+    #[test]
     fn restart_keeps_ranks_and_rebuilds_members() {
         let mut gs = Groups::default();
         let js = join_n(&mut gs, "g", 2, 10);
@@ -1669,6 +1701,7 @@ mod tests {
                 version: "v1".into(),
                 parent,
                 done,
+                served_by: None,
             }),
             ..req(None, None, rank as usize)
         };
@@ -1754,6 +1787,7 @@ mod tests {
                 version: "v1".into(),
                 parent: 0,
                 done: false,
+                served_by: None,
             }),
             ..req(Some("g"), None, 1)
         };

@@ -371,6 +371,7 @@ async fn members_rejoin_after_a_restart_and_keep_their_ranks() {
             version: a.version.clone(),
             parent: a.parent.rank,
             done: false,
+            served_by: None,
         });
         let (g, again) = meta.join(req).await;
         assert_eq!(

@@ -119,6 +119,9 @@ pub struct Rejoin {
     /// The rank it fetches from now.
     pub parent: u32,
     pub done: bool,
+    /// Where its agent serves the finished copy (as its `Done` said).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_by: Option<String>,
 }
 
 /// Where a getter fetches from.
