@@ -35,6 +35,13 @@ use crate::transfer::GetSummary;
 const RECONNECT_FOR: Duration = Duration::from_secs(120);
 /// How long a getter waits for a replacement parent.
 const PARENT_WAIT: Duration = Duration::from_secs(60);
+/// The server pings every 15 s: this long without a word, the connection is
+/// lost even if no FIN or RST said so (a vanished node).
+const SILENCE: Duration = Duration::from_secs(60);
+/// One attempt at reconnecting, from connect to the answer to the rejoin.
+const REJOIN_ATTEMPT: Duration = Duration::from_secs(10);
+/// The longest a finished getter serves on waiting for its release.
+const MAX_LINGER: Duration = Duration::from_secs(600);
 
 /// How a getter joins a broadcast.
 #[derive(Debug, Clone, Default)]
@@ -211,7 +218,7 @@ impl Session {
                             return;
                         }
                     },
-                    ev = Self::next(&mut ws) => match ev {
+                    ev = tokio::time::timeout(SILENCE, Self::next(&mut ws)) => match ev.ok().flatten() {
                         Some(Ok(ev)) => {
                             if let GroupMessage::Parent { parent } = &ev {
                                 lock(&shared).parent = parent.rank;
@@ -266,16 +273,18 @@ impl Session {
                 done: m.done,
                 served_by: m.served_by.clone(),
             });
-            let Ok(mut ws) = Self::connect(client).await else {
+            let attempt = async {
+                let mut ws = Self::connect(client).await.ok()?;
+                Self::send(&mut ws, &GetterMessage::Join(request))
+                    .await
+                    .ok()?;
+                let answer = Self::next(&mut ws).await;
+                Some((ws, answer))
+            };
+            let Ok(Some((ws, answer))) = tokio::time::timeout(REJOIN_ATTEMPT, attempt).await else {
                 continue;
             };
-            if Self::send(&mut ws, &GetterMessage::Join(request))
-                .await
-                .is_err()
-            {
-                continue;
-            }
-            match Self::next(&mut ws).await {
+            match answer {
                 Some(Ok(GroupMessage::Assigned { rank, parent, .. })) if rank == m.rank => {
                     tracing::info!(rank, "rejoined the broadcast group");
                     // An empty url: its parent has not rejoined yet; it stays.
@@ -410,7 +419,7 @@ impl Client {
         session.tell(GetterMessage::Done { served_by });
         // Serve on until no child needs this relay (bounded: a child that
         // hangs does not hold this getter forever).
-        let linger = options.window.unwrap_or(STALL).max(STALL) * 3;
+        let linger = (options.window.unwrap_or(STALL).max(STALL) * 3).min(MAX_LINGER);
         let released = tokio::time::timeout(linger, async {
             while let Some(ev) = session.events.recv().await {
                 if matches!(ev, GroupMessage::Release) {

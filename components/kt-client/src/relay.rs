@@ -399,6 +399,8 @@ impl Relay {
 
     /// Stops serving (readers still waiting are cut off).
     pub async fn stop(mut self) {
+        // Readers still waiting are answered first, then the server drains.
+        self.board.fail("the getter stopped relaying");
         self.stop.cancel();
         let _ = (&mut self.task).await;
     }

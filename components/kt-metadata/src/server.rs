@@ -312,7 +312,16 @@ fn check_service(service: Option<&str>) -> Result<(), ApiError> {
     }
 }
 
+/// Longest URL a client may register (agents, relays, `served_by`).
+const MAX_URL: usize = 2048;
+
 fn check_url(what: &str, url: &str) -> Result<(), ApiError> {
+    if url.len() > MAX_URL {
+        return Err(ApiError::bad_request(format!(
+            "{what} is {} bytes long, more than {MAX_URL}",
+            url.len()
+        )));
+    }
     if url.starts_with("http://") || url.starts_with("https://") {
         Ok(())
     } else {
