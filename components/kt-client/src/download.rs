@@ -9,7 +9,7 @@
 //! then [`Download::finish`]ed. Everything it places is told to its
 //! [`Board`] (a broadcast relay serves it on at once).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -416,7 +416,7 @@ impl Download {
             self.read.manifest.clone(),
             self.final_dest.clone(),
         );
-        let needed: HashSet<u32> = self.needed.iter().copied().collect();
+        let needed = self.needed.clone();
         blocking(move || {
             for (i, e) in m.entries.iter().enumerate() {
                 if e.kind == EntryKind::File && !needed.contains(&(i as u32)) {

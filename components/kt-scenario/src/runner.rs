@@ -937,13 +937,10 @@ impl<'a> Scn<'a> {
         // Small trees rank by rank; large ones as children per parent.
         if info.members.len() > 16 {
             let mut by_parent: std::collections::BTreeMap<u32, usize> = Default::default();
-            let mut states: std::collections::BTreeMap<String, usize> = Default::default();
+            let mut states: std::collections::BTreeMap<&str, usize> = Default::default();
             for m in &info.members {
                 *by_parent.entry(m.parent).or_default() += 1;
-                let state = serde_json::to_value(m.state).unwrap_or(Value::Null);
-                *states
-                    .entry(state.as_str().unwrap_or("?").to_owned())
-                    .or_default() += 1;
+                *states.entry(m.state.as_str()).or_default() += 1;
             }
             return Ok(json!({
                 "group": info.group,
@@ -958,15 +955,7 @@ impl<'a> Scn<'a> {
         let ranks: Vec<Value> = info
             .members
             .iter()
-            .map(|m| {
-                let state = serde_json::to_value(m.state).unwrap_or(Value::Null);
-                json!(format!(
-                    "{} <- {} {}",
-                    m.rank,
-                    m.parent,
-                    state.as_str().unwrap_or("?")
-                ))
-            })
+            .map(|m| json!(format!("{} <- {} {}", m.rank, m.parent, m.state.as_str())))
             .collect();
         Ok(json!({
             "group": info.group,

@@ -297,10 +297,7 @@ async fn partial_parent(
         passed: std::sync::Arc<AtomicU64>,
         http: reqwest::Client,
     }
-    async fn forward(
-        p: &Proxy,
-        req: reqwest::RequestBuilder,
-    ) -> Result<axum::body::Bytes, StatusCode> {
+    async fn forward(req: reqwest::RequestBuilder) -> Result<axum::body::Bytes, StatusCode> {
         let resp = req
             .bearer_auth(kt_tests::TOKEN)
             .send()
@@ -309,7 +306,6 @@ async fn partial_parent(
         if !resp.status().is_success() {
             return Err(StatusCode::BAD_GATEWAY);
         }
-        let _ = p;
         resp.bytes().await.map_err(|_| StatusCode::BAD_GATEWAY)
     }
     let passed = std::sync::Arc::new(AtomicU64::new(0));
@@ -323,7 +319,7 @@ async fn partial_parent(
         .route(
             "/api/v1/trees/{*key}",
             get(|State(p): State<Proxy>, Path(k): Path<String>| async move {
-                forward(&p, p.http.get(format!("{}/api/v1/trees/{k}", p.store))).await
+                forward(p.http.get(format!("{}/api/v1/trees/{k}", p.store))).await
             }),
         )
         .route(
@@ -340,7 +336,7 @@ async fn partial_parent(
                         .http
                         .get(url)
                         .query(&[("offset", q.offset), ("len", q.len)]);
-                    let data = forward(&p, req).await?;
+                    let data = forward(req).await?;
                     p.passed.fetch_add(data.len() as u64, Ordering::SeqCst);
                     Ok(data)
                 },

@@ -165,6 +165,17 @@ pub enum MemberState {
     Gone,
 }
 
+impl MemberState {
+    /// The name on the wire: `active`, `done` or `gone`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MemberState::Active => "active",
+            MemberState::Done => "done",
+            MemberState::Gone => "gone",
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemberInfo {
     pub rank: u32,
@@ -215,6 +226,13 @@ mod tests {
         assert!(check_group_id("a/b").is_err());
         assert!(check_group_id("join").is_err());
         assert!(check_group_id(&"x".repeat(MAX_GROUP_ID + 1)).is_err());
+    }
+
+    #[test]
+    fn member_state_names_are_the_wire_names() {
+        for s in [MemberState::Active, MemberState::Done, MemberState::Gone] {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+        }
     }
 
     #[test]
