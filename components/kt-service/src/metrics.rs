@@ -9,6 +9,7 @@ use axum::response::{IntoResponse, Response};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use std::sync::Arc;
@@ -33,6 +34,8 @@ pub struct Metrics {
     bytes_in: Counter<u64, AtomicU64>,
     bytes_out: Counter<u64, AtomicU64>,
     pub transfers: Family<TransferLabels, Histogram>,
+    /// The process's peak resident set (VmHWM), read at each scrape.
+    peak_resident: Gauge<u64, AtomicU64>,
 }
 
 impl Default for Metrics {
@@ -62,12 +65,19 @@ impl Metrics {
             "Duration of whole transfers (puts, gets)",
             transfers.clone(),
         );
+        let peak_resident = Gauge::<u64, AtomicU64>::default();
+        registry.register(
+            "process_peak_resident_bytes",
+            "Peak resident memory of this process (VmHWM)",
+            peak_resident.clone(),
+        );
         Metrics {
             registry,
             requests,
             bytes_in,
             bytes_out,
             transfers,
+            peak_resident,
         }
     }
 
@@ -92,11 +102,22 @@ impl Metrics {
     }
 
     pub fn encode(&self) -> String {
+        if let Some(bytes) = peak_resident_bytes() {
+            self.peak_resident.set(bytes);
+        }
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+}
+
+/// VmHWM of /proc/self/status, in bytes (None off Linux).
+fn peak_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 pub async fn serve_metrics(State(m): State<Arc<Metrics>>) -> Response {
@@ -145,5 +166,14 @@ mod tests {
             text.contains("kt_transfer_duration_seconds_count{kind=\"put\"} 1"),
             "{text}"
         );
+        if cfg!(target_os = "linux") {
+            let peak = metric_value(&text, "kt_process_peak_resident_bytes");
+            assert!(peak.is_some_and(|b| b > 1024.0 * 1024.0), "{text}");
+        }
+    }
+
+    fn metric_value(text: &str, name: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
     }
 }

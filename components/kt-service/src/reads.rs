@@ -24,22 +24,24 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::future::Future;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Router;
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::StatusCode;
-use axum::http::header::CONTENT_TYPE;
+use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use kt_sync::SyncError;
 use kt_sync::batch::{SendItem, send_stream};
 use kt_types::api::{BatchRequest, RangeQuery, ReadHeader};
 use kt_types::{Entry, EntryKind, ErrorCode, Key, Manifest};
+use tokio::io::{AsyncReadExt, AsyncSeekExt};
+use tokio_util::io::ReaderStream;
 
 use crate::{ApiError, ApiJson, Metrics};
 
@@ -349,7 +351,7 @@ async fn range<S: ReadSource>(
     State(r): State<Arc<Reads<S>>>,
     UrlPath((id, index)): UrlPath<(String, u32)>,
     Query(q): Query<RangeQuery>,
-) -> Result<Bytes, ApiError> {
+) -> Result<Response, ApiError> {
     let l = r.lease(&id)?;
     let e = l.file(index)?;
     if q.len > MAX_RANGE || q.offset.checked_add(q.len).is_none_or(|end| end > e.size) {
@@ -362,8 +364,8 @@ async fn range<S: ReadSource>(
     let entry_path = e.path.clone();
     let files = l.opened.files.clone();
     let check = l.opened.check_links;
-    let data = off_thread(move || {
-        let f = if check {
+    let file = off_thread(move || {
+        if check {
             confined(&files, &path, &entry_path, &mut HashSet::new())?;
             let f = std::fs::OpenOptions::new()
                 .read(true)
@@ -376,19 +378,25 @@ async fn range<S: ReadSource>(
             if !md.is_file() {
                 return Err(changed(&entry_path, "not a regular file"));
             }
-            f
+            Ok(f)
         } else {
-            File::open(&path).map_err(|e| sync_err(SyncError::io(&path, e)))?
-        };
-        let mut buf = vec![0u8; q.len as usize];
-        f.read_exact_at(&mut buf, q.offset)
-            .map_err(|e| sync_err(SyncError::io(&path, e)))?;
-        Ok(buf)
+            File::open(&path).map_err(|e| sync_err(SyncError::io(&path, e)))
+        }
     })
     .await?;
+    let mut file = tokio::fs::File::from_std(file);
+    file.seek(std::io::SeekFrom::Start(q.offset))
+        .await
+        .map_err(|err| sync_err(SyncError::io(l.opened.files.path_of(e), err)))?;
     r.metrics.add_bytes_out(q.len);
-    Ok(Bytes::from(data))
+    // Streamed in pieces: a source serving many readers at once holds a
+    // piece per reader, not a whole range (a chunk, up to MAX_RANGE) each.
+    let body = Body::from_stream(ReaderStream::with_capacity(file.take(q.len), RANGE_PIECE));
+    Ok(([(CONTENT_LENGTH, q.len.to_string())], body).into_response())
 }
+
+/// How much of a range is read at a time.
+const RANGE_PIECE: usize = 256 * 1024;
 
 /// `DELETE /api/v1/reads/{lease}`.
 async fn release<S: ReadSource>(
