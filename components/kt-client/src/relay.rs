@@ -359,13 +359,54 @@ pub struct Relay {
     task: tokio::task::JoinHandle<()>,
 }
 
+/// The ports `KT_RELAY_PORT` names: `8091`, `8091-8099`, or `0` (any);
+/// empty: the default range.
+pub fn relay_ports(spec: &str) -> Result<Vec<u16>, String> {
+    let spec = spec.trim();
+    let spec = if spec.is_empty() {
+        DEFAULT_RELAY_PORTS
+    } else {
+        spec
+    };
+    let bad = || {
+        format!(
+            "{}={spec:?}: a port or a range such as 8091-8099",
+            kt_types::env::RELAY_PORT
+        )
+    };
+    let (lo, hi) = match spec.split_once('-') {
+        Some((a, b)) => (a.trim().parse::<u16>(), b.trim().parse::<u16>()),
+        None => (spec.parse::<u16>(), spec.parse::<u16>()),
+    };
+    let (lo, hi) = (lo.map_err(|_| bad())?, hi.map_err(|_| bad())?);
+    if lo > hi {
+        return Err(bad());
+    }
+    // 0 is "any": nothing to try before the system's choice.
+    Ok((lo..=hi).filter(|p| *p != 0).collect())
+}
+
+/// The relay ports tried by default (the NetworkPolicy of kt's bundle opens them).
+pub const DEFAULT_RELAY_PORTS: &str = "8091-8099";
+
 impl Relay {
-    /// Serves `board` on `ip` (a port of the system's choosing), behind `token`.
+    /// Serves `board` on `ip`, behind `token`: on the first free port of
+    /// `KT_RELAY_PORT` (a port or a range, default 8091-8099, the ports a
+    /// NetworkPolicy opens), else on one of the system's choosing.
     pub async fn start(ip: &str, token: &str) -> Result<Relay, ClientError> {
         let addr: std::net::IpAddr = ip
             .parse()
             .map_err(|e| ClientError::Local(format!("relay: pod IP {ip:?}: {e}")))?;
-        let listener = kt_service::cli::listen(std::net::SocketAddr::new(addr, 0))
+        let ports = std::env::var(kt_types::env::RELAY_PORT).unwrap_or_default();
+        let ports = relay_ports(&ports).map_err(ClientError::Local)?;
+        let listener = ports
+            .into_iter()
+            .find_map(|port| kt_service::cli::listen(std::net::SocketAddr::new(addr, port)).ok())
+            .map(Ok)
+            .unwrap_or_else(|| {
+                tracing::debug!("relay ports taken; using one of the system's choosing");
+                kt_service::cli::listen(std::net::SocketAddr::new(addr, 0))
+            })
             .map_err(|e| ClientError::Local(format!("relay: binding {ip}: {e}")))?;
         let addr = listener
             .local_addr()
@@ -412,5 +453,20 @@ impl Drop for Relay {
     fn drop(&mut self) {
         self.stop.cancel();
         self.board.fail("the getter stopped");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relay_port_specs() {
+        assert_eq!(relay_ports("").unwrap(), (8091..=8099).collect::<Vec<_>>());
+        assert_eq!(relay_ports("9000").unwrap(), vec![9000]);
+        assert_eq!(relay_ports("9000-9002").unwrap(), vec![9000, 9001, 9002]);
+        assert!(relay_ports("0").unwrap().is_empty());
+        assert!(relay_ports("9002-9000").is_err());
+        assert!(relay_ports("http").is_err());
     }
 }

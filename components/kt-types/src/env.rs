@@ -17,3 +17,5 @@ pub const PROGRESS: &str = "KT_PROGRESS";
 /// The pod's own IP (set by the pod spec, or the testbed): agents advertise
 /// it, and broadcast relays listen on it.
 pub const POD_IP: &str = "KT_POD_IP";
+/// The port (or range, `8091-8099`) broadcast relays listen on.
+pub const RELAY_PORT: &str = "KT_RELAY_PORT";
