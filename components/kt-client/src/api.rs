@@ -49,10 +49,19 @@ pub fn default_cache_dir() -> Option<PathBuf> {
         .map(|d| d.join("kt"))
 }
 
+/// Rewrites the URL of a server the metadata server names (the store, a
+/// key's source, a broadcast parent) before the client uses it. `kt --kube`
+/// maps in-cluster addresses to local port-forwards this way.
+pub trait UrlMap: Send + Sync + std::fmt::Debug {
+    /// The URL to use for `url`, or why it cannot be reached.
+    fn map(&self, url: &str) -> Result<String, String>;
+}
+
 #[derive(Debug, Clone)]
 pub struct Client {
     pub(crate) http: reqwest::Client,
     pub(crate) cfg: ClientConfig,
+    url_map: Option<std::sync::Arc<dyn UrlMap>>,
 }
 
 pub(crate) async fn check(
@@ -90,11 +99,35 @@ impl Client {
             .pool_max_idle_per_host(cfg.streams.max(1) * 2)
             .build()
             .map_err(|e| ClientError::Local(format!("http client: {e}")))?;
-        Ok(Client { http, cfg })
+        Ok(Client {
+            http,
+            cfg,
+            url_map: None,
+        })
+    }
+
+    /// This client, with every server URL the metadata server names passed
+    /// through `map` first.
+    pub fn with_url_map(mut self, map: std::sync::Arc<dyn UrlMap>) -> Self {
+        self.url_map = Some(map);
+        self
     }
 
     pub fn config(&self) -> &ClientConfig {
         &self.cfg
+    }
+
+    /// `url` through the [`UrlMap`], if any; a URL it cannot map is an
+    /// unavailable source (so a get fails over to another one).
+    pub(crate) fn map_url(&self, url: &str) -> Result<String, ClientError> {
+        match &self.url_map {
+            None => Ok(url.to_owned()),
+            Some(m) => m.map(url).map_err(|why| ClientError::Api {
+                status: 503,
+                code: ErrorCode::Unavailable,
+                message: format!("{url} is unreachable from here: {why}"),
+            }),
+        }
     }
 
     pub(crate) fn meta(&self, path: &str) -> String {
@@ -174,7 +207,8 @@ impl Client {
     /// The store's URL, as registered with the metadata server.
     pub async fn store_url(&self) -> Result<String, ClientError> {
         let loc: StoreLocation = self.get_json(&self.meta("store")).await?;
-        Ok(loc.url.trim_end_matches('/').to_owned())
+        let url = self.map_url(loc.url.trim_end_matches('/'))?;
+        Ok(url.trim_end_matches('/').to_owned())
     }
 
     pub async fn stat(&self, key: &Key) -> Result<KeyRecord, ClientError> {

@@ -37,8 +37,29 @@ struct Cli {
     /// Progress bars: auto (on a terminal), always or never.
     #[arg(long, global = true, env = "KT_PROGRESS", default_value = "auto")]
     progress: ProgressMode,
+    #[command(flatten)]
+    kube: KubeArgs,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// Reaching kt from outside the cluster.
+#[derive(Debug, clap::Args)]
+struct KubeArgs {
+    /// Reach kt from outside the cluster through the Kubernetes API's
+    /// port-forward (token from Secret kt-token unless KT_TOKEN or
+    /// --token-file is given; --metadata-url is not used).
+    #[arg(long = "kube", global = true, env = "KT_KUBE")]
+    enabled: bool,
+    /// Kubeconfig file (default: $KUBECONFIG, then ~/.kube/config).
+    #[arg(long, global = true)]
+    kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context (default: the current one).
+    #[arg(long, global = true, env = "KT_KUBE_CONTEXT")]
+    context: Option<String>,
+    /// Namespace kt is installed in (default: the context's).
+    #[arg(long, global = true, env = "KT_NAMESPACE")]
+    namespace: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -236,18 +257,99 @@ fn print_table(entries: &[ListEntry], wide: bool) {
     }
 }
 
+/// The token given (file first, then KT_TOKEN), if any.
+fn given_token(cli: &Cli) -> anyhow::Result<Option<String>> {
+    Ok(match (&cli.token_file, &cli.token) {
+        (Some(f), _) => Some(
+            std::fs::read_to_string(f)
+                .with_context(|| format!("reading token file {}", f.display()))?
+                .trim()
+                .to_owned(),
+        ),
+        (None, Some(t)) => Some(t.clone()),
+        (None, None) => None,
+    })
+}
+
+/// What `--kube` cannot do from outside the cluster.
+fn check_external(cmd: &Cmd) -> anyhow::Result<()> {
+    match cmd {
+        Cmd::Put {
+            locale: Locale::Local,
+            ..
+        } => anyhow::bail!(
+            "--kube: a --locale local put is served by the pod's node agent; run it in a pod"
+        ),
+        Cmd::Get {
+            broadcast: true, ..
+        } => anyhow::bail!(
+            "--kube: a broadcast getter serves its children from its pod; run it in a pod"
+        ),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(feature = "kube")]
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    let token = match (&cli.token_file, &cli.token) {
-        (Some(f), _) => std::fs::read_to_string(f)
-            .with_context(|| format!("reading token file {}", f.display()))?
-            .trim()
-            .to_owned(),
-        (None, Some(t)) => t.clone(),
-        (None, None) => anyhow::bail!("no token: set KT_TOKEN or pass --token-file"),
+    if !cli.kube.enabled {
+        return run_with(cli, None).await;
+    }
+    check_external(&cli.cmd)?;
+    let token = given_token(&cli)?;
+    let opts = kt_kube::portforward::KubeOptions {
+        kubeconfig: cli.kube.kubeconfig.clone(),
+        context: cli.kube.context.clone(),
+        namespace: cli.kube.namespace.clone(),
     };
-    let mut cfg = ClientConfig::new(&cli.metadata_url, token);
+    let external = crate::external::External::connect(&opts, token.is_none()).await?;
+    let reach = Reach {
+        metadata_url: external.metadata_url.clone(),
+        token: token.or_else(|| external.token.clone()),
+        url_map: Some(external.url_map()),
+    };
+    let result = run_with(cli, Some(reach)).await;
+    external.close().await;
+    result
+}
+
+#[cfg(not(feature = "kube"))]
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    if cli.kube.enabled {
+        check_external(&cli.cmd)?;
+        anyhow::bail!("--kube: this kt was built without the `kube` feature");
+    }
+    run_with(cli, None).await
+}
+
+/// How `kt --kube` reaches kt instead of `--metadata-url`.
+struct Reach {
+    metadata_url: String,
+    token: Option<String>,
+    url_map: Option<Arc<dyn kt_client::UrlMap>>,
+}
+
+fn client(
+    cfg: ClientConfig,
+    url_map: &Option<Arc<dyn kt_client::UrlMap>>,
+) -> anyhow::Result<Client> {
+    let c = Client::new(cfg)?;
+    Ok(match url_map {
+        Some(m) => c.with_url_map(m.clone()),
+        None => c,
+    })
+}
+
+async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
+    let (metadata_url, token, url_map) = match reach {
+        Some(r) => (r.metadata_url, r.token, r.url_map),
+        None => (cli.metadata_url.clone(), given_token(&cli)?, None),
+    };
+    let token = token.context("no token: set KT_TOKEN or pass --token-file")?;
+    let mut cfg = ClientConfig::new(&metadata_url, token);
     cfg.streams = cli.streams.max(1);
-    let client = Client::new(cfg)?;
+    // Outside the cluster there is no agent to serve copies to other pods.
+    cfg.serve_copies = url_map.is_none();
+    let client = client(cfg, &url_map)?;
     match cli.cmd {
         Cmd::Put {
             key,
@@ -306,7 +408,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let client = if no_serve {
                 let mut cfg = client.config().clone();
                 cfg.serve_copies = false;
-                Client::new(cfg)?
+                self::client(cfg, &url_map)?
             } else {
                 client
             };

@@ -13,7 +13,7 @@ pub mod progress;
 pub mod relay;
 pub mod transfer;
 
-pub use api::{Client, ClientConfig};
+pub use api::{Client, ClientConfig, UrlMap};
 pub use error::ClientError;
 pub use progress::Progress;
 pub use transfer::{GetSummary, PutSummary};

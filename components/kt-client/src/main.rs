@@ -1,6 +1,8 @@
 //! `kt`: put/get/ls/rm from the command line.
 
 mod cli;
+#[cfg(feature = "kube")]
+mod external;
 
 fn main() -> std::process::ExitCode {
     cli::main()

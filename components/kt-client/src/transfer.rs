@@ -570,6 +570,7 @@ impl Client {
         board: Option<&Arc<Board>>,
         progress: &Progress,
     ) -> Result<(), ClientError> {
+        let source = self.map_url(source)?;
         let source = source.trim_end_matches('/');
         let url = format!("{source}/api/v1/trees/{key}");
         let body = self.bytes(&url, self.http.get(&url)).await?;

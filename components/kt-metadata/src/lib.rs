@@ -7,15 +7,18 @@
 //! (the tree of getters of one key, parents, replacements, releases, rank
 //! reservations); [`db`] persists keys, agents and broadcast groups in redb;
 //! [`server`] is the HTTP API around them (and the WebSocket of broadcast
-//! members).
+//! members); `cluster` (feature `kube`) applies the namespace watch's
+//! decisions (evictions, teardowns) through a [`Handle`].
 //!
 //! Invariant: a mutation is committed to the database before it is answered,
 //! so a restart loses nothing that a client was told happened.
 
 pub mod broadcast;
+#[cfg(feature = "kube")]
+pub mod cluster;
 pub mod db;
 pub mod leases;
 pub mod registry;
 pub mod server;
 
-pub use server::{Config, MetadataError, run};
+pub use server::{Config, Handle, MetadataError, run, run_with};

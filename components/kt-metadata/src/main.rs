@@ -25,6 +25,14 @@ struct Args {
     /// How long a source lease lasts unless the getter renews it.
     #[arg(long, env = "KT_LEASE_TTL", default_value = "30s", value_parser = humantime::parse_duration)]
     lease_ttl: Duration,
+    /// Watch the namespace's pods and workloads labelled kt.dev/service: evict
+    /// the agents of pods that are gone, tear down services whose last
+    /// workload and pod are gone.
+    #[arg(long, env = "KT_KUBE_WATCH")]
+    kube_watch: bool,
+    /// Namespace to watch (default: this pod's service-account namespace).
+    #[arg(long, env = "KT_NAMESPACE")]
+    namespace: Option<String>,
 }
 
 #[tokio::main]
@@ -37,6 +45,42 @@ async fn main() -> anyhow::Result<()> {
     config.heartbeat_interval = args.heartbeat_interval;
     config.agent_ttl = args.agent_ttl;
     config.lease_ttl = args.lease_ttl;
+    if args.kube_watch {
+        return watching(args.namespace, listener, config, shutdown).await;
+    }
     kt_metadata::run(listener, config, shutdown).await?;
     Ok(())
+}
+
+#[cfg(feature = "kube")]
+async fn watching(
+    namespace: Option<String>,
+    listener: tokio::net::TcpListener,
+    config: kt_metadata::Config,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let namespace = namespace
+        .or_else(kt_kube::in_cluster_namespace)
+        .context("--kube-watch needs a namespace: set KT_NAMESPACE or run in a pod")?;
+    // Only the configuration can fail here; API errors are the watch's to retry.
+    let client = kube::Client::try_default()
+        .await
+        .context("--kube-watch: no Kubernetes configuration (in-cluster or kubeconfig)")?;
+    let cfg = kt_kube::watch::WatchConfig::new(namespace);
+    kt_metadata::run_with(listener, config, shutdown, move |handle| {
+        kt_metadata::cluster::watch(handle, client, cfg)
+    })
+    .await?;
+    Ok(())
+}
+
+#[cfg(not(feature = "kube"))]
+async fn watching(
+    _namespace: Option<String>,
+    _listener: tokio::net::TcpListener,
+    _config: kt_metadata::Config,
+    _shutdown: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
+    anyhow::bail!("--kube-watch: this kt-metadata was built without the `kube` feature")
 }

@@ -146,6 +146,58 @@ pub async fn run(
     config: Config,
     shutdown: CancellationToken,
 ) -> Result<(), MetadataError> {
+    run_with(listener, config, shutdown, |_| async {}).await
+}
+
+/// What a task running beside the server (the cluster watch) may do to it.
+#[derive(Clone)]
+pub struct Handle(AppState);
+
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Handle")
+    }
+}
+
+impl Handle {
+    /// Cancelled when the server stops: the task must end then.
+    pub fn shutdown(&self) -> CancellationToken {
+        self.0.shutdown.clone()
+    }
+
+    /// The registry's live agents.
+    pub async fn agents(&self) -> Vec<kt_types::api::AgentInfo> {
+        self.0.registry.lock().await.agents(now_ms())
+    }
+
+    /// Evicts agents by id, as the sweep evicts silent ones (a later
+    /// heartbeat brings a live one back); the ids evicted.
+    pub async fn evict_agents(&self, ids: &[String], why: &str) -> Result<Vec<String>, DbError> {
+        let mut registry = self.0.registry.lock().await;
+        let eviction = registry.evict(ids);
+        commit_eviction(&self.0, &eviction, why)?;
+        Ok(eviction.agents)
+    }
+
+    /// Tears a service down, as `DELETE /api/v1/services/{name}`.
+    pub async fn teardown(&self, service: &str) -> Result<TeardownResponse, ApiError> {
+        teardown_service(&self.0, service).await
+    }
+}
+
+/// [`run`], with `attach` started beside the server once it is set up: it is
+/// handed a [`Handle`], and is waited for (after the shutdown) before this
+/// returns.
+pub async fn run_with<F, Fut>(
+    listener: TcpListener,
+    config: Config,
+    shutdown: CancellationToken,
+    attach: F,
+) -> Result<(), MetadataError>
+where
+    F: FnOnce(Handle) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     config.validate()?;
     let (db, loaded) = Db::open(&config.state_dir)?;
     tracing::info!(
@@ -215,6 +267,7 @@ pub async fn run(
         config.max_in_flight,
     );
     let sessions = state.sessions.clone();
+    sessions.spawn(attach(Handle(state.clone())));
     let sweeper = tokio::spawn(sweep(state, config.sweep_interval, shutdown.clone()));
     tracing::info!(addr = %listener.local_addr()?, "metadata server listening");
     let served = kt_service::serve(listener, app, shutdown.clone(), Duration::from_secs(10)).await;
@@ -606,18 +659,23 @@ async fn teardown(
     State(s): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<ApiJson<TeardownResponse>, ApiError> {
+    teardown_service(&s, &name).await.map(ApiJson)
+}
+
+/// Evicts a service's agents for good and deletes its `resource` keys.
+async fn teardown_service(s: &Inner, name: &str) -> Result<TeardownResponse, ApiError> {
     // Agents first, so none is handed out as a source while keys go.
     let (targets, evicted) = {
         let mut registry = s.registry.lock().await;
-        let (targets, agents) = registry.teardown_plan(&name);
+        let (targets, agents) = registry.teardown_plan(name);
         let eviction = registry.retire(&agents);
-        commit_eviction(&s, &eviction, "service torn down").map_err(db_err)?;
+        commit_eviction(s, &eviction, "service torn down").map_err(db_err)?;
         (targets, eviction.agents)
     };
     let mut deleted = Vec::new();
     let mut failed = Vec::new();
     for r in targets {
-        match delete_one(&s, &r).await {
+        match delete_one(s, &r).await {
             Ok(()) => deleted.push(r.key),
             Err(e) => failed.push(e),
         }
@@ -634,7 +692,7 @@ async fn teardown(
         ));
     }
     tracing::info!(service = %name, keys = deleted.len(), agents = evicted.len(), "service torn down");
-    Ok(ApiJson(TeardownResponse { deleted, evicted }))
+    Ok(TeardownResponse { deleted, evicted })
 }
 
 /// Every `every`: drops expired leases, evicts silent agents, sweeps

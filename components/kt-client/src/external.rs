@@ -1,0 +1,71 @@
+//! `kt --kube`: kt from outside the cluster, through the Kubernetes API.
+//!
+//! The token comes from Secret `kt-token` (key `token`) unless one is
+//! given; the metadata server is reached at `http://kt-metadata:8081` and
+//! every server it names (the store's `http://kt-store:8082`, agents'
+//! `http://<pod IP>:8090`) through local port-forwards
+//! ([`kt_kube::portforward::Forwarder`]), plugged into the client as its
+//! [`UrlMap`].
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use kt_client::UrlMap;
+use kt_kube::portforward::{self, Forwarder, KubeOptions};
+
+/// The forwards of one `kt` run.
+#[derive(Debug)]
+pub struct External {
+    forwarder: Arc<Forwarder>,
+    /// The local URL of the metadata server.
+    pub metadata_url: String,
+    /// The token read from the Secret, when none was given.
+    pub token: Option<String>,
+}
+
+#[derive(Debug)]
+struct ForwardMap(Arc<Forwarder>);
+
+impl UrlMap for ForwardMap {
+    fn map(&self, url: &str) -> Result<String, String> {
+        self.0.local_url(url).map_err(|e| e.to_string())
+    }
+}
+
+impl External {
+    /// Connects to the cluster of `opts`; reads the token Secret when `read_token`.
+    pub async fn connect(opts: &KubeOptions, read_token: bool) -> anyhow::Result<Self> {
+        let (client, namespace) = portforward::connect(opts).await?;
+        let token = if read_token {
+            let t = portforward::read_token(
+                &client,
+                &namespace,
+                kt_kube::TOKEN_SECRET,
+                kt_kube::TOKEN_SECRET_KEY,
+            )
+            .await
+            .context("no token given (KT_TOKEN, --token-file): reading it from the cluster")?;
+            Some(t)
+        } else {
+            None
+        };
+        let forwarder = Forwarder::new(client, namespace);
+        let metadata_url = forwarder.local_url(kt_kube::METADATA_SERVICE_URL)?;
+        tracing::debug!(namespace = forwarder.namespace(), %metadata_url, "reaching kt through port-forwards");
+        Ok(External {
+            forwarder,
+            metadata_url,
+            token,
+        })
+    }
+
+    /// The client's URL map.
+    pub fn url_map(&self) -> Arc<dyn UrlMap> {
+        Arc::new(ForwardMap(self.forwarder.clone()))
+    }
+
+    /// Ends every forward.
+    pub async fn close(&self) {
+        self.forwarder.close().await;
+    }
+}

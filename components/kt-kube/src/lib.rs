@@ -1,0 +1,42 @@
+//! kt's Kubernetes integration (kube-rs).
+//!
+//! - [`state`]: the metadata server's view of its namespace as a pure state
+//!   machine (watch events in, evictions and teardowns out), no kube I/O.
+//! - [`watch`]: kube-runtime watchers on pods and workloads labelled
+//!   [`SERVICE_LABEL`], with a backoff, feeding [`state`].
+//! - [`portforward`]: `kt` outside the cluster: kubeconfig, the token Secret,
+//!   Ready pods behind a Service, local listeners over the API server's
+//!   port-forward.
+//!
+//! Invariant: no kt server or client crate here; the metadata server and the
+//! CLI plug these in at their edges.
+
+#[cfg(feature = "mock")]
+pub mod mock;
+pub mod portforward;
+pub mod state;
+pub mod watch;
+
+pub use kube;
+
+/// The label naming a workload's (and its pods') kt service.
+pub const SERVICE_LABEL: &str = "kt.dev/service";
+
+/// The Secret holding the bearer token, and its key.
+pub const TOKEN_SECRET: &str = "kt-token";
+pub const TOKEN_SECRET_KEY: &str = "token";
+
+/// The in-cluster Services and ports of kt's servers.
+pub const METADATA_SERVICE_URL: &str = "http://kt-metadata:8081";
+
+/// Where a pod's service account namespace is mounted.
+pub const SERVICE_ACCOUNT_NAMESPACE: &str =
+    "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
+
+/// The namespace of this pod's service account, if mounted.
+pub fn in_cluster_namespace() -> Option<String> {
+    std::fs::read_to_string(SERVICE_ACCOUNT_NAMESPACE)
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}
