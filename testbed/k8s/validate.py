@@ -1,0 +1,94 @@
+"""Validates rendered Kubernetes manifests offline.
+
+Core kinds: kubernetes-validate's bundled JSON schemas (strict: unknown
+fields are errors) of the three newest Kubernetes minor versions it ships.
+CRDs: the small schemas in schemas/ (<kind>-<group>-<version>.json); a kind
+with neither fails the run.
+
+usage: python validate.py FILE...   (prints one line per file; exit 1 on any error)
+"""
+
+import json
+import pathlib
+import sys
+
+import jsonschema
+import yaml
+from kubernetes_validate import utils
+
+HERE = pathlib.Path(__file__).resolve().parent
+# API groups that are CRDs, validated against schemas/ instead.
+CRD_GROUPS = {"monitoring.coreos.com"}
+
+
+def versions(n=3):
+    """The newest n minor versions with bundled schemas, oldest first."""
+    minors = {}
+    for v in utils.all_versions():
+        minors[utils.major_minor(v)] = v
+    newest = sorted(minors, key=lambda m: tuple(int(p) for p in m.split(".")))[-n:]
+    return [minors[m] for m in newest]
+
+
+def crd_schema(doc):
+    group, _, version = doc["apiVersion"].partition("/")
+    path = HERE / "schemas" / f"{doc['kind'].lower()}-{group.split('.')[0]}-{version}.json"
+    if not path.exists():
+        return None, path
+    return json.loads(path.read_text()), path
+
+
+def main(files):
+    vs = versions()
+    print(f"validate.py: Kubernetes {', '.join(vs)} (kubernetes-validate "
+          f"{utils.latest_version()} schemas, strict)")
+    errors = 0
+    for f in files:
+        docs = [d for d in yaml.safe_load_all(pathlib.Path(f).read_text()) if d]
+        if not docs:
+            print(f"{f}: no objects", file=sys.stderr)
+            errors += 1
+            continue
+        kinds = {}
+        for d in docs:
+            name = f"{d.get('kind')}/{d.get('metadata', {}).get('name')}"
+            group = d.get("apiVersion", "").rpartition("/")[0]
+            if group in CRD_GROUPS:
+                schema, path = crd_schema(d)
+                if schema is None:
+                    print(f"{f}: {name}: CRD {d['apiVersion']} has no schema at {path}",
+                          file=sys.stderr)
+                    errors += 1
+                    continue
+                for e in jsonschema.Draft202012Validator(schema).iter_errors(d):
+                    print(f"{f}: {name}: {'.'.join(map(str, e.absolute_path))}: {e.message} "
+                          f"(schema {path.name})", file=sys.stderr)
+                    errors += 1
+            else:
+                for v in vs:
+                    try:
+                        utils.validate(d, v, strict=True)
+                    except utils.ValidationError as e:
+                        # The first error of the object (kubernetes-validate
+                        # stops there).
+                        print(f"{f}: {name}: Kubernetes {v}: "
+                              f"{'.'.join(map(str, e.absolute_path))}: {e.message}",
+                              file=sys.stderr)
+                        errors += 1
+                    except utils.SchemaNotFoundError as e:
+                        print(f"{f}: {name}: no schema for {d.get('apiVersion')} "
+                              f"{d.get('kind')} in Kubernetes {v}: {e}", file=sys.stderr)
+                        errors += 1
+            kinds[d["kind"]] = kinds.get(d["kind"], 0) + 1
+        summary = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        print(f"{f}: {len(docs)} objects ({summary})")
+    if errors:
+        print(f"validate.py: {errors} error(s)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    sys.exit(main(sys.argv[1:]))
