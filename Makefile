@@ -3,12 +3,15 @@ SHELL := /bin/bash
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 NEXTEST := $(shell command -v cargo-nextest >/dev/null 2>&1 && echo "nextest run" || echo "test")
-# Scenario target: local (default) or netns (root).
+# Scenario target: local (default), netns (root), docker (builds the images
+# first), kind or k3d (a machine with kind or k3d, and Docker).
 TARGET ?= local
 SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TARGET) \
 	$(if $(filter true 1,$(CI)),--check) $(if $(ACCEPT),--accept) $(SCENARIO_ARGS)
 
-.PHONY: all build release test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast clean
+IMAGE_TARGETS := docker kind k3d
+
+.PHONY: all build release images manifests manifests-check lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast clean
 
 all: build
 
@@ -19,8 +22,10 @@ release:
 	$(CARGO) build --release -p kt-metadata -p kt-store -p kt-agent -p kt-client -p kt-scenario
 
 ## test: the test command (formatting, lints, every unit and cross-component
-## test, the runner's own tests, and validation of every scenario file).
-test: fmt-check clippy unit validate
+## test, the runner's own tests, validation of every scenario file, the
+## rendered manifests against kustomize/ and the Kubernetes schemas, and the
+## workflows).
+test: fmt-check clippy manifests-check lint-workflows unit validate
 
 fmt:
 	$(CARGO) fmt --all
@@ -42,8 +47,27 @@ validate:
 ## scenario: the main job: every scenario under scenarios/ on $(TARGET)
 ## (local by default; TARGET=netns as root). ACCEPT=1 records new or changed
 ## snapshots; CI=true rejects pending and unreferenced ones.
-scenario: release
+scenario: release $(if $(filter $(IMAGE_TARGETS),$(TARGET)),images)
 	INSTA_WORKSPACE_ROOT=$(CURDIR) $(TARGET_DIR)/release/kt-scenario run scenarios $(SCENARIO_FLAGS)
+
+## manifests: render kustomize/ into manifests/ (commit the result).
+manifests:
+	bash testbed/k8s/render.sh
+
+## manifests-check: manifests/ matches kustomize/, and every bundle validates
+## against the schemas of three Kubernetes minor versions.
+manifests-check:
+	bash testbed/k8s/check.sh
+
+## lint-workflows: actionlint on .github/workflows.
+lint-workflows:
+	bash testbed/k8s/lint-workflows.sh
+
+## images: the four images (metadata, store, agent, client), built offline
+## from a base assembled from this machine (testbed/images/build.sh), tagged
+## with the git revision and the workspace version.
+images: release
+	testbed/images/build.sh $(TARGET_DIR)/release
 
 ## bench: criterion benches of the sync engine (scan, hash, diff, chunk roots).
 bench:

@@ -569,6 +569,19 @@ pub struct MetricCondition {
     pub at_least: Size,
 }
 
+/// `metrics: { component: worker, name: kt_process_peak_resident_bytes,
+/// at_most: 64MiB }`: the sample of every instance, their count, minimum,
+/// median and maximum go into the step's record; `at_most` bounds the
+/// maximum.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsStep {
+    pub component: ComponentName,
+    pub name: String,
+    #[serde(default)]
+    pub at_most: Option<Size>,
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WaitStep {
@@ -664,6 +677,9 @@ pub enum Action {
     Assert(AssertStep),
     Snapshot(SnapshotStep),
     Exec(ExecStep),
+    /// Reads one metric from every instance of a component (e.g. the agents
+    /// of a pod group) and records its spread.
+    Metrics(MetricsStep),
     /// Children run at the same time; the step ends when all have.
     Parallel(Vec<Step>),
     /// Children run one after another (a branch of a `parallel`).
@@ -683,6 +699,7 @@ pub const ACTIONS: &[&str] = &[
     "assert",
     "snapshot",
     "exec",
+    "metrics",
     "parallel",
     "sequence",
 ];
@@ -705,6 +722,7 @@ const STEP_KEYS: &[&str] = &[
     "assert",
     "snapshot",
     "exec",
+    "metrics",
     "parallel",
     "sequence",
 ];
@@ -724,6 +742,7 @@ impl Action {
             Action::Assert(_) => "assert",
             Action::Snapshot(_) => "snapshot",
             Action::Exec(_) => "exec",
+            Action::Metrics(_) => "metrics",
             Action::Parallel(_) => "parallel",
             Action::Sequence(_) => "sequence",
         }
@@ -781,6 +800,7 @@ impl<'de> Deserialize<'de> for Step {
                         "wait" => set_action(Action::Wait(map.next_value()?), &mut action)?,
                         "assert" => set_action(Action::Assert(map.next_value()?), &mut action)?,
                         "exec" => set_action(Action::Exec(map.next_value()?), &mut action)?,
+                        "metrics" => set_action(Action::Metrics(map.next_value()?), &mut action)?,
                         "parallel" => set_action(Action::Parallel(map.next_value()?), &mut action)?,
                         "sequence" => set_action(Action::Sequence(map.next_value()?), &mut action)?,
                         other => return Err(de::Error::unknown_field(other, STEP_KEYS)),

@@ -11,6 +11,10 @@ use kt_scenario::report::terminal;
 use kt_scenario::runner::{Options, Runner};
 use kt_scenario::snapshot::{Mode, Snapshots, quiet_snapshot_panics};
 use kt_scenario::target::Target;
+use kt_scenario::target::cluster::{self, Cluster, Flavor, Session, shell::Real};
+use kt_scenario::target::docker::Docker;
+use kt_scenario::target::k3d::K3d;
+use kt_scenario::target::kind::Kind;
 use kt_scenario::target::local::Local;
 use kt_scenario::target::netns::Netns;
 use kt_scenario::validate::{self, Diagnostic, Loaded};
@@ -30,6 +34,21 @@ enum TargetKind {
     Local,
     /// A network namespace per pod on a bridge, links shaped with tc (root).
     Netns,
+    /// Containers from kt's images on a network of their own (make images).
+    Docker,
+    /// Real pods in a kind cluster from kustomize/overlays/kind (make images).
+    Kind,
+    /// Real pods in a k3d cluster from kustomize/overlays/k3d (make images).
+    K3d,
+}
+
+/// What manages the cluster of a cluster target.
+fn cluster_flavor(t: TargetKind) -> Option<Box<dyn Flavor>> {
+    match t {
+        TargetKind::Kind => Some(Box::new(Kind)),
+        TargetKind::K3d => Some(Box::new(K3d)),
+        _ => None,
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -78,6 +97,13 @@ enum Cmd {
         /// Parent of the per-scenario work directories.
         #[arg(long, env = "KT_SCENARIO_WORK_DIR")]
         work_dir: Option<PathBuf>,
+        /// kind/k3d: print each scenario's plan (commands in order, the
+        /// generated manifests) and touch no cluster.
+        #[arg(long)]
+        dry_run: bool,
+        /// kind/k3d: keep a cluster this run created (one that existed is kept anyway).
+        #[arg(long, env = "KT_KEEP_CLUSTER")]
+        keep_cluster: bool,
     },
 }
 
@@ -246,6 +272,8 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             keep,
             bin_dir,
             work_dir,
+            dry_run,
+            keep_cluster,
         } => {
             let (files, full) = files(&paths)?;
             let loaded = match load_all(&files) {
@@ -293,10 +321,45 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 .enable_all()
                 .build()
                 .context("starting the runtime")?;
+            let cluster_cfg = cluster::config_from_env(&runner.opts.work_root, keep_cluster);
+            if dry_run {
+                if cluster_flavor(target).is_none() {
+                    anyhow::bail!("--dry-run plans the kind and k3d targets only");
+                }
+                for l in loaded.iter().filter(|l| runner.selected(l)) {
+                    let flavor = cluster_flavor(target).context("a cluster target")?;
+                    println!(
+                        "{}",
+                        rt.block_on(cluster::plan_scenario(
+                            flavor,
+                            cluster_cfg.clone(),
+                            true,
+                            l,
+                            &runner.run_id,
+                            &runner.opts.work_root,
+                            &runner.opts.bin_dir,
+                            "dry-run-token",
+                        ))
+                    );
+                }
+                return Ok(ExitCode::SUCCESS);
+            }
+            // One cluster for the whole run, shared by every scenario's target.
+            let session = cluster_flavor(target).map(|f| {
+                std::sync::Arc::new(Session::new(f, std::sync::Arc::new(Real), cluster_cfg))
+            });
+            let shared = session.clone();
             let factory = move || -> Box<dyn Target> {
+                if let Some(s) = &shared {
+                    return Box::new(Cluster::new(s.clone()));
+                }
                 match target {
                     TargetKind::Local => Box::new(Local::new()),
                     TargetKind::Netns => Box::new(Netns::new()),
+                    TargetKind::Docker => Box::new(Docker::new()),
+                    TargetKind::Kind | TargetKind::K3d => {
+                        unreachable!("cluster targets have a session")
+                    }
                 }
             };
             let mut result = rt.block_on(async {
@@ -323,6 +386,14 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 });
                 runner.run(&loaded, &factory).await
             });
+            if let Some(s) = &session {
+                if let Some(kept) = rt.block_on(s.kept()) {
+                    eprintln!("{kept}");
+                }
+                if let Err(e) = rt.block_on(s.finish()) {
+                    eprintln!("kt-scenario: warning: deleting the cluster: {e}");
+                }
+            }
             // Every loaded scenario owns its snapshot, run or skipped.
             for l in &loaded {
                 runner.snapshots.reference(&l.name);

@@ -15,7 +15,9 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::data::{self, Digest};
-use crate::format::{Action, Auth, Condition, ErrorClass, Expect, Signal, Step};
+use futures::StreamExt as _;
+
+use crate::format::{Action, Auth, Condition, ErrorClass, Expect, MetricsStep, Signal, Step};
 use crate::live::Live;
 use crate::report::{BudgetCheck, PodResult, RunReport, ScenarioReport, Status, StepReport};
 use crate::snapshot::{Redactor, Snapshots};
@@ -152,20 +154,9 @@ impl Runner {
             .work_root
             .join(format!("{}-{}", l.name, self.run_id));
         let token = format!("kt-scenario-{}", uuid::Uuid::new_v4().simple());
-        let pods = expand_pods(l);
+        let plan = scenario_plan(l, &self.run_id, &work, &self.opts.bin_dir, &token);
+        let pods = plan.pods.clone();
         report.pods = pods.len();
-        let plan = Plan {
-            run_id: self.run_id.clone(),
-            scenario: l.name.clone(),
-            work_dir: work.clone(),
-            bin_dir: self.opts.bin_dir.clone(),
-            token: token.clone(),
-            chunk_size: l.scenario.topology.store.chunk_size.map(|s| s.0),
-            store_link_bps: (l.scenario.topology.store.link.as_deref())
-                .and_then(|s| parse_link(s).ok()),
-            metadata_flags: l.scenario.topology.metadata.flags(),
-            pods: pods.clone(),
-        };
         let mut failure: Option<String> = None;
         let mut scn = None;
         // Data first (not part of the testbed's start-up time).
@@ -187,6 +178,14 @@ impl Runner {
                 .up(&plan)
                 .await
                 .map_err(|e| format!("bringing up the {} testbed: {e}", target.name()));
+            // Where the pods can read the data sets they put.
+            let up = match up {
+                Ok(()) => target
+                    .stage_data(&data_uses(l, &pods, &data))
+                    .await
+                    .map_err(|e| format!("copying data sets into pods: {e}")),
+                Err(e) => Err(e),
+            };
             report.setup_ms = ms(setup.elapsed());
             match up {
                 Err(e) => failure = Some(e),
@@ -324,6 +323,64 @@ impl Runner {
 
 fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+/// What a target brings up for scenario `l` in the work dir `work`.
+pub fn scenario_plan(l: &Loaded, run_id: &str, work: &Path, bin_dir: &Path, token: &str) -> Plan {
+    Plan {
+        run_id: run_id.to_owned(),
+        scenario: l.name.clone(),
+        work_dir: work.to_owned(),
+        bin_dir: bin_dir.to_owned(),
+        token: token.to_owned(),
+        chunk_size: l.scenario.topology.store.chunk_size.map(|s| s.0),
+        store_link_bps: (l.scenario.topology.store.link.as_deref())
+            .and_then(|s| parse_link(s).ok()),
+        metadata_flags: l.scenario.topology.metadata.flags(),
+        pods: expand_pods(l),
+    }
+}
+
+/// Which pod puts which generated data set (the set's host path in
+/// `data`), from every `put` with `data:` in the scenario's steps, in
+/// order, without repeats: what [`Target::stage_data`] copies.
+pub fn data_uses(
+    l: &Loaded,
+    pods: &[PodPlan],
+    data: &BTreeMap<String, PathBuf>,
+) -> Vec<(String, PathBuf)> {
+    fn walk(
+        steps: &[Step],
+        pods: &[PodPlan],
+        data: &BTreeMap<String, PathBuf>,
+        out: &mut Vec<(String, PathBuf)>,
+    ) {
+        for s in steps {
+            match &s.action {
+                Action::Put(p) => {
+                    let Some(host) = p.data.as_ref().and_then(|d| data.get(d)) else {
+                        continue;
+                    };
+                    let exact = pods.iter().any(|x| x.name == p.pod);
+                    for x in pods
+                        .iter()
+                        .filter(|x| x.name == p.pod || (!exact && x.group == p.pod))
+                    {
+                        let u = (x.name.clone(), host.clone());
+                        if !out.contains(&u) {
+                            out.push(u);
+                        }
+                    }
+                }
+                Action::Parallel(c) | Action::Sequence(c) => walk(c, pods, data, out),
+                _ => {}
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&l.scenario.steps, pods, data, &mut out);
+    walk(&l.scenario.finally, pods, data, &mut out);
+    out
 }
 
 /// Pod instances of a scenario's topology, in order.
@@ -816,6 +873,7 @@ impl<'a> Scn<'a> {
                 e.program.as_deref().unwrap_or("kt"),
                 e.args.iter().map(|a| x(a)).collect::<Vec<_>>().join(" ")
             ),
+            Action::Metrics(m) => format!("metric {} of {}", m.name, m.component),
             Action::Parallel(c) => format!("parallel ({} steps)", c.len()),
             Action::Sequence(c) => format!("sequence ({} steps)", c.len()),
         }
@@ -1098,7 +1156,12 @@ impl<'a> Scn<'a> {
                     }
                     for p in &pods {
                         let ctx = self.ctx.for_pod(&p.name, p.index);
-                        let path = self.target.pod_dir(&p.name).join(dest(&ctx)?);
+                        let rel = dest(&ctx)?;
+                        self.target
+                            .fetch(&p.name, Path::new(&rel))
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        let path = self.target.pod_dir(&p.name).join(rel);
                         self.verify_tree(&p.name, &path, &want).await?;
                     }
                     result.verify = t.elapsed();
@@ -1274,7 +1337,96 @@ impl<'a> Scn<'a> {
                 }
                 Ok(())
             }
+            Action::Metrics(m) => {
+                let outcome = self.spread(m).await.and_then(|(spread, record)| {
+                    result.record = Some(record);
+                    match m.at_most {
+                        Some(max) if spread.max > max.0 as f64 => Err(format!(
+                            "{} of {}: the largest is {} ({}, > {}); {} instances, median {}, smallest {}",
+                            m.name,
+                            m.component,
+                            spread.max,
+                            spread.largest,
+                            max.0,
+                            spread.count,
+                            spread.median,
+                            spread.min
+                        )),
+                        _ => Ok(()),
+                    }
+                });
+                self.expect_plain(step, outcome)
+            }
             Action::Parallel(_) | Action::Sequence(_) => Ok(()),
+        }
+    }
+
+    /// One metric of every instance of a component: its spread, and the
+    /// record of it.
+    async fn spread(&self, m: &MetricsStep) -> Result<(Spread, serde_json::Value), String> {
+        let comps = self.components(&m.component);
+        if comps.is_empty() {
+            return Err(format!("no component named {}", m.component));
+        }
+        let reads: Vec<_> =
+            comps
+                .iter()
+                .map(|c| async move {
+                    Ok::<_, String>((self.metric_of(c, &m.name).await?, c.to_string()))
+                })
+                .collect();
+        let values: Vec<(f64, String)> = futures::stream::iter(reads)
+            .buffer_unordered(16)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect::<Result<_, _>>()?;
+        let spread = Spread::of(values);
+        let record = json!({
+            "count": spread.count,
+            "min": spread.min,
+            "median": spread.median,
+            "max": spread.max,
+            "largest": spread.largest,
+        });
+        Ok((spread, record))
+    }
+
+    async fn metric_of(&self, c: &Component, name: &str) -> Result<f64, String> {
+        let url = self
+            .target
+            .component_url(c)
+            .ok_or_else(|| format!("{c} has no metrics endpoint"))?;
+        self.metrics_text(&url)
+            .await
+            .map(|text| metric_sum(&text, name))
+            .map_err(|e| format!("{c}: {e}"))
+    }
+
+    /// The text of `url`/metrics; a failed request is retried twice (a
+    /// busy machine with hundreds of pods drops the odd connection).
+    async fn metrics_text(&self, url: &str) -> Result<String, String> {
+        let mut attempt = 0;
+        loop {
+            let res = async {
+                self.http
+                    .get(format!("{url}/metrics"))
+                    .bearer_auth(&self.token)
+                    .send()
+                    .await?
+                    .error_for_status()?
+                    .text()
+                    .await
+            }
+            .await;
+            match res {
+                Ok(text) => return Ok(text),
+                Err(e) if attempt >= 2 => return Err(error_chain(&e)),
+                Err(_) => {
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
         }
     }
 
@@ -1375,16 +1527,7 @@ impl<'a> Scn<'a> {
                 let url = comp
                     .and_then(|c| self.target.component_url(&c))
                     .ok_or_else(|| format!("{} has no metrics endpoint", m.component))?;
-                let text = self
-                    .http
-                    .get(format!("{url}/metrics"))
-                    .bearer_auth(&self.token)
-                    .send()
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .text()
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let text = self.metrics_text(&url).await?;
                 Ok(metric_sum(&text, &m.name) >= m.at_least.0 as f64)
             }
             Condition::Leases(n) => {
@@ -1441,10 +1584,12 @@ impl<'a> Scn<'a> {
             let want = self.digest_of_set(&f.data).await?;
             for p in self.select(&f.pod) {
                 let ctx = self.ctx.for_pod(&p.name, p.index);
-                let path = self
-                    .target
-                    .pod_dir(&p.name)
-                    .join(ctx.expand(&f.path).map_err(|e| e.to_string())?);
+                let rel = ctx.expand(&f.path).map_err(|e| e.to_string())?;
+                if let Err(e) = self.target.fetch(&p.name, Path::new(&rel)).await {
+                    errs.push(e.to_string());
+                    continue;
+                }
+                let path = self.target.pod_dir(&p.name).join(rel);
                 if let Err(e) = self
                     .verify_tree(&p.name, &path, &[(f.data.clone(), want.clone())])
                     .await
@@ -1581,6 +1726,44 @@ pub fn metric_sum(text: &str, name: &str) -> f64 {
         .sum()
 }
 
+/// An error with its causes: reqwest's own message says little.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut msg = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        msg.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    msg
+}
+
+/// The spread of one metric over a component's instances.
+#[derive(Debug, Clone, PartialEq)]
+struct Spread {
+    count: usize,
+    min: f64,
+    median: f64,
+    max: f64,
+    /// The instance with the largest value.
+    largest: String,
+}
+
+impl Spread {
+    /// Of (value, instance) pairs.
+    fn of(mut values: Vec<(f64, String)>) -> Spread {
+        values.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let at = |i: usize| values.get(i).map(|v| v.0).unwrap_or(0.0);
+        let last = values.len().saturating_sub(1);
+        Spread {
+            count: values.len(),
+            min: at(0),
+            median: at(last / 2),
+            max: at(last),
+            largest: values.get(last).map(|v| v.1.clone()).unwrap_or_default(),
+        }
+    }
+}
+
 /// What one step's action produced beside success or failure.
 #[derive(Debug, Default)]
 struct StepResult {
@@ -1654,6 +1837,15 @@ mod tests {
         assert_eq!(metric_sum(text, "kt_bytes_received_total"), 1024.0);
         assert_eq!(metric_sum(text, "kt_http_requests_total"), 5.0);
         assert_eq!(metric_sum(text, "missing"), 0.0);
+    }
+
+    #[test]
+    fn spreads_of_metrics() {
+        let v = |x: f64| (x, format!("pod {x}"));
+        let s = Spread::of(vec![v(3.0), v(1.0), v(2.0), v(10.0)]);
+        assert_eq!((s.count, s.min, s.median, s.max), (4, 1.0, 2.0, 10.0));
+        assert_eq!(s.largest, "pod 10");
+        assert_eq!(Spread::of(vec![]).count, 0);
     }
 
     #[test]

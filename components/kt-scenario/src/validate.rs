@@ -285,12 +285,13 @@ impl Checker<'_> {
                     | Action::Ls(_)
                     | Action::Rm(_)
                     | Action::Exec(_)
+                    | Action::Metrics(_)
                     | Action::Teardown(_)
             );
             if !records {
                 self.err(
                     &format!("{at}.record"),
-                    format!("a {kind} step has no result to record (put, get, broadcast, ls, rm, exec and teardown do)"),
+                    format!("a {kind} step has no result to record (put, get, broadcast, ls, rm, exec, metrics and teardown do)"),
                 );
             } else if !is_label(r) {
                 self.err(&format!("{at}.record"), "record names are lowercase words");
@@ -477,6 +478,14 @@ impl Checker<'_> {
                         &body,
                         "a snapshot captures either `metadata: true` or `ls: PREFIX`",
                     ),
+                }
+            }
+            Action::Metrics(m) => {
+                if m.component != "metadata" && m.component != "store" {
+                    self.pod(&format!("{body}.component"), &m.component);
+                }
+                if !m.name.starts_with("kt_") {
+                    self.err(&format!("{body}.name"), "kt's metrics are named kt_...");
                 }
             }
             Action::Exec(e) => {

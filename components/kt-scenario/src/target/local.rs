@@ -150,9 +150,21 @@ pub fn agent_argv(
     url: &str,
     metadata_url: &str,
 ) -> Result<Vec<String>, TargetError> {
+    let mut argv = vec![binary(&plan.bin_dir, "kt-agent")?];
+    argv.extend(agent_args(plan, pod, listen, url, metadata_url));
+    Ok(argv)
+}
+
+/// The arguments of a pod's node agent, without the program.
+pub fn agent_args(
+    plan: &Plan,
+    pod: &PodPlan,
+    listen: &str,
+    url: &str,
+    metadata_url: &str,
+) -> Vec<String> {
     let dir = plan.work_dir.join("pods").join(&pod.name);
-    let mut argv = vec![
-        binary(&plan.bin_dir, "kt-agent")?,
+    let mut args = vec![
         "--listen".into(),
         listen.into(),
         "--advertise-url".into(),
@@ -167,9 +179,9 @@ pub fn agent_argv(
         dir.join(".kt-agent").display().to_string(),
     ];
     if let Some(s) = &pod.service {
-        argv.extend(["--service".into(), s.clone()]);
+        args.extend(["--service".into(), s.clone()]);
     }
-    Ok(argv)
+    args
 }
 
 /// Where a pod's agent listens for its `kt` commands.
@@ -214,8 +226,24 @@ pub fn server_argvs(
     store_listen: &str,
     store_url: &str,
 ) -> Result<(Vec<String>, Vec<String>), TargetError> {
+    let (margs, sargs) = server_args(plan, metadata_listen, metadata_url, store_listen, store_url);
+    let mut meta = vec![binary(&plan.bin_dir, "kt-metadata")?];
+    meta.extend(margs);
+    let mut store = vec![binary(&plan.bin_dir, "kt-store")?];
+    store.extend(sargs);
+    Ok((meta, store))
+}
+
+/// The arguments of the metadata server and the store, without the
+/// programs (a container target's images have them as entry points).
+pub fn server_args(
+    plan: &Plan,
+    metadata_listen: &str,
+    metadata_url: &str,
+    store_listen: &str,
+    store_url: &str,
+) -> (Vec<String>, Vec<String>) {
     let mut meta = vec![
-        binary(&plan.bin_dir, "kt-metadata")?,
         "--listen".into(),
         metadata_listen.into(),
         "--state-dir".into(),
@@ -223,7 +251,6 @@ pub fn server_argvs(
     ];
     meta.extend(plan.metadata_flags.iter().cloned());
     let mut store = vec![
-        binary(&plan.bin_dir, "kt-store")?,
         "--listen".into(),
         store_listen.into(),
         "--data-dir".into(),
@@ -236,7 +263,7 @@ pub fn server_argvs(
     if let Some(cs) = plan.chunk_size {
         store.extend(["--chunk-size".into(), cs.to_string()]);
     }
-    Ok((meta, store))
+    (meta, store)
 }
 
 /// The networks testbeds use (local: loopback; netns: 198.18.0.0/15).

@@ -12,6 +12,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+pub mod cluster;
+pub mod docker;
+pub mod k3d;
+pub mod kind;
 pub mod local;
 pub mod netns;
 pub mod procs;
@@ -156,6 +160,23 @@ pub trait Target: Send + Sync {
     fn data_path(&self, pod: &str, host: &Path) -> Result<String, TargetError> {
         let _ = pod;
         Ok(host.display().to_string())
+    }
+
+    /// Copies generated data sets to the pods that use them: `uses` pairs a
+    /// pod with a data set's host path (below the plan's work dir). Called
+    /// once after `up`. Targets where pods see the host's files (local,
+    /// netns, a bind mount) have nothing to do.
+    async fn stage_data(&self, uses: &[(String, PathBuf)]) -> Result<(), TargetError> {
+        let _ = uses;
+        Ok(())
+    }
+
+    /// Brings `rel` (a path relative to the pod's root) from inside the pod
+    /// into [`Target::pod_dir`], before the runner verifies it there.
+    /// Targets where the runner sees the pod's files have nothing to do.
+    async fn fetch(&self, pod: &str, rel: &Path) -> Result<(), TargetError> {
+        let _ = (pod, rel);
+        Ok(())
     }
 
     /// Runs a command inside a pod and waits for it.

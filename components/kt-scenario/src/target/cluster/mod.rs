@@ -1,0 +1,1036 @@
+//! What the `kind` and `k3d` targets share: a real Kubernetes cluster, the
+//! project's images loaded into it, and per scenario a namespace with the
+//! kustomize bundle and one StatefulSet per scenario pod.
+//!
+//! - A [`Session`] (one per run, shared by every scenario's target) makes
+//!   sure the cluster exists (creating `kt-scenario`, or the one `KT_CLUSTER`
+//!   names, unless it exists), writes its kubeconfig into a file of its own
+//!   (the user's kubeconfig is never changed), loads the four images once,
+//!   and at the end deletes the cluster if it created it, unless kept.
+//! - A [`Cluster`] target brings one scenario up in `kt-<run>-<scenario>`:
+//!   the `kt-token` Secret, a generated kustomization (bundle overlay, the
+//!   agent-sidecar component, the scenario's StatefulSets, images pinned to
+//!   the run's tag) rendered with `kubectl kustomize` and applied, then a
+//!   `kubectl rollout status` of every workload. The runner reaches the
+//!   metadata server and the store through `kubectl port-forward`s.
+//! - Steps run with `kubectl exec` in the pod's `workload` container (its
+//!   working directory `/work` is the pod's root). Killing a component
+//!   scales its workload to zero (SIGKILL: and force-deletes its pods at
+//!   once; TERM: the pod terminates gracefully) and waits until its pods are
+//!   gone, so it stays down like a dead server until `start` scales it back
+//!   to one and waits for the rollout. A restarted scenario pod comes back
+//!   with an empty `/work`, as a real pod would.
+//! - Generated data sets are packed on the host and unpacked into the pods
+//!   that put them ([`Target::stage_data`]); what a getter wrote is packed in
+//!   the pod and unpacked into [`Target::pod_dir`] before it is verified
+//!   ([`Target::fetch`]).
+//!
+//! Every command goes through [`shell::Shell`]: [`dry_run`] records them.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+
+use super::{Component, ExecOutput, ExecRequest, Plan, Program, Target, TargetError};
+use crate::format::Signal;
+
+pub mod manifests;
+pub mod shell;
+
+use manifests::{METADATA, POD_LABEL, POD_ROOT, STORE, Server, Sources, WORKLOAD};
+use shell::{Background, Cmd, Shell, check};
+
+/// What differs between kind and k3d: the commands that manage a cluster.
+pub trait Flavor: Send + Sync + fmt::Debug {
+    /// The target's name (`kind`).
+    fn name(&self) -> &'static str;
+    /// The program managing clusters (`kind`).
+    fn tool(&self) -> &'static str;
+    /// Lists clusters ([`Flavor::cluster_names`] reads its output).
+    fn list(&self) -> Cmd;
+    fn cluster_names(&self, stdout: &str) -> Vec<String>;
+    /// Creates a cluster from the config file, leaving the user's
+    /// kubeconfig alone where the tool allows it.
+    fn create(&self, name: &str, config: &Path, kubeconfig: &Path) -> Cmd;
+    /// Prints a cluster's kubeconfig on stdout.
+    fn kubeconfig(&self, name: &str) -> Cmd;
+    /// Loads images from the local Docker engine into every node.
+    fn load_images(&self, name: &str, images: &[String]) -> Cmd;
+    fn delete(&self, name: &str) -> Cmd;
+}
+
+/// Environment variables of the cluster targets.
+pub mod env {
+    /// An existing cluster to use (and keep), or the name to create.
+    pub const CLUSTER: &str = "KT_CLUSTER";
+    /// `1`: keep a cluster this run created.
+    pub const KEEP_CLUSTER: &str = "KT_KEEP_CLUSTER";
+    /// The images' tag (default: the git revision, as `make images` tags).
+    pub const IMAGE_TAG: &str = "KT_IMAGE_TAG";
+    /// The kustomize bundle (default: `kustomize` in the repository).
+    pub const KUSTOMIZE_DIR: &str = "KT_KUSTOMIZE_DIR";
+    /// How long a rollout may take, e.g. `300s` (default 180s).
+    pub const ROLLOUT_TIMEOUT: &str = "KT_ROLLOUT_TIMEOUT";
+}
+
+/// The cluster's default name: stable, so a kept cluster is found again.
+pub const DEFAULT_CLUSTER: &str = "kt-scenario";
+const ROLLOUT_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long a killed component's pods get to disappear.
+const DELETE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a port-forward gets to say where it listens.
+const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Settings of a run's cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    pub cluster: String,
+    pub keep_cluster: bool,
+    /// From `KT_IMAGE_TAG`; None: [`image_tag`] asks git.
+    pub image_tag: Option<String>,
+    /// The repository (git revision, `testbed/<target>/`).
+    pub repo: PathBuf,
+    /// The kustomize bundle (`<repo>/kustomize`).
+    pub kustomize: PathBuf,
+    /// Where the kubeconfig and packed data go.
+    pub state_dir: PathBuf,
+    pub rollout_timeout: Duration,
+}
+
+impl ClusterConfig {
+    /// Reads the settings through `var` (the process environment in
+    /// `main`, a map in tests). Relative paths are taken from `repo`.
+    pub fn from_env(
+        var: impl Fn(&str) -> Option<String>,
+        repo: &Path,
+        state_dir: &Path,
+        keep_cluster: bool,
+    ) -> ClusterConfig {
+        let set = |k: &str| var(k).filter(|v| !v.is_empty());
+        ClusterConfig {
+            cluster: set(env::CLUSTER).unwrap_or_else(|| DEFAULT_CLUSTER.to_owned()),
+            keep_cluster: keep_cluster
+                || set(env::KEEP_CLUSTER).is_some_and(|v| v != "0" && v != "false"),
+            image_tag: set(env::IMAGE_TAG),
+            repo: repo.to_owned(),
+            kustomize: repo.join(set(env::KUSTOMIZE_DIR).unwrap_or_else(|| "kustomize".into())),
+            state_dir: state_dir.to_owned(),
+            rollout_timeout: set(env::ROLLOUT_TIMEOUT)
+                .and_then(|v| humantime::parse_duration(&v).ok())
+                .unwrap_or(ROLLOUT_TIMEOUT),
+        }
+    }
+
+    fn sources(&self, flavor: &str) -> Sources {
+        Sources {
+            overlay: self.kustomize.join("overlays").join(flavor),
+            sidecar: self.kustomize.join("components").join("agent-sidecar"),
+        }
+    }
+
+    /// `testbed/<target>/<file>`.
+    pub fn cluster_config(&self, flavor: &dyn Flavor) -> PathBuf {
+        let file = match flavor.name() {
+            "kind" => "cluster.yaml",
+            _ => "config.yaml",
+        };
+        self.repo.join("testbed").join(flavor.name()).join(file)
+    }
+
+    fn kubeconfig(&self) -> PathBuf {
+        self.state_dir.join(format!("{}.kubeconfig", self.cluster))
+    }
+}
+
+/// The tag of the images to deploy: `KT_IMAGE_TAG`, else the git revision
+/// as `make images` tags it (`testbed/images/tag.sh`): 12 hex digits, with
+/// `-dirty` when tracked files have uncommitted changes.
+pub async fn image_tag(
+    shell: &dyn Shell,
+    repo: &Path,
+    given: Option<&str>,
+) -> Result<String, TargetError> {
+    if let Some(t) = given {
+        return Ok(t.to_owned());
+    }
+    let git = |args: &[&str]| {
+        Cmd::new("git")
+            .args(["-C", &repo.display().to_string()])
+            .args(args.iter().copied())
+            .local()
+    };
+    let rev = check(shell, &git(&["rev-parse", "--short=12", "HEAD"]))
+        .await
+        .map_err(|e| {
+            TargetError::Failed(format!("finding the image tag (set KT_IMAGE_TAG): {e}"))
+        })?;
+    let status = check(
+        shell,
+        &git(&["status", "--porcelain", "--untracked-files=no"]),
+    )
+    .await?;
+    let rev = rev.stdout.trim().to_owned();
+    Ok(if status.stdout.trim().is_empty() {
+        rev
+    } else {
+        format!("{rev}-dirty")
+    })
+}
+
+/// The images of a tag.
+pub fn images(tag: &str) -> Vec<String> {
+    manifests::IMAGES
+        .iter()
+        .map(|i| format!("{i}:{tag}"))
+        .collect()
+}
+
+#[derive(Debug, Default)]
+struct SessionState {
+    tag: Option<String>,
+    /// This run created the cluster.
+    created: bool,
+}
+
+/// One run's cluster, shared by the targets of its scenarios.
+pub struct Session {
+    pub flavor: Box<dyn Flavor>,
+    pub shell: Arc<dyn Shell>,
+    pub cfg: ClusterConfig,
+    state: tokio::sync::Mutex<SessionState>,
+}
+
+impl fmt::Debug for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Session")
+            .field("flavor", &self.flavor)
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Session {
+    pub fn new(flavor: Box<dyn Flavor>, shell: Arc<dyn Shell>, cfg: ClusterConfig) -> Session {
+        Session {
+            flavor,
+            shell,
+            cfg,
+            state: tokio::sync::Mutex::new(SessionState::default()),
+        }
+    }
+
+    /// Why this session cannot run here.
+    pub fn unavailable(&self) -> Option<String> {
+        let name = self.flavor.name();
+        let missing: Vec<&str> = [self.flavor.tool(), "kubectl", "docker"]
+            .into_iter()
+            .filter(|p| !self.shell.has(p))
+            .collect();
+        if !missing.is_empty() {
+            return Some(format!(
+                "the {name} target needs {}, kubectl and docker on PATH (missing: {})",
+                self.flavor.tool(),
+                missing.join(", ")
+            ));
+        }
+        let overlay = self.cfg.sources(name).overlay;
+        if !overlay.is_dir() {
+            return Some(format!(
+                "the {name} target deploys {}, which does not exist (set {})",
+                overlay.display(),
+                env::KUSTOMIZE_DIR
+            ));
+        }
+        None
+    }
+
+    /// Makes sure the cluster is up with the images loaded (once per run);
+    /// returns the images' tag.
+    pub async fn ensure(&self) -> Result<String, TargetError> {
+        let mut st = self.state.lock().await;
+        if let Some(t) = &st.tag {
+            return Ok(t.clone());
+        }
+        let sh = self.shell.as_ref();
+        let tag = image_tag(sh, &self.cfg.repo, self.cfg.image_tag.as_deref()).await?;
+        let imgs = images(&tag);
+        // Before creating anything: the images must have been built.
+        let inspect = Cmd::new("docker")
+            .args(["image", "inspect", "--format", "{{.Id}}"])
+            .args(imgs.iter().cloned());
+        check(sh, &inspect).await.map_err(|e| {
+            TargetError::Failed(format!(
+                "the images {} are not in the Docker engine; build them with `make images` \
+                 (or set {} to a tag that is): {e}",
+                imgs.join(" "),
+                env::IMAGE_TAG
+            ))
+        })?;
+        std::fs::create_dir_all(&self.cfg.state_dir).map_err(TargetError::io(format!(
+            "creating {}",
+            self.cfg.state_dir.display()
+        )))?;
+        let name = &self.cfg.cluster;
+        let listed = check(sh, &self.flavor.list()).await?;
+        let kubeconfig = self.cfg.kubeconfig();
+        if !self.flavor.cluster_names(&listed.stdout).contains(name) {
+            // Marked first: a creation that fails half-way is still removed.
+            st.created = true;
+            let config = self.cfg.cluster_config(self.flavor.as_ref());
+            check(sh, &self.flavor.create(name, &config, &kubeconfig)).await?;
+        }
+        check(sh, &self.flavor.kubeconfig(name).stdout(&kubeconfig)).await?;
+        check(sh, &self.flavor.load_images(name, &imgs)).await?;
+        st.tag = Some(tag.clone());
+        Ok(tag)
+    }
+
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.cfg.kubeconfig()
+    }
+
+    /// The end of the run: deletes the cluster if this run created it and
+    /// it is not kept. Idempotent.
+    pub async fn finish(&self) -> Result<(), TargetError> {
+        let mut st = self.state.lock().await;
+        if !std::mem::take(&mut st.created) {
+            return Ok(());
+        }
+        st.tag = None;
+        if self.cfg.keep_cluster {
+            return Ok(());
+        }
+        check(self.shell.as_ref(), &self.flavor.delete(&self.cfg.cluster)).await?;
+        let _ = std::fs::remove_file(self.cfg.kubeconfig());
+        Ok(())
+    }
+
+    /// What the run leaves behind, for the user.
+    pub async fn kept(&self) -> Option<String> {
+        let st = self.state.lock().await;
+        (st.created && self.cfg.keep_cluster).then(|| {
+            format!(
+                "kept the {} cluster {} (kubeconfig {}); `{}` removes it",
+                self.flavor.name(),
+                self.cfg.cluster,
+                self.cfg.kubeconfig().display(),
+                self.flavor.delete(&self.cfg.cluster)
+            )
+        })
+    }
+}
+
+/// A running `kubectl port-forward` to a server.
+struct Forward {
+    port: u16,
+    proc: Box<dyn Background>,
+}
+
+/// Reads the local port from `kubectl port-forward`'s first lines
+/// (`Forwarding from 127.0.0.1:40123 -> 8081`).
+pub fn forwarded_port(line: &str) -> Option<u16> {
+    let rest = line.strip_prefix("Forwarding from 127.0.0.1:")?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+/// The `kind` or `k3d` target for one scenario.
+pub struct Cluster {
+    session: Arc<Session>,
+    shell: Arc<dyn Shell>,
+    work: PathBuf,
+    ns: Option<String>,
+    pods: Vec<String>,
+    urls: HashMap<Component, String>,
+    forwards: tokio::sync::Mutex<HashMap<Component, Forward>>,
+}
+
+impl fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cluster")
+            .field("session", &self.session)
+            .field("ns", &self.ns)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Drops kubectl's own line about the remote exit code from an exec's stderr.
+fn exec_stderr(s: &str) -> String {
+    let mut lines: Vec<&str> = s.lines().collect();
+    if lines
+        .last()
+        .is_some_and(|l| l.starts_with("command terminated with exit code"))
+    {
+        lines.pop();
+        let mut out = lines.join("\n");
+        if !out.is_empty() {
+            out.push('\n');
+        }
+        out
+    } else {
+        s.to_owned()
+    }
+}
+
+impl Cluster {
+    pub fn new(session: Arc<Session>) -> Cluster {
+        Cluster {
+            shell: session.shell.clone(),
+            session,
+            work: PathBuf::new(),
+            ns: None,
+            pods: Vec::new(),
+            urls: HashMap::new(),
+            forwards: tokio::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The namespace of the scenario (once `up` has chosen it).
+    pub fn namespace(&self) -> Option<&str> {
+        self.ns.as_deref()
+    }
+
+    fn kubectl(&self) -> Cmd {
+        let c = Cmd::new("kubectl").args([
+            "--kubeconfig".to_owned(),
+            self.session.kubeconfig().display().to_string(),
+        ]);
+        match &self.ns {
+            Some(ns) => c.args(["-n", ns.as_str()]),
+            None => c,
+        }
+    }
+
+    async fn run(&self, cmd: Cmd) -> Result<shell::Output, TargetError> {
+        check(self.shell.as_ref(), &cmd).await
+    }
+
+    fn deploy_dir(&self) -> PathBuf {
+        self.work.join("deploy")
+    }
+
+    fn server(c: &Component) -> Option<Server> {
+        match c {
+            Component::Metadata => Some(METADATA),
+            Component::Store => Some(STORE),
+            Component::Pod(_) => None,
+        }
+    }
+
+    /// The workload and pod selector of a component.
+    fn workload(&self, c: &Component) -> Result<(String, String), TargetError> {
+        match (Cluster::server(c), c) {
+            (Some(s), _) => Ok((s.workload.to_owned(), s.selector.to_owned())),
+            (None, Component::Pod(p)) if self.pods.contains(p) => {
+                Ok((format!("statefulset/{p}"), format!("{POD_LABEL}={p}")))
+            }
+            _ => Err(TargetError::Failed(format!("no {c} in this testbed"))),
+        }
+    }
+
+    async fn rollout(&self, workload: &str) -> Result<(), TargetError> {
+        let t = self.session.cfg.rollout_timeout;
+        self.run(self.kubectl().args([
+            "rollout".to_owned(),
+            "status".to_owned(),
+            workload.to_owned(),
+            format!("--timeout={}s", t.as_secs()),
+        ]))
+        .await
+        .map(drop)
+        .map_err(|e| TargetError::Failed(format!("{workload} is not ready: {e}")))
+    }
+
+    /// Starts a port-forward to a server's Service on `port` (0: any) and
+    /// returns once it listens.
+    async fn forward(&self, c: &Component, port: u16) -> Result<String, TargetError> {
+        let Some(s) = Cluster::server(c) else {
+            return Err(TargetError::Failed(format!("{c} has no server")));
+        };
+        let cmd = self.kubectl().args([
+            "port-forward".to_owned(),
+            "--address=127.0.0.1".to_owned(),
+            s.service.to_owned(),
+            format!(
+                "{}:{}",
+                if port == 0 {
+                    String::new()
+                } else {
+                    port.to_string()
+                },
+                s.port
+            ),
+        ]);
+        let mut proc = self.shell.spawn(&cmd).await?;
+        let found = tokio::time::timeout(FORWARD_TIMEOUT, async {
+            while let Some(line) = proc.line().await {
+                if let Some(p) = forwarded_port(&line) {
+                    return Some(p);
+                }
+            }
+            None
+        })
+        .await;
+        let Ok(Some(port)) = found else {
+            proc.stop().await;
+            return Err(TargetError::Failed(format!(
+                "`{cmd}` did not start forwarding within {FORWARD_TIMEOUT:?}"
+            )));
+        };
+        if let Some(mut old) = self
+            .forwards
+            .lock()
+            .await
+            .insert(c.clone(), Forward { port, proc })
+        {
+            old.proc.stop().await;
+        }
+        Ok(format!("http://127.0.0.1:{port}"))
+    }
+
+    async fn stop_forward(&self, c: &Component) -> Option<u16> {
+        let mut f = self.forwards.lock().await.remove(c)?;
+        f.proc.stop().await;
+        Some(f.port)
+    }
+
+    /// The generated files of `up`, written into the deploy dir.
+    fn write_manifests(&self, plan: &Plan, ns: &str, tag: &str) -> Result<(), TargetError> {
+        let dir = self.deploy_dir();
+        std::fs::create_dir_all(&dir)
+            .map_err(TargetError::io(format!("creating {}", dir.display())))?;
+        let src = self.session.cfg.sources(self.session.flavor.name());
+        let files = [
+            (
+                "kustomization.yaml",
+                manifests::kustomization(plan, ns, tag, &dir, &src),
+            ),
+            ("pods.yaml", manifests::pods(plan)),
+        ];
+        for (name, text) in files {
+            std::fs::write(dir.join(name), text)
+                .map_err(TargetError::io(format!("writing {name}")))?;
+        }
+        let token = dir.join("token");
+        std::fs::write(&token, &plan.token).map_err(TargetError::io("writing the token"))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600))
+            .map_err(TargetError::io("protecting the token"))
+    }
+
+    /// `kubectl exec` in a pod's workload container.
+    fn exec_cmd(&self, pod: &str, stdin: bool) -> Cmd {
+        let mut c = self.kubectl().arg("exec");
+        if stdin {
+            c = c.arg("-i");
+        }
+        c.args([
+            manifests::pod_name(pod),
+            "-c".into(),
+            WORKLOAD.into(),
+            "--".into(),
+        ])
+    }
+
+    /// The pod-side path of `rel`, a path relative to the pod's root.
+    fn in_pod(rel: &Path) -> Result<String, TargetError> {
+        if rel.is_absolute()
+            || rel
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir))
+        {
+            return Err(TargetError::Failed(format!(
+                "{} is not a path below the pod's root",
+                rel.display()
+            )));
+        }
+        Ok(rel.display().to_string())
+    }
+}
+
+#[async_trait]
+impl Target for Cluster {
+    fn name(&self) -> &'static str {
+        self.session.flavor.name()
+    }
+
+    fn unavailable(&self) -> Option<String> {
+        self.session.unavailable()
+    }
+
+    async fn up(&mut self, plan: &Plan) -> Result<(), TargetError> {
+        self.work = plan.work_dir.clone();
+        self.pods = plan.pods.iter().map(|p| p.name.clone()).collect();
+        let tag = self.session.ensure().await?;
+        super::local::make_pod_dirs(plan)?;
+        let ns = manifests::namespace(&plan.run_id, &plan.scenario);
+        self.write_manifests(plan, &ns, &tag)?;
+        let dir = self.deploy_dir();
+        // Set first: `down` removes even a half-made namespace.
+        self.ns = Some(ns.clone());
+        let kc = self.session.kubeconfig().display().to_string();
+        let global = || Cmd::new("kubectl").args(["--kubeconfig", kc.as_str()]);
+        self.run(global().args(["create", "namespace", ns.as_str()]))
+            .await?;
+        self.run(global().args([
+            "label".to_owned(),
+            "namespace".to_owned(),
+            ns.clone(),
+            format!("{}={}", manifests::MANAGED_BY.0, manifests::MANAGED_BY.1),
+            format!("kt.dev/run={}", plan.run_id),
+        ]))
+        .await?;
+        self.run(self.kubectl().args([
+            "create".to_owned(),
+            "secret".to_owned(),
+            "generic".to_owned(),
+            manifests::TOKEN_SECRET.to_owned(),
+            format!("--from-file=token={}", dir.join("token").display()),
+        ]))
+        .await?;
+        let rendered = dir.join("rendered.yaml");
+        self.run(
+            Cmd::new("kubectl")
+                .args(["kustomize".to_owned(), dir.display().to_string()])
+                .stdout(&rendered)
+                .local(),
+        )
+        .await
+        .map_err(|e| TargetError::Failed(format!("rendering {}: {e}", dir.display())))?;
+        self.run(self.kubectl().args([
+            "apply".to_owned(),
+            "-f".to_owned(),
+            rendered.display().to_string(),
+        ]))
+        .await?;
+        let mut workloads = vec![METADATA.workload.to_owned(), STORE.workload.to_owned()];
+        workloads.extend(self.pods.iter().map(|p| format!("statefulset/{p}")));
+        for w in &workloads {
+            self.rollout(w).await?;
+        }
+        for c in [Component::Metadata, Component::Store] {
+            let url = self.forward(&c, 0).await?;
+            self.urls.insert(c, url);
+        }
+        Ok(())
+    }
+
+    fn metadata_url(&self) -> String {
+        self.urls
+            .get(&Component::Metadata)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Pods' agents have none: a port-forward per pod would not scale to
+    /// the scenarios' hundreds of pods.
+    fn component_url(&self, c: &Component) -> Option<String> {
+        self.urls.get(c).cloned()
+    }
+
+    fn pod_dir(&self, pod: &str) -> PathBuf {
+        self.work.join("pods").join(pod)
+    }
+
+    fn data_path(&self, pod: &str, host: &Path) -> Result<String, TargetError> {
+        let rel = host.strip_prefix(&self.work).map_err(|_| {
+            TargetError::Failed(format!(
+                "{} is not below the scenario's work dir, so pod {pod} cannot see it",
+                host.display()
+            ))
+        })?;
+        Ok(Path::new(POD_ROOT).join(rel).display().to_string())
+    }
+
+    async fn stage_data(&self, uses: &[(String, PathBuf)]) -> Result<(), TargetError> {
+        let stage = self.work.join("stage");
+        std::fs::create_dir_all(&stage)
+            .map_err(TargetError::io(format!("creating {}", stage.display())))?;
+        let mut packed: BTreeMap<PathBuf, PathBuf> = BTreeMap::new();
+        for (pod, host) in uses {
+            let tar = match packed.get(host) {
+                Some(t) => t.clone(),
+                None => {
+                    let rel = host.strip_prefix(&self.work).map_err(|_| {
+                        TargetError::Failed(format!("{} is not below the work dir", host.display()))
+                    })?;
+                    let tar = stage.join(format!("{}.tar", packed.len()));
+                    self.run(Cmd::new("tar").args([
+                        "-C".to_owned(),
+                        self.work.display().to_string(),
+                        "-cf".to_owned(),
+                        tar.display().to_string(),
+                        rel.display().to_string(),
+                    ]))
+                    .await?;
+                    packed.insert(host.clone(), tar.clone());
+                    tar
+                }
+            };
+            self.run(
+                self.exec_cmd(pod, true)
+                    .args(["tar", "-C", POD_ROOT, "-xf", "-"])
+                    .stdin(&tar),
+            )
+            .await
+            .map_err(|e| TargetError::Failed(format!("copying data into pod {pod}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    async fn fetch(&self, pod: &str, rel: &Path) -> Result<(), TargetError> {
+        let in_pod = Cluster::in_pod(rel)?;
+        let dir = self.work.join("fetch");
+        std::fs::create_dir_all(&dir)
+            .map_err(TargetError::io(format!("creating {}", dir.display())))?;
+        let tar = dir.join(format!("{pod}.tar"));
+        self.run(
+            self.exec_cmd(pod, false)
+                .args(["tar", "-C", POD_ROOT, "-cf", "-", in_pod.as_str()])
+                .stdout(&tar),
+        )
+        .await
+        .map_err(|e| TargetError::Failed(format!("copying {in_pod} out of pod {pod}: {e}")))?;
+        let host = self.pod_dir(pod);
+        // What an earlier fetch brought must not mix with this one.
+        let target = host.join(rel);
+        if target.is_dir() {
+            let _ = std::fs::remove_dir_all(&target);
+        } else {
+            let _ = std::fs::remove_file(&target);
+        }
+        std::fs::create_dir_all(&host)
+            .map_err(TargetError::io(format!("creating {}", host.display())))?;
+        self.run(Cmd::new("tar").args([
+            "-C".to_owned(),
+            host.display().to_string(),
+            "-xf".to_owned(),
+            tar.display().to_string(),
+        ]))
+        .await
+        .map(drop)
+    }
+
+    async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError> {
+        if !self.pods.contains(&req.pod) {
+            return Err(TargetError::Failed(format!("no pod named {}", req.pod)));
+        }
+        // The pod's environment has what every command needs (KT_METADATA_URL
+        // and KT_AGENT_SOCKET from the sidecar component, KT_PROGRESS, HOME);
+        // the token is the request's alone.
+        let mut cmd =
+            self.exec_cmd(&req.pod, false)
+                .args(["env", "-u", "KT_TOKEN", "-u", "KT_TOKEN_FILE"]);
+        if let Some(t) = &req.token {
+            cmd = cmd.arg(format!("KT_TOKEN={t}"));
+        }
+        cmd = cmd.args(req.env.iter().map(|(k, v)| format!("{k}={v}")));
+        cmd = match req.program {
+            Program::Kt => cmd.arg("kt"),
+            Program::Shell => cmd.args(["sh", "-c"]),
+        };
+        cmd = cmd.args(req.args.iter().cloned());
+        let started = Instant::now();
+        let out = self.shell.run(&cmd).await?;
+        Ok(ExecOutput {
+            status: out.status,
+            stdout: out.stdout,
+            stderr: exec_stderr(&out.stderr),
+            duration: started.elapsed(),
+        })
+    }
+
+    async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
+        let (workload, selector) = self.workload(c)?;
+        self.run(
+            self.kubectl()
+                .args(["scale", workload.as_str(), "--replicas=0"]),
+        )
+        .await?;
+        if signal == Signal::KILL {
+            self.run(self.kubectl().args([
+                "delete",
+                "pod",
+                "-l",
+                selector.as_str(),
+                "--grace-period=0",
+                "--force",
+                "--ignore-not-found",
+            ]))
+            .await?;
+        }
+        let pods = self
+            .run(
+                self.kubectl()
+                    .args(["get", "pods", "-l", selector.as_str(), "-o", "name"]),
+            )
+            .await?;
+        for p in pods.stdout.split_whitespace() {
+            self.run(self.kubectl().args([
+                "wait".to_owned(),
+                "--for=delete".to_owned(),
+                p.to_owned(),
+                format!("--timeout={}s", DELETE_TIMEOUT.as_secs()),
+            ]))
+            .await?;
+        }
+        // Its forward has nothing to reach; the URL stays, refusing
+        // connections, until `start`.
+        self.stop_forward(c).await;
+        Ok(())
+    }
+
+    async fn start(&self, c: &Component) -> Result<(), TargetError> {
+        let (workload, _) = self.workload(c)?;
+        self.run(
+            self.kubectl()
+                .args(["scale", workload.as_str(), "--replicas=1"]),
+        )
+        .await?;
+        self.rollout(&workload).await?;
+        if Cluster::server(c).is_some() {
+            // The same local port: clients hold the URL.
+            let port = self
+                .urls
+                .get(c)
+                .and_then(|u| u.rsplit(':').next())
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(0);
+            self.stop_forward(c).await;
+            self.forward(c, port).await?;
+        }
+        Ok(())
+    }
+
+    async fn collect_logs(&self, dir: &Path) -> Result<(), TargetError> {
+        if self.ns.is_none() {
+            return Ok(());
+        }
+        std::fs::create_dir_all(dir)
+            .map_err(TargetError::io(format!("creating {}", dir.display())))?;
+        let mut errors = Vec::new();
+        let to = |name: &str| dir.join(name);
+        for (args, file) in [
+            (
+                vec![
+                    "get",
+                    "events",
+                    "--sort-by=.metadata.creationTimestamp",
+                    "-o",
+                    "wide",
+                ],
+                "events.txt",
+            ),
+            (
+                vec!["get", "all,pvc,networkpolicy", "-o", "wide"],
+                "resources.txt",
+            ),
+            (vec!["describe", "pods"], "pods.txt"),
+        ] {
+            if let Err(e) = self.run(self.kubectl().args(args).stdout(to(file))).await {
+                errors.push(e.to_string());
+            }
+        }
+        let listed = self
+            .run(self.kubectl().args(["get", "pods", "-o", "json"]))
+            .await?;
+        let pods: serde_json::Value = serde_json::from_str(&listed.stdout).unwrap_or_default();
+        for pod in pods["items"].as_array().into_iter().flatten() {
+            let Some(name) = pod["metadata"]["name"].as_str() else {
+                continue;
+            };
+            let restarts: HashMap<&str, u64> = ["initContainerStatuses", "containerStatuses"]
+                .iter()
+                .flat_map(|k| pod["status"][k].as_array().into_iter().flatten())
+                .filter_map(|s| Some((s["name"].as_str()?, s["restartCount"].as_u64()?)))
+                .collect();
+            let containers = ["initContainers", "containers"]
+                .iter()
+                .flat_map(|k| pod["spec"][k].as_array().into_iter().flatten())
+                .filter_map(|c| c["name"].as_str());
+            for c in containers {
+                let mut runs = vec![(false, format!("{name}.{c}.log"))];
+                if restarts.get(c).copied().unwrap_or(0) > 0 {
+                    runs.push((true, format!("{name}.{c}.previous.log")));
+                }
+                for (previous, file) in runs {
+                    let mut cmd = self.kubectl().args(["logs", name, "-c", c, "--timestamps"]);
+                    if previous {
+                        cmd = cmd.arg("--previous");
+                    }
+                    if let Err(e) = self.run(cmd.stdout(to(&file))).await {
+                        errors.push(e.to_string());
+                    }
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(TargetError::Failed(errors.join("; ")))
+        }
+    }
+
+    async fn down(&mut self) -> Result<(), TargetError> {
+        let comps: Vec<Component> = self.forwards.lock().await.keys().cloned().collect();
+        for c in comps {
+            self.stop_forward(&c).await;
+        }
+        let Some(ns) = self.ns.take() else {
+            return Ok(());
+        };
+        // Not waited for: the next scenario has a namespace of its own.
+        let kc = self.session.kubeconfig().display().to_string();
+        let del = Cmd::new("kubectl").args([
+            "--kubeconfig",
+            kc.as_str(),
+            "delete",
+            "namespace",
+            ns.as_str(),
+            "--ignore-not-found",
+            "--wait=false",
+        ]);
+        if let Err(e) = check(self.shell.as_ref(), &del).await {
+            self.ns = Some(ns);
+            return Err(e);
+        }
+        Ok(())
+    }
+}
+
+/// The pods that put each generated data set, from the scenario's steps.
+pub type DataUses = Vec<(String, PathBuf)>;
+
+/// The plan of a scenario on a cluster target, without a cluster: every
+/// command `up`, staging, a failure's log collection, `down` and the end
+/// of the run would issue, and the generated manifests. `shell` is a
+/// [`shell::Recorder`] (executing local commands or not).
+pub async fn dry_run(
+    session: Arc<Session>,
+    recorder: &shell::Recorder,
+    plan: &Plan,
+    uses: &DataUses,
+) -> String {
+    let mut t = Cluster::new(session.clone());
+    let mut out = String::new();
+    let section = |title: &str, r: Result<(), TargetError>, out: &mut String| {
+        out.push_str(&format!("## {title}\n"));
+        for c in recorder
+            .commands
+            .lock()
+            .map(|mut c| std::mem::take(&mut *c))
+            .unwrap_or_default()
+        {
+            out.push_str(&format!("{c}\n"));
+        }
+        if let Err(e) = r {
+            out.push_str(&format!("# failed: {e}\n"));
+        }
+        out.push('\n');
+    };
+    let r = t.up(plan).await;
+    section("up", r, &mut out);
+    let r = t.stage_data(uses).await;
+    section("stage data", r, &mut out);
+    if let Some(p) = plan.pods.first() {
+        let r = t
+            .exec(ExecRequest {
+                pod: p.name.clone(),
+                program: Program::Kt,
+                args: vec!["ls".into(), plan.scenario.clone()],
+                env: vec![],
+                token: Some(plan.token.clone()),
+            })
+            .await
+            .map(drop);
+        section("e.g. a step: `kt ls` in the first pod", r, &mut out);
+        let r = t.fetch(&p.name, Path::new("get/key")).await;
+        section("e.g. before verifying what a getter wrote", r, &mut out);
+        let r = t.kill(&Component::Store, Signal::KILL).await;
+        section("e.g. kill store (KILL)", r, &mut out);
+        let r = t.start(&Component::Store).await;
+        section("e.g. start store", r, &mut out);
+    }
+    let r = t.collect_logs(&plan.work_dir.join("logs")).await;
+    section("on failure", r, &mut out);
+    let r = t.down().await;
+    section("down", r, &mut out);
+    let r = session.finish().await;
+    section("end of the run", r, &mut out);
+    let dir = plan.work_dir.join("deploy");
+    for f in ["kustomization.yaml", "pods.yaml", "rendered.yaml"] {
+        let text = std::fs::read_to_string(dir.join(f)).unwrap_or_default();
+        if !text.is_empty() {
+            out.push_str(&format!("## {}\n{text}\n", dir.join(f).display()));
+        }
+    }
+    out
+}
+
+/// The settings from the process environment (`kt-scenario`'s `main`):
+/// the repository is the current directory, the state goes below the work
+/// root.
+pub fn config_from_env(work_root: &Path, keep_cluster: bool) -> ClusterConfig {
+    let repo = std::env::current_dir().unwrap_or_default();
+    ClusterConfig::from_env(|k| std::env::var(k).ok(), &repo, work_root, keep_cluster)
+}
+
+/// Where the dry run says the port-forwards listen.
+pub const DRY_RUN_PORTS: [(&str, &str); 2] = [
+    ("svc/kt-metadata", "Forwarding from 127.0.0.1:43081 -> 8081"),
+    ("svc/kt-store", "Forwarding from 127.0.0.1:43082 -> 8082"),
+];
+
+/// The plan of scenario `l` on a cluster target (`kt-scenario run --dry-run`):
+/// a fresh session (so the cluster's own commands show) over a
+/// [`shell::Recorder`], which runs nothing that touches a cluster or the
+/// Docker engine; with `execute_local` it runs git (the image tag) and
+/// `kubectl kustomize` (the rendered manifests). The generated files are
+/// left in the scenario's work dir below `work_root`.
+#[allow(clippy::too_many_arguments)]
+pub async fn plan_scenario(
+    flavor: Box<dyn Flavor>,
+    cfg: ClusterConfig,
+    execute_local: bool,
+    l: &crate::validate::Loaded,
+    run_id: &str,
+    work_root: &Path,
+    bin_dir: &Path,
+    token: &str,
+) -> String {
+    let mut rec = shell::Recorder::new();
+    if execute_local {
+        rec = rec.executing_local();
+    }
+    for (svc, line) in DRY_RUN_PORTS {
+        rec = rec.prints(svc, &[line]);
+    }
+    // So that the plan shows the wait for a killed store's pod.
+    rec = rec.answer(
+        &format!("get pods -l {} -o name", STORE.selector),
+        shell::Output::ok("pod/kt-store-0\n"),
+    );
+    let rec = Arc::new(rec);
+    let name = flavor.name();
+    let session = Arc::new(Session::new(flavor, rec.clone(), cfg));
+    let work = work_root.join(format!("{}-{run_id}", l.name));
+    let plan = crate::runner::scenario_plan(l, run_id, &work, bin_dir, token);
+    let data: BTreeMap<String, PathBuf> = l
+        .scenario
+        .data
+        .keys()
+        .map(|k| (k.clone(), work.join("data").join(k)))
+        .collect();
+    let uses = crate::runner::data_uses(l, &plan.pods, &data);
+    let mut out = format!(
+        "# kt-scenario plan: scenario {} on {name}, namespace {}, {} pod(s); nothing was run\n\n",
+        l.name,
+        manifests::namespace(run_id, &l.name),
+        plan.pods.len()
+    );
+    out.push_str(&dry_run(session, &rec, &plan, &uses).await);
+    out
+}
