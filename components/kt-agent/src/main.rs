@@ -54,7 +54,8 @@ async fn main() -> anyhow::Result<()> {
     }
     config.advertise_url = args.advertise_url;
     config.pod_ip = args.pod_ip;
-    config.service = args.service;
+    // The sidecar takes it from the pod's label: an unlabelled pod gives "".
+    config.service = args.service.filter(|s| !s.is_empty());
     config.chunk_size = args.chunk_size;
     config.max_in_flight = args.server.max_connections;
     kt_agent::run(listener, config, shutdown).await?;

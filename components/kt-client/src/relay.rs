@@ -404,7 +404,7 @@ impl Relay {
             .find_map(|port| kt_service::cli::listen(std::net::SocketAddr::new(addr, port)).ok())
             .map(Ok)
             .unwrap_or_else(|| {
-                tracing::debug!("relay ports taken; using one of the system's choosing");
+                tracing::warn!("relay ports ({}) taken; listening on one of the system's choosing, which a NetworkPolicy may block", kt_types::env::RELAY_PORT);
                 kt_service::cli::listen(std::net::SocketAddr::new(addr, 0))
             })
             .map_err(|e| ClientError::Local(format!("relay: binding {ip}: {e}")))?;

@@ -13,9 +13,12 @@
 //!   kind has been listed once, so a partial start never tears anything down.
 //! - **Startup.** The registry's agents (id and service, as recorded before
 //!   this watch started) are checked against the first complete listing: an
-//!   agent with a service whose pod is not listed (or is gone) is evicted, and
-//!   a recorded service with no pod and no workload is torn down (it vanished
-//!   while the metadata server was away). Agents without a service (not
+//!   agent with a service whose pod is not listed (or is gone) is evicted (it
+//!   comes back with its next heartbeat if it lives after all). A recorded
+//!   service with no pod and no workload is *not* torn down: deleting data
+//!   needs having seen the service go, and a restore or a GitOps sync may
+//!   bring the metadata server up before the workloads. Its `resource` keys
+//!   stay until `kt teardown` or their TTL. Agents without a service (not
 //!   sidecars of a labelled pod) are left to the heartbeat TTL.
 //! - **Relists.** A watch that restarts (`Init`…`InitDone`) replaces what was
 //!   known of its kind; what vanished is handled as deleted. The state (and
@@ -265,15 +268,10 @@ impl ClusterState {
             return Vec::new();
         }
         let now = self.alive_now();
-        let mut down: BTreeSet<String> = self.live.difference(&now).cloned().collect();
-        if let Some(recorded) = self.recorded.take() {
-            down.extend(
-                recorded
-                    .into_iter()
-                    .filter_map(|a| a.service)
-                    .filter(|s| !now.contains(s)),
-            );
-        }
+        let down: BTreeSet<String> = self.live.difference(&now).cloned().collect();
+        // Recorded services absent from the first listing are left alone
+        // (see the module documentation): only what was seen go is torn down.
+        self.recorded = None;
         self.live = now;
         down.into_iter().collect()
     }
@@ -448,8 +446,8 @@ mod tests {
         let actions = list_all(&mut st, &listed);
         assert_eq!(
             actions,
-            vec![evict(&["old-0", "web-b"]), down("gone")],
-            "agents without a pod go, services without anything go; the laptop agent is the TTL's"
+            vec![evict(&["old-0", "web-b"])],
+            "agents without a pod go; a service never seen live here is not torn down; the laptop agent is the TTL's"
         );
         // Checked once: a later relist does not repeat it.
         st.handle(Event::Init(Kind::Pod));

@@ -74,6 +74,14 @@ impl Images {
         }
     }
 
+    /// The images of this run: [`Images::from_env`], worked out once per
+    /// process (a snapshot accepted mid-run dirties the tree; the images are
+    /// still those built before the run).
+    pub fn of_run() -> Result<Images, String> {
+        static IMAGES: OnceLock<Result<Images, String>> = OnceLock::new();
+        IMAGES.get_or_init(Images::from_env).clone()
+    }
+
     /// From `KT_IMAGE_REPO` (default ghcr.io/kt-dev) and `KT_IMAGE_TAG`
     /// (default: the tag `make images` gives a build of this tree).
     pub fn from_env() -> Result<Images, String> {
@@ -440,6 +448,19 @@ enum NetworkAt {
     JoinOf(String),
 }
 
+/// `s` as a part of a container name: `[a-z0-9-]`.
+fn docker_name(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
+        })
+        .collect()
+}
+
 /// Does the CIDR `subnet` overlap 10.x.0.0/16 at `base`?
 fn overlaps(subnet: &str, base: Ipv4Addr) -> bool {
     let Some((addr, len)) = subnet.split_once('/') else {
@@ -474,7 +495,7 @@ fn probe() -> Option<String> {
                     .map_err(|e| e.to_string())?;
                 rt.block_on(async {
                     let api = connect().await?;
-                    let images = Images::from_env()?;
+                    let images = Images::of_run()?;
                     let mut missing = Vec::new();
                     for image in images.all() {
                         if api.inspect_image(image).await.is_err() {
@@ -520,8 +541,10 @@ impl Target for Docker {
 
     async fn up(&mut self, plan: &Plan) -> Result<(), TargetError> {
         self.api = Some(connect().await.map_err(TargetError::Unavailable)?);
-        self.images = Some(Images::from_env().map_err(TargetError::Unavailable)?);
-        self.run = plan.run_id.clone();
+        self.images = Some(Images::of_run().map_err(TargetError::Unavailable)?);
+        // Names carry the scenario too: a scenario whose teardown failed
+        // never blocks the next one's names.
+        self.run = format!("{}-{}", plan.run_id, docker_name(&plan.scenario));
         self.work = plan.work_dir.clone();
         self.user = Docker::user();
         make_pod_dirs(plan)?;
@@ -657,10 +680,21 @@ impl Target for Docker {
             Err(e) => return Err(TargetError::Failed(format!("exec in pod {}: {e}", req.pod))),
         }
         let duration = started.elapsed();
-        let inspect = api
-            .inspect_exec(&exec)
-            .await
-            .map_err(|e| TargetError::Failed(format!("exec in pod {}: {e}", req.pod)))?;
+        // The streams may close a moment before docker records the exit.
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let inspect = loop {
+            let inspect = api
+                .inspect_exec(&exec)
+                .await
+                .map_err(|e| TargetError::Failed(format!("exec in pod {}: {e}", req.pod)))?;
+            if inspect.exit_code.is_some()
+                || inspect.running != Some(true)
+                || Instant::now() >= deadline
+            {
+                break inspect;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
         // A pod killed under the command: docker has no exit code for it.
         let status = match inspect.exit_code {
             Some(code) => i32::try_from(code).unwrap_or(i32::MAX),
@@ -756,18 +790,22 @@ impl Target for Docker {
             .buffer_unordered(PARALLEL)
             .collect::<Vec<_>>()
             .await;
-        removed.into_iter().collect::<Result<Vec<()>, _>>()?;
+        // Everything is tried; the first failure is reported.
+        let mut first_error = removed.into_iter().find_map(Result::err);
         if let Some(net) = self.network.take() {
             match api.remove_network(&net).await {
                 Ok(())
                 | Err(bollard::errors::Error::DockerResponseServerError {
                     status_code: 404, ..
                 }) => {}
-                Err(e) => return Err(TargetError::Failed(format!("removing network {net}: {e}"))),
+                Err(e) => {
+                    first_error
+                        .get_or_insert(TargetError::Failed(format!("removing network {net}: {e}")));
+                }
             }
         }
         self.pods.clear();
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 }
 
@@ -794,6 +832,12 @@ mod tests {
             ips.iter()
                 .all(|ip| ip.octets()[..2] == [10, 210] && ip.octets()[2] >= 1)
         );
+    }
+
+    #[test]
+    fn scenario_names_become_container_name_parts() {
+        assert_eq!(docker_name("broadcast-200"), "broadcast-200");
+        assert_eq!(docker_name("Odd name_1"), "odd-name-1");
     }
 
     #[test]
