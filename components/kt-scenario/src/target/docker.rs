@@ -52,6 +52,10 @@ const GRACE: Duration = Duration::from_secs(10);
 const PARALLEL: usize = 8;
 /// The label every container and network of a run carries.
 const RUN_LABEL: &str = "kt.dev/testbed-run";
+/// Marks a container in another's network namespace (a pod's agent): removed
+/// before the namespace's owner, or the engine may keep a stale endpoint that
+/// blocks removing the network.
+const SIDECAR_LABEL: &str = "kt.dev/sidecar";
 
 /// The four images a run uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -207,13 +211,17 @@ impl Docker {
             }
             NetworkAt::JoinOf(container) => (Some(format!("container:{container}")), None),
         };
+        let mut labels = self.labels();
+        if matches!(network_mode.as_deref(), Some(m) if m.starts_with("container:")) {
+            labels.insert(SIDECAR_LABEL.to_owned(), "true".to_owned());
+        }
         ContainerCreateBody {
             image: Some(image.to_owned()),
             cmd: Some(cmd),
             env: Some(env),
             user: Some(self.user.clone()),
             working_dir: Some(work.clone()),
-            labels: Some(self.labels()),
+            labels: Some(labels),
             host_config: Some(HostConfig {
                 binds: Some(vec![format!("{work}:{work}")]),
                 network_mode,
@@ -446,6 +454,21 @@ enum NetworkAt {
     Ip(Ipv4Addr, String),
     /// In the network namespace of another container (a pod's sidecar).
     JoinOf(String),
+}
+
+/// Removes a container, running or not; one already gone is fine.
+async fn remove_container(api: &Api, id: String) -> Result<(), TargetError> {
+    let opts = RemoveContainerOptionsBuilder::new()
+        .force(true)
+        .v(true)
+        .build();
+    match api.remove_container(&id, Some(opts)).await {
+        Ok(())
+        | Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 404, ..
+        }) => Ok(()),
+        Err(e) => Err(TargetError::Failed(format!("removing container {id}: {e}"))),
+    }
 }
 
 /// `s` as a part of a container name: `[a-z0-9-]`.
@@ -769,27 +792,23 @@ impl Target for Docker {
             ))
             .await
             .map_err(|e| TargetError::Failed(format!("listing the run's containers: {e}")))?;
-        let remove = RemoveContainerOptionsBuilder::new()
-            .force(true)
-            .v(true)
-            .build();
-        let removed =
-            futures::stream::iter(containers.into_iter().filter_map(|c| c.id).map(|id| {
-                let (api, remove) = (&api, remove.clone());
-                async move {
-                    match api.remove_container(&id, Some(remove)).await {
-                        Ok(()) => Ok(()),
-                        Err(bollard::errors::Error::DockerResponseServerError {
-                            status_code: 404,
-                            ..
-                        }) => Ok(()),
-                        Err(e) => Err(TargetError::Failed(format!("removing container {id}: {e}"))),
-                    }
-                }
-            }))
-            .buffer_unordered(PARALLEL)
-            .collect::<Vec<_>>()
-            .await;
+        // Sidecars first, then the containers whose namespaces they shared.
+        let (sidecars, owners): (Vec<_>, Vec<_>) = containers.into_iter().partition(|c| {
+            c.labels
+                .as_ref()
+                .is_some_and(|l| l.contains_key(SIDECAR_LABEL))
+        });
+        let mut removed = Vec::new();
+        for batch in [sidecars, owners] {
+            let ids = batch.into_iter().filter_map(|c| c.id);
+            let removing: Vec<_> = ids.map(|id| remove_container(&api, id)).collect();
+            removed.extend(
+                futures::stream::iter(removing)
+                    .buffer_unordered(PARALLEL)
+                    .collect::<Vec<_>>()
+                    .await,
+            );
+        }
         // Everything is tried; the first failure is reported.
         let mut first_error = removed.into_iter().find_map(Result::err);
         if let Some(net) = self.network.take() {
