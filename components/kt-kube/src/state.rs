@@ -216,19 +216,10 @@ impl ClusterState {
                     evict.push(name.clone());
                 }
             }
-            let old = std::mem::take(&mut self.pods);
+            // What is listed is applied over what was known of it.
+            self.pods.retain(|name, _| names.contains(name.as_str()));
             for o in listed {
-                let was_gone = old.get(&o.name).is_some_and(|p| p.gone);
-                if o.gone && !was_gone {
-                    evict.push(o.name.clone());
-                }
-                self.pods.insert(
-                    o.name,
-                    Pod {
-                        service: o.service,
-                        gone: o.gone,
-                    },
-                );
+                self.apply_pod(o, evict);
             }
         } else {
             self.workloads.retain(|(k, _), _| *k != kind);
