@@ -219,6 +219,7 @@ impl Plan {
             is_dir: true,
             size: 4096,
             files: 1,
+            tensors: None,
             options: PutOptions::default(),
         }
     }

@@ -219,6 +219,7 @@ mod tests {
             is_dir: false,
             size: 1,
             files: 1,
+            tensors: None,
             lifespan: Lifespan::Resource,
             service: "a".into(),
             expires_at_ms: Some(5),

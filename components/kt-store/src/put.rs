@@ -129,6 +129,7 @@ pub fn registration(s: &Shared, p: &Published) -> RegisterKey {
         is_dir: m.root == RootKind::Dir,
         size: m.total_bytes(),
         files: m.file_count(),
+        tensors: None,
         options: p.meta.options.clone(),
     }
 }

@@ -80,6 +80,7 @@ impl Meta {
             is_dir: true,
             size: 3,
             files: 1,
+            tensors: None,
             options: PutOptions::default(),
         };
         let resp = reqwest::Client::new()

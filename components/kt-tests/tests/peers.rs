@@ -132,6 +132,7 @@ impl Api {
             is_dir: true,
             size: 3,
             files: 1,
+            tensors: None,
             options: PutOptions {
                 lifespan,
                 ..PutOptions::default()
@@ -420,6 +421,7 @@ async fn heartbeats_tell_agents_what_to_drop_and_local_deletes_skip_the_store() 
         is_dir: false,
         size: 1,
         files: 1,
+        tensors: None,
         options: PutOptions::default(),
     };
     let msg = api

@@ -1,12 +1,22 @@
 //! The node agent's local control protocol, spoken over a Unix socket by the
-//! `kt` client (and, later, by applications registering tensors).
+//! `kt` client and by applications registering tensors.
 //!
-//! Framing (version 1): every message is a 4-byte big-endian length followed
-//! by that many bytes of UTF-8 JSON. The client's first message is
+//! Framing: every message is a 4-byte big-endian length followed by that
+//! many bytes of UTF-8 JSON. The client's first message is
 //! [`ControlRequest::Hello`] with the version it speaks; the agent answers
-//! [`ControlReply::Hello`] (or an error when it does not speak it). Then
-//! requests and replies alternate, one reply per request. Any peer that can
-//! write a length and JSON (Python's `struct.pack(">I", n)`) can speak it.
+//! [`ControlReply::Hello`] with the same version (or an error when it does
+//! not speak it). Then requests and replies alternate, one reply per
+//! request. Any peer that can write a length and JSON (Python's
+//! `struct.pack(">I", n)`) can speak it.
+//!
+//! Versions: 1 has the file operations (`export_local`, `export_copy`,
+//! `status`); 2 adds GPU data (`put_tensors`, `get_tensors`,
+//! `drop_tensors`, see [`crate::tensor`]). An agent speaks both; a version
+//! 1 connection is refused tensor operations. Tensor registrations belong
+//! to the process on the other end of the connection (its pid, from the
+//! socket's peer credentials): they are dropped when it exits, or, when the
+//! agent cannot see its pid (another pid namespace), when the connection
+//! that made them closes.
 
 use serde::{Deserialize, Serialize};
 
@@ -15,9 +25,14 @@ use crate::error::ErrorCode;
 use crate::key::Key;
 use crate::manifest::Manifest;
 use crate::model::KeyRecord;
+use crate::tensor::{GetTensors, PutTensors, TensorRegistration, TensorStats, TensorsPut};
 
-/// The protocol version this build speaks.
-pub const CONTROL_VERSION: u32 = 1;
+/// The newest protocol version this build speaks.
+pub const CONTROL_VERSION: u32 = 2;
+/// The oldest version an agent still accepts.
+pub const MIN_CONTROL_VERSION: u32 = 1;
+/// The first version with tensor operations.
+pub const TENSOR_VERSION: u32 = 2;
 
 /// Largest control message accepted (a manifest of a big tree fits).
 pub const MAX_CONTROL_MESSAGE: u32 = 256 << 20;
@@ -46,6 +61,15 @@ pub enum ControlRequest {
     },
     /// What the agent serves.
     Status,
+    /// Version 2: register (and publish, or broadcast) tensors.
+    PutTensors(PutTensors),
+    /// Version 2: receive tensors into lent memory.
+    GetTensors(GetTensors),
+    /// Version 2: drop this process's registration of a key (the key is
+    /// unregistered at the metadata server too).
+    DropTensors {
+        key: Key,
+    },
 }
 
 /// One key an agent serves.
@@ -78,6 +102,15 @@ pub enum ControlReply {
         agent: String,
         url: String,
         exports: Vec<ExportInfo>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        tensors: Vec<TensorRegistration>,
+    },
+    TensorsPut(TensorsPut),
+    TensorsGot {
+        stats: TensorStats,
+    },
+    TensorsDropped {
+        key: Key,
     },
     Error {
         code: ErrorCode,

@@ -18,6 +18,18 @@
 //! - `GET  /api/v1/broadcasts/join` — upgrades to the WebSocket of one
 //!   broadcast member ([`crate::broadcast`]: join, parents, releases)
 //! - `GET  /api/v1/broadcasts/{group}` → [`crate::broadcast::GroupInfo`]
+//! - `POST /api/v1/quorums/{group}/join` [`crate::tensor::QuorumJoin`] →
+//!   [`crate::tensor::QuorumPlan`], long-polled until the group's open round
+//!   closes (GPU broadcasts; in memory only)
+//! - `GET  /api/v1/quorums/{group}` → [`crate::tensor::QuorumInfo`] (open
+//!   round, kept transfers)
+//! - `PUT  /api/v1/quorums/{group}/{transfer}/rendezvous`
+//!   [`crate::tensor::Rendezvous`] (rank 0, once); `GET` of it, long-polled
+//!   (`?wait_ms=N`)
+//! - `POST /api/v1/quorums/{group}/{transfer}/done` [`crate::tensor::QuorumDone`]
+//!   → [`crate::tensor::QuorumStatus`] (once per rank)
+//! - `GET  /api/v1/quorums/{group}/{transfer}?wait_ms=N` →
+//!   [`crate::tensor::QuorumStatus`], long-polled until every rank reported
 //!
 //! Node agent (read-only): the read half of the store protocol below
 //! (`/api/v1/trees/{key}`, `/api/v1/reads/...`), for what it exports.
@@ -79,6 +91,9 @@ pub struct RegisterKey {
     pub is_dir: bool,
     pub size: u64,
     pub files: u64,
+    /// GPU data: the key's tensors (the record keeps this summary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensors: Option<crate::tensor::TensorSummary>,
     #[serde(flatten)]
     pub options: PutOptions,
 }
@@ -243,10 +258,14 @@ pub struct TreeList {
     pub keys: Vec<Key>,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeleteQuery {
     #[serde(default)]
     pub recursive: bool,
+    /// Only this version of the key (409 when it has moved on); not with
+    /// `recursive`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
 }
 
 /// `DELETE /api/v1/trees/{key}?version=V`: with a version, only that version

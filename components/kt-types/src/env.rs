@@ -19,3 +19,32 @@ pub const PROGRESS: &str = "KT_PROGRESS";
 pub const POD_IP: &str = "KT_POD_IP";
 /// The port (or range, `8091-8099`) broadcast relays listen on.
 pub const RELAY_PORT: &str = "KT_RELAY_PORT";
+/// Shared-memory directory of host-backend tensors (default `/dev/shm`); the
+/// agent and the applications of a pod must see the same one.
+pub const SHM_DIR: &str = "KT_SHM_DIR";
+/// CUDA device the NCCL backend of an agent uses (default 0).
+pub const CUDA_DEVICE: &str = "KT_CUDA_DEVICE";
+/// Bounds connecting the ranks of a tensor transfer and each collective.
+pub const TENSOR_TIMEOUT: &str = "KT_TENSOR_TIMEOUT";
+/// Ports the host backend's tensor listeners try (a port or a range).
+pub const TENSOR_PORT: &str = "KT_TENSOR_PORT";
+/// The tensor listener ports tried by default (the bundle's NetworkPolicy opens them).
+pub const DEFAULT_TENSOR_PORTS: &str = "8100-8163";
+
+/// The ports a port variable (`var`, e.g. [`RELAY_PORT`]) names: `8091`,
+/// `8091-8099`, or `0` (any: nothing to try before the system's choice);
+/// empty: `default`.
+pub fn ports(var: &str, spec: &str, default: &str) -> Result<Vec<u16>, String> {
+    let spec = spec.trim();
+    let spec = if spec.is_empty() { default } else { spec };
+    let bad = || format!("{var}={spec:?}: a port or a range such as 8091-8099");
+    let (lo, hi) = match spec.split_once('-') {
+        Some((a, b)) => (a.trim().parse::<u16>(), b.trim().parse::<u16>()),
+        None => (spec.parse::<u16>(), spec.parse::<u16>()),
+    };
+    let (lo, hi) = (lo.map_err(|_| bad())?, hi.map_err(|_| bad())?);
+    if lo > hi {
+        return Err(bad());
+    }
+    Ok((lo..=hi).filter(|p| *p != 0).collect())
+}

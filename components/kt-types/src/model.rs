@@ -66,6 +66,12 @@ pub struct BroadcastWindow {
     pub ips: Vec<String>,
     #[serde(default = "BroadcastWindow::default_fanout")]
     pub fanout: u32,
+    /// GPU data: send all tensors of one dtype as one buffer (in buckets of
+    /// `bucket_bytes`, default [`crate::tensor::DEFAULT_BUCKET_BYTES`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pack: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket_bytes: Option<u64>,
 }
 
 impl BroadcastWindow {
@@ -88,6 +94,8 @@ impl Default for BroadcastWindow {
             timeout_secs: None,
             ips: Vec::new(),
             fanout: Self::DEFAULT_FANOUT,
+            pack: false,
+            bucket_bytes: None,
         }
     }
 }
@@ -131,6 +139,10 @@ pub struct KeyRecord {
     pub is_dir: bool,
     pub size: u64,
     pub files: u64,
+    /// Set when the key holds GPU data (a tensor or a state dict), served by
+    /// its holder's agent from the producing process's memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensors: Option<crate::tensor::TensorSummary>,
     pub lifespan: Lifespan,
     /// The owning service (the key's first segment unless set explicitly).
     pub service: String,

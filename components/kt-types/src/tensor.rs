@@ -1,0 +1,876 @@
+//! GPU data: tensors and state dicts.
+//!
+//! A *tensor set* is an ordered list of named tensors: a single tensor is a
+//! set of one entry named `""`, a state dict is a set of many. Applications
+//! keep their memory; they register it with their pod's node agent by a
+//! memory handle (a CUDA IPC handle, or a shared-memory file on the host
+//! backend) over the control socket ([`crate::agent`], version 2). The agent
+//! moves the bytes: peer to peer from the producer's agent, or in one
+//! coordinated transfer planned by the metadata server's quorum
+//! (`/api/v1/quorums/...`, the types below).
+//!
+//! Every transfer, point-to-point or broadcast, is a [`TransferPlan`]: ranks
+//! (one per pod), and flows (a source rank sends one key's tensors to some
+//! receiver ranks). Backends ([`Backend`]) implement one collective, a
+//! broadcast within a subset of ranks; `pack` turns a set's tensors into a
+//! few large buffers (one dtype each, bounded buckets) instead of one
+//! collective per tensor.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::Key;
+use crate::api::PutOptions;
+use crate::model::{BroadcastWindow, KeyRecord};
+
+/// Most dimensions a tensor may have.
+pub const MAX_DIMS: usize = 16;
+/// Largest single tensor (bytes).
+pub const MAX_TENSOR_BYTES: u64 = 1 << 40;
+/// Most tensors in one set.
+pub const MAX_TENSORS: usize = 1 << 20;
+/// Longest tensor name (a state dict's parameter path).
+pub const MAX_NAME_LEN: usize = 1024;
+/// Default size of a pack bucket: large enough to amortise a collective,
+/// small enough that two (double buffering) fit beside the model.
+pub const DEFAULT_BUCKET_BYTES: u64 = 256 << 20;
+/// Smallest pack bucket accepted.
+pub const MIN_BUCKET_BYTES: u64 = 1 << 20;
+/// Default fanout of a host-backend broadcast tree (NCCL picks its own).
+pub const DEFAULT_GPU_FANOUT: u32 = 2;
+/// Default quorum window (seconds) when neither world size nor ips close it.
+pub const DEFAULT_QUORUM_TIMEOUT_SECS: f64 = 30.0;
+/// Longest quorum window (seconds): a round is answered by then at the latest.
+pub const MAX_QUORUM_TIMEOUT_SECS: f64 = 3600.0;
+
+/// Element types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F64,
+    F32,
+    F16,
+    Bf16,
+    F8e4m3,
+    F8e5m2,
+    I64,
+    I32,
+    I16,
+    I8,
+    U8,
+    Bool,
+}
+
+impl DType {
+    pub const ALL: [DType; 12] = [
+        DType::F64,
+        DType::F32,
+        DType::F16,
+        DType::Bf16,
+        DType::F8e4m3,
+        DType::F8e5m2,
+        DType::I64,
+        DType::I32,
+        DType::I16,
+        DType::I8,
+        DType::U8,
+        DType::Bool,
+    ];
+
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::Bf16 | DType::I16 => 2,
+            DType::F8e4m3 | DType::F8e5m2 | DType::I8 | DType::U8 | DType::Bool => 1,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DType::F64 => "f64",
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::Bf16 => "bf16",
+            DType::F8e4m3 => "f8e4m3",
+            DType::F8e5m2 => "f8e5m2",
+            DType::I64 => "i64",
+            DType::I32 => "i32",
+            DType::I16 => "i16",
+            DType::I8 => "i8",
+            DType::U8 => "u8",
+            DType::Bool => "bool",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // PyTorch's names too, so a Python client can pass `str(t.dtype)`.
+        let s = s.strip_prefix("torch.").unwrap_or(s);
+        let d = match s {
+            "float64" | "double" => DType::F64,
+            "float32" | "float" => DType::F32,
+            "float16" | "half" => DType::F16,
+            "bfloat16" => DType::Bf16,
+            "float8_e4m3fn" => DType::F8e4m3,
+            "float8_e5m2" => DType::F8e5m2,
+            "int64" | "long" => DType::I64,
+            "int32" | "int" => DType::I32,
+            "int16" | "short" => DType::I16,
+            "int8" => DType::I8,
+            "uint8" => DType::U8,
+            other => DType::ALL
+                .into_iter()
+                .find(|d| d.as_str() == other)
+                .ok_or_else(|| format!("unknown dtype {other:?}"))?,
+        };
+        Ok(d)
+    }
+}
+
+/// Where a tensor lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Device {
+    Cpu,
+    Cuda(u32),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|i| i.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("unknown device {s:?} (cpu, cuda, cuda:N)")),
+        }
+    }
+}
+
+impl Serialize for Device {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Device {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// Dtype and shape: what must match between a source and a destination.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TensorMeta {
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+}
+
+impl TensorMeta {
+    pub fn new(dtype: DType, shape: impl Into<Vec<u64>>) -> Self {
+        TensorMeta {
+            dtype,
+            shape: shape.into(),
+        }
+    }
+
+    /// Bytes of the tensor, or why it is not a valid tensor.
+    pub fn nbytes(&self) -> Result<u64, String> {
+        if self.shape.len() > MAX_DIMS {
+            return Err(format!(
+                "{} dimensions, more than {MAX_DIMS}",
+                self.shape.len()
+            ));
+        }
+        let n = self
+            .shape
+            .iter()
+            .try_fold(self.dtype.size(), |acc, d| acc.checked_mul(*d))
+            .filter(|n| *n <= MAX_TENSOR_BYTES)
+            .ok_or_else(|| format!("{self} is larger than {MAX_TENSOR_BYTES} bytes"))?;
+        Ok(n)
+    }
+}
+
+impl fmt::Display for TensorMeta {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let dims: Vec<String> = self.shape.iter().map(u64::to_string).collect();
+        write!(f, "{}[{}]", self.dtype, dims.join(", "))
+    }
+}
+
+/// Memory an application lends its agent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MemHandle {
+    /// A file in the agent's shared-memory directory (`KT_SHM_DIR`, default
+    /// `/dev/shm`), mapped by both sides: bytes `[offset, offset + len)`.
+    Shm { path: String, offset: u64, len: u64 },
+    /// A CUDA IPC handle (`cuIpcGetMemHandle`, 64 bytes, hex) of the
+    /// allocation that holds the tensor at `offset`, on the GPU of this UUID
+    /// (`GPU-…`, as `nvidia-smi -L` prints it): the application's and the
+    /// agent's containers may number the node's GPUs differently, so the
+    /// agent finds the device by UUID (by the entry's index without one).
+    CudaIpc {
+        handle: String,
+        offset: u64,
+        len: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        device_uuid: Option<String>,
+    },
+}
+
+impl MemHandle {
+    pub fn len(&self) -> u64 {
+        match self {
+            MemHandle::Shm { len, .. } | MemHandle::CudaIpc { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One registered tensor: name, dtype and shape, device, memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorEntry {
+    /// `""` for a single tensor; a state dict's parameter name otherwise.
+    pub name: String,
+    #[serde(flatten)]
+    pub meta: TensorMeta,
+    pub device: Device,
+    pub mem: MemHandle,
+}
+
+/// Name, dtype and shape of each tensor of a set, in order: what a getter
+/// learns about a key, and checks its destination against.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorDesc {
+    pub name: String,
+    #[serde(flatten)]
+    pub meta: TensorMeta,
+}
+
+/// Checks a set of entries: names unique and bounded, sizes consistent with
+/// the handles, one device for all.
+pub fn validate_entries(entries: &[TensorEntry]) -> Result<(), String> {
+    if entries.is_empty() {
+        return Err("no tensors".into());
+    }
+    if entries.len() > MAX_TENSORS {
+        return Err(format!(
+            "{} tensors, more than {MAX_TENSORS}",
+            entries.len()
+        ));
+    }
+    let mut names = std::collections::HashSet::new();
+    for e in entries {
+        if e.name.len() > MAX_NAME_LEN || e.name.chars().any(char::is_control) {
+            return Err(format!(
+                "tensor name {:?} is longer than {MAX_NAME_LEN} bytes or has control characters",
+                e.name
+            ));
+        }
+        if !names.insert(e.name.as_str()) {
+            return Err(format!("tensor name {:?} appears twice", e.name));
+        }
+        let n = e
+            .meta
+            .nbytes()
+            .map_err(|m| format!("tensor {:?}: {m}", e.name))?;
+        if n != e.mem.len() {
+            return Err(format!(
+                "tensor {:?}: {} needs {n} bytes, its memory handle has {}",
+                e.name,
+                e.meta,
+                e.mem.len()
+            ));
+        }
+        let handle_fits = matches!(
+            (&e.mem, e.device),
+            (MemHandle::Shm { .. }, Device::Cpu) | (MemHandle::CudaIpc { .. }, Device::Cuda(_))
+        );
+        if !handle_fits {
+            return Err(format!(
+                "tensor {:?}: a {} tensor cannot be lent by a {} handle",
+                e.name,
+                e.device,
+                match e.mem {
+                    MemHandle::Shm { .. } => "shared-memory",
+                    MemHandle::CudaIpc { .. } => "CUDA IPC",
+                }
+            ));
+        }
+        if e.device != entries[0].device {
+            return Err(format!(
+                "tensor {:?} is on {}, {:?} on {}: one set lives on one device",
+                e.name, e.device, entries[0].name, entries[0].device
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks that a destination can receive a source: same names in the same
+/// order, same dtype and shape each. The error names both sides.
+pub fn check_destination(key: &Key, src: &[TensorDesc], dest: &[TensorDesc]) -> Result<(), String> {
+    if src.len() != dest.len() {
+        let names = |v: &[TensorDesc]| {
+            let n: Vec<&str> = v.iter().take(4).map(|d| d.name.as_str()).collect();
+            format!("{}{}", n.join(", "), if v.len() > 4 { ", ..." } else { "" })
+        };
+        return Err(format!(
+            "key {key} holds {} tensors ({}), the destination has {} ({})",
+            src.len(),
+            names(src),
+            dest.len(),
+            names(dest)
+        ));
+    }
+    for (s, d) in src.iter().zip(dest) {
+        if s.name != d.name {
+            return Err(format!(
+                "key {key}: source tensor {:?} meets destination tensor {:?} at the same position (state dicts must list the same names in the same order)",
+                s.name, d.name
+            ));
+        }
+        if s.meta != d.meta {
+            let what = if s.name.is_empty() {
+                String::new()
+            } else {
+                format!(" tensor {:?}", s.name)
+            };
+            return Err(format!(
+                "key {key}{what}: source is {}, destination is {}",
+                s.meta, d.meta
+            ));
+        }
+    }
+    Ok(())
+}
+
+pub fn describe(entries: &[TensorEntry]) -> Vec<TensorDesc> {
+    entries
+        .iter()
+        .map(|e| TensorDesc {
+            name: e.name.clone(),
+            meta: e.meta.clone(),
+        })
+        .collect()
+}
+
+/// The version id of a tensor set: its layout and the registration that lends it.
+pub fn version_of(descs: &[TensorDesc], registration: &str) -> String {
+    let mut h = fnv1a(registration.as_bytes(), 0);
+    for d in descs {
+        h = fnv1a(d.name.as_bytes(), h);
+        h = fnv1a(d.meta.to_string().as_bytes(), h);
+    }
+    format!("t-{h:016x}")
+}
+
+/// FNV-1a (no hashing dependency here: the version is an id, not a checksum).
+fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325_u64 ^ seed;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Summary of a tensor key, kept in its record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSummary {
+    pub tensors: u64,
+    pub device: Device,
+    /// Distinct dtypes, sorted.
+    pub dtypes: Vec<DType>,
+}
+
+/// How the agent moves tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendKind {
+    /// Shared memory plus TCP between agents (CPU tensors).
+    Host,
+    /// NCCL through dynamically loaded libraries (CUDA tensors).
+    Nccl,
+}
+
+impl BackendKind {
+    pub fn for_device(d: Device) -> BackendKind {
+        match d {
+            Device::Cpu => BackendKind::Host,
+            Device::Cuda(_) => BackendKind::Nccl,
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            BackendKind::Host => "host",
+            BackendKind::Nccl => "nccl",
+        })
+    }
+}
+
+/// Pack options of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Packing {
+    /// Send all tensors of one dtype as one buffer (in buckets).
+    pub pack: bool,
+    /// Largest bucket (bytes); a tensor larger than a bucket goes alone.
+    pub bucket_bytes: u64,
+}
+
+impl Default for Packing {
+    fn default() -> Self {
+        Packing {
+            pack: false,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+        }
+    }
+}
+
+impl Packing {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.bucket_bytes < MIN_BUCKET_BYTES {
+            return Err(format!(
+                "bucket of {} bytes is under the {MIN_BUCKET_BYTES}-byte minimum",
+                self.bucket_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One flow of a plan: `root` sends `key`'s tensors to `receivers`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Flow {
+    pub key: Key,
+    pub version: String,
+    pub root: u32,
+    pub receivers: Vec<u32>,
+    pub tensors: Vec<TensorDesc>,
+}
+
+impl Flow {
+    /// Every member of the flow, root and receivers, sorted: the group of
+    /// its broadcasts.
+    pub fn group(&self) -> Vec<u32> {
+        let mut group = self.receivers.clone();
+        group.push(self.root);
+        group.sort_unstable();
+        group.dedup();
+        group
+    }
+}
+
+/// One member of a transfer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rank {
+    pub rank: u32,
+    /// The member's agent id (its pod's name).
+    pub agent: String,
+    /// The pod's IP (what `ips` in a window names).
+    pub ip: String,
+    /// Backend address of the member (host: its data listener `ip:port`).
+    pub endpoint: String,
+}
+
+/// A coordinated transfer: who takes part, and what moves.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferPlan {
+    /// Unique id of this transfer (NCCL communicators and host connections
+    /// are bound to it).
+    pub id: String,
+    pub backend: BackendKind,
+    pub ranks: Vec<Rank>,
+    pub flows: Vec<Flow>,
+    pub packing: Packing,
+    /// Children per node of a host-backend tree.
+    pub fanout: u32,
+}
+
+impl TransferPlan {
+    /// Checks the plan's shape: ranks numbered 0..n, flows naming ranks that
+    /// exist, a root that does not receive its own flow.
+    pub fn validate(&self) -> Result<(), String> {
+        let n = self.ranks.len() as u32;
+        if n < 2 {
+            return Err(format!("a transfer needs two ranks or more, got {n}"));
+        }
+        for (i, r) in self.ranks.iter().enumerate() {
+            if r.rank != i as u32 {
+                return Err(format!("rank {} listed at position {i}", r.rank));
+            }
+        }
+        self.packing.validate()?;
+        for f in &self.flows {
+            if f.root >= n || f.receivers.iter().any(|r| *r >= n || *r == f.root) {
+                return Err(format!("flow of {} names ranks outside 0..{n}", f.key));
+            }
+            if f.receivers.is_empty() {
+                return Err(format!("flow of {} has no receivers", f.key));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Counters of one tensor transfer, as the agent reports them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TensorStats {
+    pub tensors: u64,
+    pub bytes: u64,
+    /// Collectives run (one per tensor unpacked, one per bucket packed).
+    pub collectives: u64,
+    pub seconds: f64,
+    pub backend: Option<BackendKind>,
+    /// Rank and world size when the transfer was a quorum's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world: Option<u32>,
+}
+
+// ---- the control socket (version 2) --------------------------------------
+
+/// `put_tensor` / `put_state_dict`: register `tensors` under `key`. Without
+/// a broadcast the key is published at once (getters fetch peer to peer
+/// while the owning process lives); with one, the agent joins the quorum
+/// and the request is answered when the transfer is over.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PutTensors {
+    pub key: Key,
+    pub tensors: Vec<TensorEntry>,
+    #[serde(default)]
+    pub options: PutOptions,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub broadcast: Option<BroadcastWindow>,
+}
+
+/// `get_tensor` / `get_state_dict` into lent destination memory. Several
+/// keys from one source are fetched in one transfer. The destination's
+/// tensors must match the source's by name, order, dtype and shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GetTensors {
+    pub gets: Vec<TensorGet>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub broadcast: Option<BroadcastWindow>,
+    /// Point to point: pack options (default: packed, in buckets of
+    /// [`DEFAULT_BUCKET_BYTES`]). A broadcast takes them from its window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub packing: Option<Packing>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorGet {
+    pub key: Key,
+    pub dest: Vec<TensorEntry>,
+}
+
+/// A registration as the agent's status lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorRegistration {
+    pub key: Key,
+    pub version: String,
+    /// The owning process (0 when its pid is not visible to the agent; the
+    /// registration then lives as long as its control connection).
+    pub pid: u32,
+    pub tensors: u64,
+    pub bytes: u64,
+    pub device: Device,
+}
+
+// ---- agent to agent: point to point ---------------------------------------
+
+/// `POST /api/v1/tensors/sessions` on the source's agent: open a transfer
+/// of these keys to the caller (rank 1; the source is rank 0).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionRequest {
+    /// The keys, each with the layout of the getter's destination (checked
+    /// by the source before anything moves) and the version it saw.
+    pub keys: Vec<QuorumKey>,
+    /// The getter's agent id.
+    pub agent: String,
+    pub ip: String,
+    pub endpoint: String,
+    pub backend: BackendKind,
+    #[serde(default)]
+    pub packing: Packing,
+}
+
+/// The answer: the plan both sides run, and (NCCL) the communicator's id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionReply {
+    pub plan: TransferPlan,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rendezvous: Option<String>,
+}
+
+// ---- the metadata server's quorum -----------------------------------------
+
+/// What a member brings to a quorum.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum QuorumRole {
+    /// Publishes these keys' tensors (already registered at its agent).
+    Put { keys: Vec<QuorumKey> },
+    /// Wants these keys, into destinations of this layout.
+    Get { keys: Vec<QuorumKey> },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QuorumKey {
+    pub key: Key,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub version: String,
+    pub tensors: Vec<TensorDesc>,
+}
+
+/// `POST /api/v1/quorums/{group}/join`: answered when the quorum closes (on
+/// world size, on every listed ip, or on the window's timeout, whichever
+/// first) with this member's place in the plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuorumJoin {
+    pub agent: String,
+    pub ip: String,
+    pub endpoint: String,
+    pub backend: BackendKind,
+    #[serde(flatten)]
+    pub role: QuorumRole,
+    pub window: BroadcastWindow,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuorumPlan {
+    pub group: String,
+    pub rank: u32,
+    pub plan: TransferPlan,
+    /// Why the quorum closed: `world_size`, `ips` or `timeout`.
+    pub closed_by: String,
+}
+
+/// `PUT /api/v1/quorums/{group}/{transfer}/rendezvous` (rank 0) and `GET`
+/// (the others, long-polled): the backend's bootstrap blob (NCCL's unique id).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rendezvous {
+    pub blob: String,
+}
+
+/// `POST /api/v1/quorums/{group}/{transfer}/done`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuorumDone {
+    pub rank: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default)]
+    pub stats: TensorStats,
+}
+
+/// `GET /api/v1/quorums/{group}/{transfer}?wait_ms=N` (long-polled until
+/// every rank reported, or N ms), and the answer to `done`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuorumStatus {
+    pub group: String,
+    pub transfer: String,
+    pub world: u32,
+    /// Ranks that reported success.
+    pub done: Vec<u32>,
+    /// Ranks that reported failure, with their error.
+    pub failed: Vec<(u32, String)>,
+    pub complete: bool,
+}
+
+/// `GET /api/v1/quorums/{group}`: the group's open round and kept transfers
+/// (for operators and tests).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuorumInfo {
+    pub group: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub open: Option<QuorumRound>,
+    /// Transfers of the group's closed rounds still kept, oldest first.
+    #[serde(default)]
+    pub transfers: Vec<QuorumStatus>,
+}
+
+/// A round still open for joins.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct QuorumRound {
+    /// Agent ids of the members, in join order.
+    pub members: Vec<String>,
+    pub backend: BackendKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub world_size: Option<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ips: Vec<String>,
+    /// Milliseconds until the round closes by timeout.
+    pub closes_in_ms: u64,
+}
+
+/// What a put of tensors answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorsPut {
+    pub key: Key,
+    pub version: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub record: Option<Box<KeyRecord>>,
+    /// Set when the put took part in a broadcast.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stats: Option<TensorStats>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, dtype: DType, shape: &[u64]) -> TensorEntry {
+        let meta = TensorMeta::new(dtype, shape);
+        let len = meta.nbytes().unwrap();
+        TensorEntry {
+            name: name.into(),
+            meta,
+            device: Device::Cpu,
+            mem: MemHandle::Shm {
+                path: "/dev/shm/x".into(),
+                offset: 0,
+                len,
+            },
+        }
+    }
+
+    #[test]
+    fn dtypes_parse_ours_and_torch_names() {
+        for d in DType::ALL {
+            assert_eq!(d.as_str().parse::<DType>().unwrap(), d);
+        }
+        assert_eq!("torch.bfloat16".parse::<DType>().unwrap(), DType::Bf16);
+        assert_eq!("float".parse::<DType>().unwrap(), DType::F32);
+        assert!("complex64".parse::<DType>().is_err());
+        let j = serde_json::to_string(&DType::Bf16).unwrap();
+        assert_eq!(j, r#""bf16""#);
+    }
+
+    #[test]
+    fn devices_round_trip() {
+        for s in ["cpu", "cuda:0", "cuda:7"] {
+            let d: Device = s.parse().unwrap();
+            assert_eq!(d.to_string(), s);
+        }
+        assert_eq!("cuda".parse::<Device>().unwrap(), Device::Cuda(0));
+        assert!("tpu".parse::<Device>().is_err());
+    }
+
+    #[test]
+    fn sizes_are_checked() {
+        assert_eq!(
+            TensorMeta::new(DType::F32, [1000, 1000]).nbytes(),
+            Ok(4_000_000)
+        );
+        assert_eq!(TensorMeta::new(DType::F16, []).nbytes(), Ok(2));
+        assert!(TensorMeta::new(DType::F64, [u64::MAX, 2]).nbytes().is_err());
+        assert!(TensorMeta::new(DType::U8, vec![1; 17]).nbytes().is_err());
+    }
+
+    #[test]
+    fn entries_are_validated() {
+        let ok = vec![
+            entry("a", DType::F32, &[4]),
+            entry("b", DType::I64, &[2, 2]),
+        ];
+        validate_entries(&ok).unwrap();
+        let mut dup = ok.clone();
+        dup[1].name = "a".into();
+        assert!(validate_entries(&dup).unwrap_err().contains("twice"));
+        let mut short = ok.clone();
+        if let MemHandle::Shm { len, .. } = &mut short[0].mem {
+            *len = 3;
+        }
+        let e = validate_entries(&short).unwrap_err();
+        assert!(e.contains("needs 16 bytes") && e.contains("has 3"), "{e}");
+        let mut mixed = ok.clone();
+        mixed[1].device = Device::Cuda(0);
+        let e = validate_entries(&mixed).unwrap_err();
+        assert!(e.contains("cuda:0") && e.contains("shared-memory"), "{e}");
+        assert!(validate_entries(&[]).is_err());
+    }
+
+    #[test]
+    fn destination_mismatch_names_both_sides() {
+        let key = Key::parse("m/w").unwrap();
+        let src = describe(&[entry("w", DType::F32, &[10, 10])]);
+        let bad = describe(&[entry("w", DType::F32, &[10, 11])]);
+        let e = check_destination(&key, &src, &bad).unwrap_err();
+        assert!(
+            e.contains("f32[10, 10]") && e.contains("f32[10, 11]"),
+            "{e}"
+        );
+        let other = describe(&[entry("w", DType::F16, &[10, 10])]);
+        let e = check_destination(&key, &src, &other).unwrap_err();
+        assert!(e.contains("f16[10, 10]"), "{e}");
+        let two = describe(&[
+            entry("w", DType::F32, &[10, 10]),
+            entry("b", DType::F32, &[1]),
+        ]);
+        let e = check_destination(&key, &src, &two).unwrap_err();
+        assert!(e.contains("1 tensors") && e.contains("has 2"), "{e}");
+        check_destination(&key, &src, &src).unwrap();
+    }
+
+    #[test]
+    fn plans_are_validated() {
+        let rank = |r: u32| Rank {
+            rank: r,
+            agent: format!("a{r}"),
+            ip: "10.0.0.1".into(),
+            endpoint: "10.0.0.1:1".into(),
+        };
+        let mut plan = TransferPlan {
+            id: "t".into(),
+            backend: BackendKind::Host,
+            ranks: vec![rank(0), rank(1)],
+            flows: vec![Flow {
+                key: Key::parse("k").unwrap(),
+                version: "v".into(),
+                root: 0,
+                receivers: vec![1],
+                tensors: vec![],
+            }],
+            packing: Packing::default(),
+            fanout: 2,
+        };
+        plan.validate().unwrap();
+        plan.flows[0].receivers = vec![0];
+        assert!(plan.validate().is_err());
+        plan.flows[0].receivers = vec![2];
+        assert!(plan.validate().is_err());
+    }
+}
