@@ -1,0 +1,557 @@
+//! Runs this rank's part of a transfer plan over a connected [`Comm`].
+//!
+//! Every rank walks the plan's flows in the same order and joins the
+//! collectives of the flows it is part of (as root or receiver), so the
+//! ranks agree on the order of collectives without talking.
+//!
+//! Unpacked, each tensor is one broadcast, in place. Packed
+//! ([`crate::pack`]), tensors are copied into a staging bucket and each
+//! bucket is one broadcast; two staging buffers alternate so the root fills
+//! bucket k+1 while bucket k is on the wire, and a receiver empties bucket
+//! k-1 into its tensors while bucket k arrives.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use kt_types::Key;
+use kt_types::tensor::{Device, Flow, TensorStats, TransferPlan};
+
+use crate::pack::{self, Bucket};
+use crate::transport::{Backend, Comm, Region, TransportError};
+
+/// The memory this rank moves: per key, the mapped regions of its tensors
+/// in set order (the source's where it roots a flow, the destination's where
+/// it receives one).
+#[derive(Debug)]
+pub struct Lent {
+    pub device: Device,
+    pub keys: HashMap<Key, Vec<Box<dyn Region>>>,
+}
+
+impl Lent {
+    pub fn new(device: Device) -> Self {
+        Lent {
+            device,
+            keys: HashMap::new(),
+        }
+    }
+
+    /// Where the lent memory actually is: the device of a mapped region (a
+    /// CUDA handle is mapped on the GPU its UUID names, which the agent may
+    /// number differently from the application), else `device`.
+    pub fn memory_device(&self) -> Device {
+        self.keys
+            .values()
+            .find_map(|v| v.first())
+            .map(|r| r.device())
+            .unwrap_or(self.device)
+    }
+}
+
+/// Runs every flow this rank takes part in.
+pub fn run(
+    backend: &dyn Backend,
+    comm: &mut dyn Comm,
+    plan: &TransferPlan,
+    lent: &mut Lent,
+) -> Result<TensorStats, TransportError> {
+    let started = Instant::now();
+    let me = comm.rank();
+    let mut stats = TensorStats {
+        backend: Some(plan.backend),
+        rank: Some(me),
+        world: Some(comm.world()),
+        ..TensorStats::default()
+    };
+    for flow in &plan.flows {
+        let group = flow.group();
+        if !group.contains(&me) {
+            continue;
+        }
+        let regions = lent.keys.get_mut(&flow.key).ok_or_else(|| {
+            TransportError::Invalid(format!(
+                "rank {me} takes part in the flow of {} but lent no memory for it",
+                flow.key
+            ))
+        })?;
+        check_regions(flow, regions)?;
+        comm.begin_flow(flow.root, &group)?;
+        if plan.packing.pack {
+            packed(
+                backend,
+                comm,
+                flow,
+                &group,
+                regions,
+                plan.packing.bucket_bytes,
+                lent.device,
+                &mut stats,
+            )?;
+        } else {
+            for (t, r) in flow.tensors.iter().zip(regions.iter_mut()) {
+                let len = t.meta.nbytes().map_err(TransportError::Invalid)?;
+                if len > 0 {
+                    comm.broadcast(flow.root, &group, &mut **r, 0, len)?;
+                    stats.collectives += 1;
+                }
+            }
+        }
+        stats.tensors += flow.tensors.len() as u64;
+        stats.bytes += regions.iter().map(|r| r.len()).sum::<u64>();
+    }
+    stats.seconds = started.elapsed().as_secs_f64();
+    Ok(stats)
+}
+
+fn check_regions(flow: &Flow, regions: &[Box<dyn Region>]) -> Result<(), TransportError> {
+    if regions.len() != flow.tensors.len() {
+        return Err(TransportError::Invalid(format!(
+            "{}: the plan moves {} tensors, {} were lent",
+            flow.key,
+            flow.tensors.len(),
+            regions.len()
+        )));
+    }
+    for (t, r) in flow.tensors.iter().zip(regions) {
+        let want = t.meta.nbytes().map_err(TransportError::Invalid)?;
+        if r.len() != want {
+            return Err(TransportError::Invalid(format!(
+                "{} tensor {:?}: {} needs {want} bytes, the lent memory has {}",
+                flow.key,
+                t.name,
+                t.meta,
+                r.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn items(b: &Bucket) -> &[pack::Item] {
+    match b {
+        Bucket::Packed { items, .. } => items,
+        Bucket::Direct { .. } => &[],
+    }
+}
+
+/// Root: copies a bucket's tensors into `staging`.
+fn fill(
+    backend: &dyn Backend,
+    staging: &mut dyn Region,
+    bucket: &Bucket,
+    regions: &[Box<dyn Region>],
+) -> Result<(), TransportError> {
+    for it in items(bucket) {
+        backend.copy(staging, it.offset, &*regions[it.index], 0, it.len)?;
+    }
+    Ok(())
+}
+
+/// Receiver: copies a received bucket out into the tensors.
+fn drain(
+    backend: &dyn Backend,
+    staging: &dyn Region,
+    bucket: &Bucket,
+    regions: &mut [Box<dyn Region>],
+) -> Result<(), TransportError> {
+    for it in items(bucket) {
+        backend.copy(&mut *regions[it.index], 0, staging, it.offset, it.len)?;
+    }
+    Ok(())
+}
+
+fn joined(r: std::thread::Result<Result<(), TransportError>>) -> Result<(), TransportError> {
+    r.unwrap_or_else(|_| Err(TransportError::Peer("a pack thread panicked".into())))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn packed(
+    backend: &dyn Backend,
+    comm: &mut dyn Comm,
+    flow: &Flow,
+    group: &[u32],
+    regions: &mut [Box<dyn Region>],
+    bucket_bytes: u64,
+    device: Device,
+    stats: &mut TensorStats,
+) -> Result<(), TransportError> {
+    let buckets = pack::plan(&flow.tensors, bucket_bytes);
+    if comm.gathers() {
+        return gathered(comm, flow, group, regions, &buckets, stats);
+    }
+    let packed_at: Vec<usize> = buckets
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| matches!(b, Bucket::Packed { .. }))
+        .map(|(i, _)| i)
+        .collect();
+    let cap = pack::staging_len(&buckets);
+    // Staging beside the tensors (their mapped device, not the entry's index).
+    let device = regions.first().map(|r| r.device()).unwrap_or(device);
+    let mut slots: Vec<Box<dyn Region>> = Vec::new();
+    for _ in 0..packed_at.len().min(2) {
+        slots.push(backend.alloc(device, cap)?);
+    }
+    let is_root = comm.rank() == flow.root;
+    if is_root && let Some(&first) = packed_at.first() {
+        fill(backend, &mut *slots[0], &buckets[first], regions)?;
+    }
+    // Receiver: the packed bucket whose bytes wait in its slot.
+    let mut pending: Option<usize> = None;
+    let mut k = 0; // packed buckets seen
+    for (bi, bucket) in buckets.iter().enumerate() {
+        match bucket {
+            Bucket::Direct { index, len } => {
+                if let Some(p) = pending.take() {
+                    let slot = &*slots[packed_slot(&packed_at, p)];
+                    drain(backend, slot, &buckets[p], regions)?;
+                }
+                comm.broadcast(flow.root, group, &mut *regions[*index], 0, *len)?;
+            }
+            Bucket::Packed { len, .. } => {
+                let (cur, other) = split(&mut slots, k % 2);
+                let next = packed_at.get(k + 1).copied();
+                let prev = pending.take();
+                let regions_ref = &mut *regions;
+                let buckets_ref = &buckets;
+                std::thread::scope(|s| {
+                    let helper = match (is_root, next, prev, other) {
+                        (true, Some(nb), _, Some(o)) => {
+                            let regions: &[Box<dyn Region>] = regions_ref;
+                            Some(
+                                s.spawn(move || fill(backend, &mut **o, &buckets_ref[nb], regions)),
+                            )
+                        }
+                        (false, _, Some(pb), Some(o)) => Some(
+                            s.spawn(move || drain(backend, &**o, &buckets_ref[pb], regions_ref)),
+                        ),
+                        _ => None,
+                    };
+                    let sent = comm.broadcast(flow.root, group, &mut **cur, 0, *len);
+                    let helped = helper.map(|h| joined(h.join())).unwrap_or(Ok(()));
+                    sent.and(helped)
+                })?;
+                if !is_root {
+                    pending = Some(bi);
+                }
+                k += 1;
+            }
+        }
+        stats.collectives += 1;
+    }
+    if let Some(p) = pending {
+        let slot = &*slots[packed_slot(&packed_at, p)];
+        drain(backend, slot, &buckets[p], regions)?;
+    }
+    Ok(())
+}
+
+/// Packing where the transport gathers and scatters: each bucket is one
+/// collective over the tensors themselves, no staging copy.
+fn gathered(
+    comm: &mut dyn Comm,
+    flow: &Flow,
+    group: &[u32],
+    regions: &mut [Box<dyn Region>],
+    buckets: &[Bucket],
+    stats: &mut TensorStats,
+) -> Result<(), TransportError> {
+    for bucket in buckets {
+        match bucket {
+            Bucket::Direct { index, len } => {
+                comm.broadcast(flow.root, group, &mut *regions[*index], 0, *len)?;
+            }
+            Bucket::Packed { items, .. } => {
+                // Items are in set order (ascending indices): one pass picks them.
+                let mut want = items.iter().map(|i| i.index).peekable();
+                let mut parts: Vec<&mut dyn Region> = Vec::with_capacity(items.len());
+                for (i, r) in regions.iter_mut().enumerate() {
+                    if want.peek() == Some(&i) {
+                        want.next();
+                        parts.push(&mut **r);
+                    }
+                }
+                if want.next().is_some() {
+                    return Err(TransportError::Invalid(
+                        "a bucket's tensors are out of order".into(),
+                    ));
+                }
+                comm.broadcast_parts(flow.root, group, &mut parts)?;
+            }
+        }
+        stats.collectives += 1;
+    }
+    Ok(())
+}
+
+fn packed_slot(packed_at: &[usize], bucket: usize) -> usize {
+    packed_at.iter().position(|b| *b == bucket).unwrap_or(0) % 2
+}
+
+/// The slot in use and (when there are two) the other one.
+fn split(
+    slots: &mut [Box<dyn Region>],
+    cur: usize,
+) -> (&mut Box<dyn Region>, Option<&mut Box<dyn Region>>) {
+    let (a, b) = slots.split_at_mut(1);
+    let (a, b) = (&mut a[0], b.first_mut());
+    match b {
+        None => (a, None),
+        Some(b) if cur == 0 => (a, Some(b)),
+        Some(b) => (b, Some(a)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::host::tests::on_every_rank;
+    use crate::shm::HostBuf;
+    use kt_types::tensor::{DType, Packing, TensorDesc, TensorMeta};
+
+    fn descs() -> Vec<TensorDesc> {
+        let mut v = Vec::new();
+        for i in 0..40u64 {
+            let dtype = [DType::F32, DType::F16, DType::I64][(i % 3) as usize];
+            v.push(TensorDesc {
+                name: format!("layer{i}.weight"),
+                meta: TensorMeta::new(dtype, [i * 37 + 1, 3]),
+            });
+        }
+        v.push(TensorDesc {
+            name: "huge".into(),
+            meta: TensorMeta::new(DType::U8, [3 << 20]),
+        });
+        v.push(TensorDesc {
+            name: "empty".into(),
+            meta: TensorMeta::new(DType::F32, [0]),
+        });
+        v
+    }
+
+    fn content(rank_seed: u8, d: &TensorDesc) -> Vec<u8> {
+        let n = d.meta.nbytes().unwrap() as usize;
+        (0..n)
+            .map(|i| {
+                (i as u8)
+                    .wrapping_mul(31)
+                    .wrapping_add(rank_seed)
+                    .wrapping_add(d.name.len() as u8)
+            })
+            .collect()
+    }
+
+    /// A transport that cannot gather (as NCCL): packing goes through the
+    /// staging buffers and their double buffering.
+    struct Staged(Box<dyn Comm>);
+
+    impl Comm for Staged {
+        fn rank(&self) -> u32 {
+            self.0.rank()
+        }
+        fn world(&self) -> u32 {
+            self.0.world()
+        }
+        fn broadcast(
+            &mut self,
+            root: u32,
+            group: &[u32],
+            buf: &mut dyn Region,
+            offset: u64,
+            len: u64,
+        ) -> Result<(), TransportError> {
+            self.0.broadcast(root, group, buf, offset, len)
+        }
+        fn begin_flow(&mut self, root: u32, group: &[u32]) -> Result<(), TransportError> {
+            self.0.begin_flow(root, group)
+        }
+    }
+
+    /// Three ranks: 0 puts `a`, 1 puts `b`, 2 gets both, 1 also gets `a`.
+    fn many_to_many(packing: Packing) -> (Vec<TensorStats>, Vec<Lent>) {
+        many_to_many_over(packing, false)
+    }
+
+    fn many_to_many_over(packing: Packing, staged: bool) -> (Vec<TensorStats>, Vec<Lent>) {
+        let ka = Key::parse("m/a").unwrap();
+        let kb = Key::parse("m/b").unwrap();
+        let set = descs();
+        let lent_of = |rank: usize| {
+            let mut l = Lent::new(Device::Cpu);
+            let region = |seed: Option<u8>| -> Vec<Box<dyn Region>> {
+                set.iter()
+                    .map(|d| {
+                        let bytes = match seed {
+                            Some(s) => content(s, d),
+                            None => vec![0; d.meta.nbytes().unwrap() as usize],
+                        };
+                        Box::new(HostBuf(bytes)) as Box<dyn Region>
+                    })
+                    .collect()
+            };
+            match rank {
+                0 => {
+                    l.keys.insert(ka.clone(), region(Some(1)));
+                }
+                1 => {
+                    l.keys.insert(ka.clone(), region(None));
+                    l.keys.insert(kb.clone(), region(Some(2)));
+                }
+                _ => {
+                    l.keys.insert(ka.clone(), region(None));
+                    l.keys.insert(kb.clone(), region(None));
+                }
+            }
+            l
+        };
+        let configure = |plan: &mut TransferPlan| {
+            plan.id = "t-m2m".into();
+            plan.flows = vec![
+                Flow {
+                    key: ka.clone(),
+                    version: "1".into(),
+                    root: 0,
+                    receivers: vec![1, 2],
+                    tensors: set.clone(),
+                },
+                Flow {
+                    key: kb.clone(),
+                    version: "1".into(),
+                    root: 1,
+                    receivers: vec![2],
+                    tensors: set.clone(),
+                },
+            ];
+            plan.packing = packing;
+            plan.fanout = 1;
+            plan.validate().unwrap();
+        };
+        on_every_rank(3, configure, Duration::from_secs(20), |r, b, plan, c| {
+            let mut lent = lent_of(r);
+            let st = if staged {
+                run(b, &mut Staged(c), plan, &mut lent)
+            } else {
+                let mut c = c;
+                run(b, &mut *c, plan, &mut lent)
+            }
+            .unwrap();
+            (st, lent)
+        })
+        .into_iter()
+        .unzip()
+    }
+
+    fn check(lents: &[Lent]) {
+        let set = descs();
+        let ka = Key::parse("m/a").unwrap();
+        let kb = Key::parse("m/b").unwrap();
+        for (rank, key, seed) in [(1, &ka, 1), (2, &ka, 1), (2, &kb, 2)] {
+            let got = &lents[rank].keys[key];
+            for (d, r) in set.iter().zip(got) {
+                assert!(
+                    r.host().unwrap() == content(seed, d).as_slice(),
+                    "rank {rank} {key} {}",
+                    d.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn unpacked_many_to_many_moves_every_tensor() {
+        let (stats, lents) = many_to_many(Packing::default());
+        check(&lents);
+        // One collective per non-empty tensor and flow.
+        assert_eq!(stats[2].collectives, 2 * 41);
+        assert_eq!(stats[0].collectives, 41);
+        assert_eq!(stats[2].tensors, 84);
+    }
+
+    #[test]
+    fn packed_many_to_many_moves_every_tensor_in_few_collectives() {
+        let (stats, lents) = many_to_many(Packing {
+            pack: true,
+            bucket_bytes: 1 << 20,
+        });
+        check(&lents);
+        let per_flow = pack::plan(&descs(), 1 << 20).len() as u64;
+        assert!(per_flow < 10, "{per_flow} buckets");
+        assert_eq!(stats[2].collectives, 2 * per_flow);
+        assert_eq!(stats[1].collectives, 2 * per_flow);
+    }
+
+    #[test]
+    fn packing_through_staging_buffers_moves_every_tensor() {
+        let packing = Packing {
+            pack: true,
+            bucket_bytes: 1 << 20,
+        };
+        let (stats, lents) = many_to_many_over(packing, true);
+        check(&lents);
+        let per_flow = pack::plan(&descs(), 1 << 20).len() as u64;
+        assert_eq!(stats[2].collectives, 2 * per_flow);
+    }
+
+    /// Flows `a: 0 -> {1}` then `b: 0 -> {1, 2}`: rank 2 is in `b` only,
+    /// and reaches it long before ranks 0 and 1 do (they are busy for three
+    /// timeouts first, as with a large `a`): it waits for them, idle, and
+    /// gets `b`.
+    #[test]
+    fn a_rank_waits_for_flows_before_its_own_longer_than_the_timeout() {
+        let (ka, kb) = (Key::parse("m/a").unwrap(), Key::parse("m/b").unwrap());
+        let desc = TensorDesc {
+            name: "w".into(),
+            meta: TensorMeta::new(DType::U8, [1 << 20]),
+        };
+        let flow = |key: &Key, receivers| Flow {
+            key: key.clone(),
+            version: "1".into(),
+            root: 0,
+            receivers,
+            tensors: vec![desc.clone()],
+        };
+        let configure = |plan: &mut TransferPlan| {
+            plan.flows = vec![flow(&ka, vec![1]), flow(&kb, vec![1, 2])];
+            plan.validate().unwrap();
+        };
+        let timeout = Duration::from_millis(200);
+        let got = on_every_rank(3, configure, timeout, |r, b, plan, mut c| {
+            let mut lent = Lent::new(Device::Cpu);
+            let fill = |seed: u8| -> Vec<Box<dyn Region>> {
+                let bytes = if r == 0 {
+                    content(seed, &desc)
+                } else {
+                    vec![0; 1 << 20]
+                };
+                vec![Box::new(HostBuf(bytes))]
+            };
+            if r < 2 {
+                lent.keys.insert(ka.clone(), fill(1));
+            }
+            lent.keys.insert(kb.clone(), fill(2));
+            if r < 2 {
+                std::thread::sleep(timeout * 3);
+            }
+            run(b, &mut *c, plan, &mut lent).unwrap();
+            lent.keys[&kb][0].host().unwrap().to_vec()
+        });
+        for (r, bytes) in got.iter().enumerate() {
+            assert!(*bytes == content(2, &desc), "rank {r} got other bytes");
+        }
+    }
+
+    #[test]
+    fn a_rank_without_memory_for_its_flow_fails_clearly() {
+        on_every_rank(
+            2,
+            |_| {},
+            Duration::from_secs(5),
+            |_, b, plan, mut c| {
+                let e = run(b, &mut *c, plan, &mut Lent::new(Device::Cpu)).unwrap_err();
+                assert!(e.to_string().contains("lent no memory"), "{e}");
+            },
+        );
+    }
+}
