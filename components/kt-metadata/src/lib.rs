@@ -5,19 +5,24 @@
 //! teardown); [`leases`] the pure state machine of source leases (least-loaded
 //! choice, expiry); [`broadcast`] the pure state machine of broadcast groups
 //! (the tree of getters of one key, parents, replacements, releases, rank
-//! reservations); [`db`] persists keys, agents and broadcast groups in redb;
+//! reservations); [`quorum`] the quorums of GPU broadcasts (in memory: who
+//! takes part, the transfer plan, rendezvous and completion); [`db`]
+//! persists keys, agents and broadcast groups in redb;
 //! [`server`] is the HTTP API around them (and the WebSocket of broadcast
 //! members); `cluster` (feature `kube`) applies the namespace watch's
 //! decisions (evictions, teardowns) through a [`Handle`].
 //!
 //! Invariant: a mutation is committed to the database before it is answered,
-//! so a restart loses nothing that a client was told happened.
+//! so a restart loses nothing that a client was told happened. Quorums are
+//! the exception, by design: they are not persisted, and a restart fails the
+//! open ones (their members report an error and may join again).
 
 pub mod broadcast;
 #[cfg(feature = "kube")]
 pub mod cluster;
 pub mod db;
 pub mod leases;
+pub mod quorum;
 pub mod registry;
 pub mod server;
 

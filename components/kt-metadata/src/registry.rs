@@ -25,6 +25,10 @@ pub enum SourceError {
     UnknownKey(Key),
     #[error("key {key} has no live source: {reason}")]
     NoSource { key: Key, reason: String },
+    #[error(
+        "key {0} holds tensors, served from its producer's memory: receive it with get_tensor (kt tensor get), not as files"
+    )]
+    Tensors(Key),
 }
 
 #[derive(Debug, Clone)]
@@ -184,6 +188,7 @@ impl Registry {
             is_dir: reg.is_dir,
             size: reg.size,
             files: reg.files,
+            tensors: reg.tensors,
             lifespan: reg.options.lifespan,
             service,
             expires_at_ms: reg
@@ -494,6 +499,9 @@ impl Registry {
         let record = self
             .get(key, now_ms)
             .ok_or_else(|| SourceError::UnknownKey(key.clone()))?;
+        if record.tensors.is_some() {
+            return Err(SourceError::Tensors(key.clone()));
+        }
         let refused = |id: &str| {
             if req.getter.as_deref() == Some(id) {
                 Some("is the getter itself")
@@ -613,6 +621,7 @@ mod tests {
             is_dir: true,
             size: 10,
             files: 2,
+            tensors: None,
             options: PutOptions {
                 lifespan: Lifespan::Cluster,
                 ttl_secs: ttl,

@@ -28,6 +28,7 @@ use tokio_util::task::TaskTracker;
 use crate::broadcast::{Events, Groups, JoinError, Joined};
 use crate::db::{Batch, Db, DbError};
 use crate::leases::Leases;
+use crate::quorum::Quorums;
 use crate::registry::{Eviction, Registry, SourceError};
 
 /// Everything the server needs besides its listener.
@@ -135,6 +136,7 @@ impl From<SourceError> for ApiError {
         let code = match e {
             SourceError::UnknownKey(_) => ErrorCode::NotFound,
             SourceError::NoSource { .. } => ErrorCode::NoSource,
+            SourceError::Tensors(_) => ErrorCode::InvalidRequest,
         };
         ApiError::new(code, e.to_string())
     }
@@ -257,12 +259,16 @@ where
         .route("/api/v1/broadcasts/join", get(join_broadcast))
         .route("/api/v1/broadcasts/{group}", get(get_broadcast))
         .with_state(state.clone());
+    let metrics = Arc::new(Metrics::new());
+    // Quorums live in memory only: a restart fails the open ones.
+    let quorums = Quorums::new(shutdown.clone()).with_metrics(metrics.clone());
+    let api = api.merge(crate::quorum::routes(Arc::new(quorums)));
     let ready = Ready::default();
     ready.set(true);
     let app = kt_service::app(
         api,
         config.token.clone(),
-        Arc::new(Metrics::new()),
+        metrics,
         ready,
         config.max_in_flight,
     );
@@ -440,6 +446,16 @@ async fn delete_key(
             reg.keys_within(&KeyPrefix::from(key.clone()), now)
         } else {
             match reg.get(&key, now) {
+                Some(r) if q.version.as_ref().is_some_and(|v| *v != r.version) => {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "{key} is at version {}, not {}: left as it is",
+                            r.version,
+                            q.version.as_deref().unwrap_or_default()
+                        ),
+                    ));
+                }
                 Some(r) => vec![r.clone()],
                 None if reg.has_children(&key, now) => {
                     return Err(ApiError::new(
