@@ -38,6 +38,13 @@ pub struct Config {
     pub metadata_timeout: Duration,
     /// How long in-flight requests may finish after shutdown is requested.
     pub drain: Duration,
+    /// Shared-memory directory of host-backend tensors (`KT_SHM_DIR`).
+    pub shm_dir: PathBuf,
+    /// Bounds connecting the ranks of a tensor transfer and each collective.
+    pub tensor_timeout: Duration,
+    /// Ports host-backend tensor listeners try first (`KT_TENSOR_PORT`);
+    /// empty: any free port.
+    pub tensor_ports: Vec<u16>,
 }
 
 impl Config {
@@ -65,6 +72,9 @@ impl Config {
             heartbeat: Duration::from_secs(2),
             metadata_timeout: Duration::from_secs(10),
             drain: Duration::from_secs(10),
+            shm_dir: kt_tensor::shm::shm_dir(),
+            tensor_timeout: Duration::from_secs(60),
+            tensor_ports: Vec::new(),
         }
     }
 }

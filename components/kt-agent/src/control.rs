@@ -11,7 +11,8 @@ use std::sync::Arc;
 use kt_service::ApiError;
 use kt_sync::{ScanCache, SyncError};
 use kt_types::agent::{
-    CONTROL_VERSION, ControlReply, ControlRequest, ExportInfo, encode_frame, frame_len,
+    CONTROL_VERSION, ControlReply, ControlRequest, ExportInfo, MIN_CONTROL_VERSION, TENSOR_VERSION,
+    encode_frame, frame_len,
 };
 use kt_types::api::{PutOptions, RegisterKey};
 use kt_types::manifest::ManifestLimits;
@@ -22,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::exports::{Export, Exports};
 use crate::metadata::MetadataClient;
+use crate::tensors::{Owner, Tensors};
 
 /// Longest version id an export may carry.
 const MAX_VERSION_LEN: usize = 256;
@@ -36,13 +38,52 @@ pub struct Agent {
     pub limits: ManifestLimits,
     /// Held from registration to export of a local put.
     pub local_puts: tokio::sync::Mutex<()>,
+    pub tensors: Arc<Tensors>,
+}
+
+/// The other end of a control connection.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The version agreed in the handshake.
+    pub version: u32,
+    pub owner: Owner,
 }
 
 impl Agent {
     /// Answers one request (after the handshake). Failures are `Error` replies.
-    pub async fn handle(&self, req: ControlRequest) -> ControlReply {
+    pub async fn handle(&self, req: ControlRequest, caller: &Caller) -> ControlReply {
+        let tensor_op = matches!(
+            req,
+            ControlRequest::PutTensors(_)
+                | ControlRequest::GetTensors(_)
+                | ControlRequest::DropTensors { .. }
+        );
+        if tensor_op && caller.version < TENSOR_VERSION {
+            return ControlReply::Error {
+                code: ErrorCode::InvalidRequest,
+                message: format!(
+                    "tensor operations need control protocol {TENSOR_VERSION}; this connection said hello with {}",
+                    caller.version
+                ),
+            };
+        }
         let res = match req {
             ControlRequest::Hello { version } => Ok(self.hello(version)),
+            ControlRequest::PutTensors(put) => self
+                .tensors
+                .put(caller.owner.clone(), put)
+                .await
+                .map(ControlReply::TensorsPut),
+            ControlRequest::GetTensors(get) => self
+                .tensors
+                .get(&caller.owner, get)
+                .await
+                .map(|stats| ControlReply::TensorsGot { stats }),
+            ControlRequest::DropTensors { key } => self
+                .tensors
+                .drop_key(&caller.owner, &key)
+                .await
+                .map(|()| ControlReply::TensorsDropped { key }),
             ControlRequest::ExportLocal { key, path, options } => {
                 self.export_local(key, &path, options).await
             }
@@ -56,6 +97,7 @@ impl Agent {
                 agent: self.id.clone(),
                 url: self.url.clone(),
                 exports: self.exports.all().iter().map(|e| e.info()).collect(),
+                tensors: self.tensors.registrations(),
             }),
         };
         res.unwrap_or_else(|e| ControlReply::Error {
@@ -65,16 +107,16 @@ impl Agent {
     }
 
     fn hello(&self, version: u32) -> ControlReply {
-        if version != CONTROL_VERSION {
+        if !(MIN_CONTROL_VERSION..=CONTROL_VERSION).contains(&version) {
             return ControlReply::Error {
                 code: ErrorCode::InvalidRequest,
                 message: format!(
-                    "control protocol version {version} is not spoken here; this agent speaks {CONTROL_VERSION}"
+                    "control protocol version {version} is not spoken here; this agent speaks {MIN_CONTROL_VERSION} to {CONTROL_VERSION}"
                 ),
             };
         }
         ControlReply::Hello {
-            version: CONTROL_VERSION,
+            version,
             agent: self.id.clone(),
             url: self.url.clone(),
         }
@@ -113,6 +155,7 @@ impl Agent {
             is_dir: manifest.root == RootKind::Dir,
             size: manifest.total_bytes(),
             files: manifest.file_count(),
+            tensors: None,
             options: options.clone(),
         };
         let export = Export {
@@ -349,7 +392,26 @@ async fn write_reply(stream: &mut UnixStream, reply: &ControlReply) -> std::io::
 }
 
 /// One client: hello first, then requests answered in order.
-async fn connection(mut stream: UnixStream, agent: Arc<Agent>, shutdown: CancellationToken) {
+async fn connection(stream: UnixStream, agent: Arc<Agent>, shutdown: CancellationToken) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let conn = NEXT.fetch_add(1, Ordering::Relaxed);
+    let pid = stream.peer_cred().ok().and_then(|c| c.pid());
+    agent.tensors.connection_opened(conn);
+    let caller = Caller {
+        version: 0,
+        owner: Owner::of(pid, conn),
+    };
+    converse(stream, &agent, caller, shutdown).await;
+    agent.tensors.connection_closed(conn);
+}
+
+async fn converse(
+    mut stream: UnixStream,
+    agent: &Agent,
+    mut caller: Caller,
+    shutdown: CancellationToken,
+) {
     let mut greeted = false;
     loop {
         let incoming = tokio::select! {
@@ -383,6 +445,7 @@ async fn connection(mut stream: UnixStream, agent: Arc<Agent>, shutdown: Cancell
             Ok(ControlRequest::Hello { version }) => {
                 let reply = agent.hello(version);
                 greeted = matches!(reply, ControlReply::Hello { .. });
+                caller.version = version;
                 (reply, !greeted)
             }
             Ok(_) if !greeted => (
@@ -392,7 +455,11 @@ async fn connection(mut stream: UnixStream, agent: Arc<Agent>, shutdown: Cancell
                 },
                 true,
             ),
-            Ok(req) => (agent.handle(req).await, false),
+            Ok(req) => {
+                // A request abandoned by its client (it closed the socket)
+                // still runs to its end: a put is registered or not, never half.
+                (agent.handle(req, &caller).await, false)
+            }
         };
         if let Err(e) = write_reply(&mut stream, &reply).await {
             tracing::debug!(error = %e, "control client went away");

@@ -7,6 +7,8 @@
 //!   export a local path, export a downloaded copy, status;
 //! - [`metadata`]: registration of local puts and the heartbeat loop that
 //!   announces every export and drops what the metadata server says is gone;
+//! - [`tensors`]: GPU data — tensor registrations by process, point-to-point
+//!   sessions between agents, quorum transfers (host or NCCL backend);
 //! - [`config`]: configuration and its defaults (socket, state dir, id, URL).
 //!
 //! Start one in-process with [`start`] (or [`run`]) on a bound listener.
@@ -23,6 +25,7 @@ pub mod control;
 pub mod exports;
 pub mod metadata;
 mod server;
+pub mod tensors;
 
 pub use config::Config;
 pub use server::{AgentError, AgentHandle, run, start};

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use clap::Parser;
 
 /// kt node agent: serves this pod's locale=local data and downloaded copies
-/// read-only to peers, heartbeats to the metadata server, and takes requests
+/// read-only to peers, moves its GPU data (tensors lent by its processes), heartbeats to the metadata server, and takes requests
 /// from `kt` on a local control socket.
 #[derive(Debug, Parser)]
 #[command(name = "kt-agent", version)]
@@ -36,6 +36,17 @@ struct Args {
     state_dir: Option<PathBuf>,
     #[command(flatten)]
     server: kt_service::cli::ServerArgs,
+    /// Shared-memory directory of host-backend tensors (the applications of
+    /// the pod must see the same one).
+    #[arg(long, env = "KT_SHM_DIR")]
+    shm_dir: Option<PathBuf>,
+    /// Bounds connecting the ranks of a tensor transfer and each collective, e.g. 60s.
+    #[arg(long, env = "KT_TENSOR_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    tensor_timeout: std::time::Duration,
+    /// Ports host-backend tensor listeners try first (a port or a range;
+    /// 0: any), the ports the bundle's NetworkPolicy opens.
+    #[arg(long, env = "KT_TENSOR_PORT", default_value = kt_types::env::DEFAULT_TENSOR_PORTS)]
+    tensor_port: String,
     /// Range size for large files, in bytes (a power of two).
     #[arg(long, env = "KT_CHUNK_SIZE", default_value_t = kt_sync::defaults::CHUNK_SIZE)]
     chunk_size: u64,
@@ -57,6 +68,16 @@ async fn main() -> anyhow::Result<()> {
     // The sidecar takes it from the pod's label: an unlabelled pod gives "".
     config.service = args.service.filter(|s| !s.is_empty());
     config.chunk_size = args.chunk_size;
+    if let Some(dir) = args.shm_dir {
+        config.shm_dir = dir;
+    }
+    config.tensor_timeout = args.tensor_timeout;
+    config.tensor_ports = kt_types::env::ports(
+        kt_types::env::TENSOR_PORT,
+        &args.tensor_port,
+        kt_types::env::DEFAULT_TENSOR_PORTS,
+    )
+    .map_err(anyhow::Error::msg)?;
     config.max_in_flight = args.server.max_connections;
     kt_agent::run(listener, config, shutdown).await?;
     Ok(())

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use kt_service::{ApiError, Token};
 use kt_types::api::{AgentHeartbeat, HeartbeatReply, RegisterKey};
+use kt_types::tensor::{QuorumDone, QuorumJoin, QuorumPlan, QuorumStatus, Rendezvous};
 use kt_types::{ErrorBody, ErrorCode, Key, KeyRecord};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -45,20 +46,35 @@ impl MetadataClient {
         path: &str,
         body: &impl Serialize,
     ) -> Result<T, ApiError> {
+        self.call(method, path, Some(body), None).await
+    }
+
+    /// One request: `body` as JSON when given; `timeout` instead of the
+    /// client's (long polls).
+    async fn call<T: DeserializeOwned, B: Serialize>(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&B>,
+        timeout: Option<Duration>,
+    ) -> Result<T, ApiError> {
         let url = format!("{}{path}", self.base);
-        let resp = self
+        let mut req = self
             .http
             .request(method, &url)
-            .bearer_auth(self.token.expose())
-            .json(body)
-            .send()
-            .await
-            .map_err(|e| {
-                ApiError::new(
-                    ErrorCode::Unavailable,
-                    format!("metadata server unreachable ({url}): {e}"),
-                )
-            })?;
+            .bearer_auth(self.token.expose());
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        if let Some(t) = timeout {
+            req = req.timeout(t);
+        }
+        let resp = req.send().await.map_err(|e| {
+            ApiError::new(
+                ErrorCode::Unavailable,
+                format!("metadata server unreachable ({url}): {e}"),
+            )
+        })?;
         let status = resp.status();
         if status.is_success() {
             return resp.json().await.map_err(|e| {
@@ -87,11 +103,95 @@ impl MetadataClient {
             .await
     }
 
+    /// `GET /api/v1/keys/{key}`.
+    pub async fn key(&self, key: &Key) -> Result<KeyRecord, ApiError> {
+        self.call::<_, ()>(
+            reqwest::Method::GET,
+            &format!("/api/v1/keys/{key}"),
+            None,
+            None,
+        )
+        .await
+    }
+
+    /// `DELETE /api/v1/keys/{key}?version=V`: only that version (a key put
+    /// again since is left alone).
+    pub async fn unregister(&self, key: &Key, version: &str) -> Result<(), ApiError> {
+        let path = format!("/api/v1/keys/{key}?version={}", query_value(version));
+        self.call::<serde_json::Value, ()>(reqwest::Method::DELETE, &path, None, None)
+            .await
+            .map(drop)
+    }
+
+    /// `POST /api/v1/quorums/{group}/join`: answered when the quorum closes.
+    pub async fn quorum_join(
+        &self,
+        group: &str,
+        join: &QuorumJoin,
+        wait: Duration,
+    ) -> Result<QuorumPlan, ApiError> {
+        let path = format!("/api/v1/quorums/{group}/join");
+        self.call(reqwest::Method::POST, &path, Some(join), Some(wait))
+            .await
+    }
+
+    /// `PUT` (rank 0) or `GET` (the others, long-polled) of a transfer's rendezvous.
+    pub async fn rendezvous(
+        &self,
+        group: &str,
+        transfer: &str,
+        publish: Option<&Rendezvous>,
+        wait: Duration,
+    ) -> Result<Rendezvous, ApiError> {
+        let path = format!("/api/v1/quorums/{group}/{transfer}/rendezvous");
+        match publish {
+            Some(r) => {
+                self.call::<serde_json::Value, _>(reqwest::Method::PUT, &path, Some(r), None)
+                    .await?;
+                Ok(r.clone())
+            }
+            None => {
+                let path = format!("{path}?wait_ms={}", wait.as_millis());
+                self.call::<_, ()>(
+                    reqwest::Method::GET,
+                    &path,
+                    None,
+                    Some(wait + Duration::from_secs(10)),
+                )
+                .await
+            }
+        }
+    }
+
+    /// `POST /api/v1/quorums/{group}/{transfer}/done`.
+    pub async fn quorum_done(
+        &self,
+        group: &str,
+        transfer: &str,
+        done: &QuorumDone,
+    ) -> Result<QuorumStatus, ApiError> {
+        let path = format!("/api/v1/quorums/{group}/{transfer}/done");
+        self.send(reqwest::Method::POST, &path, done).await
+    }
+
     /// `POST /api/v1/agents`.
     pub async fn heartbeat(&self, beat: &AgentHeartbeat) -> Result<HeartbeatReply, ApiError> {
         self.send(reqwest::Method::POST, "/api/v1/agents", beat)
             .await
     }
+}
+
+/// Percent-encodes a query value (everything but unreserved characters).
+fn query_value(v: &str) -> String {
+    v.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
 }
 
 /// Counters of the heartbeat loop (status and tests).
@@ -119,13 +219,15 @@ pub async fn heartbeat_loop(
     client: Arc<MetadataClient>,
     who: Identity,
     exports: Arc<crate::exports::Exports>,
+    tensors: Arc<crate::tensors::Tensors>,
     stats: Arc<BeatStats>,
     mut interval: Duration,
     shutdown: CancellationToken,
 ) {
     let mut failing = false;
     loop {
-        let serves = exports.serves();
+        let mut serves = exports.serves();
+        serves.extend(tensors.serves());
         let beat = AgentHeartbeat {
             id: who.id.clone(),
             url: who.url.clone(),
@@ -145,7 +247,7 @@ pub async fn heartbeat_loop(
                 stats.ok.fetch_add(1, Ordering::Relaxed);
                 interval =
                     Duration::from_millis(reply.interval_ms).clamp(MIN_INTERVAL, MAX_INTERVAL);
-                drop_keys(&exports, &beat, &reply.drop, &stats).await;
+                drop_keys(&exports, &tensors, &beat, &reply.drop, &stats).await;
             }
             Err(e) => {
                 stats.failed.fetch_add(1, Ordering::Relaxed);
@@ -165,12 +267,22 @@ pub async fn heartbeat_loop(
     }
 }
 
-async fn drop_keys(exports: &Exports, beat: &AgentHeartbeat, drop: &[Key], stats: &BeatStats) {
+async fn drop_keys(
+    exports: &Exports,
+    tensors: &crate::tensors::Tensors,
+    beat: &AgentHeartbeat,
+    drop: &[Key],
+    stats: &BeatStats,
+) {
     for key in drop {
         // Only the version this beat announced: a newer export of the key stays.
         let Some(sent) = beat.serves.iter().find(|s| s.key == *key) else {
             continue;
         };
+        if tensors.drop_version(key, &sent.version) {
+            stats.dropped.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
         match exports.remove(key, Some(&sent.version)).await {
             Ok(true) => {
                 stats.dropped.fetch_add(1, Ordering::Relaxed);

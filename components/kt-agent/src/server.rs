@@ -15,6 +15,7 @@ use crate::config::{Config, advertised};
 use crate::control::{self, Agent, SocketError};
 use crate::exports::{ExportError, Exports};
 use crate::metadata::{BeatStats, Identity, MetadataClient, heartbeat_loop};
+use crate::tensors::{TensorConfig, Tensors, reap_loop};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -38,6 +39,7 @@ pub struct AgentHandle {
     pub metrics: Arc<Metrics>,
     pub exports: Arc<Exports>,
     pub heartbeats: Arc<BeatStats>,
+    pub tensors: Arc<Tensors>,
     pub task: JoinHandle<Result<(), AgentError>>,
 }
 
@@ -79,6 +81,22 @@ pub fn start(
     let metrics = Arc::new(Metrics::new());
     let reads = Reads::new(exports.clone(), metrics.clone(), cfg.lease_ttl);
     let heartbeats = Arc::new(BeatStats::default());
+    let tensors = Arc::new(
+        Tensors::new(
+            cfg.id.clone(),
+            url.clone(),
+            tensor_ip(&url, cfg.pod_ip.as_deref()),
+            metadata.clone(),
+            cfg.token.clone(),
+            TensorConfig {
+                shm_dir: cfg.shm_dir.clone(),
+                ports: cfg.tensor_ports.clone(),
+                state_dir: cfg.state_dir.clone(),
+                timeout: cfg.tensor_timeout,
+            },
+        )
+        .map_err(AgentError::Config)?,
+    );
     let agent = Arc::new(Agent {
         id: cfg.id.clone(),
         url: url.clone(),
@@ -86,6 +104,7 @@ pub fn start(
         metadata: metadata.clone(),
         limits: cfg.limits,
         local_puts: Default::default(),
+        tensors: tensors.clone(),
     });
     tracing::info!(
         id = %cfg.id,
@@ -99,6 +118,7 @@ pub fn start(
     let app = kt_service::app(
         reads
             .routes()
+            .merge(crate::tensors::routes(tensors.clone()))
             .layer(DefaultBodyLimit::max(cfg.max_request_bytes)),
         cfg.token.clone(),
         metrics.clone(),
@@ -114,19 +134,21 @@ pub fn start(
         metadata,
         who,
         exports.clone(),
+        tensors.clone(),
         heartbeats.clone(),
         cfg.heartbeat,
         shutdown.clone(),
     ));
     let control = tokio::spawn(control::serve(control_listener, agent, shutdown.clone()));
     let sweeper = tokio::spawn(sweep(reads.clone(), shutdown.clone()));
+    let reaper = tokio::spawn(reap_loop(tensors.clone(), shutdown.clone()));
     ready.set(true);
     let drain = cfg.drain;
     let stop = shutdown.clone();
     let task = tokio::spawn(async move {
         let served = kt_service::serve(listener, app, stop.clone(), drain).await;
         stop.cancel();
-        let _ = tokio::join!(beat, control, sweeper);
+        let _ = tokio::join!(beat, control, sweeper, reaper);
         reads.release_all().await;
         drop(socket_file);
         tracing::info!("agent stopped");
@@ -139,8 +161,28 @@ pub fn start(
         metrics,
         exports,
         heartbeats,
+        tensors,
         task,
     })
+}
+
+/// Where tensor listeners bind: the pod IP, else the advertised URL's host
+/// when it is an address.
+fn tensor_ip(url: &str, pod_ip: Option<&str>) -> Option<String> {
+    if let Some(ip) = pod_ip
+        .map(str::trim)
+        .filter(|p| p.parse::<std::net::IpAddr>().is_ok())
+    {
+        return Some(ip.to_owned());
+    }
+    let host = url.split("://").nth(1)?.split('/').next()?;
+    let host = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next()?,
+        None => host.rsplit_once(':').map(|(h, _)| h).unwrap_or(host),
+    };
+    host.parse::<std::net::IpAddr>()
+        .ok()
+        .map(|ip| ip.to_string())
 }
 
 /// An agent id is a pod name: what the metadata server accepts.
@@ -251,6 +293,7 @@ mod tests {
             is_dir: reg.is_dir,
             size: reg.size,
             files: reg.files,
+            tensors: reg.tensors,
             lifespan: Lifespan::Cluster,
             service: "s".into(),
             expires_at_ms: None,

@@ -1,0 +1,1246 @@
+//! GPU data in the agent: tensor registrations, point-to-point sessions,
+//! and quorum transfers ([`kt_types::tensor`]).
+//!
+//! - **Registrations.** An application lends its tensors by handle over the
+//!   control socket (`put_tensors`). Memory stays the application's; the
+//!   agent maps it for each transfer (the backends cache what is expensive
+//!   to open, as CUDA IPC handles). A registration belongs to the process on
+//!   the other end of the socket (its pid from the peer credentials, with its
+//!   start time so a reused pid is not mistaken for it); when the agent
+//!   cannot see the pid (another pid namespace) it belongs to the
+//!   connection. [`reap_loop`] drops registrations of processes that exited
+//!   and unregisters their keys at the metadata server (that version only).
+//!   Registrations are persisted in the state directory: an agent restarted
+//!   while their processes live serves them again.
+//! - **Point to point.** A getter's agent asks the metadata server for the
+//!   key's holder and posts `POST /api/v1/tensors/sessions` to the holder's
+//!   agent with the keys and its destination layouts (several keys of one
+//!   source in one session). The source checks them, answers with a plan of
+//!   two ranks (itself rank 0), and both run it. A key held by this agent is
+//!   copied locally.
+//! - **Quorums.** With a broadcast window, the agent joins the metadata
+//!   server's quorum (`/api/v1/quorums/...`) as putter or getter, gets its
+//!   rank and the plan when the quorum closes, exchanges the backend's
+//!   rendezvous (NCCL's unique id) through it, runs the plan and reports.
+//!
+//! Every transfer runs on a blocking thread with a timeout; a failure (a
+//! peer gone, an NCCL error) is an error for the application that asked,
+//! never the agent's end.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::routing::post;
+use kt_service::ApiError;
+use kt_tensor::engine::Lent;
+use kt_tensor::{Backend, HostBackend, TransportError};
+use kt_types::api::{RegisterKey, Served};
+use kt_types::model::BroadcastWindow;
+use kt_types::tensor::{
+    self as t, BackendKind, Device, Flow, GetTensors, MemHandle, Packing, PutTensors, QuorumJoin,
+    QuorumKey, QuorumRole, Rank, Rendezvous, SessionReply, SessionRequest, TensorDesc, TensorEntry,
+    TensorRegistration, TensorStats, TensorSummary, TensorsPut, TransferPlan,
+};
+use kt_types::{ErrorBody, ErrorCode, Key, Locale};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::metadata::MetadataClient;
+
+/// How often owners are checked for life (also on every closed connection).
+const REAP_EVERY: Duration = Duration::from_millis(250);
+/// A join waits this much longer than the window it asks for.
+const JOIN_GRACE: Duration = Duration::from_secs(30);
+
+/// Who owns a registration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    /// 0 when the agent cannot see the process.
+    pub pid: u32,
+    /// The process's start time (clock ticks since boot), against pid reuse.
+    pub start: u64,
+    /// The control connection that registered (owner when `pid` is 0).
+    pub conn: u64,
+}
+
+impl Owner {
+    /// The owner behind a control connection: `pid` from its peer credentials.
+    pub fn of(pid: Option<i32>, conn: u64) -> Owner {
+        let pid = pid.filter(|p| *p > 0).map(|p| p as u32);
+        match pid.and_then(|p| proc_start(p).map(|s| (p, s))) {
+            Some((pid, start)) => Owner { pid, start, conn },
+            None => Owner {
+                pid: 0,
+                start: 0,
+                conn,
+            },
+        }
+    }
+
+    fn alive(&self, conns: &HashSet<u64>) -> bool {
+        if self.pid == 0 {
+            conns.contains(&self.conn)
+        } else {
+            proc_start(self.pid) == Some(self.start)
+        }
+    }
+
+    /// Two owners are one process when both pids are known and match
+    /// (with their start times), or when neither is known and they share a
+    /// connection. A known and an unknown pid are never the same process:
+    /// connection numbers restart with the agent, pids do not.
+    fn same_process(&self, other: &Owner) -> bool {
+        match (self.pid, other.pid) {
+            (0, 0) => self.conn == other.conn,
+            (0, _) | (_, 0) => false,
+            _ => self.pid == other.pid && self.start == other.start,
+        }
+    }
+}
+
+/// Field 22 of `/proc/<pid>/stat` (after the command, which may hold
+/// spaces), for a process that still runs: a zombie (state `Z`, exited but
+/// not reaped) or a dead one (`X`) has none.
+fn proc_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    // Fields after the command start at 3 (state); starttime is 22.
+    if matches!(fields.next(), Some("Z" | "X" | "x")) {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
+}
+
+/// One registered tensor set.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Registration {
+    pub key: Key,
+    pub version: String,
+    pub owner: Owner,
+    pub entries: Vec<TensorEntry>,
+    /// Announced in heartbeats once the metadata server knows the version.
+    #[serde(default)]
+    pub published: bool,
+}
+
+impl Registration {
+    fn descs(&self) -> Vec<TensorDesc> {
+        t::describe(&self.entries)
+    }
+
+    fn device(&self) -> Device {
+        self.entries
+            .first()
+            .map(|e| e.device)
+            .unwrap_or(Device::Cpu)
+    }
+
+    fn info(&self) -> TensorRegistration {
+        TensorRegistration {
+            key: self.key.clone(),
+            version: self.version.clone(),
+            pid: self.owner.pid,
+            tensors: self.entries.len() as u64,
+            bytes: self.entries.iter().map(|e| e.mem.len()).sum(),
+            device: self.device(),
+        }
+    }
+}
+
+/// The agent's side of GPU data.
+#[derive(Debug)]
+pub struct Tensors {
+    id: String,
+    url: String,
+    /// The pod's address: where tensor listeners bind.
+    ip: Option<String>,
+    metadata: Arc<MetadataClient>,
+    token: kt_service::Token,
+    http: reqwest::Client,
+    host: Arc<HostBackend>,
+    cuda: std::sync::OnceLock<Result<Arc<dyn Backend>, String>>,
+    regs: Mutex<HashMap<Key, Registration>>,
+    /// Registrations of the last run whose owners did not survive it: the
+    /// next reap unregisters them at the metadata server (that version).
+    stale: Mutex<Vec<(Key, String)>>,
+    /// CUDA destinations of gets (IPC handles stay open between gets into
+    /// the same memory), by owner: released once the owner goes away.
+    /// Locked after `regs` where both are.
+    dests: Mutex<Vec<(Owner, MemHandle)>>,
+    conns: Mutex<HashSet<u64>>,
+    state_file: PathBuf,
+    /// Bounds connecting and every collective of a transfer.
+    timeout: Duration,
+    wake: Notify,
+}
+
+/// Settings of the tensor service.
+#[derive(Debug, Clone)]
+pub struct TensorConfig {
+    pub shm_dir: PathBuf,
+    /// Host-backend listener ports tried first.
+    pub ports: Vec<u16>,
+    pub state_dir: PathBuf,
+    pub timeout: Duration,
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::internal(e.to_string())
+}
+
+fn transport(e: TransportError) -> ApiError {
+    let code = match e {
+        TransportError::Invalid(_) => ErrorCode::InvalidRequest,
+        TransportError::Unsupported(_) | TransportError::Timeout(_) | TransportError::Peer(_) => {
+            ErrorCode::Unavailable
+        }
+        TransportError::Io { .. } => ErrorCode::Unavailable,
+    };
+    ApiError::new(code, e.to_string())
+}
+
+/// A mutex's guard, poisoned or not (a panicked holder left the data
+/// consistent: every critical section here is a plain insert or remove).
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| internal(format!("transfer thread: {e}")))?
+}
+
+impl Tensors {
+    pub fn new(
+        id: String,
+        url: String,
+        ip: Option<String>,
+        metadata: Arc<MetadataClient>,
+        token: kt_service::Token,
+        cfg: TensorConfig,
+    ) -> Result<Self, String> {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(30))
+            .build()
+            .map_err(|e| e.to_string())?;
+        let state_file = cfg.state_dir.join("tensors.json");
+        let tensors = Tensors {
+            id,
+            url,
+            ip,
+            metadata,
+            token,
+            http,
+            host: Arc::new(HostBackend::new(cfg.shm_dir).with_ports(cfg.ports)),
+            cuda: std::sync::OnceLock::new(),
+            regs: Mutex::default(),
+            stale: Mutex::default(),
+            dests: Mutex::default(),
+            conns: Mutex::default(),
+            state_file,
+            timeout: cfg.timeout,
+            wake: Notify::new(),
+        };
+        tensors.load();
+        Ok(tensors)
+    }
+
+    /// Registrations of the last run whose processes still live; the
+    /// others (connection-owned ones included: their connections are gone)
+    /// are queued for the next reap to unregister.
+    fn load(&self) {
+        let Ok(bytes) = std::fs::read(&self.state_file) else {
+            return;
+        };
+        let saved: Vec<Registration> = match serde_json::from_slice(&bytes) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(file = %self.state_file.display(), error = %e, "unreadable tensor registrations; starting without");
+                return;
+            }
+        };
+        let none = HashSet::new();
+        let mut regs = self.lock();
+        let mut stale = locked(&self.stale);
+        for r in saved {
+            if r.owner.pid != 0 && r.owner.alive(&none) {
+                tracing::info!(key = %r.key, pid = r.owner.pid, "tensor registration restored");
+                regs.insert(r.key.clone(), r);
+            } else {
+                stale.push((r.key, r.version));
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Key, Registration>> {
+        locked(&self.regs)
+    }
+
+    /// Writes the registrations (write then rename: old or new, never half).
+    fn save(&self, regs: &HashMap<Key, Registration>) {
+        let list: Vec<&Registration> = regs.values().collect();
+        let tmp = self.state_file.with_extension("json.tmp");
+        let res = serde_json::to_vec(&list)
+            .map_err(std::io::Error::other)
+            .and_then(|b| std::fs::write(&tmp, b))
+            .and_then(|()| std::fs::rename(&tmp, &self.state_file));
+        if let Err(e) = res {
+            tracing::warn!(file = %self.state_file.display(), error = %e, "could not save tensor registrations");
+        }
+    }
+
+    /// A control connection opened / closed (owners of pid-less registrations).
+    pub fn connection_opened(&self, conn: u64) {
+        locked(&self.conns).insert(conn);
+    }
+
+    pub fn connection_closed(&self, conn: u64) {
+        locked(&self.conns).remove(&conn);
+        self.wake.notify_one();
+    }
+
+    /// What the agent holds, for status.
+    pub fn registrations(&self) -> Vec<TensorRegistration> {
+        let mut v: Vec<_> = self.lock().values().map(Registration::info).collect();
+        v.sort_by(|a, b| a.key.cmp(&b.key));
+        v
+    }
+
+    /// Published registrations, for heartbeats (the metadata server answers
+    /// with those deleted or superseded).
+    pub fn serves(&self) -> Vec<Served> {
+        self.lock()
+            .values()
+            .filter(|r| r.published)
+            .map(|r| Served {
+                key: r.key.clone(),
+                version: r.version.clone(),
+            })
+            .collect()
+    }
+
+    /// Drops a registration the metadata server no longer knows (that version only).
+    pub fn drop_version(&self, key: &Key, version: &str) -> bool {
+        let mut regs = self.lock();
+        if regs.get(key).is_some_and(|r| r.version == version) {
+            let gone = regs.remove(key).map(|r| r.entries).unwrap_or_default();
+            self.save(&regs);
+            let dests = locked(&self.dests);
+            self.release(unused(
+                gone.iter().map(|e| &e.mem),
+                regs.values().flat_map(|r| r.entries.iter().map(|e| &e.mem)),
+                dests.iter().map(|(_, h)| h),
+            ));
+            tracing::info!(%key, version, "tensor registration dropped (deleted or superseded)");
+            return true;
+        }
+        false
+    }
+
+    /// Closes what the CUDA backend keeps open for `handles` (nothing when
+    /// no CUDA backend was made).
+    fn release(&self, handles: Vec<MemHandle>) {
+        if let Some(Ok(b)) = self.cuda.get() {
+            for h in &handles {
+                b.release(h);
+            }
+        }
+    }
+
+    fn backend(&self, device: Device) -> Result<Arc<dyn Backend>, ApiError> {
+        match device {
+            Device::Cpu => Ok(self.host.clone()),
+            Device::Cuda(_) => self
+                .cuda
+                .get_or_init(cuda_backend)
+                .clone()
+                .map_err(|m| ApiError::new(ErrorCode::Unavailable, m)),
+        }
+    }
+
+    fn ip(&self) -> Result<String, ApiError> {
+        self.ip.clone().ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "agent {} has no IP to move tensors from (its URL {} names no address; set KT_POD_IP)",
+                    self.id, self.url
+                ),
+            )
+        })
+    }
+
+    /// Maps every entry (checks that the handles open) into a set of regions.
+    async fn map(
+        backend: Arc<dyn Backend>,
+        entries: Vec<TensorEntry>,
+    ) -> Result<Vec<Box<dyn kt_tensor::Region>>, ApiError> {
+        blocking(move || {
+            entries
+                .iter()
+                .map(|e| {
+                    backend.map(&e.mem, e.device).map_err(|err| {
+                        transport(match err {
+                            TransportError::Invalid(m) => {
+                                TransportError::Invalid(format!("tensor {:?}: {m}", e.name))
+                            }
+                            other => other,
+                        })
+                    })
+                })
+                .collect()
+        })
+        .await
+    }
+
+    // ---- put -----------------------------------------------------------
+
+    pub async fn put(&self, owner: Owner, req: PutTensors) -> Result<TensorsPut, ApiError> {
+        t::validate_entries(&req.tensors)
+            .map_err(|m| ApiError::bad_request(format!("{}: {m}", req.key)))?;
+        let device = req.tensors[0].device;
+        let backend = self.backend(device)?;
+        // Every handle must open before anything is registered; a broadcast
+        // put moves these very regions, a plain one only needed the check.
+        let regions = Self::map(backend.clone(), req.tensors.clone()).await?;
+        let broadcast = req.broadcast.clone().map(|w| (w, regions));
+        let descs = t::describe(&req.tensors);
+        let version = t::version_of(&descs, &uuid::Uuid::new_v4().to_string());
+        {
+            let mut regs = self.lock();
+            let none = locked(&self.conns).clone();
+            if let Some(cur) = regs.get(&req.key)
+                && !cur.owner.same_process(&owner)
+                && cur.owner.alive(&none)
+            {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    format!(
+                        "{} is registered at this agent by another live process (pid {}); it must drop it, or exit, first",
+                        req.key, cur.owner.pid
+                    ),
+                ));
+            }
+            regs.insert(
+                req.key.clone(),
+                Registration {
+                    key: req.key.clone(),
+                    version: version.clone(),
+                    owner,
+                    entries: req.tensors.clone(),
+                    published: false,
+                },
+            );
+            self.save(&regs);
+        }
+        let mut dtypes: Vec<_> = descs.iter().map(|d| d.meta.dtype).collect();
+        dtypes.sort();
+        dtypes.dedup();
+        let reg = RegisterKey {
+            locale: Locale::Local,
+            source: self.url.clone(),
+            holder: Some(self.id.clone()),
+            version: version.clone(),
+            is_dir: false,
+            size: req.tensors.iter().map(|e| e.mem.len()).sum(),
+            files: req.tensors.len() as u64,
+            tensors: Some(TensorSummary {
+                tensors: req.tensors.len() as u64,
+                device,
+                dtypes,
+            }),
+            options: req.options.clone(),
+        };
+        let record = match self.metadata.register(&req.key, &reg).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.drop_version(&req.key, &version);
+                return Err(e);
+            }
+        };
+        let published = self
+            .lock()
+            .get_mut(&req.key)
+            .filter(|r| r.version == version)
+            .map(|r| r.published = true)
+            .is_some();
+        if !published {
+            // Reaped (its owner died) or dropped while it was being
+            // registered: the record just made names nothing here.
+            self.unregister(&req.key, &version).await;
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "{} was dropped while it was being registered (did its process exit?)",
+                    req.key
+                ),
+            ));
+        }
+        tracing::info!(key = %req.key, %version, tensors = req.tensors.len(), %device, "tensors registered");
+        let stats = match broadcast {
+            None => None,
+            Some((window, regions)) => {
+                let mut lent = Lent::new(device);
+                lent.keys.insert(req.key.clone(), regions);
+                let role = QuorumRole::Put {
+                    keys: vec![QuorumKey {
+                        key: req.key.clone(),
+                        version: version.clone(),
+                        tensors: descs,
+                    }],
+                };
+                Some(self.quorum(&req.key, role, &window, backend, lent).await?)
+            }
+        };
+        Ok(TensorsPut {
+            key: req.key,
+            version,
+            record: Some(Box::new(record)),
+            stats,
+        })
+    }
+
+    /// `drop_tensors`: the owner's own registration only.
+    pub async fn drop_key(&self, owner: &Owner, key: &Key) -> Result<(), ApiError> {
+        let version = {
+            let regs = self.lock();
+            match regs.get(key) {
+                None => {
+                    return Err(ApiError::not_found(format!(
+                        "{key} is not registered at this agent"
+                    )));
+                }
+                Some(r) if !r.owner.same_process(owner) => {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "{key} was registered by another process (pid {})",
+                            r.owner.pid
+                        ),
+                    ));
+                }
+                Some(r) => r.version.clone(),
+            }
+        };
+        self.forget(key, &version).await;
+        Ok(())
+    }
+
+    /// Drops a registration and unregisters that version at the metadata server.
+    async fn forget(&self, key: &Key, version: &str) {
+        if self.drop_version(key, version) {
+            self.unregister(key, version).await;
+        }
+    }
+
+    /// Unregisters `key` at `version` at the metadata server (a key put
+    /// again meanwhile, or already gone, is left as it is).
+    async fn unregister(&self, key: &Key, version: &str) {
+        match self.metadata.unregister(key, version).await {
+            Ok(()) => tracing::info!(%key, version, "tensor key unregistered"),
+            Err(e) if matches!(e.code, ErrorCode::NotFound | ErrorCode::Conflict) => {}
+            Err(e) => {
+                tracing::warn!(%key, error = %e, "could not unregister a tensor key; it expires with this agent")
+            }
+        }
+    }
+
+    /// Drops what dead processes registered (and unregisters what the
+    /// last run's dead owners left).
+    pub async fn reap(&self) -> usize {
+        let stale = std::mem::take(&mut *locked(&self.stale));
+        for (key, version) in stale {
+            tracing::info!(%key, version, "the process that registered these tensors did not outlive the agent's restart; unregistering them");
+            self.unregister(&key, &version).await;
+        }
+        let conns = locked(&self.conns).clone();
+        let dead: Vec<(Key, String, u32)> = self
+            .lock()
+            .values()
+            .filter(|r| !r.owner.alive(&conns))
+            .map(|r| (r.key.clone(), r.version.clone(), r.owner.pid))
+            .collect();
+        for (key, version, pid) in &dead {
+            tracing::info!(%key, pid, "the process that registered these tensors is gone; dropping them");
+            self.forget(key, version).await;
+        }
+        let released = {
+            let regs = self.lock();
+            let mut dests = locked(&self.dests);
+            let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *dests)
+                .into_iter()
+                .partition(|(owner, _)| !owner.alive(&conns));
+            *dests = kept;
+            unused(
+                gone.iter().map(|(_, h)| h),
+                regs.values().flat_map(|r| r.entries.iter().map(|e| &e.mem)),
+                dests.iter().map(|(_, h)| h),
+            )
+        };
+        self.release(released);
+        dead.len()
+    }
+
+    // ---- get -----------------------------------------------------------
+
+    pub async fn get(&self, owner: &Owner, req: GetTensors) -> Result<TensorStats, ApiError> {
+        if req.gets.is_empty() {
+            return Err(ApiError::bad_request("no keys to get"));
+        }
+        let mut seen = HashSet::new();
+        for g in &req.gets {
+            if !seen.insert(&g.key) {
+                return Err(ApiError::bad_request(format!("{} asked twice", g.key)));
+            }
+            t::validate_entries(&g.dest)
+                .map_err(|m| ApiError::bad_request(format!("destination of {}: {m}", g.key)))?;
+        }
+        let device = req.gets[0].dest[0].device;
+        if let Some(g) = req.gets.iter().find(|g| g.dest[0].device != device) {
+            return Err(ApiError::bad_request(format!(
+                "destination of {} is on {}, the first on {device}: one get moves to one device",
+                g.key, g.dest[0].device
+            )));
+        }
+        let backend = self.backend(device)?;
+        if matches!(device, Device::Cuda(_)) {
+            let mut dests = locked(&self.dests);
+            for e in req.gets.iter().flat_map(|g| &g.dest) {
+                if !dests
+                    .iter()
+                    .any(|(o, h)| o == owner && ipc(h) == ipc(&e.mem))
+                {
+                    dests.push((owner.clone(), e.mem.clone()));
+                }
+            }
+        }
+        if let Some(window) = &req.broadcast {
+            if window.group_id.is_none() && req.gets.len() > 1 {
+                // Each putter joins its own key's group: a getter of several
+                // keys can only meet them all in one group they name.
+                return Err(ApiError::bad_request(format!(
+                    "a broadcast get of {} keys needs a group id (every putter and getter names the same one)",
+                    req.gets.len()
+                )));
+            }
+            let mut lent = Lent::new(device);
+            let mut keys = Vec::new();
+            for g in &req.gets {
+                lent.keys.insert(
+                    g.key.clone(),
+                    Self::map(backend.clone(), g.dest.clone()).await?,
+                );
+                keys.push(QuorumKey {
+                    key: g.key.clone(),
+                    version: String::new(),
+                    tensors: t::describe(&g.dest),
+                });
+            }
+            let first = req.gets[0].key.clone();
+            return self
+                .quorum(&first, QuorumRole::Get { keys }, window, backend, lent)
+                .await;
+        }
+        let packing = req.packing.unwrap_or(Packing {
+            pack: true,
+            ..Packing::default()
+        });
+        packing.validate().map_err(ApiError::bad_request)?;
+        // Batched per source: one session per holder.
+        let mut by_source: Vec<(String, Vec<Wanted>)> = Vec::new();
+        let mut total = TensorStats {
+            backend: Some(backend.kind()),
+            ..TensorStats::default()
+        };
+        for g in req.gets {
+            let record = self.metadata.key(&g.key).await?;
+            if record.tensors.is_none() {
+                return Err(ApiError::bad_request(format!(
+                    "{} holds files, not tensors (`kt get` fetches it)",
+                    g.key
+                )));
+            }
+            let want = QuorumKey {
+                key: g.key.clone(),
+                version: record.version.clone(),
+                tensors: t::describe(&g.dest),
+            };
+            if record.holder == self.id {
+                add(&mut total, self.copy_local(&backend, want, g.dest).await?);
+                continue;
+            }
+            match by_source.iter_mut().find(|(s, _)| *s == record.source) {
+                Some((_, v)) => v.push((want, g.dest)),
+                None => by_source.push((record.source.clone(), vec![(want, g.dest)])),
+            }
+        }
+        for (source, keys) in by_source {
+            let s = self
+                .fetch(&source, keys, backend.clone(), device, packing)
+                .await?;
+            add(&mut total, s);
+        }
+        Ok(total)
+    }
+
+    /// A key this agent holds: copied from the producer's memory.
+    async fn copy_local(
+        &self,
+        backend: &Arc<dyn Backend>,
+        want: QuorumKey,
+        dest: Vec<TensorEntry>,
+    ) -> Result<TensorStats, ApiError> {
+        let src = {
+            let regs = self.lock();
+            let r = regs
+                .get(&want.key)
+                .ok_or_else(|| gone(&want.key, &self.id))?;
+            t::check_destination(&want.key, &r.descs(), &want.tensors)
+                .map_err(ApiError::bad_request)?;
+            r.entries.clone()
+        };
+        let started = std::time::Instant::now();
+        let n = src.len() as u64;
+        let bytes: u64 = src.iter().map(|e| e.mem.len()).sum();
+        let from = Self::map(backend.clone(), src).await?;
+        let mut to = Self::map(backend.clone(), dest).await?;
+        let b = backend.clone();
+        blocking(move || {
+            for (s, d) in from.iter().zip(to.iter_mut()) {
+                b.copy(&mut **d, 0, &**s, 0, s.len()).map_err(transport)?;
+            }
+            Ok(())
+        })
+        .await?;
+        Ok(TensorStats {
+            tensors: n,
+            bytes,
+            collectives: 0,
+            seconds: started.elapsed().as_secs_f64(),
+            backend: Some(backend.kind()),
+            rank: None,
+            world: None,
+        })
+    }
+
+    /// Getter's side of a point-to-point session with `source`'s agent.
+    async fn fetch(
+        &self,
+        source: &str,
+        keys: Vec<Wanted>,
+        backend: Arc<dyn Backend>,
+        device: Device,
+        packing: Packing,
+    ) -> Result<TensorStats, ApiError> {
+        let ip = self.ip()?;
+        let b = backend.clone();
+        let endpoint = blocking(move || b.endpoint("p2p", &ip).map_err(transport)).await?;
+        let req = SessionRequest {
+            keys: keys.iter().map(|(k, _)| k.clone()).collect(),
+            agent: self.id.clone(),
+            ip: self.ip()?,
+            endpoint: endpoint.address(),
+            backend: backend.kind(),
+            packing,
+        };
+        let url = format!("{}/api/v1/tensors/sessions", source.trim_end_matches('/'));
+        let resp = self
+            .http
+            .post(&url)
+            .bearer_auth(self.token.expose())
+            .json(&req)
+            .send()
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    ErrorCode::NoSource,
+                    format!("the agent holding the tensors ({source}) is unreachable: {e}"),
+                )
+            })?;
+        let reply: SessionReply = answer(resp, source).await?;
+        let plan = reply.plan;
+        plan.validate()
+            .map_err(|m| internal(format!("session plan from {source}: {m}")))?;
+        let mut lent = Lent::new(device);
+        for (want, dest) in keys {
+            let flow = plan
+                .flows
+                .iter()
+                .find(|f| f.key == want.key)
+                .ok_or_else(|| internal(format!("{source} sent a plan without {}", want.key)))?;
+            t::check_destination(&want.key, &flow.tensors, &want.tensors)
+                .map_err(ApiError::bad_request)?;
+            lent.keys
+                .insert(want.key.clone(), Self::map(backend.clone(), dest).await?);
+        }
+        let timeout = self.timeout;
+        blocking(move || {
+            let mut comm = backend
+                .connect(
+                    &plan,
+                    1,
+                    endpoint,
+                    reply.rendezvous.as_deref(),
+                    lent.memory_device(),
+                    timeout,
+                )
+                .map_err(transport)?;
+            kt_tensor::run(&*backend, &mut *comm, &plan, &mut lent).map_err(transport)
+        })
+        .await
+    }
+
+    /// Source's side: checks the request, answers the plan, runs rank 0.
+    pub async fn open_session(&self, req: SessionRequest) -> Result<SessionReply, ApiError> {
+        if req.keys.is_empty() || req.keys.len() > 4096 {
+            return Err(ApiError::bad_request("a session moves 1 to 4096 keys"));
+        }
+        req.ip
+            .parse::<std::net::IpAddr>()
+            .map_err(|_| ApiError::bad_request(format!("getter ip {:?} is not an IP", req.ip)))?;
+        req.packing.validate().map_err(ApiError::bad_request)?;
+        let mut sets = Vec::new();
+        {
+            let conns = locked(&self.conns).clone();
+            let regs = self.lock();
+            for want in &req.keys {
+                let r = regs
+                    .get(&want.key)
+                    .filter(|r| r.owner.alive(&conns))
+                    .ok_or_else(|| gone(&want.key, &self.id))?;
+                if !want.version.is_empty() && want.version != r.version {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "{} is at version {} here, not {} (put again meanwhile)",
+                            want.key, r.version, want.version
+                        ),
+                    ));
+                }
+                t::check_destination(&want.key, &r.descs(), &want.tensors)
+                    .map_err(ApiError::bad_request)?;
+                sets.push(r.clone());
+            }
+        }
+        let device = sets[0].device();
+        let backend = self.backend(device)?;
+        if backend.kind() != req.backend {
+            return Err(ApiError::bad_request(format!(
+                "the tensors are on {device} ({} backend); the getter asked for {}",
+                backend.kind(),
+                req.backend
+            )));
+        }
+        if let Some(s) = sets.iter().find(|s| s.device() != device) {
+            return Err(ApiError::bad_request(format!(
+                "{} is on {}, {} on {device}: get them separately",
+                s.key,
+                s.device(),
+                sets[0].key
+            )));
+        }
+        let ip = self.ip()?;
+        let id = uuid::Uuid::new_v4().to_string();
+        let b = backend.clone();
+        let (ip2, id2) = (ip.clone(), id.clone());
+        let endpoint = blocking(move || b.endpoint(&id2, &ip2).map_err(transport)).await?;
+        let plan = TransferPlan {
+            id,
+            backend: backend.kind(),
+            ranks: vec![
+                Rank {
+                    rank: 0,
+                    agent: self.id.clone(),
+                    ip,
+                    endpoint: endpoint.address(),
+                },
+                Rank {
+                    rank: 1,
+                    agent: req.agent.clone(),
+                    ip: req.ip.clone(),
+                    endpoint: req.endpoint.clone(),
+                },
+            ],
+            flows: sets
+                .iter()
+                .map(|r| Flow {
+                    key: r.key.clone(),
+                    version: r.version.clone(),
+                    root: 0,
+                    receivers: vec![1],
+                    tensors: r.descs(),
+                })
+                .collect(),
+            packing: req.packing,
+            fanout: 1,
+        };
+        plan.validate().map_err(internal)?;
+        let b = backend.clone();
+        let p = plan.clone();
+        let rendezvous = blocking(move || b.rendezvous(&p).map_err(transport)).await?;
+        let mut lent = Lent::new(device);
+        for r in &sets {
+            lent.keys.insert(
+                r.key.clone(),
+                Self::map(backend.clone(), r.entries.clone()).await?,
+            );
+        }
+        let (p, rv, timeout, getter) = (plan.clone(), rendezvous.clone(), self.timeout, req.agent);
+        tokio::spawn(async move {
+            let res = blocking(move || {
+                let mut comm = backend
+                    .connect(
+                        &p,
+                        0,
+                        endpoint,
+                        rv.as_deref(),
+                        lent.memory_device(),
+                        timeout,
+                    )
+                    .map_err(transport)?;
+                kt_tensor::run(&*backend, &mut *comm, &p, &mut lent).map_err(transport)
+            })
+            .await;
+            match res {
+                Ok(s) => tracing::info!(
+                    getter,
+                    bytes = s.bytes,
+                    tensors = s.tensors,
+                    seconds = s.seconds,
+                    "tensors sent"
+                ),
+                Err(e) => tracing::warn!(getter, error = %e.message, "sending tensors failed"),
+            }
+        });
+        Ok(SessionReply { plan, rendezvous })
+    }
+
+    // ---- quorums -------------------------------------------------------
+
+    async fn quorum(
+        &self,
+        key: &Key,
+        role: QuorumRole,
+        window: &BroadcastWindow,
+        backend: Arc<dyn Backend>,
+        lent: Lent,
+    ) -> Result<TensorStats, ApiError> {
+        let group = match &window.group_id {
+            Some(g) => g.clone(),
+            None => auto_group(key),
+        };
+        let ip = self.ip()?;
+        let b = backend.clone();
+        let ip2 = ip.clone();
+        let endpoint = blocking(move || b.endpoint("quorum", &ip2).map_err(transport)).await?;
+        let join = QuorumJoin {
+            agent: self.id.clone(),
+            ip,
+            endpoint: endpoint.address(),
+            backend: backend.kind(),
+            role,
+            window: window.clone(),
+        };
+        // The round's first join fixed its window, maybe a longer one than
+        // ours: the server answers by its deadline, at most the longest
+        // window, so wait that long (leaving early would leave the round).
+        let wait = Duration::from_secs_f64(t::MAX_QUORUM_TIMEOUT_SECS) + JOIN_GRACE;
+        let qp = self.metadata.quorum_join(&group, &join, wait).await?;
+        let plan = qp.plan;
+        let rank = qp.rank;
+        tracing::info!(group, transfer = %plan.id, rank, world = plan.ranks.len(), closed_by = %qp.closed_by, "quorum closed");
+        // Whatever happens from here on, the transfer hears how this rank
+        // ended, so it completes (and is forgotten) instead of waiting for
+        // a report that never comes.
+        let res = self
+            .run_quorum(&group, &plan, rank, backend, endpoint, lent)
+            .await;
+        let done = t::QuorumDone {
+            rank,
+            error: res.as_ref().err().map(|e| e.message.clone()),
+            stats: res.as_ref().cloned().unwrap_or_default(),
+        };
+        if let Err(e) = self.metadata.quorum_done(&group, &plan.id, &done).await {
+            tracing::warn!(group, error = %e, "could not report the end of a quorum transfer");
+        }
+        res
+    }
+
+    /// This rank's part of a closed quorum: the rendezvous, then the plan.
+    async fn run_quorum(
+        &self,
+        group: &str,
+        plan: &TransferPlan,
+        rank: u32,
+        backend: Arc<dyn Backend>,
+        endpoint: Box<dyn kt_tensor::Endpoint>,
+        mut lent: Lent,
+    ) -> Result<TensorStats, ApiError> {
+        plan.validate()
+            .map_err(|e| internal(format!("quorum {group} sent an invalid plan: {e}")))?;
+        if rank as usize >= plan.ranks.len() {
+            return Err(internal(format!(
+                "quorum {group} gave rank {rank} in a plan of {} ranks",
+                plan.ranks.len()
+            )));
+        }
+        let rendezvous = if rank == 0 {
+            let b = backend.clone();
+            let p = plan.clone();
+            let blob = blocking(move || b.rendezvous(&p).map_err(transport)).await?;
+            if let Some(blob) = &blob {
+                let r = Rendezvous { blob: blob.clone() };
+                self.metadata
+                    .rendezvous(group, &plan.id, Some(&r), self.timeout)
+                    .await?;
+            }
+            blob
+        } else if backend.kind() == BackendKind::Nccl {
+            Some(
+                self.metadata
+                    .rendezvous(group, &plan.id, None, self.timeout)
+                    .await?
+                    .blob,
+            )
+        } else {
+            None
+        };
+        let (p, timeout) = (plan.clone(), self.timeout);
+        blocking(move || {
+            let mut comm = backend
+                .connect(
+                    &p,
+                    rank,
+                    endpoint,
+                    rendezvous.as_deref(),
+                    lent.memory_device(),
+                    timeout,
+                )
+                .map_err(transport)?;
+            kt_tensor::run(&*backend, &mut *comm, &p, &mut lent).map_err(transport)
+        })
+        .await
+    }
+}
+
+/// The allocation a CUDA IPC handle names (`None` for shared memory).
+fn ipc(h: &MemHandle) -> Option<&str> {
+    match h {
+        MemHandle::CudaIpc { handle, .. } => Some(handle.as_str()),
+        MemHandle::Shm { .. } => None,
+    }
+}
+
+/// The CUDA IPC handles among `gone` that neither `kept` nor `lent` use
+/// (one allocation may back several tensors, keys and gets): those whose
+/// mappings can be closed.
+fn unused<'a>(
+    gone: impl IntoIterator<Item = &'a MemHandle>,
+    kept: impl IntoIterator<Item = &'a MemHandle>,
+    lent: impl IntoIterator<Item = &'a MemHandle>,
+) -> Vec<MemHandle> {
+    let in_use: HashSet<&str> = kept.into_iter().chain(lent).filter_map(ipc).collect();
+    let mut seen = HashSet::new();
+    gone.into_iter()
+        .filter(|h| ipc(h).is_some_and(|id| !in_use.contains(id) && seen.insert(id)))
+        .cloned()
+        .collect()
+}
+
+/// A key a getter wants (with its destination layout) and the memory it lends.
+type Wanted = (QuorumKey, Vec<TensorEntry>);
+
+fn add(total: &mut TensorStats, s: TensorStats) {
+    total.tensors += s.tensors;
+    total.bytes += s.bytes;
+    total.collectives += s.collectives;
+    total.seconds += s.seconds;
+}
+
+fn gone(key: &Key, agent: &str) -> ApiError {
+    ApiError::new(
+        ErrorCode::NoSource,
+        format!(
+            "{key} is not registered at agent {agent} any more: the process that put it exited or dropped it"
+        ),
+    )
+}
+
+/// The group of a broadcast without an id: one per key.
+pub fn auto_group(key: &Key) -> String {
+    let readable: String = key
+        .as_str()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '.'
+            }
+        })
+        .take(80)
+        .collect();
+    let h = t::version_of(&[], key.as_str());
+    format!("auto-{readable}-{}", &h[2..10])
+}
+
+/// An agent's JSON answer, or its error as an [`ApiError`].
+async fn answer<T: serde::de::DeserializeOwned>(
+    resp: reqwest::Response,
+    source: &str,
+) -> Result<T, ApiError> {
+    let status = resp.status();
+    let text = resp.text().await.unwrap_or_default();
+    if status.is_success() {
+        return serde_json::from_str(&text)
+            .map_err(|e| internal(format!("unreadable answer from {source}: {e}")));
+    }
+    Err(match serde_json::from_str::<ErrorBody>(&text) {
+        Ok(b) => ApiError::new(b.error.code, format!("{source}: {}", b.error.message)),
+        Err(_) => ApiError::new(
+            ErrorCode::Unavailable,
+            format!("{source} answered {status}: {text}"),
+        ),
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend() -> Result<Arc<dyn Backend>, String> {
+    kt_tensor::cuda::CudaBackend::new()
+        .map(|b| Arc::new(b) as Arc<dyn Backend>)
+        .map_err(|e| format!("this agent cannot move CUDA tensors: {e}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend() -> Result<Arc<dyn Backend>, String> {
+    Err("this agent was built without CUDA support (feature `cuda`)".into())
+}
+
+/// Drops registrations of exited processes until `shutdown`.
+pub async fn reap_loop(tensors: Arc<Tensors>, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(REAP_EVERY) => {}
+            _ = tensors.wake.notified() => {}
+        }
+        tensors.reap().await;
+    }
+}
+
+/// `POST /api/v1/tensors/sessions`.
+pub fn routes(tensors: Arc<Tensors>) -> axum::Router {
+    axum::Router::new()
+        .route("/api/v1/tensors/sessions", post(session))
+        .with_state(tensors)
+}
+
+async fn session(
+    State(t): State<Arc<Tensors>>,
+    axum::Json(req): axum::Json<SessionRequest>,
+) -> Result<axum::Json<SessionReply>, ApiError> {
+    t.open_session(req).await.map(axum::Json)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owners_are_processes_with_their_start_time() {
+        let me = Owner::of(Some(std::process::id() as i32), 1);
+        assert_eq!(me.pid, std::process::id());
+        assert!(me.start > 0);
+        assert!(me.alive(&HashSet::new()));
+        let reused = Owner {
+            start: me.start + 1,
+            ..me.clone()
+        };
+        assert!(!reused.alive(&HashSet::new()));
+        let hidden = Owner::of(None, 7);
+        assert_eq!(hidden.pid, 0);
+        assert!(hidden.alive(&HashSet::from([7])));
+        assert!(!hidden.alive(&HashSet::from([8])));
+        assert!(me.same_process(&Owner {
+            conn: 9,
+            ..me.clone()
+        }));
+        // An exited child not yet reaped is not alive.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| !s.contains(") Z "))
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the child never exited"
+            );
+            std::thread::yield_now();
+        }
+        assert_eq!(proc_start(pid), None);
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn only_handles_nothing_else_uses_are_released() {
+        let ipc = |h: &str, offset| MemHandle::CudaIpc {
+            handle: h.into(),
+            offset,
+            len: 4,
+            device_uuid: None,
+        };
+        let shm = MemHandle::Shm {
+            path: "/dev/shm/x".into(),
+            offset: 0,
+            len: 4,
+        };
+        let gone = [ipc("a", 0), ipc("a", 4), ipc("b", 0), ipc("c", 0), shm];
+        let kept = [ipc("b", 8)];
+        let lent = [ipc("c", 0)];
+        // "a" twice (two tensors of one allocation) is released once; "b"
+        // backs a kept registration, "c" a live getter's destination.
+        assert_eq!(unused(&gone, &kept, &lent), [ipc("a", 0)]);
+        assert_eq!(unused(&gone, &[], &[]).len(), 3);
+    }
+
+    #[test]
+    fn owners_with_and_without_pids_are_never_one_process() {
+        let with = Owner {
+            pid: 42,
+            start: 7,
+            conn: 3,
+        };
+        let without = Owner {
+            pid: 0,
+            start: 0,
+            conn: 3,
+        };
+        assert!(!with.same_process(&without) && !without.same_process(&with));
+        assert!(without.same_process(&without.clone()));
+        assert!(with.same_process(&Owner {
+            conn: 9,
+            ..with.clone()
+        }));
+        assert!(!with.same_process(&Owner {
+            start: 8,
+            ..with.clone()
+        }));
+    }
+
+    #[test]
+    fn auto_groups_are_valid_group_ids() {
+        let g = auto_group(&Key::parse("team/model/weights").unwrap());
+        kt_types::broadcast::check_group_id(&g).unwrap();
+        assert!(g.starts_with("auto-team.model.weights-"), "{g}");
+        assert_ne!(g, auto_group(&Key::parse("team/model.weights").unwrap()));
+    }
+}
