@@ -79,7 +79,7 @@ enum Output {
 
 /// How put and get report what they did.
 #[derive(Debug, Clone, Copy, ValueEnum)]
-enum SummaryFormat {
+pub(crate) enum SummaryFormat {
     /// One human-readable line.
     Text,
     /// One JSON object (`kt_types::api::TransferSummary`).
@@ -149,6 +149,11 @@ enum Cmd {
         key: String,
         #[arg(short, long)]
         recursive: bool,
+    },
+    /// GPU data: tensors and state dicts, moved by this pod's node agent.
+    Tensor {
+        #[command(subcommand)]
+        cmd: crate::tensor_cli::TensorCmd,
     },
 }
 
@@ -224,7 +229,12 @@ fn print_table(entries: &[ListEntry], wide: bool) {
         if let Some(r) = &e.record {
             let mut row = vec![
                 e.name.clone(),
-                if r.is_dir { "dir" } else { "file" }.into(),
+                match (&r.tensors, r.is_dir) {
+                    (Some(_), _) => "tensors",
+                    (None, true) => "dir",
+                    (None, false) => "file",
+                }
+                .into(),
                 location(r),
                 human(r.size),
                 format!("{:?}", r.lifespan).to_lowercase(),
@@ -284,6 +294,9 @@ fn check_external(cmd: &Cmd) -> anyhow::Result<()> {
             broadcast: true, ..
         } => anyhow::bail!(
             "--kube: a broadcast getter serves its children from its pod; run it in a pod"
+        ),
+        Cmd::Tensor { .. } => anyhow::bail!(
+            "--kube: tensors are moved by a pod's node agent from its memory; run kt tensor in a pod"
         ),
         _ => Ok(()),
     }
@@ -345,6 +358,9 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
         None => (cli.metadata_url.clone(), given_token(&cli)?, None),
     };
     let token = token.context("no token: set KT_TOKEN or pass --token-file")?;
+    if let Cmd::Tensor { cmd } = cli.cmd {
+        return crate::tensor_cli::run(cmd, &metadata_url, &token).await;
+    }
     let mut cfg = ClientConfig::new(&metadata_url, token);
     cfg.streams = cli.streams.max(1);
     // Outside the cluster there is no agent to serve copies to other pods.
@@ -496,6 +512,7 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
                 println!("deleted {k}");
             }
         }
+        Cmd::Tensor { .. } => unreachable!("handled before the client is built"),
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 mod cli;
 #[cfg(feature = "kube")]
 mod external;
+mod tensor_cli;
 
 fn main() -> std::process::ExitCode {
     cli::main()

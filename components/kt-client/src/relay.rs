@@ -362,28 +362,7 @@ pub struct Relay {
 /// The ports `KT_RELAY_PORT` names: `8091`, `8091-8099`, or `0` (any);
 /// empty: the default range.
 pub fn relay_ports(spec: &str) -> Result<Vec<u16>, String> {
-    let spec = spec.trim();
-    let spec = if spec.is_empty() {
-        DEFAULT_RELAY_PORTS
-    } else {
-        spec
-    };
-    let bad = || {
-        format!(
-            "{}={spec:?}: a port or a range such as 8091-8099",
-            kt_types::env::RELAY_PORT
-        )
-    };
-    let (lo, hi) = match spec.split_once('-') {
-        Some((a, b)) => (a.trim().parse::<u16>(), b.trim().parse::<u16>()),
-        None => (spec.parse::<u16>(), spec.parse::<u16>()),
-    };
-    let (lo, hi) = (lo.map_err(|_| bad())?, hi.map_err(|_| bad())?);
-    if lo > hi {
-        return Err(bad());
-    }
-    // 0 is "any": nothing to try before the system's choice.
-    Ok((lo..=hi).filter(|p| *p != 0).collect())
+    kt_types::env::ports(kt_types::env::RELAY_PORT, spec, DEFAULT_RELAY_PORTS)
 }
 
 /// The relay ports tried by default (the NetworkPolicy of kt's bundle opens them).
