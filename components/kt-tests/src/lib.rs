@@ -92,6 +92,13 @@ impl Cluster {
         c
     }
 
+    /// The shared-memory directory of this cluster's agents and tensors.
+    pub fn shm_dir(&self) -> PathBuf {
+        let d = self.dir.path().join("shm");
+        std::fs::create_dir_all(&d).expect("shm dir");
+        d
+    }
+
     pub fn metadata_url(&self) -> String {
         format!(
             "http://{}",
@@ -287,12 +294,16 @@ impl Cluster {
     /// Starts a node agent named `id` that beats to this cluster's metadata server.
     pub async fn start_agent(&self, id: &str) -> Agent {
         let run = self.dir.path().join(format!("agent-{id}"));
-        let cfg = kt_agent::Config::new(
+        let mut cfg = kt_agent::Config::new(
             id,
             self.metadata_url(),
             Token::new(TOKEN).expect("token"),
             run.join("agent.sock"),
         );
+        // Every agent of a cluster shares one shared-memory directory (as the
+        // containers of a pod do), apart from the host's /dev/shm.
+        cfg.shm_dir = self.shm_dir();
+        cfg.tensor_timeout = Duration::from_secs(20);
         let (server, url, exports) = start_agent_at(&cfg, "127.0.0.1:0").await;
         Agent {
             id: id.to_owned(),
@@ -329,9 +340,15 @@ impl Agent {
     /// Stops the agent (as on SIGTERM) and starts it again on the same
     /// address, socket and state directory.
     pub async fn restart(&mut self) {
+        self.restart_after(async {}).await;
+    }
+
+    /// [`Agent::restart`], with `meanwhile` run while the agent is down.
+    pub async fn restart_after(&mut self, meanwhile: impl std::future::Future<Output = ()>) {
         let old = self.server.take().expect("agent running");
         let addr = old.addr;
         old.stop().await;
+        meanwhile.await;
         let (server, url, exports) = start_agent_at(&self.config, &addr.to_string()).await;
         self.server = Some(server);
         self.url = url;
