@@ -6,6 +6,26 @@
 //! (`name`, `expect`, `timeout`, `budget`, `record`); [`Step`]'s hand-written
 //! `Deserialize` reads that shape directly from the YAML stream, so errors
 //! inside an action keep their position too.
+//!
+//! GPU data (`kt tensor`) has its own steps:
+//!
+//! ```yaml
+//! - tensor_put: { pod: trainer, key: "{{scenario}}/w", layout: "w=f32[256,256];b=f32[256]",
+//!                 repeat: 50, seed: 7, hold: true, as: weights }   # stays up, registered
+//! - tensor_get: { pod: worker, key: "{{scenario}}/w", layout: "...", repeat: 50, seed: 7 }
+//!   record: p2p                    # tensors, bytes, collectives, digest (never seconds)
+//! - parallel:                      # a broadcast put returns when the transfer is over
+//!     - tensor_put: { pod: trainer, key: K, layout: L, seed: 1,
+//!                     broadcast: { group: "g-{{run}}", world_size: 5, pack: true }, bucket: 1MiB }
+//!     - tensor_get: { pod: worker, keys: [K], layout: L, seeds: [1],
+//!                     broadcast: { group: "g-{{run}}", world_size: 5, window: 30s, ips: [trainer] } }
+//! - tensor_ls: { pod: trainer }    # the agent's registrations, recorded
+//! - stop: { holder: weights, signal: KILL }   # default TERM (must exit 0)
+//! - restart: { agent: trainer }    # the pod's agent alone; its processes live on
+//! ```
+//!
+//! `ips` names pods; `kt` gets their addresses. A `gpu`-tagged scenario (or
+//! one with `gpu: true` pods) runs only where CUDA is usable.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -453,19 +473,202 @@ pub struct TeardownStep {
     pub pod: Option<String>,
 }
 
+/// `kill: { component: NAME }` (a server, or a pod: its commands and its
+/// agent) or `kill: { agent: POD }` (the pod's node agent alone: its
+/// commands, such as tensor holders, live on).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KillStep {
-    pub component: ComponentName,
+    #[serde(default)]
+    pub component: Option<ComponentName>,
+    #[serde(default)]
+    pub agent: Option<String>,
     #[serde(default)]
     pub signal: Signal,
 }
 
+/// `restart: { component: NAME }` or `restart: { agent: POD }` (see
+/// [`KillStep`]).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RestartStep {
-    pub component: ComponentName,
+    #[serde(default)]
+    pub component: Option<ComponentName>,
+    #[serde(default)]
+    pub agent: Option<String>,
     /// How the running process is stopped first (default TERM).
+    #[serde(default)]
+    pub signal: Option<Signal>,
+}
+
+/// What a `kill` or `restart` step reaches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Victim<'a> {
+    /// `metadata`, `store`, or a pod (group or instance) with its commands.
+    Component(&'a str),
+    /// The node agents of a pod (group or instance), alone.
+    Agent(&'a str),
+}
+
+/// The one victim of `component`/`agent`; Err when not exactly one is set.
+pub fn victim<'a>(
+    component: &'a Option<ComponentName>,
+    agent: &'a Option<String>,
+) -> Result<Victim<'a>, &'static str> {
+    match (component, agent) {
+        (Some(c), None) => Ok(Victim::Component(c)),
+        (None, Some(a)) => Ok(Victim::Agent(a)),
+        _ => Err(
+            "name exactly one of `component` (metadata, store or a pod) or `agent` (a pod's agent alone)",
+        ),
+    }
+}
+
+impl KillStep {
+    pub fn victim(&self) -> Result<Victim<'_>, &'static str> {
+        victim(&self.component, &self.agent)
+    }
+}
+
+impl RestartStep {
+    pub fn victim(&self) -> Result<Victim<'_>, &'static str> {
+        victim(&self.component, &self.agent)
+    }
+}
+
+/// Quorum options of `tensor_put` and `tensor_get` (`kt tensor ...
+/// --broadcast`): the quorum closes on `world_size`, on `window` after its
+/// first join, or once every pod of `ips` joined, whichever comes first.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorBroadcast {
+    /// The quorum's group id (use `{{run}}`); default: one group per key.
+    #[serde(default)]
+    pub group: Option<String>,
+    /// Pods (putters and getters) that close the quorum.
+    #[serde(default)]
+    pub world_size: Option<u32>,
+    /// How long after its first join the quorum closes, e.g. `2s`.
+    #[serde(default)]
+    pub window: Option<String>,
+    /// Pods (groups or instances) whose joins close the quorum; `kt` gets
+    /// their addresses.
+    #[serde(default)]
+    pub ips: Vec<String>,
+    /// Children per node of the host backend's tree.
+    #[serde(default)]
+    pub fanout: Option<u32>,
+    /// Every tensor of one dtype as one buffer (in buckets of `bucket`).
+    #[serde(default)]
+    pub pack: bool,
+}
+
+/// `kt tensor put`: generated tensors (a layout, contents from a seed and
+/// each tensor's name) registered with the pod's agent. A pod group puts
+/// from every replica at once. With `hold`, the process stays in the pod
+/// (registrations live as long as their process) under the name `as`,
+/// until a `stop` step or the scenario's end; without it, the command
+/// returns once the key is published or, with `broadcast`, once the
+/// quorum's transfer is over.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorPutStep {
+    pub pod: String,
+    pub key: String,
+    /// `name=dtype[d0,d1];...`, or one unnamed `dtype[d0,...]`.
+    pub layout: String,
+    /// Copies of the layout (a state dict), names suffixed `.0`, `.1`, ...
+    #[serde(default)]
+    pub repeat: Option<u32>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// `cpu` (default; shared memory, host backend) or `cuda:N`.
+    #[serde(default)]
+    pub device: Option<String>,
+    #[serde(default)]
+    pub lifespan: Option<String>,
+    #[serde(default)]
+    pub ttl: Option<String>,
+    #[serde(default)]
+    pub service: Option<String>,
+    #[serde(default)]
+    pub broadcast: Option<TensorBroadcast>,
+    /// Pack bucket size.
+    #[serde(default)]
+    pub bucket: Option<Size>,
+    #[serde(default)]
+    pub hold: bool,
+    /// The holder's name for `stop` (with `hold`).
+    #[serde(default, rename = "as")]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub auth: Auth,
+}
+
+/// `kt tensor get`: every pod of `pod` allocates tensors of `layout` for
+/// each key, receives into them (peer to peer, or through the quorum with
+/// `broadcast`) and checks every byte against `seed` (one for every key) or
+/// `seeds` (one per key).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorGetStep {
+    pub pod: String,
+    #[serde(default)]
+    pub key: Option<String>,
+    #[serde(default)]
+    pub keys: Vec<String>,
+    pub layout: String,
+    #[serde(default)]
+    pub repeat: Option<u32>,
+    #[serde(default)]
+    pub device: Option<String>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub seeds: Vec<u64>,
+    #[serde(default)]
+    pub broadcast: Option<TensorBroadcast>,
+    /// Peer to peer: `false` moves one tensor per collective (`--no-pack`).
+    #[serde(default = "yes")]
+    pub pack: bool,
+    #[serde(default)]
+    pub bucket: Option<Size>,
+    #[serde(default)]
+    pub auth: Auth,
+}
+
+impl TensorGetStep {
+    /// `key` and `keys` together, in order.
+    pub fn all_keys(&self) -> Vec<&str> {
+        self.key
+            .iter()
+            .chain(&self.keys)
+            .map(String::as_str)
+            .collect()
+    }
+
+    /// The `--seed` values.
+    pub fn all_seeds(&self) -> Vec<u64> {
+        self.seed.iter().chain(&self.seeds).copied().collect()
+    }
+}
+
+/// `kt tensor ls` in a pod: its agent's registrations go into the record.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorLsStep {
+    pub pod: String,
+    #[serde(default)]
+    pub auth: Auth,
+}
+
+/// Signals the processes a `tensor_put` with `hold` left under `holder`
+/// and waits for them to end. TERM (the default) must end them cleanly
+/// (exit 0); KILL is the process dying under its registrations.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StopStep {
+    pub holder: String,
     #[serde(default)]
     pub signal: Option<Signal>,
 }
@@ -680,6 +883,11 @@ pub enum Action {
     /// Reads one metric from every instance of a component (e.g. the agents
     /// of a pod group) and records its spread.
     Metrics(MetricsStep),
+    TensorPut(TensorPutStep),
+    TensorGet(TensorGetStep),
+    TensorLs(TensorLsStep),
+    /// Ends held processes (`tensor_put` with `hold`).
+    Stop(StopStep),
     /// Children run at the same time; the step ends when all have.
     Parallel(Vec<Step>),
     /// Children run one after another (a branch of a `parallel`).
@@ -700,6 +908,10 @@ pub const ACTIONS: &[&str] = &[
     "snapshot",
     "exec",
     "metrics",
+    "tensor_put",
+    "tensor_get",
+    "tensor_ls",
+    "stop",
     "parallel",
     "sequence",
 ];
@@ -723,6 +935,10 @@ const STEP_KEYS: &[&str] = &[
     "snapshot",
     "exec",
     "metrics",
+    "tensor_put",
+    "tensor_get",
+    "tensor_ls",
+    "stop",
     "parallel",
     "sequence",
 ];
@@ -743,6 +959,10 @@ impl Action {
             Action::Snapshot(_) => "snapshot",
             Action::Exec(_) => "exec",
             Action::Metrics(_) => "metrics",
+            Action::TensorPut(_) => "tensor_put",
+            Action::TensorGet(_) => "tensor_get",
+            Action::TensorLs(_) => "tensor_ls",
+            Action::Stop(_) => "stop",
             Action::Parallel(_) => "parallel",
             Action::Sequence(_) => "sequence",
         }
@@ -801,6 +1021,16 @@ impl<'de> Deserialize<'de> for Step {
                         "assert" => set_action(Action::Assert(map.next_value()?), &mut action)?,
                         "exec" => set_action(Action::Exec(map.next_value()?), &mut action)?,
                         "metrics" => set_action(Action::Metrics(map.next_value()?), &mut action)?,
+                        "tensor_put" => {
+                            set_action(Action::TensorPut(map.next_value()?), &mut action)?
+                        }
+                        "tensor_get" => {
+                            set_action(Action::TensorGet(map.next_value()?), &mut action)?
+                        }
+                        "tensor_ls" => {
+                            set_action(Action::TensorLs(map.next_value()?), &mut action)?
+                        }
+                        "stop" => set_action(Action::Stop(map.next_value()?), &mut action)?,
                         "parallel" => set_action(Action::Parallel(map.next_value()?), &mut action)?,
                         "sequence" => set_action(Action::Sequence(map.next_value()?), &mut action)?,
                         other => return Err(de::Error::unknown_field(other, STEP_KEYS)),

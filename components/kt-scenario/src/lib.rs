@@ -19,4 +19,5 @@ pub mod runner;
 pub mod snapshot;
 pub mod target;
 pub mod template;
+pub mod tensor;
 pub mod validate;

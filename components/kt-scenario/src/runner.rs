@@ -17,14 +17,17 @@ use tokio_util::sync::CancellationToken;
 use crate::data::{self, Digest};
 use futures::StreamExt as _;
 
-use crate::format::{Action, Auth, Condition, ErrorClass, Expect, MetricsStep, Signal, Step};
+use crate::format::{
+    Action, Auth, Condition, ErrorClass, Expect, MetricsStep, Signal, Step, TensorBroadcast, Victim,
+};
 use crate::live::Live;
 use crate::report::{BudgetCheck, PodResult, RunReport, ScenarioReport, Status, StepReport};
 use crate::snapshot::{Redactor, Snapshots};
 use crate::target::{
-    Component, ExecOutput, ExecRequest, Plan, PodPlan, Program, Target, parse_link,
+    Component, ExecOutput, ExecRequest, Plan, PodPlan, PodProcess, Program, Target, parse_link,
 };
 use crate::template::Context;
+use crate::tensor;
 use crate::validate::Loaded;
 
 /// Default limit of one step, and of a whole scenario.
@@ -34,6 +37,8 @@ const WAIT_POLL: Duration = Duration::from_millis(20);
 /// Limit of the runner's own requests (readiness, metrics, state dumps).
 const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
 const DUMP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a holder left at the scenario's end gets after TERM.
+const HOLDER_GRACE: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone)]
 pub struct Options {
@@ -71,10 +76,46 @@ fn skip_reason(l: &Loaded, target: &dyn Target) -> Option<String> {
             target.name()
         ));
     }
-    if tags.iter().any(|t| t == "gpu") || l.scenario.topology.pods.iter().any(|p| p.gpu) {
-        return Some("needs a GPU, and GPU pods arrive with issue 6".into());
+    if needs_gpu(l) {
+        if let Some(why) = cuda_missing() {
+            return Some(why);
+        }
+        if !matches!(target.name(), "local" | "netns") {
+            return Some(format!(
+                "gpu scenarios run on the local and netns targets (the {} target gives its pods no GPU yet)",
+                target.name()
+            ));
+        }
     }
     target.unavailable()
+}
+
+/// Is `l` a CUDA scenario (tag `gpu`, or a pod with `gpu: true`)?
+pub fn needs_gpu(l: &Loaded) -> bool {
+    l.scenario.tags.iter().any(|t| t == "gpu") || l.scenario.topology.pods.iter().any(|p| p.gpu)
+}
+
+/// Why CUDA is not usable here (None: it is). `KT_GPU=1` says it is;
+/// otherwise `nvidia-smi -L` must list a device. Asked once per run.
+pub fn cuda_missing() -> Option<String> {
+    static PROBE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            let forced = std::env::var("KT_GPU").is_ok_and(|v| v == "1");
+            let listed = || {
+                std::process::Command::new("nvidia-smi")
+                    .arg("-L")
+                    .stdin(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .output()
+                    .is_ok_and(|o| o.status.success() && !o.stdout.trim_ascii().is_empty())
+            };
+            (!forced && !listed()).then(|| {
+                "no CUDA device here (nvidia-smi -L failed); gpu scenarios run on GPU runners (.github/workflows/gpu.yml)"
+                    .to_owned()
+            })
+        })
+        .clone()
 }
 
 impl Runner {
@@ -276,6 +317,11 @@ impl Runner {
         } else {
             report.status = Status::Passed;
         }
+        // Held processes end before the testbed does (after `--keep`'s
+        // pause, which keeps them up too).
+        if let Some(s) = &scn {
+            s.stop_holders().await;
+        }
         if let Err(e) = target.down().await {
             self.live
                 .line(&format!("warning: tearing down {}: {e}", l.name));
@@ -456,6 +502,15 @@ struct Scn<'a> {
     context: Mutex<Vec<String>>,
     /// No step runs past this (the scenario's timeout; then per `finally` step).
     deadline: Mutex<Instant>,
+    /// Processes `tensor_put` steps with `hold` left running, by `as` name.
+    holders: tokio::sync::Mutex<BTreeMap<String, Vec<Holder>>>,
+}
+
+/// A process left running in a pod (a `kt tensor put --hold`).
+struct Holder {
+    pod: String,
+    args: Vec<String>,
+    proc: Box<dyn PodProcess>,
 }
 
 /// What one pod's command did.
@@ -596,6 +651,7 @@ impl<'a> Scn<'a> {
             records: Mutex::new(BTreeMap::new()),
             context: Mutex::new(Vec::new()),
             deadline: Mutex::new(Instant::now() + SCENARIO_TIMEOUT),
+            holders: tokio::sync::Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -850,8 +906,16 @@ impl<'a> Scn<'a> {
             Action::Rm(r) => format!("rm {}{}", if r.recursive { "-r " } else { "" }, x(&r.key)),
             Action::Broadcast(g) => format!("broadcast {} into {}", x(&g.key), g.pod),
             Action::Teardown(t) => format!("teardown {}", t.service),
-            Action::Kill(k) => format!("kill -{:?} {}", k.signal, k.component),
-            Action::Restart(r) => format!("restart {}", r.component),
+            Action::Kill(k) => match k.victim() {
+                Ok(Victim::Agent(p)) => format!("kill -{:?} the agent of {p}", k.signal),
+                Ok(Victim::Component(c)) => format!("kill -{:?} {c}", k.signal),
+                Err(_) => "kill".to_owned(),
+            },
+            Action::Restart(r) => match r.victim() {
+                Ok(Victim::Agent(p)) => format!("restart the agent of {p}"),
+                Ok(Victim::Component(c)) => format!("restart {c}"),
+                Err(_) => "restart".to_owned(),
+            },
             Action::Wait(w) => match &w.condition {
                 Condition::Ready(c) => format!("wait for {c} ready"),
                 Condition::Key(k) => format!("wait for key {}", x(k)),
@@ -874,6 +938,36 @@ impl<'a> Scn<'a> {
                 e.args.iter().map(|a| x(a)).collect::<Vec<_>>().join(" ")
             ),
             Action::Metrics(m) => format!("metric {} of {}", m.name, m.component),
+            Action::TensorPut(p) => {
+                let mut d = format!("tensor put {} from {} ({}", x(&p.key), p.pod, x(&p.layout));
+                if let Some(r) = p.repeat {
+                    d.push_str(&format!(" x{r}"));
+                }
+                d.push(')');
+                if p.broadcast.is_some() {
+                    d.push_str(", broadcast");
+                }
+                if let Some(n) = p.name.as_ref().filter(|_| p.hold) {
+                    d.push_str(&format!(", held as {n}"));
+                }
+                d
+            }
+            Action::TensorGet(g) => {
+                let keys: Vec<String> = g.all_keys().into_iter().map(x).collect();
+                let mut d = format!("tensor get {} into {}", keys.join(","), g.pod);
+                if g.broadcast.is_some() {
+                    d.push_str(", broadcast");
+                } else if !g.pack {
+                    d.push_str(", unpacked");
+                }
+                d
+            }
+            Action::TensorLs(t) => format!("tensor ls in {}", t.pod),
+            Action::Stop(st) => format!(
+                "stop -{:?} holder {}",
+                st.signal.unwrap_or(Signal::TERM),
+                st.holder
+            ),
             Action::Parallel(c) => format!("parallel ({} steps)", c.len()),
             Action::Sequence(c) => format!("sequence ({} steps)", c.len()),
         }
@@ -1268,22 +1362,182 @@ impl<'a> Scn<'a> {
                 Ok(())
             }
             Action::Kill(k) => {
-                let outcome = self
-                    .each_component(&k.component, |c| async move {
-                        self.target.kill(&c, k.signal).await
-                    })
-                    .await;
+                let outcome = match k.victim() {
+                    Ok(Victim::Component(name)) => {
+                        self.each_component(name, |c| async move {
+                            self.target.kill(&c, k.signal).await
+                        })
+                        .await
+                    }
+                    Ok(Victim::Agent(pod)) => {
+                        self.each_agent(pod, |p| async move {
+                            self.target.kill_agent(&p, k.signal).await
+                        })
+                        .await
+                    }
+                    Err(e) => Err(e.to_owned()),
+                };
                 self.expect_plain(step, outcome)
             }
             Action::Restart(r) => {
                 let sig = r.signal.unwrap_or(Signal::TERM);
-                let outcome = self
-                    .each_component(&r.component, |c| async move {
-                        self.target.kill(&c, sig).await?;
-                        self.target.start(&c).await
-                    })
-                    .await;
+                let outcome = match r.victim() {
+                    Ok(Victim::Component(name)) => {
+                        self.each_component(name, |c| async move {
+                            self.target.kill(&c, sig).await?;
+                            self.target.start(&c).await
+                        })
+                        .await
+                    }
+                    Ok(Victim::Agent(pod)) => {
+                        self.each_agent(pod, |p| async move {
+                            self.target.kill_agent(&p, sig).await?;
+                            self.target.start(&Component::Pod(p)).await
+                        })
+                        .await
+                    }
+                    Err(e) => Err(e.to_owned()),
+                };
                 self.expect_plain(step, outcome)
+            }
+            Action::TensorPut(p) => {
+                let pods = self.select(&p.pod);
+                let (group, ips) = self.quorum(p.broadcast.as_ref()).await?;
+                let layout = self.expand(&p.layout)?;
+                let resolved = tensor::Resolved {
+                    layout: &layout,
+                    group: group.as_deref(),
+                    ips: &ips,
+                };
+                let args = |_: &PodPlan, ctx: &Context| -> Result<Vec<String>, String> {
+                    let key = ctx.expand(&p.key).map_err(|e| e.to_string())?;
+                    Ok(tensor::put_args(p, &key, resolved))
+                };
+                let runs = if p.hold {
+                    let held = join_all(pods.iter().map(|pod| {
+                        let ctx = self.ctx.for_pod(&pod.name, pod.index);
+                        self.hold(pod, args(pod, &ctx), p.auth, started)
+                    }))
+                    .await;
+                    let mut runs = Vec::new();
+                    let mut holders = Vec::new();
+                    for (run, holder) in held {
+                        runs.push(run);
+                        holders.extend(holder);
+                    }
+                    if !holders.is_empty() {
+                        let name = p.name.clone().unwrap_or_else(|| result.index.clone());
+                        self.holders
+                            .lock()
+                            .await
+                            .entry(name)
+                            .or_default()
+                            .extend(holders);
+                    }
+                    runs
+                } else {
+                    self.in_pods(&pods, Invocation::kt(p.auth), args, started, &result.index)
+                        .await
+                };
+                self.settle(step, &runs, result)?;
+                if let Some(r) = summaries_record(&runs, tensor::put_record)? {
+                    result.record = Some(r);
+                }
+                Ok(())
+            }
+            Action::TensorGet(g) => {
+                let pods = self.select(&g.pod);
+                let (group, ips) = self.quorum(g.broadcast.as_ref()).await?;
+                let layout = self.expand(&g.layout)?;
+                let resolved = tensor::Resolved {
+                    layout: &layout,
+                    group: group.as_deref(),
+                    ips: &ips,
+                };
+                let runs = self
+                    .in_pods(
+                        &pods,
+                        Invocation::kt(g.auth),
+                        |_, ctx| {
+                            let keys = (g.all_keys().into_iter())
+                                .map(|k| ctx.expand(k).map_err(|e| e.to_string()))
+                                .collect::<Result<Vec<String>, String>>()?;
+                            Ok(tensor::get_args(g, &keys, resolved))
+                        },
+                        started,
+                        &result.index,
+                    )
+                    .await;
+                self.settle(step, &runs, result)?;
+                if let Some(r) = summaries_record(&runs, tensor::get_record)? {
+                    result.record = Some(r);
+                }
+                Ok(())
+            }
+            Action::TensorLs(t) => {
+                let pods = self.select(&t.pod);
+                let runs = self
+                    .in_pods(
+                        &pods,
+                        Invocation::kt(t.auth),
+                        |_, _| {
+                            Ok(vec![
+                                "tensor".into(),
+                                "ls".into(),
+                                "-o".into(),
+                                "json".into(),
+                            ])
+                        },
+                        started,
+                        &result.index,
+                    )
+                    .await;
+                self.settle(step, &runs, result)?;
+                let mut by_pod = serde_json::Map::new();
+                for (pod, o) in ok_outputs(&runs) {
+                    let regs = tensor::ls_record(&o.stdout).map_err(|e| format!("{pod}: {e}"))?;
+                    by_pod.insert(pod.to_owned(), regs);
+                }
+                result.record = match (pods.len(), by_pod.len()) {
+                    (_, 0) => None,
+                    (1, _) => by_pod.into_iter().next().map(|(_, v)| v),
+                    _ => Some(Value::Object(by_pod)),
+                };
+                Ok(())
+            }
+            Action::Stop(st) => {
+                let sig = st.signal.unwrap_or(Signal::TERM);
+                let held = self
+                    .holders
+                    .lock()
+                    .await
+                    .remove(&st.holder)
+                    .ok_or_else(|| format!("no process is held as `{}` (any more)", st.holder))?;
+                let runs = join_all(held.into_iter().map(|mut h| async move {
+                    let t = Instant::now();
+                    let out = async {
+                        h.proc.signal(sig).await?;
+                        h.proc.wait().await
+                    }
+                    .await
+                    .map(|mut o| {
+                        // Dying of the KILL asked for is the expected end.
+                        if sig == Signal::KILL && o.status == 128 + 9 {
+                            o.status = 0;
+                        }
+                        o.duration = t.elapsed();
+                        o
+                    })
+                    .map_err(|e| e.to_string());
+                    PodRun {
+                        pod: h.pod,
+                        args: h.args,
+                        out,
+                        finished: started.elapsed(),
+                    }
+                }))
+                .await;
+                self.settle(step, &runs, result)
             }
             Action::Wait(w) => {
                 let outcome = loop {
@@ -1440,6 +1694,128 @@ impl<'a> Scn<'a> {
         )
     }
 
+    /// Runs `f` on the agent of every pod `name` selects, all at once.
+    async fn each_agent<F, Fut>(&self, name: &str, f: F) -> Result<(), String>
+    where
+        F: Fn(String) -> Fut,
+        Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
+    {
+        let pods: Vec<String> = self.select(name).iter().map(|p| p.name.clone()).collect();
+        if pods.is_empty() {
+            return Err(format!("no pod named {name}"));
+        }
+        all_at_once(pods, |p| format!("the agent of pod {p}"), f).await
+    }
+
+    /// A tensor broadcast's group (expanded) and the addresses of the pods
+    /// its `ips` names.
+    async fn quorum(
+        &self,
+        b: Option<&TensorBroadcast>,
+    ) -> Result<(Option<String>, Vec<String>), String> {
+        let Some(b) = b else {
+            return Ok((None, Vec::new()));
+        };
+        let group = b.group.as_deref().map(|g| self.expand(g)).transpose()?;
+        let mut ips = Vec::new();
+        for name in &b.ips {
+            let pods = self.select(name);
+            if pods.is_empty() {
+                return Err(format!("no pod named {name}"));
+            }
+            for p in pods {
+                let ip = self
+                    .target
+                    .pod_ip(&p.name)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                ips.push(ip);
+            }
+        }
+        Ok((group, ips))
+    }
+
+    /// Starts `args` (a `kt tensor put --hold`) in `pod` and waits for its
+    /// `holding` line: the run, and the process when it holds.
+    async fn hold(
+        &self,
+        pod: &PodPlan,
+        args: Result<Vec<String>, String>,
+        auth: Auth,
+        started: Instant,
+    ) -> (PodRun, Option<Holder>) {
+        let t = Instant::now();
+        let run = |args: Vec<String>, out| PodRun {
+            pod: pod.name.clone(),
+            args,
+            out,
+            finished: started.elapsed(),
+        };
+        let args = match args {
+            Ok(a) => a,
+            Err(e) => return (run(vec![], Err(e)), None),
+        };
+        let req = ExecRequest {
+            pod: pod.name.clone(),
+            program: Program::Kt,
+            args: args.clone(),
+            env: Vec::new(),
+            token: self.token_for(auth),
+        };
+        let mut proc = match self.target.spawn(req).await {
+            Ok(p) => p,
+            Err(e) => return (run(args, Err(e.to_string())), None),
+        };
+        let mut stdout = String::new();
+        while let Some(line) = proc.line().await {
+            if tensor::is_holding(&line) {
+                let out = ExecOutput {
+                    status: 0,
+                    stdout,
+                    stderr: String::new(),
+                    duration: t.elapsed(),
+                };
+                let holder = Holder {
+                    pod: pod.name.clone(),
+                    args: args.clone(),
+                    proc,
+                };
+                return (run(args, Ok(out)), Some(holder));
+            }
+            stdout.push_str(&line);
+            stdout.push('\n');
+        }
+        // It ended without holding: its status says why.
+        let out = proc.wait().await.map_err(|e| e.to_string()).and_then(|o| {
+            if o.status == 0 {
+                Err(format!(
+                    "kt exited (0) without printing its `holding` line: {}",
+                    o.stdout.trim()
+                ))
+            } else {
+                Ok(o)
+            }
+        });
+        (run(args, out), None)
+    }
+
+    /// Ends every process still held: TERM, then KILL after a grace period.
+    async fn stop_holders(&self) {
+        let held = std::mem::take(&mut *self.holders.lock().await);
+        let stops = held.into_values().flatten().map(|mut h| async move {
+            let _ = h.proc.signal(Signal::TERM).await;
+            if tokio::time::timeout(HOLDER_GRACE, h.proc.wait())
+                .await
+                .is_err()
+            {
+                let _ = h.proc.signal(Signal::KILL).await;
+                let _ = tokio::time::timeout(HOLDER_GRACE, h.proc.wait()).await;
+            }
+        });
+        join_all(stops).await;
+    }
+
+    /// Runs `f` on every component `name` selects, all at once.
     async fn each_component<F, Fut>(&self, name: &str, f: F) -> Result<(), String>
     where
         F: Fn(Component) -> Fut,
@@ -1449,10 +1825,7 @@ impl<'a> Scn<'a> {
         if comps.is_empty() {
             return Err(format!("no component named {name}"));
         }
-        for c in comps {
-            f(c.clone()).await.map_err(|e| format!("{c}: {e}"))?;
-        }
-        Ok(())
+        all_at_once(comps, Component::to_string, f).await
     }
 
     fn pod_or_first(&self, name: Option<&str>) -> Result<&PodPlan, String> {
@@ -1658,6 +2031,27 @@ impl<'a> Scn<'a> {
     }
 }
 
+/// Runs `f` on every item at once: a kill or restart of a pod group hits
+/// its pods together, as a node failure would, rather than one after
+/// another (on slow targets a group's last pod would otherwise be hit long
+/// after its first). Every run finishes; the first error, named by `what`,
+/// is the outcome.
+async fn all_at_once<T, F, Fut>(
+    items: Vec<T>,
+    what: impl Fn(&T) -> String,
+    f: F,
+) -> Result<(), String>
+where
+    F: Fn(T) -> Fut,
+    Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
+{
+    let runs = items.into_iter().map(|item| {
+        let what = what(&item);
+        f(item).map(move |r| r.map_err(|e| format!("{what}: {e}")))
+    });
+    join_all(runs).await.into_iter().collect()
+}
+
 /// Hashes a tree on a blocking thread, so polls and kills in parallel steps
 /// are not held up by it.
 async fn digest_off_runtime(path: PathBuf) -> Result<Digest, String> {
@@ -1676,6 +2070,26 @@ fn index_order(i: &str) -> Vec<u64> {
         }
     }
     v
+}
+
+/// The pods and outputs of the runs that exited 0.
+fn ok_outputs(runs: &[PodRun]) -> impl Iterator<Item = (&str, &ExecOutput)> {
+    runs.iter().filter_map(|r| match &r.out {
+        Ok(o) if o.status == 0 => Some((r.pod.as_str(), o)),
+        _ => None,
+    })
+}
+
+/// The record of a `kt tensor` step: what `record` makes of the JSON
+/// summaries its successful runs printed (none when no run succeeded).
+fn summaries_record<T: serde::de::DeserializeOwned>(
+    runs: &[PodRun],
+    record: impl FnOnce(&[T]) -> Value,
+) -> Result<Option<Value>, String> {
+    let outs = ok_outputs(runs)
+        .map(|(pod, o)| tensor::summary(&o.stdout).map_err(|e| format!("{pod}: {e}")))
+        .collect::<Result<Vec<T>, String>>()?;
+    Ok((!outs.is_empty()).then(|| record(&outs)))
 }
 
 /// The observable result of puts/gets: one summary, or totals over pods.

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use crate::format::{Action, Condition, Expect, Scenario, Step};
+use crate::format::{Action, Condition, Expect, Scenario, Step, TensorBroadcast, Victim};
 use crate::locate::{Pos, Positions};
 use crate::target::parse_link;
 use crate::template;
@@ -82,6 +82,7 @@ pub fn parse(file: &Path, src: &str) -> Result<Loaded, Vec<Diagnostic>> {
         out: Vec::new(),
         pods: BTreeMap::new(),
         records: BTreeSet::new(),
+        holders: BTreeSet::new(),
         scenario: &scenario,
     };
     c.check(&name);
@@ -97,6 +98,8 @@ pub fn parse(file: &Path, src: &str) -> Result<Loaded, Vec<Diagnostic>> {
     }
 }
 
+const BUCKET_MINIMUM: &str = "buckets are at least 1MiB (kt_types::tensor::MIN_BUCKET_BYTES)";
+
 struct Checker<'a> {
     file: &'a Path,
     pos: Positions,
@@ -104,6 +107,8 @@ struct Checker<'a> {
     /// Pod group and instance names → number of instances.
     pods: BTreeMap<String, usize>,
     records: BTreeSet<String>,
+    /// `as` names of held tensor puts, in step order.
+    holders: BTreeSet<String>,
     scenario: &'a Scenario,
 }
 
@@ -255,6 +260,94 @@ impl Checker<'_> {
         }
     }
 
+    /// A put's `lifespan` and `ttl`.
+    fn lifespan(&mut self, body: &str, lifespan: Option<&str>, ttl: Option<&str>) {
+        if let Some(l) = lifespan
+            && l != "cluster"
+            && l != "resource"
+        {
+            self.err(
+                &format!("{body}.lifespan"),
+                "lifespan is `cluster` or `resource`",
+            );
+        }
+        if let Some(t) = ttl
+            && let Err(e) = humantime::parse_duration(t)
+        {
+            self.err(&format!("{body}.ttl"), format!("ttl: {e}"));
+        }
+    }
+
+    fn victim(&mut self, body: &str, v: Result<Victim<'_>, &'static str>) {
+        match v {
+            Ok(Victim::Component(c)) => self.component(&format!("{body}.component"), c),
+            Ok(Victim::Agent(p)) => self.pod(&format!("{body}.agent"), p),
+            Err(e) => self.err(body, e),
+        }
+    }
+
+    fn layout(&mut self, body: &str, layout: &str, repeat: Option<u32>) {
+        if repeat == Some(0) {
+            self.err(&format!("{body}.repeat"), "repeat must be at least 1");
+        }
+        let at = format!("{body}.layout");
+        let before = self.out.len();
+        self.template(&at, layout, false);
+        if self.out.len() > before {
+            return;
+        }
+        // Layouts name no run: only `vars` matter to their shape.
+        let ctx = template::Context::new("", "", &self.scenario.vars);
+        match ctx.expand(layout) {
+            Err(e) => self.err(&at, e.to_string()),
+            Ok(l) => {
+                if let Err(e) = kt_client::tensor::layout::parse(&l, repeat.unwrap_or(1)) {
+                    self.err(&at, format!("layout: {e}"));
+                }
+            }
+        }
+    }
+
+    fn device(&mut self, body: &str, device: Option<&str>) {
+        let Some(d) = device else { return };
+        match d.parse::<kt_types::tensor::Device>() {
+            Err(e) => self.err(&format!("{body}.device"), format!("device: {e}")),
+            Ok(kt_types::tensor::Device::Cuda(_)) if !self.gpu() => self.err(
+                &format!("{body}.device"),
+                "CUDA tensors need a CUDA machine: tag the scenario `gpu` so it runs only where there is one",
+            ),
+            Ok(_) => {}
+        }
+    }
+
+    fn gpu(&self) -> bool {
+        let s = self.scenario;
+        s.tags.iter().any(|t| t == "gpu") || s.topology.pods.iter().any(|p| p.gpu)
+    }
+
+    fn tensor_broadcast(&mut self, at: &str, b: &TensorBroadcast) {
+        if let Some(g) = &b.group {
+            self.template(&format!("{at}.group"), g, false);
+        }
+        if b.world_size == Some(0) {
+            self.err(&format!("{at}.world_size"), "world_size must be at least 1");
+        }
+        if b.fanout == Some(0) {
+            self.err(&format!("{at}.fanout"), "fanout must be at least 1");
+        }
+        if let Some(w) = &b.window
+            && humantime::parse_duration(w).is_err()
+        {
+            self.err(
+                &format!("{at}.window"),
+                format!("{w:?} is not a duration like 30s"),
+            );
+        }
+        for (i, p) in b.ips.iter().enumerate() {
+            self.pod(&format!("{at}.ips.{i}"), p);
+        }
+    }
+
     fn data(&mut self, path: &str, name: &str) {
         if !self.scenario.data.contains_key(name) {
             self.err(path, format!("no data set named `{name}` under `data:`"));
@@ -287,11 +380,14 @@ impl Checker<'_> {
                     | Action::Exec(_)
                     | Action::Metrics(_)
                     | Action::Teardown(_)
+                    | Action::TensorPut(_)
+                    | Action::TensorGet(_)
+                    | Action::TensorLs(_)
             );
             if !records {
                 self.err(
                     &format!("{at}.record"),
-                    format!("a {kind} step has no result to record (put, get, broadcast, ls, rm, exec, metrics and teardown do)"),
+                    format!("a {kind} step has no result to record (put, get, broadcast, ls, rm, exec, metrics, teardown and the tensor steps do)"),
                 );
             } else if !is_label(r) {
                 self.err(&format!("{at}.record"), "record names are lowercase words");
@@ -335,20 +431,7 @@ impl Checker<'_> {
                 {
                     self.err(&format!("{body}.locale"), "locale is `store` or `local`");
                 }
-                if let Some(l) = &p.lifespan
-                    && l != "cluster"
-                    && l != "resource"
-                {
-                    self.err(
-                        &format!("{body}.lifespan"),
-                        "lifespan is `cluster` or `resource`",
-                    );
-                }
-                if let Some(t) = &p.ttl
-                    && let Err(e) = humantime::parse_duration(t)
-                {
-                    self.err(&format!("{body}.ttl"), format!("ttl: {e}"));
-                }
+                self.lifespan(&body, p.lifespan.as_deref(), p.ttl.as_deref());
             }
             Action::Get(g) | Action::Broadcast(g) => {
                 let broadcast = matches!(step.action, Action::Broadcast(_));
@@ -410,8 +493,97 @@ impl Checker<'_> {
                     self.pod(&format!("{body}.pod"), p);
                 }
             }
-            Action::Kill(k) => self.component(&format!("{body}.component"), &k.component),
-            Action::Restart(r) => self.component(&format!("{body}.component"), &r.component),
+            Action::Kill(k) => self.victim(&body, k.victim()),
+            Action::Restart(r) => self.victim(&body, r.victim()),
+            Action::TensorPut(p) => {
+                self.pod(&format!("{body}.pod"), &p.pod);
+                self.template(&format!("{body}.key"), &p.key, true);
+                self.layout(&body, &p.layout, p.repeat);
+                self.device(&body, p.device.as_deref());
+                self.lifespan(&body, p.lifespan.as_deref(), p.ttl.as_deref());
+                if let Some(b) = &p.broadcast {
+                    self.tensor_broadcast(&format!("{body}.broadcast"), b);
+                }
+                if p.bucket
+                    .is_some_and(|b| b.0 < kt_types::tensor::MIN_BUCKET_BYTES)
+                {
+                    self.err(&format!("{body}.bucket"), BUCKET_MINIMUM);
+                }
+                match (&p.name, p.hold) {
+                    (Some(n), true) => {
+                        if !is_label(n) {
+                            self.err(&format!("{body}.as"), "holder names are lowercase words");
+                        } else if !self.holders.insert(n.clone()) {
+                            self.err(&format!("{body}.as"), format!("`{n}` holds twice"));
+                        }
+                    }
+                    (None, true) => self.err(
+                        &format!("{body}.hold"),
+                        "a held put needs `as: NAME`, the name a `stop` step ends it by",
+                    ),
+                    (Some(_), false) => self.err(
+                        &format!("{body}.as"),
+                        "`as` names a held process: add `hold: true`",
+                    ),
+                    (None, false) => {}
+                }
+            }
+            Action::TensorGet(g) => {
+                self.pod(&format!("{body}.pod"), &g.pod);
+                let keys = g.all_keys();
+                if keys.is_empty() {
+                    self.err(&body, "a tensor_get needs `key` or `keys`");
+                }
+                if let Some(k) = &g.key {
+                    self.template(&format!("{body}.key"), k, true);
+                }
+                for (i, k) in g.keys.iter().enumerate() {
+                    self.template(&format!("{body}.keys.{i}"), k, true);
+                }
+                if g.seed.is_some() && !g.seeds.is_empty() {
+                    self.err(
+                        &format!("{body}.seeds"),
+                        "give `seed` (every key) or `seeds` (one per key), not both",
+                    );
+                } else if g.seeds.len() > 1 && g.seeds.len() != keys.len() {
+                    self.err(
+                        &format!("{body}.seeds"),
+                        format!(
+                            "{} seeds for {} keys: give one, or one per key",
+                            g.seeds.len(),
+                            keys.len()
+                        ),
+                    );
+                }
+                self.layout(&body, &g.layout, g.repeat);
+                self.device(&body, g.device.as_deref());
+                if let Some(b) = &g.broadcast {
+                    self.tensor_broadcast(&format!("{body}.broadcast"), b);
+                    if !g.pack {
+                        self.err(
+                            &format!("{body}.pack"),
+                            "`pack` is for peer-to-peer gets; a broadcast packs with `broadcast.pack`",
+                        );
+                    }
+                }
+                if g.bucket
+                    .is_some_and(|b| b.0 < kt_types::tensor::MIN_BUCKET_BYTES)
+                {
+                    self.err(&format!("{body}.bucket"), BUCKET_MINIMUM);
+                }
+            }
+            Action::TensorLs(t) => self.pod(&format!("{body}.pod"), &t.pod),
+            Action::Stop(st) => {
+                if !self.holders.contains(&st.holder) {
+                    self.err(
+                        &format!("{body}.holder"),
+                        format!(
+                            "no earlier tensor_put holds `{}` (hold: true, as: {})",
+                            st.holder, st.holder
+                        ),
+                    );
+                }
+            }
             Action::Wait(w) => match &w.condition {
                 Condition::Ready(c) => self.component(&format!("{body}.for.ready"), c),
                 Condition::Leases(_) => {}
@@ -653,5 +825,90 @@ steps:
                 .any(|m| m.starts_with("s.yaml:5:") && m.contains("unknown link rate unit")),
             "{e:?}"
         );
+    }
+
+    const TENSORS: &str = "\
+topology:
+  pods: [ { name: trainer }, { name: worker, replicas: 3 } ]
+steps:
+  - tensor_put: { pod: trainer, key: \"{{scenario}}/w\", layout: \"w=f32[64,64];b=f16[64]\", repeat: 50,
+                  seed: 7, hold: true, as: weights }
+    record: put
+  - tensor_get: { pod: worker, key: \"{{scenario}}/w\", layout: \"w=f32[64,64];b=f16[64]\", repeat: 50,
+                  seed: 7, pack: false, bucket: 1MiB }
+    record: got
+  - parallel:
+      - tensor_put: { pod: trainer, key: b, layout: \"u8[1024]\", seed: 1,
+                      broadcast: { group: \"g-{{run}}\", world_size: 4, pack: true }, bucket: 2MiB }
+      - tensor_get: { pod: worker, keys: [b], seeds: [1], layout: \"u8[1024]\",
+                      broadcast: { group: \"g-{{run}}\", world_size: 4, window: 5s, ips: [worker, trainer] } }
+  - tensor_ls: { pod: trainer }
+    record: regs
+  - restart: { agent: trainer }
+  - kill: { agent: worker-1, signal: TERM }
+  - stop: { holder: weights, signal: KILL }
+";
+
+    #[test]
+    fn tensor_steps_load() {
+        let l = parse(Path::new("t.yaml"), TENSORS).unwrap();
+        let Action::TensorPut(p) = &l.scenario.steps[0].action else {
+            panic!("not a tensor_put")
+        };
+        assert_eq!((p.repeat, p.seed, p.hold), (Some(50), Some(7), true));
+        assert_eq!(p.name.as_deref(), Some("weights"));
+        let Action::TensorGet(g) = &l.scenario.steps[1].action else {
+            panic!("not a tensor_get")
+        };
+        assert!(!g.pack);
+        assert_eq!(g.bucket, Some(crate::format::Size(1 << 20)));
+        let Action::Restart(r) = &l.scenario.steps[4].action else {
+            panic!("not a restart")
+        };
+        assert_eq!(r.victim(), Ok(Victim::Agent("trainer")));
+    }
+
+    #[test]
+    fn tensor_steps_are_checked() {
+        let src = "\
+topology:
+  pods: [ { name: a } ]
+steps:
+  - tensor_put: { pod: a, key: k, layout: \"w=c64[2]\", hold: true }
+  - tensor_put: { pod: a, key: k, layout: \"f32[2]\", as: x, device: \"cuda:0\", repeat: 0 }
+  - tensor_get: { pod: a, layout: \"f32[2]\", seed: 1, seeds: [2], bucket: 64KiB }
+  - tensor_get: { pod: a, keys: [k, l, m], seeds: [1, 2], layout: \"f32[2]\",
+                  broadcast: { world_size: 0, ips: [nobody], window: soon }, pack: false }
+  - stop: { holder: ghost }
+  - kill: { component: a, agent: a }
+  - restart: { agent: b }
+";
+        let e = errors(src);
+        let has = |line: &str, what: &str| {
+            e.iter()
+                .any(|m| m.starts_with(&format!("s.yaml:{line}:")) && m.contains(what))
+        };
+        assert!(has("4", "layout:"), "{e:?}");
+        assert!(has("4", "needs `as: NAME`"), "{e:?}");
+        assert!(has("5", "add `hold: true`"), "{e:?}");
+        assert!(has("5", "tag the scenario `gpu`"), "{e:?}");
+        assert!(has("5", "repeat must be at least 1"), "{e:?}");
+        assert!(has("6", "needs `key` or `keys`"), "{e:?}");
+        assert!(has("6", "not both"), "{e:?}");
+        assert!(has("6", "at least 1MiB"), "{e:?}");
+        assert!(has("7", "2 seeds for 3 keys"), "{e:?}");
+        assert!(has("8", "world_size must be at least 1"), "{e:?}");
+        assert!(has("8", "no pod named `nobody`"), "{e:?}");
+        assert!(has("8", "not a duration"), "{e:?}");
+        assert!(has("8", "broadcast.pack"), "{e:?}");
+        assert!(has("9", "no earlier tensor_put holds `ghost`"), "{e:?}");
+        assert!(has("10", "exactly one of `component`"), "{e:?}");
+        assert!(has("11", "no pod named `b`"), "{e:?}");
+    }
+
+    #[test]
+    fn cuda_devices_are_fine_in_gpu_scenarios() {
+        let src = "tags: [gpu]\ntopology: { pods: [ { name: a } ] }\nsteps:\n  - tensor_get: { pod: a, key: k, layout: \"f32[2]\", device: \"cuda:0\" }\n";
+        assert!(errors(src).is_empty(), "{:?}", errors(src));
     }
 }

@@ -507,3 +507,59 @@ fn unavailable_names_what_is_missing() {
         "{why}"
     );
 }
+
+#[tokio::test]
+async fn held_commands_run_under_a_reporting_shell_and_are_signalled_by_pid() {
+    let (tmp, cfg) = layout();
+    let rec = Arc::new(forwarding(
+        Recorder::new()
+            .prints(
+                "kt tensor put",
+                &[
+                    "kt-scenario-pid 31",
+                    "{\"op\":\"tensor-put\"}",
+                    "holding a/b (pid 31)",
+                    "kt-scenario-exit 0",
+                ],
+            )
+            .answer("getter-1-0 -o 'jsonpath", Output::ok("10.244.0.7")),
+    ));
+    let (_s, t, _plan) = up(rec.clone(), cfg, tmp.path()).await;
+    assert_eq!(t.pod_ip("getter-1").await.unwrap(), "10.244.0.7");
+    assert!(
+        rec.commands()
+            .last()
+            .unwrap()
+            .ends_with("-n kt-run1-tiny get pod getter-1-0 -o 'jsonpath={.status.podIP}'"),
+        "{:?}",
+        rec.commands().last()
+    );
+    let mut p = t
+        .spawn(ExecRequest {
+            pod: "app".into(),
+            program: Program::Kt,
+            args: vec!["tensor".into(), "put".into(), "a/b".into(), "--hold".into()],
+            env: vec![],
+            token: Some("tok".into()),
+        })
+        .await
+        .unwrap();
+    let started = rec.commands().last().unwrap().clone();
+    assert!(
+        started.contains("exec app-0 -c workload -- sh -c")
+            && started.ends_with(
+                "sh env -u KT_TOKEN -u KT_TOKEN_FILE KT_TOKEN=tok kt tensor put a/b --hold &"
+            ),
+        "{started}"
+    );
+    assert_eq!(p.line().await.as_deref(), Some("{\"op\":\"tensor-put\"}"));
+    assert_eq!(p.line().await.as_deref(), Some("holding a/b (pid 31)"));
+    let out = p.wait().await.unwrap();
+    assert_eq!(out.status, 0);
+    // Ended: a signal has nothing left to reach.
+    let before = rec.commands().len();
+    p.signal(Signal::TERM).await.unwrap();
+    assert_eq!(rec.commands().len(), before);
+    // A pod the cluster gives no address.
+    assert!(t.pod_ip("app").await.is_err());
+}

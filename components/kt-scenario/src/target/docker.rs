@@ -39,7 +39,8 @@ use bollard::query_parameters::{
 use futures::{StreamExt, TryStreamExt};
 
 use super::local::{READY_TIMEOUT, agent_args, exec_argv, make_pod_dirs, pod_env, server_args};
-use super::{Component, ExecOutput, ExecRequest, Plan, PodPlan, Target, TargetError};
+use super::wrapped::{self, Chunk, Killer};
+use super::{Component, ExecOutput, ExecRequest, Plan, PodPlan, PodProcess, Target, TargetError};
 use crate::format::Signal;
 
 /// Ports inside the containers (each has an address of its own).
@@ -212,8 +213,14 @@ impl Docker {
             NetworkAt::JoinOf(container) => (Some(format!("container:{container}")), None),
         };
         let mut labels = self.labels();
+        // A sidecar also shares its pod's processes (a pod with
+        // `shareProcessNamespace`): the agent then ties tensor registrations
+        // to the workload's processes rather than to their connections, so
+        // they outlive an agent restart and die with their process.
+        let mut pid_mode = None;
         if matches!(network_mode.as_deref(), Some(m) if m.starts_with("container:")) {
             labels.insert(SIDECAR_LABEL.to_owned(), "true".to_owned());
+            pid_mode.clone_from(&network_mode);
         }
         ContainerCreateBody {
             image: Some(image.to_owned()),
@@ -225,6 +232,7 @@ impl Docker {
             host_config: Some(HostConfig {
                 binds: Some(vec![format!("{work}:{work}")]),
                 network_mode,
+                pid_mode,
                 readonly_rootfs: Some(true),
                 tmpfs: Some(HashMap::from([("/tmp".to_owned(), "mode=1777".to_owned())])),
                 cap_drop: Some(vec!["ALL".to_owned()]),
@@ -398,6 +406,16 @@ impl Docker {
         })
     }
 
+    /// Where a pod's command runs and its environment (`K=V`).
+    fn exec_env(&self, req: &ExecRequest, pod: &Pod) -> (PathBuf, Vec<String>) {
+        let dir = self.pod_dir(&req.pod);
+        let env = pod_env(req, &self.metadata.1, &dir, &pod.ip.to_string())
+            .into_iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        (dir, env)
+    }
+
     /// Creates a pod's workload container and its agent sidecar.
     async fn create_pod(
         &self,
@@ -454,6 +472,50 @@ enum NetworkAt {
     Ip(Ipv4Addr, String),
     /// In the network namespace of another container (a pod's sidecar).
     JoinOf(String),
+}
+
+/// Runs `cmd` in `container` and waits for it (a `kill` for a spawned
+/// command); Err unless it exits 0.
+async fn exec_to_end(
+    api: &Api,
+    container: &str,
+    user: &str,
+    cmd: Vec<String>,
+) -> Result<(), TargetError> {
+    let failed = |e: bollard::errors::Error| {
+        TargetError::Failed(format!("`{}` in {container}: {e}", cmd.join(" ")))
+    };
+    let exec = api
+        .create_exec(
+            container,
+            ExecConfig {
+                attach_stdout: Some(true),
+                attach_stderr: Some(true),
+                cmd: Some(cmd.clone()),
+                user: Some(user.to_owned()),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(failed)?
+        .id;
+    let mut said = Vec::new();
+    if let StartExecResults::Attached { mut output, .. } =
+        api.start_exec(&exec, None).await.map_err(failed)?
+    {
+        while let Some(Ok(chunk)) = output.next().await {
+            said.extend_from_slice(&chunk.into_bytes());
+        }
+    }
+    let code = api.inspect_exec(&exec).await.map_err(failed)?.exit_code;
+    match code {
+        Some(0) => Ok(()),
+        other => Err(TargetError::Failed(format!(
+            "`{}` in {container} exited with {other:?}: {}",
+            cmd.join(" "),
+            String::from_utf8_lossy(&said).trim()
+        ))),
+    }
 }
 
 /// Removes a container, running or not; one already gone is fine.
@@ -662,11 +724,7 @@ impl Target for Docker {
 
     async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError> {
         let pod = self.pod(&req.pod)?.clone();
-        let dir = self.pod_dir(&req.pod);
-        let env = pod_env(&req, &self.metadata.1, &dir, &pod.ip.to_string())
-            .into_iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
+        let (dir, env) = self.exec_env(&req, &pod);
         let api = self.api()?;
         let started = Instant::now();
         let exec = api
@@ -729,6 +787,68 @@ impl Target for Docker {
             stderr: String::from_utf8_lossy(&stderr).into_owned(),
             duration,
         })
+    }
+
+    async fn spawn(&self, req: ExecRequest) -> Result<Box<dyn PodProcess>, TargetError> {
+        let pod = self.pod(&req.pod)?.clone();
+        let (dir, env) = self.exec_env(&req, &pod);
+        let api = self.api()?.clone();
+        let failed = |e: bollard::errors::Error| {
+            TargetError::Failed(format!("starting a command in pod {}: {e}", req.pod))
+        };
+        let exec = api
+            .create_exec(
+                &pod.workload,
+                ExecConfig {
+                    attach_stdout: Some(true),
+                    attach_stderr: Some(true),
+                    cmd: Some(wrapped::wrap(exec_argv("kt", &req), false)),
+                    env: Some(env),
+                    user: Some(self.user.clone()),
+                    working_dir: Some(dir.display().to_string()),
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(failed)?
+            .id;
+        let output = match api.start_exec(&exec, None).await.map_err(failed)? {
+            StartExecResults::Attached { output, .. } => output,
+            StartExecResults::Detached => {
+                return Err(TargetError::Failed(format!(
+                    "starting a command in pod {}: docker detached it",
+                    req.pod
+                )));
+            }
+        };
+        // The pod dying under the command ends the stream with an error.
+        let chunks = output
+            .take_while(|c| futures::future::ready(c.is_ok()))
+            .filter_map(|c| {
+                futures::future::ready(match c {
+                    Ok(LogOutput::StdOut { message }) => Some(Chunk::Stdout(message.to_vec())),
+                    Ok(LogOutput::StdErr { message }) => Some(Chunk::Stderr(message.to_vec())),
+                    _ => None,
+                })
+            })
+            .boxed();
+        let (container, user) = (pod.workload.clone(), self.user.clone());
+        let killer: Killer = std::sync::Arc::new(move |signal, pid| {
+            let (api, container, user) = (api.clone(), container.clone(), user.clone());
+            Box::pin(async move {
+                exec_to_end(&api, &container, &user, wrapped::kill_argv(signal, pid)).await
+            })
+        });
+        Ok(Box::new(wrapped::start(chunks, killer, false)))
+    }
+
+    async fn pod_ip(&self, pod: &str) -> Result<String, TargetError> {
+        Ok(self.pod(pod)?.ip.to_string())
+    }
+
+    async fn kill_agent(&self, pod: &str, signal: Signal) -> Result<(), TargetError> {
+        let agent = self.pod(pod)?.agent.clone();
+        self.stop(&agent, signal).await
     }
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {

@@ -12,7 +12,9 @@ use async_trait::async_trait;
 use tokio::process::Command;
 
 use super::procs::{PodProcs, Server, binary, free_port};
-use super::{Component, ExecOutput, ExecRequest, Plan, PodPlan, Program, Target, TargetError};
+use super::{
+    Component, ExecOutput, ExecRequest, Plan, PodPlan, PodProcess, Program, Target, TargetError,
+};
 use crate::format::Signal;
 
 /// How long a server gets to become ready.
@@ -177,11 +179,37 @@ pub fn agent_args(
         agent_socket(&dir).display().to_string(),
         "--state-dir".into(),
         dir.join(".kt-agent").display().to_string(),
+        "--shm-dir".into(),
+        shm_dir(&dir).display().to_string(),
     ];
     if let Some(s) = &pod.service {
         args.extend(["--service".into(), s.clone()]);
     }
     args
+}
+
+/// The environment of a pod's node agent. A GPU pod's agent claims a host
+/// of its own to NCCL (`NCCL_HOSTID`): NCCL refuses two ranks of one
+/// communicator on one GPU of one host, and the pods of a process-based
+/// testbed share the machine's GPUs.
+pub fn agent_env(plan: &Plan, pod: &PodPlan) -> Vec<(String, String)> {
+    let mut env = vec![("KT_TOKEN".to_owned(), plan.token.clone())];
+    if pod.gpu {
+        env.push((
+            "NCCL_HOSTID".to_owned(),
+            format!("kt-{}-{}", plan.run_id, pod.name),
+        ));
+    }
+    env
+}
+
+/// The shared-memory directory of a pod's host-backend tensors: its `kt`
+/// commands create them there and its agent maps them from there (the
+/// agent maps nothing outside it). One per pod, below the run's work dir,
+/// so runs and pods never see each other's files and nothing outlives the
+/// run.
+pub fn shm_dir(pod_dir: &Path) -> PathBuf {
+    pod_dir.join("shm")
 }
 
 /// Where a pod's agent listens for its `kt` commands.
@@ -269,6 +297,21 @@ pub fn server_args(
 /// The networks testbeds use (local: loopback; netns: 198.18.0.0/15).
 const TESTBED_NETS: &str = "127.0.0.0/8,198.18.0.0/15,localhost";
 
+/// `argv` run as a pod's command: in its directory, with its environment.
+pub fn pod_command(
+    argv: &[String],
+    dir: &Path,
+    req: &ExecRequest,
+    metadata_url: &str,
+    pod_ip: &str,
+) -> Command {
+    let mut cmd = Command::new(&argv[0]);
+    cmd.args(&argv[1..])
+        .current_dir(dir)
+        .envs(pod_env(req, metadata_url, dir, pod_ip));
+    cmd
+}
+
 /// The environment every command in a pod gets.
 pub fn pod_env(
     req: &ExecRequest,
@@ -285,6 +328,10 @@ pub fn pod_env(
         (
             "KT_AGENT_SOCKET".to_owned(),
             agent_socket(pod_dir).display().to_string(),
+        ),
+        (
+            "KT_SHM_DIR".to_owned(),
+            shm_dir(pod_dir).display().to_string(),
         ),
         (
             "XDG_CACHE_HOME".to_owned(),
@@ -317,7 +364,7 @@ pub fn exec_argv(kt: &str, req: &ExecRequest) -> Vec<String> {
 pub fn make_pod_dirs(plan: &Plan) -> Result<(), TargetError> {
     for p in &plan.pods {
         let d = plan.work_dir.join("pods").join(&p.name);
-        std::fs::create_dir_all(&d)
+        std::fs::create_dir_all(shm_dir(&d))
             .map_err(TargetError::io(format!("creating {}", d.display())))?;
     }
     std::fs::create_dir_all(plan.work_dir.join("logs"))
@@ -340,6 +387,24 @@ pub fn copy_logs<'a>(
         }
     }
     Ok(())
+}
+
+impl Local {
+    /// The command of an exec request, in its pod.
+    fn command(&self, req: &ExecRequest) -> Result<Command, TargetError> {
+        let ip = self
+            .pods
+            .get(&req.pod)
+            .ok_or_else(|| TargetError::Failed(format!("no pod named {}", req.pod)))?;
+        let argv = exec_argv(&self.bin_kt, req);
+        Ok(pod_command(
+            &argv,
+            &self.pod_dir(&req.pod),
+            req,
+            &self.metadata_url,
+            &ip.to_string(),
+        ))
+    }
 }
 
 #[async_trait]
@@ -396,7 +461,7 @@ impl Target for Local {
             self.agent_urls.insert(p.name.clone(), url.clone());
             self.servers.set(
                 &Component::Pod(p.name.clone()),
-                Server::new(&format!("agent-{}", p.name), argv, env.clone(), log),
+                Server::new(&format!("agent-{}", p.name), argv, agent_env(plan, p), log),
                 url,
             );
         }
@@ -422,20 +487,26 @@ impl Target for Local {
     }
 
     async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError> {
-        let ip = self
-            .pods
-            .get(&req.pod)
-            .ok_or_else(|| TargetError::Failed(format!("no pod named {}", req.pod)))?;
-        let dir = self.pod_dir(&req.pod);
-        let argv = exec_argv(&self.bin_kt, &req);
-        let mut cmd = Command::new(&argv[0]);
-        cmd.args(&argv[1..]).current_dir(&dir).envs(pod_env(
-            &req,
-            &self.metadata_url(),
-            &dir,
-            &ip.to_string(),
-        ));
+        let cmd = self.command(&req)?;
         self.procs.run(&req.pod, cmd).await
+    }
+
+    async fn spawn(&self, req: ExecRequest) -> Result<Box<dyn PodProcess>, TargetError> {
+        let cmd = self.command(&req)?;
+        Ok(Box::new(self.procs.spawn(&req.pod, cmd)?))
+    }
+
+    async fn pod_ip(&self, pod: &str) -> Result<String, TargetError> {
+        self.pods
+            .get(pod)
+            .map(|ip| ip.to_string())
+            .ok_or_else(|| TargetError::Failed(format!("no pod named {pod}")))
+    }
+
+    async fn kill_agent(&self, pod: &str, signal: Signal) -> Result<(), TargetError> {
+        self.servers
+            .kill(&Component::Pod(pod.to_owned()), signal)
+            .await
     }
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {

@@ -19,6 +19,7 @@ pub mod kind;
 pub mod local;
 pub mod netns;
 pub mod procs;
+pub mod wrapped;
 
 /// What to bring up for one scenario.
 #[derive(Debug, Clone)]
@@ -109,6 +110,20 @@ pub struct ExecOutput {
     pub duration: Duration,
 }
 
+/// A command left running in a pod ([`Target::spawn`]), such as a
+/// `kt tensor put --hold` whose registrations live as long as it does.
+/// Dropping it kills it.
+#[async_trait]
+pub trait PodProcess: Send + Sync {
+    /// The next line of its stdout; None once its stdout closed.
+    async fn line(&mut self) -> Option<String>;
+    /// Sends it a signal (its whole process group where the target has
+    /// them). Nothing happens when it has already ended.
+    async fn signal(&mut self, signal: crate::format::Signal) -> Result<(), TargetError>;
+    /// Waits for its end: its status, all of its stdout and its stderr.
+    async fn wait(&mut self) -> Result<ExecOutput, TargetError>;
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
     #[error("{0}")]
@@ -181,6 +196,38 @@ pub trait Target: Send + Sync {
 
     /// Runs a command inside a pod and waits for it.
     async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError>;
+
+    /// Starts a command inside a pod (as [`Target::exec`] would) and returns
+    /// at once. `kill` of the pod reaches it too; `down` ends it.
+    async fn spawn(&self, req: ExecRequest) -> Result<Box<dyn PodProcess>, TargetError> {
+        Err(TargetError::Unavailable(format!(
+            "commands left running in pod {} (`tensor_put` with `hold`) are not supported on the {} target yet",
+            req.pod,
+            self.name()
+        )))
+    }
+
+    /// The pod's address as other pods see it (what a quorum's `ips` list).
+    async fn pod_ip(&self, pod: &str) -> Result<String, TargetError> {
+        Err(TargetError::Unavailable(format!(
+            "the {} target cannot tell the address of pod {pod} yet",
+            self.name()
+        )))
+    }
+
+    /// Signals a pod's node agent alone and waits for it to exit; the pod's
+    /// commands live on. `start` of the pod starts the agent again.
+    async fn kill_agent(
+        &self,
+        pod: &str,
+        signal: crate::format::Signal,
+    ) -> Result<(), TargetError> {
+        let _ = signal;
+        Err(TargetError::Unavailable(format!(
+            "the {} target cannot stop the agent of pod {pod} alone yet",
+            self.name()
+        )))
+    }
 
     /// Sends a signal: to a server's process (and waits for it to exit), or
     /// to every process of a pod. Takes `&self` because it runs while other

@@ -32,9 +32,11 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use tokio::process::Command;
 
-use super::local::{Servers, agent_argv, exec_argv, make_pod_dirs, pod_env, server_argvs};
+use super::local::{
+    Servers, agent_argv, agent_env, exec_argv, make_pod_dirs, pod_command, server_argvs,
+};
 use super::procs::{PodProcs, Server, binary};
-use super::{Component, ExecOutput, ExecRequest, Plan, Target, TargetError};
+use super::{Component, ExecOutput, ExecRequest, Plan, PodProcess, Target, TargetError};
 use crate::format::Signal;
 
 /// The host side of the bridge: the runner reaches the servers through it.
@@ -843,7 +845,7 @@ impl Netns {
                 Server::new(
                     &format!("agent-{}", p.name),
                     in_netns(&n.netns, argv),
-                    env.clone(),
+                    agent_env(plan, p),
                     logs.join(format!("agent-{}.log", p.name)),
                 ),
                 url,
@@ -853,6 +855,22 @@ impl Netns {
         self.servers.start(&self.http, &Component::Metadata).await?;
         self.servers.start(&self.http, &Component::Store).await?;
         self.servers.start_pods(&self.http).await
+    }
+}
+
+impl Netns {
+    /// The command of an exec request, in its pod's namespace.
+    fn command(&self, req: &ExecRequest) -> Result<Command, TargetError> {
+        let (ns, ip) = (self.pods.get(&req.pod))
+            .ok_or_else(|| TargetError::Failed(format!("no pod named {}", req.pod)))?;
+        let argv = in_netns(ns, exec_argv(&self.bin_kt, req));
+        Ok(pod_command(
+            &argv,
+            &self.pod_dir(&req.pod),
+            req,
+            &self.metadata_url,
+            &ip.to_string(),
+        ))
     }
 }
 
@@ -910,18 +928,26 @@ impl Target for Netns {
     }
 
     async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError> {
-        let (ns, ip) = (self.pods.get(&req.pod))
-            .ok_or_else(|| TargetError::Failed(format!("no pod named {}", req.pod)))?;
-        let dir = self.pod_dir(&req.pod);
-        let argv = in_netns(ns, exec_argv(&self.bin_kt, &req));
-        let mut cmd = Command::new(&argv[0]);
-        cmd.args(&argv[1..]).current_dir(&dir).envs(pod_env(
-            &req,
-            &self.metadata_url,
-            &dir,
-            &ip.to_string(),
-        ));
+        let cmd = self.command(&req)?;
         self.procs.run(&req.pod, cmd).await
+    }
+
+    async fn spawn(&self, req: ExecRequest) -> Result<Box<dyn PodProcess>, TargetError> {
+        let cmd = self.command(&req)?;
+        Ok(Box::new(self.procs.spawn(&req.pod, cmd)?))
+    }
+
+    async fn pod_ip(&self, pod: &str) -> Result<String, TargetError> {
+        self.pods
+            .get(pod)
+            .map(|(_, ip)| ip.to_string())
+            .ok_or_else(|| TargetError::Failed(format!("no pod named {pod}")))
+    }
+
+    async fn kill_agent(&self, pod: &str, signal: Signal) -> Result<(), TargetError> {
+        self.servers
+            .kill(&Component::Pod(pod.to_owned()), signal)
+            .await
     }
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {

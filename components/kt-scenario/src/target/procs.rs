@@ -7,13 +7,17 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
 use rustix::process::{Pid, Signal as Sig, kill_process_group};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::{Child, Command};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
-use super::{ExecOutput, TargetError};
+use super::{ExecOutput, PodProcess, TargetError};
 use crate::format::Signal;
 
 fn sig(s: Signal) -> Sig {
@@ -159,10 +163,16 @@ pub fn log_tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+type Running = Arc<Mutex<HashMap<String, HashSet<u32>>>>;
+
+fn lock_running(r: &Running) -> std::sync::MutexGuard<'_, HashMap<String, HashSet<u32>>> {
+    r.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Commands running inside pods, by pod, so `kill pod` reaches all of them.
 #[derive(Debug, Default)]
 pub struct PodProcs {
-    running: Mutex<HashMap<String, HashSet<u32>>>,
+    running: Running,
 }
 
 impl PodProcs {
@@ -201,6 +211,71 @@ impl PodProcs {
         })
     }
 
+    /// Starts `cmd` as a command of `pod` and returns at once: its stdout
+    /// comes line by line, its end with [`PodProcess::wait`].
+    pub fn spawn(&self, pod: &str, mut cmd: Command) -> Result<Spawned, TargetError> {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let started = Instant::now();
+        let mut child = cmd
+            .spawn()
+            .map_err(TargetError::io(format!("starting a command in pod {pod}")))?;
+        let pid = child.id();
+        if let Some(pid) = pid {
+            self.lock().entry(pod.to_owned()).or_default().insert(pid);
+        }
+        let (tx, lines) = mpsc::unbounded_channel();
+        let (stdout, stderr) = (child.stdout.take(), child.stderr.take());
+        let running = self.running.clone();
+        let owner = pod.to_owned();
+        let task = tokio::spawn(async move {
+            let read_out = async {
+                let mut all = String::new();
+                if let Some(out) = stdout {
+                    let mut out = BufReader::new(out).lines();
+                    while let Ok(Some(l)) = out.next_line().await {
+                        all.push_str(&l);
+                        all.push('\n');
+                        // Nobody listening any more is fine.
+                        let _ = tx.send(l);
+                    }
+                }
+                all
+            };
+            let read_err = async {
+                let mut buf = Vec::new();
+                if let Some(mut err) = stderr {
+                    let _ = err.read_to_end(&mut buf).await;
+                }
+                String::from_utf8_lossy(&buf).into_owned()
+            };
+            let (stdout, stderr) = tokio::join!(read_out, read_err);
+            let status = child.wait().await;
+            if let Some(pid) = pid
+                && let Some(set) = lock_running(&running).get_mut(&owner)
+            {
+                set.remove(&pid);
+            }
+            let status = status.map_err(TargetError::io(format!(
+                "waiting for a command in pod {owner}"
+            )))?;
+            Ok(ExecOutput {
+                status: exit_status(&status),
+                stdout,
+                stderr,
+                duration: started.elapsed(),
+            })
+        });
+        Ok(Spawned {
+            pid,
+            lines,
+            task: Some(task),
+            ended: None,
+        })
+    }
+
     /// Signals every command running in `pod`.
     pub fn signal(&self, pod: &str, s: Signal) {
         for pid in self.lock().get(pod).into_iter().flatten() {
@@ -218,7 +293,61 @@ impl PodProcs {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, HashSet<u32>>> {
-        self.running.lock().unwrap_or_else(|e| e.into_inner())
+        lock_running(&self.running)
+    }
+}
+
+/// A command [`PodProcs::spawn`] started; dropping it kills its process
+/// group if it still runs.
+#[derive(Debug)]
+pub struct Spawned {
+    pid: Option<u32>,
+    lines: mpsc::UnboundedReceiver<String>,
+    task: Option<JoinHandle<Result<ExecOutput, TargetError>>>,
+    ended: Option<ExecOutput>,
+}
+
+impl Spawned {
+    fn running(&self) -> bool {
+        self.task.as_ref().is_some_and(|t| !t.is_finished())
+    }
+}
+
+#[async_trait]
+impl PodProcess for Spawned {
+    async fn line(&mut self) -> Option<String> {
+        self.lines.recv().await
+    }
+
+    async fn signal(&mut self, s: Signal) -> Result<(), TargetError> {
+        if self.running()
+            && let Some(pid) = self.pid
+        {
+            signal_group(pid, s);
+        }
+        Ok(())
+    }
+
+    async fn wait(&mut self) -> Result<ExecOutput, TargetError> {
+        if let Some(task) = self.task.take() {
+            let out = task
+                .await
+                .map_err(|e| TargetError::Failed(format!("waiting for a pod command: {e}")))??;
+            self.ended = Some(out);
+        }
+        self.ended
+            .clone()
+            .ok_or_else(|| TargetError::Failed("a pod command was waited for twice".into()))
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        if self.running()
+            && let Some(pid) = self.pid
+        {
+            signal_group(pid, Signal::KILL);
+        }
     }
 }
 
@@ -314,6 +443,39 @@ mod tests {
         procs.signal("victim", Signal::KILL);
         let out = task.await.unwrap();
         assert_eq!(out.status, 128 + 9);
+    }
+
+    #[tokio::test]
+    async fn spawned_commands_stream_lines_and_end_on_a_signal() {
+        let procs = PodProcs::default();
+        let mut cmd = Command::new("sh");
+        cmd.args([
+            "-c",
+            "trap 'echo bye; exit 0' TERM; echo ready; while :; do sleep 0.05; done",
+        ]);
+        let mut p = procs.spawn("holder", cmd).unwrap();
+        assert_eq!(p.line().await.as_deref(), Some("ready"));
+        assert_eq!(procs.lock().get("holder").map(HashSet::len), Some(1));
+        p.signal(Signal::TERM).await.unwrap();
+        let out = p.wait().await.unwrap();
+        assert_eq!(out.status, 0, "{out:?}");
+        assert_eq!(out.stdout, "ready\nbye\n");
+        assert_eq!(p.line().await.as_deref(), Some("bye"));
+        assert_eq!(p.line().await, None);
+        assert!(procs.lock().get("holder").is_some_and(HashSet::is_empty));
+        // Signalling what has ended is harmless.
+        p.signal(Signal::KILL).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn killing_a_pod_ends_its_spawned_commands() {
+        let procs = PodProcs::default();
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo up; sleep 30 & wait"]);
+        let mut p = procs.spawn("victim", cmd).unwrap();
+        assert_eq!(p.line().await.as_deref(), Some("up"));
+        procs.signal("victim", Signal::KILL);
+        assert_eq!(p.wait().await.unwrap().status, 128 + 9);
     }
 
     #[tokio::test]

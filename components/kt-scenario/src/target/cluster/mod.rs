@@ -35,7 +35,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 
-use super::{Component, ExecOutput, ExecRequest, Plan, Program, Target, TargetError};
+use super::wrapped::{self, Chunk, Killer};
+use super::{Component, ExecOutput, ExecRequest, Plan, PodProcess, Program, Target, TargetError};
 use crate::format::Signal;
 
 pub mod manifests;
@@ -535,6 +536,26 @@ impl Cluster {
         ])
     }
 
+    /// The command line of an exec request inside the workload container.
+    /// The pod's environment has what every command needs (KT_METADATA_URL
+    /// and KT_AGENT_SOCKET from the sidecar component, KT_PROGRESS, HOME);
+    /// the token is the request's alone.
+    fn in_pod_argv(req: &ExecRequest) -> Vec<String> {
+        let mut argv: Vec<String> = ["env", "-u", "KT_TOKEN", "-u", "KT_TOKEN_FILE"]
+            .map(str::to_owned)
+            .to_vec();
+        if let Some(t) = &req.token {
+            argv.push(format!("KT_TOKEN={t}"));
+        }
+        argv.extend(req.env.iter().map(|(k, v)| format!("{k}={v}")));
+        match req.program {
+            Program::Kt => argv.push("kt".into()),
+            Program::Shell => argv.extend(["sh".into(), "-c".into()]),
+        }
+        argv.extend(req.args.iter().cloned());
+        argv
+    }
+
     /// The pod-side path of `rel`, a path relative to the pod's root.
     fn in_pod(rel: &Path) -> Result<String, TargetError> {
         if rel.is_absolute()
@@ -718,21 +739,9 @@ impl Target for Cluster {
         if !self.pods.contains(&req.pod) {
             return Err(TargetError::Failed(format!("no pod named {}", req.pod)));
         }
-        // The pod's environment has what every command needs (KT_METADATA_URL
-        // and KT_AGENT_SOCKET from the sidecar component, KT_PROGRESS, HOME);
-        // the token is the request's alone.
-        let mut cmd =
-            self.exec_cmd(&req.pod, false)
-                .args(["env", "-u", "KT_TOKEN", "-u", "KT_TOKEN_FILE"]);
-        if let Some(t) = &req.token {
-            cmd = cmd.arg(format!("KT_TOKEN={t}"));
-        }
-        cmd = cmd.args(req.env.iter().map(|(k, v)| format!("{k}={v}")));
-        cmd = match req.program {
-            Program::Kt => cmd.arg("kt"),
-            Program::Shell => cmd.args(["sh", "-c"]),
-        };
-        cmd = cmd.args(req.args.iter().cloned());
+        let cmd = self
+            .exec_cmd(&req.pod, false)
+            .args(Cluster::in_pod_argv(&req));
         let started = Instant::now();
         let out = self.shell.run(&cmd).await?;
         Ok(ExecOutput {
@@ -741,6 +750,48 @@ impl Target for Cluster {
             stderr: exec_stderr(&out.stderr),
             duration: started.elapsed(),
         })
+    }
+
+    /// `kubectl exec` drops the remote stderr of a spawned command here,
+    /// so the command's stderr comes on its stdout.
+    async fn spawn(&self, req: ExecRequest) -> Result<Box<dyn PodProcess>, TargetError> {
+        if !self.pods.contains(&req.pod) {
+            return Err(TargetError::Failed(format!("no pod named {}", req.pod)));
+        }
+        let cmd = self
+            .exec_cmd(&req.pod, false)
+            .args(wrapped::wrap(Cluster::in_pod_argv(&req), true));
+        let background = self.shell.spawn(&cmd).await?;
+        let chunks = futures::stream::unfold(background, |mut b| async move {
+            let line = b.line().await?;
+            Some((Chunk::Stdout(format!("{line}\n").into_bytes()), b))
+        });
+        let (shell, exec) = (self.shell.clone(), self.exec_cmd(&req.pod, false));
+        let killer: Killer = Arc::new(move |signal, pid| {
+            let (shell, cmd) = (
+                shell.clone(),
+                exec.clone().args(wrapped::kill_argv(signal, pid)),
+            );
+            Box::pin(async move { check(shell.as_ref(), &cmd).await.map(drop) })
+        });
+        Ok(Box::new(wrapped::start(Box::pin(chunks), killer, true)))
+    }
+
+    async fn pod_ip(&self, pod: &str) -> Result<String, TargetError> {
+        let out = self
+            .run(self.kubectl().args([
+                "get".to_owned(),
+                "pod".to_owned(),
+                manifests::pod_name(pod),
+                "-o".to_owned(),
+                "jsonpath={.status.podIP}".to_owned(),
+            ]))
+            .await?;
+        let ip = out.stdout.trim();
+        if ip.is_empty() {
+            return Err(TargetError::Failed(format!("pod {pod} has no address yet")));
+        }
+        Ok(ip.to_owned())
     }
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
