@@ -8,7 +8,13 @@
 //!   ([`metaload`], latencies in a [`histogram`]);
 //! - the `kt-bench-broadcast` binary: drives the broadcast benchmark scenario
 //!   (`testbed/bench/broadcast.yaml`, netns target) and summarizes its report
-//!   ([`broadcast`]).
+//!   ([`broadcast`]);
+//! - the `kt-bench-tensors` binary: a state dict between two node agents on
+//!   the host backend, packed and unpacked, against a plain TCP copy of the
+//!   same bytes ([`tensors`]);
+//! - the `kt-bench-nccl` binary: the same state dict between two ranks on
+//!   the NCCL backend (a CUDA GPU), through the transfer engine packed and
+//!   unpacked, against a bare NCCL broadcast of the same bytes ([`nccl`]).
 //!
 //! The binary's pieces live here so that `main` stays a thin argument parser:
 //! [`size`] (byte sizes such as `256M`), [`scratch`] (a work directory removed on
@@ -22,7 +28,9 @@ pub mod data;
 pub mod histogram;
 pub mod kt;
 pub mod metaload;
+pub mod nccl;
 pub mod report;
 pub mod rsync;
 pub mod scratch;
 pub mod size;
+pub mod tensors;
