@@ -11,7 +11,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker kind k3d
 
-.PHONY: all build release images manifests manifests-check lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast clean
+.PHONY: all build release images manifests manifests-check lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl clean
 
 all: build
 
@@ -82,6 +82,18 @@ bench-rsync:
 ## --op stat) against an in-process metadata server; lookups/s and p99.
 bench-metadata:
 	$(CARGO) run --release -p kt-bench --bin kt-bench-metadata -- $(BENCH_ARGS)
+
+## bench-tensors: a 1 GiB state dict of 500 tensors between two node agents on
+## the host backend, packed and unpacked, against a plain TCP copy of the same
+## bytes, in one run (ratios on the last line; --quick for a smoke test).
+bench-tensors:
+	$(CARGO) run --release -p kt-bench --bin kt-bench-tensors -- $(BENCH_ARGS)
+
+## bench-nccl: on a CUDA GPU with NCCL, a 4 GiB state dict of 500 tensors
+## between two ranks through the transfer engine, packed and unpacked, against
+## a bare NCCL broadcast of the same bytes (ratios on the last line).
+bench-nccl:
+	$(CARGO) run --release -p kt-bench --bin kt-bench-nccl -- $(BENCH_ARGS)
 
 ## bench-broadcast: one 512 MiB payload to 32 pods over 1 Gbit/s links on the
 ## netns target (root): single get, star (all from the store), fanout-2 tree.
