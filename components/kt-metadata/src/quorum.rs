@@ -507,44 +507,14 @@ impl Quorum {
         }
     }
 
-    /// Closes `group`'s open round if it is still round `id`.
-    fn close_round(&mut self, group: &str, id: u64, by: ClosedBy, now: Instant) {
+    /// Takes `group`'s open round out if it is still round `id`: it is
+    /// closing, and joins from now on open a new one.
+    fn take_round(&mut self, group: &str, id: u64) -> Option<Round> {
         if self.open.get(group).is_some_and(|r| r.id == id) {
-            self.close(group, by, now);
+            self.open.remove(group)
+        } else {
+            None
         }
-    }
-
-    /// Closes `group`'s open round: answers every member, keeps the transfer.
-    fn close(&mut self, group: &str, by: ClosedBy, now: Instant) {
-        let Some(round) = self.open.remove(group) else {
-            return;
-        };
-        let id = uuid::Uuid::new_v4().simple().to_string();
-        let closing = plan(group, &round, by, id.clone());
-        match &closing.plan {
-            Some(plan) => {
-                tracing::info!(
-                    group,
-                    transfer = %id,
-                    closed_by = %by,
-                    ranks = plan.ranks.len(),
-                    flows = plan.flows.len(),
-                    refused = closing.errors.len(),
-                    "quorum closed"
-                );
-                self.transfers.insert(
-                    (group.to_owned(), id),
-                    Transfer::new(plan.ranks.len() as u32, now),
-                );
-            }
-            None => tracing::info!(
-                group,
-                closed_by = %by,
-                members = round.members.len(),
-                "quorum closed with nothing to move"
-            ),
-        }
-        round.closed.send_replace(Some(Arc::new(closing)));
     }
 
     fn transfer(&mut self, group: &str, id: &str) -> Result<&mut Transfer, ApiError> {
@@ -596,12 +566,45 @@ impl Quorums {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Closes `round`, already taken out of the open rounds: plans it, keeps
+    /// its transfer and answers every member. The plan is made without the
+    /// lock: it checks every getter's destination against the putters'
+    /// tensors, which for large dicts and many getters takes long enough to
+    /// stall every other group's joins and reports.
+    fn close(&self, group: &str, round: Round, by: ClosedBy) {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let closing = plan(group, &round, by, id.clone());
+        match &closing.plan {
+            Some(plan) => {
+                tracing::info!(
+                    group,
+                    transfer = %id,
+                    closed_by = %by,
+                    ranks = plan.ranks.len(),
+                    flows = plan.flows.len(),
+                    refused = closing.errors.len(),
+                    "quorum closed"
+                );
+                let tr = Transfer::new(plan.ranks.len() as u32, Instant::now());
+                self.lock().transfers.insert((group.to_owned(), id), tr);
+            }
+            None => tracing::info!(
+                group,
+                closed_by = %by,
+                members = round.members.len(),
+                "quorum closed with nothing to move"
+            ),
+        }
+        // Sent only now: no member knows the transfer before it is kept.
+        round.closed.send_replace(Some(Arc::new(closing)));
+    }
+
     /// Joins `group`'s open round (opening one if none is); answered when
     /// the round closes. Dropping the future before leaves the round.
     pub async fn join(&self, group: &str, join: QuorumJoin) -> Result<QuorumPlan, ApiError> {
         let ip = check_join(group, &join)?;
         let now = Instant::now();
-        let (seq, round, mut closed, deadline) = {
+        let (seq, round, mut closed, deadline, closing) = {
             let mut st = self.lock();
             st.gc(now);
             match st.open.get(group) {
@@ -626,11 +629,12 @@ impl Quorums {
             r.members.push(Member { seq, ip, join });
             let closed = r.closed.subscribe();
             let (round, deadline, by) = (r.id, r.deadline, r.closes_now());
-            if let Some(by) = by {
-                st.close(group, by, now);
-            }
-            (seq, round, closed, deadline)
+            let closing = by.and_then(|by| Some((st.take_round(group, round)?, by)));
+            (seq, round, closed, deadline, closing)
         };
+        if let Some((r, by)) = closing {
+            self.close(group, r, by);
+        }
         self.membership.send_modify(|n| *n += 1);
         let _leave = Leave {
             quorums: self,
@@ -655,7 +659,10 @@ impl Quorums {
                     }
                 }
                 _ = tokio::time::sleep_until(deadline) => {
-                    self.lock().close_round(group, round, ClosedBy::Timeout, Instant::now());
+                    let due = self.lock().take_round(group, round);
+                    if let Some(r) = due {
+                        self.close(group, r, ClosedBy::Timeout);
+                    }
                 }
             }
         }
