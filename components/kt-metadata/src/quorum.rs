@@ -27,7 +27,10 @@
 //!
 //! # Plans
 //!
-//! Closing builds the plan ([`plan`], pure):
+//! Closing takes the round out of the open ones (a later join opens a new
+//! round), then builds the plan ([`plan`], pure) without holding the
+//! coordinator's lock, keeps the transfer, and only then answers the
+//! members, all with the same shared plan:
 //! - no putter: every member gets 503 `no_source`;
 //! - a getter wanting a key no putter brings gets 404 `not_found`; one whose
 //!   destination layout does not match the source's
@@ -189,7 +192,7 @@ impl Closing {
             (Some(rank), Some(plan)) => Ok(QuorumPlan {
                 group: group.to_owned(),
                 rank: *rank,
-                plan: TransferPlan::clone(plan),
+                plan: Arc::clone(plan),
                 closed_by: self.by.as_str().to_owned(),
             }),
             _ => Err(ApiError::internal(format!(
@@ -1418,7 +1421,8 @@ mod tests {
         let mut ranks = [a.rank, b.rank];
         ranks.sort();
         assert_eq!(ranks, [1, 2]);
-        assert_eq!(p.plan, a.plan);
+        // One plan, shared by every member's answer rather than copied.
+        assert!(Arc::ptr_eq(&p.plan, &a.plan) && Arc::ptr_eq(&p.plan, &b.plan));
         assert_eq!(p.plan.flows[0].receivers, [1, 2]);
         let info = q.info("grp").unwrap();
         assert!(info.open.is_none());
@@ -1593,7 +1597,7 @@ mod tests {
             .await
             .unwrap();
         answer(g).await.unwrap();
-        let id = p.plan.id;
+        let id = p.plan.id.clone();
         {
             let mut st = q.lock();
             let tr = st.transfer("f", &id).unwrap();

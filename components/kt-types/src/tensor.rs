@@ -18,6 +18,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -674,7 +675,8 @@ pub struct QuorumJoin {
 pub struct QuorumPlan {
     pub group: String,
     pub rank: u32,
-    pub plan: TransferPlan,
+    /// Shared: a round answers every member the same plan.
+    pub plan: Arc<TransferPlan>,
     /// Why the quorum closed: `world_size`, `ips` or `timeout`.
     pub closed_by: String,
 }
