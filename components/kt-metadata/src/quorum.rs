@@ -28,7 +28,7 @@
 //! # Plans
 //!
 //! Closing takes the round out of the open ones (a later join opens a new
-//! round), then builds the plan ([`plan`], pure) without holding the
+//! round), then builds the plan (`plan`, pure) without holding the
 //! coordinator's lock, keeps the transfer, and only then answers the
 //! members, all with the same shared plan:
 //! - no putter: every member gets 503 `no_source`;
