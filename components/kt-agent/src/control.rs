@@ -283,10 +283,16 @@ pub enum SocketError {
     #[error("control socket {}: something other than a socket is in the way", .0.display())]
     NotASocket(PathBuf),
     #[error(
-        "control socket directory {} is not a directory of this user that only it may write to",
-        .0.display()
+        "control socket directory {} belongs to uid {owner} (mode {mode:o}), and this agent \
+         (uid {me}) may not move it aside: remove it, or give the agent a socket path of its own",
+        .dir.display()
     )]
-    UnsafeDir(PathBuf),
+    UnsafeDir {
+        dir: PathBuf,
+        owner: u32,
+        mode: u32,
+        me: u32,
+    },
     #[error("control socket {}: {source}", path.display())]
     Io {
         path: PathBuf,
@@ -295,26 +301,16 @@ pub enum SocketError {
     },
 }
 
-/// Binds the control socket at `path` (mode 0600; its directory is created
-/// 0700 when missing). A stale socket (nobody listening) is replaced; a live
-/// one is an error.
+/// Binds the control socket at `path` (mode 0600; its directory is made
+/// this user's alone first, [`socket_dir`]). A stale socket (nobody
+/// listening) is replaced; a live one is an error.
 pub fn bind(path: &Path) -> Result<(UnixListener, SocketFile), SocketError> {
     let io = |source| SocketError::Io {
         path: path.to_owned(),
         source,
     };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(io)?;
-        // Someone else's directory (a squatter in /tmp), or one others may
-        // write to, could swap the socket or the state: refuse it.
-        let md = std::fs::symlink_metadata(dir).map_err(io)?;
-        if !md.is_dir() || md.uid() != kt_service::cli::uid() || md.mode() & 0o022 != 0 {
-            return Err(SocketError::UnsafeDir(dir.to_owned()));
-        }
+        socket_dir(dir, kt_service::cli::uid())?;
     }
     match std::fs::symlink_metadata(path) {
         Ok(md) if md.file_type().is_socket() => {
@@ -337,6 +333,89 @@ pub fn bind(path: &Path) -> Result<(UnixListener, SocketFile), SocketError> {
             id: (md.dev(), md.ino()),
         },
     ))
+}
+
+/// Makes `dir` a directory of `uid`'s that only it may write to, whoever
+/// got there first: created 0700 when missing; this user's own that others
+/// may write to loses those bits. Anything else there (another user's directory, a
+/// symlink, a file) could swap the socket, so it is moved aside to
+/// `<dir>.stale-<n>` and a fresh one made, when the parent lets this user
+/// do that: a parent writable by others without the sticky bit (an
+/// emptyDir's root) lets anyone move entries anyway. In a sticky parent
+/// (`/tmp`) another user's entry cannot be moved, and that is an error
+/// naming its owner.
+pub fn socket_dir(dir: &Path, uid: u32) -> Result<(), SocketError> {
+    let io = |source| SocketError::Io {
+        path: dir.to_owned(),
+        source,
+    };
+    let create = || {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+    };
+    create()
+        .or_else(|e| match e.kind() {
+            // A file or a dangling symlink in the way: handled below.
+            std::io::ErrorKind::AlreadyExists | std::io::ErrorKind::NotADirectory => Ok(()),
+            _ => Err(e),
+        })
+        .map_err(io)?;
+    let md = std::fs::symlink_metadata(dir).map_err(io)?;
+    if md.is_dir() && md.uid() == uid {
+        if md.mode() & 0o022 != 0 {
+            let tight = md.mode() & 0o7755;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(tight)).map_err(io)?;
+        }
+        return Ok(());
+    }
+    let unsafe_dir = || SocketError::UnsafeDir {
+        dir: dir.to_owned(),
+        owner: md.uid(),
+        mode: md.mode() & 0o7777,
+        me: uid,
+    };
+    let sticky = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .and_then(|p| std::fs::metadata(p).ok())
+        .is_none_or(|p| p.mode() & 0o1000 != 0);
+    if sticky {
+        return Err(unsafe_dir());
+    }
+    let mut n = 0u32;
+    let aside = loop {
+        let mut name = dir.as_os_str().to_owned();
+        name.push(format!(".stale-{n}"));
+        let aside = PathBuf::from(name);
+        if std::fs::symlink_metadata(&aside).is_err() {
+            break aside;
+        }
+        n += 1;
+        if n > 100 {
+            return Err(unsafe_dir());
+        }
+    };
+    std::fs::rename(dir, &aside).map_err(|_| unsafe_dir())?;
+    tracing::warn!(
+        dir = %dir.display(),
+        owner = md.uid(),
+        moved_to = %aside.display(),
+        "the control socket's directory was not this agent's: moved it aside"
+    );
+    create().map_err(io)?;
+    let md = std::fs::symlink_metadata(dir).map_err(io)?;
+    if !md.is_dir() || md.uid() != uid || md.mode() & 0o022 != 0 {
+        // Someone raced us to it again.
+        return Err(SocketError::UnsafeDir {
+            dir: dir.to_owned(),
+            owner: md.uid(),
+            mode: md.mode() & 0o7777,
+            me: uid,
+        });
+    }
+    Ok(())
 }
 
 /// Accepts control connections until `shutdown`.
@@ -468,5 +547,76 @@ async fn converse(
         if close {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mode(p: &Path) -> u32 {
+        std::fs::symlink_metadata(p).unwrap().mode() & 0o7777
+    }
+
+    #[test]
+    fn a_missing_socket_dir_is_made_this_users_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("a/b");
+        socket_dir(&dir, kt_service::cli::uid()).unwrap();
+        assert!(dir.is_dir());
+        assert_eq!(mode(&dir), 0o700);
+    }
+
+    #[test]
+    fn an_own_dir_others_may_write_to_is_tightened() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("kt");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        socket_dir(&dir, kt_service::cli::uid()).unwrap();
+        assert_eq!(mode(&dir), 0o755);
+    }
+
+    #[test]
+    fn something_else_in_the_way_is_moved_aside_where_the_parent_allows_it() {
+        // An emptyDir's root: writable by all, no sticky bit.
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let dir = tmp.path().join("agent");
+        std::os::unix::fs::symlink("/", &dir).unwrap();
+        socket_dir(&dir, kt_service::cli::uid()).unwrap();
+        let md = std::fs::symlink_metadata(&dir).unwrap();
+        assert!(md.is_dir(), "a real directory replaced the symlink");
+        assert_eq!(mode(&dir), 0o700);
+        let aside = tmp.path().join("agent.stale-0");
+        assert!(std::fs::symlink_metadata(&aside).unwrap().is_symlink());
+        // Again with the first one aside: the next name.
+        std::fs::remove_dir(&dir).unwrap();
+        std::fs::write(&dir, b"not a directory").unwrap();
+        socket_dir(&dir, kt_service::cli::uid()).unwrap();
+        assert!(tmp.path().join("agent.stale-1").is_file());
+    }
+
+    #[test]
+    fn another_users_entry_in_a_sticky_parent_is_refused_with_its_owner() {
+        // /tmp: entries of others cannot be moved, so the agent says whose
+        // it is instead of failing somewhere later.
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let dir = tmp.path().join("kt-1000");
+        std::fs::create_dir(&dir).unwrap();
+        let me = kt_service::cli::uid();
+        let err = socket_dir(&dir, me + 1).unwrap_err();
+        match &err {
+            SocketError::UnsafeDir { owner, me: m, .. } => {
+                assert_eq!((*owner, *m), (me, me + 1));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            err.to_string().contains(&format!("belongs to uid {me}")),
+            "{err}"
+        );
+        assert!(dir.is_dir(), "left where it was");
     }
 }

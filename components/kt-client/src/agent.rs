@@ -49,6 +49,14 @@ impl AgentConn {
             {
                 return Ok(None);
             }
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => {
+                return Err(local(format!(
+                    "agent socket {}: {e}: the node agent's socket is its user's alone; \
+                     run kt as the agent's uid ({}), or the agent as this one's",
+                    socket.display(),
+                    socket_owner(socket).unwrap_or_else(|| "unknown".into())
+                )));
+            }
             Err(e) => {
                 return Err(local(format!("agent socket {}: {e}", socket.display())));
             }
@@ -135,6 +143,13 @@ impl AgentConn {
             r => Ok(r),
         }
     }
+}
+
+/// The uid owning the socket's directory (the agent's), when it can be seen.
+fn socket_owner(socket: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let dir = socket.parent()?;
+    std::fs::metadata(dir).ok().map(|m| m.uid().to_string())
 }
 
 fn unexpected(r: ControlReply) -> ClientError {
