@@ -11,7 +11,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker kind k3d
 
-.PHONY: all build release images manifests manifests-check lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl clean
+.PHONY: all build release images manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl clean
 
 all: build
 
@@ -23,9 +23,10 @@ release:
 
 ## test: the test command (formatting, lints, every unit and cross-component
 ## test, the runner's own tests, validation of every scenario file, the
-## rendered manifests against kustomize/ and the Kubernetes schemas, and the
+## rendered manifests against kustomize/, the Kubernetes schemas and the
+## bundle's policy, what kind/k3d would deploy for every scenario, and the
 ## workflows).
-test: fmt-check clippy manifests-check lint-workflows unit validate
+test: fmt-check clippy manifests-check lint-workflows unit validate cluster-plans
 
 fmt:
 	$(CARGO) fmt --all
@@ -50,14 +51,26 @@ validate:
 scenario: release $(if $(filter $(IMAGE_TARGETS),$(TARGET)),images)
 	INSTA_WORKSPACE_ROOT=$(CURDIR) $(TARGET_DIR)/release/kt-scenario run scenarios $(SCENARIO_FLAGS)
 
-## manifests: render kustomize/ into manifests/ (commit the result).
+## manifests: generate the injecting components' kustomizations
+## (testbed/k8s/components.py) and render kustomize/ into manifests/
+## (commit the result).
 manifests:
+	python3 testbed/k8s/components.py
 	bash testbed/k8s/render.sh
 
-## manifests-check: manifests/ matches kustomize/, and every bundle validates
-## against the schemas of three Kubernetes minor versions.
+## manifests-check: the generated files match their sources, every bundle
+## validates against the schemas of the newest three Kubernetes minor
+## versions and the testbeds' own, and passes testbed/k8s/policy.py; the
+## release bundle pins every image by digest.
 manifests-check:
 	bash testbed/k8s/check.sh
+
+## cluster-plans: every scenario planned for kind and k3d (--dry-run: the
+## runner's kustomizations rendered, nothing deployed), each deployment
+## validated against the schemas and testbed/k8s/policy.py.
+cluster-plans:
+	$(CARGO) build -q -p kt-scenario
+	bash testbed/k8s/check-plans.sh $(TARGET_DIR)/debug/kt-scenario
 
 ## lint-workflows: actionlint on .github/workflows.
 lint-workflows:

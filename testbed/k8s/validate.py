@@ -1,7 +1,9 @@
 """Validates rendered Kubernetes manifests offline.
 
 Core kinds: kubernetes-validate's bundled JSON schemas (strict: unknown
-fields are errors) of the three newest Kubernetes minor versions it ships.
+fields are errors) of the three newest Kubernetes minor versions it ships,
+and of the versions the kind and k3d testbeds run (their node images,
+pinned in testbed/kind/cluster.yaml and testbed/k3d/config.yaml).
 CRDs: the small schemas in schemas/ (<kind>-<group>-<version>.json); a kind
 with neither fails the run.
 
@@ -10,6 +12,7 @@ usage: python validate.py FILE...   (prints one line per file; exit 1 on any err
 
 import json
 import pathlib
+import re
 import sys
 
 import jsonschema
@@ -21,13 +24,35 @@ HERE = pathlib.Path(__file__).resolve().parent
 CRD_GROUPS = {"monitoring.coreos.com"}
 
 
+TESTBEDS = [HERE.parent / "kind" / "cluster.yaml", HERE.parent / "k3d" / "config.yaml"]
+
+
+def testbed_minors():
+    """The Kubernetes minor versions of the testbeds' pinned node images
+    (kindest/node:v1.32.2@..., rancher/k3s:v1.32.2-k3s1)."""
+    found = set()
+    for f in TESTBEDS:
+        for m in re.finditer(r"image:\s*\S+:v(\d+)\.(\d+)\.\d+", f.read_text()):
+            found.add(f"{m.group(1)}.{m.group(2)}")
+        if not found:
+            raise SystemExit(f"validate.py: no pinned node image found in {f}")
+    return found
+
+
 def versions(n=3):
-    """The newest n minor versions with bundled schemas, oldest first."""
+    """The newest n minor versions with bundled schemas and the testbeds'
+    minors, oldest first."""
     minors = {}
     for v in utils.all_versions():
         minors[utils.major_minor(v)] = v
-    newest = sorted(minors, key=lambda m: tuple(int(p) for p in m.split(".")))[-n:]
-    return [minors[m] for m in newest]
+    key = lambda m: tuple(int(p) for p in m.split("."))  # noqa: E731
+    want = set(sorted(minors, key=key)[-n:])
+    for m in testbed_minors():
+        if m not in minors:
+            raise SystemExit(f"validate.py: kubernetes-validate has no schemas for the "
+                             f"testbeds' Kubernetes {m}")
+        want.add(m)
+    return [minors[m] for m in sorted(want, key=key)]
 
 
 def crd_schema(doc):

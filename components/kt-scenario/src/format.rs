@@ -382,6 +382,16 @@ pub enum Signal {
     TERM,
 }
 
+impl Signal {
+    /// The name `kill -s` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Signal::KILL => "KILL",
+            Signal::TERM => "TERM",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PutStep {

@@ -67,8 +67,16 @@ pub struct Runner {
     pub cancel: CancellationToken,
 }
 
-/// Why a selected scenario cannot run on this target.
+/// Why a selected scenario cannot run on this target here.
 fn skip_reason(l: &Loaded, target: &dyn Target) -> Option<String> {
+    unsupported(l, target)
+        .or_else(|| needs_gpu(l).then(cuda_missing).flatten())
+        .or_else(|| target.unavailable())
+}
+
+/// Why scenario `l` cannot run on `target` on any machine: what the
+/// target cannot do that the scenario needs (`--dry-run` says it too).
+pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
     let tags = &l.scenario.tags;
     if tags.iter().any(|t| t == "netns") && target.name() != "netns" {
         return Some(format!(
@@ -76,18 +84,29 @@ fn skip_reason(l: &Loaded, target: &dyn Target) -> Option<String> {
             target.name()
         ));
     }
-    if needs_gpu(l) {
-        if let Some(why) = cuda_missing() {
-            return Some(why);
-        }
-        if !matches!(target.name(), "local" | "netns") {
-            return Some(format!(
-                "gpu scenarios run on the local and netns targets (the {} target gives its pods no GPU yet)",
-                target.name()
-            ));
-        }
+    if needs_gpu(l) && !matches!(target.name(), "local" | "netns") {
+        return Some(format!(
+            "gpu scenarios run on the local and netns targets (the {} target gives its pods no GPU yet)",
+            target.name()
+        ));
     }
-    target.unavailable()
+    let steps = || l.scenario.steps.iter().chain(&l.scenario.finally);
+    if !target.keeps_killed_agents_down() && steps().any(kills_an_agent) {
+        return Some(format!(
+            "kills a pod's agent and expects it down, but on the {} target the kubelet restarts a dead sidecar at once",
+            target.name()
+        ));
+    }
+    None
+}
+
+/// Does this step (or one nested in it) kill an agent alone?
+fn kills_an_agent(step: &Step) -> bool {
+    match &step.action {
+        Action::Kill(k) => matches!(k.victim(), Ok(Victim::Agent(_))),
+        Action::Parallel(inner) | Action::Sequence(inner) => inner.iter().any(kills_an_agent),
+        _ => false,
+    }
 }
 
 /// Is `l` a CUDA scenario (tag `gpu`, or a pod with `gpu: true`)?
@@ -1647,14 +1666,19 @@ impl<'a> Scn<'a> {
     }
 
     async fn metric_of(&self, c: &Component, name: &str) -> Result<f64, String> {
-        let url = self
-            .target
-            .component_url(c)
-            .ok_or_else(|| format!("{c} has no metrics endpoint"))?;
-        self.metrics_text(&url)
+        self.metrics_of(c)
             .await
             .map(|text| metric_sum(&text, name))
             .map_err(|e| format!("{c}: {e}"))
+    }
+
+    /// A component's `/metrics`: over HTTP where the runner reaches it,
+    /// else through the target (a cluster's pods).
+    async fn metrics_of(&self, c: &Component) -> Result<String, String> {
+        match self.target.component_url(c) {
+            Some(url) => self.metrics_text(&url).await,
+            None => self.target.metrics(c).await.map_err(|e| e.to_string()),
+        }
     }
 
     /// The text of `url`/metrics; a failed request is retried twice (a
@@ -1870,16 +1894,16 @@ impl<'a> Scn<'a> {
         match c {
             Condition::Ready(name) => {
                 for comp in self.components(name) {
-                    let Some(url) = self.target.component_url(&comp) else {
-                        return Err(format!("{comp} has no readiness endpoint"));
+                    let ok = match self.target.component_url(&comp) {
+                        Some(url) => self
+                            .http
+                            .get(format!("{url}/readyz"))
+                            .send()
+                            .await
+                            .map(|r| r.status().is_success())
+                            .unwrap_or(false),
+                        None => self.target.ready(&comp).await.map_err(|e| e.to_string())?,
                     };
-                    let ok = self
-                        .http
-                        .get(format!("{url}/readyz"))
-                        .send()
-                        .await
-                        .map(|r| r.status().is_success())
-                        .unwrap_or(false);
                     if !ok {
                         return Ok(false);
                     }
@@ -1896,11 +1920,12 @@ impl<'a> Scn<'a> {
                 Ok(exists == matches!(c, Condition::Key(_)))
             }
             Condition::Metric(m) => {
-                let comp = self.components(&m.component).into_iter().next();
-                let url = comp
-                    .and_then(|c| self.target.component_url(&c))
-                    .ok_or_else(|| format!("{} has no metrics endpoint", m.component))?;
-                let text = self.metrics_text(&url).await?;
+                let comp = self
+                    .components(&m.component)
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| format!("no component named {}", m.component))?;
+                let text = self.metrics_of(&comp).await?;
                 Ok(metric_sum(&text, &m.name) >= m.at_least.0 as f64)
             }
             Condition::Leases(n) => {

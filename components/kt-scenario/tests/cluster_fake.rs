@@ -362,6 +362,103 @@ async fn a_killed_server_stays_down_until_started_on_the_same_port() {
 }
 
 #[tokio::test]
+async fn an_agent_is_signalled_from_its_pod_and_waited_for_until_the_kubelet_restarted_it() {
+    let (tmp, cfg) = layout();
+    let rec = Arc::new(forwarding(
+        Recorder::new()
+            // Its restart count before, then twice unchanged, then moved.
+            .answers(
+                "get pod app-0 -o 'jsonpath={.status.initContainerStatuses[?(@.name==\"kt-agent\")].restartCount}'",
+                vec![Output::ok("2"), Output::ok("2"), Output::ok("2"), Output::ok("3")],
+            ),
+    ));
+    let (_s, t, _plan) = up(rec.clone(), cfg, tmp.path()).await;
+    assert!(!t.keeps_killed_agents_down());
+    let before = rec.commands().len();
+    t.kill_agent("app", Signal::TERM).await.unwrap();
+    t.start(&Component::Pod("app".into())).await.unwrap();
+    let cmds: Vec<String> = rec.commands()[before..].to_vec();
+    let restarts = cmds.iter().filter(|c| c.contains(".restartCount}")).count();
+    assert_eq!(
+        restarts,
+        4,
+        "polled until the count moved:\n{}",
+        cmds.join("\n")
+    );
+    let signal = position(&cmds, "exec app-0 -c workload -- sh -c");
+    assert!(cmds[signal].contains("kt-agent") && cmds[signal].ends_with("signal-agent TERM"));
+    assert!(
+        cmds.last()
+            .unwrap()
+            .ends_with("wait --for=condition=Ready pod/app-0 --timeout=180s"),
+        "{}",
+        cmds.join("\n")
+    );
+    // Only scenario pods have agents.
+    assert!(t.kill_agent("ghost", Signal::KILL).await.is_err());
+}
+
+#[tokio::test]
+async fn an_agent_the_kubelet_does_not_restart_fails_the_kill_with_the_reason() {
+    let (tmp, cfg) = layout();
+    let rec = Arc::new(forwarding(
+        Recorder::new().answers(".restartCount}", vec![Output::ok("")]),
+    ));
+    let (_s, t, _plan) = up(rec.clone(), cfg, tmp.path()).await;
+    let err = t.kill_agent("app", Signal::KILL).await.unwrap_err();
+    assert!(err.to_string().contains("no restart count"), "{err}");
+}
+
+#[tokio::test]
+async fn pods_readiness_and_agent_metrics_come_from_inside_the_cluster() {
+    let (tmp, cfg) = layout();
+    let rec = Arc::new(forwarding(
+        Recorder::new()
+            .answers(
+                "get pod getter-0-0 -o 'jsonpath={.status.conditions[?(@.type==\"Ready\")].status}'",
+                vec![Output::ok("False"), Output::ok("True")],
+            )
+            .answer(
+                "get pod getter-1-0",
+                Output::fail(1, "Error from server (NotFound): pods \"getter-1-0\" not found"),
+            )
+            .answer("get pod app-0", Output::fail(1, "Unable to connect to the server")),
+    ));
+    let (_s, t, _plan) = up(rec.clone(), cfg, tmp.path()).await;
+    let getter = Component::Pod("getter-0".into());
+    assert!(!t.ready(&getter).await.unwrap());
+    assert!(t.ready(&getter).await.unwrap());
+    // Scaled away: not ready; the API server gone: an error.
+    assert!(!t.ready(&Component::Pod("getter-1".into())).await.unwrap());
+    assert!(t.ready(&Component::Pod("app".into())).await.is_err());
+
+    let rec = Arc::new(forwarding(Recorder::new().answer(
+        "agent-metrics",
+        Output::ok(
+            "# TYPE kt_process_peak_resident_bytes gauge\nkt_process_peak_resident_bytes 7340032\n",
+        ),
+    )));
+    let (tmp2, cfg2) = layout();
+    let (_s, t, _plan) = up(rec.clone(), cfg2, tmp2.path()).await;
+    let text = t.metrics(&getter).await.unwrap();
+    assert!(text.contains("kt_process_peak_resident_bytes 7340032"));
+    let last = rec.commands().pop().unwrap();
+    assert!(
+        last.contains("exec getter-0-0 -c workload -- sh -c"),
+        "{last}"
+    );
+    assert!(
+        last.contains("Authorization: Bearer $(cat \"$KT_TOKEN_FILE\")"),
+        "{last}"
+    );
+    assert!(last.ends_with("agent-metrics 8090"), "{last}");
+    assert!(
+        t.metrics(&Component::Store).await.is_err(),
+        "servers have their URL"
+    );
+}
+
+#[tokio::test]
 async fn data_is_staged_into_the_putting_pods_and_results_fetched_back() {
     let (tmp, cfg) = layout();
     let rec = Arc::new(forwarding(Recorder::new()));

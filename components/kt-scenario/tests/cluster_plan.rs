@@ -59,3 +59,56 @@ fn kind_plan_of_getters_killed() {
 fn k3d_plan_of_roundtrip() {
     insta::assert_snapshot!(plan(Box::new(K3d), "roundtrip.yaml"));
 }
+
+/// Every scenario of the library is planned on both cluster targets without
+/// a failing command, or skipped with the reason (`--dry-run` prints the
+/// same): none is known to fail there.
+#[test]
+fn every_library_scenario_is_planned_or_skipped_with_a_reason() {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(repo().join("scenarios"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() > 20, "{files:?}");
+    for flavor in ["kind", "k3d"] {
+        let mut skipped = Vec::new();
+        for f in &files {
+            let name = f.file_name().unwrap().to_str().unwrap();
+            let plan = plan(
+                match flavor {
+                    "kind" => Box::new(Kind),
+                    _ => Box::new(K3d),
+                },
+                name,
+            );
+            assert!(
+                !plan.contains("# failed"),
+                "{flavor}: {name} has a failing command in its plan:\n{plan}"
+            );
+            if let Some(line) = plan.lines().find(|l| l.contains(": skipped: ")) {
+                skipped.push(line.split(": skipped: ").nth(1).unwrap().to_owned());
+                continue;
+            }
+            assert!(plan.contains("## up") && plan.contains("## down"), "{plan}");
+        }
+        // What cannot run on a cluster, and only that: the netns-only
+        // shaped link, the CUDA scenarios, and an agent kept down.
+        assert_eq!(skipped.len(), 6, "{flavor}: {skipped:#?}");
+        assert!(
+            skipped
+                .iter()
+                .all(|why| why.contains(flavor) || why.contains("netns"))
+        );
+    }
+}
+
+#[test]
+fn broadcast_200_asks_for_about_one_cpu_of_agent_requests() {
+    let text = plan(Box::new(Kind), "broadcast-200.yaml");
+    let agents = text
+        .matches("cpu: 5m\n        ephemeral-storage: 16Mi\n        memory: 16Mi")
+        .count();
+    assert_eq!(agents, 201, "every pod's agent asks for 5m and 16Mi");
+}

@@ -229,6 +229,32 @@ pub trait Target: Send + Sync {
         )))
     }
 
+    /// Whether a pod's agent killed alone ([`Target::kill_agent`]) stays
+    /// down until [`Target::start`]. Not on a cluster, where the kubelet
+    /// restarts a dead sidecar at once: scenarios that kill an agent and
+    /// expect it gone are skipped there.
+    fn keeps_killed_agents_down(&self) -> bool {
+        true
+    }
+
+    /// Whether a component is ready, for components the runner cannot ask
+    /// itself ([`Target::component_url`] is None: a cluster's pods).
+    async fn ready(&self, c: &Component) -> Result<bool, TargetError> {
+        Err(TargetError::Unavailable(format!(
+            "the {} target cannot tell whether {c} is ready",
+            self.name()
+        )))
+    }
+
+    /// The text of a component's `/metrics`, for components the runner
+    /// cannot reach itself ([`Target::component_url`] is None).
+    async fn metrics(&self, c: &Component) -> Result<String, TargetError> {
+        Err(TargetError::Unavailable(format!(
+            "the {} target cannot read the metrics of {c}",
+            self.name()
+        )))
+    }
+
     /// Sends a signal: to a server's process (and waits for it to exit), or
     /// to every process of a pod. Takes `&self` because it runs while other
     /// steps exec in pods: targets keep their servers behind a lock.

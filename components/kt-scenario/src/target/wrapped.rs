@@ -46,14 +46,10 @@ pub type Killer =
 
 /// The `kill` command line that signals `pid` inside a pod.
 pub fn kill_argv(signal: Signal, pid: u32) -> Vec<String> {
-    let sig = match signal {
-        Signal::KILL => "KILL",
-        Signal::TERM => "TERM",
-    };
     vec![
         "sh".to_owned(),
         "-c".to_owned(),
-        format!("kill -s {sig} {pid}"),
+        format!("kill -s {} {pid}", signal.name()),
     ]
 }
 

@@ -22,7 +22,11 @@ pub const IMAGES: [&str; 4] = [
 pub const BUNDLE_TAG: &str = "0.1.0";
 /// The scenario pod's own container (the agent sidecar is `kt-agent`).
 pub const WORKLOAD: &str = "workload";
+/// The agent sidecar: the first init container of a scenario pod (a native
+/// sidecar; the pods have no init containers of their own).
 pub const AGENT_CONTAINER: &str = "kt-agent";
+/// The agent's HTTP port in the sidecar (KT_AGENT_LISTEN).
+pub const AGENT_PORT: u16 = 8090;
 /// The workload's root directory: `Target::pod_dir` inside the pod.
 pub const POD_ROOT: &str = "/var/lib/kt/data";
 /// The headless Service the scenario StatefulSets name.
@@ -175,14 +179,17 @@ pub fn kustomization(plan: &Plan, ns: &str, tag: &str, dir: &Path, src: &Sources
             "patch": yaml(&ops),
         }));
     }
+    let requests = PodRequests::for_pods(plan.pods.len());
     for p in &plan.pods {
         // The sidecar's agent is named after the Kubernetes pod
         // (`getter-0-0`); scenarios know it as `getter-0`. The component
-        // appends the agent after the workload, and the test op makes a
-        // change of that a render error instead of a wrong patch.
+        // makes the agent the pod's first init container, and the test op
+        // makes a change of that a render error instead of a wrong patch.
+        // Its requests shrink with the scenario's size (see PodRequests).
         let ops = json!([
-            { "op": "test", "path": "/spec/template/spec/containers/1/name", "value": AGENT_CONTAINER },
-            add_env("/spec/template/spec/containers/1/env/-", "KT_AGENT_ID", &p.name),
+            { "op": "test", "path": "/spec/template/spec/initContainers/0/name", "value": AGENT_CONTAINER },
+            add_env("/spec/template/spec/initContainers/0/env/-", "KT_AGENT_ID", &p.name),
+            { "op": "replace", "path": "/spec/template/spec/initContainers/0/resources/requests", "value": requests.agent() },
         ]);
         patches.push(json!({
             "target": { "kind": "StatefulSet", "name": p.name },
@@ -206,6 +213,44 @@ pub fn kustomization(plan: &Plan, ns: &str, tag: &str, dir: &Path, src: &Sources
     )
 }
 
+/// What each scenario pod asks of the scheduler. A testbed cluster runs on
+/// one machine (kind's and k3d's nodes are containers of one Docker
+/// engine, 4 CPUs on a CI runner), and the scenario library has up to 201
+/// pods: at the bundle's 50m and 64Mi per agent, broadcast-200 alone would
+/// ask for 10 CPUs and 13 GiB and most of its pods would never schedule.
+/// So a scenario's pods share a budget of one CPU and 2 GiB between their
+/// agents (at most the bundle's own requests each, at least 5m and 16Mi);
+/// the workloads, idle shells running `kt` now and then, ask for 5m and
+/// 8Mi. Limits stay the bundle's: requests decide placement, not speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PodRequests {
+    /// The agent's CPU request in millicores.
+    pub agent_millicpu: u64,
+    /// The agent's memory request in MiB.
+    pub agent_mib: u64,
+}
+
+impl PodRequests {
+    const CPU_BUDGET_MILLI: u64 = 1000;
+    const MEMORY_BUDGET_MIB: u64 = 2048;
+
+    pub fn for_pods(pods: usize) -> PodRequests {
+        let n = pods.max(1) as u64;
+        PodRequests {
+            agent_millicpu: (Self::CPU_BUDGET_MILLI / n).clamp(5, 50),
+            agent_mib: (Self::MEMORY_BUDGET_MIB / n).clamp(16, 64),
+        }
+    }
+
+    fn agent(&self) -> Value {
+        json!({
+            "cpu": format!("{}m", self.agent_millicpu),
+            "memory": format!("{}Mi", self.agent_mib),
+            "ephemeral-storage": "16Mi",
+        })
+    }
+}
+
 /// The workload's idle loop: it ends on TERM at once.
 const IDLE: &str = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done";
 
@@ -220,12 +265,11 @@ pub fn statefulset(p: &PodPlan) -> Value {
     pod_labels.insert(POD_LABEL.into(), json!(p.name));
     pod_labels.insert("kt.dev/service".into(), json!(service));
     pod_labels.insert(MANAGED_BY.0.into(), json!(MANAGED_BY.1));
+    // KT_POD_IP, KT_AGENT_SOCKET and KT_AGENT_AUTOSTART=0 come from the
+    // agent-sidecar component, as in a user's pod.
     let env = json!([
         { "name": "KT_POD_NAME", "value": p.name },
-        { "name": "KT_POD_IP", "valueFrom": { "fieldRef": { "fieldPath": "status.podIP" } } },
         { "name": "KT_PROGRESS", "value": "never" },
-        // The agent is the sidecar: kt must never start another.
-        { "name": "KT_AGENT_AUTOSTART", "value": "0" },
         { "name": "HOME", "value": POD_ROOT },
         { "name": "XDG_CACHE_HOME", "value": format!("{POD_ROOT}/.cache") },
     ]);
@@ -266,6 +310,9 @@ pub fn statefulset(p: &PodPlan) -> Value {
                         "command": ["sh", "-c", IDLE],
                         "workingDir": POD_ROOT,
                         "env": env,
+                        "resources": {
+                            "requests": { "cpu": "5m", "memory": "8Mi", "ephemeral-storage": "16Mi" },
+                        },
                         "securityContext": {
                             "allowPrivilegeEscalation": false,
                             "readOnlyRootFilesystem": true,
@@ -281,7 +328,7 @@ pub fn statefulset(p: &PodPlan) -> Value {
                         ],
                     }],
                     "volumes": [
-                        { "name": "tmp", "emptyDir": {} },
+                        { "name": "tmp", "emptyDir": { "sizeLimit": "256Mi" } },
                     ],
                 },
             },
@@ -335,6 +382,19 @@ mod tests {
             relative(Path::new("/a"), Path::new("/a")),
             PathBuf::from(".")
         );
+    }
+
+    #[test]
+    fn requests_shrink_with_the_scenario_within_bounds() {
+        let one = PodRequests::for_pods(1);
+        assert_eq!((one.agent_millicpu, one.agent_mib), (50, 64));
+        let big = PodRequests::for_pods(201);
+        assert_eq!((big.agent_millicpu, big.agent_mib), (5, 16));
+        // 201 agents ask for about a CPU in all, not ten.
+        assert!(201 * big.agent_millicpu <= 1100);
+        assert_eq!(PodRequests::for_pods(0), one);
+        let mid = PodRequests::for_pods(40);
+        assert_eq!((mid.agent_millicpu, mid.agent_mib), (25, 51));
     }
 
     #[test]

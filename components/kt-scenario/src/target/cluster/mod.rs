@@ -18,8 +18,16 @@
 //!   scales its workload to zero (SIGKILL: and force-deletes its pods at
 //!   once; TERM: the pod terminates gracefully) and waits until its pods are
 //!   gone, so it stays down like a dead server until `start` scales it back
-//!   to one and waits for the rollout. A restarted scenario pod comes back
-//!   with an empty `/work`, as a real pod would.
+//!   to one and waits for the rollout and the pod's readiness. A restarted
+//!   scenario pod comes back with an empty `/work`, as a real pod would.
+//! - A pod's agent alone is signalled from its workload container (the pod
+//!   shares one pid namespace; both run as uid 65532), and the kubelet
+//!   restarts it at once: `kill_agent` waits until its restart count moved
+//!   ([`Target::keeps_killed_agents_down`] is false, so scenarios that
+//!   expect a killed agent to stay down are skipped). A pod's readiness is
+//!   its `Ready` condition (the agent's probes included); its agent's
+//!   `/metrics` are read inside the pod (busybox `wget` with the pod's
+//!   token), since a port-forward per pod would not scale to hundreds.
 //! - Generated data sets are packed on the host and unpacked into the pods
 //!   that put them ([`Target::stage_data`]); what a getter wrote is packed in
 //!   the pod and unpacked into [`Target::pod_dir`] before it is verified
@@ -42,7 +50,9 @@ use crate::format::Signal;
 pub mod manifests;
 pub mod shell;
 
-use manifests::{METADATA, POD_LABEL, POD_ROOT, STORE, Server, Sources, WORKLOAD};
+use manifests::{
+    AGENT_CONTAINER, AGENT_PORT, METADATA, POD_LABEL, POD_ROOT, STORE, Server, Sources, WORKLOAD,
+};
 use shell::{Background, Cmd, Shell, check};
 
 /// What differs between kind and k3d: the commands that manage a cluster.
@@ -85,6 +95,24 @@ const ROLLOUT_TIMEOUT: Duration = Duration::from_secs(180);
 const DELETE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a port-forward gets to say where it listens.
 const FORWARD_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the kubelet gets to restart a killed agent.
+const AGENT_RESTART_TIMEOUT: Duration = Duration::from_secs(120);
+/// Between two looks at a pod's status.
+const POLL: Duration = Duration::from_millis(500);
+
+/// Signals every `kt-agent` process the workload container sees (`$1`:
+/// the signal's name): the agent sidecar, through the pod's shared pid
+/// namespace.
+const SIGNAL_AGENT: &str = r#"pids=""
+for d in /proc/[0-9]*; do
+  [ "$(cat "$d/comm" 2>/dev/null)" = kt-agent ] && pids="$pids ${d#/proc/}"
+done
+[ -n "$pids" ] || { echo "no kt-agent process is visible here (is shareProcessNamespace on?)" >&2; exit 1; }
+kill -s "$1" $pids"#;
+
+/// Prints the agent's `/metrics` from inside its pod, with the token the
+/// pod mounts (the scenario's).
+const AGENT_METRICS: &str = r#"wget -q -O - --header "Authorization: Bearer $(cat "$KT_TOKEN_FILE")" "http://127.0.0.1:$1/metrics""#;
 
 /// Settings of a run's cluster.
 #[derive(Debug, Clone)]
@@ -445,6 +473,50 @@ impl Cluster {
         .map_err(|e| TargetError::Failed(format!("{workload} is not ready: {e}")))
     }
 
+    /// `kubectl get pod` of a scenario pod, printing `jsonpath`.
+    fn pod_jsonpath(&self, pod: &str, jsonpath: &str) -> Cmd {
+        self.kubectl().args([
+            "get".to_owned(),
+            "pod".to_owned(),
+            manifests::pod_name(pod),
+            "-o".to_owned(),
+            format!("jsonpath={jsonpath}"),
+        ])
+    }
+
+    /// How often the kubelet restarted the pod's agent.
+    async fn agent_restarts(&self, pod: &str) -> Result<u64, TargetError> {
+        let out = self
+            .run(self.pod_jsonpath(
+                pod,
+                &format!(
+                    "{{.status.initContainerStatuses[?(@.name==\"{AGENT_CONTAINER}\")].restartCount}}"
+                ),
+            ))
+            .await?;
+        out.stdout.trim().parse().map_err(|_| {
+            TargetError::Failed(format!(
+                "pod {pod} reports no restart count for its {AGENT_CONTAINER} container (got {:?})",
+                out.stdout.trim()
+            ))
+        })
+    }
+
+    /// Waits for the pod's `Ready` condition (its containers' probes, the
+    /// agent sidecar's among them).
+    async fn wait_pod_ready(&self, pod: &str) -> Result<(), TargetError> {
+        let t = self.session.cfg.rollout_timeout;
+        self.run(self.kubectl().args([
+            "wait".to_owned(),
+            "--for=condition=Ready".to_owned(),
+            format!("pod/{}", manifests::pod_name(pod)),
+            format!("--timeout={}s", t.as_secs()),
+        ]))
+        .await
+        .map(drop)
+        .map_err(|e| TargetError::Failed(format!("pod {pod} is not ready: {e}")))
+    }
+
     /// Starts a port-forward to a server's Service on `port` (0: any) and
     /// returns once it listens.
     async fn forward(&self, c: &Component, port: u16) -> Result<String, TargetError> {
@@ -794,6 +866,84 @@ impl Target for Cluster {
         Ok(ip.to_owned())
     }
 
+    fn keeps_killed_agents_down(&self) -> bool {
+        false
+    }
+
+    /// Signals the agent from the workload container and waits until the
+    /// kubelet has seen it die (its restart count moved); it is being
+    /// started again by then.
+    async fn kill_agent(&self, pod: &str, signal: Signal) -> Result<(), TargetError> {
+        if !self.pods.contains(&pod.to_owned()) {
+            return Err(TargetError::Failed(format!("no pod named {pod}")));
+        }
+        let before = self.agent_restarts(pod).await?;
+        self.run(self.exec_cmd(pod, false).args([
+            "sh".to_owned(),
+            "-c".to_owned(),
+            SIGNAL_AGENT.to_owned(),
+            "signal-agent".to_owned(),
+            signal.name().to_owned(),
+        ]))
+        .await
+        .map_err(|e| TargetError::Failed(format!("signalling the agent of pod {pod}: {e}")))?;
+        let deadline = Instant::now() + AGENT_RESTART_TIMEOUT;
+        loop {
+            if self.agent_restarts(pod).await? > before {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(TargetError::Failed(format!(
+                    "the agent of pod {pod} got {}, but the kubelet did not restart it within {AGENT_RESTART_TIMEOUT:?}",
+                    signal.name()
+                )));
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    async fn ready(&self, c: &Component) -> Result<bool, TargetError> {
+        let Component::Pod(pod) = c else {
+            return Err(TargetError::Failed(format!(
+                "{c} is reached through its port-forward"
+            )));
+        };
+        let out = self
+            .shell
+            .run(&self.pod_jsonpath(pod, r#"{.status.conditions[?(@.type=="Ready")].status}"#))
+            .await?;
+        if !out.success() {
+            // A pod scaled away is not ready; anything else is an error.
+            return if out.stderr.contains("NotFound") || out.stderr.contains("not found") {
+                Ok(false)
+            } else {
+                Err(TargetError::Failed(format!(
+                    "asking whether pod {pod} is ready: {}",
+                    out.stderr.trim()
+                )))
+            };
+        }
+        Ok(out.stdout.trim() == "True")
+    }
+
+    async fn metrics(&self, c: &Component) -> Result<String, TargetError> {
+        let Component::Pod(pod) = c else {
+            return Err(TargetError::Failed(format!(
+                "{c} is reached through its port-forward"
+            )));
+        };
+        self.run(self.exec_cmd(pod, false).args([
+            "sh".to_owned(),
+            "-c".to_owned(),
+            AGENT_METRICS.to_owned(),
+            "agent-metrics".to_owned(),
+            AGENT_PORT.to_string(),
+        ]))
+        .await
+        .map(|o| o.stdout)
+        .map_err(|e| TargetError::Failed(format!("reading the agent metrics of pod {pod}: {e}")))
+    }
+
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
         let (workload, selector) = self.workload(c)?;
         self.run(
@@ -842,6 +992,11 @@ impl Target for Cluster {
         )
         .await?;
         self.rollout(&workload).await?;
+        if let Component::Pod(p) = c {
+            // A rollout that saw nothing to do (only the agent restarted)
+            // says nothing about the pod: its Ready condition does.
+            self.wait_pod_ready(p).await?;
+        }
         if Cluster::server(c).is_some() {
             // The same local port: clients hold the URL.
             let port = self
@@ -1004,6 +1159,21 @@ pub async fn dry_run(
         section("e.g. kill store (KILL)", r, &mut out);
         let r = t.start(&Component::Store).await;
         section("e.g. start store", r, &mut out);
+        let pod = Component::Pod(p.name.clone());
+        let r = async {
+            t.kill_agent(&p.name, Signal::TERM).await?;
+            t.start(&pod).await
+        }
+        .await;
+        section(
+            "e.g. restart the first pod's agent (`restart: { agent }`)",
+            r,
+            &mut out,
+        );
+        let r = t.ready(&pod).await.map(drop);
+        section("e.g. wait for the first pod to be ready", r, &mut out);
+        let r = t.metrics(&pod).await.map(drop);
+        section("e.g. the metrics of the first pod's agent", r, &mut out);
     }
     let r = t.collect_logs(&plan.work_dir.join("logs")).await;
     section("on failure", r, &mut out);
@@ -1059,14 +1229,27 @@ pub async fn plan_scenario(
     for (svc, line) in DRY_RUN_PORTS {
         rec = rec.prints(svc, &[line]);
     }
-    // So that the plan shows the wait for a killed store's pod.
-    rec = rec.answer(
-        &format!("get pods -l {} -o name", STORE.selector),
-        shell::Output::ok("pod/kt-store-0\n"),
-    );
+    // So that the plan shows the wait for a killed store's pod, and the
+    // kubelet restarting a killed agent.
+    rec = rec
+        .answer(
+            &format!("get pods -l {} -o name", STORE.selector),
+            shell::Output::ok("pod/kt-store-0\n"),
+        )
+        .answers(
+            ".restartCount}",
+            vec![shell::Output::ok("0"), shell::Output::ok("1")],
+        )
+        .answer("type==\"Ready\"", shell::Output::ok("True"));
     let rec = Arc::new(rec);
     let name = flavor.name();
     let session = Arc::new(Session::new(flavor, rec.clone(), cfg));
+    if let Some(why) = crate::runner::unsupported(l, &Cluster::new(session.clone())) {
+        return format!(
+            "# kt-scenario plan: scenario {} on {name}: skipped: {why}\n",
+            l.name
+        );
+    }
     let work = work_root.join(format!("{}-{run_id}", l.name));
     let plan = crate::runner::scenario_plan(l, run_id, &work, bin_dir, token);
     let data: BTreeMap<String, PathBuf> = l

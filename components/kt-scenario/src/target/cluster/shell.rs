@@ -275,12 +275,34 @@ impl Background for RealBackground {
 
 /// A canned answer of a [`Recorder`]: the first rule whose `contains`
 /// occurs in the command line answers it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Rule {
     pub contains: String,
-    pub output: Output,
+    /// Successive answers: the n-th matching command gets the n-th, and
+    /// every later one the last.
+    pub outputs: Vec<Output>,
     /// Lines a spawned command prints.
     pub lines: Vec<String>,
+    used: std::sync::atomic::AtomicUsize,
+}
+
+impl Rule {
+    fn new(contains: &str, outputs: Vec<Output>, lines: Vec<String>) -> Rule {
+        Rule {
+            contains: contains.to_owned(),
+            outputs,
+            lines,
+            used: Default::default(),
+        }
+    }
+
+    fn next_output(&self) -> Output {
+        let n = self.used.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.outputs
+            .get(n.min(self.outputs.len().saturating_sub(1)))
+            .cloned()
+            .unwrap_or_default()
+    }
 }
 
 /// Records every command; answers from its rules (default: success with no
@@ -315,22 +337,23 @@ impl Recorder {
     }
 
     /// Answers commands whose line contains `contains` with `output`.
-    pub fn answer(mut self, contains: &str, output: Output) -> Recorder {
-        self.rules.push(Rule {
-            contains: contains.to_owned(),
-            output,
-            lines: Vec::new(),
-        });
+    pub fn answer(self, contains: &str, output: Output) -> Recorder {
+        self.answers(contains, vec![output])
+    }
+
+    /// Answers the commands whose line contains `contains` with `outputs`
+    /// in turn (the last one again once they are used up): a status that
+    /// changes between polls.
+    pub fn answers(mut self, contains: &str, outputs: Vec<Output>) -> Recorder {
+        self.rules.push(Rule::new(contains, outputs, Vec::new()));
         self
     }
 
     /// Spawned commands whose line contains `contains` print `lines`.
     pub fn prints(mut self, contains: &str, lines: &[&str]) -> Recorder {
-        self.rules.push(Rule {
-            contains: contains.to_owned(),
-            output: Output::ok(""),
-            lines: lines.iter().map(|l| (*l).to_owned()).collect(),
-        });
+        let lines = lines.iter().map(|l| (*l).to_owned()).collect();
+        self.rules
+            .push(Rule::new(contains, vec![Output::ok("")], lines));
         self
     }
 
@@ -362,10 +385,7 @@ impl Shell for Recorder {
                 .await
                 .map_err(|_| TargetError::Failed(format!("`{cmd}` timed out")))?;
         }
-        let out = self
-            .rule(&line)
-            .map(|r| r.output.clone())
-            .unwrap_or_default();
+        let out = self.rule(&line).map(Rule::next_output).unwrap_or_default();
         if let (Some(p), true) = (&cmd.stdout, out.success()) {
             std::fs::write(p, &out.stdout)
                 .map_err(TargetError::io(format!("writing {}", p.display())))?;
