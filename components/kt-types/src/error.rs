@@ -41,6 +41,20 @@ impl ErrorCode {
         }
     }
 
+    /// The code an answer with this HTTP status and no error body of ours
+    /// stands for (a proxy's, or a server that is not kt).
+    pub fn from_status(status: u16) -> ErrorCode {
+        match status {
+            401 | 403 => ErrorCode::Unauthorized,
+            400 => ErrorCode::InvalidRequest,
+            404 => ErrorCode::NotFound,
+            409 => ErrorCode::Conflict,
+            413 => ErrorCode::PayloadTooLarge,
+            502..=504 => ErrorCode::Unavailable,
+            _ => ErrorCode::Internal,
+        }
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorCode::Unauthorized => "unauthorized",

@@ -14,6 +14,7 @@ pub mod frame;
 pub mod key;
 pub mod manifest;
 pub mod model;
+pub mod paths;
 pub mod tensor;
 
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
