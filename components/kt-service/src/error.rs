@@ -34,6 +34,12 @@ impl ApiError {
     }
 }
 
+impl From<kt_sync::task::WorkerLost> for ApiError {
+    fn from(e: kt_sync::task::WorkerLost) -> Self {
+        ApiError::internal(e.to_string())
+    }
+}
+
 impl From<kt_types::KeyError> for ApiError {
     fn from(e: kt_types::KeyError) -> Self {
         ApiError::new(ErrorCode::InvalidKey, e.to_string())

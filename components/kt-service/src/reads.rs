@@ -139,19 +139,11 @@ impl From<SyncError> for ApiError {
     }
 }
 
-/// Runs blocking file work off the async threads.
+/// Runs blocking file work off the async threads ([`kt_sync::task::blocking`]).
 pub async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, SyncError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    off_thread(move || f().map_err(sync_err)).await
-}
-
-async fn off_thread<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ApiError::internal(format!("worker failed: {e}")))?
+    kt_sync::task::blocking(move || f().map_err(sync_err)).await
 }
 
 #[derive(Debug)]
@@ -331,12 +323,12 @@ async fn batch<S: ReadSource>(
     }
     if l.opened.check_links {
         let files = l.opened.files.clone();
-        items = off_thread(move || {
+        items = kt_sync::task::blocking(move || {
             let mut checked = HashSet::new();
             for item in &items {
                 confined(&files, &item.path, &item.entry_path, &mut checked)?;
             }
-            Ok(items)
+            Ok::<_, ApiError>(items)
         })
         .await?;
     }
@@ -364,7 +356,7 @@ async fn range<S: ReadSource>(
     let entry_path = e.path.clone();
     let files = l.opened.files.clone();
     let check = l.opened.check_links;
-    let file = off_thread(move || {
+    let file = kt_sync::task::blocking(move || {
         if check {
             confined(&files, &path, &entry_path, &mut HashSet::new())?;
             let f = std::fs::OpenOptions::new()

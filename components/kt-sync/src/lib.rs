@@ -18,6 +18,7 @@ pub mod diff;
 pub mod error;
 pub mod publish;
 pub mod scan;
+pub mod task;
 
 pub use error::SyncError;
 
