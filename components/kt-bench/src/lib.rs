@@ -17,7 +17,7 @@
 //!   unpacked, against a bare NCCL broadcast of the same bytes ([`nccl`]).
 //!
 //! The binary's pieces live here so that `main` stays a thin argument parser:
-//! [`size`] (byte sizes such as `256M`), [`scratch`] (a work directory removed on
+//! [`size`] (byte sizes such as `256MiB`), [`scratch`] (a work directory removed on
 //! drop), [`data`] (seeded test trees), [`rsync`] (the daemon and the client
 //! invocation), [`kt`] (in-process metadata and store servers plus a client),
 //! [`compare`] (the cases) and [`report`] (medians, the table, the ratio line).

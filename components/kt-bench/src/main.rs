@@ -20,7 +20,7 @@ struct Args {
     #[arg(long, default_value = "/dev/shm")]
     dir: PathBuf,
     /// Size of the large file (bytes; K, M, G, T suffixes are binary).
-    #[arg(long, default_value = "1G", value_parser = parse_size)]
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
     large_size: u64,
     /// Runs per case; the median is reported.
     #[arg(long, default_value_t = 3)]

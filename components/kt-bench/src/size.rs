@@ -1,34 +1,7 @@
-//! Byte sizes on the command line: `1073741824`, `1G`, `256M`, `512KiB`.
+//! Byte sizes: parsed with kt's one grammar ([`kt_client::size::parse`]:
+//! `1GiB`, `256MiB` binary, `1GB` decimal), shown in binary units.
 
-/// Parses a byte count with an optional binary unit suffix (K, M, G, T; `B`,
-/// `iB` and case are ignored): `256M` is 256 MiB.
-pub fn parse_size(raw: &str) -> Result<u64, String> {
-    let s = raw.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (digits, unit) = s.split_at(split);
-    if digits.is_empty() {
-        return Err(format!(
-            "{raw:?} is not a size (expected e.g. 1073741824, 1G, 256M)"
-        ));
-    }
-    let n: u64 = digits
-        .parse()
-        .map_err(|e| format!("{raw:?} is not a size: {e}"))?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        other => {
-            return Err(format!(
-                "{raw:?}: unknown unit {other:?} (use K, M, G or T, binary)"
-            ));
-        }
-    };
-    n.checked_mul(1u64 << shift)
-        .ok_or_else(|| format!("{raw:?} is too large"))
-}
+pub use kt_client::size::parse as parse_size;
 
 /// A byte count for humans, in binary units.
 pub fn human(bytes: u64) -> String {
@@ -51,16 +24,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_sizes() {
-        assert_eq!(parse_size("123"), Ok(123));
-        assert_eq!(parse_size("1G"), Ok(1 << 30));
-        assert_eq!(parse_size("256M"), Ok(256 << 20));
-        assert_eq!(parse_size("256MiB"), Ok(256 << 20));
-        assert_eq!(parse_size("4k"), Ok(4096));
-        assert_eq!(parse_size(" 2 GB "), Ok(2 << 30));
-        assert!(parse_size("G").is_err());
-        assert!(parse_size("1X").is_err());
-        assert!(parse_size("99999999999T").is_err());
+    fn sizes_show_in_binary_units() {
         assert_eq!(human(1 << 30), "1 GiB");
         assert_eq!(human(1536), "1.5 KiB");
         assert_eq!(human(12), "12 B");

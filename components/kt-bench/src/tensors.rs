@@ -125,7 +125,7 @@ pub struct DictArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Largest bucket of the packed case (a tensor larger goes alone).
-    #[arg(long, default_value = "256M", value_parser = crate::size::parse_size)]
+    #[arg(long, default_value = "256MiB", value_parser = crate::size::parse_size)]
     pub bucket: u64,
     /// A smoke test: smaller defaults (fewer bytes, 100 tensors, 1 run, no
     /// warm-up); flags given still win.

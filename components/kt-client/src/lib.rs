@@ -11,6 +11,7 @@ mod download;
 pub mod error;
 pub mod progress;
 pub mod relay;
+pub mod size;
 pub mod tensor;
 pub mod transfer;
 

@@ -88,7 +88,7 @@ pub enum TensorCmd {
         #[command(flatten)]
         window: WindowArgs,
         /// Pack bucket size in bytes (suffixes KiB, MiB, GiB).
-        #[arg(long, value_parser = parse_size)]
+        #[arg(long, value_parser = kt_client::size::parse)]
         bucket: Option<u64>,
         /// Keep the tensors (and so the key) alive until SIGTERM or SIGINT.
         #[arg(long)]
@@ -112,7 +112,7 @@ pub enum TensorCmd {
         #[arg(long)]
         no_pack: bool,
         /// Pack bucket size in bytes (suffixes KiB, MiB, GiB).
-        #[arg(long, value_parser = parse_size)]
+        #[arg(long, value_parser = kt_client::size::parse)]
         bucket: Option<u64>,
         #[arg(short, long, default_value = "text")]
         output: SummaryFormat,
@@ -122,24 +122,6 @@ pub enum TensorCmd {
         #[arg(short, long, default_value = "text")]
         output: SummaryFormat,
     },
-}
-
-/// `4096`, `64KiB`, `256MiB`, `1GiB`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mul) = [
-        ("GiB", 1u64 << 30),
-        ("MiB", 1 << 20),
-        ("KiB", 1 << 10),
-        ("B", 1),
-    ]
-    .iter()
-    .find_map(|(suf, m)| s.strip_suffix(suf).map(|n| (n.trim(), *m)))
-    .unwrap_or((s, 1));
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mul))
-        .ok_or_else(|| format!("{s:?} is not a size (e.g. 4096, 64KiB, 256MiB)"))
 }
 
 /// A generated tensor on the host or a GPU.
@@ -424,17 +406,4 @@ async fn wait_for_signal() -> anyhow::Result<()> {
         r = tokio::signal::ctrl_c() => r?,
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_parse() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("64KiB"), Ok(64 << 10));
-        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
-        assert!(parse_size("1TB").is_err());
-    }
 }

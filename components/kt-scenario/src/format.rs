@@ -193,34 +193,15 @@ pub struct SizeRange {
     pub max: Size,
 }
 
-/// A byte count written as `123`, `64KiB`, `1MiB`, `2GiB` (or kB/MB/GB).
+/// A byte count written as `123`, `64KiB`, `1MiB`, `2GiB` (binary) or
+/// `1kB`, `1MB` (decimal).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Size(pub u64);
 
 impl Size {
+    /// kt's one size grammar ([`kt_client::size::parse`]).
     pub fn parse(s: &str) -> Result<Size, String> {
-        let s = s.trim();
-        let split = s
-            .find(|c: char| !c.is_ascii_digit() && c != '_')
-            .unwrap_or(s.len());
-        let (num, unit) = s.split_at(split);
-        let n: u64 = num
-            .replace('_', "")
-            .parse()
-            .map_err(|_| format!("`{s}` is not a size (e.g. 512, 64KiB, 1MiB)"))?;
-        let mult: u64 = match unit.trim() {
-            "" | "B" => 1,
-            "KiB" => 1 << 10,
-            "MiB" => 1 << 20,
-            "GiB" => 1 << 30,
-            "kB" | "KB" => 1_000,
-            "MB" => 1_000_000,
-            "GB" => 1_000_000_000,
-            other => return Err(format!("unknown size unit `{other}` in `{s}`")),
-        };
-        n.checked_mul(mult)
-            .map(Size)
-            .ok_or_else(|| format!("size `{s}` is too large"))
+        kt_client::size::parse(s).map(Size)
     }
 }
 
