@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use kt_api::Api;
 use kt_types::api::{DeleteResponse, ListResponse, StoreLocation, TeardownResponse};
-use kt_types::{ErrorBody, ErrorCode, Key, KeyPrefix, KeyRecord};
-use serde::de::DeserializeOwned;
+use kt_types::{ErrorCode, Key, KeyPrefix, KeyRecord, paths};
 
 use crate::error::ClientError;
 
@@ -59,36 +59,11 @@ pub trait UrlMap: Send + Sync + std::fmt::Debug {
 
 #[derive(Debug, Clone)]
 pub struct Client {
-    pub(crate) http: reqwest::Client,
+    /// The metadata server; [`Api::at`] reaches the store and sources with
+    /// the same connection pool and token.
+    pub(crate) meta: Api,
     pub(crate) cfg: ClientConfig,
     url_map: Option<std::sync::Arc<dyn UrlMap>>,
-}
-
-pub(crate) async fn check(
-    url: &str,
-    resp: reqwest::Response,
-) -> Result<reqwest::Response, ClientError> {
-    let status = resp.status();
-    if status.is_success() {
-        return Ok(resp);
-    }
-    let text = resp.text().await.unwrap_or_default();
-    Err(match serde_json::from_str::<ErrorBody>(&text) {
-        Ok(b) => ClientError::Api {
-            status: status.as_u16(),
-            code: b.error.code,
-            message: b.error.message,
-        },
-        Err(_) => ClientError::Api {
-            status: status.as_u16(),
-            code: if status.as_u16() == 401 {
-                ErrorCode::Unauthorized
-            } else {
-                ErrorCode::Internal
-            },
-            message: format!("{url}: {}", text.trim()),
-        },
-    })
 }
 
 impl Client {
@@ -100,7 +75,7 @@ impl Client {
             .build()
             .map_err(|e| ClientError::Local(format!("http client: {e}")))?;
         Ok(Client {
-            http,
+            meta: Api::new(http, &cfg.metadata_url, &cfg.token),
             cfg,
             url_map: None,
         })
@@ -130,114 +105,43 @@ impl Client {
         }
     }
 
-    pub(crate) fn meta(&self, path: &str) -> String {
-        format!("{}/api/v1/{path}", self.cfg.metadata_url)
-    }
-
-    pub(crate) async fn send(
-        &self,
-        url: &str,
-        req: reqwest::RequestBuilder,
-    ) -> Result<reqwest::Response, ClientError> {
-        let resp = req
-            .bearer_auth(&self.cfg.token)
-            .send()
-            .await
-            .map_err(|source| ClientError::Http {
-                url: url.to_owned(),
-                source,
-            })?;
-        check(url, resp).await
-    }
-
-    /// A whole response body.
-    pub(crate) async fn bytes(
-        &self,
-        url: &str,
-        req: reqwest::RequestBuilder,
-    ) -> Result<bytes::Bytes, ClientError> {
-        self.send(url, req)
-            .await?
-            .bytes()
-            .await
-            .map_err(|source| ClientError::Http {
-                url: url.to_owned(),
-                source,
-            })
-    }
-
-    pub(crate) async fn json<T: DeserializeOwned>(
-        &self,
-        url: &str,
-        req: reqwest::RequestBuilder,
-    ) -> Result<T, ClientError> {
-        self.send(url, req)
-            .await?
-            .json()
-            .await
-            .map_err(|source| ClientError::Http {
-                url: url.to_owned(),
-                source,
-            })
-    }
-
-    pub(crate) async fn get_json<T: DeserializeOwned>(&self, url: &str) -> Result<T, ClientError> {
-        self.json(url, self.http.get(url)).await
-    }
-
-    /// Posts a codec document, answered with JSON.
-    pub(crate) async fn post_document<T: DeserializeOwned>(
-        &self,
-        url: &str,
-        body: Vec<u8>,
-    ) -> Result<T, ClientError> {
-        self.json(
-            url,
-            self.http
-                .post(url)
-                .header(
-                    reqwest::header::CONTENT_TYPE,
-                    kt_types::codec::DOCUMENT_CONTENT_TYPE,
-                )
-                .body(body),
-        )
-        .await
+    /// A server the metadata server named (the store, a source), through
+    /// the [`UrlMap`].
+    pub(crate) fn server(&self, url: &str) -> Result<Api, ClientError> {
+        Ok(self.meta.at(&self.map_url(url)?))
     }
 
     /// The store's URL, as registered with the metadata server.
     pub async fn store_url(&self) -> Result<String, ClientError> {
-        let loc: StoreLocation = self.get_json(&self.meta("store")).await?;
+        let loc: StoreLocation = self.meta.get(&paths::store()).fetch().await?;
         let url = self.map_url(loc.url.trim_end_matches('/'))?;
         Ok(url.trim_end_matches('/').to_owned())
     }
 
     pub async fn stat(&self, key: &Key) -> Result<KeyRecord, ClientError> {
-        self.get_json(&self.meta(&format!("keys/{key}"))).await
+        Ok(self.meta.get(&paths::key(key)).fetch().await?)
     }
 
     pub async fn ls(&self, prefix: &KeyPrefix) -> Result<ListResponse, ClientError> {
-        let url = self.meta("keys");
-        self.json(
-            &url,
-            self.http.get(&url).query(&[("prefix", prefix.as_str())]),
-        )
-        .await
+        Ok(self
+            .meta
+            .get(&paths::keys())
+            .query(&[("prefix", prefix.as_str())])
+            .fetch()
+            .await?)
     }
 
     /// Deletes a service's `resource` keys and evicts its pods as sources.
     pub async fn teardown(&self, service: &str) -> Result<TeardownResponse, ClientError> {
-        let url = self.meta(&format!("services/{service}"));
-        self.json(&url, self.http.delete(&url)).await
+        Ok(self.meta.delete(&paths::service(service)).fetch().await?)
     }
 
     pub async fn rm(&self, key: &Key, recursive: bool) -> Result<DeleteResponse, ClientError> {
-        let url = self.meta(&format!("keys/{key}"));
-        self.json(
-            &url,
-            self.http
-                .delete(&url)
-                .query(&[("recursive", if recursive { "true" } else { "false" })]),
-        )
-        .await
+        Ok(self
+            .meta
+            .delete(&paths::key(key))
+            .query(&[("recursive", if recursive { "true" } else { "false" })])
+            .fetch()
+            .await?)
     }
 }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures::{SinkExt, StreamExt};
 use kt_types::broadcast::{GetterMessage, GroupMessage, JoinRequest, Parent, Rejoin};
-use kt_types::{ErrorCode, Key};
+use kt_types::{ErrorCode, Key, paths};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
@@ -102,9 +102,9 @@ impl Session {
     async fn connect(client: &Client) -> Result<Socket, ClientError> {
         let base = &client.cfg.metadata_url;
         let url = match base.split_once("://") {
-            Some(("https", rest)) => format!("wss://{rest}/api/v1/broadcasts/join"),
-            Some((_, rest)) => format!("ws://{rest}/api/v1/broadcasts/join"),
-            None => format!("ws://{base}/api/v1/broadcasts/join"),
+            Some(("https", rest)) => format!("wss://{rest}{}", paths::broadcast_join()),
+            Some((_, rest)) => format!("ws://{rest}{}", paths::broadcast_join()),
+            None => format!("ws://{base}{}", paths::broadcast_join()),
         };
         let mut req = url.as_str().into_client_request().map_err(lost)?;
         let auth = format!("Bearer {}", client.cfg.token)
@@ -259,10 +259,11 @@ impl Session {
         shared: &Arc<Mutex<Membership>>,
     ) -> Option<(Socket, Option<Parent>)> {
         let started = Instant::now();
-        let mut pause = Duration::from_millis(50);
+        // Jittered: the members of a large group lost the server together
+        // and must not all come back in the same instant.
+        let mut backoff = kt_api::Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         while started.elapsed() < RECONNECT_FOR {
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_secs(1));
+            backoff.wait().await;
             let m = lock(shared).clone();
             let mut request = m.request.clone();
             request.rejoin = Some(Rejoin {

@@ -543,6 +543,7 @@ pub fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_env("KT_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
+        .with_ansi(kt_service::telemetry::stderr_color())
         .with_writer(std::io::stderr)
         .init();
     let rt = match tokio::runtime::Builder::new_multi_thread()

@@ -23,7 +23,8 @@ use kt_sync::chunk::{ChunkAssembly, chunk_count, chunk_cv, chunk_range};
 use kt_sync::diff;
 use kt_types::api::{BatchRequest, ReadManifest, TransferStats};
 use kt_types::manifest::ManifestLimits;
-use kt_types::{Entry, EntryKind, Manifest, RootKind};
+use kt_api::Api;
+use kt_types::{Entry, EntryKind, Manifest, RootKind, paths};
 
 use crate::api::Client;
 use crate::error::ClientError;
@@ -207,12 +208,14 @@ impl Download {
         &self.read.manifest
     }
 
-    /// Fetches what is still missing from the read lease at `lease_url`.
-    /// On error, what was written stays: the next run starts from there.
+    /// Fetches what is still missing through the read lease `lease` of
+    /// the server `src`. On error, what was written stays: the next run
+    /// starts from there.
     pub async fn run(
         &self,
         client: &Client,
-        lease_url: &str,
+        src: &Api,
+        lease: &str,
         progress: &Progress,
     ) -> Result<(), ClientError> {
         let m = &self.read.manifest;
@@ -249,12 +252,12 @@ impl Download {
         for group in balance(small, client.cfg.streams) {
             let (expected, written) = (expected.clone(), written.clone());
             futs.push(Box::pin(async move {
-                let url = format!("{lease_url}/batch");
-                let req = client
-                    .http
-                    .post(&url)
-                    .json(&BatchRequest { indices: group });
-                let body = client.send(&url, req).await?.bytes_stream();
+                let body = src
+                    .post(&paths::read_batch(lease))
+                    .json(&BatchRequest { indices: group })
+                    .send()
+                    .await?
+                    .bytes_stream();
                 receive_stream_notify(body, expected, WriteMode::TempRename, Some(written)).await?;
                 Ok(())
             }));
@@ -265,7 +268,8 @@ impl Download {
             }
             futs.push(Box::pin(self.fetch_chunked(
                 client,
-                lease_url,
+                src,
+                lease,
                 i,
                 large.clone(),
                 progress.clone(),
@@ -283,7 +287,8 @@ impl Download {
     async fn fetch_chunked(
         &self,
         client: &Client,
-        lease_url: &str,
+        src: &Api,
+        lease: &str,
         index: u32,
         large: Arc<Large>,
         progress: Progress,
@@ -312,16 +317,11 @@ impl Download {
             async move {
                 let (offset, len) =
                     chunk_range(large.entry.size, chunk_size, n).unwrap_or_default();
-                let url = format!("{lease_url}/files/{index}");
-                let req = client
-                    .http
-                    .get(&url)
-                    .query(&[("offset", offset), ("len", len)]);
-                let resp = client.send(&url, req).await?;
-                let data: Bytes = resp.bytes().await.map_err(|source| ClientError::Http {
-                    url: url.clone(),
-                    source,
-                })?;
+                let data: Bytes = src
+                    .get(&paths::read_range(lease, index as usize))
+                    .query(&[("offset", offset), ("len", len)])
+                    .bytes()
+                    .await?;
                 if data.len() as u64 != len {
                     return Err(ClientError::Sync(SyncError::Truncated));
                 }

@@ -25,6 +25,31 @@ pub enum ClientError {
     Local(String),
 }
 
+impl From<kt_sync::task::WorkerLost> for ClientError {
+    fn from(e: kt_sync::task::WorkerLost) -> Self {
+        ClientError::Local(e.to_string())
+    }
+}
+
+impl From<kt_api::CallError> for ClientError {
+    fn from(e: kt_api::CallError) -> Self {
+        match e {
+            kt_api::CallError::Transport { url, source }
+            | kt_api::CallError::Decode { url, source } => ClientError::Http { url, source },
+            kt_api::CallError::Status {
+                status,
+                code,
+                message,
+                ..
+            } => ClientError::Api {
+                status,
+                code,
+                message,
+            },
+        }
+    }
+}
+
 impl ClientError {
     /// True when the failure lies with the source a get was fetching from
     /// (unreachable, gone, refusing, corrupt, serving another version), so

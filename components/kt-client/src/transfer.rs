@@ -16,7 +16,8 @@ use kt_types::api::{
     SourceLease, TransferStats,
 };
 use kt_types::codec;
-use kt_types::{Key, KeyRecord, Manifest};
+use kt_api::Api;
+use kt_types::{Key, KeyRecord, Manifest, paths};
 
 use crate::agent::AgentConn;
 use crate::api::Client;
@@ -53,13 +54,11 @@ pub struct GetSummary {
     pub duration: Duration,
 }
 
+/// File work off the async threads ([`kt_sync::task::blocking`]).
 pub(crate) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, SyncError> + Send + 'static,
 ) -> Result<T, ClientError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ClientError::Local(format!("worker failed: {e}")))?
-        .map_err(ClientError::from)
+    kt_sync::task::blocking(move || f().map_err(ClientError::from)).await
 }
 
 /// Splits `items` (in manifest order) into at most `n` contiguous runs of
@@ -148,22 +147,27 @@ impl Client {
         );
         let total = manifest.total_bytes();
         let files = manifest.file_count();
-        let store = self.store_url().await?;
+        let store = self.meta.at(&self.store_url().await?);
         // First the digest alone: an unchanged tree costs one small request.
-        let url = format!("{store}/api/v1/puts");
         let encoded = kt_types::codec::to_bytes(&manifest);
         let req = PutRequest {
             key: key.clone(),
             digest: kt_sync::digest_of_encoded(&encoded),
             options,
         };
-        let mut plan: PutPlan = self
-            .post_document(&url, codec::document_with(&req, &[]))
-            .await?;
+        let plan_put = |doc: Vec<u8>| {
+            store
+                .post(&paths::puts())
+                .header(
+                    reqwest::header::CONTENT_TYPE,
+                    kt_types::codec::DOCUMENT_CONTENT_TYPE,
+                )
+                .body(doc)
+                .fetch::<PutPlan>()
+        };
+        let mut plan = plan_put(codec::document_with(&req, &[])).await?;
         if plan.need_manifest {
-            plan = self
-                .post_document(&url, codec::document_with(&req, &encoded))
-                .await?;
+            plan = plan_put(codec::document_with(&req, &encoded)).await?;
         }
         let Some(session) = plan.session.clone() else {
             return Ok(PutSummary {
@@ -183,24 +187,29 @@ impl Client {
             needed = plan.needed.len(),
             "put: planned"
         );
-        let base = format!("{store}/api/v1/puts/{session}");
         let result = self
-            .upload(&base, src, &manifest, &plan, &mut kept, progress.clone())
+            .upload(
+                &store,
+                &session,
+                src,
+                &manifest,
+                &plan,
+                &mut kept,
+                progress.clone(),
+            )
             .await;
         progress.finish();
         let stats = match result {
             Ok(stats) => stats,
             Err(e) => {
-                let _ = self.send(&base, self.http.delete(&base)).await;
+                let _ = store.delete(&paths::put_session(&session)).ok().await;
                 return Err(e);
             }
         };
         tracing::debug!(ms = started.elapsed().as_millis() as u64, "put: uploaded");
-        let commit: CommitResponse = self
-            .json(
-                &format!("{base}/commit"),
-                self.http.post(format!("{base}/commit")),
-            )
+        let commit: CommitResponse = store
+            .post(&paths::put_commit(&session))
+            .fetch()
             .await?;
         Ok(PutSummary {
             record: Some(commit.record),
@@ -214,9 +223,11 @@ impl Client {
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn upload(
         &self,
-        base: &str,
+        store: &Api,
+        session: &str,
         src: &Path,
         m: &Manifest,
         plan: &PutPlan,
@@ -265,7 +276,7 @@ impl Client {
         jobs.reverse();
         futures::stream::iter(
             jobs.into_iter()
-                .map(|job| self.run_upload_job(base, job, progress.clone())),
+                .map(|job| Self::run_upload_job(store, session, job, progress.clone())),
         )
         .buffer_unordered(self.cfg.streams.max(1))
         .try_collect::<Vec<()>>()
@@ -274,16 +285,19 @@ impl Client {
     }
 
     async fn run_upload_job(
-        &self,
-        base: &str,
+        store: &Api,
+        session: &str,
         job: Job,
         progress: Progress,
     ) -> Result<(), ClientError> {
         match job {
             Job::Batch(items) => {
-                let url = format!("{base}/batch");
                 let body = reqwest::Body::wrap_stream(send_stream(items, progress.callback()));
-                let _: BatchAck = self.json(&url, self.http.put(&url).body(body)).await?;
+                let _: BatchAck = store
+                    .put(&paths::put_batch(session))
+                    .body(body)
+                    .fetch()
+                    .await?;
             }
             Job::Chunk {
                 index,
@@ -312,8 +326,11 @@ impl Client {
                     Ok(buf)
                 })
                 .await?;
-                let url = format!("{base}/files/{index}/chunks/{n}");
-                let _: BatchAck = self.json(&url, self.http.put(&url).body(data)).await?;
+                let _: BatchAck = store
+                    .put(&paths::put_chunk(session, index as usize, n))
+                    .body(data)
+                    .fetch()
+                    .await?;
                 progress.advance(len);
             }
         }
@@ -380,10 +397,10 @@ impl Client {
                 )
                 .await;
             drop(renewal);
-            let lease_url = self.meta(&format!("leases/{}", lease.lease));
+            let release = || self.meta.delete(&paths::lease(&lease.lease)).ok();
             match result {
                 Ok(()) => {
-                    let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
+                    let _ = release().await;
                     progress.finish();
                     let Some(d) = dl else {
                         return Err(ClientError::Local("no download was planned".into()));
@@ -401,16 +418,20 @@ impl Client {
                 }
                 Err(e) if e.is_source_failure() => {
                     tracing::warn!(%key, source = %lease.source.id, error = %e, "source failed; trying another");
-                    let url = format!("{lease_url}/failed");
                     let body = kt_types::api::SourceFailure {
                         reason: e.to_string(),
                     };
-                    let _ = self.send(&url, self.http.post(&url).json(&body)).await;
+                    let _ = self
+                        .meta
+                        .post(&paths::lease_failed(&lease.lease))
+                        .json(&body)
+                        .ok()
+                        .await;
                     exclude.push(lease.source.id.clone());
                     last = Some((lease.source.id, e));
                 }
                 Err(e) => {
-                    let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
+                    let _ = release().await;
                     progress.finish();
                     return Err(e);
                 }
@@ -425,28 +446,26 @@ impl Client {
         exclude: &[String],
         getter: Option<String>,
     ) -> Result<SourceLease, ClientError> {
-        let url = self.meta(&format!("keys/{key}/lease"));
         let req = LeaseRequest {
             exclude: exclude.to_vec(),
             getter,
         };
-        self.json(&url, self.http.post(&url).json(&req)).await
+        Ok(self.meta.post(&paths::key_lease(key)).json(&req).fetch().await?)
     }
 
     /// Renews `lease` in the background until aborted.
     fn keep_lease(&self, lease: &SourceLease) -> tokio::task::JoinHandle<()> {
-        let client = self.clone();
-        let url = self.meta(&format!("leases/{}", lease.lease));
+        let meta = self.meta.clone();
+        let path = paths::lease(&lease.lease);
         let every = Duration::from_millis((lease.ttl_ms / 3).max(100));
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                let renew = client.http.put(&url).timeout(every);
-                match client.send(&url, renew).await {
+                match meta.put(&path).timeout(every).ok().await {
                     Ok(_) => {}
                     // Released, expired, or forgotten by a restart: the get
                     // goes on without it.
-                    Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => return,
+                    Err(e) if e.code() == kt_types::ErrorCode::NotFound => return,
                     Err(e) => tracing::warn!(error = %e, "renewing a source lease"),
                 }
             }
@@ -570,27 +589,29 @@ impl Client {
         board: Option<&Arc<Board>>,
         progress: &Progress,
     ) -> Result<(), ClientError> {
-        let source = self.map_url(source)?;
-        let source = source.trim_end_matches('/');
-        let url = format!("{source}/api/v1/trees/{key}");
-        let body = self.bytes(&url, self.http.get(&url)).await?;
+        let src = self.server(source)?;
+        let tree = src.get(&paths::tree(key));
+        let url = tree.url().to_owned();
+        let body = tree.bytes().await?;
         let read = ReadManifest::from_document(&body).map_err(|e| ClientError::Api {
             status: 502,
             code: kt_types::ErrorCode::InvalidManifest,
             message: format!("{url}: invalid manifest document: {e}"),
         })?;
-        let lease_url = format!("{source}/api/v1/reads/{}", read.lease);
+        let lease = read.lease.clone();
+        let release = || src.delete(&paths::read(&lease)).ok();
         let same = match dl {
             Some(d) => d.read.version == read.version && d.manifest() == &read.manifest,
             None => read.version == version,
         };
         if !same {
-            let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
+            let _ = release().await;
             return Err(ClientError::Api {
                 status: 409,
                 code: kt_types::ErrorCode::Conflict,
                 message: format!(
-                    "{source} serves version {} of {key}, the key is at {version}",
+                    "{} serves version {} of {key}, the key is at {version}",
+                    src.base(),
                     read.version
                 ),
             });
@@ -600,7 +621,7 @@ impl Client {
             let planned = match planned {
                 Ok(p) => p,
                 Err(e) => {
-                    let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
+                    let _ = release().await;
                     return Err(e);
                 }
             };
@@ -611,10 +632,10 @@ impl Client {
             *dl = Some(planned);
         }
         let result = match dl {
-            Some(d) => d.run(self, &lease_url, progress).await,
+            Some(d) => d.run(self, &src, &lease, progress).await,
             None => Ok(()),
         };
-        let _ = self.send(&lease_url, self.http.delete(&lease_url)).await;
+        let _ = release().await;
         result
     }
 }

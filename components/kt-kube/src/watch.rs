@@ -42,36 +42,27 @@ impl WatchConfig {
     }
 }
 
-/// Exponential backoff without jitter, reset by the watcher on success.
+/// The watcher's backoff: kt's one backoff ([`kt_api::Backoff`]: exponential
+/// with jitter), reset by the watcher on success.
 #[derive(Debug, Clone)]
-pub struct ExpBackoff {
-    initial: Duration,
-    max: Duration,
-    next: Duration,
-}
+pub struct ExpBackoff(kt_api::Backoff);
 
 impl ExpBackoff {
     pub fn new(initial: Duration, max: Duration) -> Self {
-        ExpBackoff {
-            initial,
-            max,
-            next: initial,
-        }
+        ExpBackoff(kt_api::Backoff::new(initial, max))
     }
 }
 
 impl Iterator for ExpBackoff {
     type Item = Duration;
     fn next(&mut self) -> Option<Duration> {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
-        Some(d)
+        Some(self.0.next_delay())
     }
 }
 
 impl Backoff for ExpBackoff {
     fn reset(&mut self) {
-        self.next = self.initial;
+        self.0.reset();
     }
 }
 

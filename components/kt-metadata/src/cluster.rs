@@ -75,7 +75,7 @@ async fn evict(handle: &Handle, ids: &[String]) {
 
 /// Tears `service` down, retrying a failure (the store unreachable) a few times.
 async fn teardown(handle: Handle, service: String) {
-    let mut delay = TEARDOWN_RETRY;
+    let mut backoff = kt_api::Backoff::new(TEARDOWN_RETRY, TEARDOWN_RETRY * 16);
     for attempt in 1..=TEARDOWN_ATTEMPTS {
         match handle.teardown(&service).await {
             Ok(r) => {
@@ -89,8 +89,7 @@ async fn teardown(handle: Handle, service: String) {
             }
             Err(e) if attempt < TEARDOWN_ATTEMPTS => {
                 tracing::warn!(service, attempt, error = %e.message, "teardown of a vanished service failed; retrying");
-                tokio::time::sleep(delay).await;
-                delay *= 2;
+                backoff.wait().await;
             }
             Err(e) => {
                 tracing::error!(service, error = %e.message, "teardown of a vanished service failed; giving up (run `kt teardown`)");
