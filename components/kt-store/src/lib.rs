@@ -2,10 +2,17 @@
 //!
 //! - [`keys`]: per-key versioned directories on disk, the current manifest of
 //!   each, read pins, and garbage collection of superseded versions;
-//! - [`put`]: upload sessions (plan, batch stream, chunks, commit);
-//! - [`read`]: the store as a [`kt_service::reads::ReadSource`] (a read pins
-//!   its version; the lease protocol itself is shared), tree listing and deletes;
+//! - [`state`]: the configuration and what every handler shares;
+//! - [`session`]: upload sessions in progress;
+//! - [`put`]: the upload handlers (plan, batch stream, chunks, commit, abort);
+//! - [`versions`]: the store as a [`kt_service::reads::ReadSource`] (a read
+//!   pins its version; the lease protocol itself is shared) and the removal
+//!   of versions no reader needs;
+//! - [`trees`]: tree listing and deletes;
 //! - [`registrar`]: announcing the store and its keys to the metadata server.
+//!
+//! Handler modules depend on `state`, `keys`, `session` and `versions`, never
+//! on `server` (the composition root) or on each other.
 //!
 //! Invariants: a put is staged in a fresh version directory and published by an
 //! atomic symlink switch, so readers see the old tree or the new one; a version
@@ -14,8 +21,12 @@
 
 pub mod keys;
 pub mod put;
-pub mod read;
 pub mod registrar;
 mod server;
+pub mod session;
+pub mod state;
+pub mod trees;
+pub mod versions;
 
-pub use server::{Config, StoreError, StoreHandle, run, start};
+pub use server::{StoreError, StoreHandle, run, start};
+pub use state::Config;

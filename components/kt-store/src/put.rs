@@ -16,13 +16,14 @@ use kt_sync::SyncError;
 use kt_sync::apply::{self, ChunkedFile, WriteMode};
 use kt_sync::batch::{Expected, receive_stream};
 use kt_sync::chunk::{ChunkAssembly, ChunkHasher};
-use kt_sync::publish::VersionedDir;
 use kt_types::api::{BatchAck, CommitResponse, PutPlan, PutRequest, RegisterKey};
 use kt_types::codec;
 use kt_types::{ErrorCode, Hash, Key, Locale, Manifest, RootKind};
 
 use crate::keys::{Published, VersionMeta};
-use crate::server::{AppState, Shared, blocking, sync_err};
+use crate::session::{ChunkSlot, PutSession};
+use crate::state::{AppState, Shared, blocking, sync_err};
+use crate::versions::remove_versions;
 
 /// The header of a put document as received: the key is parsed by hand so a bad
 /// key is answered as `invalid_key`, naming the offending part.
@@ -32,44 +33,6 @@ struct PutHeader {
     digest: Hash,
     #[serde(default)]
     options: kt_types::api::PutOptions,
-}
-
-/// One large file arriving in chunks.
-#[derive(Debug)]
-struct ChunkSlot {
-    file: RwLock<Option<ChunkedFile>>,
-    asm: Mutex<ChunkAssembly>,
-    /// Set by the request that completes the file (no other request writes after it).
-    done: AtomicBool,
-    /// Set once the file is verified and finished (mode, mtime): commit waits for this.
-    finished: AtomicBool,
-}
-
-/// An upload in progress: a staging version plus what is still to arrive.
-#[derive(Debug)]
-pub struct PutSession {
-    pub id: String,
-    pub key: Key,
-    dir: VersionedDir,
-    version: String,
-    meta: Arc<VersionMeta>,
-    batch: Arc<HashMap<u32, Expected>>,
-    chunked: HashMap<u32, Arc<ChunkSlot>>,
-    digest: Hash,
-    /// Batch entries written and verified so far.
-    received: Mutex<HashSet<u32>>,
-    started: Instant,
-    touched: Mutex<Instant>,
-    bytes_needed: u64,
-}
-
-impl PutSession {
-    fn touch(&self) {
-        *self.touched.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
-    }
-    fn idle_since(&self) -> Instant {
-        *self.touched.lock().unwrap_or_else(|p| p.into_inner())
-    }
 }
 
 fn session(s: &Shared, id: &str) -> Result<Arc<PutSession>, ApiError> {
@@ -166,7 +129,7 @@ pub async fn plan(
         s.registrar
             .register(&key, registration(&s, &published))
             .await
-            .map_err(|e| ApiError::new(ErrorCode::Unavailable, e))?;
+            .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))?;
         return Ok(ApiJson(PutPlan {
             session: None,
             needed: Vec::new(),
@@ -580,22 +543,6 @@ pub async fn commit(
             )
         })?;
     Ok(ApiJson(CommitResponse { record }))
-}
-
-/// Deletes superseded versions off the async threads.
-pub async fn remove_versions(dir: &VersionedDir, versions: Vec<String>) {
-    if versions.is_empty() {
-        return;
-    }
-    let dir = dir.clone();
-    let _ = tokio::task::spawn_blocking(move || {
-        for v in versions {
-            if let Err(e) = dir.remove_version(&v) {
-                tracing::warn!(version = %v, error = %e, "could not remove a superseded version");
-            }
-        }
-    })
-    .await;
 }
 
 /// Removes a session's staging version; a key that was never published and has

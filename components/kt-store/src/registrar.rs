@@ -4,28 +4,18 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use kt_api::{Api, Backoff, CallError};
 use kt_service::Token;
 use kt_types::api::{RegisterKey, RegisterStore};
-use kt_types::{ErrorBody, Key, KeyRecord};
+use kt_types::{Key, KeyRecord, paths};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug)]
 pub struct Registrar {
-    http: reqwest::Client,
-    metadata_url: String,
+    meta: Api,
     store_url: String,
-    token: Token,
     pending: Mutex<HashMap<Key, RegisterKey>>,
-}
-
-async fn error_text(resp: reqwest::Response) -> String {
-    let status = resp.status();
-    let text = resp.text().await.unwrap_or_default();
-    match serde_json::from_str::<ErrorBody>(&text) {
-        Ok(b) => format!("{status}: {}", b.error.message),
-        Err(_) => format!("{status}: {text}"),
-    }
 }
 
 impl Registrar {
@@ -35,53 +25,43 @@ impl Registrar {
             .build()
             .map_err(|e| e.to_string())?;
         Ok(Registrar {
-            http,
-            metadata_url: metadata_url.trim_end_matches('/').to_owned(),
+            meta: Api::new(http, metadata_url, token.expose()),
             store_url: store_url.to_owned(),
-            token,
             pending: Mutex::new(HashMap::new()),
         })
     }
 
-    async fn announce(&self) -> Result<(), String> {
-        let resp = self
-            .http
-            .post(format!("{}/api/v1/stores", self.metadata_url))
-            .bearer_auth(self.token.expose())
+    async fn announce(&self) -> Result<(), CallError> {
+        self.meta
+            .post(&paths::stores())
             .json(&RegisterStore {
                 url: self.store_url.clone(),
             })
-            .send()
+            .ok()
             .await
-            .map_err(|e| e.to_string())?;
-        if resp.status().is_success() {
-            Ok(())
-        } else {
-            Err(error_text(resp).await)
-        }
     }
 
-    /// Announces the store, retrying with backoff until it works or shutdown.
+    /// Announces the store, retrying with backoff and jitter until it works
+    /// or shutdown.
     pub async fn announce_until_ok(&self, shutdown: &CancellationToken) {
-        let mut wait = Duration::from_millis(50);
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(5));
         loop {
             match self.announce().await {
                 Ok(()) => {
-                    tracing::info!(metadata = %self.metadata_url, "registered with the metadata server");
+                    tracing::info!(metadata = %self.meta.base(), "registered with the metadata server");
                     return;
                 }
                 Err(e) => tracing::warn!(error = %e, "metadata server not reachable yet"),
             }
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = tokio::time::sleep(wait) => {}
+                _ = backoff.wait() => {}
             }
-            wait = (wait * 2).min(Duration::from_secs(5));
         }
     }
 
     /// Records a published version; on failure it is kept for retry.
-    pub async fn register(&self, key: &Key, reg: RegisterKey) -> Result<KeyRecord, String> {
+    pub async fn register(&self, key: &Key, reg: RegisterKey) -> Result<KeyRecord, CallError> {
         match self.send(key, &reg).await {
             Ok(r) => {
                 self.pending.lock().await.remove(key);
@@ -99,40 +79,20 @@ impl Registrar {
         self.pending.lock().await.remove(key);
     }
 
-    async fn send(&self, key: &Key, reg: &RegisterKey) -> Result<KeyRecord, String> {
-        let resp = self
-            .http
-            .put(format!("{}/api/v1/keys/{key}", self.metadata_url))
-            .bearer_auth(self.token.expose())
-            .json(reg)
-            .send()
-            .await
-            .map_err(|e| e.to_string())?;
-        if resp.status().is_success() {
-            resp.json().await.map_err(|e| e.to_string())
-        } else {
-            Err(error_text(resp).await)
-        }
+    async fn send(&self, key: &Key, reg: &RegisterKey) -> Result<KeyRecord, CallError> {
+        self.meta.put(&paths::key(key)).json(reg).fetch().await
     }
 
     /// Registers keys the metadata server lacks or knows at another version.
     pub async fn reconcile(&self, keys: Vec<(Key, RegisterKey)>) {
         for (key, reg) in keys {
-            let known = self
-                .http
-                .get(format!("{}/api/v1/keys/{key}", self.metadata_url))
-                .bearer_auth(self.token.expose())
-                .send()
-                .await;
+            let known: Result<KeyRecord, _> = self.meta.get(&paths::key(&key)).fetch().await;
             // Up to date, or superseded by a `locale=local` put (the key
             // now belongs to a pod's agent, not to us): nothing to do.
-            let up_to_date = match known {
-                Ok(r) if r.status().is_success() => r.json::<KeyRecord>().await.is_ok_and(|rec| {
-                    rec.holder != kt_types::STORE_HOLDER
-                        || (rec.version == reg.version && rec.source == reg.source)
-                }),
-                _ => false,
-            };
+            let up_to_date = known.is_ok_and(|rec| {
+                rec.holder != kt_types::STORE_HOLDER
+                    || (rec.version == reg.version && rec.source == reg.source)
+            });
             if !up_to_date && let Err(e) = self.register(&key, reg).await {
                 tracing::warn!(%key, error = %e, "could not register key; will retry");
             }

@@ -1,8 +1,6 @@
 //! Wiring: configuration, shared state, routes, background sweepers.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,61 +8,17 @@ use axum::Router;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{delete, get, post, put};
 use kt_service::reads::Reads;
-use kt_service::{Metrics, Ready, Token};
+use kt_service::{Metrics, Ready};
 use kt_sync::SyncError;
-use kt_types::manifest::ManifestLimits;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::keys::Keys;
-use crate::put::PutSession;
-use crate::read::StoreVersions;
 use crate::registrar::Registrar;
-use crate::{put, read};
-
-/// Everything the store needs besides its listener.
-#[derive(Debug, Clone)]
-pub struct Config {
-    pub data_dir: PathBuf,
-    pub metadata_url: String,
-    /// URL under which other components reach this store; defaults to the listen address.
-    pub advertise_url: Option<String>,
-    pub token: Token,
-    /// Files larger than this are moved in chunks of this size (power of two).
-    pub chunk_size: u64,
-    pub max_in_flight: usize,
-    /// Largest JSON request (put plans carry whole manifests).
-    pub max_request_bytes: usize,
-    pub limits: ManifestLimits,
-    /// Idle read leases and upload sessions are dropped after these.
-    pub lease_ttl: Duration,
-    pub session_ttl: Duration,
-    /// How long in-flight requests may finish after shutdown is requested.
-    pub drain: Duration,
-}
-
-impl Config {
-    pub fn new(
-        data_dir: impl Into<PathBuf>,
-        metadata_url: impl Into<String>,
-        token: Token,
-    ) -> Self {
-        Config {
-            data_dir: data_dir.into(),
-            metadata_url: metadata_url.into(),
-            advertise_url: None,
-            token,
-            chunk_size: kt_sync::defaults::CHUNK_SIZE,
-            max_in_flight: 512,
-            max_request_bytes: 256 << 20,
-            limits: ManifestLimits::default(),
-            lease_ttl: Duration::from_secs(300),
-            session_ttl: Duration::from_secs(600),
-            drain: Duration::from_secs(10),
-        }
-    }
-}
+use crate::state::{AppState, Config, Shared};
+use crate::versions::StoreVersions;
+use crate::{put, trees};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -75,23 +29,6 @@ pub enum StoreError {
     #[error("configuration: {0}")]
     Config(String),
 }
-
-/// State shared by every handler.
-#[derive(Debug)]
-pub struct Shared {
-    pub cfg: Config,
-    pub keys: Arc<Keys>,
-    pub puts: std::sync::Mutex<HashMap<String, Arc<PutSession>>>,
-    /// Read leases over [`StoreVersions`] (the shared read protocol).
-    pub reads: Arc<Reads<StoreVersions>>,
-    pub metrics: Arc<Metrics>,
-    pub registrar: Arc<Registrar>,
-    pub url: String,
-}
-
-pub type AppState = Arc<Shared>;
-
-pub use kt_service::{blocking, sync_err};
 
 /// A running store: its counters and its task.
 #[derive(Debug)]
@@ -175,8 +112,8 @@ fn routes(state: AppState) -> Router {
         )
         .route("/api/v1/puts/{session}/commit", post(put::commit))
         .route("/api/v1/puts/{session}", delete(put::abort))
-        .route("/api/v1/trees", get(read::list))
-        .route("/api/v1/trees/{*key}", delete(read::delete_tree))
+        .route("/api/v1/trees", get(trees::list))
+        .route("/api/v1/trees/{*key}", delete(trees::delete_tree))
         .with_state(state.clone())
         // GET /api/v1/trees/{key} and /api/v1/reads/...
         .merge(state.reads.routes())

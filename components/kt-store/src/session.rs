@@ -1,0 +1,57 @@
+//! Upload sessions in progress: what a put still expects, kept in the
+//! store's shared state between the requests of one upload.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+use kt_sync::apply::ChunkedFile;
+use kt_sync::batch::Expected;
+use kt_sync::chunk::ChunkAssembly;
+use kt_sync::publish::VersionedDir;
+use kt_types::{Hash, Key};
+
+use crate::keys::VersionMeta;
+
+/// Every open session by id.
+pub type Sessions = Mutex<HashMap<String, Arc<PutSession>>>;
+
+/// One large file arriving in chunks.
+#[derive(Debug)]
+pub(crate) struct ChunkSlot {
+    pub(crate) file: RwLock<Option<ChunkedFile>>,
+    pub(crate) asm: Mutex<ChunkAssembly>,
+    /// Set by the request that completes the file (no other request writes after it).
+    pub(crate) done: AtomicBool,
+    /// Set once the file is verified and finished (mode, mtime): commit waits for this.
+    pub(crate) finished: AtomicBool,
+}
+
+/// An upload in progress: a staging version plus what is still to arrive.
+#[derive(Debug)]
+pub struct PutSession {
+    pub id: String,
+    pub key: Key,
+    pub(crate) dir: VersionedDir,
+    pub(crate) version: String,
+    pub(crate) meta: Arc<VersionMeta>,
+    pub(crate) batch: Arc<HashMap<u32, Expected>>,
+    pub(crate) chunked: HashMap<u32, Arc<ChunkSlot>>,
+    pub(crate) digest: Hash,
+    /// Batch entries written and verified so far.
+    pub(crate) received: Mutex<HashSet<u32>>,
+    pub(crate) started: Instant,
+    pub(crate) touched: Mutex<Instant>,
+    pub(crate) bytes_needed: u64,
+}
+
+impl PutSession {
+    pub(crate) fn touch(&self) {
+        *self.touched.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+    }
+    pub(crate) fn idle_since(&self) -> Instant {
+        *self.touched.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+

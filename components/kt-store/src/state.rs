@@ -1,0 +1,77 @@
+//! What every handler shares: the configuration and the state of the
+//! running store. Handler modules (`put`, `trees`) depend on this, never on
+//! the composition root (`server`) or on each other.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kt_service::reads::Reads;
+use kt_service::{Metrics, Token};
+use kt_types::manifest::ManifestLimits;
+
+use crate::keys::Keys;
+use crate::registrar::Registrar;
+use crate::session::Sessions;
+use crate::versions::StoreVersions;
+
+/// Everything the store needs besides its listener.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub data_dir: PathBuf,
+    pub metadata_url: String,
+    /// URL under which other components reach this store; defaults to the listen address.
+    pub advertise_url: Option<String>,
+    pub token: Token,
+    /// Files larger than this are moved in chunks of this size (power of two).
+    pub chunk_size: u64,
+    pub max_in_flight: usize,
+    /// Largest JSON request (put plans carry whole manifests).
+    pub max_request_bytes: usize,
+    pub limits: ManifestLimits,
+    /// Idle read leases and upload sessions are dropped after these.
+    pub lease_ttl: Duration,
+    pub session_ttl: Duration,
+    /// How long in-flight requests may finish after shutdown is requested.
+    pub drain: Duration,
+}
+
+impl Config {
+    pub fn new(
+        data_dir: impl Into<PathBuf>,
+        metadata_url: impl Into<String>,
+        token: Token,
+    ) -> Self {
+        Config {
+            data_dir: data_dir.into(),
+            metadata_url: metadata_url.into(),
+            advertise_url: None,
+            token,
+            chunk_size: kt_sync::defaults::CHUNK_SIZE,
+            max_in_flight: 512,
+            max_request_bytes: 256 << 20,
+            limits: ManifestLimits::default(),
+            lease_ttl: Duration::from_secs(300),
+            session_ttl: Duration::from_secs(600),
+            drain: Duration::from_secs(10),
+        }
+    }
+}
+
+/// State shared by every handler.
+#[derive(Debug)]
+pub struct Shared {
+    pub cfg: Config,
+    pub keys: Arc<Keys>,
+    pub puts: Sessions,
+    /// Read leases over [`StoreVersions`] (the shared read protocol).
+    pub reads: Arc<Reads<StoreVersions>>,
+    pub metrics: Arc<Metrics>,
+    pub registrar: Arc<Registrar>,
+    pub url: String,
+}
+
+pub type AppState = Arc<Shared>;
+
+pub use kt_service::{blocking, sync_err};
+
