@@ -20,7 +20,9 @@ pub struct Live {
 
 impl Default for Live {
     fn default() -> Self {
-        Live::new(std::io::stderr().is_terminal())
+        let mut live = Live::new(std::io::stderr().is_terminal());
+        live.color = kt_service::telemetry::stderr_color();
+        live
     }
 }
 

@@ -1,6 +1,5 @@
 //! `kt-scenario`: validate and run YAML scenarios against a testbed target.
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -418,7 +417,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("writing reports to {}", report.display()))?;
             eprint!(
                 "{}",
-                terminal::render(&result, std::io::stderr().is_terminal())
+                terminal::render(&result, kt_service::telemetry::stderr_color())
             );
             eprintln!("reports: {}", report.join("report.html").display());
             Ok(if runner.cancel.is_cancelled() {

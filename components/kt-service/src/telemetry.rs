@@ -5,9 +5,24 @@ use std::io::IsTerminal;
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
+/// Whether text on stderr may carry colours: only on a terminal, and not
+/// when `NO_COLOR` is set to anything (no-color.org). Logs that go to a
+/// file, a pipe or CI stay plain text.
+pub fn stderr_color() -> bool {
+    color_for(
+        std::io::stderr().is_terminal(),
+        std::env::var_os("NO_COLOR").as_deref(),
+    )
+}
+
+fn color_for(terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
 /// Structured logs on stderr: human-readable on a terminal, JSON otherwise
-/// (or as `format` says: "json" or "text"). The filter comes from `filter`
-/// (e.g. the value of `KT_LOG`), defaulting to `info`.
+/// (or as `format` says: "json" or "text"), coloured only where
+/// [`stderr_color`] allows. The filter comes from `filter` (e.g. the value
+/// of `KT_LOG`), defaulting to `info`.
 pub fn init_logging(filter: Option<&str>, format: Option<&str>) {
     let filter =
         EnvFilter::try_new(filter.unwrap_or("info")).unwrap_or_else(|_| EnvFilter::new("info"));
@@ -18,6 +33,7 @@ pub fn init_logging(filter: Option<&str>, format: Option<&str>) {
     };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(stderr_color())
         .with_writer(std::io::stderr);
     let _ = if json {
         builder.json().flatten_event(true).try_init()
@@ -43,4 +59,18 @@ pub fn cancel_on_signals(token: CancellationToken) {
         }
         token.cancel();
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::color_for;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(color_for(true, None));
+        assert!(!color_for(false, None));
+        assert!(!color_for(true, Some("1".as_ref())));
+        // An empty NO_COLOR does not count (no-color.org).
+        assert!(color_for(true, Some("".as_ref())));
+    }
 }
