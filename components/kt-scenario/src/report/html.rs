@@ -7,6 +7,7 @@ use std::fmt::{self, Write as _};
 use super::junit::escape as esc;
 use super::terminal::{budget_text, fmt_ms, one_line, passed_steps, status_label, status_word};
 use super::{PodResult, RunReport, ScenarioReport, Status, StepReport};
+use crate::runner::percentile;
 
 pub fn render(r: &RunReport) -> String {
     let mut h = String::with_capacity(32 * 1024);
@@ -476,15 +477,6 @@ fn pod_chart(h: &mut String, pods: &[PodResult]) -> fmt::Result {
         )?;
     }
     writeln!(h, "</svg>")
-}
-
-/// The nearest-rank percentile of sorted `values` (0 when empty).
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 /// A linear axis from 0 to a round maximum, ticks at 1, 2 or 5 × 10ⁿ.
