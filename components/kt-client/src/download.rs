@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use kt_api::Api;
 use kt_sync::SyncError;
 use kt_sync::apply::{self, ChunkedFile, WriteMode};
 use kt_sync::batch::{Expected, Written, receive_stream_notify};
@@ -23,14 +24,13 @@ use kt_sync::chunk::{ChunkAssembly, chunk_count, chunk_cv, chunk_range};
 use kt_sync::diff;
 use kt_types::api::{BatchRequest, ReadManifest, TransferStats};
 use kt_types::manifest::ManifestLimits;
-use kt_api::Api;
 use kt_types::{Entry, EntryKind, Manifest, RootKind, paths};
 
 use crate::api::Client;
 use crate::error::ClientError;
+use crate::local::{balance, blocking, scan_cached};
 use crate::progress::Progress;
 use crate::relay::Board;
-use crate::transfer::{balance, blocking, scan_cached};
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())

@@ -9,6 +9,7 @@ pub mod api;
 pub mod broadcast;
 mod download;
 pub mod error;
+mod local;
 pub mod progress;
 pub mod relay;
 pub mod size;

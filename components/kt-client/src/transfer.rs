@@ -5,24 +5,25 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::{StreamExt, TryStreamExt};
+use kt_api::Api;
+use kt_sync::SyncError;
 use kt_sync::batch::{SendItem, send_stream};
 use kt_sync::chunk::{chunk_count, chunk_range};
+use kt_sync::scan::Kept;
 use kt_sync::scan::source_path;
-use kt_sync::scan::{Kept, scan_keeping};
-use kt_sync::{ScanCache, SyncError};
 use kt_types::agent::{ControlReply, ControlRequest};
 use kt_types::api::{
     BatchAck, CommitResponse, LeaseRequest, PutOptions, PutPlan, PutRequest, ReadManifest,
     SourceLease, TransferStats,
 };
 use kt_types::codec;
-use kt_api::Api;
 use kt_types::{Key, KeyRecord, Manifest, paths};
 
 use crate::agent::AgentConn;
 use crate::api::Client;
 use crate::download::Download;
 use crate::error::ClientError;
+use crate::local::{KEEP_BUDGET, balance, blocking, scan_cached};
 use crate::progress::Progress;
 use crate::relay::Board;
 
@@ -52,70 +53,6 @@ pub struct GetSummary {
     pub files: u64,
     pub dest: PathBuf,
     pub duration: Duration,
-}
-
-/// File work off the async threads ([`kt_sync::task::blocking`]).
-pub(crate) async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, SyncError> + Send + 'static,
-) -> Result<T, ClientError> {
-    kt_sync::task::blocking(move || f().map_err(ClientError::from)).await
-}
-
-/// Splits `items` (in manifest order) into at most `n` contiguous runs of
-/// similar byte size. Contiguous runs keep each stream in its own directories,
-/// so receivers creating files in parallel do not contend on one directory.
-pub(crate) fn balance<T>(items: Vec<(u64, T)>, n: usize) -> Vec<Vec<T>> {
-    let total: u64 = items.iter().map(|(size, _)| size.max(&1)).sum();
-    let n = n.max(1) as u64;
-    let mut groups: Vec<Vec<T>> = Vec::new();
-    let mut current = Vec::new();
-    let mut filled = 0u64;
-    for (size, item) in items {
-        current.push(item);
-        filled += size.max(1);
-        // Close a run once it holds its share of the bytes.
-        if filled * n >= total * (groups.len() as u64 + 1) && (groups.len() as u64) < n - 1 {
-            groups.push(std::mem::take(&mut current));
-        }
-    }
-    if !current.is_empty() {
-        groups.push(current);
-    }
-    groups
-}
-
-fn cache_file(client: &Client, src: &Path) -> Option<PathBuf> {
-    let dir = client.cfg.cache_dir.as_ref()?;
-    let abs = std::path::absolute(src).ok()?;
-    let id = blake3::hash(abs.as_os_str().as_encoded_bytes()).to_hex();
-    Some(dir.join("scan").join(format!("{}.json", &id[..32])))
-}
-
-/// Small-file contents a put keeps from its scan (so it does not read them twice).
-const KEEP_BUDGET: u64 = 256 << 20;
-
-/// Scans `src` with its cache, keeping up to `keep` bytes of what it reads.
-pub(crate) async fn scan_cached(
-    client: &Client,
-    src: &Path,
-    keep: u64,
-) -> Result<(Manifest, Kept), ClientError> {
-    let cache_path = cache_file(client, src);
-    let src = src.to_owned();
-    blocking(move || {
-        let mut cache = cache_path
-            .as_deref()
-            .map(ScanCache::load)
-            .unwrap_or_default();
-        let scanned = scan_keeping(&src, &mut cache, keep)?;
-        if let Some(p) = cache_path.filter(|_| cache.dirty)
-            && let Err(e) = cache.save(&p)
-        {
-            tracing::debug!(error = %e, "scan cache not saved");
-        }
-        Ok(scanned)
-    })
-    .await
 }
 
 enum Job {
@@ -207,10 +144,7 @@ impl Client {
             }
         };
         tracing::debug!(ms = started.elapsed().as_millis() as u64, "put: uploaded");
-        let commit: CommitResponse = store
-            .post(&paths::put_commit(&session))
-            .fetch()
-            .await?;
+        let commit: CommitResponse = store.post(&paths::put_commit(&session)).fetch().await?;
         Ok(PutSummary {
             record: Some(commit.record),
             stats: TransferStats {
@@ -450,7 +384,12 @@ impl Client {
             exclude: exclude.to_vec(),
             getter,
         };
-        Ok(self.meta.post(&paths::key_lease(key)).json(&req).fetch().await?)
+        Ok(self
+            .meta
+            .post(&paths::key_lease(key))
+            .json(&req)
+            .fetch()
+            .await?)
     }
 
     /// Renews `lease` in the background until aborted.
@@ -637,20 +576,5 @@ impl Client {
         };
         let _ = release().await;
         result
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::balance;
-
-    #[test]
-    fn balances_by_size() {
-        let groups = balance(vec![(10, 'a'), (1, 'b'), (1, 'c'), (9, 'd')], 2);
-        assert_eq!(groups, vec![vec!['a', 'b'], vec!['c', 'd']]);
-        let even = balance((0..8).map(|i| (1, i)).collect(), 4);
-        assert_eq!(even, vec![vec![0, 1], vec![2, 3], vec![4, 5], vec![6, 7]]);
-        assert_eq!(balance::<u8>(vec![], 4).len(), 0);
-        assert_eq!(balance(vec![(1, 1)], 4), vec![vec![1]]);
     }
 }
