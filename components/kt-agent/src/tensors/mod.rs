@@ -27,6 +27,7 @@
 //! peer gone, an NCCL error) is an error for the application that asked,
 //! never the agent's end.
 
+mod quorum;
 mod registrations;
 
 use std::collections::{HashMap, HashSet};
@@ -39,20 +40,16 @@ use axum::routing::post;
 use kt_service::ApiError;
 use kt_tensor::engine::Lent;
 use kt_tensor::{Backend, HostBackend, TransportError};
-use kt_types::model::BroadcastWindow;
 use kt_types::tensor::{
-    self as t, BackendKind, Device, Flow, GetTensors, MemHandle, Packing, QuorumJoin, QuorumKey,
-    QuorumRole, Rank, Rendezvous, SessionReply, SessionRequest, TensorEntry, TensorStats,
-    TransferPlan,
+    self as t, Device, Flow, GetTensors, MemHandle, Packing, QuorumKey, QuorumRole, Rank,
+    SessionReply, SessionRequest, TensorEntry, TensorStats, TransferPlan,
 };
 use kt_types::{ErrorBody, ErrorCode, Key};
 use tokio::sync::Notify;
 
+pub use self::quorum::auto_group;
 pub use self::registrations::{Owner, Registration, reap_loop};
 use crate::metadata::MetadataClient;
-
-/// A join waits this much longer than the window it asks for.
-const JOIN_GRACE: Duration = Duration::from_secs(30);
 
 /// The agent's side of GPU data.
 #[derive(Debug)]
@@ -526,113 +523,6 @@ impl Tensors {
         });
         Ok(SessionReply { plan, rendezvous })
     }
-
-    // ---- quorums -------------------------------------------------------
-
-    async fn quorum(
-        &self,
-        key: &Key,
-        role: QuorumRole,
-        window: &BroadcastWindow,
-        backend: Arc<dyn Backend>,
-        lent: Lent,
-    ) -> Result<TensorStats, ApiError> {
-        let group = match &window.group_id {
-            Some(g) => g.clone(),
-            None => auto_group(key),
-        };
-        let ip = self.ip()?;
-        let b = backend.clone();
-        let ip2 = ip.clone();
-        let endpoint = blocking(move || b.endpoint("quorum", &ip2).map_err(transport)).await?;
-        let join = QuorumJoin {
-            agent: self.id.clone(),
-            ip,
-            endpoint: endpoint.address(),
-            backend: backend.kind(),
-            role,
-            window: window.clone(),
-        };
-        // The round's first join fixed its window, maybe a longer one than
-        // ours: the server answers by its deadline, at most the longest
-        // window, so wait that long (leaving early would leave the round).
-        let wait = Duration::from_secs_f64(t::MAX_QUORUM_TIMEOUT_SECS) + JOIN_GRACE;
-        let qp = self.metadata.quorum_join(&group, &join, wait).await?;
-        let plan = qp.plan;
-        let rank = qp.rank;
-        tracing::info!(group, transfer = %plan.id, rank, world = plan.ranks.len(), closed_by = %qp.closed_by, "quorum closed");
-        // Whatever happens from here on, the transfer hears how this rank
-        // ended, so it completes (and is forgotten) instead of waiting for
-        // a report that never comes.
-        let res = self
-            .run_quorum(&group, &plan, rank, backend, endpoint, lent)
-            .await;
-        let done = t::QuorumDone {
-            rank,
-            error: res.as_ref().err().map(|e| e.message.clone()),
-            stats: res.as_ref().cloned().unwrap_or_default(),
-        };
-        if let Err(e) = self.metadata.quorum_done(&group, &plan.id, &done).await {
-            tracing::warn!(group, error = %e, "could not report the end of a quorum transfer");
-        }
-        res
-    }
-
-    /// This rank's part of a closed quorum: the rendezvous, then the plan.
-    async fn run_quorum(
-        &self,
-        group: &str,
-        plan: &TransferPlan,
-        rank: u32,
-        backend: Arc<dyn Backend>,
-        endpoint: Box<dyn kt_tensor::Endpoint>,
-        mut lent: Lent,
-    ) -> Result<TensorStats, ApiError> {
-        plan.validate()
-            .map_err(|e| internal(format!("quorum {group} sent an invalid plan: {e}")))?;
-        if rank as usize >= plan.ranks.len() {
-            return Err(internal(format!(
-                "quorum {group} gave rank {rank} in a plan of {} ranks",
-                plan.ranks.len()
-            )));
-        }
-        let rendezvous = if rank == 0 {
-            let b = backend.clone();
-            let p = plan.clone();
-            let blob = blocking(move || b.rendezvous(&p).map_err(transport)).await?;
-            if let Some(blob) = &blob {
-                let r = Rendezvous { blob: blob.clone() };
-                self.metadata
-                    .rendezvous(group, &plan.id, Some(&r), self.timeout)
-                    .await?;
-            }
-            blob
-        } else if backend.kind() == BackendKind::Nccl {
-            Some(
-                self.metadata
-                    .rendezvous(group, &plan.id, None, self.timeout)
-                    .await?
-                    .blob,
-            )
-        } else {
-            None
-        };
-        let (p, timeout) = (plan.clone(), self.timeout);
-        blocking(move || {
-            let mut comm = backend
-                .connect(
-                    &p,
-                    rank,
-                    endpoint,
-                    rendezvous.as_deref(),
-                    lent.memory_device(),
-                    timeout,
-                )
-                .map_err(transport)?;
-            kt_tensor::run(&*backend, &mut *comm, &p, &mut lent).map_err(transport)
-        })
-        .await
-    }
 }
 
 /// A key a getter wants (with its destination layout) and the memory it lends.
@@ -652,24 +542,6 @@ fn gone(key: &Key, agent: &str) -> ApiError {
             "{key} is not registered at agent {agent} any more: the process that put it exited or dropped it"
         ),
     )
-}
-
-/// The group of a broadcast without an id: one per key.
-pub fn auto_group(key: &Key) -> String {
-    let readable: String = key
-        .as_str()
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                c
-            } else {
-                '.'
-            }
-        })
-        .take(80)
-        .collect();
-    let h = t::version_of(&[], key.as_str());
-    format!("auto-{readable}-{}", &h[2..10])
 }
 
 /// An agent's JSON answer, or its error as an [`ApiError`].
@@ -716,17 +588,4 @@ async fn session(
     axum::Json(req): axum::Json<SessionRequest>,
 ) -> Result<axum::Json<SessionReply>, ApiError> {
     t.open_session(req).await.map(axum::Json)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn auto_groups_are_valid_group_ids() {
-        let g = auto_group(&Key::parse("team/model/weights").unwrap());
-        kt_types::broadcast::check_group_id(&g).unwrap();
-        assert!(g.starts_with("auto-team.model.weights-"), "{g}");
-        assert_ne!(g, auto_group(&Key::parse("team/model.weights").unwrap()));
-    }
 }
