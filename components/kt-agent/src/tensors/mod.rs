@@ -26,7 +26,14 @@
 //! Every transfer runs on a blocking thread with a timeout; a failure (a
 //! peer gone, an NCCL error) is an error for the application that asked,
 //! never the agent's end.
+//!
+//! The parts, one module each: `registrations` (owners, the registry and
+//! its persistence, puts and drops, the reaper), `p2p` (gets, and the source
+//! side of sessions), `quorum` (membership: joins, rendezvous, done reports)
+//! and `http` (the route). This module holds [`Tensors`], its settings and
+//! what the parts share: backends, mapping lent memory, blocking threads.
 
+mod http;
 mod p2p;
 mod quorum;
 mod registrations;
@@ -36,14 +43,13 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::routing::post;
 use kt_service::ApiError;
 use kt_tensor::{Backend, HostBackend, TransportError};
-use kt_types::tensor::{Device, MemHandle, SessionReply, SessionRequest, TensorEntry};
+use kt_types::tensor::{Device, MemHandle, TensorEntry};
 use kt_types::{ErrorCode, Key};
 use tokio::sync::Notify;
 
+pub use self::http::routes;
 pub use self::quorum::auto_group;
 pub use self::registrations::{Owner, Registration, reap_loop};
 use crate::metadata::MetadataClient;
@@ -206,18 +212,4 @@ fn cuda_backend() -> Result<Arc<dyn Backend>, String> {
 #[cfg(not(feature = "cuda"))]
 fn cuda_backend() -> Result<Arc<dyn Backend>, String> {
     Err("this agent was built without CUDA support (feature `cuda`)".into())
-}
-
-/// `POST /api/v1/tensors/sessions`.
-pub fn routes(tensors: Arc<Tensors>) -> axum::Router {
-    axum::Router::new()
-        .route("/api/v1/tensors/sessions", post(session))
-        .with_state(tensors)
-}
-
-async fn session(
-    State(t): State<Arc<Tensors>>,
-    axum::Json(req): axum::Json<SessionRequest>,
-) -> Result<axum::Json<SessionReply>, ApiError> {
-    t.open_session(req).await.map(axum::Json)
 }
