@@ -5,8 +5,10 @@
 //!   directory and served read-only through [`kt_service::reads`];
 //! - [`control`]: the local control socket ([`kt_types::agent`]): hello,
 //!   export a local path, export a downloaded copy, status;
-//! - [`metadata`]: registration of local puts and the heartbeat loop that
-//!   announces every export and drops what the metadata server says is gone;
+//! - [`metadata`]: the metadata server's client (registration of local
+//!   puts, key lookups, quorums, heartbeats);
+//! - [`heartbeat`]: the heartbeat loop that announces every export and
+//!   drops what the metadata server says is gone;
 //! - [`tensors`]: GPU data — tensor registrations by process, point-to-point
 //!   sessions between agents, quorum transfers (host or NCCL backend);
 //! - [`config`]: configuration and its defaults (socket, state dir, id, URL).
@@ -23,6 +25,7 @@
 pub mod config;
 pub mod control;
 pub mod exports;
+pub mod heartbeat;
 pub mod metadata;
 mod server;
 pub mod tensors;

@@ -1,8 +1,7 @@
-//! The agent's side of the metadata server: registering local puts, and the
-//! heartbeat that announces every export.
+//! The agent's client of the metadata server: registering and unregistering
+//! keys, key lookups, quorum joins, rendezvous and done reports, heartbeats
+//! (the loop that sends them is in `heartbeat`).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kt_service::{ApiError, Token};
@@ -11,13 +10,6 @@ use kt_types::tensor::{QuorumDone, QuorumJoin, QuorumPlan, QuorumStatus, Rendezv
 use kt_types::{ErrorBody, ErrorCode, Key, KeyRecord};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tokio_util::sync::CancellationToken;
-
-use crate::exports::Exports;
-
-/// Heartbeat periods the metadata server may ask for are kept within these.
-const MIN_INTERVAL: Duration = Duration::from_millis(50);
-const MAX_INTERVAL: Duration = Duration::from_secs(60);
 
 /// A client of the metadata server's agent-facing API.
 #[derive(Debug)]
@@ -192,104 +184,4 @@ fn query_value(v: &str) -> String {
             }
         })
         .collect()
-}
-
-/// Counters of the heartbeat loop (status and tests).
-#[derive(Debug, Default)]
-pub struct BeatStats {
-    pub ok: AtomicU64,
-    pub failed: AtomicU64,
-    pub dropped: AtomicU64,
-}
-
-/// Who is beating: the parts of the heartbeat that do not change.
-#[derive(Debug, Clone)]
-pub struct Identity {
-    pub id: String,
-    pub url: String,
-    pub service: Option<String>,
-}
-
-/// Heartbeats until `shutdown`: every `interval` (then what the metadata
-/// server answers), and at once whenever the exports change. Keys the
-/// answer lists in `drop` stop being served (if still at the announced
-/// version). A failing metadata server is logged and retried; the agent keeps
-/// serving meanwhile.
-pub async fn heartbeat_loop(
-    client: Arc<MetadataClient>,
-    who: Identity,
-    exports: Arc<crate::exports::Exports>,
-    tensors: Arc<crate::tensors::Tensors>,
-    stats: Arc<BeatStats>,
-    mut interval: Duration,
-    shutdown: CancellationToken,
-) {
-    let mut failing = false;
-    loop {
-        let mut serves = exports.serves();
-        serves.extend(tensors.serves());
-        let beat = AgentHeartbeat {
-            id: who.id.clone(),
-            url: who.url.clone(),
-            service: who.service.clone(),
-            serves,
-        };
-        let answer = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            a = client.heartbeat(&beat) => a,
-        };
-        match answer {
-            Ok(reply) => {
-                if failing {
-                    tracing::info!("metadata server reachable again");
-                    failing = false;
-                }
-                stats.ok.fetch_add(1, Ordering::Relaxed);
-                interval =
-                    Duration::from_millis(reply.interval_ms).clamp(MIN_INTERVAL, MAX_INTERVAL);
-                drop_keys(&exports, &tensors, &beat, &reply.drop, &stats).await;
-            }
-            Err(e) => {
-                stats.failed.fetch_add(1, Ordering::Relaxed);
-                if failing {
-                    tracing::debug!(error = %e, "heartbeat failed");
-                } else {
-                    tracing::warn!(error = %e, "heartbeat failed; retrying (still serving)");
-                    failing = true;
-                }
-            }
-        }
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
-            _ = exports.changed() => {}
-        }
-    }
-}
-
-async fn drop_keys(
-    exports: &Exports,
-    tensors: &crate::tensors::Tensors,
-    beat: &AgentHeartbeat,
-    drop: &[Key],
-    stats: &BeatStats,
-) {
-    for key in drop {
-        // Only the version this beat announced: a newer export of the key stays.
-        let Some(sent) = beat.serves.iter().find(|s| s.key == *key) else {
-            continue;
-        };
-        if tensors.drop_version(key, &sent.version) {
-            stats.dropped.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        match exports.remove(key, Some(&sent.version)).await {
-            Ok(true) => {
-                stats.dropped.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(%key, version = %sent.version, "no longer serving (deleted or superseded)");
-            }
-            Ok(false) => {}
-            Err(e) => tracing::warn!(%key, error = %e, "could not drop an export"),
-        }
-    }
 }

@@ -14,7 +14,8 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, advertised};
 use crate::control::{self, Agent, SocketError};
 use crate::exports::{ExportError, Exports};
-use crate::metadata::{BeatStats, Identity, MetadataClient, heartbeat_loop};
+use crate::heartbeat::{BeatStats, Identity, heartbeat_loop};
+use crate::metadata::MetadataClient;
 use crate::tensors::{TensorConfig, Tensors, reap_loop};
 
 #[derive(Debug, thiserror::Error)]

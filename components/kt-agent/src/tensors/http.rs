@@ -1,0 +1,25 @@
+//! The tensor service's HTTP route: the source side of a point-to-point
+//! session, behind the agent's bearer token.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::routing::post;
+use kt_service::ApiError;
+use kt_types::tensor::{SessionReply, SessionRequest};
+
+use super::Tensors;
+
+/// `POST /api/v1/tensors/sessions`.
+pub fn routes(tensors: Arc<Tensors>) -> axum::Router {
+    axum::Router::new()
+        .route("/api/v1/tensors/sessions", post(session))
+        .with_state(tensors)
+}
+
+async fn session(
+    State(t): State<Arc<Tensors>>,
+    axum::Json(req): axum::Json<SessionRequest>,
+) -> Result<axum::Json<SessionReply>, ApiError> {
+    t.open_session(req).await.map(axum::Json)
+}

@@ -1,0 +1,385 @@
+//! Point to point: a getter's agent looks each key's holder up at the
+//! metadata server and opens one session per source
+//! (`POST /api/v1/tensors/sessions`, several keys in one); the source checks
+//! the destination layouts, answers a plan of two ranks (itself rank 0) and
+//! both run it. A key held by this agent is copied locally. A broadcast get
+//! joins a quorum instead.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use kt_service::ApiError;
+use kt_tensor::Backend;
+use kt_tensor::engine::Lent;
+use kt_types::tensor::{
+    self as t, Device, Flow, GetTensors, Packing, QuorumKey, QuorumRole, Rank, SessionReply,
+    SessionRequest, TensorEntry, TensorStats, TransferPlan,
+};
+use kt_types::{ErrorBody, ErrorCode, Key};
+
+use super::{Owner, Tensors, blocking, internal, locked, transport};
+
+impl Tensors {
+    pub async fn get(&self, owner: &Owner, req: GetTensors) -> Result<TensorStats, ApiError> {
+        if req.gets.is_empty() {
+            return Err(ApiError::bad_request("no keys to get"));
+        }
+        let mut seen = HashSet::new();
+        for g in &req.gets {
+            if !seen.insert(&g.key) {
+                return Err(ApiError::bad_request(format!("{} asked twice", g.key)));
+            }
+            t::validate_entries(&g.dest)
+                .map_err(|m| ApiError::bad_request(format!("destination of {}: {m}", g.key)))?;
+        }
+        let device = req.gets[0].dest[0].device;
+        if let Some(g) = req.gets.iter().find(|g| g.dest[0].device != device) {
+            return Err(ApiError::bad_request(format!(
+                "destination of {} is on {}, the first on {device}: one get moves to one device",
+                g.key, g.dest[0].device
+            )));
+        }
+        let backend = self.backend(device)?;
+        if matches!(device, Device::Cuda(_)) {
+            self.keep_dests(owner, req.gets.iter().flat_map(|g| &g.dest));
+        }
+        if let Some(window) = &req.broadcast {
+            if window.group_id.is_none() && req.gets.len() > 1 {
+                // Each putter joins its own key's group: a getter of several
+                // keys can only meet them all in one group they name.
+                return Err(ApiError::bad_request(format!(
+                    "a broadcast get of {} keys needs a group id (every putter and getter names the same one)",
+                    req.gets.len()
+                )));
+            }
+            let mut lent = Lent::new(device);
+            let mut keys = Vec::new();
+            for g in &req.gets {
+                lent.keys.insert(
+                    g.key.clone(),
+                    Self::map(backend.clone(), g.dest.clone()).await?,
+                );
+                keys.push(QuorumKey {
+                    key: g.key.clone(),
+                    version: String::new(),
+                    tensors: t::describe(&g.dest),
+                });
+            }
+            let first = req.gets[0].key.clone();
+            return self
+                .quorum(&first, QuorumRole::Get { keys }, window, backend, lent)
+                .await;
+        }
+        let packing = req.packing.unwrap_or(Packing {
+            pack: true,
+            ..Packing::default()
+        });
+        packing.validate().map_err(ApiError::bad_request)?;
+        // Batched per source: one session per holder.
+        let mut by_source: Vec<(String, Vec<Wanted>)> = Vec::new();
+        let mut total = TensorStats {
+            backend: Some(backend.kind()),
+            ..TensorStats::default()
+        };
+        for g in req.gets {
+            let record = self.metadata.key(&g.key).await?;
+            if record.tensors.is_none() {
+                return Err(ApiError::bad_request(format!(
+                    "{} holds files, not tensors (`kt get` fetches it)",
+                    g.key
+                )));
+            }
+            let want = QuorumKey {
+                key: g.key.clone(),
+                version: record.version.clone(),
+                tensors: t::describe(&g.dest),
+            };
+            if record.holder == self.id {
+                add(&mut total, self.copy_local(&backend, want, g.dest).await?);
+                continue;
+            }
+            match by_source.iter_mut().find(|(s, _)| *s == record.source) {
+                Some((_, v)) => v.push((want, g.dest)),
+                None => by_source.push((record.source.clone(), vec![(want, g.dest)])),
+            }
+        }
+        for (source, keys) in by_source {
+            let s = self
+                .fetch(&source, keys, backend.clone(), device, packing)
+                .await?;
+            add(&mut total, s);
+        }
+        Ok(total)
+    }
+
+    /// A key this agent holds: copied from the producer's memory.
+    async fn copy_local(
+        &self,
+        backend: &Arc<dyn Backend>,
+        want: QuorumKey,
+        dest: Vec<TensorEntry>,
+    ) -> Result<TensorStats, ApiError> {
+        let src = {
+            let regs = self.lock();
+            let r = regs
+                .get(&want.key)
+                .ok_or_else(|| gone(&want.key, &self.id))?;
+            t::check_destination(&want.key, &r.descs(), &want.tensors)
+                .map_err(ApiError::bad_request)?;
+            r.entries.clone()
+        };
+        let started = std::time::Instant::now();
+        let n = src.len() as u64;
+        let bytes: u64 = src.iter().map(|e| e.mem.len()).sum();
+        let from = Self::map(backend.clone(), src).await?;
+        let mut to = Self::map(backend.clone(), dest).await?;
+        let b = backend.clone();
+        blocking(move || {
+            for (s, d) in from.iter().zip(to.iter_mut()) {
+                b.copy(&mut **d, 0, &**s, 0, s.len()).map_err(transport)?;
+            }
+            Ok(())
+        })
+        .await?;
+        Ok(TensorStats {
+            tensors: n,
+            bytes,
+            collectives: 0,
+            seconds: started.elapsed().as_secs_f64(),
+            backend: Some(backend.kind()),
+            rank: None,
+            world: None,
+        })
+    }
+
+    /// Getter's side of a point-to-point session with `source`'s agent.
+    async fn fetch(
+        &self,
+        source: &str,
+        keys: Vec<Wanted>,
+        backend: Arc<dyn Backend>,
+        device: Device,
+        packing: Packing,
+    ) -> Result<TensorStats, ApiError> {
+        let ip = self.ip()?;
+        let b = backend.clone();
+        let endpoint = blocking(move || b.endpoint("p2p", &ip).map_err(transport)).await?;
+        let req = SessionRequest {
+            keys: keys.iter().map(|(k, _)| k.clone()).collect(),
+            agent: self.id.clone(),
+            ip: self.ip()?,
+            endpoint: endpoint.address(),
+            backend: backend.kind(),
+            packing,
+        };
+        let url = format!("{}/api/v1/tensors/sessions", source.trim_end_matches('/'));
+        let resp = self
+            .http
+            .post(&url)
+            .bearer_auth(self.token.expose())
+            .json(&req)
+            .send()
+            .await
+            .map_err(|e| {
+                ApiError::new(
+                    ErrorCode::NoSource,
+                    format!("the agent holding the tensors ({source}) is unreachable: {e}"),
+                )
+            })?;
+        let reply: SessionReply = answer(resp, source).await?;
+        let plan = reply.plan;
+        plan.validate()
+            .map_err(|m| internal(format!("session plan from {source}: {m}")))?;
+        let mut lent = Lent::new(device);
+        for (want, dest) in keys {
+            let flow = plan
+                .flows
+                .iter()
+                .find(|f| f.key == want.key)
+                .ok_or_else(|| internal(format!("{source} sent a plan without {}", want.key)))?;
+            t::check_destination(&want.key, &flow.tensors, &want.tensors)
+                .map_err(ApiError::bad_request)?;
+            lent.keys
+                .insert(want.key.clone(), Self::map(backend.clone(), dest).await?);
+        }
+        let timeout = self.timeout;
+        blocking(move || {
+            let mut comm = backend
+                .connect(
+                    &plan,
+                    1,
+                    endpoint,
+                    reply.rendezvous.as_deref(),
+                    lent.memory_device(),
+                    timeout,
+                )
+                .map_err(transport)?;
+            kt_tensor::run(&*backend, &mut *comm, &plan, &mut lent).map_err(transport)
+        })
+        .await
+    }
+
+    /// Source's side: checks the request, answers the plan, runs rank 0.
+    pub async fn open_session(&self, req: SessionRequest) -> Result<SessionReply, ApiError> {
+        if req.keys.is_empty() || req.keys.len() > 4096 {
+            return Err(ApiError::bad_request("a session moves 1 to 4096 keys"));
+        }
+        req.ip
+            .parse::<std::net::IpAddr>()
+            .map_err(|_| ApiError::bad_request(format!("getter ip {:?} is not an IP", req.ip)))?;
+        req.packing.validate().map_err(ApiError::bad_request)?;
+        let mut sets = Vec::new();
+        {
+            let conns = locked(&self.conns).clone();
+            let regs = self.lock();
+            for want in &req.keys {
+                let r = regs
+                    .get(&want.key)
+                    .filter(|r| r.owner.alive(&conns))
+                    .ok_or_else(|| gone(&want.key, &self.id))?;
+                if !want.version.is_empty() && want.version != r.version {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "{} is at version {} here, not {} (put again meanwhile)",
+                            want.key, r.version, want.version
+                        ),
+                    ));
+                }
+                t::check_destination(&want.key, &r.descs(), &want.tensors)
+                    .map_err(ApiError::bad_request)?;
+                sets.push(r.clone());
+            }
+        }
+        let device = sets[0].device();
+        let backend = self.backend(device)?;
+        if backend.kind() != req.backend {
+            return Err(ApiError::bad_request(format!(
+                "the tensors are on {device} ({} backend); the getter asked for {}",
+                backend.kind(),
+                req.backend
+            )));
+        }
+        if let Some(s) = sets.iter().find(|s| s.device() != device) {
+            return Err(ApiError::bad_request(format!(
+                "{} is on {}, {} on {device}: get them separately",
+                s.key,
+                s.device(),
+                sets[0].key
+            )));
+        }
+        let ip = self.ip()?;
+        let id = uuid::Uuid::new_v4().to_string();
+        let b = backend.clone();
+        let (ip2, id2) = (ip.clone(), id.clone());
+        let endpoint = blocking(move || b.endpoint(&id2, &ip2).map_err(transport)).await?;
+        let plan = TransferPlan {
+            id,
+            backend: backend.kind(),
+            ranks: vec![
+                Rank {
+                    rank: 0,
+                    agent: self.id.clone(),
+                    ip,
+                    endpoint: endpoint.address(),
+                },
+                Rank {
+                    rank: 1,
+                    agent: req.agent.clone(),
+                    ip: req.ip.clone(),
+                    endpoint: req.endpoint.clone(),
+                },
+            ],
+            flows: sets
+                .iter()
+                .map(|r| Flow {
+                    key: r.key.clone(),
+                    version: r.version.clone(),
+                    root: 0,
+                    receivers: vec![1],
+                    tensors: r.descs(),
+                })
+                .collect(),
+            packing: req.packing,
+            fanout: 1,
+        };
+        plan.validate().map_err(internal)?;
+        let b = backend.clone();
+        let p = plan.clone();
+        let rendezvous = blocking(move || b.rendezvous(&p).map_err(transport)).await?;
+        let mut lent = Lent::new(device);
+        for r in &sets {
+            lent.keys.insert(
+                r.key.clone(),
+                Self::map(backend.clone(), r.entries.clone()).await?,
+            );
+        }
+        let (p, rv, timeout, getter) = (plan.clone(), rendezvous.clone(), self.timeout, req.agent);
+        tokio::spawn(async move {
+            let res = blocking(move || {
+                let mut comm = backend
+                    .connect(
+                        &p,
+                        0,
+                        endpoint,
+                        rv.as_deref(),
+                        lent.memory_device(),
+                        timeout,
+                    )
+                    .map_err(transport)?;
+                kt_tensor::run(&*backend, &mut *comm, &p, &mut lent).map_err(transport)
+            })
+            .await;
+            match res {
+                Ok(s) => tracing::info!(
+                    getter,
+                    bytes = s.bytes,
+                    tensors = s.tensors,
+                    seconds = s.seconds,
+                    "tensors sent"
+                ),
+                Err(e) => tracing::warn!(getter, error = %e.message, "sending tensors failed"),
+            }
+        });
+        Ok(SessionReply { plan, rendezvous })
+    }
+}
+
+/// A key a getter wants (with its destination layout) and the memory it lends.
+type Wanted = (QuorumKey, Vec<TensorEntry>);
+
+fn add(total: &mut TensorStats, s: TensorStats) {
+    total.tensors += s.tensors;
+    total.bytes += s.bytes;
+    total.collectives += s.collectives;
+    total.seconds += s.seconds;
+}
+
+fn gone(key: &Key, agent: &str) -> ApiError {
+    ApiError::new(
+        ErrorCode::NoSource,
+        format!(
+            "{key} is not registered at agent {agent} any more: the process that put it exited or dropped it"
+        ),
+    )
+}
+
+/// An agent's JSON answer, or its error as an [`ApiError`].
+async fn answer<T: serde::de::DeserializeOwned>(
+    resp: reqwest::Response,
+    source: &str,
+) -> Result<T, ApiError> {
+    let status = resp.status();
+    let text = resp.text().await.unwrap_or_default();
+    if status.is_success() {
+        return serde_json::from_str(&text)
+            .map_err(|e| internal(format!("unreadable answer from {source}: {e}")));
+    }
+    Err(match serde_json::from_str::<ErrorBody>(&text) {
+        Ok(b) => ApiError::new(b.error.code, format!("{source}: {}", b.error.message)),
+        Err(_) => ApiError::new(
+            ErrorCode::Unavailable,
+            format!("{source} answered {status}: {text}"),
+        ),
+    })
+}

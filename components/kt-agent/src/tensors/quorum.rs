@@ -1,0 +1,160 @@
+//! Quorum membership: a broadcast put or get joins the metadata server's
+//! quorum of its group (`/api/v1/quorums/...`) as putter or getter, gets its
+//! rank and the plan when the quorum closes, exchanges the backend's
+//! rendezvous (NCCL's unique id) through it, runs the plan and reports
+//! `done` whatever happened after the join.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kt_service::ApiError;
+use kt_tensor::Backend;
+use kt_tensor::engine::Lent;
+use kt_types::Key;
+use kt_types::model::BroadcastWindow;
+use kt_types::tensor::{
+    self as t, BackendKind, QuorumJoin, QuorumRole, Rendezvous, TensorStats, TransferPlan,
+};
+
+use super::{Tensors, blocking, internal, transport};
+
+/// A join waits this much longer than the window it asks for.
+const JOIN_GRACE: Duration = Duration::from_secs(30);
+
+impl Tensors {
+    pub(super) async fn quorum(
+        &self,
+        key: &Key,
+        role: QuorumRole,
+        window: &BroadcastWindow,
+        backend: Arc<dyn Backend>,
+        lent: Lent,
+    ) -> Result<TensorStats, ApiError> {
+        let group = match &window.group_id {
+            Some(g) => g.clone(),
+            None => auto_group(key),
+        };
+        let ip = self.ip()?;
+        let b = backend.clone();
+        let ip2 = ip.clone();
+        let endpoint = blocking(move || b.endpoint("quorum", &ip2).map_err(transport)).await?;
+        let join = QuorumJoin {
+            agent: self.id.clone(),
+            ip,
+            endpoint: endpoint.address(),
+            backend: backend.kind(),
+            role,
+            window: window.clone(),
+        };
+        // The round's first join fixed its window, maybe a longer one than
+        // ours: the server answers by its deadline, at most the longest
+        // window, so wait that long (leaving early would leave the round).
+        let wait = Duration::from_secs_f64(t::MAX_QUORUM_TIMEOUT_SECS) + JOIN_GRACE;
+        let qp = self.metadata.quorum_join(&group, &join, wait).await?;
+        let plan = qp.plan;
+        let rank = qp.rank;
+        tracing::info!(group, transfer = %plan.id, rank, world = plan.ranks.len(), closed_by = %qp.closed_by, "quorum closed");
+        // Whatever happens from here on, the transfer hears how this rank
+        // ended, so it completes (and is forgotten) instead of waiting for
+        // a report that never comes.
+        let res = self
+            .run_quorum(&group, &plan, rank, backend, endpoint, lent)
+            .await;
+        let done = t::QuorumDone {
+            rank,
+            error: res.as_ref().err().map(|e| e.message.clone()),
+            stats: res.as_ref().cloned().unwrap_or_default(),
+        };
+        if let Err(e) = self.metadata.quorum_done(&group, &plan.id, &done).await {
+            tracing::warn!(group, error = %e, "could not report the end of a quorum transfer");
+        }
+        res
+    }
+
+    /// This rank's part of a closed quorum: the rendezvous, then the plan.
+    async fn run_quorum(
+        &self,
+        group: &str,
+        plan: &TransferPlan,
+        rank: u32,
+        backend: Arc<dyn Backend>,
+        endpoint: Box<dyn kt_tensor::Endpoint>,
+        mut lent: Lent,
+    ) -> Result<TensorStats, ApiError> {
+        plan.validate()
+            .map_err(|e| internal(format!("quorum {group} sent an invalid plan: {e}")))?;
+        if rank as usize >= plan.ranks.len() {
+            return Err(internal(format!(
+                "quorum {group} gave rank {rank} in a plan of {} ranks",
+                plan.ranks.len()
+            )));
+        }
+        let rendezvous = if rank == 0 {
+            let b = backend.clone();
+            let p = plan.clone();
+            let blob = blocking(move || b.rendezvous(&p).map_err(transport)).await?;
+            if let Some(blob) = &blob {
+                let r = Rendezvous { blob: blob.clone() };
+                self.metadata
+                    .rendezvous(group, &plan.id, Some(&r), self.timeout)
+                    .await?;
+            }
+            blob
+        } else if backend.kind() == BackendKind::Nccl {
+            Some(
+                self.metadata
+                    .rendezvous(group, &plan.id, None, self.timeout)
+                    .await?
+                    .blob,
+            )
+        } else {
+            None
+        };
+        let (p, timeout) = (plan.clone(), self.timeout);
+        blocking(move || {
+            let mut comm = backend
+                .connect(
+                    &p,
+                    rank,
+                    endpoint,
+                    rendezvous.as_deref(),
+                    lent.memory_device(),
+                    timeout,
+                )
+                .map_err(transport)?;
+            kt_tensor::run(&*backend, &mut *comm, &p, &mut lent).map_err(transport)
+        })
+        .await
+    }
+}
+
+/// The group of a broadcast without an id: one per key.
+pub fn auto_group(key: &Key) -> String {
+    let readable: String = key
+        .as_str()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '.'
+            }
+        })
+        .take(80)
+        .collect();
+    let h = t::version_of(&[], key.as_str());
+    format!("auto-{readable}-{}", &h[2..10])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_groups_are_valid_group_ids() {
+        let g = auto_group(&Key::parse("team/model/weights").unwrap());
+        kt_types::broadcast::check_group_id(&g).unwrap();
+        assert!(g.starts_with("auto-team.model.weights-"), "{g}");
+        assert_ne!(g, auto_group(&Key::parse("team/model.weights").unwrap()));
+    }
+}
