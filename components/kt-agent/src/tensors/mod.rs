@@ -62,8 +62,8 @@ pub struct Tensors {
     /// The pod's address: where tensor listeners bind.
     ip: Option<String>,
     metadata: Arc<MetadataClient>,
-    token: kt_service::Token,
-    http: reqwest::Client,
+    /// Other agents (point-to-point sessions), with this agent's token.
+    api: kt_api::Api,
     host: Arc<HostBackend>,
     cuda: std::sync::OnceLock<Result<Arc<dyn Backend>, String>>,
     regs: Mutex<HashMap<Key, Registration>>,
@@ -112,12 +112,12 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Transfer work off the async threads ([`kt_sync::task::blocking`],
+/// typed for the agent's answers).
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| internal(format!("transfer thread: {e}")))?
+    kt_sync::task::blocking(f).await
 }
 
 impl Tensors {
@@ -139,8 +139,7 @@ impl Tensors {
             url,
             ip,
             metadata,
-            token,
-            http,
+            api: kt_api::Api::new(http, "", token.expose()),
             host: Arc::new(HostBackend::new(cfg.shm_dir).with_ports(cfg.ports)),
             cuda: std::sync::OnceLock::new(),
             regs: Mutex::default(),

@@ -15,7 +15,7 @@ use kt_types::tensor::{
     self as t, Device, Flow, GetTensors, Packing, QuorumKey, QuorumRole, Rank, SessionReply,
     SessionRequest, TensorEntry, TensorStats, TransferPlan,
 };
-use kt_types::{ErrorBody, ErrorCode, Key};
+use kt_types::{ErrorCode, Key, paths};
 
 use super::{Owner, Tensors, blocking, internal, locked, transport};
 
@@ -172,21 +172,14 @@ impl Tensors {
             backend: backend.kind(),
             packing,
         };
-        let url = format!("{}/api/v1/tensors/sessions", source.trim_end_matches('/'));
-        let resp = self
-            .http
-            .post(&url)
-            .bearer_auth(self.token.expose())
+        let reply: SessionReply = self
+            .api
+            .at(source)
+            .post(&paths::tensor_sessions())
             .json(&req)
-            .send()
+            .fetch()
             .await
-            .map_err(|e| {
-                ApiError::new(
-                    ErrorCode::NoSource,
-                    format!("the agent holding the tensors ({source}) is unreachable: {e}"),
-                )
-            })?;
-        let reply: SessionReply = answer(resp, source).await?;
+            .map_err(|e| agent_err(e, source))?;
         let plan = reply.plan;
         plan.validate()
             .map_err(|m| internal(format!("session plan from {source}: {m}")))?;
@@ -364,22 +357,20 @@ fn gone(key: &Key, agent: &str) -> ApiError {
     )
 }
 
-/// An agent's JSON answer, or its error as an [`ApiError`].
-async fn answer<T: serde::de::DeserializeOwned>(
-    resp: reqwest::Response,
-    source: &str,
-) -> Result<T, ApiError> {
-    let status = resp.status();
-    let text = resp.text().await.unwrap_or_default();
-    if status.is_success() {
-        return serde_json::from_str(&text)
-            .map_err(|e| internal(format!("unreadable answer from {source}: {e}")));
-    }
-    Err(match serde_json::from_str::<ErrorBody>(&text) {
-        Ok(b) => ApiError::new(b.error.code, format!("{source}: {}", b.error.message)),
-        Err(_) => ApiError::new(
-            ErrorCode::Unavailable,
-            format!("{source} answered {status}: {text}"),
+/// A failed call to the agent holding the tensors, as this agent answers
+/// it on: unreachable is `no_source` (another holder may have it), its own
+/// answer keeps its code.
+fn agent_err(e: kt_api::CallError, source: &str) -> ApiError {
+    match e {
+        kt_api::CallError::Transport { source: cause, .. } => ApiError::new(
+            ErrorCode::NoSource,
+            format!("the agent holding the tensors ({source}) is unreachable: {cause}"),
         ),
-    })
+        kt_api::CallError::Status { code, message, .. } => {
+            ApiError::new(code, format!("{source}: {message}"))
+        }
+        kt_api::CallError::Decode { source: cause, .. } => {
+            internal(format!("unreadable answer from {source}: {cause}"))
+        }
+    }
 }
