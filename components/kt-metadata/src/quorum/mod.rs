@@ -88,36 +88,30 @@ use std::net::IpAddr;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use axum::Router;
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
-use axum::routing::{get, post};
-use kt_service::{ApiError, ApiJson, Metrics};
+use kt_service::{ApiError, Metrics};
 use kt_types::tensor::{
     self as t, BackendKind, Flow, Packing, QuorumDone, QuorumInfo, QuorumJoin, QuorumKey,
     QuorumPlan, QuorumRole, QuorumRound, QuorumStatus, Rank, Rendezvous, TransferPlan,
 };
 use kt_types::{ErrorCode, Key};
-use serde::Deserialize;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+mod routes;
+
+pub use routes::{DEFAULT_WAIT_MS, MAX_JOIN_BODY, MAX_WAIT_MS, routes};
 
 /// Most open rounds plus kept transfers; a join opening one more is 503.
 pub const MAX_OPEN: usize = 10_000;
 /// Longest quorum window.
 pub const MAX_TIMEOUT_SECS: f64 = t::MAX_QUORUM_TIMEOUT_SECS;
-/// Default and longest long poll of the rendezvous and status routes.
-pub const DEFAULT_WAIT_MS: u64 = 30_000;
-pub const MAX_WAIT_MS: u64 = 600_000;
 /// How long a transfer is kept after every rank reported.
 pub const KEEP_COMPLETE: Duration = Duration::from_secs(600);
 /// How long a transfer is kept after its close when some rank never reports.
 pub const KEEP_CLOSED: Duration = Duration::from_secs(3600);
 /// Largest rendezvous blob.
 pub const MAX_BLOB_LEN: usize = 64 << 10;
-/// Largest join body (a state dict's layout: names, dtypes, shapes).
-pub const MAX_JOIN_BODY: usize = 32 << 20;
 const GC_EVERY: Duration = Duration::from_secs(1);
 const MAX_AGENT_LEN: usize = 253;
 const MAX_ENDPOINT_LEN: usize = 512;
@@ -1006,89 +1000,6 @@ fn check_key(k: &QuorumKey) -> Result<(), ApiError> {
             .map_err(|m| bad(format!("{} tensor {:?}: {m}", k.key, d.name)))?;
     }
     Ok(())
-}
-
-// ---- HTTP ------------------------------------------------------------------
-
-/// `?wait_ms=N` of the long-polled routes.
-#[derive(Debug, Deserialize)]
-struct Wait {
-    #[serde(default)]
-    wait_ms: Option<u64>,
-}
-
-fn wait(q: Result<Query<Wait>, QueryRejection>, default_ms: u64) -> Result<Duration, ApiError> {
-    let Query(w) = q.map_err(|r| bad(r.body_text()))?;
-    Ok(Duration::from_millis(
-        w.wait_ms.unwrap_or(default_ms).min(MAX_WAIT_MS),
-    ))
-}
-
-/// The quorum routes (merged into the metadata server's API, behind its auth).
-pub fn routes(q: Arc<Quorums>) -> Router {
-    Router::new()
-        .route("/api/v1/quorums/{group}", get(info))
-        .route(
-            "/api/v1/quorums/{group}/join",
-            post(join).layer(DefaultBodyLimit::max(MAX_JOIN_BODY)),
-        )
-        .route("/api/v1/quorums/{group}/{transfer}", get(transfer_status))
-        .route(
-            "/api/v1/quorums/{group}/{transfer}/rendezvous",
-            get(get_rendezvous).put(put_rendezvous),
-        )
-        .route("/api/v1/quorums/{group}/{transfer}/done", post(done))
-        .with_state(q)
-}
-
-async fn info(
-    State(q): State<Arc<Quorums>>,
-    Path(group): Path<String>,
-) -> Result<ApiJson<QuorumInfo>, ApiError> {
-    q.info(&group).map(ApiJson)
-}
-
-async fn join(
-    State(q): State<Arc<Quorums>>,
-    Path(group): Path<String>,
-    ApiJson(j): ApiJson<QuorumJoin>,
-) -> Result<ApiJson<QuorumPlan>, ApiError> {
-    q.join(&group, j).await.map(ApiJson)
-}
-
-async fn put_rendezvous(
-    State(q): State<Arc<Quorums>>,
-    Path((group, id)): Path<(String, String)>,
-    ApiJson(r): ApiJson<Rendezvous>,
-) -> Result<ApiJson<Rendezvous>, ApiError> {
-    q.publish(&group, &id, r.clone())?;
-    Ok(ApiJson(r))
-}
-
-async fn get_rendezvous(
-    State(q): State<Arc<Quorums>>,
-    Path((group, id)): Path<(String, String)>,
-    w: Result<Query<Wait>, QueryRejection>,
-) -> Result<ApiJson<Rendezvous>, ApiError> {
-    let wait = wait(w, DEFAULT_WAIT_MS)?;
-    q.rendezvous(&group, &id, wait).await.map(ApiJson)
-}
-
-async fn done(
-    State(q): State<Arc<Quorums>>,
-    Path((group, id)): Path<(String, String)>,
-    ApiJson(d): ApiJson<QuorumDone>,
-) -> Result<ApiJson<QuorumStatus>, ApiError> {
-    q.done(&group, &id, d).map(ApiJson)
-}
-
-async fn transfer_status(
-    State(q): State<Arc<Quorums>>,
-    Path((group, id)): Path<(String, String)>,
-    w: Result<Query<Wait>, QueryRejection>,
-) -> Result<ApiJson<QuorumStatus>, ApiError> {
-    let wait = wait(w, 0)?;
-    q.status(&group, &id, wait).await.map(ApiJson)
 }
 
 #[cfg(test)]
