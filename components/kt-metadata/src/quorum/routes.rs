@@ -1,4 +1,5 @@
-//! The quorum routes: HTTP around [`Quorums`].
+//! The quorum routes: HTTP around [`Quorums`], and the one place a
+//! [`QuorumError`] becomes an [`ApiError`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,12 +13,19 @@ use kt_types::tensor::{QuorumDone, QuorumInfo, QuorumJoin, QuorumPlan, QuorumSta
 use serde::Deserialize;
 
 use super::Quorums;
+use super::round::QuorumError;
 
 /// Default and longest long poll of the rendezvous and status routes.
 pub const DEFAULT_WAIT_MS: u64 = 30_000;
 pub const MAX_WAIT_MS: u64 = 600_000;
 /// Largest join body (a state dict's layout: names, dtypes, shapes).
 pub const MAX_JOIN_BODY: usize = 32 << 20;
+
+impl From<QuorumError> for ApiError {
+    fn from(e: QuorumError) -> Self {
+        ApiError::new(e.code(), e.to_string())
+    }
+}
 
 /// `?wait_ms=N` of the long-polled routes.
 #[derive(Debug, Deserialize)]
@@ -54,7 +62,7 @@ async fn info(
     State(q): State<Arc<Quorums>>,
     Path(group): Path<String>,
 ) -> Result<ApiJson<QuorumInfo>, ApiError> {
-    q.info(&group).map(ApiJson)
+    Ok(ApiJson(q.info(&group)?))
 }
 
 async fn join(
@@ -62,7 +70,7 @@ async fn join(
     Path(group): Path<String>,
     ApiJson(j): ApiJson<QuorumJoin>,
 ) -> Result<ApiJson<QuorumPlan>, ApiError> {
-    q.join(&group, j).await.map(ApiJson)
+    Ok(ApiJson(q.join(&group, j).await?))
 }
 
 async fn put_rendezvous(
@@ -80,7 +88,7 @@ async fn get_rendezvous(
     w: Result<Query<Wait>, QueryRejection>,
 ) -> Result<ApiJson<Rendezvous>, ApiError> {
     let wait = wait(w, DEFAULT_WAIT_MS)?;
-    q.rendezvous(&group, &id, wait).await.map(ApiJson)
+    Ok(ApiJson(q.rendezvous(&group, &id, wait).await?))
 }
 
 async fn done(
@@ -88,7 +96,7 @@ async fn done(
     Path((group, id)): Path<(String, String)>,
     ApiJson(d): ApiJson<QuorumDone>,
 ) -> Result<ApiJson<QuorumStatus>, ApiError> {
-    q.done(&group, &id, d).map(ApiJson)
+    Ok(ApiJson(q.done(&group, &id, d)?))
 }
 
 async fn transfer_status(
@@ -97,5 +105,5 @@ async fn transfer_status(
     w: Result<Query<Wait>, QueryRejection>,
 ) -> Result<ApiJson<QuorumStatus>, ApiError> {
     let wait = wait(w, 0)?;
-    q.status(&group, &id, wait).await.map(ApiJson)
+    Ok(ApiJson(q.status(&group, &id, wait).await?))
 }
