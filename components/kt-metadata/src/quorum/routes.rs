@@ -12,7 +12,7 @@ use kt_service::{ApiError, ApiJson};
 use kt_types::tensor::{QuorumDone, QuorumInfo, QuorumJoin, QuorumPlan, QuorumStatus, Rendezvous};
 use serde::Deserialize;
 
-use super::Quorums;
+use super::coordinator::Quorums;
 use super::round::QuorumError;
 
 /// Default and longest long poll of the rendezvous and status routes.
