@@ -1,0 +1,723 @@
+//! Rounds and plans as a plain state machine: no I/O, no clock (callers pass
+//! `now`), no locks or channels (the coordinator holds the rounds and wakes
+//! their members).
+//!
+//! A [`Round`] is a group's open round: the settings its first join fixed,
+//! and its members. [`check_join`] checks a join before it reaches any
+//! round, [`Round::admit`] whether it fits the open one, [`Round::closes_now`]
+//! whether its members close it, and [`plan`] what a closing round answers
+//! every member ([`Closing`]). The rules are those of the module
+//! documentation of [`crate::quorum`].
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kt_types::tensor::{
+    self as t, BackendKind, Flow, Packing, QuorumJoin, QuorumKey, QuorumPlan, QuorumRole,
+    QuorumRound, Rank, TransferPlan,
+};
+use kt_types::{ErrorCode, Key};
+
+/// Longest quorum window.
+pub const MAX_TIMEOUT_SECS: f64 = t::MAX_QUORUM_TIMEOUT_SECS;
+const MAX_AGENT_LEN: usize = 253;
+const MAX_ENDPOINT_LEN: usize = 512;
+const MAX_VERSION_LEN: usize = 256;
+const MAX_KEYS: usize = 4096;
+const MAX_IPS: usize = 4096;
+
+/// Why a quorum request is refused, or a member of a closed round gets no
+/// rank: its message, and ([`QuorumError::code`]) its error code.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum QuorumError {
+    /// Bad input, a member on another backend, a destination that does not
+    /// match its source.
+    #[error("{0}")]
+    Invalid(String),
+    /// A second rank of one agent, a second putter of a key, another
+    /// rendezvous, a second report.
+    #[error("{0}")]
+    Conflict(String),
+    /// An unknown transfer or group; a wanted key no putter brings.
+    #[error("{0}")]
+    NotFound(String),
+    /// The round closed with no putter.
+    #[error("{0}")]
+    NoSource(String),
+    /// Nothing to move, too many rounds, no rendezvous yet, shutting down.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A bug.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl QuorumError {
+    /// The error code the request is answered with.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            QuorumError::Invalid(_) => ErrorCode::InvalidRequest,
+            QuorumError::Conflict(_) => ErrorCode::Conflict,
+            QuorumError::NotFound(_) => ErrorCode::NotFound,
+            QuorumError::NoSource(_) => ErrorCode::NoSource,
+            QuorumError::Unavailable(_) => ErrorCode::Unavailable,
+            QuorumError::Internal(_) => ErrorCode::Internal,
+        }
+    }
+}
+
+/// Why a round closed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClosedBy {
+    WorldSize,
+    Ips,
+    Timeout,
+}
+
+impl ClosedBy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClosedBy::WorldSize => "world_size",
+            ClosedBy::Ips => "ips",
+            ClosedBy::Timeout => "timeout",
+        }
+    }
+}
+
+impl fmt::Display for ClosedBy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A member of a round.
+#[derive(Debug)]
+pub(super) struct Member {
+    /// Join sequence number: unique across rounds.
+    pub(super) seq: u64,
+    pub(super) ip: IpAddr,
+    pub(super) join: QuorumJoin,
+}
+
+impl Member {
+    fn keys(&self) -> &[QuorumKey] {
+        match &self.join.role {
+            QuorumRole::Put { keys } | QuorumRole::Get { keys } => keys,
+        }
+    }
+
+    fn puts(&self) -> bool {
+        matches!(self.join.role, QuorumRole::Put { .. })
+    }
+
+    fn wants(&self, key: &Key) -> bool {
+        !self.puts() && self.keys().iter().any(|k| &k.key == key)
+    }
+}
+
+/// What a closed round answers its members (by join sequence).
+#[derive(Debug)]
+pub(super) struct Closing {
+    by: ClosedBy,
+    pub(super) plan: Option<Arc<TransferPlan>>,
+    ranks: HashMap<u64, u32>,
+    pub(super) errors: HashMap<u64, QuorumError>,
+}
+
+impl Closing {
+    /// The answer of the member of join sequence `seq`.
+    pub(super) fn answer(&self, group: &str, seq: u64) -> Result<QuorumPlan, QuorumError> {
+        if let Some(e) = self.errors.get(&seq) {
+            return Err(e.clone());
+        }
+        match (self.ranks.get(&seq), &self.plan) {
+            (Some(rank), Some(plan)) => Ok(QuorumPlan {
+                group: group.to_owned(),
+                rank: *rank,
+                plan: Arc::clone(plan),
+                closed_by: self.by.as_str().to_owned(),
+            }),
+            _ => Err(QuorumError::Internal(format!(
+                "quorum {group} closed without an answer for this member"
+            ))),
+        }
+    }
+
+    /// Answers `e` to every member not answered yet.
+    fn fail_rest(&mut self, members: &[Member], e: &QuorumError) {
+        for m in members {
+            self.errors.entry(m.seq).or_insert_with(|| e.clone());
+        }
+    }
+}
+
+/// A group's open round.
+#[derive(Debug)]
+pub(super) struct Round {
+    /// The join sequence number of its first member.
+    pub(super) id: u64,
+    world_size: Option<u32>,
+    ips: Vec<IpAddr>,
+    /// When its timeout closes it.
+    pub(super) deadline: Instant,
+    fanout: u32,
+    packing: Packing,
+    backend: BackendKind,
+    pub(super) members: Vec<Member>,
+}
+
+impl Round {
+    /// A round opened by `j` (already checked) at `now`.
+    pub(super) fn open(id: u64, j: &QuorumJoin, now: Instant) -> Round {
+        let w = &j.window;
+        let secs = w.timeout_secs.unwrap_or(t::DEFAULT_QUORUM_TIMEOUT_SECS);
+        Round {
+            id,
+            world_size: w.world_size,
+            ips: w.ips.iter().filter_map(|ip| ip.parse().ok()).collect(),
+            deadline: now + Duration::from_secs_f64(secs),
+            fanout: w.fanout,
+            packing: Packing {
+                pack: w.pack,
+                bucket_bytes: w.bucket_bytes.unwrap_or(t::DEFAULT_BUCKET_BYTES),
+            },
+            backend: j.backend,
+            members: Vec::new(),
+        }
+    }
+
+    /// Whether `j` may join this round.
+    pub(super) fn admit(&self, group: &str, j: &QuorumJoin) -> Result<(), QuorumError> {
+        if j.backend != self.backend {
+            return Err(QuorumError::Invalid(format!(
+                "quorum {group} moves {} data; a member on the {} backend cannot join it",
+                match self.backend {
+                    BackendKind::Host => "host",
+                    BackendKind::Nccl => "GPU (nccl)",
+                },
+                j.backend
+            )));
+        }
+        if self.members.iter().any(|m| m.join.agent == j.agent) {
+            return Err(QuorumError::Conflict(format!(
+                "agent {} already joined the open round of quorum {group} (one rank per pod)",
+                j.agent
+            )));
+        }
+        if let QuorumRole::Put { keys } = &j.role
+            && let Some((k, m)) = keys.iter().find_map(|k| {
+                self.members
+                    .iter()
+                    .find(|m| m.puts() && m.keys().iter().any(|o| o.key == k.key))
+                    .map(|m| (k, m))
+            })
+        {
+            return Err(QuorumError::Conflict(format!(
+                "agent {} already puts {} in the open round of quorum {group}",
+                m.join.agent, k.key
+            )));
+        }
+        Ok(())
+    }
+
+    /// Why the round closes now, if it does (before its timeout).
+    pub(super) fn closes_now(&self) -> Option<ClosedBy> {
+        if self
+            .world_size
+            .is_some_and(|n| self.members.len() >= n as usize)
+        {
+            return Some(ClosedBy::WorldSize);
+        }
+        let all_ips = !self.ips.is_empty()
+            && self
+                .ips
+                .iter()
+                .all(|ip| self.members.iter().any(|m| m.ip == *ip));
+        all_ips.then_some(ClosedBy::Ips)
+    }
+
+    /// What `GET /api/v1/quorums/{group}` shows of it at `now`.
+    pub(super) fn info(&self, now: Instant) -> QuorumRound {
+        QuorumRound {
+            members: self.members.iter().map(|m| m.join.agent.clone()).collect(),
+            backend: self.backend,
+            world_size: self.world_size,
+            ips: self.ips.iter().map(IpAddr::to_string).collect(),
+            closes_in_ms: millis(self.deadline.saturating_duration_since(now)),
+        }
+    }
+}
+
+/// The answers of a round closing now, by `by`; `id` names its transfer.
+pub(super) fn plan(group: &str, round: &Round, by: ClosedBy, id: String) -> Closing {
+    let mut closing = Closing {
+        by,
+        plan: None,
+        ranks: HashMap::new(),
+        errors: HashMap::new(),
+    };
+    let (mut putters, mut wanting): (Vec<&Member>, Vec<&Member>) =
+        round.members.iter().partition(|m| m.puts());
+    // Ranks do not depend on who joined first: putters by their first key
+    // (no two putters of a round share a key), getters by agent id (one rank
+    // per agent), so the same members always make the same plan.
+    putters.sort_by(|a, b| a.keys()[0].key.cmp(&b.keys()[0].key));
+    wanting.sort_by(|a, b| a.join.agent.cmp(&b.join.agent));
+    if putters.is_empty() {
+        let e = QuorumError::NoSource(format!("quorum {group} closed by {by} with no putter"));
+        closing.fail_rest(&round.members, &e);
+        return closing;
+    }
+    let sources: HashMap<&Key, &QuorumKey> = putters
+        .iter()
+        .flat_map(|p| p.keys())
+        .map(|k| (&k.key, k))
+        .collect();
+    let mut getters = Vec::new();
+    for g in wanting {
+        match can_receive(group, g, &sources) {
+            Ok(()) => getters.push(g),
+            Err(e) => {
+                closing.errors.insert(g.seq, e);
+            }
+        }
+    }
+    let first_getter = putters.len();
+    let mut flows = Vec::new();
+    for (root, p) in putters.iter().enumerate() {
+        for k in p.keys() {
+            let receivers: Vec<u32> = getters
+                .iter()
+                .enumerate()
+                .filter(|(_, g)| g.wants(&k.key))
+                .map(|(i, _)| (first_getter + i) as u32)
+                .collect();
+            if !receivers.is_empty() {
+                flows.push(Flow {
+                    key: k.key.clone(),
+                    version: k.version.clone(),
+                    root: root as u32,
+                    receivers,
+                    tensors: k.tensors.clone(),
+                });
+            }
+        }
+    }
+    if getters.is_empty() || flows.is_empty() {
+        let why = if closing.errors.is_empty() {
+            "with no getter"
+        } else {
+            "and none of its getters can receive what its putters bring"
+        };
+        let e = QuorumError::Unavailable(format!(
+            "quorum {group} closed by {by} {why}: there is nothing to move"
+        ));
+        closing.fail_rest(&round.members, &e);
+        return closing;
+    }
+    let ranked: Vec<&Member> = putters.iter().chain(&getters).copied().collect();
+    let plan = TransferPlan {
+        id,
+        backend: round.backend,
+        ranks: ranked
+            .iter()
+            .enumerate()
+            .map(|(i, m)| Rank {
+                rank: i as u32,
+                agent: m.join.agent.clone(),
+                ip: m.join.ip.clone(),
+                endpoint: m.join.endpoint.clone(),
+            })
+            .collect(),
+        flows,
+        packing: round.packing,
+        fanout: round.fanout,
+    };
+    if let Err(e) = plan.validate() {
+        let e = QuorumError::Internal(format!("quorum {group} made an invalid plan (a bug): {e}"));
+        closing.fail_rest(&round.members, &e);
+        return closing;
+    }
+    closing.ranks = ranked
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.seq, i as u32))
+        .collect();
+    closing.plan = Some(Arc::new(plan));
+    closing
+}
+
+/// Whether getter `g` can receive every key it wants from the round's putters.
+fn can_receive(
+    group: &str,
+    g: &Member,
+    sources: &HashMap<&Key, &QuorumKey>,
+) -> Result<(), QuorumError> {
+    for want in g.keys() {
+        let src = sources.get(&want.key).ok_or_else(|| {
+            QuorumError::NotFound(format!("no member of quorum {group} puts key {}", want.key))
+        })?;
+        t::check_destination(&want.key, &src.tensors, &want.tensors)
+            .map_err(QuorumError::Invalid)?;
+    }
+    Ok(())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn bad(msg: impl Into<String>) -> QuorumError {
+    QuorumError::Invalid(msg.into())
+}
+
+fn bounded_text(what: &str, s: &str, max: usize) -> Result<(), QuorumError> {
+    if s.is_empty() || s.len() > max || s.chars().any(char::is_control) {
+        return Err(bad(format!(
+            "{what} must be 1 to {max} bytes without control characters, got {s:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks a join (nothing changes when it fails); the member's IP.
+pub(super) fn check_join(group: &str, j: &QuorumJoin) -> Result<IpAddr, QuorumError> {
+    kt_types::broadcast::check_group_id(group).map_err(bad)?;
+    bounded_text("agent id", &j.agent, MAX_AGENT_LEN)?;
+    let ip =
+        j.ip.parse::<IpAddr>()
+            .map_err(|_| bad(format!("member ip {:?} is not an IP address", j.ip)))?;
+    bounded_text("endpoint", &j.endpoint, MAX_ENDPOINT_LEN)?;
+    let w = &j.window;
+    if let Some(g) = &w.group_id
+        && g != group
+    {
+        return Err(bad(format!(
+            "the window names group {g:?} but the join is for quorum {group}"
+        )));
+    }
+    if let Some(n) = w.world_size
+        && n < 2
+    {
+        return Err(bad(format!(
+            "world_size must be 2 or more (a putter and a getter), got {n}"
+        )));
+    }
+    if let Some(s) = w.timeout_secs
+        && !(s.is_finite() && s > 0.0 && s <= MAX_TIMEOUT_SECS)
+    {
+        return Err(bad(format!(
+            "timeout_secs must be over 0 and at most {MAX_TIMEOUT_SECS}, got {s}"
+        )));
+    }
+    if w.ips.len() > MAX_IPS {
+        return Err(bad(format!(
+            "ips lists {} addresses, more than {MAX_IPS}",
+            w.ips.len()
+        )));
+    }
+    if let Some(ip) = w.ips.iter().find(|ip| ip.parse::<IpAddr>().is_err()) {
+        return Err(bad(format!("ips: {ip:?} is not an IP address")));
+    }
+    if w.fanout == 0 {
+        return Err(bad("fanout must be 1 or more"));
+    }
+    if let Some(b) = w.bucket_bytes {
+        Packing {
+            pack: w.pack,
+            bucket_bytes: b,
+        }
+        .validate()
+        .map_err(bad)?;
+    }
+    let keys = match &j.role {
+        QuorumRole::Put { keys } | QuorumRole::Get { keys } => keys,
+    };
+    if keys.is_empty() || keys.len() > MAX_KEYS {
+        return Err(bad(format!(
+            "a member brings 1 to {MAX_KEYS} keys, got {}",
+            keys.len()
+        )));
+    }
+    let mut seen = HashSet::new();
+    for k in keys {
+        if !seen.insert(&k.key) {
+            return Err(bad(format!("key {} is listed twice", k.key)));
+        }
+        check_key(k)?;
+    }
+    Ok(ip)
+}
+
+fn check_key(k: &QuorumKey) -> Result<(), QuorumError> {
+    if k.version.len() > MAX_VERSION_LEN {
+        return Err(bad(format!(
+            "{}: a version is at most {MAX_VERSION_LEN} bytes",
+            k.key
+        )));
+    }
+    if k.tensors.is_empty() || k.tensors.len() > t::MAX_TENSORS {
+        return Err(bad(format!(
+            "{}: 1 to {} tensors, got {}",
+            k.key,
+            t::MAX_TENSORS,
+            k.tensors.len()
+        )));
+    }
+    let mut names = HashSet::new();
+    for d in &k.tensors {
+        if d.name.len() > t::MAX_NAME_LEN || d.name.chars().any(char::is_control) {
+            return Err(bad(format!(
+                "{}: tensor name {:?} is longer than {} bytes or has control characters",
+                k.key,
+                d.name,
+                t::MAX_NAME_LEN
+            )));
+        }
+        if !names.insert(d.name.as_str()) {
+            return Err(bad(format!(
+                "{}: tensor name {:?} appears twice",
+                k.key, d.name
+            )));
+        }
+        d.meta
+            .nbytes()
+            .map_err(|m| bad(format!("{} tensor {:?}: {m}", k.key, d.name)))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quorum::fixtures::{getter, key, putter, window};
+
+    /// A round of these members (join order), as if they had joined.
+    fn round(joins: Vec<QuorumJoin>) -> Round {
+        let mut r = Round::open(1, &joins[0], Instant::now());
+        for (i, join) in joins.into_iter().enumerate() {
+            let ip = join.ip.parse().unwrap();
+            r.members.push(Member {
+                seq: i as u64 + 1,
+                ip,
+                join,
+            });
+        }
+        r
+    }
+
+    #[test]
+    fn plans_put_putters_first_and_make_one_flow_per_wanted_key() {
+        let w = window(None, 5.0);
+        let r = round(vec![
+            getter("a1", vec![key("x", 4)], &w),
+            putter("a2", vec![key("x", 4), key("unwanted", 1)], &w),
+            getter("a3", vec![key("x", 4), key("y", 2)], &w),
+            putter("a4", vec![key("y", 2)], &w),
+            getter("a5", vec![key("y", 2)], &w),
+        ]);
+        let c = plan("g", &r, ClosedBy::Timeout, "tid".into());
+        assert!(c.errors.is_empty(), "{:?}", c.errors);
+        let p = c.plan.as_ref().unwrap();
+        let agents: Vec<&str> = p.ranks.iter().map(|r| r.agent.as_str()).collect();
+        assert_eq!(agents, ["a2", "a4", "a1", "a3", "a5"]);
+        assert_eq!(p.ranks[2].ip, "10.0.0.1");
+        let flows: Vec<(&str, u32, &[u32])> = p
+            .flows
+            .iter()
+            .map(|f| (f.key.as_str(), f.root, f.receivers.as_slice()))
+            .collect();
+        assert_eq!(flows, [("x", 0, &[2, 3][..]), ("y", 1, &[3, 4][..])]);
+        assert_eq!(p.flows[0].version, "v-x");
+        assert_eq!(p.id, "tid");
+        assert_eq!(p.fanout, 2);
+        assert_eq!(p.packing, Packing::default());
+        assert_eq!(c.answer("g", 1).unwrap().rank, 2);
+        assert_eq!(c.answer("g", 4).unwrap().rank, 1);
+        assert_eq!(c.answer("g", 4).unwrap().closed_by, "timeout");
+    }
+
+    #[test]
+    fn ranks_do_not_depend_on_join_order() {
+        let w = window(None, 5.0);
+        let joins = || {
+            vec![
+                putter("p1", vec![key("x", 4)], &w),
+                putter("p2", vec![key("y", 2)], &w),
+                getter("g1", vec![key("x", 4), key("y", 2)], &w),
+                getter("g2", vec![key("y", 2)], &w),
+                getter("g3", vec![key("x", 4)], &w),
+            ]
+        };
+        let shape = |joins: Vec<QuorumJoin>| {
+            let c = plan("g", &round(joins), ClosedBy::WorldSize, "t".into());
+            let p = c.plan.expect("a plan");
+            let agents: Vec<String> = p.ranks.iter().map(|r| r.agent.clone()).collect();
+            let flows: Vec<(String, u32, Vec<u32>)> = p
+                .flows
+                .iter()
+                .map(|f| (f.key.to_string(), f.root, f.receivers.clone()))
+                .collect();
+            (agents, flows)
+        };
+        let first = shape(joins());
+        assert_eq!(first.0, ["p1", "p2", "g1", "g2", "g3"]);
+        for order in [[4, 3, 2, 1, 0], [2, 1, 4, 0, 3], [3, 0, 4, 2, 1]] {
+            let all = joins();
+            let shuffled = order.iter().map(|&i| all[i].clone()).collect();
+            assert_eq!(shape(shuffled), first, "joined in order {order:?}");
+        }
+    }
+
+    #[test]
+    fn getters_that_cannot_receive_are_refused_and_take_no_rank() {
+        let w = window(None, 5.0);
+        let r = round(vec![
+            putter("a1", vec![key("k", 4)], &w),
+            getter("a2", vec![key("k", 5)], &w),
+            getter("a3", vec![key("k", 4), key("other", 4)], &w),
+            getter("a4", vec![key("k", 4)], &w),
+        ]);
+        let c = plan("g", &r, ClosedBy::WorldSize, "t".into());
+        let e = c.answer("g", 2).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidRequest);
+        assert!(
+            e.to_string().contains("f32[4]") && e.to_string().contains("f32[5]"),
+            "{e}"
+        );
+        let e = c.answer("g", 3).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::NotFound);
+        assert_eq!(e.to_string(), "no member of quorum g puts key other");
+        let p = c.answer("g", 4).unwrap();
+        assert_eq!((p.rank, p.plan.ranks.len()), (1, 2));
+        assert_eq!(p.plan.flows[0].receivers, [1]);
+    }
+
+    #[test]
+    fn nothing_to_move_fails_every_member() {
+        let w = window(None, 5.0);
+        // No putter: no_source for all, even a getter whose key is unknown.
+        let r = round(vec![
+            getter("a1", vec![key("k", 4)], &w),
+            getter("a2", vec![key("j", 4)], &w),
+        ]);
+        let c = plan("g", &r, ClosedBy::Timeout, "t".into());
+        for seq in [1, 2] {
+            let e = c.answer("g", seq).unwrap_err();
+            assert_eq!(e.code(), ErrorCode::NoSource);
+            assert_eq!(e.to_string(), "quorum g closed by timeout with no putter");
+        }
+        assert!(c.plan.is_none());
+        // Putters only.
+        let r = round(vec![
+            putter("a1", vec![key("k", 4)], &w),
+            putter("a2", vec![key("j", 4)], &w),
+        ]);
+        let c = plan("g", &r, ClosedBy::WorldSize, "t".into());
+        let e = c.answer("g", 2).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unavailable);
+        assert!(e.to_string().contains("no getter"), "{e}");
+        // The only getter is refused: it keeps its own error, the putter
+        // gets unavailable.
+        let r = round(vec![
+            putter("a1", vec![key("k", 4)], &w),
+            getter("a2", vec![key("k", 3)], &w),
+        ]);
+        let c = plan("g", &r, ClosedBy::Ips, "t".into());
+        assert_eq!(
+            c.answer("g", 2).unwrap_err().code(),
+            ErrorCode::InvalidRequest
+        );
+        let e = c.answer("g", 1).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unavailable);
+        assert!(e.to_string().contains("none of its getters"), "{e}");
+    }
+
+    #[test]
+    fn rounds_close_on_world_size_or_every_ip() {
+        let mut w = window(Some(3), 5.0);
+        w.ips = vec!["10.0.0.1".into(), "::1".into()];
+        let mut r = round(vec![putter("a1", vec![key("k", 4)], &w)]);
+        assert_eq!(r.closes_now(), None);
+        let mut g = getter("a2", vec![key("k", 4)], &w);
+        g.ip = "0:0::1".into();
+        r.members.push(Member {
+            seq: 2,
+            ip: g.ip.parse().unwrap(),
+            join: g,
+        });
+        assert_eq!(r.closes_now(), Some(ClosedBy::Ips));
+        r.ips.clear();
+        assert_eq!(r.closes_now(), None);
+        r.members.push(Member {
+            seq: 3,
+            ip: "10.0.0.3".parse().unwrap(),
+            join: getter("a3", vec![key("k", 4)], &w),
+        });
+        assert_eq!(r.closes_now(), Some(ClosedBy::WorldSize));
+    }
+
+    #[test]
+    fn joins_are_checked() {
+        let w = window(Some(2), 5.0);
+        let ok = putter("a1", vec![key("k", 4)], &w);
+        check_join("g", &ok).unwrap();
+        let mut cases: Vec<(&str, QuorumJoin, &str)> = Vec::new();
+        cases.push(("bad group!", ok.clone(), "group id"));
+        cases.push(("join", ok.clone(), "reserved"));
+        let mut j = ok.clone();
+        j.agent = String::new();
+        cases.push(("g", j, "agent id"));
+        let mut j = ok.clone();
+        j.ip = "pod-1".into();
+        cases.push(("g", j, "not an IP"));
+        for (world, secs, what) in [
+            (Some(1), 5.0, "world_size"),
+            (None, -1.0, "timeout_secs"),
+            (None, 0.0, "timeout_secs"),
+            (None, f64::INFINITY, "timeout_secs"),
+            (None, 3601.0, "timeout_secs"),
+        ] {
+            cases.push((
+                "g",
+                putter("a1", vec![key("k", 4)], &window(world, secs)),
+                what,
+            ));
+        }
+        let mut j = ok.clone();
+        j.window.ips = vec!["10.0.0.300".into()];
+        cases.push(("g", j, "ips"));
+        let mut j = ok.clone();
+        j.window.fanout = 0;
+        cases.push(("g", j, "fanout"));
+        let mut j = ok.clone();
+        j.window.bucket_bytes = Some(1024);
+        cases.push(("g", j, "minimum"));
+        let mut j = ok.clone();
+        j.window.group_id = Some("other".into());
+        cases.push(("g", j, "names group"));
+        cases.push(("g", putter("a1", vec![], &w), "keys"));
+        cases.push((
+            "g",
+            putter("a1", vec![key("k", 4), key("k", 4)], &w),
+            "twice",
+        ));
+        let mut k = key("k", 4);
+        k.tensors.clear();
+        cases.push(("g", putter("a1", vec![k], &w), "tensors"));
+        let mut k = key("k", 4);
+        k.tensors[0].meta.shape = vec![u64::MAX, 4];
+        cases.push(("g", getter("a1", vec![k], &w), "larger than"));
+        let mut k = key("k", 4);
+        k.tensors.push(k.tensors[0].clone());
+        cases.push(("g", getter("a1", vec![k], &w), "appears twice"));
+        for (group, j, what) in cases {
+            let e = check_join(group, &j).unwrap_err();
+            assert_eq!(e.code(), ErrorCode::InvalidRequest);
+            assert!(e.to_string().contains(what), "{what}: {e}");
+        }
+    }
+}

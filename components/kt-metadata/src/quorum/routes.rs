@@ -1,0 +1,109 @@
+//! The quorum routes: HTTP around [`Quorums`], and the one place a
+//! [`QuorumError`] becomes an [`ApiError`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::rejection::QueryRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::routing::{get, post};
+use kt_service::{ApiError, ApiJson};
+use kt_types::tensor::{QuorumDone, QuorumInfo, QuorumJoin, QuorumPlan, QuorumStatus, Rendezvous};
+use serde::Deserialize;
+
+use super::coordinator::Quorums;
+use super::round::QuorumError;
+
+/// Default and longest long poll of the rendezvous and status routes.
+pub const DEFAULT_WAIT_MS: u64 = 30_000;
+pub const MAX_WAIT_MS: u64 = 600_000;
+/// Largest join body (a state dict's layout: names, dtypes, shapes).
+pub const MAX_JOIN_BODY: usize = 32 << 20;
+
+impl From<QuorumError> for ApiError {
+    fn from(e: QuorumError) -> Self {
+        ApiError::new(e.code(), e.to_string())
+    }
+}
+
+/// `?wait_ms=N` of the long-polled routes.
+#[derive(Debug, Deserialize)]
+struct Wait {
+    #[serde(default)]
+    wait_ms: Option<u64>,
+}
+
+fn wait(q: Result<Query<Wait>, QueryRejection>, default_ms: u64) -> Result<Duration, ApiError> {
+    let Query(w) = q.map_err(|r| ApiError::bad_request(r.body_text()))?;
+    Ok(Duration::from_millis(
+        w.wait_ms.unwrap_or(default_ms).min(MAX_WAIT_MS),
+    ))
+}
+
+/// The quorum routes (merged into the metadata server's API, behind its auth).
+pub fn routes(q: Arc<Quorums>) -> Router {
+    Router::new()
+        .route("/api/v1/quorums/{group}", get(info))
+        .route(
+            "/api/v1/quorums/{group}/join",
+            post(join).layer(DefaultBodyLimit::max(MAX_JOIN_BODY)),
+        )
+        .route("/api/v1/quorums/{group}/{transfer}", get(transfer_status))
+        .route(
+            "/api/v1/quorums/{group}/{transfer}/rendezvous",
+            get(get_rendezvous).put(put_rendezvous),
+        )
+        .route("/api/v1/quorums/{group}/{transfer}/done", post(done))
+        .with_state(q)
+}
+
+async fn info(
+    State(q): State<Arc<Quorums>>,
+    Path(group): Path<String>,
+) -> Result<ApiJson<QuorumInfo>, ApiError> {
+    Ok(ApiJson(q.info(&group)?))
+}
+
+async fn join(
+    State(q): State<Arc<Quorums>>,
+    Path(group): Path<String>,
+    ApiJson(j): ApiJson<QuorumJoin>,
+) -> Result<ApiJson<QuorumPlan>, ApiError> {
+    Ok(ApiJson(q.join(&group, j).await?))
+}
+
+async fn put_rendezvous(
+    State(q): State<Arc<Quorums>>,
+    Path((group, id)): Path<(String, String)>,
+    ApiJson(r): ApiJson<Rendezvous>,
+) -> Result<ApiJson<Rendezvous>, ApiError> {
+    q.publish(&group, &id, r.clone())?;
+    Ok(ApiJson(r))
+}
+
+async fn get_rendezvous(
+    State(q): State<Arc<Quorums>>,
+    Path((group, id)): Path<(String, String)>,
+    w: Result<Query<Wait>, QueryRejection>,
+) -> Result<ApiJson<Rendezvous>, ApiError> {
+    let wait = wait(w, DEFAULT_WAIT_MS)?;
+    Ok(ApiJson(q.rendezvous(&group, &id, wait).await?))
+}
+
+async fn done(
+    State(q): State<Arc<Quorums>>,
+    Path((group, id)): Path<(String, String)>,
+    ApiJson(d): ApiJson<QuorumDone>,
+) -> Result<ApiJson<QuorumStatus>, ApiError> {
+    Ok(ApiJson(q.done(&group, &id, d)?))
+}
+
+async fn transfer_status(
+    State(q): State<Arc<Quorums>>,
+    Path((group, id)): Path<(String, String)>,
+    w: Result<Query<Wait>, QueryRejection>,
+) -> Result<ApiJson<QuorumStatus>, ApiError> {
+    let wait = wait(w, 0)?;
+    Ok(ApiJson(q.status(&group, &id, wait).await?))
+}
