@@ -4,7 +4,7 @@
 //! vocabulary (keys, manifests, API bodies, error codes, env var names) that
 //! servers and clients agree on, plus pure validation of that vocabulary.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 pub mod agent;
 pub mod api;
