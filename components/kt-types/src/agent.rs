@@ -37,26 +37,43 @@ pub const TENSOR_VERSION: u32 = 2;
 /// Largest control message accepted (a manifest of a big tree fits).
 pub const MAX_CONTROL_MESSAGE: u32 = 256 << 20;
 
+/// A message from a client to the agent, tagged by `op` (the variant's
+/// snake_case name): `{"op":"hello","version":2}`. The fields of a
+/// variant that wraps a struct sit beside `op`
+/// (`{"op":"put_tensors","key":...,"tensors":[...]}`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum ControlRequest {
+    /// The first message of a connection: the protocol version the client
+    /// speaks. Any other request first is refused and the connection closed.
     Hello {
+        /// From [`MIN_CONTROL_VERSION`] to [`CONTROL_VERSION`]; another one
+        /// is an error, and the connection is closed.
         version: u32,
     },
     /// `kt put --locale local`: serve the file or tree at `path` (absolute)
     /// under `key`, and register it as the key's origin. Nothing is copied.
     ExportLocal {
+        /// The key to publish.
         key: Key,
+        /// Absolute path of the file or directory, as the agent sees it.
         path: String,
+        /// The key's lifecycle; the defaults of [`PutOptions`] when absent.
         #[serde(default)]
         options: PutOptions,
     },
     /// After a `kt get`: serve the downloaded copy at `path` (absolute) of
     /// `version` of `key` (this manifest's entries, nothing else there).
     ExportCopy {
+        /// The key downloaded.
         key: Key,
+        /// The version downloaded (1 to 256 bytes, no control characters):
+        /// the agent serves it as that version.
         version: String,
+        /// Absolute path of the copy: a directory or a file, as the
+        /// manifest's root says.
         path: String,
+        /// The version's manifest (validated by the agent).
         manifest: Manifest,
     },
     /// What the agent serves.
@@ -68,6 +85,7 @@ pub enum ControlRequest {
     /// Version 2: drop this process's registration of a key (the key is
     /// unregistered at the metadata server too).
     DropTensors {
+        /// The key to drop; it must have been registered by the same process.
         key: Key,
     },
 }
@@ -75,45 +93,76 @@ pub enum ControlRequest {
 /// One key an agent serves.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExportInfo {
+    /// The key served.
     pub key: Key,
+    /// The version served.
     pub version: String,
+    /// Canonical absolute path of the served file or directory.
     pub path: String,
     /// True for `locale=local` puts (this pod is the key's origin).
     pub origin: bool,
+    /// Files in the export.
     pub files: u64,
+    /// Sum of the file sizes, in bytes.
     pub size: u64,
 }
 
+/// The agent's answer to one [`ControlRequest`], tagged by `op` like it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum ControlReply {
+    /// The answer to [`ControlRequest::Hello`].
     Hello {
+        /// The version the client said, which this connection now speaks.
         version: u32,
+        /// The agent's id (its pod's name).
         agent: String,
+        /// Base URL of the agent's read protocol.
         url: String,
     },
     /// The export is registered (for a local put: the key's record).
     Exported {
+        /// What the agent now serves.
         export: ExportInfo,
+        /// The record the metadata server made (a local put); absent for a
+        /// copy.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         record: Option<Box<KeyRecord>>,
     },
+    /// The answer to [`ControlRequest::Status`].
     Status {
+        /// The agent's id.
         agent: String,
+        /// Base URL of the agent's read protocol.
         url: String,
+        /// Every export: origin copies and downloaded copies.
         exports: Vec<ExportInfo>,
+        /// Every tensor registration (of every process); omitted when none.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         tensors: Vec<TensorRegistration>,
     },
+    /// The answer to [`ControlRequest::PutTensors`] (after the transfer,
+    /// for a put with a broadcast window).
     TensorsPut(TensorsPut),
+    /// The answer to [`ControlRequest::GetTensors`]: the tensors are in
+    /// the destination memory.
     TensorsGot {
+        /// What moved, summed over every transfer the get took.
         stats: TensorStats,
     },
+    /// The answer to [`ControlRequest::DropTensors`].
     TensorsDropped {
+        /// The key dropped.
         key: Key,
     },
+    /// The request failed. The agent then closes the connection when the
+    /// handshake failed (an unreadable message, another request or a version
+    /// it does not speak before a successful `hello`) or the message was
+    /// over [`MAX_CONTROL_MESSAGE`]; otherwise the connection goes on.
     Error {
+        /// What kind of failure (the same codes as the HTTP APIs).
         code: ErrorCode,
+        /// What went wrong, for people.
         message: String,
     },
 }

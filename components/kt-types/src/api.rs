@@ -53,21 +53,30 @@ use crate::key::Key;
 use crate::manifest::{Hash, Manifest};
 use crate::model::{KeyRecord, Lifespan, Locale, Source};
 
+/// The prefix of every API route.
 pub const API_PREFIX: &str = "/api/v1";
 
+/// `POST /api/v1/stores`: the store announces where clients reach it (at
+/// start, retried until the metadata server answers). The metadata server
+/// keeps the last store announced, across restarts.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegisterStore {
+    /// The store's base URL (its advertised URL); must be http(s).
     pub url: String,
 }
 
+/// The answer to `GET /api/v1/store` (`no_store` until a store announced
+/// itself).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoreLocation {
+    /// The store's base URL, as it announced it.
     pub url: String,
 }
 
 /// Lifecycle options of a put, carried into the key record.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PutOptions {
+    /// How long the key lives; `cluster` when absent.
     #[serde(default)]
     pub lifespan: Lifespan,
     /// Time to live in seconds; `None` keeps the key until deleted.
@@ -82,22 +91,36 @@ pub struct PutOptions {
 /// or by a node agent for a `locale=local` put (with `holder` its id).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RegisterKey {
+    /// `store` when the store registers (`holder` absent or `store`);
+    /// `local` when an agent does, for a local put or GPU data (`holder`
+    /// required).
     pub locale: Locale,
+    /// Base URL of the origin's read protocol (the store's or the agent's);
+    /// http(s), at most 2048 bytes.
     pub source: String,
     /// The agent holding the origin copy; absent for the store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub holder: Option<String>,
+    /// Opaque id of the published version. The same version registered
+    /// again keeps the key's peers; a new one starts without.
     pub version: String,
+    /// True for a directory tree; false for a single file and for GPU data.
     pub is_dir: bool,
+    /// Sum of the file sizes, in bytes (of the tensors' sizes for GPU data).
     pub size: u64,
+    /// Number of files (of tensors for GPU data).
     pub files: u64,
     /// GPU data: the key's tensors (the record keeps this summary).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensors: Option<crate::tensor::TensorSummary>,
+    /// The put's lifecycle options, flattened: `lifespan`, `ttl_secs` and
+    /// `service` sit at the top level of the object.
     #[serde(flatten)]
     pub options: PutOptions,
 }
 
+/// One name directly below a listed prefix (also what `kt ls -o json`
+/// prints, one per name).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ListEntry {
     /// The segment below the listed prefix.
@@ -111,14 +134,21 @@ pub struct ListEntry {
     pub record: Option<KeyRecord>,
 }
 
+/// The answer to `GET /api/v1/keys?prefix=P`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ListResponse {
+    /// The prefix listed, normalised (`""` for the whole namespace).
     pub prefix: String,
+    /// One entry per name directly below the prefix, sorted by name; when
+    /// the prefix is itself a key with nothing below it, that key alone.
     pub entries: Vec<ListEntry>,
 }
 
+/// The answer to a delete: `DELETE /api/v1/keys/{key}` at the metadata
+/// server, `DELETE /api/v1/trees/{key}` at the store.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeleteResponse {
+    /// The keys deleted (at the store: the one key).
     pub deleted: Vec<Key>,
 }
 
@@ -130,9 +160,11 @@ pub struct DeleteResponse {
 /// `need_manifest` and the client sends the document again with the manifest.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PutRequest {
+    /// The key to publish under.
     pub key: Key,
     /// blake3 of the encoded manifest (see `kt_sync::manifest_digest`).
     pub digest: Hash,
+    /// The key's lifecycle; the defaults of [`PutOptions`] when absent.
     #[serde(default)]
     pub options: PutOptions,
 }
@@ -152,17 +184,25 @@ pub struct PutPlan {
     pub need_manifest: bool,
 }
 
+/// What the store took from one upload request: a batch stream
+/// (`PUT .../batch`) or one chunk (`PUT .../chunks/{n}`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchAck {
+    /// Files of the batch written; always 0 for a chunk.
     pub files: u64,
+    /// Bytes of content written (0 for a chunk of a file already complete).
     pub bytes: u64,
 }
 
 /// What a transfer moved.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TransferStats {
+    /// Files whose content moved.
     pub files_sent: u64,
+    /// Bytes of the files whose content moved.
     pub bytes_sent: u64,
+    /// Bytes of the files that did not have to move: the other side already
+    /// had their content (for a local put, every byte: nothing is copied).
     pub bytes_skipped: u64,
 }
 
@@ -171,14 +211,18 @@ pub struct TransferStats {
 pub struct TransferSummary {
     /// `put` or `get`.
     pub op: String,
+    /// The key, normalised.
     pub key: String,
     /// Files in the key.
     pub files: u64,
+    /// What moved, flattened: `files_sent`, `bytes_sent` and
+    /// `bytes_skipped` sit at the top level of the object.
     #[serde(flatten)]
     pub stats: TransferStats,
     /// True when a put found the store already holding exactly this content.
     #[serde(default)]
     pub unchanged: bool,
+    /// Wall-clock duration of the transfer, in seconds.
     pub seconds: f64,
     /// Where a get wrote the data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -191,7 +235,10 @@ pub struct TransferSummary {
 /// A broadcast getter's place in its tree.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BroadcastPlace {
+    /// The group joined: the one named, or the id the metadata server gave
+    /// an unnamed one.
     pub group: String,
+    /// The getter's rank (1 or more; rank 0 is the origin).
     pub rank: u32,
     /// Ranks fetched from, in order (more than one when a parent was replaced).
     pub parents: Vec<u32>,
@@ -199,8 +246,13 @@ pub struct BroadcastPlace {
     pub relayed: u64,
 }
 
+/// The answer to `POST /api/v1/puts/{session}/commit`: the version is
+/// published. (`unavailable` means published but not yet recorded at the
+/// metadata server, which the store retries in the background; `conflict`
+/// means files are missing, and the session stays open to send them.)
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CommitResponse {
+    /// The key's record, as the metadata server made it for the new version.
     pub record: KeyRecord,
 }
 
@@ -208,20 +260,34 @@ pub struct CommitResponse {
 /// header is [`ReadHeader`] and whose body is the version's manifest.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReadManifest {
+    /// The version the read lease pins: every batch and range of the lease
+    /// reads it.
     pub version: String,
+    /// Read lease id, for `/api/v1/reads/{lease}/...`. Release it with
+    /// `DELETE /api/v1/reads/{lease}`; a server releases a lease left idle
+    /// for its lease TTL.
     pub lease: String,
+    /// Files larger than this are fetched in ranges of this size
+    /// (`GET .../files/{index}?offset=O&len=L`), the others in batches.
     pub chunk_size: u64,
+    /// The pinned version's manifest.
     pub manifest: Manifest,
 }
 
+/// The JSON header of a [`ReadManifest`] document: its fields but the
+/// manifest.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReadHeader {
+    /// See [`ReadManifest::version`].
     pub version: String,
+    /// See [`ReadManifest::lease`].
     pub lease: String,
+    /// See [`ReadManifest::chunk_size`].
     pub chunk_size: u64,
 }
 
 impl ReadManifest {
+    /// Encodes this as the document `GET /api/v1/trees/{key}` answers.
     pub fn to_document(&self) -> Vec<u8> {
         let header = ReadHeader {
             version: self.version.clone(),
@@ -231,6 +297,8 @@ impl ReadManifest {
         crate::codec::encode_document(&header, &self.manifest)
     }
 
+    /// Decodes the answer to `GET /api/v1/trees/{key}`. The manifest is
+    /// decoded, not validated: callers still [`Manifest::validate`] it.
     pub fn from_document(bytes: &[u8]) -> Result<Self, crate::codec::CodecError> {
         let (h, encoded): (ReadHeader, &[u8]) = crate::codec::split_document(bytes)?;
         Ok(ReadManifest {
@@ -242,24 +310,39 @@ impl ReadManifest {
     }
 }
 
+/// The body of `POST /api/v1/reads/{lease}/batch`: which files to send.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchRequest {
+    /// Indices of file entries of the pinned manifest (any other index is
+    /// `invalid_request`); the answer is a [`crate::frame`] stream of their
+    /// contents.
     pub indices: Vec<u32>,
 }
 
+/// The query of `GET /api/v1/reads/{lease}/files/{index}`: one byte range
+/// of one file.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RangeQuery {
+    /// Offset in bytes of the range's first byte in the file.
     pub offset: u64,
+    /// Bytes in the range. `offset + len` must not pass the file's size,
+    /// and the servers answer at most 64 MiB per request.
     pub len: u64,
 }
 
+/// The answer to `GET /api/v1/trees`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TreeList {
+    /// Every key the store holds a published version of, sorted.
     pub keys: Vec<Key>,
 }
 
+/// The query of `DELETE /api/v1/keys/{key}` at the metadata server.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeleteQuery {
+    /// Delete every key equal to or below `key` (each at its current
+    /// version); `false` when absent. Without it, a name that only has keys
+    /// below it is a `conflict`.
     #[serde(default)]
     pub recursive: bool,
     /// Only this version of the key (409 when it has moved on); not with
@@ -272,12 +355,16 @@ pub struct DeleteQuery {
 /// is deleted (409 when the key has moved on).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TreeDeleteQuery {
+    /// The version to delete; absent: whatever version is current.
     #[serde(default)]
     pub version: Option<String>,
 }
 
+/// The query of `GET /api/v1/keys`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ListQuery {
+    /// The prefix to list (key grammar); empty or absent: the whole
+    /// namespace.
     #[serde(default)]
     pub prefix: String,
 }
@@ -297,35 +384,55 @@ pub struct LeaseRequest {
 /// lease is released or expires (a crashed getter never leaks a slot).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SourceLease {
+    /// The lease id: renew it with `PUT /api/v1/leases/{id}`, release it
+    /// with `DELETE`, report a failing source with `POST .../failed`.
     pub lease: String,
+    /// The source to fetch from: its id, read-protocol URL and version.
     pub source: Source,
     /// Renew (`PUT /api/v1/leases/{id}`) well within this.
     pub ttl_ms: u64,
+    /// The key's current record.
     pub record: KeyRecord,
 }
 
+/// The body of `POST /api/v1/leases/{id}/failed`: the leased source failed
+/// this getter. The lease ends; a peer is no longer offered for the key
+/// (until a heartbeat of its agent lists the version again), an origin is
+/// only released (the getter excludes it from its next request).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SourceFailure {
+    /// What went wrong, for the metadata server's log.
     pub reason: String,
 }
 
+/// One source lease: an item of [`LeaseList`], and the answer to a renewal
+/// (`PUT /api/v1/leases/{id}`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseInfo {
+    /// The lease id.
     pub lease: String,
+    /// The key it was granted for.
     pub key: Key,
+    /// Id of the leased source: `store` or an agent id.
     pub source: String,
+    /// Milliseconds until it expires unless renewed.
     pub expires_in_ms: u64,
 }
 
+/// The answer to `GET /api/v1/leases`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseList {
+    /// Every unexpired lease, by id.
     pub leases: Vec<LeaseInfo>,
 }
 
 /// What an agent serves: one key's version.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Served {
+    /// The key served.
     pub key: Key,
+    /// The version served. One that is not the key's current version (or a
+    /// key that is gone) comes back in [`HeartbeatReply::drop`].
     pub version: String,
 }
 
@@ -336,17 +443,26 @@ pub struct Served {
 pub struct AgentHeartbeat {
     /// Unique per pod (the pod's name).
     pub id: String,
+    /// Base URL of the agent's read protocol, where getters fetch what it
+    /// serves; http(s), at most 2048 bytes.
     pub url: String,
+    /// The service the agent's pod belongs to: tearing that service down
+    /// evicts the agent. Absent: the service known from earlier beats stays.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service: Option<String>,
+    /// Everything the agent serves now (exported trees and copies,
+    /// published tensor registrations); empty when absent.
     #[serde(default)]
     pub serves: Vec<Served>,
 }
 
+/// The metadata server's answer to a heartbeat (`POST /api/v1/agents`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HeartbeatReply {
     /// Beat at least this often; an agent silent for `ttl_ms` is evicted.
     pub interval_ms: u64,
+    /// Milliseconds of silence after which the agent stops being a source
+    /// and is evicted.
     pub ttl_ms: u64,
     /// Served keys the agent should drop: deleted, or superseded by a newer
     /// version.
@@ -354,17 +470,25 @@ pub struct HeartbeatReply {
     pub drop: Vec<Key>,
 }
 
+/// A node agent as the metadata server knows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentInfo {
+    /// The agent's id (its pod's name).
     pub id: String,
+    /// Base URL of its read protocol.
     pub url: String,
+    /// The service its pod belongs to, when it announced one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service: Option<String>,
+    /// Unix milliseconds of its last heartbeat (or key registration); a
+    /// restarted metadata server counts every agent as seen at its start.
     pub last_seen_ms: u64,
 }
 
+/// The answer to `GET /api/v1/agents`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AgentList {
+    /// The live agents (heard from within the agent TTL), by id.
     pub agents: Vec<AgentInfo>,
 }
 

@@ -71,25 +71,38 @@ pub fn check_group_id(id: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A message a getter sends on its WebSocket, tagged by `op`: `join`,
+/// `done` or `parent_failed`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum GetterMessage {
+    /// The connection's first message, and only once per connection: join
+    /// a group, or rejoin it ([`JoinRequest::rejoin`]). The request's
+    /// fields sit beside `op`.
     Join(JoinRequest),
     /// This getter's copy is complete; from now on (once it has left) its
     /// agent serves it at `served_by`, when given.
     Done {
+        /// Base URL of the getter's node agent, which serves the copy (an
+        /// http(s) URL); absent when no agent serves it.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         served_by: Option<String>,
     },
     /// The parent at `parent` (a rank) failed this getter.
     ParentFailed {
+        /// Rank of the parent that failed; it is never handed to this
+        /// getter again.
         parent: u32,
+        /// What went wrong, for the server's log.
         reason: String,
     },
 }
 
+/// The `join` message: what a getter wants and where it relays.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JoinRequest {
+    /// The key to fetch. A group broadcasts the version that was current
+    /// when it was created.
     pub key: Key,
     /// A named group (unique per run); `None` joins the key's unnamed group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -98,7 +111,9 @@ pub struct JoinRequest {
     /// asking for another fanout are refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fanout: Option<u32>,
-    /// How long the group accepts joins, from its first join.
+    /// How long the group accepts joins, in milliseconds from its first
+    /// join; set by the group's first getter ([`DEFAULT_WINDOW_MS`] when it
+    /// names none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window_ms: Option<u64>,
     /// Where this getter serves what it has so far (the read protocol).
@@ -111,13 +126,18 @@ pub struct JoinRequest {
     pub rejoin: Option<Rejoin>,
 }
 
+/// A reconnecting getter's membership, as the server assigned it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rejoin {
+    /// The group it joined.
     pub group: String,
+    /// Its rank (never 0).
     pub rank: u32,
+    /// The version it fetches: the group's.
     pub version: String,
     /// The rank it fetches from now.
     pub parent: u32,
+    /// True once it sent `Done`.
     pub done: bool,
     /// Where its agent serves the finished copy (as its `Done` said).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -127,32 +147,53 @@ pub struct Rejoin {
 /// Where a getter fetches from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Parent {
+    /// The parent's rank; 0 for the origin.
     pub rank: u32,
     /// Base URL of the read protocol (an origin, a relay, or an agent).
+    /// Empty in the answer to a rejoin just after a server restart, while
+    /// the parent has not rejoined: the getter keeps fetching from the
+    /// parent it has.
     pub url: String,
     /// `store`, an agent id, or `rank-N` for a relay.
     pub id: String,
 }
 
+/// A message the server sends a member, tagged by `op`: `assigned`,
+/// `parent`, `release` or `error`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum GroupMessage {
+    /// The answer to a join (or rejoin): the getter's place in the tree.
     Assigned {
+        /// The group's id (for an unnamed group, the one the server made).
         group: String,
+        /// The getter's rank (1 or more); a rejoin keeps its rank.
         rank: u32,
         /// The version every member of the group gets.
         version: String,
+        /// The group's fanout.
         fanout: u32,
+        /// Where to fetch from.
         parent: Parent,
     },
     /// Fetch from this parent from now on (the previous one failed or left).
-    Parent { parent: Parent },
+    Parent {
+        /// The replacement.
+        parent: Parent,
+    },
     /// No child needs this member any more: it may stop serving.
     Release,
     /// The join was refused, or the group cannot go on; the connection closes.
-    Error { code: ErrorCode, message: String },
+    Error {
+        /// Why, as a code (`conflict` for a closed group or a changed key,
+        /// `not_found`, `no_source`, `invalid_request`, ...).
+        code: ErrorCode,
+        /// What went wrong, for people.
+        message: String,
+    },
 }
 
+/// What a member is doing, as [`MemberInfo`] reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MemberState {
@@ -176,11 +217,16 @@ impl MemberState {
     }
 }
 
+/// One member of a group, in [`GroupInfo`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemberInfo {
+    /// Its rank.
     pub rank: u32,
+    /// The rank it fetches from now (or fetched from last).
     pub parent: u32,
+    /// Downloading, done or gone.
     pub state: MemberState,
+    /// Its node agent id, when it gave one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub getter: Option<String>,
     /// Parents this member moved away from, in order.
@@ -188,11 +234,16 @@ pub struct MemberInfo {
     pub replaced: Vec<u32>,
 }
 
+/// The answer to `GET /api/v1/broadcasts/{group}`: the tree as it stands.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GroupInfo {
+    /// The group's id.
     pub group: String,
+    /// The key it broadcasts.
     pub key: Key,
+    /// The version it broadcasts, fixed when the group was created.
     pub version: String,
+    /// Children per node.
     pub fanout: u32,
     /// The origin at rank 0 (`store` or the producer's agent id).
     pub origin: String,

@@ -20,16 +20,31 @@ use crate::manifest::{Entry, EntryKind, Hash, Manifest, RootKind};
 
 const MAGIC: &[u8; 4] = b"KTM1";
 
+/// Why bytes are not an encoded manifest or document.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CodecError {
+    /// The bytes do not start with `KTM1`.
     #[error("not a kt manifest (bad magic)")]
     Magic,
+    /// The input ends inside a field, or announces more entries (or a longer
+    /// header) than it can hold.
     #[error("manifest ends early (truncated)")]
     Truncated,
+    /// Bytes follow the last entry; the count is how many.
     #[error("manifest has {0} bytes after its last entry")]
     Trailing(usize),
+    /// An entry (or the root kind, reported as entry #0) holds a value the
+    /// format does not have.
     #[error("manifest entry #{index}: {what}")]
-    Bad { index: usize, what: &'static str },
+    Bad {
+        /// Zero-based index of the entry.
+        index: usize,
+        /// What is wrong: an unknown root or entry kind, a name that is not
+        /// UTF-8.
+        what: &'static str,
+    },
+    /// A document's JSON header does not parse as the expected type; holds
+    /// the parser's message.
     #[error("document header: {0}")]
     Header(String),
 }
@@ -76,6 +91,8 @@ pub fn encode(m: &Manifest, out: &mut Vec<u8>) {
     }
 }
 
+/// Encodes a manifest into a new buffer: the bytes a manifest's digest is
+/// the blake3 hash of.
 pub fn to_bytes(m: &Manifest) -> Vec<u8> {
     let mut out = Vec::new();
     encode(m, &mut out);

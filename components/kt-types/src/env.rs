@@ -1,18 +1,42 @@
 //! Environment variable names, in one place. Every CLI flag has one of these.
 
+/// Base URL of the metadata server: where `kt` (default
+/// `http://127.0.0.1:8081`), the store and the node agents reach it.
 pub const METADATA_URL: &str = "KT_METADATA_URL";
+/// The bearer token: sent by every client, required by every server (prefer
+/// [`TOKEN_FILE`]).
 pub const TOKEN: &str = "KT_TOKEN";
+/// A file holding the bearer token.
 pub const TOKEN_FILE: &str = "KT_TOKEN_FILE";
+/// The Kubernetes namespace kt is installed in (`kt --kube`; default: the
+/// context's), or the one the metadata server watches (default: its pod's
+/// service-account namespace).
 pub const NAMESPACE: &str = "KT_NAMESPACE";
+/// Address the metadata server (default `0.0.0.0:8081`) or the store
+/// (default `0.0.0.0:8082`) listens on.
 pub const LISTEN: &str = "KT_LISTEN";
+/// Directory of the metadata server's registry database.
 pub const STATE_DIR: &str = "KT_STATE_DIR";
+/// Directory of the store's data (a persistent volume in a cluster).
 pub const DATA_DIR: &str = "KT_DATA_DIR";
+/// URL under which clients reach the store (default: its listen address);
+/// it is what the store registers with the metadata server.
 pub const ADVERTISE_URL: &str = "KT_ADVERTISE_URL";
+/// Log filter, in tracing's `EnvFilter` syntax (servers default to `info`,
+/// `kt` to `warn`).
 pub const LOG: &str = "KT_LOG";
+/// A server's log format: `json`, `text` or `auto` (the default: JSON unless
+/// stderr is a terminal).
 pub const LOG_FORMAT: &str = "KT_LOG_FORMAT";
+/// Requests a server serves at once (default 512); more wait.
 pub const MAX_CONNECTIONS: &str = "KT_MAX_CONNECTIONS";
+/// The store's and a node agent's chunk size in bytes, a power of two
+/// (default 8 MiB): files larger than this move in ranges of this size.
 pub const CHUNK_SIZE: &str = "KT_CHUNK_SIZE";
+/// Parallel streams of one `kt` transfer (default 4).
 pub const STREAMS: &str = "KT_STREAMS";
+/// `kt`'s progress bars: `auto` (on a terminal; the default), `always` or
+/// `never`.
 pub const PROGRESS: &str = "KT_PROGRESS";
 /// The pod's own IP (set by the pod spec, or the testbed): agents advertise
 /// it, and broadcast relays listen on it.

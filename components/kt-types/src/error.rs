@@ -7,19 +7,37 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
+    /// The bearer token is missing or wrong (401).
     Unauthorized,
+    /// A key or key prefix breaks the key grammar ([`crate::key`]) (400).
     InvalidKey,
+    /// A manifest does not decode, or fails validation
+    /// ([`crate::Manifest::validate`]) (400).
     InvalidManifest,
+    /// Any other malformed or refused input: a body, query, id, option or
+    /// a request the protocol does not allow at this point (400).
     InvalidRequest,
+    /// What the request names (key, lease, upload session, broadcast
+    /// group, quorum transfer, ...) does not exist, or no longer does (404).
     NotFound,
+    /// The request contradicts the current state: the key moved on to
+    /// another version, a broadcast group closed, an upload is incomplete,
+    /// another process holds the registration, ... (409).
     Conflict,
+    /// A body or message is larger than its limit (413).
     PayloadTooLarge,
+    /// Received content does not hash to what its manifest says (400).
     HashMismatch,
+    /// A body ended before it was complete (400).
     Truncated,
+    /// No store server has registered with the metadata server (503).
     NoStore,
     /// A key exists but none of its sources is alive.
     NoSource,
+    /// A server or peer the request needs cannot be reached or cannot
+    /// serve it now; trying again later may succeed (503).
     Unavailable,
+    /// A failure inside the server that the request did not cause (500).
     Internal,
 }
 
@@ -55,6 +73,7 @@ impl ErrorCode {
         }
     }
 
+    /// The name on the wire (snake_case), as in `{"code":"not_found"}`.
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorCode::Unauthorized => "unauthorized",
@@ -80,18 +99,25 @@ impl std::fmt::Display for ErrorCode {
     }
 }
 
+/// The `error` object of an [`ErrorBody`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorDetail {
+    /// What kind of failure, for programs to act on.
     pub code: ErrorCode,
+    /// What went wrong, for people: names the offending value.
     pub message: String,
 }
 
+/// The body of every error answer of the HTTP APIs, sent with the status
+/// of its code ([`ErrorCode::http_status`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
+    /// The code and the message.
     pub error: ErrorDetail,
 }
 
 impl ErrorBody {
+    /// A body with this code and message.
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
         ErrorBody {
             error: ErrorDetail {

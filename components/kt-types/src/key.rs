@@ -14,26 +14,45 @@ pub const MAX_KEY_LEN: usize = 1024;
 /// Why a string is not a key. Every variant names the offending part.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
+    /// Nothing is left once leading and trailing `/` are stripped.
     #[error("key is empty")]
     Empty,
+    /// The normalised key is longer than [`MAX_KEY_LEN`].
     #[error("key is {len} bytes long; the limit is {MAX_KEY_LEN}")]
-    TooLong { len: usize },
+    TooLong {
+        /// Length in bytes of the normalised key.
+        len: usize,
+    },
+    /// Two `/` follow each other.
     #[error("key {key:?} has an empty segment at position {position} (a doubled '/')")]
-    EmptySegment { key: String, position: usize },
+    EmptySegment {
+        /// The normalised key.
+        key: String,
+        /// Zero-based index of the empty segment.
+        position: usize,
+    },
+    /// A segment is `.` or `..`.
     #[error(
         "key {key:?} has a {segment:?} segment at position {position}; relative segments are not allowed"
     )]
     DotSegment {
+        /// The normalised key.
         key: String,
+        /// The offending segment: `.` or `..`.
         segment: String,
+        /// Zero-based index of the segment.
         position: usize,
     },
+    /// A segment holds a character outside `[A-Za-z0-9._-]`.
     #[error(
         "key {key:?}: segment {segment:?} contains {ch:?}; allowed are letters, digits, '.', '_' and '-'"
     )]
     BadChar {
+        /// The normalised key.
         key: String,
+        /// The segment holding the character.
         segment: String,
+        /// The first character not allowed.
         ch: char,
     },
 }
@@ -92,10 +111,12 @@ impl Key {
         Ok(Key(key.to_owned()))
     }
 
+    /// The normalised key, as it goes on the wire and into URL paths.
     pub fn as_str(&self) -> &str {
         &self.0
     }
 
+    /// The `/`-separated segments, first to last (never empty ones).
     pub fn segments(&self) -> impl Iterator<Item = &str> {
         self.0.split('/')
     }
@@ -151,6 +172,8 @@ impl std::str::FromStr for Key {
 pub struct KeyPrefix(String);
 
 impl KeyPrefix {
+    /// Parses and normalises `raw` like [`Key::parse`], except that an empty
+    /// result (`""` or `/`) is accepted as the root prefix.
     pub fn parse(raw: &str) -> Result<Self, KeyError> {
         let p = normalise(raw)?;
         if !p.is_empty() {
@@ -159,10 +182,12 @@ impl KeyPrefix {
         Ok(KeyPrefix(p.to_owned()))
     }
 
+    /// The empty prefix: every key lies within it.
     pub fn root() -> Self {
         KeyPrefix(String::new())
     }
 
+    /// The normalised prefix; `""` for the root.
     pub fn as_str(&self) -> &str {
         &self.0
     }

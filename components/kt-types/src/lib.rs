@@ -4,6 +4,8 @@
 //! vocabulary (keys, manifests, API bodies, error codes, env var names) that
 //! servers and clients agree on, plus pure validation of that vocabulary.
 
+#![deny(missing_docs)]
+
 pub mod agent;
 pub mod api;
 pub mod broadcast;

@@ -12,9 +12,11 @@ use serde::{Deserialize, Serialize};
 pub struct Hash(pub [u8; 32]);
 
 impl Hash {
+    /// The digest as 64 lowercase hex digits: its form in JSON and in logs.
     pub fn to_hex(&self) -> String {
         hex::encode(self.0)
     }
+    /// Parses exactly 64 hex digits (either case).
     pub fn from_hex(s: &str) -> Result<Self, hex::FromHexError> {
         let mut out = [0u8; 32];
         hex::decode_to_slice(s, &mut out)?;
@@ -47,11 +49,16 @@ impl<'de> Deserialize<'de> for Hash {
     }
 }
 
+/// What an [`Entry`] is. On the wire: `file`, `dir` or `symlink` in JSON;
+/// 0, 1 or 2 in the binary encoding ([`crate::codec`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EntryKind {
+    /// A regular file: carries a content `hash` and a `size`.
     File,
+    /// A directory: no hash, no target, size 0.
     Dir,
+    /// A symbolic link: carries a `target`, no hash.
     Symlink,
 }
 
@@ -59,6 +66,7 @@ pub enum EntryKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RootKind {
+    /// A directory tree: entries are paths below the root (the default).
     #[default]
     Dir,
     /// A single file: the manifest has exactly one file entry, named after the source file.
@@ -70,13 +78,18 @@ pub enum RootKind {
 pub struct Entry {
     /// Relative, `/`-separated, UTF-8 path.
     pub path: String,
+    /// File, directory or symlink.
     pub kind: EntryKind,
+    /// Size in bytes of the file's content; 0 (omitted in JSON) for
+    /// directories, which validation enforces, and for symlinks.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub size: u64,
     /// Permission bits (at most 0o7777).
     pub mode: u32,
     /// Modification time: seconds since the epoch and nanoseconds.
     pub mtime: i64,
+    /// Nanoseconds part of the modification time, below 1 000 000 000
+    /// (validation enforces it); omitted in JSON when 0.
     #[serde(default, skip_serializing_if = "is_zero_u32")]
     pub mtime_nsec: u32,
     /// Content hash (files only).
@@ -97,16 +110,24 @@ fn is_zero_u32(v: &u32) -> bool {
 /// A whole tree, entries sorted by path (bytewise) with no duplicates.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Manifest {
+    /// Whether the tree is a directory or a single file; `dir` when absent.
     #[serde(default)]
     pub root: RootKind,
+    /// Every file, directory and symlink below the root (the root itself is
+    /// not listed). The sync protocol names entries by their index in this
+    /// list ([`crate::api::PutPlan::needed`], [`crate::frame`] records,
+    /// `files/{index}` routes).
     pub entries: Vec<Entry>,
 }
 
 /// Bounds a receiver enforces on a manifest.
 #[derive(Debug, Clone, Copy)]
 pub struct ManifestLimits {
+    /// Most entries (default 5 000 000).
     pub max_entries: usize,
+    /// Longest entry path, in bytes (default 4096).
     pub max_path_len: usize,
+    /// Largest sum of the file sizes, in bytes (default 16 TiB).
     pub max_total_bytes: u64,
 }
 
@@ -123,20 +144,62 @@ impl Default for ManifestLimits {
 /// Why a manifest is refused. Every variant names the offending path.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ManifestError {
+    /// More entries than [`ManifestLimits::max_entries`].
     #[error("manifest has {count} entries; the limit is {limit}")]
-    TooManyEntries { count: usize, limit: usize },
+    TooManyEntries {
+        /// Entries in the manifest.
+        count: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// The file sizes add up to more than [`ManifestLimits::max_total_bytes`].
     #[error("manifest describes {total} bytes; the limit is {limit}")]
-    TooLarge { total: u64, limit: u64 },
+    TooLarge {
+        /// Sum of the file sizes, in bytes.
+        total: u64,
+        /// The limit, in bytes.
+        limit: u64,
+    },
+    /// A path fails [`check_rel_path`].
     #[error("path {path:?}: {reason}")]
-    BadPath { path: String, reason: &'static str },
+    BadPath {
+        /// The entry's path.
+        path: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// Entries are not sorted bytewise by path, or a path repeats.
     #[error("path {path:?} appears out of order or twice (entries must be sorted and unique)")]
-    Unsorted { path: String },
+    Unsorted {
+        /// The first path out of order.
+        path: String,
+    },
+    /// An entry's parent is not a directory entry listed before it.
     #[error("path {path:?}: its parent directory is not in the manifest")]
-    MissingParent { path: String },
+    MissingParent {
+        /// The entry's path.
+        path: String,
+    },
+    /// An entry's fields do not fit its kind (a file without a hash, a
+    /// directory with a size, mode bits beyond `0o7777`, ...).
     #[error("path {path:?}: {reason}")]
-    BadEntry { path: String, reason: &'static str },
+    BadEntry {
+        /// The entry's path.
+        path: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// A symlink's target leaves the tree, or resolves through another
+    /// symlink of the tree.
     #[error("symlink {path:?} -> {target:?} points outside the tree")]
-    LinkEscapes { path: String, target: String },
+    LinkEscapes {
+        /// The symlink's path.
+        path: String,
+        /// Its target.
+        target: String,
+    },
+    /// A [`RootKind::File`] manifest does not hold exactly one file entry
+    /// whose path has no `/`.
     #[error("a single-file manifest must hold exactly one file entry with no directory part")]
     BadFileRoot,
 }
@@ -215,6 +278,7 @@ fn passes_through_link(link_path: &str, target: &str, links: &HashSet<&str>) -> 
 }
 
 impl Manifest {
+    /// Number of file entries (directories and symlinks not counted).
     pub fn file_count(&self) -> u64 {
         self.entries
             .iter()
@@ -222,6 +286,7 @@ impl Manifest {
             .count() as u64
     }
 
+    /// Sum of the sizes of the file entries, in bytes.
     pub fn total_bytes(&self) -> u64 {
         self.entries
             .iter()

@@ -55,26 +55,41 @@ impl std::str::FromStr for Lifespan {
 /// Options of a broadcast: who joins, how long the window stays open, tree fanout.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BroadcastWindow {
+    /// The quorum group to join ([`crate::broadcast::check_group_id`]
+    /// grammar); `None`: the agent joins the key's own group. The metadata
+    /// server refuses a window naming another group than the one joined.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_id: Option<String>,
+    /// Close the round once this many members (putters and getters, one per
+    /// pod) have joined; at least 2. `None`: no size condition.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub world_size: Option<u32>,
     /// Seconds the window stays open for joins.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_secs: Option<f64>,
+    /// Close the round once members from every one of these pod IPs have
+    /// joined; each must parse as an IP address. Empty: no such condition.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ips: Vec<String>,
+    /// Children per node of the host backend's broadcast tree (NCCL
+    /// arranges its own); at least 1. [`BroadcastWindow::DEFAULT_FANOUT`]
+    /// when absent from the JSON.
     #[serde(default = "BroadcastWindow::default_fanout")]
     pub fanout: u32,
     /// GPU data: send all tensors of one dtype as one buffer (in buckets of
     /// `bucket_bytes`, default [`crate::tensor::DEFAULT_BUCKET_BYTES`]).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pack: bool,
+    /// Largest pack bucket in bytes, at least
+    /// [`crate::tensor::MIN_BUCKET_BYTES`]; `None`:
+    /// [`crate::tensor::DEFAULT_BUCKET_BYTES`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bucket_bytes: Option<u64>,
 }
 
 impl BroadcastWindow {
+    /// The fanout of a window that names none: the filesystem broadcasts'
+    /// default ([`crate::broadcast::DEFAULT_FANOUT`]).
     pub const DEFAULT_FANOUT: u32 = crate::broadcast::DEFAULT_FANOUT;
     fn default_fanout() -> u32 {
         Self::DEFAULT_FANOUT
@@ -122,7 +137,9 @@ pub struct Source {
 /// What the metadata server knows about one key.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeyRecord {
+    /// The key this record describes.
     pub key: Key,
+    /// Where the origin copy lives: the store, or the producer pod.
     pub locale: Locale,
     /// Base URL of the origin: the store, or the producer's node agent.
     pub source: String,
@@ -137,19 +154,27 @@ pub struct KeyRecord {
     pub version: String,
     /// True when the key holds a directory tree, false for a single file.
     pub is_dir: bool,
+    /// Bytes of the version: the sum of its file sizes (of its tensors'
+    /// sizes for GPU data).
     pub size: u64,
+    /// Files in the version (tensors for GPU data).
     pub files: u64,
     /// Set when the key holds GPU data (a tensor or a state dict), served by
     /// its holder's agent from the producing process's memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensors: Option<crate::tensor::TensorSummary>,
+    /// How long the key lives (from the put's options).
     pub lifespan: Lifespan,
     /// The owning service (the key's first segment unless set explicitly).
     pub service: String,
     /// Unix milliseconds after which the key expires.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at_ms: Option<u64>,
+    /// Unix milliseconds of the key's first registration; later versions
+    /// keep it.
     pub created_at_ms: u64,
+    /// Unix milliseconds of the last registration: a new version, or the
+    /// same one registered again (an unchanged put refreshes its options).
     pub updated_at_ms: u64,
 }
 

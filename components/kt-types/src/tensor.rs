@@ -11,10 +11,10 @@
 //!
 //! Every transfer, point-to-point or broadcast, is a [`TransferPlan`]: ranks
 //! (one per pod), and flows (a source rank sends one key's tensors to some
-//! receiver ranks). Backends ([`Backend`]) implement one collective, a
-//! broadcast within a subset of ranks; `pack` turns a set's tensors into a
-//! few large buffers (one dtype each, bounded buckets) instead of one
-//! collective per tensor.
+//! receiver ranks). Backends (one per [`BackendKind`]) implement one
+//! collective, a broadcast within a subset of ranks; `pack` turns a set's
+//! tensors into a few large buffers (one dtype each, bounded buckets)
+//! instead of one collective per tensor.
 
 use std::fmt;
 use std::str::FromStr;
@@ -50,21 +50,36 @@ pub const MAX_QUORUM_TIMEOUT_SECS: f64 = 3600.0;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
+    /// `f64`: 64-bit IEEE 754 float (`torch.float64`).
     F64,
+    /// `f32`: 32-bit IEEE 754 float (`torch.float32`).
     F32,
+    /// `f16`: 16-bit IEEE 754 float (`torch.float16`).
     F16,
+    /// `bf16`: bfloat16 (`torch.bfloat16`).
     Bf16,
+    /// `f8e4m3`: 8-bit float, 4 exponent and 3 mantissa bits
+    /// (`torch.float8_e4m3fn`).
     F8e4m3,
+    /// `f8e5m2`: 8-bit float, 5 exponent and 2 mantissa bits
+    /// (`torch.float8_e5m2`).
     F8e5m2,
+    /// `i64`: signed 64-bit integer.
     I64,
+    /// `i32`: signed 32-bit integer.
     I32,
+    /// `i16`: signed 16-bit integer.
     I16,
+    /// `i8`: signed 8-bit integer.
     I8,
+    /// `u8`: unsigned 8-bit integer.
     U8,
+    /// `bool`: one byte per element.
     Bool,
 }
 
 impl DType {
+    /// Every dtype, in declaration order.
     pub const ALL: [DType; 12] = [
         DType::F64,
         DType::F32,
@@ -90,6 +105,7 @@ impl DType {
         }
     }
 
+    /// The name on the wire (`f32`, `bf16`, ...).
     pub fn as_str(self) -> &'static str {
         match self {
             DType::F64 => "f64",
@@ -143,7 +159,10 @@ impl FromStr for DType {
 /// Where a tensor lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Device {
+    /// Host memory: `cpu` on the wire.
     Cpu,
+    /// A GPU, by its index as the application numbers it: `cuda:N` on the
+    /// wire (`cuda` alone reads as `cuda:0`).
     Cuda(u32),
 }
 
@@ -187,11 +206,15 @@ impl<'de> Deserialize<'de> for Device {
 /// Dtype and shape: what must match between a source and a destination.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct TensorMeta {
+    /// The element type.
     pub dtype: DType,
+    /// Dimensions, outermost first, at most [`MAX_DIMS`]; empty for a
+    /// scalar.
     pub shape: Vec<u64>,
 }
 
 impl TensorMeta {
+    /// The meta of a `dtype` tensor of this shape.
     pub fn new(dtype: DType, shape: impl Into<Vec<u64>>) -> Self {
         TensorMeta {
             dtype,
@@ -230,28 +253,43 @@ impl fmt::Display for TensorMeta {
 pub enum MemHandle {
     /// A file in the agent's shared-memory directory (`KT_SHM_DIR`, default
     /// `/dev/shm`), mapped by both sides: bytes `[offset, offset + len)`.
-    Shm { path: String, offset: u64, len: u64 },
+    Shm {
+        /// Absolute path of a regular file inside that directory, reached
+        /// without symlinks.
+        path: String,
+        /// Offset in bytes of the tensor in the file.
+        offset: u64,
+        /// Bytes of the tensor.
+        len: u64,
+    },
     /// A CUDA IPC handle (`cuIpcGetMemHandle`, 64 bytes, hex) of the
     /// allocation that holds the tensor at `offset`, on the GPU of this UUID
     /// (`GPU-…`, as `nvidia-smi -L` prints it): the application's and the
     /// agent's containers may number the node's GPUs differently, so the
     /// agent finds the device by UUID (by the entry's index without one).
     CudaIpc {
+        /// The IPC handle of the allocation, 64 bytes as hex.
         handle: String,
+        /// Offset in bytes of the tensor from the allocation's start.
         offset: u64,
+        /// Bytes of the tensor.
         len: u64,
+        /// The GPU's UUID; absent: the device is found by the entry's
+        /// index.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         device_uuid: Option<String>,
     },
 }
 
 impl MemHandle {
+    /// Bytes lent: must equal the tensor's size ([`TensorMeta::nbytes`]).
     pub fn len(&self) -> u64 {
         match self {
             MemHandle::Shm { len, .. } | MemHandle::CudaIpc { len, .. } => *len,
         }
     }
 
+    /// True when no byte is lent (a tensor with a zero dimension).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -262,9 +300,13 @@ impl MemHandle {
 pub struct TensorEntry {
     /// `""` for a single tensor; a state dict's parameter name otherwise.
     pub name: String,
+    /// Dtype and shape, flattened: `dtype` and `shape` sit beside `name`.
     #[serde(flatten)]
     pub meta: TensorMeta,
+    /// Where the memory is: `cpu` takes a `shm` handle, `cuda:N` a
+    /// `cuda_ipc` one. Every entry of a set is on the same device.
     pub device: Device,
+    /// The memory lent.
     pub mem: MemHandle,
 }
 
@@ -272,7 +314,9 @@ pub struct TensorEntry {
 /// learns about a key, and checks its destination against.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorDesc {
+    /// `""` for a single tensor; a state dict's parameter name otherwise.
     pub name: String,
+    /// Dtype and shape, flattened: `dtype` and `shape` sit beside `name`.
     #[serde(flatten)]
     pub meta: TensorMeta,
 }
@@ -375,6 +419,7 @@ pub fn check_destination(key: &Key, src: &[TensorDesc], dest: &[TensorDesc]) -> 
     Ok(())
 }
 
+/// The name, dtype and shape of each entry, in order.
 pub fn describe(entries: &[TensorEntry]) -> Vec<TensorDesc> {
     entries
         .iter()
@@ -408,7 +453,9 @@ fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
 /// Summary of a tensor key, kept in its record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorSummary {
+    /// Tensors in the set.
     pub tensors: u64,
+    /// The device the set lives on.
     pub device: Device,
     /// Distinct dtypes, sorted.
     pub dtypes: Vec<DType>,
@@ -425,6 +472,8 @@ pub enum BackendKind {
 }
 
 impl BackendKind {
+    /// The backend that moves tensors on `d`: host for the CPU, NCCL for a
+    /// GPU.
     pub fn for_device(d: Device) -> BackendKind {
         match d {
             Device::Cpu => BackendKind::Host,
@@ -461,6 +510,8 @@ impl Default for Packing {
 }
 
 impl Packing {
+    /// Checks that a bucket is at least [`MIN_BUCKET_BYTES`] (whether
+    /// packing is on or not).
     pub fn validate(&self) -> Result<(), String> {
         if self.bucket_bytes < MIN_BUCKET_BYTES {
             return Err(format!(
@@ -475,10 +526,16 @@ impl Packing {
 /// One flow of a plan: `root` sends `key`'s tensors to `receivers`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Flow {
+    /// The key whose tensors move.
     pub key: Key,
+    /// The version the root sends.
     pub version: String,
+    /// The rank that sends.
     pub root: u32,
+    /// The ranks that receive: at least one, never the root.
     pub receivers: Vec<u32>,
+    /// The layout sent, in order: what the root lends and every receiver's
+    /// destination matches.
     pub tensors: Vec<TensorDesc>,
 }
 
@@ -497,6 +554,7 @@ impl Flow {
 /// One member of a transfer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rank {
+    /// Its rank: its index in [`TransferPlan::ranks`].
     pub rank: u32,
     /// The member's agent id (its pod's name).
     pub agent: String,
@@ -512,9 +570,13 @@ pub struct TransferPlan {
     /// Unique id of this transfer (NCCL communicators and host connections
     /// are bound to it).
     pub id: String,
+    /// The backend every rank runs.
     pub backend: BackendKind,
+    /// Every member, the one of rank `i` at index `i`; two or more.
     pub ranks: Vec<Rank>,
+    /// What moves; every rank runs the flows it is part of, in this order.
     pub flows: Vec<Flow>,
+    /// Whether and how the tensors of every flow are packed.
     pub packing: Packing,
     /// Children per node of a host-backend tree.
     pub fanout: u32,
@@ -549,15 +611,22 @@ impl TransferPlan {
 /// Counters of one tensor transfer, as the agent reports them.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct TensorStats {
+    /// Tensors moved (sent, for a root).
     pub tensors: u64,
+    /// Bytes of those tensors.
     pub bytes: u64,
     /// Collectives run (one per tensor unpacked, one per bucket packed).
     pub collectives: u64,
+    /// Wall-clock seconds of the transfer (summed over the transfers of a
+    /// get from several sources).
     pub seconds: f64,
+    /// The backend that moved them; `null` in an empty report (a failed
+    /// rank's `done`).
     pub backend: Option<BackendKind>,
     /// Rank and world size when the transfer was a quorum's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rank: Option<u32>,
+    /// See `rank`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub world: Option<u32>,
 }
@@ -570,10 +639,16 @@ pub struct TensorStats {
 /// and the request is answered when the transfer is over.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PutTensors {
+    /// The key to publish the tensors under.
     pub key: Key,
+    /// The tensors lent, in order: one named `""`, or a state dict
+    /// (checked by [`validate_entries`]).
     pub tensors: Vec<TensorEntry>,
+    /// The key's lifecycle; the defaults of [`PutOptions`] when absent.
     #[serde(default)]
     pub options: PutOptions,
+    /// Join this quorum as a putter; absent: publish for point-to-point
+    /// gets only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub broadcast: Option<BroadcastWindow>,
 }
@@ -583,7 +658,11 @@ pub struct PutTensors {
 /// tensors must match the source's by name, order, dtype and shape.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GetTensors {
+    /// One per key: at least one, no key twice, every destination on the
+    /// same device.
     pub gets: Vec<TensorGet>,
+    /// Receive by joining this quorum as a getter (a get of several keys
+    /// must name its group); absent: point to point from each key's holder.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub broadcast: Option<BroadcastWindow>,
     /// Point to point: pack options (default: packed, in buckets of
@@ -592,22 +671,31 @@ pub struct GetTensors {
     pub packing: Option<Packing>,
 }
 
+/// One key of a [`GetTensors`] and the memory it goes into.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TensorGet {
+    /// The key to receive.
     pub key: Key,
+    /// The destination tensors lent, matching the key's tensors by name,
+    /// order, dtype and shape ([`check_destination`]).
     pub dest: Vec<TensorEntry>,
 }
 
 /// A registration as the agent's status lists it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorRegistration {
+    /// The key registered.
     pub key: Key,
+    /// The version it was published as.
     pub version: String,
     /// The owning process (0 when its pid is not visible to the agent; the
     /// registration then lives as long as its control connection).
     pub pid: u32,
+    /// Tensors in the set.
     pub tensors: u64,
+    /// Bytes lent, summed over the set.
     pub bytes: u64,
+    /// The device the set lives on.
     pub device: Device,
 }
 
@@ -622,9 +710,14 @@ pub struct SessionRequest {
     pub keys: Vec<QuorumKey>,
     /// The getter's agent id.
     pub agent: String,
+    /// The getter's pod IP.
     pub ip: String,
+    /// The getter's backend endpoint (rank 1's [`Rank::endpoint`]).
     pub endpoint: String,
+    /// The getter's backend; the source refuses one that is not its own.
     pub backend: BackendKind,
+    /// Pack options of the transfer; [`Packing::default`] (unpacked) when
+    /// absent.
     #[serde(default)]
     pub packing: Packing,
 }
@@ -632,28 +725,46 @@ pub struct SessionRequest {
 /// The answer: the plan both sides run, and (NCCL) the communicator's id.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SessionReply {
+    /// Two ranks (the source 0, the getter 1), one flow per key.
     pub plan: TransferPlan,
+    /// The backend's bootstrap blob (NCCL's unique id, hex); absent for the
+    /// host backend.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rendezvous: Option<String>,
 }
 
 // ---- the metadata server's quorum -----------------------------------------
 
-/// What a member brings to a quorum.
+/// What a member brings to a quorum, tagged by `role` (`put` or `get`)
+/// and flattened into [`QuorumJoin`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "role", rename_all = "snake_case")]
 pub enum QuorumRole {
     /// Publishes these keys' tensors (already registered at its agent).
-    Put { keys: Vec<QuorumKey> },
+    Put {
+        /// 1 to 4096 keys, none twice, each with its version and layout; no
+        /// other putter of the round may put one of them.
+        keys: Vec<QuorumKey>,
+    },
     /// Wants these keys, into destinations of this layout.
-    Get { keys: Vec<QuorumKey> },
+    Get {
+        /// 1 to 4096 keys, none twice, each with its destination's layout.
+        keys: Vec<QuorumKey>,
+    },
 }
 
+/// One key a quorum member or point-to-point getter names, with a layout.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct QuorumKey {
+    /// The key.
     pub key: Key,
+    /// A putter's: the version of its registration. A point-to-point
+    /// getter's: the version it saw in the key's record (the source refuses
+    /// another). Empty (omitted): any version, as quorum getters send it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub version: String,
+    /// A putter's: the tensors it sends. A getter's: its destination's
+    /// layout, checked against the source's.
     pub tensors: Vec<TensorDesc>,
 }
 
@@ -662,18 +773,31 @@ pub struct QuorumKey {
 /// first) with this member's place in the plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QuorumJoin {
+    /// The joining agent's id; one rank per agent in a round.
     pub agent: String,
+    /// The agent's pod IP (what the window's `ips` name).
     pub ip: String,
+    /// The agent's backend endpoint (its [`Rank::endpoint`] in the plan).
     pub endpoint: String,
+    /// The member's backend; the round's first join fixes it, and a
+    /// member on another one is refused.
     pub backend: BackendKind,
+    /// Putter or getter, flattened: `role` and `keys` sit at the top level
+    /// of the object.
     #[serde(flatten)]
     pub role: QuorumRole,
+    /// The window. The round's first join fixes its settings; later joins'
+    /// windows are checked, then ignored.
     pub window: BroadcastWindow,
 }
 
+/// The answer to a quorum join once its round closed: this member's place
+/// in the plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QuorumPlan {
+    /// The group joined.
     pub group: String,
+    /// This member's rank in [`QuorumPlan::plan`].
     pub rank: u32,
     /// Shared: a round answers every member the same plan.
     pub plan: Arc<TransferPlan>,
@@ -685,15 +809,20 @@ pub struct QuorumPlan {
 /// (the others, long-polled): the backend's bootstrap blob (NCCL's unique id).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Rendezvous {
+    /// The blob, 1 to 64 KiB (NCCL's unique id, hex). Published once: the
+    /// same blob again is accepted, another one is a `conflict`.
     pub blob: String,
 }
 
 /// `POST /api/v1/quorums/{group}/{transfer}/done`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QuorumDone {
+    /// The reporting rank; each rank reports once.
     pub rank: u32,
+    /// Why this rank failed; absent: it succeeded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// What this rank moved; zeros when absent.
     #[serde(default)]
     pub stats: TensorStats,
 }
@@ -702,13 +831,17 @@ pub struct QuorumDone {
 /// every rank reported, or N ms), and the answer to `done`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QuorumStatus {
+    /// The group.
     pub group: String,
+    /// The transfer's id ([`TransferPlan::id`]).
     pub transfer: String,
+    /// Ranks in the plan.
     pub world: u32,
     /// Ranks that reported success.
     pub done: Vec<u32>,
     /// Ranks that reported failure, with their error.
     pub failed: Vec<(u32, String)>,
+    /// True once every rank reported.
     pub complete: bool,
 }
 
@@ -716,7 +849,9 @@ pub struct QuorumStatus {
 /// (for operators and tests).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QuorumInfo {
+    /// The group.
     pub group: String,
+    /// The round open for joins; absent when none is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub open: Option<QuorumRound>,
     /// Transfers of the group's closed rounds still kept, oldest first.
@@ -729,9 +864,12 @@ pub struct QuorumInfo {
 pub struct QuorumRound {
     /// Agent ids of the members, in join order.
     pub members: Vec<String>,
+    /// The round's backend (from its first join).
     pub backend: BackendKind,
+    /// The member count that closes it (from its first join's window).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub world_size: Option<u32>,
+    /// The IPs whose joins close it (from its first join's window).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ips: Vec<String>,
     /// Milliseconds until the round closes by timeout.
@@ -741,8 +879,11 @@ pub struct QuorumRound {
 /// What a put of tensors answers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TensorsPut {
+    /// The key published.
     pub key: Key,
+    /// The version the registration got ([`version_of`]).
     pub version: String,
+    /// The key's record at the metadata server.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub record: Option<Box<KeyRecord>>,
     /// Set when the put took part in a broadcast.
