@@ -119,7 +119,12 @@ impl MetadataClient {
         transfer: &str,
         done: &QuorumDone,
     ) -> Result<QuorumStatus, ApiError> {
-        fetch(self.api.post(&paths::quorum_done(group, transfer)).json(done)).await
+        fetch(
+            self.api
+                .post(&paths::quorum_done(group, transfer))
+                .json(done),
+        )
+        .await
     }
 
     /// `POST /api/v1/agents`.
