@@ -88,7 +88,11 @@ impl CallError {
     pub fn server_away(&self) -> bool {
         matches!(
             self,
-            CallError::Status { status: 502..=504, code: ErrorCode::Unavailable, .. }
+            CallError::Status {
+                status: 502..=504,
+                code: ErrorCode::Unavailable,
+                ..
+            }
         )
     }
 }
@@ -261,9 +265,7 @@ impl Call {
     /// Sends it: the successful response, or the error.
     pub async fn send(mut self) -> Result<reqwest::Response, CallError> {
         loop {
-            let again = (self.retries > 0)
-                .then(|| self.req.try_clone())
-                .flatten();
+            let again = (self.retries > 0).then(|| self.req.try_clone()).flatten();
             let result = match self.req.send().await {
                 Ok(resp) => check(&self.url, resp).await,
                 Err(source) => Err(CallError::Transport {

@@ -81,7 +81,10 @@ async fn answers_decode_to_the_servers_code_or_one_from_the_status() {
 async fn an_idempotent_call_waits_out_a_server_that_is_away() {
     let (url, calls) = server(|n| {
         if n < 2 {
-            (StatusCode::SERVICE_UNAVAILABLE, body("unavailable", "restarting"))
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                body("unavailable", "restarting"),
+            )
         } else {
             (StatusCode::OK, "{}".into())
         }
@@ -89,15 +92,27 @@ async fn an_idempotent_call_waits_out_a_server_that_is_away() {
     .await;
     let quick = || Backoff::new(Duration::from_millis(1), Duration::from_millis(5));
     let a = api(&url);
-    a.get("/api/v1/x").retry_with(3, quick()).ok().await.unwrap();
+    a.get("/api/v1/x")
+        .retry_with(3, quick())
+        .ok()
+        .await
+        .unwrap();
     assert_eq!(calls.load(Ordering::SeqCst), 3);
     // Not asked to retry: the first answer stands.
     calls.store(0, Ordering::SeqCst);
     let e = a.get("/api/v1/x").ok().await.unwrap_err();
-    assert_eq!((e.code(), calls.load(Ordering::SeqCst)), (ErrorCode::Unavailable, 1));
+    assert_eq!(
+        (e.code(), calls.load(Ordering::SeqCst)),
+        (ErrorCode::Unavailable, 1)
+    );
     // A POST that reached the server is not sent again.
     calls.store(0, Ordering::SeqCst);
-    let e = a.post("/api/v1/x").retry_with(3, quick()).ok().await.unwrap_err();
+    let e = a
+        .post("/api/v1/x")
+        .retry_with(3, quick())
+        .ok()
+        .await
+        .unwrap_err();
     assert!(e.server_away());
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
@@ -105,12 +120,18 @@ async fn an_idempotent_call_waits_out_a_server_that_is_away() {
 #[tokio::test]
 async fn answers_about_the_data_are_never_retried() {
     let (url, calls) = server(|_| {
-        (StatusCode::SERVICE_UNAVAILABLE, body("no_source", "no live source of a/b"))
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            body("no_source", "no live source of a/b"),
+        )
     })
     .await;
     let e = api(&url)
         .get("/api/v1/x")
-        .retry_with(3, Backoff::new(Duration::from_millis(1), Duration::from_millis(1)))
+        .retry_with(
+            3,
+            Backoff::new(Duration::from_millis(1), Duration::from_millis(1)),
+        )
         .ok()
         .await
         .unwrap_err();
@@ -128,20 +149,32 @@ async fn a_refused_connection_is_retried_then_reported_with_its_url() {
     let url = format!("http://127.0.0.1:{port}");
     let e = api(&url)
         .post("/api/v1/x")
-        .retry_with(2, Backoff::new(Duration::from_millis(1), Duration::from_millis(2)))
+        .retry_with(
+            2,
+            Backoff::new(Duration::from_millis(1), Duration::from_millis(2)),
+        )
         .ok()
         .await
         .unwrap_err();
     assert!(e.not_sent(), "{e:?}");
     assert_eq!(e.code(), ErrorCode::Unavailable);
-    assert!(e.to_string().starts_with(&format!("{url}/api/v1/x: ")), "{e}");
+    assert!(
+        e.to_string().starts_with(&format!("{url}/api/v1/x: ")),
+        "{e}"
+    );
 }
 
 #[test]
 fn apis_share_their_client_and_token_across_servers() {
     let a = Api::new(reqwest::Client::new(), "http://meta:8081/", "tok");
-    assert_eq!(a.url(&kt_types::paths::store()), "http://meta:8081/api/v1/store");
+    assert_eq!(
+        a.url(&kt_types::paths::store()),
+        "http://meta:8081/api/v1/store"
+    );
     let b = a.at("http://10.0.0.7:8090");
     assert_eq!(b.base(), "http://10.0.0.7:8090");
-    assert_eq!(format!("{b:?}"), r#"Api { base: "http://10.0.0.7:8090", .. }"#);
+    assert_eq!(
+        format!("{b:?}"),
+        r#"Api { base: "http://10.0.0.7:8090", .. }"#
+    );
 }

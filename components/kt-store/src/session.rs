@@ -54,4 +54,3 @@ impl PutSession {
         *self.touched.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
-

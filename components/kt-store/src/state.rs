@@ -74,4 +74,3 @@ pub struct Shared {
 pub type AppState = Arc<Shared>;
 
 pub use kt_service::{blocking, sync_err};
-

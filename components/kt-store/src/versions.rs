@@ -74,4 +74,3 @@ pub async fn remove_versions(dir: &VersionedDir, versions: Vec<String>) {
     })
     .await;
 }
-

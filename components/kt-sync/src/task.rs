@@ -38,7 +38,10 @@ mod tests {
     #[tokio::test]
     async fn results_and_panics_come_back_as_the_callers_errors() {
         assert_eq!(blocking(|| Ok::<_, E>(7)).await, Ok(7));
-        assert_eq!(blocking(|| Err::<u8, _>(E::Mine("no"))).await, Err(E::Mine("no")));
+        assert_eq!(
+            blocking(|| Err::<u8, _>(E::Mine("no"))).await,
+            Err(E::Mine("no"))
+        );
         let lost = blocking(|| -> Result<u8, E> { panic!("boom") }).await;
         assert!(matches!(lost, Err(E::Lost(m)) if m.starts_with("worker failed")));
     }
