@@ -14,7 +14,7 @@ use kt_types::api::{
     LeaseRequest, ListQuery, ListResponse, RegisterKey, RegisterStore, SourceFailure, SourceLease,
     StoreLocation, TeardownResponse,
 };
-use kt_types::{ErrorCode, Key, KeyPrefix, KeyRecord, Locale, STORE_HOLDER};
+use kt_types::{ErrorCode, Key, KeyPrefix, KeyRecord, Locale, STORE_HOLDER, paths};
 use tokio::net::TcpListener;
 use tokio::sync::{Mutex, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -104,8 +104,8 @@ struct Inner {
     /// The members' sessions, waited for before [`run`] returns.
     sessions: TaskTracker,
     db: Db,
-    http: reqwest::Client,
-    token: Token,
+    /// Calls to the store (deletes), with the token; `Api::at` its URL.
+    stores: kt_api::Api,
     heartbeat_interval_ms: u64,
     agent_ttl_ms: u64,
     lease_ttl_ms: u64,
@@ -229,8 +229,7 @@ where
         shutdown: shutdown.clone(),
         sessions: TaskTracker::new(),
         db,
-        http,
-        token: config.token.clone(),
+        stores: kt_api::Api::new(http, "", config.token.expose()),
         heartbeat_interval_ms: millis(config.heartbeat_interval),
         agent_ttl_ms,
         lease_ttl_ms: millis(config.lease_ttl),
@@ -481,36 +480,37 @@ async fn delete_key(
 async fn delete_one(s: &Inner, r: &KeyRecord) -> Result<(), ApiError> {
     if r.locale == Locale::Store && r.holder == STORE_HOLDER {
         // Only the version this record names: a put that published since is kept.
-        let url = format!("{}/api/v1/trees/{}", r.source.trim_end_matches('/'), r.key);
-        let resp = s
-            .http
-            .delete(&url)
+        let deleted = s
+            .stores
+            .at(&r.source)
+            .delete(&paths::tree(&r.key))
             .query(&[("version", r.version.as_str())])
-            .bearer_auth(s.token.expose())
-            .send()
-            .await
-            .map_err(|e| {
-                ApiError::new(
+            .ok()
+            .await;
+        match deleted {
+            Ok(()) => {}
+            Err(e) if e.code() == ErrorCode::NotFound => {}
+            Err(e) if e.code() == ErrorCode::Conflict => {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    format!(
+                        "{} changed while it was being deleted; nothing was deleted, try again",
+                        r.key
+                    ),
+                ));
+            }
+            Err(e @ kt_api::CallError::Transport { .. }) => {
+                return Err(ApiError::new(
                     ErrorCode::Unavailable,
                     format!("store unreachable while deleting {}: {e}", r.key),
-                )
-            })?;
-        let status = resp.status();
-        if status == reqwest::StatusCode::CONFLICT {
-            return Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!(
-                    "{} changed while it was being deleted; nothing was deleted, try again",
-                    r.key
-                ),
-            ));
-        }
-        if !(status.is_success() || status == reqwest::StatusCode::NOT_FOUND) {
-            let body = resp.text().await.unwrap_or_default();
-            return Err(ApiError::new(
-                ErrorCode::Unavailable,
-                format!("store refused to delete {}: {status} {body}", r.key),
-            ));
+                ));
+            }
+            Err(e) => {
+                return Err(ApiError::new(
+                    ErrorCode::Unavailable,
+                    format!("store refused to delete {}: {e}", r.key),
+                ));
+            }
         }
     }
     let mut registry = s.registry.lock().await;
