@@ -422,14 +422,21 @@ pub struct ReadFailure {
     pub message: String,
 }
 
+/// A failed answer, decoded the way every kt client decodes it (kt-api).
 async fn failure(resp: reqwest::Response) -> ReadFailure {
-    let status = resp.status().as_u16();
-    let text = resp.text().await.unwrap_or_default();
-    let body = serde_json::from_str::<kt_types::ErrorBody>(&text).ok();
-    ReadFailure {
-        status,
-        code: body.as_ref().map(|b| b.error.code),
-        message: body.map(|b| b.error.message).unwrap_or(text),
+    let url = resp.url().to_string();
+    match kt_api::check(&url, resp).await {
+        Err(kt_api::CallError::Status {
+            status,
+            code,
+            message,
+            ..
+        }) => ReadFailure {
+            status,
+            code: Some(code),
+            message,
+        },
+        other => panic!("not a failed answer: {other:?}"),
     }
 }
 
