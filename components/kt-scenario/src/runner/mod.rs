@@ -15,13 +15,12 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::data::{self, Digest};
-use futures::StreamExt as _;
 
 use crate::format::{
-    Action, Auth, Condition, ErrorClass, Expect, MetricsStep, Signal, Step, TensorBroadcast, Victim,
+    Action, Auth, Condition, ErrorClass, Expect, Signal, Step, TensorBroadcast, Victim,
 };
 use crate::live::Live;
-use crate::report::{BudgetCheck, PodResult, RunReport, ScenarioReport, Status, StepReport};
+use crate::report::{PodResult, RunReport, ScenarioReport, Status, StepReport};
 use crate::snapshot::{Redactor, Snapshots};
 use crate::target::{
     Component, ExecOutput, ExecRequest, Plan, PodPlan, PodProcess, Program, Target, parse_link,
@@ -29,6 +28,12 @@ use crate::target::{
 use crate::template::Context;
 use crate::tensor;
 use crate::validate::Loaded;
+
+mod budget;
+mod probe;
+
+pub use budget::{budget_checks, percentile};
+pub use probe::metric_sum;
 
 /// Default limit of one step, and of a whole scenario.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(60);
@@ -591,42 +596,6 @@ fn class_name(c: ErrorClass) -> String {
         .unwrap_or_default()
 }
 
-/// Nearest-rank percentile of sorted `v` (p in 0..=100).
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-/// Budget checks of `durations` (ms, one per pod or one for the step).
-pub fn budget_checks(b: &crate::format::Budget, durations: &[f64]) -> Vec<BudgetCheck> {
-    let mut sorted = durations.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let mut out = Vec::new();
-    let mut add = |kind: &str, limit: Option<Duration>, actual: f64, upper: bool| {
-        if let Some(l) = limit {
-            let limit_ms = ms(l);
-            out.push(BudgetCheck {
-                kind: kind.to_owned(),
-                limit_ms,
-                actual_ms: actual,
-                ok: if upper {
-                    actual <= limit_ms
-                } else {
-                    actual >= limit_ms
-                },
-            });
-        }
-    };
-    add("max", b.max, sorted.last().copied().unwrap_or(0.0), true);
-    add("min", b.min, sorted.first().copied().unwrap_or(0.0), false);
-    add("p50", b.p50, percentile(&sorted, 50.0), true);
-    add("p95", b.p95, percentile(&sorted, 95.0), true);
-    out
-}
-
 fn key_dir(key: &str) -> String {
     key.replace('/', "_")
 }
@@ -1077,65 +1046,6 @@ impl<'a> Scn<'a> {
             out.push(s);
         }
         Ok(out)
-    }
-
-    /// A broadcast group as the metadata server has it.
-    async fn group_info(&self, group: &str) -> Result<kt_types::broadcast::GroupInfo, String> {
-        self.meta_json(&format!("broadcasts/{group}")).await
-    }
-
-    /// `GET /api/v1/{path}` of the metadata server, as JSON.
-    async fn meta_json<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T, String> {
-        let url = format!("{}/api/v1/{path}", self.target.metadata_url());
-        self.http
-            .get(&url)
-            .bearer_auth(&self.token)
-            .send()
-            .await
-            .map_err(|e| e.to_string())?
-            .error_for_status()
-            .map_err(|e| e.to_string())?
-            .json()
-            .await
-            .map_err(|e| e.to_string())
-    }
-
-    /// A broadcast group's tree as it stands: per rank its parent and
-    /// state, in rank order (which pod holds which rank varies from run to
-    /// run; the shape does not).
-    async fn tree(&self, group: &str) -> Result<Value, String> {
-        let info = self.group_info(group).await?;
-        // Small trees rank by rank; large ones as children per parent.
-        if info.members.len() > 16 {
-            let mut by_parent: std::collections::BTreeMap<u32, usize> = Default::default();
-            let mut states: std::collections::BTreeMap<&str, usize> = Default::default();
-            for m in &info.members {
-                *by_parent.entry(m.parent).or_default() += 1;
-                *states.entry(m.state.as_str()).or_default() += 1;
-            }
-            return Ok(json!({
-                "group": info.group,
-                "origin": info.origin,
-                "fanout": info.fanout,
-                "members": info.members.len(),
-                "replaced": info.members.iter().filter(|m| !m.replaced.is_empty()).count(),
-                "children_per_parent": by_parent,
-                "states": states,
-            }));
-        }
-        let ranks: Vec<Value> = info
-            .members
-            .iter()
-            .map(|m| json!(format!("{} <- {} {}", m.rank, m.parent, m.state.as_str())))
-            .collect();
-        Ok(json!({
-            "group": info.group,
-            "origin": info.origin,
-            "fanout": info.fanout,
-            "members": info.members.len(),
-            "replaced": info.members.iter().filter(|m| !m.replaced.is_empty()).count(),
-            "tree": ranks,
-        }))
     }
 
     async fn action(
@@ -1634,80 +1544,6 @@ impl<'a> Scn<'a> {
         }
     }
 
-    /// One metric of every instance of a component: its spread, and the
-    /// record of it.
-    async fn spread(&self, m: &MetricsStep) -> Result<(Spread, serde_json::Value), String> {
-        let comps = self.components(&m.component);
-        if comps.is_empty() {
-            return Err(format!("no component named {}", m.component));
-        }
-        let reads: Vec<_> =
-            comps
-                .iter()
-                .map(|c| async move {
-                    Ok::<_, String>((self.metric_of(c, &m.name).await?, c.to_string()))
-                })
-                .collect();
-        let values: Vec<(f64, String)> = futures::stream::iter(reads)
-            .buffer_unordered(16)
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect::<Result<_, _>>()?;
-        let spread = Spread::of(values);
-        let record = json!({
-            "count": spread.count,
-            "min": spread.min,
-            "median": spread.median,
-            "max": spread.max,
-            "largest": spread.largest,
-        });
-        Ok((spread, record))
-    }
-
-    async fn metric_of(&self, c: &Component, name: &str) -> Result<f64, String> {
-        self.metrics_of(c)
-            .await
-            .map(|text| metric_sum(&text, name))
-            .map_err(|e| format!("{c}: {e}"))
-    }
-
-    /// A component's `/metrics`: over HTTP where the runner reaches it,
-    /// else through the target (a cluster's pods).
-    async fn metrics_of(&self, c: &Component) -> Result<String, String> {
-        match self.target.component_url(c) {
-            Some(url) => self.metrics_text(&url).await,
-            None => self.target.metrics(c).await.map_err(|e| e.to_string()),
-        }
-    }
-
-    /// The text of `url`/metrics; a failed request is retried twice (a
-    /// busy machine with hundreds of pods drops the odd connection).
-    async fn metrics_text(&self, url: &str) -> Result<String, String> {
-        let mut attempt = 0;
-        loop {
-            let res = async {
-                self.http
-                    .get(format!("{url}/metrics"))
-                    .bearer_auth(&self.token)
-                    .send()
-                    .await?
-                    .error_for_status()?
-                    .text()
-                    .await
-            }
-            .await;
-            match res {
-                Ok(text) => return Ok(text),
-                Err(e) if attempt >= 2 => return Err(error_chain(&e)),
-                Err(_) => {
-                    attempt += 1;
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }
-        }
-    }
-
     /// Checks a non-command outcome against the expectation.
     fn expect_plain(&self, step: &Step, outcome: Result<(), String>) -> Result<(), String> {
         let msg = outcome.as_ref().err().cloned().unwrap_or_default();
@@ -2033,13 +1869,6 @@ impl<'a> Scn<'a> {
         Ok(out)
     }
 
-    /// The metadata server's state: every key record and the store.
-    async fn metadata_dump(&self) -> Result<Value, String> {
-        let records = self.records_below("").await?;
-        let store = self.client()?.store_url().await.ok();
-        Ok(json!({ "store": store, "keys": records }))
-    }
-
     /// The scenario's snapshot: every step's outcome and what was recorded.
     fn snapshot_value(&self) -> Value {
         let mut outcomes = self.outcomes.lock().map(|o| o.clone()).unwrap_or_default();
@@ -2151,58 +1980,6 @@ fn listing(entries: &[ListEntry]) -> Value {
     )
 }
 
-/// The sum of every sample of `name` (all label sets) in Prometheus text.
-pub fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (series, value) = l.rsplit_once(' ')?;
-            let metric = series.split('{').next()?;
-            (metric == name)
-                .then(|| value.parse::<f64>().ok())
-                .flatten()
-        })
-        .sum()
-}
-
-/// An error with its causes: reqwest's own message says little.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut msg = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        msg.push_str(&format!(": {c}"));
-        cause = c.source();
-    }
-    msg
-}
-
-/// The spread of one metric over a component's instances.
-#[derive(Debug, Clone, PartialEq)]
-struct Spread {
-    count: usize,
-    min: f64,
-    median: f64,
-    max: f64,
-    /// The instance with the largest value.
-    largest: String,
-}
-
-impl Spread {
-    /// Of (value, instance) pairs.
-    fn of(mut values: Vec<(f64, String)>) -> Spread {
-        values.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let at = |i: usize| values.get(i).map(|v| v.0).unwrap_or(0.0);
-        let last = values.len().saturating_sub(1);
-        Spread {
-            count: values.len(),
-            min: at(0),
-            median: at(last / 2),
-            max: at(last),
-            largest: values.get(last).map(|v| v.1.clone()).unwrap_or_default(),
-        }
-    }
-}
-
 /// What one step's action produced beside success or failure.
 #[derive(Debug, Default)]
 struct StepResult {
@@ -2221,31 +1998,6 @@ struct StepResult {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::Budget;
-
-    #[test]
-    fn percentiles_are_nearest_rank() {
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
-        assert_eq!(percentile(&v, 50.0), 50.0);
-        assert_eq!(percentile(&v, 95.0), 95.0);
-        assert_eq!(percentile(&[7.0], 95.0), 7.0);
-        assert_eq!(percentile(&[], 50.0), 0.0);
-    }
-
-    #[test]
-    fn budgets_check_every_limit() {
-        let b = Budget {
-            max: Some(Duration::from_millis(100)),
-            p50: Some(Duration::from_millis(20)),
-            p95: None,
-            min: Some(Duration::from_millis(5)),
-        };
-        let checks = budget_checks(&b, &[10.0, 30.0, 120.0]);
-        let by: BTreeMap<&str, bool> = checks.iter().map(|c| (c.kind.as_str(), c.ok)).collect();
-        assert!(!by["max"]);
-        assert!(!by["p50"]);
-        assert!(by["min"]);
-    }
 
     #[test]
     fn expectations() {
@@ -2268,23 +2020,6 @@ mod tests {
             message: None,
         };
         assert!(check_expect(&any, Some(ErrorClass::Unavailable), "x").is_ok());
-    }
-
-    #[test]
-    fn metric_sums_add_label_sets() {
-        let text = "# HELP x\nkt_bytes_received_total 1024\nkt_http_requests_total{path=\"/a\"} 2\nkt_http_requests_total{path=\"/b\"} 3\n";
-        assert_eq!(metric_sum(text, "kt_bytes_received_total"), 1024.0);
-        assert_eq!(metric_sum(text, "kt_http_requests_total"), 5.0);
-        assert_eq!(metric_sum(text, "missing"), 0.0);
-    }
-
-    #[test]
-    fn spreads_of_metrics() {
-        let v = |x: f64| (x, format!("pod {x}"));
-        let s = Spread::of(vec![v(3.0), v(1.0), v(2.0), v(10.0)]);
-        assert_eq!((s.count, s.min, s.median, s.max), (4, 1.0, 2.0, 10.0));
-        assert_eq!(s.largest, "pod 10");
-        assert_eq!(Spread::of(vec![]).count, 0);
     }
 
     #[test]
