@@ -9,28 +9,29 @@ use std::time::{Duration, Instant};
 
 use futures::future::{BoxFuture, FutureExt, join_all};
 use kt_client::{Client, ClientConfig};
-use kt_types::api::{ListEntry, TransferSummary};
-use kt_types::{Key, KeyPrefix};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::data::{self, Digest};
-
-use crate::format::{
-    Action, Auth, Condition, ErrorClass, Expect, Signal, Step, TensorBroadcast, Victim,
-};
+use crate::format::{Action, Auth, Condition, ErrorClass, Expect, Signal, Step, Victim};
 use crate::live::Live;
 use crate::report::{PodResult, RunReport, ScenarioReport, Status, StepReport};
 use crate::snapshot::{Redactor, Snapshots};
-use crate::target::{
-    Component, ExecOutput, ExecRequest, Plan, PodPlan, PodProcess, Program, Target, parse_link,
-};
+use crate::target::{Component, Plan, PodPlan, Target, parse_link};
 use crate::template::Context;
-use crate::tensor;
 use crate::validate::Loaded;
 
 mod budget;
+mod check;
+mod exec;
+mod fault;
 mod probe;
+mod tensors;
+mod transfer;
+mod wait;
+
+use exec::PodRun;
+use tensors::Holder;
 
 pub use budget::{budget_checks, percentile};
 pub use probe::metric_sum;
@@ -38,13 +39,9 @@ pub use probe::metric_sum;
 /// Default limit of one step, and of a whole scenario.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 pub const SCENARIO_TIMEOUT: Duration = Duration::from_secs(300);
-const WAIT_POLL: Duration = Duration::from_millis(20);
 /// Limit of the runner's own requests (readiness, metrics, state dumps).
 const HTTP_TIMEOUT: Duration = Duration::from_secs(5);
 const DUMP_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a holder left at the scenario's end gets after TERM.
-const HOLDER_GRACE: Duration = Duration::from_secs(10);
-
 #[derive(Debug, Clone)]
 pub struct Options {
     /// Where `kt`, `kt-metadata` and `kt-store` are.
@@ -482,28 +479,6 @@ pub fn expand_pods(l: &Loaded) -> Vec<PodPlan> {
     out
 }
 
-/// Which program a pod command runs, with which credentials and extra
-/// environment.
-#[derive(Debug, Clone, Copy)]
-struct Invocation<'e> {
-    program: Program,
-    auth: Auth,
-    env: &'e BTreeMap<String, String>,
-}
-
-static NO_ENV: BTreeMap<String, String> = BTreeMap::new();
-
-impl Invocation<'static> {
-    /// The `kt` CLI with no extra environment.
-    fn kt(auth: Auth) -> Self {
-        Invocation {
-            program: Program::Kt,
-            auth,
-            env: &NO_ENV,
-        }
-    }
-}
-
 /// One running scenario.
 struct Scn<'a> {
     runner: &'a Runner,
@@ -528,38 +503,6 @@ struct Scn<'a> {
     deadline: Mutex<Instant>,
     /// Processes `tensor_put` steps with `hold` left running, by `as` name.
     holders: tokio::sync::Mutex<BTreeMap<String, Vec<Holder>>>,
-}
-
-/// A process left running in a pod (a `kt tensor put --hold`).
-struct Holder {
-    pod: String,
-    args: Vec<String>,
-    proc: Box<dyn PodProcess>,
-}
-
-/// What one pod's command did.
-struct PodRun {
-    pod: String,
-    args: Vec<String>,
-    out: Result<ExecOutput, String>,
-    finished: Duration,
-}
-
-impl PodRun {
-    fn class(&self) -> Option<ErrorClass> {
-        match &self.out {
-            Ok(o) if o.status == 0 => None,
-            Ok(o) => Some(ErrorClass::of_exit(o.status)),
-            Err(_) => Some(ErrorClass::Failed),
-        }
-    }
-
-    fn message(&self) -> String {
-        match &self.out {
-            Ok(o) => o.stderr.trim().to_owned(),
-            Err(e) => e.clone(),
-        }
-    }
 }
 
 /// Checks one outcome against the expectation; Err says why not.
@@ -594,10 +537,6 @@ fn class_name(c: ErrorClass) -> String {
         .ok()
         .and_then(|v| v.as_str().map(str::to_owned))
         .unwrap_or_default()
-}
-
-fn key_dir(key: &str) -> String {
-    key.replace('/', "_")
 }
 
 impl<'a> Scn<'a> {
@@ -682,72 +621,6 @@ impl<'a> Scn<'a> {
             Auth::Missing => None,
             Auth::Wrong => Some("not-the-token".into()),
         }
-    }
-
-    async fn digest_of_set(&self, name: &str) -> Result<Digest, String> {
-        if let Some(d) = self.digests.lock().ok().and_then(|m| m.get(name).cloned()) {
-            return Ok(d);
-        }
-        let path = self
-            .data
-            .get(name)
-            .ok_or_else(|| format!("no data set {name}"))?;
-        let d = digest_off_runtime(path.clone()).await?;
-        if let Ok(mut m) = self.digests.lock() {
-            m.insert(name.to_owned(), d.clone());
-        }
-        Ok(d)
-    }
-
-    /// Runs `args(pod)` in every selected pod at once.
-    async fn in_pods(
-        &self,
-        pods: &[&PodPlan],
-        how: Invocation<'_>,
-        args: impl Fn(&PodPlan, &Context) -> Result<Vec<String>, String>,
-        started: Instant,
-        index: &str,
-    ) -> Vec<PodRun> {
-        let live = &self.runner.live;
-        let total = pods.len();
-        let done = std::sync::atomic::AtomicUsize::new(0);
-        let runs = pods.iter().map(|p| {
-            let ctx = self.ctx.for_pod(&p.name, p.index);
-            let args = args(p, &ctx);
-            let env: Vec<(String, String)> = how
-                .env
-                .iter()
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
-            let done = &done;
-            async move {
-                let (args, out) = match args {
-                    Err(e) => (vec![], Err(e)),
-                    Ok(args) => {
-                        let req = ExecRequest {
-                            pod: p.name.clone(),
-                            program: how.program,
-                            args: args.clone(),
-                            env,
-                            token: self.token_for(how.auth),
-                        };
-                        let out = self.target.exec(req).await.map_err(|e| e.to_string());
-                        (args, out)
-                    }
-                };
-                let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-                if total > 1 {
-                    live.pods_done(index, n, total);
-                }
-                PodRun {
-                    pod: p.name.clone(),
-                    args,
-                    out,
-                    finished: started.elapsed(),
-                }
-            }
-        });
-        join_all(runs).await
     }
 
     /// One step (and, for groups, its children). Err: the step failed.
@@ -1021,33 +894,8 @@ impl<'a> Scn<'a> {
         }
     }
 
-    /// Transfer summaries of successful put/get runs, checked against `max_sent`.
-    fn summaries(
-        &self,
-        runs: &[PodRun],
-        max_sent: Option<crate::format::Size>,
-    ) -> Result<Vec<TransferSummary>, String> {
-        let mut out = Vec::new();
-        for run in runs {
-            let Ok(o) = &run.out else { continue };
-            if o.status != 0 {
-                continue;
-            }
-            let s: TransferSummary = serde_json::from_str(o.stdout.trim())
-                .map_err(|e| format!("{}: unreadable kt summary ({e}): {}", run.pod, o.stdout))?;
-            if let Some(max) = max_sent
-                && s.stats.bytes_sent > max.0
-            {
-                return Err(format!(
-                    "{}: sent {} bytes, more than max_sent {}",
-                    run.pod, s.stats.bytes_sent, max
-                ));
-            }
-            out.push(s);
-        }
-        Ok(out)
-    }
-
+    /// A step's own action (a group's children run in [`Scn::step`]): one
+    /// method per step kind, in the module of its family.
     async fn action(
         &self,
         step: &Step,
@@ -1055,491 +903,25 @@ impl<'a> Scn<'a> {
         result: &mut StepResult,
     ) -> Result<(), String> {
         match &step.action {
-            Action::Put(p) => {
-                let pods = self.select(&p.pod);
-                let src = match (&p.data, &p.src) {
-                    (Some(d), _) => Some(
-                        self.data
-                            .get(d)
-                            .ok_or_else(|| format!("no data set {d}"))?
-                            .clone(),
-                    ),
-                    _ => None,
-                };
-                let runs = self
-                    .in_pods(
-                        &pods,
-                        Invocation::kt(p.auth),
-                        |pod, ctx| {
-                            let src = match (&src, &p.src) {
-                                (Some(host), _) => self
-                                    .target
-                                    .data_path(&pod.name, host)
-                                    .map_err(|e| e.to_string())?,
-                                (None, Some(s)) => ctx.expand(s).map_err(|e| e.to_string())?,
-                                (None, None) => return Err("a put needs data or src".into()),
-                            };
-                            let mut a = vec![
-                                "put".into(),
-                                ctx.expand(&p.key).map_err(|e| e.to_string())?,
-                                "--src".into(),
-                                src,
-                                "-o".into(),
-                                "json".into(),
-                            ];
-                            if let Some(l) = &p.locale {
-                                a.extend(["--locale".into(), l.clone()]);
-                            }
-                            if let Some(l) = &p.lifespan {
-                                a.extend(["--lifespan".into(), l.clone()]);
-                            }
-                            if let Some(t) = &p.ttl {
-                                a.extend(["--ttl".into(), t.clone()]);
-                            }
-                            if let Some(s) = &p.service {
-                                a.extend(["--service".into(), s.clone()]);
-                            }
-                            Ok(a)
-                        },
-                        started,
-                        &result.index,
-                    )
-                    .await;
-                self.settle(step, &runs, result)?;
-                let sums = self.summaries(&runs, p.max_sent)?;
-                result.record = Some(transfer_record(&sums));
-                Ok(())
-            }
-            Action::Get(g) | Action::Broadcast(g) => {
-                let broadcast = matches!(step.action, Action::Broadcast(_));
-                let group = g.group.as_deref().map(|t| self.expand(t)).transpose()?;
-                let pods = self.select(&g.pod);
-                let dest = |ctx: &Context| -> Result<String, String> {
-                    match &g.dest {
-                        Some(d) => ctx.expand(d).map_err(|e| e.to_string()),
-                        None => Ok(format!(
-                            "get/{}",
-                            key_dir(&ctx.expand(&g.key).map_err(|e| e.to_string())?)
-                        )),
-                    }
-                };
-                let runs = self
-                    .in_pods(
-                        &pods,
-                        Invocation::kt(g.auth),
-                        |_, ctx| {
-                            let mut a: Vec<String> = vec![
-                                "get".into(),
-                                ctx.expand(&g.key).map_err(|e| e.to_string())?,
-                                "--dest".into(),
-                                dest(ctx)?,
-                                "-o".into(),
-                                "json".into(),
-                            ];
-                            if !g.serve {
-                                a.push("--no-serve".into());
-                            }
-                            if broadcast {
-                                a.push("--broadcast".into());
-                                if let Some(grp) = &group {
-                                    a.extend(["--group".into(), grp.clone()]);
-                                }
-                                if let Some(f) = g.fanout {
-                                    a.extend(["--fanout".into(), f.to_string()]);
-                                }
-                                if let Some(w) = &g.window {
-                                    a.extend(["--timeout".into(), w.clone()]);
-                                }
-                            }
-                            Ok(a)
-                        },
-                        started,
-                        &result.index,
-                    )
-                    .await;
-                self.settle(step, &runs, result)?;
-                let sums = self.summaries(&runs, g.max_sent)?;
-                let mut record = transfer_record(&sums);
-                if broadcast {
-                    let groups: std::collections::BTreeSet<&str> = sums
-                        .iter()
-                        .filter_map(|s| s.broadcast.as_ref().map(|b| b.group.as_str()))
-                        .collect();
-                    if let Some(grp) = group.as_deref().or(groups.first().copied()) {
-                        record["broadcast"] = self.tree(grp).await?;
-                    }
-                    record["groups"] = json!(groups.len());
-                }
-                result.record = Some(record);
-                if !g.verify.is_empty() && step.expect == Expect::Ok {
-                    let t = Instant::now();
-                    let mut want: Vec<(String, Digest)> = Vec::new();
-                    for n in &g.verify {
-                        want.push((n.clone(), self.digest_of_set(n).await?));
-                    }
-                    for p in &pods {
-                        let ctx = self.ctx.for_pod(&p.name, p.index);
-                        let rel = dest(&ctx)?;
-                        self.target
-                            .fetch(&p.name, Path::new(&rel))
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        let path = self.target.pod_dir(&p.name).join(rel);
-                        self.verify_tree(&p.name, &path, &want).await?;
-                    }
-                    result.verify = t.elapsed();
-                }
-                Ok(())
-            }
-            Action::Ls(l) => {
-                let pod = self.pod_or_first(l.pod.as_deref())?;
-                let prefix = self.expand(&l.prefix)?;
-                let runs = self
-                    .in_pods(
-                        &[pod],
-                        Invocation::kt(l.auth),
-                        |_, _| {
-                            Ok(vec![
-                                "ls".into(),
-                                prefix.clone(),
-                                "-o".into(),
-                                "json".into(),
-                            ])
-                        },
-                        started,
-                        &result.index,
-                    )
-                    .await;
-                self.settle(step, &runs, result)?;
-                if let Some(Ok(o)) = runs.first().map(|r| &r.out)
-                    && o.status == 0
-                {
-                    let entries: Vec<ListEntry> = serde_json::from_str(&o.stdout)
-                        .map_err(|e| format!("unreadable kt ls output ({e}): {}", o.stdout))?;
-                    result.record = Some(listing(&entries));
-                }
-                Ok(())
-            }
-            Action::Rm(r) => {
-                let pod = self.pod_or_first(r.pod.as_deref())?;
-                let key = self.expand(&r.key)?;
-                let runs = self
-                    .in_pods(
-                        &[pod],
-                        Invocation::kt(r.auth),
-                        |_, _| {
-                            let mut a = vec!["rm".into(), key.clone()];
-                            if r.recursive {
-                                a.push("-r".into());
-                            }
-                            Ok(a)
-                        },
-                        started,
-                        &result.index,
-                    )
-                    .await;
-                self.settle(step, &runs, result)?;
-                if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
-                    result.record = Some(json!({ "stdout": o.stdout.lines().collect::<Vec<_>>() }));
-                }
-                Ok(())
-            }
-            Action::Exec(e) => {
-                let pods = self.select(&e.pod);
-                let program = if e.program.as_deref() == Some("sh") {
-                    Program::Shell
-                } else {
-                    Program::Kt
-                };
-                let runs = self
-                    .in_pods(
-                        &pods,
-                        Invocation {
-                            program,
-                            auth: e.auth,
-                            env: &e.env,
-                        },
-                        |_, ctx| {
-                            e.args
-                                .iter()
-                                .map(|a| ctx.expand(a).map_err(|e| e.to_string()))
-                                .collect()
-                        },
-                        started,
-                        &result.index,
-                    )
-                    .await;
-                self.settle(step, &runs, result)?;
-                if let Some(re) = &e.stdout {
-                    let re = regex::Regex::new(re).map_err(|e| e.to_string())?;
-                    for run in &runs {
-                        if let Ok(o) = &run.out
-                            && !re.is_match(&o.stdout)
-                        {
-                            return Err(format!(
-                                "{}: stdout does not match /{re}/: {}",
-                                run.pod, o.stdout
-                            ));
-                        }
-                    }
-                }
-                if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
-                    result.record = Some(
-                        json!({ "status": o.status, "stdout": o.stdout.lines().collect::<Vec<_>>() }),
-                    );
-                }
-                Ok(())
-            }
-            Action::Kill(k) => {
-                let outcome = match k.victim() {
-                    Ok(Victim::Component(name)) => {
-                        self.each_component(name, |c| async move {
-                            self.target.kill(&c, k.signal).await
-                        })
-                        .await
-                    }
-                    Ok(Victim::Agent(pod)) => {
-                        self.each_agent(pod, |p| async move {
-                            self.target.kill_agent(&p, k.signal).await
-                        })
-                        .await
-                    }
-                    Err(e) => Err(e.to_owned()),
-                };
-                self.expect_plain(step, outcome)
-            }
-            Action::Restart(r) => {
-                let sig = r.signal.unwrap_or(Signal::TERM);
-                let outcome = match r.victim() {
-                    Ok(Victim::Component(name)) => {
-                        self.each_component(name, |c| async move {
-                            self.target.kill(&c, sig).await?;
-                            self.target.start(&c).await
-                        })
-                        .await
-                    }
-                    Ok(Victim::Agent(pod)) => {
-                        self.each_agent(pod, |p| async move {
-                            self.target.kill_agent(&p, sig).await?;
-                            self.target.start(&Component::Pod(p)).await
-                        })
-                        .await
-                    }
-                    Err(e) => Err(e.to_owned()),
-                };
-                self.expect_plain(step, outcome)
-            }
-            Action::TensorPut(p) => {
-                let pods = self.select(&p.pod);
-                let (group, ips) = self.quorum(p.broadcast.as_ref()).await?;
-                let layout = self.expand(&p.layout)?;
-                let resolved = tensor::Resolved {
-                    layout: &layout,
-                    group: group.as_deref(),
-                    ips: &ips,
-                };
-                let args = |_: &PodPlan, ctx: &Context| -> Result<Vec<String>, String> {
-                    let key = ctx.expand(&p.key).map_err(|e| e.to_string())?;
-                    Ok(tensor::put_args(p, &key, resolved))
-                };
-                let runs = if p.hold {
-                    let held = join_all(pods.iter().map(|pod| {
-                        let ctx = self.ctx.for_pod(&pod.name, pod.index);
-                        self.hold(pod, args(pod, &ctx), p.auth, started)
-                    }))
-                    .await;
-                    let mut runs = Vec::new();
-                    let mut holders = Vec::new();
-                    for (run, holder) in held {
-                        runs.push(run);
-                        holders.extend(holder);
-                    }
-                    if !holders.is_empty() {
-                        let name = p.name.clone().unwrap_or_else(|| result.index.clone());
-                        self.holders
-                            .lock()
-                            .await
-                            .entry(name)
-                            .or_default()
-                            .extend(holders);
-                    }
-                    runs
-                } else {
-                    self.in_pods(&pods, Invocation::kt(p.auth), args, started, &result.index)
-                        .await
-                };
-                self.settle(step, &runs, result)?;
-                if let Some(r) = summaries_record(&runs, tensor::put_record)? {
-                    result.record = Some(r);
-                }
-                Ok(())
-            }
-            Action::TensorGet(g) => {
-                let pods = self.select(&g.pod);
-                let (group, ips) = self.quorum(g.broadcast.as_ref()).await?;
-                let layout = self.expand(&g.layout)?;
-                let resolved = tensor::Resolved {
-                    layout: &layout,
-                    group: group.as_deref(),
-                    ips: &ips,
-                };
-                let runs = self
-                    .in_pods(
-                        &pods,
-                        Invocation::kt(g.auth),
-                        |_, ctx| {
-                            let keys = (g.all_keys().into_iter())
-                                .map(|k| ctx.expand(k).map_err(|e| e.to_string()))
-                                .collect::<Result<Vec<String>, String>>()?;
-                            Ok(tensor::get_args(g, &keys, resolved))
-                        },
-                        started,
-                        &result.index,
-                    )
-                    .await;
-                self.settle(step, &runs, result)?;
-                if let Some(r) = summaries_record(&runs, tensor::get_record)? {
-                    result.record = Some(r);
-                }
-                Ok(())
-            }
-            Action::TensorLs(t) => {
-                let pods = self.select(&t.pod);
-                let runs = self
-                    .in_pods(
-                        &pods,
-                        Invocation::kt(t.auth),
-                        |_, _| {
-                            Ok(vec![
-                                "tensor".into(),
-                                "ls".into(),
-                                "-o".into(),
-                                "json".into(),
-                            ])
-                        },
-                        started,
-                        &result.index,
-                    )
-                    .await;
-                self.settle(step, &runs, result)?;
-                let mut by_pod = serde_json::Map::new();
-                for (pod, o) in ok_outputs(&runs) {
-                    let regs = tensor::ls_record(&o.stdout).map_err(|e| format!("{pod}: {e}"))?;
-                    by_pod.insert(pod.to_owned(), regs);
-                }
-                result.record = match (pods.len(), by_pod.len()) {
-                    (_, 0) => None,
-                    (1, _) => by_pod.into_iter().next().map(|(_, v)| v),
-                    _ => Some(Value::Object(by_pod)),
-                };
-                Ok(())
-            }
-            Action::Stop(st) => {
-                let sig = st.signal.unwrap_or(Signal::TERM);
-                let held = self
-                    .holders
-                    .lock()
-                    .await
-                    .remove(&st.holder)
-                    .ok_or_else(|| format!("no process is held as `{}` (any more)", st.holder))?;
-                let runs = join_all(held.into_iter().map(|mut h| async move {
-                    let t = Instant::now();
-                    let out = async {
-                        h.proc.signal(sig).await?;
-                        h.proc.wait().await
-                    }
-                    .await
-                    .map(|mut o| {
-                        // Dying of the KILL asked for is the expected end.
-                        if sig == Signal::KILL && o.status == 128 + 9 {
-                            o.status = 0;
-                        }
-                        o.duration = t.elapsed();
-                        o
-                    })
-                    .map_err(|e| e.to_string());
-                    PodRun {
-                        pod: h.pod,
-                        args: h.args,
-                        out,
-                        finished: started.elapsed(),
-                    }
-                }))
-                .await;
-                self.settle(step, &runs, result)
-            }
-            Action::Wait(w) => {
-                let outcome = loop {
-                    match self.condition(&w.condition).await {
-                        Ok(true) => break Ok(()),
-                        Ok(false) => {}
-                        // A wait on an unreachable server keeps waiting; the
-                        // step's timeout ends it with the last error.
-                        Err(e) => result.context = format!("last check: {e}"),
-                    }
-                    tokio::time::sleep(WAIT_POLL).await;
-                };
-                self.expect_plain(step, outcome)
-            }
+            Action::Put(p) => self.put(step, p, started, result).await,
+            Action::Get(g) | Action::Broadcast(g) => self.get(step, g, started, result).await,
+            Action::Ls(l) => self.ls(step, l, started, result).await,
+            Action::Rm(r) => self.rm(step, r, started, result).await,
+            Action::Exec(e) => self.exec(step, e, started, result).await,
+            Action::Kill(k) => self.kill(step, k).await,
+            Action::Restart(r) => self.restart(step, r).await,
+            Action::TensorPut(p) => self.tensor_put(step, p, started, result).await,
+            Action::TensorGet(g) => self.tensor_get(step, g, started, result).await,
+            Action::TensorLs(t) => self.tensor_ls(step, t, started, result).await,
+            Action::Stop(st) => self.stop(step, st, started, result).await,
+            Action::Wait(w) => self.wait(step, w, result).await,
             Action::Assert(a) => {
                 let outcome = self.assert(a).await;
                 self.expect_plain(step, outcome)
             }
-            Action::Snapshot(s) => {
-                let v = if s.metadata {
-                    self.metadata_dump().await?
-                } else {
-                    let prefix = KeyPrefix::parse(&self.expand(s.ls.as_deref().unwrap_or(""))?)
-                        .map_err(|e| e.to_string())?;
-                    let list = self
-                        .client()?
-                        .ls(&prefix)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    listing(&list.entries)
-                };
-                if let Ok(mut rec) = self.records.lock() {
-                    rec.insert(s.name.clone(), v);
-                }
-                Ok(())
-            }
-            Action::Teardown(t) => {
-                let pod = self.pod_or_first(t.pod.as_deref())?;
-                let runs = self
-                    .in_pods(
-                        &[pod],
-                        Invocation::kt(Auth::Valid),
-                        |_, _| Ok(vec!["teardown".into(), t.service.clone()]),
-                        started,
-                        &result.index,
-                    )
-                    .await;
-                self.settle(step, &runs, result)?;
-                if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
-                    result.record = Some(json!({ "stdout": o.stdout.lines().collect::<Vec<_>>() }));
-                }
-                Ok(())
-            }
-            Action::Metrics(m) => {
-                let outcome = self.spread(m).await.and_then(|(spread, record)| {
-                    result.record = Some(record);
-                    match m.at_most {
-                        Some(max) if spread.max > max.0 as f64 => Err(format!(
-                            "{} of {}: the largest is {} ({}, > {}); {} instances, median {}, smallest {}",
-                            m.name,
-                            m.component,
-                            spread.max,
-                            spread.largest,
-                            max.0,
-                            spread.count,
-                            spread.median,
-                            spread.min
-                        )),
-                        _ => Ok(()),
-                    }
-                });
-                self.expect_plain(step, outcome)
-            }
+            Action::Snapshot(s) => self.snapshot(s).await,
+            Action::Teardown(t) => self.teardown(step, t, started, result).await,
+            Action::Metrics(m) => self.metrics(step, m, result).await,
             Action::Parallel(_) | Action::Sequence(_) => Ok(()),
         }
     }
@@ -1554,140 +936,6 @@ impl<'a> Scn<'a> {
         )
     }
 
-    /// Runs `f` on the agent of every pod `name` selects, all at once.
-    async fn each_agent<F, Fut>(&self, name: &str, f: F) -> Result<(), String>
-    where
-        F: Fn(String) -> Fut,
-        Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
-    {
-        let pods: Vec<String> = self.select(name).iter().map(|p| p.name.clone()).collect();
-        if pods.is_empty() {
-            return Err(format!("no pod named {name}"));
-        }
-        all_at_once(pods, |p| format!("the agent of pod {p}"), f).await
-    }
-
-    /// A tensor broadcast's group (expanded) and the addresses of the pods
-    /// its `ips` names.
-    async fn quorum(
-        &self,
-        b: Option<&TensorBroadcast>,
-    ) -> Result<(Option<String>, Vec<String>), String> {
-        let Some(b) = b else {
-            return Ok((None, Vec::new()));
-        };
-        let group = b.group.as_deref().map(|g| self.expand(g)).transpose()?;
-        let mut ips = Vec::new();
-        for name in &b.ips {
-            let pods = self.select(name);
-            if pods.is_empty() {
-                return Err(format!("no pod named {name}"));
-            }
-            for p in pods {
-                let ip = self
-                    .target
-                    .pod_ip(&p.name)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                ips.push(ip);
-            }
-        }
-        Ok((group, ips))
-    }
-
-    /// Starts `args` (a `kt tensor put --hold`) in `pod` and waits for its
-    /// `holding` line: the run, and the process when it holds.
-    async fn hold(
-        &self,
-        pod: &PodPlan,
-        args: Result<Vec<String>, String>,
-        auth: Auth,
-        started: Instant,
-    ) -> (PodRun, Option<Holder>) {
-        let t = Instant::now();
-        let run = |args: Vec<String>, out| PodRun {
-            pod: pod.name.clone(),
-            args,
-            out,
-            finished: started.elapsed(),
-        };
-        let args = match args {
-            Ok(a) => a,
-            Err(e) => return (run(vec![], Err(e)), None),
-        };
-        let req = ExecRequest {
-            pod: pod.name.clone(),
-            program: Program::Kt,
-            args: args.clone(),
-            env: Vec::new(),
-            token: self.token_for(auth),
-        };
-        let mut proc = match self.target.spawn(req).await {
-            Ok(p) => p,
-            Err(e) => return (run(args, Err(e.to_string())), None),
-        };
-        let mut stdout = String::new();
-        while let Some(line) = proc.line().await {
-            if tensor::is_holding(&line) {
-                let out = ExecOutput {
-                    status: 0,
-                    stdout,
-                    stderr: String::new(),
-                    duration: t.elapsed(),
-                };
-                let holder = Holder {
-                    pod: pod.name.clone(),
-                    args: args.clone(),
-                    proc,
-                };
-                return (run(args, Ok(out)), Some(holder));
-            }
-            stdout.push_str(&line);
-            stdout.push('\n');
-        }
-        // It ended without holding: its status says why.
-        let out = proc.wait().await.map_err(|e| e.to_string()).and_then(|o| {
-            if o.status == 0 {
-                Err(format!(
-                    "kt exited (0) without printing its `holding` line: {}",
-                    o.stdout.trim()
-                ))
-            } else {
-                Ok(o)
-            }
-        });
-        (run(args, out), None)
-    }
-
-    /// Ends every process still held: TERM, then KILL after a grace period.
-    async fn stop_holders(&self) {
-        let held = std::mem::take(&mut *self.holders.lock().await);
-        let stops = held.into_values().flatten().map(|mut h| async move {
-            let _ = h.proc.signal(Signal::TERM).await;
-            if tokio::time::timeout(HOLDER_GRACE, h.proc.wait())
-                .await
-                .is_err()
-            {
-                let _ = h.proc.signal(Signal::KILL).await;
-                let _ = tokio::time::timeout(HOLDER_GRACE, h.proc.wait()).await;
-            }
-        });
-        join_all(stops).await;
-    }
-
-    /// Runs `f` on every component `name` selects, all at once.
-    async fn each_component<F, Fut>(&self, name: &str, f: F) -> Result<(), String>
-    where
-        F: Fn(Component) -> Fut,
-        Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
-    {
-        let comps = self.components(name);
-        if comps.is_empty() {
-            return Err(format!("no component named {name}"));
-        }
-        all_at_once(comps, Component::to_string, f).await
-    }
-
     fn pod_or_first(&self, name: Option<&str>) -> Result<&PodPlan, String> {
         match name {
             Some(n) => self.select(n).into_iter().next(),
@@ -1700,173 +948,6 @@ impl<'a> Scn<'a> {
         self.client
             .as_ref()
             .ok_or_else(|| "no client for the metadata server".to_owned())
-    }
-
-    async fn verify_tree(
-        &self,
-        pod: &str,
-        path: &Path,
-        want: &[(String, Digest)],
-    ) -> Result<(), String> {
-        let got = digest_off_runtime(path.to_owned())
-            .await
-            .map_err(|e| format!("{pod}: {e}"))?;
-        if want.iter().any(|(_, d)| d.hex == got.hex) {
-            return Ok(());
-        }
-        let names: Vec<&str> = want.iter().map(|(n, _)| n.as_str()).collect();
-        Err(format!(
-            "{pod}: {} ({} files, {} bytes) does not equal data set {} ({} files, {} bytes)",
-            path.display(),
-            got.files,
-            got.bytes,
-            names.join(" or "),
-            want[0].1.files,
-            want[0].1.bytes
-        ))
-    }
-
-    async fn condition(&self, c: &Condition) -> Result<bool, String> {
-        match c {
-            Condition::Ready(name) => {
-                for comp in self.components(name) {
-                    let ok = match self.target.component_url(&comp) {
-                        Some(url) => self
-                            .http
-                            .get(format!("{url}/readyz"))
-                            .send()
-                            .await
-                            .map(|r| r.status().is_success())
-                            .unwrap_or(false),
-                        None => self.target.ready(&comp).await.map_err(|e| e.to_string())?,
-                    };
-                    if !ok {
-                        return Ok(false);
-                    }
-                }
-                Ok(true)
-            }
-            Condition::Key(k) | Condition::NoKey(k) => {
-                let key = Key::parse(&self.expand(k)?).map_err(|e| e.to_string())?;
-                let exists = match self.client()?.stat(&key).await {
-                    Ok(_) => true,
-                    Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => false,
-                    Err(e) => return Err(e.to_string()),
-                };
-                Ok(exists == matches!(c, Condition::Key(_)))
-            }
-            Condition::Metric(m) => {
-                let comp = self
-                    .components(&m.component)
-                    .into_iter()
-                    .next()
-                    .ok_or_else(|| format!("no component named {}", m.component))?;
-                let text = self.metrics_of(&comp).await?;
-                Ok(metric_sum(&text, &m.name) >= m.at_least.0 as f64)
-            }
-            Condition::Leases(n) => {
-                let list: kt_types::api::LeaseList = self.meta_json("leases").await?;
-                Ok(list.leases.len() <= *n)
-            }
-            Condition::Peers(p) => {
-                let key = Key::parse(&self.expand(&p.key)?).map_err(|e| e.to_string())?;
-                let r = self.client()?.stat(&key).await.map_err(|e| e.to_string())?;
-                Ok(r.peers.len() >= p.at_least)
-            }
-            Condition::Members(m) => {
-                let group = self.expand(&m.group)?;
-                // A group nobody joined yet is unknown: not there yet.
-                Ok(self
-                    .group_info(&group)
-                    .await
-                    .is_ok_and(|g| g.members.len() >= m.at_least))
-            }
-        }
-    }
-
-    async fn assert(&self, a: &crate::format::AssertStep) -> Result<(), String> {
-        let mut errs = Vec::new();
-        if let Some(p) = &a.prefix {
-            let keys = self.keys_below(&self.expand(p)?).await?;
-            if let Some(n) = a.count
-                && keys.len() != n
-            {
-                errs.push(format!(
-                    "{} keys below `{}`, expected {n}: {keys:?}",
-                    keys.len(),
-                    self.expand(p)?
-                ));
-            }
-        }
-        for (list, want) in [(&a.exists, true), (&a.absent, false)] {
-            for k in list {
-                let key = Key::parse(&self.expand(k)?).map_err(|e| e.to_string())?;
-                let found = match self.client()?.stat(&key).await {
-                    Ok(_) => true,
-                    Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => false,
-                    Err(e) => return Err(e.to_string()),
-                };
-                if found != want {
-                    errs.push(format!(
-                        "key {key} {}",
-                        if want { "is missing" } else { "still exists" }
-                    ));
-                }
-            }
-        }
-        if let Some(f) = &a.files {
-            let want = self.digest_of_set(&f.data).await?;
-            for p in self.select(&f.pod) {
-                let ctx = self.ctx.for_pod(&p.name, p.index);
-                let rel = ctx.expand(&f.path).map_err(|e| e.to_string())?;
-                if let Err(e) = self.target.fetch(&p.name, Path::new(&rel)).await {
-                    errs.push(e.to_string());
-                    continue;
-                }
-                let path = self.target.pod_dir(&p.name).join(rel);
-                if let Err(e) = self
-                    .verify_tree(&p.name, &path, &[(f.data.clone(), want.clone())])
-                    .await
-                {
-                    errs.push(e);
-                }
-            }
-        }
-        if errs.is_empty() {
-            Ok(())
-        } else {
-            Err(errs.join("; "))
-        }
-    }
-
-    /// Every key below `prefix`, walking the listing level by level.
-    async fn keys_below(&self, prefix: &str) -> Result<Vec<String>, String> {
-        Ok(self
-            .records_below(prefix)
-            .await?
-            .into_iter()
-            .map(|r| r.key.to_string())
-            .collect())
-    }
-
-    async fn records_below(&self, prefix: &str) -> Result<Vec<kt_types::KeyRecord>, String> {
-        let client = self.client()?;
-        let mut todo = vec![prefix.to_owned()];
-        let mut out = Vec::new();
-        while let Some(p) = todo.pop() {
-            let prefix = KeyPrefix::parse(&p).map_err(|e| e.to_string())?;
-            let list = client.ls(&prefix).await.map_err(|e| e.to_string())?;
-            for e in list.entries {
-                if let Some(r) = e.record {
-                    out.push(r);
-                }
-                if e.has_children {
-                    todo.push(e.key);
-                }
-            }
-        }
-        out.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
-        Ok(out)
     }
 
     /// The scenario's snapshot: every step's outcome and what was recorded.
@@ -1885,35 +966,6 @@ impl<'a> Scn<'a> {
     }
 }
 
-/// Runs `f` on every item at once: a kill or restart of a pod group hits
-/// its pods together, as a node failure would, rather than one after
-/// another (on slow targets a group's last pod would otherwise be hit long
-/// after its first). Every run finishes; the first error, named by `what`,
-/// is the outcome.
-async fn all_at_once<T, F, Fut>(
-    items: Vec<T>,
-    what: impl Fn(&T) -> String,
-    f: F,
-) -> Result<(), String>
-where
-    F: Fn(T) -> Fut,
-    Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
-{
-    let runs = items.into_iter().map(|item| {
-        let what = what(&item);
-        f(item).map(move |r| r.map_err(|e| format!("{what}: {e}")))
-    });
-    join_all(runs).await.into_iter().collect()
-}
-
-/// Hashes a tree on a blocking thread, so polls and kills in parallel steps
-/// are not held up by it.
-async fn digest_off_runtime(path: PathBuf) -> Result<Digest, String> {
-    tokio::task::spawn_blocking(move || data::digest(&path).map_err(|e| e.to_string()))
-        .await
-        .map_err(|e| format!("digest task: {e}"))?
-}
-
 /// `3.10` after `3.9`; `finally.1` after every numbered step.
 fn index_order(i: &str) -> Vec<u64> {
     let mut v: Vec<u64> = Vec::new();
@@ -1924,60 +976,6 @@ fn index_order(i: &str) -> Vec<u64> {
         }
     }
     v
-}
-
-/// The pods and outputs of the runs that exited 0.
-fn ok_outputs(runs: &[PodRun]) -> impl Iterator<Item = (&str, &ExecOutput)> {
-    runs.iter().filter_map(|r| match &r.out {
-        Ok(o) if o.status == 0 => Some((r.pod.as_str(), o)),
-        _ => None,
-    })
-}
-
-/// The record of a `kt tensor` step: what `record` makes of the JSON
-/// summaries its successful runs printed (none when no run succeeded).
-fn summaries_record<T: serde::de::DeserializeOwned>(
-    runs: &[PodRun],
-    record: impl FnOnce(&[T]) -> Value,
-) -> Result<Option<Value>, String> {
-    let outs = ok_outputs(runs)
-        .map(|(pod, o)| tensor::summary(&o.stdout).map_err(|e| format!("{pod}: {e}")))
-        .collect::<Result<Vec<T>, String>>()?;
-    Ok((!outs.is_empty()).then(|| record(&outs)))
-}
-
-/// The observable result of puts/gets: one summary, or totals over pods.
-fn transfer_record(sums: &[TransferSummary]) -> Value {
-    match sums {
-        [s] => json!({
-            "files": s.files,
-            "files_sent": s.stats.files_sent,
-            "bytes_sent": s.stats.bytes_sent,
-            "bytes_skipped": s.stats.bytes_skipped,
-            "unchanged": s.unchanged,
-        }),
-        many => json!({
-            "pods": many.len(),
-            "files": many.iter().map(|s| s.files).max().unwrap_or(0),
-            "files_sent_total": many.iter().map(|s| s.stats.files_sent).sum::<u64>(),
-            "bytes_sent_total": many.iter().map(|s| s.stats.bytes_sent).sum::<u64>(),
-        }),
-    }
-}
-
-fn listing(entries: &[ListEntry]) -> Value {
-    Value::Array(
-        entries
-            .iter()
-            .map(|e| {
-                let mut v = json!({ "name": e.name, "key": e.key, "has_children": e.has_children });
-                if let Some(r) = &e.record {
-                    v["record"] = serde_json::to_value(r).unwrap_or(Value::Null);
-                }
-                v
-            })
-            .collect(),
-    )
 }
 
 /// What one step's action produced beside success or failure.

@@ -117,6 +117,21 @@ impl Scn<'_> {
             .map_err(|e| format!("{c}: {e}"))
     }
 
+    /// Whether a component is ready: its `/readyz` over HTTP where the
+    /// runner reaches it (unreachable: not ready), else as the target says.
+    pub(super) async fn ready(&self, comp: &Component) -> Result<bool, String> {
+        Ok(match self.target.component_url(comp) {
+            Some(url) => self
+                .http
+                .get(format!("{url}/readyz"))
+                .send()
+                .await
+                .map(|r| r.status().is_success())
+                .unwrap_or(false),
+            None => self.target.ready(comp).await.map_err(|e| e.to_string())?,
+        })
+    }
+
     /// A component's `/metrics`: over HTTP where the runner reaches it,
     /// else through the target (a cluster's pods).
     pub(super) async fn metrics_of(&self, c: &Component) -> Result<String, String> {

@@ -1,0 +1,196 @@
+//! Checking steps: `assert`, `snapshot` and `metrics`, and the digests
+//! that verify what pods received.
+
+use std::path::{Path, PathBuf};
+
+use kt_types::{Key, KeyPrefix};
+
+use super::transfer::listing;
+use super::{Scn, StepResult};
+use crate::data::{self, Digest};
+use crate::format::{MetricsStep, SnapshotStep, Step};
+
+impl Scn<'_> {
+    pub(super) async fn assert(&self, a: &crate::format::AssertStep) -> Result<(), String> {
+        let mut errs = Vec::new();
+        if let Some(p) = &a.prefix {
+            let keys = self.keys_below(&self.expand(p)?).await?;
+            if let Some(n) = a.count
+                && keys.len() != n
+            {
+                errs.push(format!(
+                    "{} keys below `{}`, expected {n}: {keys:?}",
+                    keys.len(),
+                    self.expand(p)?
+                ));
+            }
+        }
+        for (list, want) in [(&a.exists, true), (&a.absent, false)] {
+            for k in list {
+                let key = Key::parse(&self.expand(k)?).map_err(|e| e.to_string())?;
+                let found = match self.client()?.stat(&key).await {
+                    Ok(_) => true,
+                    Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => false,
+                    Err(e) => return Err(e.to_string()),
+                };
+                if found != want {
+                    errs.push(format!(
+                        "key {key} {}",
+                        if want { "is missing" } else { "still exists" }
+                    ));
+                }
+            }
+        }
+        if let Some(f) = &a.files {
+            let want = self.digest_of_set(&f.data).await?;
+            for p in self.select(&f.pod) {
+                let ctx = self.ctx.for_pod(&p.name, p.index);
+                let rel = ctx.expand(&f.path).map_err(|e| e.to_string())?;
+                if let Err(e) = self.target.fetch(&p.name, Path::new(&rel)).await {
+                    errs.push(e.to_string());
+                    continue;
+                }
+                let path = self.target.pod_dir(&p.name).join(rel);
+                if let Err(e) = self
+                    .verify_tree(&p.name, &path, &[(f.data.clone(), want.clone())])
+                    .await
+                {
+                    errs.push(e);
+                }
+            }
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(errs.join("; "))
+        }
+    }
+
+    /// `snapshot`: records a listing, or the metadata server's state.
+    pub(super) async fn snapshot(&self, s: &SnapshotStep) -> Result<(), String> {
+        let v = if s.metadata {
+            self.metadata_dump().await?
+        } else {
+            let prefix = KeyPrefix::parse(&self.expand(s.ls.as_deref().unwrap_or(""))?)
+                .map_err(|e| e.to_string())?;
+            let list = self
+                .client()?
+                .ls(&prefix)
+                .await
+                .map_err(|e| e.to_string())?;
+            listing(&list.entries)
+        };
+        if let Ok(mut rec) = self.records.lock() {
+            rec.insert(s.name.clone(), v);
+        }
+        Ok(())
+    }
+
+    /// `metrics`: the spread of a metric over a component's instances,
+    /// checked against `at_most`.
+    pub(super) async fn metrics(
+        &self,
+        step: &Step,
+        m: &MetricsStep,
+        result: &mut StepResult,
+    ) -> Result<(), String> {
+        let outcome = self.spread(m).await.and_then(|(spread, record)| {
+            result.record = Some(record);
+            match m.at_most {
+                Some(max) if spread.max > max.0 as f64 => Err(format!(
+                    "{} of {}: the largest is {} ({}, > {}); {} instances, median {}, smallest {}",
+                    m.name,
+                    m.component,
+                    spread.max,
+                    spread.largest,
+                    max.0,
+                    spread.count,
+                    spread.median,
+                    spread.min
+                )),
+                _ => Ok(()),
+            }
+        });
+        self.expect_plain(step, outcome)
+    }
+
+    pub(super) async fn verify_tree(
+        &self,
+        pod: &str,
+        path: &Path,
+        want: &[(String, Digest)],
+    ) -> Result<(), String> {
+        let got = digest_off_runtime(path.to_owned())
+            .await
+            .map_err(|e| format!("{pod}: {e}"))?;
+        if want.iter().any(|(_, d)| d.hex == got.hex) {
+            return Ok(());
+        }
+        let names: Vec<&str> = want.iter().map(|(n, _)| n.as_str()).collect();
+        Err(format!(
+            "{pod}: {} ({} files, {} bytes) does not equal data set {} ({} files, {} bytes)",
+            path.display(),
+            got.files,
+            got.bytes,
+            names.join(" or "),
+            want[0].1.files,
+            want[0].1.bytes
+        ))
+    }
+
+    pub(super) async fn digest_of_set(&self, name: &str) -> Result<Digest, String> {
+        if let Some(d) = self.digests.lock().ok().and_then(|m| m.get(name).cloned()) {
+            return Ok(d);
+        }
+        let path = self
+            .data
+            .get(name)
+            .ok_or_else(|| format!("no data set {name}"))?;
+        let d = digest_off_runtime(path.clone()).await?;
+        if let Ok(mut m) = self.digests.lock() {
+            m.insert(name.to_owned(), d.clone());
+        }
+        Ok(d)
+    }
+
+    /// Every key below `prefix`, walking the listing level by level.
+    async fn keys_below(&self, prefix: &str) -> Result<Vec<String>, String> {
+        Ok(self
+            .records_below(prefix)
+            .await?
+            .into_iter()
+            .map(|r| r.key.to_string())
+            .collect())
+    }
+
+    pub(super) async fn records_below(
+        &self,
+        prefix: &str,
+    ) -> Result<Vec<kt_types::KeyRecord>, String> {
+        let client = self.client()?;
+        let mut todo = vec![prefix.to_owned()];
+        let mut out = Vec::new();
+        while let Some(p) = todo.pop() {
+            let prefix = KeyPrefix::parse(&p).map_err(|e| e.to_string())?;
+            let list = client.ls(&prefix).await.map_err(|e| e.to_string())?;
+            for e in list.entries {
+                if let Some(r) = e.record {
+                    out.push(r);
+                }
+                if e.has_children {
+                    todo.push(e.key);
+                }
+            }
+        }
+        out.sort_by(|a, b| a.key.as_str().cmp(b.key.as_str()));
+        Ok(out)
+    }
+}
+
+/// Hashes a tree on a blocking thread, so polls and kills in parallel steps
+/// are not held up by it.
+async fn digest_off_runtime(path: PathBuf) -> Result<Digest, String> {
+    tokio::task::spawn_blocking(move || data::digest(&path).map_err(|e| e.to_string()))
+        .await
+        .map_err(|e| format!("digest task: {e}"))?
+}
