@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 use serde_json::json;
 
-use super::{Scn, StepResult};
+use super::{Scn, StepError, StepResult};
 use crate::format::{Auth, ErrorClass, ExecStep, Step};
 use crate::target::{ExecOutput, ExecRequest, PodPlan, Program};
 use crate::template::Context;
@@ -38,7 +38,7 @@ impl Invocation<'static> {
 pub(super) struct PodRun {
     pub(super) pod: String,
     pub(super) args: Vec<String>,
-    pub(super) out: Result<ExecOutput, String>,
+    pub(super) out: Result<ExecOutput, StepError>,
     pub(super) finished: Duration,
 }
 
@@ -54,7 +54,7 @@ impl PodRun {
     pub(super) fn message(&self) -> String {
         match &self.out {
             Ok(o) => o.stderr.trim().to_owned(),
-            Err(e) => e.clone(),
+            Err(e) => e.to_string(),
         }
     }
 }
@@ -68,7 +68,7 @@ impl Scn<'_> {
         e: &ExecStep,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let pods = self.select(&e.pod);
         let program = if e.program.as_deref() == Some("sh") {
             Program::Shell
@@ -83,27 +83,20 @@ impl Scn<'_> {
                     auth: e.auth,
                     env: &e.env,
                 },
-                |_, ctx| {
-                    e.args
-                        .iter()
-                        .map(|a| ctx.expand(a).map_err(|e| e.to_string()))
-                        .collect()
-                },
+                |_, ctx| e.args.iter().map(|a| Ok(ctx.expand(a)?)).collect(),
                 started,
                 &result.index,
             )
             .await;
         self.settle(step, &runs, result)?;
         if let Some(re) = &e.stdout {
-            let re = regex::Regex::new(re).map_err(|e| e.to_string())?;
+            let re = regex::Regex::new(re).map_err(|e| StepError::Input(e.to_string()))?;
             for run in &runs {
                 if let Ok(o) = &run.out
                     && !re.is_match(&o.stdout)
                 {
-                    return Err(format!(
-                        "{}: stdout does not match /{re}/: {}",
-                        run.pod, o.stdout
-                    ));
+                    let why = format!("stdout does not match /{re}/: {}", o.stdout);
+                    return Err(StepError::at(&run.pod, StepError::Check(why)));
                 }
             }
         }
@@ -119,7 +112,7 @@ impl Scn<'_> {
         &self,
         pods: &[&PodPlan],
         how: Invocation<'_>,
-        args: impl Fn(&PodPlan, &Context) -> Result<Vec<String>, String>,
+        args: impl Fn(&PodPlan, &Context) -> Result<Vec<String>, StepError>,
         started: Instant,
         index: &str,
     ) -> Vec<PodRun> {
@@ -146,7 +139,7 @@ impl Scn<'_> {
                             env,
                             token: self.token_for(how.auth),
                         };
-                        let out = self.target.exec(req).await.map_err(|e| e.to_string());
+                        let out = self.target.exec(req).await.map_err(StepError::from);
                         (args, out)
                     }
                 };

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use futures::future::{FutureExt, join_all};
 
 use super::exec::PodRun;
-use super::{Scn, StepResult};
+use super::{Scn, StepError, StepResult};
 use crate::format::{KillStep, RestartStep, Signal, Step, StopStep, Victim};
 use crate::target::Component;
 
@@ -15,7 +15,7 @@ const HOLDER_GRACE: Duration = Duration::from_secs(10);
 
 impl Scn<'_> {
     /// `kill`: signals a component or a pod's agent.
-    pub(super) async fn kill(&self, step: &Step, k: &KillStep) -> Result<(), String> {
+    pub(super) async fn kill(&self, step: &Step, k: &KillStep) -> Result<(), StepError> {
         let outcome = match k.victim() {
             Ok(Victim::Component(name)) => {
                 self.each_component(
@@ -30,13 +30,13 @@ impl Scn<'_> {
                 })
                 .await
             }
-            Err(e) => Err(e.to_owned()),
+            Err(e) => Err(StepError::Input(e.to_owned())),
         };
         self.expect_plain(step, outcome)
     }
 
     /// `restart`: signals a component or a pod's agent and starts it again.
-    pub(super) async fn restart(&self, step: &Step, r: &RestartStep) -> Result<(), String> {
+    pub(super) async fn restart(&self, step: &Step, r: &RestartStep) -> Result<(), StepError> {
         let sig = r.signal.unwrap_or(Signal::TERM);
         let outcome = match r.victim() {
             Ok(Victim::Component(name)) => {
@@ -53,7 +53,7 @@ impl Scn<'_> {
                 })
                 .await
             }
-            Err(e) => Err(e.to_owned()),
+            Err(e) => Err(StepError::Input(e.to_owned())),
         };
         self.expect_plain(step, outcome)
     }
@@ -65,14 +65,16 @@ impl Scn<'_> {
         st: &StopStep,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let sig = st.signal.unwrap_or(Signal::TERM);
         let held = self
             .holders
             .lock()
             .await
             .remove(&st.holder)
-            .ok_or_else(|| format!("no process is held as `{}` (any more)", st.holder))?;
+            .ok_or_else(|| {
+                StepError::Input(format!("no process is held as `{}` (any more)", st.holder))
+            })?;
         let runs = join_all(held.into_iter().map(|mut h| async move {
             let t = Instant::now();
             let out = async {
@@ -88,7 +90,7 @@ impl Scn<'_> {
                 o.duration = t.elapsed();
                 o
             })
-            .map_err(|e| e.to_string());
+            .map_err(StepError::from);
             PodRun {
                 pod: h.pod,
                 args: h.args,
@@ -117,27 +119,27 @@ impl Scn<'_> {
     }
 
     /// Runs `f` on every component `name` selects, all at once.
-    async fn each_component<F, Fut>(&self, name: &str, f: F) -> Result<(), String>
+    async fn each_component<F, Fut>(&self, name: &str, f: F) -> Result<(), StepError>
     where
         F: Fn(Component) -> Fut,
         Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
     {
         let comps = self.components(name);
         if comps.is_empty() {
-            return Err(format!("no component named {name}"));
+            return Err(StepError::Input(format!("no component named {name}")));
         }
         all_at_once(comps, Component::to_string, f).await
     }
 
     /// Runs `f` on the agent of every pod `name` selects, all at once.
-    async fn each_agent<F, Fut>(&self, name: &str, f: F) -> Result<(), String>
+    async fn each_agent<F, Fut>(&self, name: &str, f: F) -> Result<(), StepError>
     where
         F: Fn(String) -> Fut,
         Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
     {
         let pods: Vec<String> = self.select(name).iter().map(|p| p.name.clone()).collect();
         if pods.is_empty() {
-            return Err(format!("no pod named {name}"));
+            return Err(StepError::Input(format!("no pod named {name}")));
         }
         all_at_once(pods, |p| format!("the agent of pod {p}"), f).await
     }
@@ -152,14 +154,14 @@ async fn all_at_once<T, F, Fut>(
     items: Vec<T>,
     what: impl Fn(&T) -> String,
     f: F,
-) -> Result<(), String>
+) -> Result<(), StepError>
 where
     F: Fn(T) -> Fut,
     Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
 {
     let runs = items.into_iter().map(|item| {
         let what = what(&item);
-        f(item).map(move |r| r.map_err(|e| format!("{what}: {e}")))
+        f(item).map(move |r| r.map_err(|e| StepError::at(what, e)))
     });
     join_all(runs).await.into_iter().collect()
 }

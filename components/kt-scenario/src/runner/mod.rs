@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::data::{self, Digest};
 use crate::format::{Action, Auth, Condition, ErrorClass, Expect, Signal, Step, Victim};
 use crate::live::Live;
-use crate::report::{PodResult, RunReport, ScenarioReport, Status, StepReport};
+use crate::report::{BudgetCheck, PodResult, RunReport, ScenarioReport, Status, StepReport};
 use crate::snapshot::{Redactor, Snapshots};
 use crate::target::{Component, Plan, PodPlan, Target, parse_link};
 use crate::template::Context;
@@ -23,6 +23,7 @@ use crate::validate::Loaded;
 
 mod budget;
 mod check;
+mod error;
 mod exec;
 mod fault;
 mod probe;
@@ -30,6 +31,7 @@ mod tensors;
 mod transfer;
 mod wait;
 
+use error::{StepError, check_expect};
 use exec::PodRun;
 use tensors::Holder;
 
@@ -259,7 +261,7 @@ impl Runner {
                     let body = async {
                         for (i, step) in l.scenario.steps.iter().enumerate() {
                             if let Err(e) = s.step(format!("{}", i + 1), step).await {
-                                return Some(e);
+                                return Some(e.to_string());
                             }
                         }
                         None
@@ -281,7 +283,7 @@ impl Runner {
                             if let Err(e) = s.step(format!("finally.{}", i + 1), step).await
                                 && failure.is_none()
                             {
-                                failure = Some(e);
+                                failure = Some(e.to_string());
                             }
                         }
                     }
@@ -371,7 +373,7 @@ impl Runner {
             // Bounded: the metadata server may be the thing that is wedged.
             let state = tokio::time::timeout(DUMP_TIMEOUT, s.metadata_dump())
                 .await
-                .unwrap_or_else(|_| Err("timed out".into()));
+                .unwrap_or_else(|_| Err(StepError::Probe("timed out".into())));
             match state {
                 Ok(v) => {
                     let _ = std::fs::write(
@@ -505,40 +507,6 @@ struct Scn<'a> {
     holders: tokio::sync::Mutex<BTreeMap<String, Vec<Holder>>>,
 }
 
-/// Checks one outcome against the expectation; Err says why not.
-fn check_expect(expect: &Expect, class: Option<ErrorClass>, message: &str) -> Result<(), String> {
-    match (expect, class) {
-        (Expect::Ok, None) => Ok(()),
-        (Expect::Ok, Some(c)) => Err(format!("failed ({}): {message}", class_name(c))),
-        (Expect::Error { .. }, None) => Err("succeeded, but an error was expected".into()),
-        (Expect::Error { code, message: re }, Some(c)) => {
-            if !code.accepts(c) {
-                return Err(format!(
-                    "failed with {} where {} was expected: {message}",
-                    class_name(c),
-                    class_name(*code)
-                ));
-            }
-            if let Some(re) = re {
-                let ok = regex::Regex::new(re)
-                    .map(|r| r.is_match(message))
-                    .unwrap_or(false);
-                if !ok {
-                    return Err(format!("error message does not match /{re}/: {message}"));
-                }
-            }
-            Ok(())
-        }
-    }
-}
-
-fn class_name(c: ErrorClass) -> String {
-    serde_json::to_value(c)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_owned))
-        .unwrap_or_default()
-}
-
 impl<'a> Scn<'a> {
     fn new(
         runner: &'a Runner,
@@ -611,8 +579,8 @@ impl<'a> Scn<'a> {
         }
     }
 
-    fn expand(&self, s: &str) -> Result<String, String> {
-        self.ctx.expand(s).map_err(|e| e.to_string())
+    fn expand(&self, s: &str) -> Result<String, StepError> {
+        Ok(self.ctx.expand(s)?)
     }
 
     fn token_for(&self, auth: Auth) -> Option<String> {
@@ -624,7 +592,7 @@ impl<'a> Scn<'a> {
     }
 
     /// One step (and, for groups, its children). Err: the step failed.
-    fn step(&'a self, index: String, step: &'a Step) -> BoxFuture<'a, Result<(), String>> {
+    fn step(&'a self, index: String, step: &'a Step) -> BoxFuture<'a, Result<(), StepError>> {
         async move {
             let label = self.describe(step);
             self.runner.live.step_start(&index, &label);
@@ -649,7 +617,7 @@ impl<'a> Scn<'a> {
                             .iter()
                             .enumerate()
                             .map(|(i, c)| self.step(format!("{index}.{}", i + 1), c));
-                        let errs: Vec<String> = join_all(runs)
+                        let errs: Vec<StepError> = join_all(runs)
                             .await
                             .into_iter()
                             .filter_map(Result::err)
@@ -657,7 +625,7 @@ impl<'a> Scn<'a> {
                         if errs.is_empty() {
                             Ok(())
                         } else {
-                            Err(errs.join("; "))
+                            Err(StepError::Several(errs))
                         }
                     }
                     Action::Sequence(children) => {
@@ -671,10 +639,7 @@ impl<'a> Scn<'a> {
             };
             let r = match tokio::time::timeout(limit, run).await {
                 Ok(r) => r,
-                Err(_) => Err(format!(
-                    "timed out after {}",
-                    humantime::format_duration(limit)
-                )),
+                Err(_) => Err(StepError::Timeout(limit)),
             };
             let duration = started.elapsed();
             let mut r = r;
@@ -699,24 +664,15 @@ impl<'a> Scn<'a> {
                     report.pods.iter().map(|p| p.duration_ms).collect()
                 };
                 report.budgets = budget_checks(b, &durations);
-                let broken: Vec<String> = report
-                    .budgets
-                    .iter()
-                    .filter(|c| !c.ok)
-                    .map(|c| {
-                        format!(
-                            "budget {} {:.0}ms broken: {:.0}ms",
-                            c.kind, c.limit_ms, c.actual_ms
-                        )
-                    })
-                    .collect();
+                let broken: Vec<BudgetCheck> =
+                    report.budgets.iter().filter(|c| !c.ok).cloned().collect();
                 if r.is_ok() && !broken.is_empty() {
-                    r = Err(broken.join(", "));
+                    r = Err(StepError::Budget(broken));
                 }
             }
             if let Err(e) = &r {
                 report.status = Status::Failed;
-                report.error = Some(e.clone());
+                report.error = Some(e.to_string());
                 if let Ok(mut c) = self.context.lock() {
                     c.push(format!(
                         "step {index} ({label}) failed: {e}\n{}",
@@ -727,7 +683,7 @@ impl<'a> Scn<'a> {
             self.runner.live.step_end(&report);
             // The snapshot sees the outcome, not the timing.
             let outcome = match (&r, &step.expect) {
-                (Err(e), _) => json!({ "failed": self.redactor.string(e) }),
+                (Err(e), _) => json!({ "failed": self.redactor.string(&e.to_string()) }),
                 (Ok(()), Expect::Ok) => json!("ok"),
                 (Ok(()), Expect::Error { code, .. }) => json!({ "error": code }),
             };
@@ -836,9 +792,14 @@ impl<'a> Scn<'a> {
 
     /// Checks the commands' outcomes against the step's expectation and
     /// fills the per-pod part of the result.
-    fn settle(&self, step: &Step, runs: &[PodRun], result: &mut StepResult) -> Result<(), String> {
+    fn settle(
+        &self,
+        step: &Step,
+        runs: &[PodRun],
+        result: &mut StepResult,
+    ) -> Result<(), StepError> {
         result.ran_commands = true;
-        let mut errors = Vec::new();
+        let mut failed = Vec::new();
         // The operation spans from the first command's start to the last
         // one's exit: with many pods, their commands compete for the cores
         // and start one after another, which is part of the operation.
@@ -854,10 +815,14 @@ impl<'a> Scn<'a> {
             result.op = last_end.saturating_sub(first_start.unwrap_or_default());
             let checked = check_expect(&step.expect, run.class(), &run.message());
             if let Err(e) = &checked {
-                errors.push(format!("{}: {e}", run.pod));
+                failed.push((run.pod.clone(), e.clone()));
+                let error;
                 let (stdout, stderr) = match &run.out {
                     Ok(o) => (o.stdout.as_str(), o.stderr.as_str()),
-                    Err(e) => ("", e.as_str()),
+                    Err(e) => {
+                        error = e.to_string();
+                        ("", error.as_str())
+                    }
                 };
                 result.context.push_str(&format!(
                     "--- pod {}: {}\nstdout:\n{stdout}\nstderr:\n{stderr}\n",
@@ -871,7 +836,7 @@ impl<'a> Scn<'a> {
                 duration_ms: ms(d),
                 finished_at_ms: ms(run.finished),
                 exit_code: run.out.as_ref().ok().map(|o| o.status),
-                error: checked.err(),
+                error: checked.err().map(|e| e.to_string()),
                 stdout: run
                     .out
                     .as_ref()
@@ -880,17 +845,13 @@ impl<'a> Scn<'a> {
                     .map(|o| o.stdout.chars().take(1024).collect()),
             });
         }
-        if errors.is_empty() {
+        if failed.is_empty() {
             Ok(())
-        } else if errors.len() > 3 {
-            Err(format!(
-                "{} of {} pods: {}; ...",
-                errors.len(),
-                runs.len(),
-                errors[..3].join("; ")
-            ))
         } else {
-            Err(errors.join("; "))
+            Err(StepError::Pods {
+                failed,
+                pods: runs.len(),
+            })
         }
     }
 
@@ -901,7 +862,7 @@ impl<'a> Scn<'a> {
         step: &Step,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         match &step.action {
             Action::Put(p) => self.put(step, p, started, result).await,
             Action::Get(g) | Action::Broadcast(g) => self.get(step, g, started, result).await,
@@ -927,27 +888,32 @@ impl<'a> Scn<'a> {
     }
 
     /// Checks a non-command outcome against the expectation.
-    fn expect_plain(&self, step: &Step, outcome: Result<(), String>) -> Result<(), String> {
-        let msg = outcome.as_ref().err().cloned().unwrap_or_default();
+    fn expect_plain(&self, step: &Step, outcome: Result<(), StepError>) -> Result<(), StepError> {
+        let msg = outcome
+            .as_ref()
+            .err()
+            .map(ToString::to_string)
+            .unwrap_or_default();
         check_expect(
             &step.expect,
             outcome.err().map(|_| ErrorClass::Failed),
             &msg,
-        )
+        )?;
+        Ok(())
     }
 
-    fn pod_or_first(&self, name: Option<&str>) -> Result<&PodPlan, String> {
+    fn pod_or_first(&self, name: Option<&str>) -> Result<&PodPlan, StepError> {
         match name {
             Some(n) => self.select(n).into_iter().next(),
             None => self.pods.first(),
         }
-        .ok_or_else(|| "the topology has no pod to run kt in".to_owned())
+        .ok_or_else(|| StepError::Input("the topology has no pod to run kt in".to_owned()))
     }
 
-    fn client(&self) -> Result<&Client, String> {
+    fn client(&self) -> Result<&Client, StepError> {
         self.client
             .as_ref()
-            .ok_or_else(|| "no client for the metadata server".to_owned())
+            .ok_or_else(|| StepError::Probe("no client for the metadata server".to_owned()))
     }
 
     /// The scenario's snapshot: every step's outcome and what was recorded.
@@ -996,29 +962,6 @@ struct StepResult {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn expectations() {
-        assert!(check_expect(&Expect::Ok, None, "").is_ok());
-        assert!(
-            check_expect(&Expect::Ok, Some(ErrorClass::Failed), "boom")
-                .unwrap_err()
-                .contains("boom")
-        );
-        let nf = Expect::Error {
-            code: ErrorClass::NotFound,
-            message: Some("no such key".into()),
-        };
-        assert!(check_expect(&nf, Some(ErrorClass::NotFound), "kt: error: no such key x").is_ok());
-        assert!(check_expect(&nf, Some(ErrorClass::NotFound), "other").is_err());
-        assert!(check_expect(&nf, Some(ErrorClass::Invalid), "no such key").is_err());
-        assert!(check_expect(&nf, None, "").is_err());
-        let any = Expect::Error {
-            code: ErrorClass::Any,
-            message: None,
-        };
-        assert!(check_expect(&any, Some(ErrorClass::Unavailable), "x").is_ok());
-    }
 
     #[test]
     fn step_indices_sort_numerically() {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures::StreamExt as _;
 use serde_json::{Value, json};
 
-use super::Scn;
+use super::{Scn, StepError};
 use crate::format::MetricsStep;
 use crate::target::Component;
 
@@ -15,7 +15,7 @@ impl Scn<'_> {
     pub(super) async fn group_info(
         &self,
         group: &str,
-    ) -> Result<kt_types::broadcast::GroupInfo, String> {
+    ) -> Result<kt_types::broadcast::GroupInfo, StepError> {
         self.meta_json(&format!("broadcasts/{group}")).await
     }
 
@@ -23,25 +23,26 @@ impl Scn<'_> {
     pub(super) async fn meta_json<T: serde::de::DeserializeOwned>(
         &self,
         path: &str,
-    ) -> Result<T, String> {
+    ) -> Result<T, StepError> {
         let url = format!("{}/api/v1/{path}", self.target.metadata_url());
+        let failed = |e: reqwest::Error| StepError::Probe(e.to_string());
         self.http
             .get(&url)
             .bearer_auth(&self.token)
             .send()
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(failed)?
             .error_for_status()
-            .map_err(|e| e.to_string())?
+            .map_err(failed)?
             .json()
             .await
-            .map_err(|e| e.to_string())
+            .map_err(failed)
     }
 
     /// A broadcast group's tree as it stands: per rank its parent and
     /// state, in rank order (which pod holds which rank varies from run to
     /// run; the shape does not).
-    pub(super) async fn tree(&self, group: &str) -> Result<Value, String> {
+    pub(super) async fn tree(&self, group: &str) -> Result<Value, StepError> {
         let info = self.group_info(group).await?;
         // Small trees rank by rank; large ones as children per parent.
         if info.members.len() > 16 {
@@ -81,18 +82,20 @@ impl Scn<'_> {
     pub(super) async fn spread(
         &self,
         m: &MetricsStep,
-    ) -> Result<(Spread, serde_json::Value), String> {
+    ) -> Result<(Spread, serde_json::Value), StepError> {
         let comps = self.components(&m.component);
         if comps.is_empty() {
-            return Err(format!("no component named {}", m.component));
+            return Err(StepError::Input(format!(
+                "no component named {}",
+                m.component
+            )));
         }
-        let reads: Vec<_> =
-            comps
-                .iter()
-                .map(|c| async move {
-                    Ok::<_, String>((self.metric_of(c, &m.name).await?, c.to_string()))
-                })
-                .collect();
+        let reads: Vec<_> = comps
+            .iter()
+            .map(|c| async move {
+                Ok::<_, StepError>((self.metric_of(c, &m.name).await?, c.to_string()))
+            })
+            .collect();
         let values: Vec<(f64, String)> = futures::stream::iter(reads)
             .buffer_unordered(16)
             .collect::<Vec<_>>()
@@ -110,16 +113,16 @@ impl Scn<'_> {
         Ok((spread, record))
     }
 
-    async fn metric_of(&self, c: &Component, name: &str) -> Result<f64, String> {
+    async fn metric_of(&self, c: &Component, name: &str) -> Result<f64, StepError> {
         self.metrics_of(c)
             .await
             .map(|text| metric_sum(&text, name))
-            .map_err(|e| format!("{c}: {e}"))
+            .map_err(|e| StepError::at(c, e))
     }
 
     /// Whether a component is ready: its `/readyz` over HTTP where the
     /// runner reaches it (unreachable: not ready), else as the target says.
-    pub(super) async fn ready(&self, comp: &Component) -> Result<bool, String> {
+    pub(super) async fn ready(&self, comp: &Component) -> Result<bool, StepError> {
         Ok(match self.target.component_url(comp) {
             Some(url) => self
                 .http
@@ -128,22 +131,22 @@ impl Scn<'_> {
                 .await
                 .map(|r| r.status().is_success())
                 .unwrap_or(false),
-            None => self.target.ready(comp).await.map_err(|e| e.to_string())?,
+            None => self.target.ready(comp).await?,
         })
     }
 
     /// A component's `/metrics`: over HTTP where the runner reaches it,
     /// else through the target (a cluster's pods).
-    pub(super) async fn metrics_of(&self, c: &Component) -> Result<String, String> {
+    pub(super) async fn metrics_of(&self, c: &Component) -> Result<String, StepError> {
         match self.target.component_url(c) {
             Some(url) => self.metrics_text(&url).await,
-            None => self.target.metrics(c).await.map_err(|e| e.to_string()),
+            None => Ok(self.target.metrics(c).await?),
         }
     }
 
     /// The text of `url`/metrics; a failed request is retried twice (a
     /// busy machine with hundreds of pods drops the odd connection).
-    async fn metrics_text(&self, url: &str) -> Result<String, String> {
+    async fn metrics_text(&self, url: &str) -> Result<String, StepError> {
         let mut attempt = 0;
         loop {
             let res = async {
@@ -159,7 +162,7 @@ impl Scn<'_> {
             .await;
             match res {
                 Ok(text) => return Ok(text),
-                Err(e) if attempt >= 2 => return Err(error_chain(&e)),
+                Err(e) if attempt >= 2 => return Err(StepError::Probe(error_chain(&e))),
                 Err(_) => {
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -169,7 +172,7 @@ impl Scn<'_> {
     }
 
     /// The metadata server's state: every key record and the store.
-    pub(super) async fn metadata_dump(&self) -> Result<Value, String> {
+    pub(super) async fn metadata_dump(&self) -> Result<Value, StepError> {
         let records = self.records_below("").await?;
         let store = self.client()?.store_url().await.ok();
         Ok(json!({ "store": store, "keys": records }))

@@ -8,7 +8,7 @@ use futures::future::join_all;
 use serde_json::Value;
 
 use super::exec::{Invocation, PodRun};
-use super::{Scn, StepResult};
+use super::{Scn, StepError, StepResult};
 use crate::format::{Auth, Step, TensorBroadcast, TensorGetStep, TensorLsStep, TensorPutStep};
 use crate::target::{ExecOutput, ExecRequest, PodPlan, PodProcess, Program};
 use crate::template::Context;
@@ -30,7 +30,7 @@ impl Scn<'_> {
         p: &TensorPutStep,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let pods = self.select(&p.pod);
         let (group, ips) = self.quorum(p.broadcast.as_ref()).await?;
         let layout = self.expand(&p.layout)?;
@@ -39,8 +39,8 @@ impl Scn<'_> {
             group: group.as_deref(),
             ips: &ips,
         };
-        let args = |_: &PodPlan, ctx: &Context| -> Result<Vec<String>, String> {
-            let key = ctx.expand(&p.key).map_err(|e| e.to_string())?;
+        let args = |_: &PodPlan, ctx: &Context| -> Result<Vec<String>, StepError> {
+            let key = ctx.expand(&p.key)?;
             Ok(tensor::put_args(p, &key, resolved))
         };
         let runs = if p.hold {
@@ -83,7 +83,7 @@ impl Scn<'_> {
         g: &TensorGetStep,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let pods = self.select(&g.pod);
         let (group, ips) = self.quorum(g.broadcast.as_ref()).await?;
         let layout = self.expand(&g.layout)?;
@@ -98,8 +98,8 @@ impl Scn<'_> {
                 Invocation::kt(g.auth),
                 |_, ctx| {
                     let keys = (g.all_keys().into_iter())
-                        .map(|k| ctx.expand(k).map_err(|e| e.to_string()))
-                        .collect::<Result<Vec<String>, String>>()?;
+                        .map(|k| ctx.expand(k))
+                        .collect::<Result<Vec<String>, _>>()?;
                     Ok(tensor::get_args(g, &keys, resolved))
                 },
                 started,
@@ -120,7 +120,7 @@ impl Scn<'_> {
         t: &TensorLsStep,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let pods = self.select(&t.pod);
         let runs = self
             .in_pods(
@@ -141,7 +141,8 @@ impl Scn<'_> {
         self.settle(step, &runs, result)?;
         let mut by_pod = serde_json::Map::new();
         for (pod, o) in ok_outputs(&runs) {
-            let regs = tensor::ls_record(&o.stdout).map_err(|e| format!("{pod}: {e}"))?;
+            let regs = tensor::ls_record(&o.stdout)
+                .map_err(|e| StepError::at(pod, StepError::Command(e)))?;
             by_pod.insert(pod.to_owned(), regs);
         }
         result.record = match (pods.len(), by_pod.len()) {
@@ -157,7 +158,7 @@ impl Scn<'_> {
     async fn quorum(
         &self,
         b: Option<&TensorBroadcast>,
-    ) -> Result<(Option<String>, Vec<String>), String> {
+    ) -> Result<(Option<String>, Vec<String>), StepError> {
         let Some(b) = b else {
             return Ok((None, Vec::new()));
         };
@@ -166,14 +167,10 @@ impl Scn<'_> {
         for name in &b.ips {
             let pods = self.select(name);
             if pods.is_empty() {
-                return Err(format!("no pod named {name}"));
+                return Err(StepError::Input(format!("no pod named {name}")));
             }
             for p in pods {
-                let ip = self
-                    .target
-                    .pod_ip(&p.name)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let ip = self.target.pod_ip(&p.name).await?;
                 ips.push(ip);
             }
         }
@@ -185,7 +182,7 @@ impl Scn<'_> {
     async fn hold(
         &self,
         pod: &PodPlan,
-        args: Result<Vec<String>, String>,
+        args: Result<Vec<String>, StepError>,
         auth: Auth,
         started: Instant,
     ) -> (PodRun, Option<Holder>) {
@@ -209,7 +206,7 @@ impl Scn<'_> {
         };
         let mut proc = match self.target.spawn(req).await {
             Ok(p) => p,
-            Err(e) => return (run(args, Err(e.to_string())), None),
+            Err(e) => return (run(args, Err(e.into())), None),
         };
         let mut stdout = String::new();
         while let Some(line) = proc.line().await {
@@ -231,12 +228,12 @@ impl Scn<'_> {
             stdout.push('\n');
         }
         // It ended without holding: its status says why.
-        let out = proc.wait().await.map_err(|e| e.to_string()).and_then(|o| {
+        let out = proc.wait().await.map_err(StepError::from).and_then(|o| {
             if o.status == 0 {
-                Err(format!(
+                Err(StepError::Command(format!(
                     "kt exited (0) without printing its `holding` line: {}",
                     o.stdout.trim()
-                ))
+                )))
             } else {
                 Ok(o)
             }
@@ -258,9 +255,11 @@ fn ok_outputs(runs: &[PodRun]) -> impl Iterator<Item = (&str, &ExecOutput)> {
 fn summaries_record<T: serde::de::DeserializeOwned>(
     runs: &[PodRun],
     record: impl FnOnce(&[T]) -> Value,
-) -> Result<Option<Value>, String> {
+) -> Result<Option<Value>, StepError> {
     let outs = ok_outputs(runs)
-        .map(|(pod, o)| tensor::summary(&o.stdout).map_err(|e| format!("{pod}: {e}")))
-        .collect::<Result<Vec<T>, String>>()?;
+        .map(|(pod, o)| {
+            tensor::summary(&o.stdout).map_err(|e| StepError::at(pod, StepError::Command(e)))
+        })
+        .collect::<Result<Vec<T>, _>>()?;
     Ok((!outs.is_empty()).then(|| record(&outs)))
 }

@@ -8,7 +8,7 @@ use kt_types::api::{ListEntry, TransferSummary};
 use serde_json::{Value, json};
 
 use super::exec::{Invocation, PodRun};
-use super::{Scn, StepResult};
+use super::{Scn, StepError, StepResult};
 use crate::data::Digest;
 use crate::format::{Action, Auth, Expect, GetStep, LsStep, PutStep, RmStep, Step, TeardownStep};
 use crate::template::Context;
@@ -21,13 +21,13 @@ impl Scn<'_> {
         p: &PutStep,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let pods = self.select(&p.pod);
         let src = match (&p.data, &p.src) {
             (Some(d), _) => Some(
                 self.data
                     .get(d)
-                    .ok_or_else(|| format!("no data set {d}"))?
+                    .ok_or_else(|| StepError::Input(format!("no data set {d}")))?
                     .clone(),
             ),
             _ => None,
@@ -38,16 +38,15 @@ impl Scn<'_> {
                 Invocation::kt(p.auth),
                 |pod, ctx| {
                     let src = match (&src, &p.src) {
-                        (Some(host), _) => self
-                            .target
-                            .data_path(&pod.name, host)
-                            .map_err(|e| e.to_string())?,
-                        (None, Some(s)) => ctx.expand(s).map_err(|e| e.to_string())?,
-                        (None, None) => return Err("a put needs data or src".into()),
+                        (Some(host), _) => self.target.data_path(&pod.name, host)?,
+                        (None, Some(s)) => ctx.expand(s)?,
+                        (None, None) => {
+                            return Err(StepError::Input("a put needs data or src".into()));
+                        }
                     };
                     let mut a = vec![
                         "put".into(),
-                        ctx.expand(&p.key).map_err(|e| e.to_string())?,
+                        ctx.expand(&p.key)?,
                         "--src".into(),
                         src,
                         "-o".into(),
@@ -85,17 +84,14 @@ impl Scn<'_> {
         g: &GetStep,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let broadcast = matches!(step.action, Action::Broadcast(_));
         let group = g.group.as_deref().map(|t| self.expand(t)).transpose()?;
         let pods = self.select(&g.pod);
-        let dest = |ctx: &Context| -> Result<String, String> {
+        let dest = |ctx: &Context| -> Result<String, StepError> {
             match &g.dest {
-                Some(d) => ctx.expand(d).map_err(|e| e.to_string()),
-                None => Ok(format!(
-                    "get/{}",
-                    key_dir(&ctx.expand(&g.key).map_err(|e| e.to_string())?)
-                )),
+                Some(d) => Ok(ctx.expand(d)?),
+                None => Ok(format!("get/{}", key_dir(&ctx.expand(&g.key)?))),
             }
         };
         let runs = self
@@ -105,7 +101,7 @@ impl Scn<'_> {
                 |_, ctx| {
                     let mut a: Vec<String> = vec![
                         "get".into(),
-                        ctx.expand(&g.key).map_err(|e| e.to_string())?,
+                        ctx.expand(&g.key)?,
                         "--dest".into(),
                         dest(ctx)?,
                         "-o".into(),
@@ -155,10 +151,7 @@ impl Scn<'_> {
             for p in &pods {
                 let ctx = self.ctx.for_pod(&p.name, p.index);
                 let rel = dest(&ctx)?;
-                self.target
-                    .fetch(&p.name, Path::new(&rel))
-                    .await
-                    .map_err(|e| e.to_string())?;
+                self.target.fetch(&p.name, Path::new(&rel)).await?;
                 let path = self.target.pod_dir(&p.name).join(rel);
                 self.verify_tree(&p.name, &path, &want).await?;
             }
@@ -174,7 +167,7 @@ impl Scn<'_> {
         l: &LsStep,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let pod = self.pod_or_first(l.pod.as_deref())?;
         let prefix = self.expand(&l.prefix)?;
         let runs = self
@@ -197,8 +190,9 @@ impl Scn<'_> {
         if let Some(Ok(o)) = runs.first().map(|r| &r.out)
             && o.status == 0
         {
-            let entries: Vec<ListEntry> = serde_json::from_str(&o.stdout)
-                .map_err(|e| format!("unreadable kt ls output ({e}): {}", o.stdout))?;
+            let entries: Vec<ListEntry> = serde_json::from_str(&o.stdout).map_err(|e| {
+                StepError::Command(format!("unreadable kt ls output ({e}): {}", o.stdout))
+            })?;
             result.record = Some(listing(&entries));
         }
         Ok(())
@@ -211,7 +205,7 @@ impl Scn<'_> {
         r: &RmStep,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let pod = self.pod_or_first(r.pod.as_deref())?;
         let key = self.expand(&r.key)?;
         let runs = self
@@ -243,7 +237,7 @@ impl Scn<'_> {
         t: &TeardownStep,
         started: Instant,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let pod = self.pod_or_first(t.pod.as_deref())?;
         let runs = self
             .in_pods(
@@ -266,22 +260,25 @@ impl Scn<'_> {
         &self,
         runs: &[PodRun],
         max_sent: Option<crate::format::Size>,
-    ) -> Result<Vec<TransferSummary>, String> {
+    ) -> Result<Vec<TransferSummary>, StepError> {
         let mut out = Vec::new();
         for run in runs {
             let Ok(o) = &run.out else { continue };
             if o.status != 0 {
                 continue;
             }
-            let s: TransferSummary = serde_json::from_str(o.stdout.trim())
-                .map_err(|e| format!("{}: unreadable kt summary ({e}): {}", run.pod, o.stdout))?;
+            let s: TransferSummary = serde_json::from_str(o.stdout.trim()).map_err(|e| {
+                let why = format!("unreadable kt summary ({e}): {}", o.stdout);
+                StepError::at(&run.pod, StepError::Command(why))
+            })?;
             if let Some(max) = max_sent
                 && s.stats.bytes_sent > max.0
             {
-                return Err(format!(
-                    "{}: sent {} bytes, more than max_sent {}",
-                    run.pod, s.stats.bytes_sent, max
-                ));
+                let why = format!(
+                    "sent {} bytes, more than max_sent {max}",
+                    s.stats.bytes_sent
+                );
+                return Err(StepError::at(&run.pod, StepError::Check(why)));
             }
             out.push(s);
         }

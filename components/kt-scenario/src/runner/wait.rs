@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use kt_types::Key;
 
-use super::{Scn, StepResult, metric_sum};
+use super::{Scn, StepError, StepResult, metric_sum};
 use crate::format::{Condition, Step, WaitStep};
 
 const WAIT_POLL: Duration = Duration::from_millis(20);
@@ -17,7 +17,7 @@ impl Scn<'_> {
         step: &Step,
         w: &WaitStep,
         result: &mut StepResult,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let outcome = loop {
             match self.condition(&w.condition).await {
                 Ok(true) => break Ok(()),
@@ -31,7 +31,7 @@ impl Scn<'_> {
         self.expect_plain(step, outcome)
     }
 
-    async fn condition(&self, c: &Condition) -> Result<bool, String> {
+    async fn condition(&self, c: &Condition) -> Result<bool, StepError> {
         match c {
             Condition::Ready(name) => {
                 for comp in self.components(name) {
@@ -42,11 +42,12 @@ impl Scn<'_> {
                 Ok(true)
             }
             Condition::Key(k) | Condition::NoKey(k) => {
-                let key = Key::parse(&self.expand(k)?).map_err(|e| e.to_string())?;
+                let key =
+                    Key::parse(&self.expand(k)?).map_err(|e| StepError::Input(e.to_string()))?;
                 let exists = match self.client()?.stat(&key).await {
                     Ok(_) => true,
                     Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => false,
-                    Err(e) => return Err(e.to_string()),
+                    Err(e) => return Err(e.into()),
                 };
                 Ok(exists == matches!(c, Condition::Key(_)))
             }
@@ -55,7 +56,9 @@ impl Scn<'_> {
                     .components(&m.component)
                     .into_iter()
                     .next()
-                    .ok_or_else(|| format!("no component named {}", m.component))?;
+                    .ok_or_else(|| {
+                        StepError::Input(format!("no component named {}", m.component))
+                    })?;
                 let text = self.metrics_of(&comp).await?;
                 Ok(metric_sum(&text, &m.name) >= m.at_least.0 as f64)
             }
@@ -64,8 +67,9 @@ impl Scn<'_> {
                 Ok(list.leases.len() <= *n)
             }
             Condition::Peers(p) => {
-                let key = Key::parse(&self.expand(&p.key)?).map_err(|e| e.to_string())?;
-                let r = self.client()?.stat(&key).await.map_err(|e| e.to_string())?;
+                let key = Key::parse(&self.expand(&p.key)?)
+                    .map_err(|e| StepError::Input(e.to_string()))?;
+                let r = self.client()?.stat(&key).await?;
                 Ok(r.peers.len() >= p.at_least)
             }
             Condition::Members(m) => {
