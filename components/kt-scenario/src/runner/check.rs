@@ -27,13 +27,7 @@ impl Scn<'_> {
         }
         for (list, want) in [(&a.exists, true), (&a.absent, false)] {
             for k in list {
-                let key =
-                    Key::parse(&self.expand(k)?).map_err(|e| StepError::Input(e.to_string()))?;
-                let found = match self.client()?.stat(&key).await {
-                    Ok(_) => true,
-                    Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => false,
-                    Err(e) => return Err(e.into()),
-                };
+                let (key, found) = self.key_exists(k).await?;
                 if found != want {
                     errs.push(StepError::Check(format!(
                         "key {key} {}",
@@ -72,8 +66,7 @@ impl Scn<'_> {
         let v = if s.metadata {
             self.metadata_dump().await?
         } else {
-            let prefix = KeyPrefix::parse(&self.expand(s.ls.as_deref().unwrap_or(""))?)
-                .map_err(|e| StepError::Input(e.to_string()))?;
+            let prefix = KeyPrefix::parse(&self.expand(s.ls.as_deref().unwrap_or(""))?)?;
             let list = self.client()?.ls(&prefix).await?;
             listing(&list.entries)
         };
@@ -148,6 +141,17 @@ impl Scn<'_> {
         Ok(d)
     }
 
+    /// Key `k` (a template), and whether the metadata server has it.
+    pub(super) async fn key_exists(&self, k: &str) -> Result<(Key, bool), StepError> {
+        let key = Key::parse(&self.expand(k)?)?;
+        let exists = match self.client()?.stat(&key).await {
+            Ok(_) => true,
+            Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => false,
+            Err(e) => return Err(e.into()),
+        };
+        Ok((key, exists))
+    }
+
     /// Every key below `prefix`, walking the listing level by level.
     async fn keys_below(&self, prefix: &str) -> Result<Vec<String>, StepError> {
         Ok(self
@@ -166,7 +170,7 @@ impl Scn<'_> {
         let mut todo = vec![prefix.to_owned()];
         let mut out = Vec::new();
         while let Some(p) = todo.pop() {
-            let prefix = KeyPrefix::parse(&p).map_err(|e| StepError::Input(e.to_string()))?;
+            let prefix = KeyPrefix::parse(&p)?;
             let list = client.ls(&prefix).await?;
             for e in list.entries {
                 if let Some(r) = e.record {

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use kt_client::ClientError;
+use kt_types::KeyError;
 
 use crate::format::{ErrorClass, Expect};
 use crate::report::BudgetCheck;
@@ -90,6 +91,13 @@ pub(super) enum StepError {
     /// A failure of one pod, component or agent, named by `at`.
     #[error("{at}: {source}")]
     At { at: String, source: Box<StepError> },
+}
+
+/// A key or prefix that does not parse is bad input.
+impl From<KeyError> for StepError {
+    fn from(e: KeyError) -> StepError {
+        StepError::Input(e.to_string())
+    }
 }
 
 impl StepError {

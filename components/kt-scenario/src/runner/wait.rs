@@ -42,13 +42,7 @@ impl Scn<'_> {
                 Ok(true)
             }
             Condition::Key(k) | Condition::NoKey(k) => {
-                let key =
-                    Key::parse(&self.expand(k)?).map_err(|e| StepError::Input(e.to_string()))?;
-                let exists = match self.client()?.stat(&key).await {
-                    Ok(_) => true,
-                    Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => false,
-                    Err(e) => return Err(e.into()),
-                };
+                let (_, exists) = self.key_exists(k).await?;
                 Ok(exists == matches!(c, Condition::Key(_)))
             }
             Condition::Metric(m) => {
@@ -67,8 +61,7 @@ impl Scn<'_> {
                 Ok(list.leases.len() <= *n)
             }
             Condition::Peers(p) => {
-                let key = Key::parse(&self.expand(&p.key)?)
-                    .map_err(|e| StepError::Input(e.to_string()))?;
+                let key = Key::parse(&self.expand(&p.key)?)?;
                 let r = self.client()?.stat(&key).await?;
                 Ok(r.peers.len() >= p.at_least)
             }
