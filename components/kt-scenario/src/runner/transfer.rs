@@ -1,0 +1,325 @@
+//! Transfer steps: `put`, `get`, `broadcast`, `ls`, `rm` and `teardown`,
+//! each a `kt` command in pods, and the records they leave.
+
+use std::path::Path;
+use std::time::Instant;
+
+use kt_types::api::{ListEntry, TransferSummary};
+use serde_json::{Value, json};
+
+use super::exec::{Invocation, PodRun};
+use super::{Scn, StepError, StepResult};
+use crate::data::Digest;
+use crate::format::{Action, Auth, Expect, GetStep, LsStep, PutStep, RmStep, Step, TeardownStep};
+use crate::template::Context;
+
+impl Scn<'_> {
+    /// `put`: `kt put` of a data set or a path in every pod it names.
+    pub(super) async fn put(
+        &self,
+        step: &Step,
+        p: &PutStep,
+        started: Instant,
+        result: &mut StepResult,
+    ) -> Result<(), StepError> {
+        let pods = self.select(&p.pod);
+        let src = match (&p.data, &p.src) {
+            (Some(d), _) => Some(
+                self.data
+                    .get(d)
+                    .ok_or_else(|| StepError::Input(format!("no data set {d}")))?
+                    .clone(),
+            ),
+            _ => None,
+        };
+        let runs = self
+            .in_pods(
+                &pods,
+                Invocation::kt(p.auth),
+                |pod, ctx| {
+                    let src = match (&src, &p.src) {
+                        (Some(host), _) => self.target.data_path(&pod.name, host)?,
+                        (None, Some(s)) => ctx.expand(s)?,
+                        (None, None) => {
+                            return Err(StepError::Input("a put needs data or src".into()));
+                        }
+                    };
+                    let mut a = vec![
+                        "put".into(),
+                        ctx.expand(&p.key)?,
+                        "--src".into(),
+                        src,
+                        "-o".into(),
+                        "json".into(),
+                    ];
+                    if let Some(l) = &p.locale {
+                        a.extend(["--locale".into(), l.clone()]);
+                    }
+                    if let Some(l) = &p.lifespan {
+                        a.extend(["--lifespan".into(), l.clone()]);
+                    }
+                    if let Some(t) = &p.ttl {
+                        a.extend(["--ttl".into(), t.clone()]);
+                    }
+                    if let Some(s) = &p.service {
+                        a.extend(["--service".into(), s.clone()]);
+                    }
+                    Ok(a)
+                },
+                started,
+                &result.index,
+            )
+            .await;
+        self.settle(step, &runs, result)?;
+        let sums = self.summaries(&runs, p.max_sent)?;
+        result.record = Some(transfer_record(&sums));
+        Ok(())
+    }
+
+    /// `get` and `broadcast`: `kt get` in every pod named, then the check of
+    /// what arrived against `verify`.
+    pub(super) async fn get(
+        &self,
+        step: &Step,
+        g: &GetStep,
+        started: Instant,
+        result: &mut StepResult,
+    ) -> Result<(), StepError> {
+        let broadcast = matches!(step.action, Action::Broadcast(_));
+        let group = g.group.as_deref().map(|t| self.expand(t)).transpose()?;
+        let pods = self.select(&g.pod);
+        let dest = |ctx: &Context| -> Result<String, StepError> {
+            match &g.dest {
+                Some(d) => Ok(ctx.expand(d)?),
+                None => Ok(format!("get/{}", key_dir(&ctx.expand(&g.key)?))),
+            }
+        };
+        let runs = self
+            .in_pods(
+                &pods,
+                Invocation::kt(g.auth),
+                |_, ctx| {
+                    let mut a: Vec<String> = vec![
+                        "get".into(),
+                        ctx.expand(&g.key)?,
+                        "--dest".into(),
+                        dest(ctx)?,
+                        "-o".into(),
+                        "json".into(),
+                    ];
+                    if !g.serve {
+                        a.push("--no-serve".into());
+                    }
+                    if broadcast {
+                        a.push("--broadcast".into());
+                        if let Some(grp) = &group {
+                            a.extend(["--group".into(), grp.clone()]);
+                        }
+                        if let Some(f) = g.fanout {
+                            a.extend(["--fanout".into(), f.to_string()]);
+                        }
+                        if let Some(w) = &g.window {
+                            a.extend(["--timeout".into(), w.clone()]);
+                        }
+                    }
+                    Ok(a)
+                },
+                started,
+                &result.index,
+            )
+            .await;
+        self.settle(step, &runs, result)?;
+        let sums = self.summaries(&runs, g.max_sent)?;
+        let mut record = transfer_record(&sums);
+        if broadcast {
+            let groups: std::collections::BTreeSet<&str> = sums
+                .iter()
+                .filter_map(|s| s.broadcast.as_ref().map(|b| b.group.as_str()))
+                .collect();
+            if let Some(grp) = group.as_deref().or(groups.first().copied()) {
+                record["broadcast"] = self.tree(grp).await?;
+            }
+            record["groups"] = json!(groups.len());
+        }
+        result.record = Some(record);
+        if !g.verify.is_empty() && step.expect == Expect::Ok {
+            let t = Instant::now();
+            let mut want: Vec<(String, Digest)> = Vec::new();
+            for n in &g.verify {
+                want.push((n.clone(), self.digest_of_set(n).await?));
+            }
+            for p in &pods {
+                let ctx = self.ctx.for_pod(&p.name, p.index);
+                let rel = dest(&ctx)?;
+                self.target.fetch(&p.name, Path::new(&rel)).await?;
+                let path = self.target.pod_dir(&p.name).join(rel);
+                self.verify_tree(&p.name, &path, &want).await?;
+            }
+            result.verify = t.elapsed();
+        }
+        Ok(())
+    }
+
+    /// `ls`: `kt ls` in one pod, recorded as a listing.
+    pub(super) async fn ls(
+        &self,
+        step: &Step,
+        l: &LsStep,
+        started: Instant,
+        result: &mut StepResult,
+    ) -> Result<(), StepError> {
+        let pod = self.pod_or_first(l.pod.as_deref())?;
+        let prefix = self.expand(&l.prefix)?;
+        let runs = self
+            .in_pods(
+                &[pod],
+                Invocation::kt(l.auth),
+                |_, _| {
+                    Ok(vec![
+                        "ls".into(),
+                        prefix.clone(),
+                        "-o".into(),
+                        "json".into(),
+                    ])
+                },
+                started,
+                &result.index,
+            )
+            .await;
+        self.settle(step, &runs, result)?;
+        if let Some(Ok(o)) = runs.first().map(|r| &r.out)
+            && o.status == 0
+        {
+            let entries: Vec<ListEntry> = serde_json::from_str(&o.stdout).map_err(|e| {
+                StepError::Command(format!("unreadable kt ls output ({e}): {}", o.stdout))
+            })?;
+            result.record = Some(listing(&entries));
+        }
+        Ok(())
+    }
+
+    /// `rm`: `kt rm` in one pod.
+    pub(super) async fn rm(
+        &self,
+        step: &Step,
+        r: &RmStep,
+        started: Instant,
+        result: &mut StepResult,
+    ) -> Result<(), StepError> {
+        let pod = self.pod_or_first(r.pod.as_deref())?;
+        let key = self.expand(&r.key)?;
+        let runs = self
+            .in_pods(
+                &[pod],
+                Invocation::kt(r.auth),
+                |_, _| {
+                    let mut a = vec!["rm".into(), key.clone()];
+                    if r.recursive {
+                        a.push("-r".into());
+                    }
+                    Ok(a)
+                },
+                started,
+                &result.index,
+            )
+            .await;
+        self.settle(step, &runs, result)?;
+        if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
+            result.record = Some(json!({ "stdout": o.stdout.lines().collect::<Vec<_>>() }));
+        }
+        Ok(())
+    }
+
+    /// `teardown`: `kt teardown` of a service in one pod.
+    pub(super) async fn teardown(
+        &self,
+        step: &Step,
+        t: &TeardownStep,
+        started: Instant,
+        result: &mut StepResult,
+    ) -> Result<(), StepError> {
+        let pod = self.pod_or_first(t.pod.as_deref())?;
+        let runs = self
+            .in_pods(
+                &[pod],
+                Invocation::kt(Auth::Valid),
+                |_, _| Ok(vec!["teardown".into(), t.service.clone()]),
+                started,
+                &result.index,
+            )
+            .await;
+        self.settle(step, &runs, result)?;
+        if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
+            result.record = Some(json!({ "stdout": o.stdout.lines().collect::<Vec<_>>() }));
+        }
+        Ok(())
+    }
+
+    /// Transfer summaries of successful put/get runs, checked against `max_sent`.
+    fn summaries(
+        &self,
+        runs: &[PodRun],
+        max_sent: Option<crate::format::Size>,
+    ) -> Result<Vec<TransferSummary>, StepError> {
+        let mut out = Vec::new();
+        for run in runs {
+            let Ok(o) = &run.out else { continue };
+            if o.status != 0 {
+                continue;
+            }
+            let s: TransferSummary = serde_json::from_str(o.stdout.trim()).map_err(|e| {
+                let why = format!("unreadable kt summary ({e}): {}", o.stdout);
+                StepError::at(&run.pod, StepError::Command(why))
+            })?;
+            if let Some(max) = max_sent
+                && s.stats.bytes_sent > max.0
+            {
+                let why = format!(
+                    "sent {} bytes, more than max_sent {max}",
+                    s.stats.bytes_sent
+                );
+                return Err(StepError::at(&run.pod, StepError::Check(why)));
+            }
+            out.push(s);
+        }
+        Ok(out)
+    }
+}
+
+/// The observable result of puts/gets: one summary, or totals over pods.
+fn transfer_record(sums: &[TransferSummary]) -> Value {
+    match sums {
+        [s] => json!({
+            "files": s.files,
+            "files_sent": s.stats.files_sent,
+            "bytes_sent": s.stats.bytes_sent,
+            "bytes_skipped": s.stats.bytes_skipped,
+            "unchanged": s.unchanged,
+        }),
+        many => json!({
+            "pods": many.len(),
+            "files": many.iter().map(|s| s.files).max().unwrap_or(0),
+            "files_sent_total": many.iter().map(|s| s.stats.files_sent).sum::<u64>(),
+            "bytes_sent_total": many.iter().map(|s| s.stats.bytes_sent).sum::<u64>(),
+        }),
+    }
+}
+
+pub(super) fn listing(entries: &[ListEntry]) -> Value {
+    Value::Array(
+        entries
+            .iter()
+            .map(|e| {
+                let mut v = json!({ "name": e.name, "key": e.key, "has_children": e.has_children });
+                if let Some(r) = &e.record {
+                    v["record"] = serde_json::to_value(r).unwrap_or(Value::Null);
+                }
+                v
+            })
+            .collect(),
+    )
+}
+
+fn key_dir(key: &str) -> String {
+    key.replace('/', "_")
+}
