@@ -16,27 +16,25 @@ impl Scn<'_> {
         &self,
         group: &str,
     ) -> Result<kt_types::broadcast::GroupInfo, StepError> {
-        self.meta_json(&format!("broadcasts/{group}")).await
+        self.meta_json(&kt_types::paths::broadcast(group)).await
     }
 
-    /// `GET /api/v1/{path}` of the metadata server, as JSON.
+    /// The metadata server, through kt's client of its API.
+    fn meta(&self) -> kt_api::Api {
+        kt_api::Api::new(self.http.clone(), &self.target.metadata_url(), &self.token)
+    }
+
+    /// `GET` of `path` (from `kt_types::paths`) at the metadata server, as
+    /// JSON.
     pub(super) async fn meta_json<T: serde::de::DeserializeOwned>(
         &self,
         path: &str,
     ) -> Result<T, StepError> {
-        let url = format!("{}/api/v1/{path}", self.target.metadata_url());
-        let failed = |e: reqwest::Error| StepError::Probe(e.to_string());
-        self.http
-            .get(&url)
-            .bearer_auth(&self.token)
-            .send()
+        self.meta()
+            .get(path)
+            .fetch()
             .await
-            .map_err(failed)?
-            .error_for_status()
-            .map_err(failed)?
-            .json()
-            .await
-            .map_err(failed)
+            .map_err(|e| StepError::Probe(error_chain(&e)))
     }
 
     /// A broadcast group's tree as it stands: per rank its parent and
@@ -144,28 +142,24 @@ impl Scn<'_> {
         }
     }
 
-    /// The text of `url`/metrics; a failed request is retried twice (a
-    /// busy machine with hundreds of pods drops the odd connection).
+    /// The text of `url`/metrics; a request that fails is tried twice more
+    /// (a busy machine with hundreds of pods drops the odd connection),
+    /// after a jittered backoff.
     async fn metrics_text(&self, url: &str) -> Result<String, StepError> {
+        let mut backoff = kt_api::Backoff::new(Duration::from_millis(100), Duration::from_secs(1));
         let mut attempt = 0;
         loop {
-            let res = async {
-                self.http
-                    .get(format!("{url}/metrics"))
-                    .bearer_auth(&self.token)
-                    .send()
-                    .await?
-                    .error_for_status()?
-                    .text()
-                    .await
-            }
-            .await;
+            let res = self.meta().at(url).get("/metrics").send().await;
+            let res = match res {
+                Ok(resp) => resp.text().await.map_err(|e| error_chain(&e)),
+                Err(e) => Err(error_chain(&e)),
+            };
             match res {
                 Ok(text) => return Ok(text),
-                Err(e) if attempt >= 2 => return Err(StepError::Probe(error_chain(&e))),
+                Err(e) if attempt >= 2 => return Err(StepError::Probe(e)),
                 Err(_) => {
                     attempt += 1;
-                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    backoff.wait().await;
                 }
             }
         }

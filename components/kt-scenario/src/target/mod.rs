@@ -138,6 +138,12 @@ pub enum TargetError {
     Failed(String),
 }
 
+impl From<kt_sync::task::WorkerLost> for TargetError {
+    fn from(e: kt_sync::task::WorkerLost) -> Self {
+        TargetError::Failed(format!("the network setup task failed: {e}"))
+    }
+}
+
 impl TargetError {
     pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TargetError {
         let what = what.into();

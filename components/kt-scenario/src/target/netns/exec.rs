@@ -124,9 +124,7 @@ pub(super) fn run_all(cmds: &[Cmd]) -> Result<(), TargetError> {
 pub(super) async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, TargetError> + Send + 'static,
 ) -> Result<T, TargetError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| TargetError::Failed(format!("the network setup task failed: {e}")))?
+    kt_sync::task::blocking(f).await
 }
 
 /// `argv` run inside namespace `ns`.
