@@ -131,6 +131,17 @@ impl Client {
             .await?)
     }
 
+    /// Every key strictly below `prefix`, at any depth (each entry named by
+    /// its path below the prefix).
+    pub async fn ls_below(&self, prefix: &KeyPrefix) -> Result<ListResponse, ClientError> {
+        Ok(self
+            .meta
+            .get(&paths::keys())
+            .query(&[("prefix", prefix.as_str()), ("recursive", "true")])
+            .fetch()
+            .await?)
+    }
+
     /// Deletes a service's `resource` keys and evicts its pods as sources.
     pub async fn teardown(&self, service: &str) -> Result<TeardownResponse, ClientError> {
         Ok(self.meta.delete(&paths::service(service)).fetch().await?)

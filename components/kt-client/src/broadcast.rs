@@ -52,6 +52,9 @@ pub struct BroadcastOptions {
     pub fanout: Option<u32>,
     /// How long the group accepts joins (the first getter sets it).
     pub window: Option<Duration>,
+    /// A mirror get: afterwards the destination holds exactly the key's
+    /// tree (see [`crate::GetOptions::delete`]).
+    pub delete: bool,
 }
 
 /// What a broadcast get did.
@@ -400,6 +403,7 @@ impl Client {
                 &relay,
                 &mut parents,
                 &progress,
+                options.delete,
             )
             .await;
         progress.finish();
@@ -462,6 +466,7 @@ impl Client {
         relay: &Relay,
         parents: &mut Vec<u32>,
         progress: &Progress,
+        delete: bool,
     ) -> Result<Download, ClientError> {
         let mut dl: Option<Download> = None;
         let mut connected = true;
@@ -521,7 +526,7 @@ impl Client {
             }
         }
         let dl = dl.ok_or_else(|| ClientError::Local("no download was planned".into()))?;
-        dl.finish().await?;
+        dl.finish(delete).await?;
         Ok(dl)
     }
 }

@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kt_client::broadcast::BroadcastOptions;
 use kt_client::progress::ProgressSink;
-use kt_client::{Client, ClientConfig, ClientError, Progress};
+use kt_client::{Client, ClientConfig, ClientError, GetOptions, Progress};
 use kt_types::api::{BroadcastPlace, ListEntry, PutOptions, TransferStats, TransferSummary};
 use kt_types::{ErrorCode, Key, KeyPrefix, Lifespan, Locale};
 
@@ -110,12 +110,17 @@ enum Cmd {
         #[arg(short, long, default_value = "text")]
         output: SummaryFormat,
     },
-    /// Fetch KEY into a local path.
+    /// Fetch KEY into a local path. A KEY ending in `/` fetches every key
+    /// below it, each into DEST/<its path below KEY>.
     Get {
         key: String,
         /// Destination: a directory for tree keys; a file path or a directory for file keys.
         #[arg(long)]
         dest: PathBuf,
+        /// Mirror: afterwards DEST holds exactly the key's tree (files the
+        /// key does not name are removed). Default: additive.
+        #[arg(long)]
+        delete: bool,
         /// Do not have this pod's agent serve the copy to other getters.
         #[arg(long)]
         no_serve: bool,
@@ -413,6 +418,7 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
         Cmd::Get {
             key,
             dest,
+            delete,
             no_serve,
             broadcast,
             group,
@@ -420,7 +426,6 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
             timeout,
             output,
         } => {
-            let key = Key::parse(&key)?;
             let client = if no_serve {
                 let mut cfg = client.config().clone();
                 cfg.serve_copies = false;
@@ -428,11 +433,24 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
             } else {
                 client
             };
+            if is_prefix(&key) {
+                if broadcast {
+                    anyhow::bail!("--broadcast gets one key, not every key below {key}");
+                }
+                let prefix = KeyPrefix::parse(&key)?;
+                let got = client
+                    .get_prefix(&prefix, &dest, &GetOptions { delete })
+                    .await?;
+                print_prefix(&got, output)?;
+                return Ok(());
+            }
+            let key = Key::parse(&key)?;
             let (s, place) = if broadcast {
                 let options = BroadcastOptions {
                     group,
                     fanout,
                     window: timeout,
+                    delete,
                 };
                 let b = client
                     .get_broadcast(&key, &dest, &options, progress(cli.progress))
@@ -445,7 +463,12 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
                 };
                 (b.get, Some(place))
             } else {
-                (client.get(&key, &dest, progress(cli.progress)).await?, None)
+                (
+                    client
+                        .get_with(&key, &dest, &GetOptions { delete }, progress(cli.progress))
+                        .await?,
+                    None,
+                )
             };
             match output {
                 SummaryFormat::Text => {
@@ -513,6 +536,51 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
             }
         }
         Cmd::Tensor { .. } => unreachable!("handled before the client is built"),
+    }
+    Ok(())
+}
+
+/// A key that ends in `/` names every key below it (a prefix get).
+fn is_prefix(key: &str) -> bool {
+    let k = key.trim();
+    k.ends_with('/') && !k.trim_matches('/').is_empty()
+}
+
+/// What a prefix get did: a line per key and a total (text), or one
+/// summary per key (JSON, an array).
+fn print_prefix(got: &kt_client::PrefixSummary, output: SummaryFormat) -> anyhow::Result<()> {
+    match output {
+        SummaryFormat::Text => {
+            for (key, s) in &got.gets {
+                println!(
+                    "{} -> {}",
+                    summary("get", key, s.files, &s.stats, s.duration),
+                    s.dest.display()
+                );
+            }
+            for (key, why) in &got.skipped {
+                println!("skipped {key}: {why}");
+            }
+            let bytes: u64 = got.gets.iter().map(|(_, s)| s.stats.bytes_sent).sum();
+            println!("got {} keys ({} moved)", got.gets.len(), human(bytes));
+        }
+        SummaryFormat::Json => {
+            let all: Vec<TransferSummary> = got
+                .gets
+                .iter()
+                .map(|(key, s)| TransferSummary {
+                    op: "get".into(),
+                    key: key.to_string(),
+                    files: s.files,
+                    stats: s.stats.clone(),
+                    unchanged: false,
+                    seconds: s.duration.as_secs_f64(),
+                    dest: Some(s.dest.display().to_string()),
+                    broadcast: None,
+                })
+                .collect();
+            println!("{}", serde_json::to_string(&all)?);
+        }
     }
     Ok(())
 }

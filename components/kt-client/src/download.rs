@@ -405,7 +405,10 @@ impl Download {
     }
 
     /// Brings unchanged files' metadata in line, then links and directories.
-    pub async fn finish(&self) -> Result<(), ClientError> {
+    /// Sets the tree's metadata once every file is in place; with `prune`
+    /// (a mirror get) also removes what the key does not name under the
+    /// destination directory.
+    pub async fn finish(&self, prune: bool) -> Result<(), ClientError> {
         if !self.complete() {
             return Err(ClientError::Local(
                 "download finished with files still missing".into(),
@@ -428,7 +431,14 @@ impl Download {
                 }
             }
             match m.root {
-                RootKind::Dir => apply::finish_tree(&root, &m),
+                RootKind::Dir => {
+                    apply::finish_tree(&root, &m)?;
+                    if prune {
+                        let removed = apply::prune(&root, &m)?;
+                        tracing::debug!(removed, dest = %root.display(), "mirror get: pruned");
+                    }
+                    Ok(())
+                }
                 RootKind::File => Ok(()),
             }
         })

@@ -19,4 +19,4 @@ pub mod transfer;
 pub use api::{Client, ClientConfig, UrlMap};
 pub use error::ClientError;
 pub use progress::Progress;
-pub use transfer::{GetSummary, PutSummary};
+pub use transfer::{GetOptions, GetSummary, PrefixSummary, PutSummary};

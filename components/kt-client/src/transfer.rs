@@ -17,7 +17,7 @@ use kt_types::api::{
     SourceLease, TransferStats,
 };
 use kt_types::codec;
-use kt_types::{Key, KeyRecord, Manifest, paths};
+use kt_types::{Key, KeyPrefix, KeyRecord, Manifest, paths};
 
 use crate::agent::AgentConn;
 use crate::api::Client;
@@ -54,6 +54,30 @@ pub struct GetSummary {
     pub dest: PathBuf,
     pub duration: Duration,
 }
+
+/// How a get places what it fetches.
+#[derive(Debug, Clone, Default)]
+pub struct GetOptions {
+    /// A mirror get: afterwards a directory destination holds exactly the
+    /// key's tree; files and directories the key does not name are removed
+    /// (never through a symlink: a link is removed as a link). The default
+    /// is additive: what the key does not name is left alone. A single-file
+    /// key writes one file either way.
+    pub delete: bool,
+}
+
+/// What a prefix get (`kt get team/run/`) did.
+#[derive(Debug, Default)]
+pub struct PrefixSummary {
+    /// Every key fetched, with where it went.
+    pub gets: Vec<(Key, GetSummary)>,
+    /// Keys below the prefix that a file get does not fetch (GPU data),
+    /// with why.
+    pub skipped: Vec<(Key, String)>,
+}
+
+/// Keys a prefix get fetches at once.
+const PREFIX_CONCURRENCY: usize = 4;
 
 enum Job {
     Batch(Vec<SendItem>),
@@ -284,6 +308,18 @@ impl Client {
         dest: &Path,
         progress: Progress,
     ) -> Result<GetSummary, ClientError> {
+        self.get_with(key, dest, &GetOptions::default(), progress)
+            .await
+    }
+
+    /// [`Client::get`] with options (a mirror get).
+    pub async fn get_with(
+        &self,
+        key: &Key,
+        dest: &Path,
+        opts: &GetOptions,
+        progress: Progress,
+    ) -> Result<GetSummary, ClientError> {
         let started = Instant::now();
         let mut agent = self.agent_if_serving().await;
         let getter = agent.as_ref().map(|a| a.id.clone());
@@ -339,7 +375,7 @@ impl Client {
                     let Some(d) = dl else {
                         return Err(ClientError::Local("no download was planned".into()));
                     };
-                    d.finish().await?;
+                    d.finish(opts.delete).await?;
                     if let Some(a) = agent.as_mut() {
                         self.serve_copy(a, key, &d.read, &d.final_dest).await;
                     }
@@ -371,6 +407,72 @@ impl Client {
                 }
             }
         }
+    }
+
+    /// Gets every key below `prefix` (a prefix get, `kt get team/run/`):
+    /// each into `dest/<its path below the prefix>`, a few at once, shards
+    /// of many producers in one call. GPU data keys are skipped (they go
+    /// into memory, not files). What was fetched stays when another key
+    /// fails; the error then names every key that failed.
+    pub async fn get_prefix(
+        &self,
+        prefix: &KeyPrefix,
+        dest: &Path,
+        opts: &GetOptions,
+    ) -> Result<PrefixSummary, ClientError> {
+        let listed = self.ls_below(prefix).await?;
+        let mut summary = PrefixSummary::default();
+        let mut todo = Vec::new();
+        for e in listed.entries {
+            let Some(record) = e.record else { continue };
+            if record.tensors.is_some() {
+                summary
+                    .skipped
+                    .push((record.key, "GPU data: get it with kt tensor get".into()));
+                continue;
+            }
+            todo.push((record.key, dest.join(&e.name)));
+        }
+        if todo.is_empty() && summary.skipped.is_empty() {
+            return Err(ClientError::Api {
+                status: 404,
+                code: kt_types::ErrorCode::NotFound,
+                message: format!("no keys below {prefix}/"),
+            });
+        }
+        let results: Vec<(Key, Result<GetSummary, ClientError>)> =
+            futures::stream::iter(todo.into_iter().map(|(key, to)| async move {
+                let r = self.get_with(&key, &to, opts, Progress::none()).await;
+                (key, r)
+            }))
+            .buffer_unordered(PREFIX_CONCURRENCY)
+            .collect()
+            .await;
+        let mut failed = Vec::new();
+        for (key, r) in results {
+            match r {
+                Ok(s) => summary.gets.push((key, s)),
+                Err(e) => failed.push((key, e)),
+            }
+        }
+        summary.gets.sort_by(|a, b| a.0.cmp(&b.0));
+        if failed.is_empty() {
+            return Ok(summary);
+        }
+        failed.sort_by(|a, b| a.0.cmp(&b.0));
+        let code = failed[0].1.code().unwrap_or(kt_types::ErrorCode::Internal);
+        let listed: Vec<String> = failed.iter().map(|(k, e)| format!("{k}: {e}")).collect();
+        Err(ClientError::Api {
+            status: code.http_status(),
+            code,
+            message: format!(
+                "{} of {} keys below {prefix}/ failed ({} fetched): {}",
+                failed.len(),
+                failed.len() + summary.gets.len(),
+                summary.gets.len(),
+                listed.join("; ")
+            ),
+        })
     }
 
     /// A lease on the least-loaded live source of `key`.

@@ -276,6 +276,30 @@ impl Registry {
         out.into_values().collect()
     }
 
+    /// Every key strictly below `prefix` (at any depth), named by its path
+    /// below it: what a prefix get (`kt get team/run/`) fetches.
+    pub fn list_below(&self, prefix: &KeyPrefix, now_ms: u64) -> Vec<ListEntry> {
+        self.keys_within(prefix, now_ms)
+            .into_iter()
+            .filter_map(|r| {
+                let name = if prefix.as_str().is_empty() {
+                    r.key.as_str()
+                } else {
+                    r.key
+                        .as_str()
+                        .strip_prefix(prefix.as_str())?
+                        .strip_prefix('/')?
+                };
+                Some(ListEntry {
+                    name: name.to_owned(),
+                    key: r.key.to_string(),
+                    has_children: self.has_children(&r.key, now_ms),
+                    record: Some(r.clone()),
+                })
+            })
+            .collect()
+    }
+
     /// Records whose TTL has passed.
     pub fn expired(&self, now_ms: u64) -> Vec<KeyRecord> {
         self.keys
@@ -673,6 +697,32 @@ mod tests {
         assert_eq!(r.keys_within(&KeyPrefix::parse("a").unwrap(), 1).len(), 3);
         assert!(r.has_children(&k("a/b"), 1));
         assert!(!r.has_children(&k("a/b/c"), 1));
+    }
+
+    #[test]
+    fn lists_every_key_below_a_prefix() {
+        let mut r = Registry::default();
+        for key in ["a", "a/b", "a/b/c", "a/d/e", "a-x", "b"] {
+            r.upsert(k(key), reg(None), 1);
+        }
+        let below = |p: &str| -> Vec<(String, String, bool)> {
+            r.list_below(&KeyPrefix::parse(p).unwrap(), 1)
+                .into_iter()
+                .map(|e| (e.name, e.key, e.has_children))
+                .collect()
+        };
+        // Not the prefix itself, not a sibling sharing its first letters.
+        assert_eq!(
+            below("a"),
+            vec![
+                ("b".into(), "a/b".into(), true),
+                ("b/c".into(), "a/b/c".into(), false),
+                ("d/e".into(), "a/d/e".into(), false),
+            ]
+        );
+        assert_eq!(below("").len(), 6);
+        assert!(below("a/b/c").is_empty());
+        assert!(below("zzz").is_empty());
     }
 
     #[test]

@@ -415,6 +415,10 @@ pub struct GetStep {
     /// Have the pod's agent serve the copy afterwards (default true).
     #[serde(default = "yes")]
     pub serve: bool,
+    /// A mirror get (`kt get --delete`): afterwards the destination holds
+    /// exactly the key's tree.
+    #[serde(default)]
+    pub delete: bool,
     #[serde(default)]
     pub auth: Auth,
     #[serde(default)]

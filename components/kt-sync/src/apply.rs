@@ -231,6 +231,48 @@ pub fn finish_tree(root: &Path, m: &Manifest) -> Result<(), SyncError> {
     Ok(())
 }
 
+/// Removes everything under `root` that `m` does not name: after a mirror
+/// get (`kt get --delete`) the destination is exactly the key's tree.
+/// Walks real directories only: a symlink is removed as a link, never
+/// followed; a directory the manifest names is walked into, one it does not
+/// name goes whole. Returns how many entries went (a directory counts once).
+pub fn prune(root: &Path, m: &Manifest) -> Result<u64, SyncError> {
+    let keep: std::collections::HashMap<&str, EntryKind> = m
+        .entries
+        .iter()
+        .map(|e| (e.path.as_str(), e.kind))
+        .collect();
+    let mut removed = 0;
+    let mut dirs = vec![(root.to_owned(), String::new())];
+    while let Some((dir, rel)) = dirs.pop() {
+        for entry in fs::read_dir(&dir).at(&dir)? {
+            let entry = entry.at(&dir)?;
+            let path = entry.path();
+            // A name that is not UTF-8 cannot be in a manifest.
+            let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+                remove_any(&path)?;
+                removed += 1;
+                continue;
+            };
+            let child = if rel.is_empty() {
+                name
+            } else {
+                format!("{rel}/{name}")
+            };
+            let is_dir = entry.file_type().at(&path)?.is_dir();
+            match keep.get(child.as_str()) {
+                Some(EntryKind::Dir) if is_dir => dirs.push((path, child)),
+                Some(_) => {}
+                None => {
+                    remove_any(&path)?;
+                    removed += 1;
+                }
+            }
+        }
+    }
+    Ok(removed)
+}
+
 /// Brings an existing file's mode and mtime in line with `e`.
 pub fn fix_metadata(path: &Path, e: &Entry) -> Result<(), SyncError> {
     fs::set_permissions(path, fs::Permissions::from_mode(e.mode)).at(path)?;

@@ -50,6 +50,7 @@ fn options(group: &str, fanout: u32) -> BroadcastOptions {
         group: Some(group.to_owned()),
         fanout: Some(fanout),
         window: Some(Duration::from_secs(30)),
+        delete: false,
     }
 }
 
@@ -152,6 +153,7 @@ async fn reusing_a_closed_group_id_is_an_error() {
         group: Some("once-1".into()),
         fanout: None,
         window: Some(Duration::from_millis(200)),
+        delete: false,
     };
     let client = c.client();
     client

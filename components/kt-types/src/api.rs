@@ -5,7 +5,7 @@
 //! - `GET  /api/v1/store` → [`StoreLocation`]
 //! - `PUT  /api/v1/keys/{key}` [`RegisterKey`] → [`KeyRecord`] (called by the store on publish)
 //! - `GET  /api/v1/keys/{key}` → [`KeyRecord`]
-//! - `GET  /api/v1/keys?prefix=P` → [`ListResponse`]
+//! - `GET  /api/v1/keys?prefix=P[&recursive=true]` → [`ListResponse`]
 //! - `DELETE /api/v1/keys/{key}?recursive=true` → [`DeleteResponse`]
 //! - `POST /api/v1/keys/{key}/lease` [`LeaseRequest`] → [`SourceLease`]: the
 //!   least-loaded live source, held until released or expired
@@ -367,6 +367,10 @@ pub struct ListQuery {
     /// namespace.
     #[serde(default)]
     pub prefix: String,
+    /// `true`: every key strictly below the prefix, at any depth, named by
+    /// its path below it, instead of the names directly below it.
+    #[serde(default)]
+    pub recursive: bool,
 }
 
 /// A getter asks for a source of a key.

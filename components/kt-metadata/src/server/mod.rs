@@ -421,7 +421,13 @@ async fn list_keys(
     Query(q): Query<ListQuery>,
 ) -> Result<ApiJson<ListResponse>, ApiError> {
     let prefix = KeyPrefix::parse(&q.prefix)?;
-    let entries = s.registry.lock().await.list(&prefix, now_ms());
+    let registry = s.registry.lock().await;
+    let entries = if q.recursive {
+        registry.list_below(&prefix, now_ms())
+    } else {
+        registry.list(&prefix, now_ms())
+    };
+    drop(registry);
     Ok(ApiJson(ListResponse {
         prefix: prefix.to_string(),
         entries,

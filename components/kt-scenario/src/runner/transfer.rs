@@ -110,6 +110,9 @@ impl Scn<'_> {
                     if !g.serve {
                         a.push("--no-serve".into());
                     }
+                    if g.delete {
+                        a.push("--delete".into());
+                    }
                     if broadcast {
                         a.push("--broadcast".into());
                         if let Some(grp) = &group {
@@ -267,20 +270,23 @@ impl Scn<'_> {
             if o.status != 0 {
                 continue;
             }
-            let s: TransferSummary = serde_json::from_str(o.stdout.trim()).map_err(|e| {
-                let why = format!("unreadable kt summary ({e}): {}", o.stdout);
-                StepError::at(&run.pod, StepError::Command(why))
-            })?;
+            // One summary, or one per key of a prefix get (`kt get a/b/`).
+            let text = o.stdout.trim();
+            let sums: Vec<TransferSummary> = serde_json::from_str::<TransferSummary>(text)
+                .map(|s| vec![s])
+                .or_else(|_| serde_json::from_str(text))
+                .map_err(|e| {
+                    let why = format!("unreadable kt summary ({e}): {}", o.stdout);
+                    StepError::at(&run.pod, StepError::Command(why))
+                })?;
+            let sent: u64 = sums.iter().map(|s| s.stats.bytes_sent).sum();
             if let Some(max) = max_sent
-                && s.stats.bytes_sent > max.0
+                && sent > max.0
             {
-                let why = format!(
-                    "sent {} bytes, more than max_sent {max}",
-                    s.stats.bytes_sent
-                );
+                let why = format!("sent {sent} bytes, more than max_sent {max}");
                 return Err(StepError::at(&run.pod, StepError::Check(why)));
             }
-            out.push(s);
+            out.extend(sums);
         }
         Ok(out)
     }

@@ -57,7 +57,8 @@ impl Scn<'_> {
                 Ok(metric_sum(&text, &m.name) >= m.at_least.0 as f64)
             }
             Condition::Leases(n) => {
-                let list: kt_types::api::LeaseList = self.meta_json(&kt_types::paths::leases()).await?;
+                let list: kt_types::api::LeaseList =
+                    self.meta_json(&kt_types::paths::leases()).await?;
                 Ok(list.leases.len() <= *n)
             }
             Condition::Peers(p) => {
