@@ -572,7 +572,7 @@ fn print_prefix(got: &kt_client::PrefixSummary, output: SummaryFormat) -> anyhow
                     op: "get".into(),
                     key: key.to_string(),
                     files: s.files,
-                    stats: s.stats.clone(),
+                    stats: s.stats,
                     unchanged: false,
                     seconds: s.duration.as_secs_f64(),
                     dest: Some(s.dest.display().to_string()),
