@@ -6,9 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
 use kt_client::broadcast::BroadcastOptions;
-use kt_client::progress::ProgressSink;
 use kt_client::{Client, ClientConfig, ClientError, GetOptions, Progress};
 use kt_types::api::{BroadcastPlace, ListEntry, PutOptions, TransferStats, TransferSummary};
 use kt_types::{ErrorCode, Key, KeyPrefix, Lifespan, Locale};
@@ -162,38 +160,12 @@ enum Cmd {
     },
 }
 
-struct Bar(ProgressBar);
-
-impl ProgressSink for Bar {
-    fn start(&self, bytes: u64, files: u64) {
-        self.0.set_length(bytes);
-        self.0.set_message(format!("{files} files"));
-    }
-    fn advance(&self, bytes: u64) {
-        self.0.inc(bytes);
-    }
-    fn finish(&self) {
-        self.0.finish_and_clear();
-    }
-}
-
 fn progress(mode: ProgressMode) -> Progress {
-    let on = match mode {
+    Progress::terminal_bar(match mode {
         ProgressMode::Always => true,
         ProgressMode::Never => false,
         ProgressMode::Auto => std::io::stderr().is_terminal(),
-    };
-    if !on {
-        return Progress::none();
-    }
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} {bytes}/{total_bytes} {msg} {bytes_per_sec} ETA {eta} [{wide_bar}]",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    Progress::new(Arc::new(Bar(bar)))
+    })
 }
 
 fn human(bytes: u64) -> String {

@@ -1,4 +1,5 @@
-//! Progress reporting, decoupled from any terminal library.
+//! Progress reporting: a sink trait the transfer code reports to, and the
+//! terminal bar the CLI and the Python package plug in.
 
 use std::sync::Arc;
 
@@ -53,5 +54,38 @@ impl Progress {
             let f: kt_sync::batch::Progress = Arc::new(move |n| s.advance(n));
             f
         })
+    }
+}
+
+/// A progress bar on stderr (indicatif).
+struct Bar(indicatif::ProgressBar);
+
+impl ProgressSink for Bar {
+    fn start(&self, bytes: u64, files: u64) {
+        self.0.set_length(bytes);
+        self.0.set_message(format!("{files} files"));
+    }
+    fn advance(&self, bytes: u64) {
+        self.0.inc(bytes);
+    }
+    fn finish(&self) {
+        self.0.finish_and_clear();
+    }
+}
+
+impl Progress {
+    /// A bar on stderr when `on` (bytes, files, rate, ETA), else none.
+    pub fn terminal_bar(on: bool) -> Self {
+        if !on {
+            return Progress::none();
+        }
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} {bytes}/{total_bytes} {msg} {bytes_per_sec} ETA {eta} [{wide_bar}]",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Progress::new(Arc::new(Bar(bar)))
     }
 }

@@ -56,6 +56,59 @@ fn entry(name: &str, t: &impl Lend) -> TensorEntry {
     }
 }
 
+/// Memory someone else owns, described by its handle: what a client in
+/// another language (the Python package) lends, keeping the memory alive
+/// itself for as long as the agent may use it.
+#[derive(Debug, Clone)]
+pub struct Borrowed {
+    meta: TensorMeta,
+    device: Device,
+    handle: MemHandle,
+}
+
+impl Borrowed {
+    /// `handle`'s range must hold `meta`'s bytes exactly.
+    pub fn new(meta: TensorMeta, device: Device, handle: MemHandle) -> Result<Self, ClientError> {
+        let want = meta.nbytes().map_err(local)?;
+        let have = match &handle {
+            MemHandle::Shm { len, .. } | MemHandle::CudaIpc { len, .. } => *len,
+        };
+        if want != have {
+            return Err(local(format!(
+                "a {} tensor holds {want} bytes, its memory {have}",
+                meta
+            )));
+        }
+        Ok(Borrowed {
+            meta,
+            device,
+            handle,
+        })
+    }
+
+    /// CUDA memory of this process at `device_ptr` on `cuda:{ordinal}`
+    /// (PyTorch's allocator, say), lent by the IPC handle of its allocation
+    /// (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    pub fn cuda(meta: TensorMeta, ordinal: u32, device_ptr: u64) -> Result<Self, ClientError> {
+        let len = meta.nbytes().map_err(local)?;
+        let handle = kt_tensor::cuda::ipc_mem_handle(ordinal, device_ptr, len).map_err(local)?;
+        Self::new(meta, Device::Cuda(ordinal), handle)
+    }
+}
+
+impl Lend for Borrowed {
+    fn meta(&self) -> &TensorMeta {
+        &self.meta
+    }
+    fn device(&self) -> Device {
+        self.device
+    }
+    fn handle(&self) -> MemHandle {
+        self.handle.clone()
+    }
+}
+
 /// A CPU tensor in a shared-memory file of `KT_SHM_DIR` (default
 /// `/dev/shm`), removed when dropped.
 #[derive(Debug)]
