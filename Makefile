@@ -11,7 +11,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker kind k3d
 
-.PHONY: all build release images manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl clean
+.PHONY: all build release python python-test bench-python images manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl clean
 
 all: build
 
@@ -26,7 +26,7 @@ release:
 ## rendered manifests against kustomize/, the Kubernetes schemas and the
 ## bundle's policy, what kind/k3d would deploy for every scenario, and the
 ## workflows).
-test: fmt-check clippy manifests-check lint-workflows unit validate cluster-plans
+test: fmt-check clippy manifests-check lint-workflows unit python-test validate cluster-plans
 
 fmt:
 	$(CARGO) fmt --all
@@ -47,8 +47,9 @@ validate:
 
 ## scenario: the main job: every scenario under scenarios/ on $(TARGET)
 ## (local by default; TARGET=netns as root). ACCEPT=1 records new or changed
-## snapshots; CI=true rejects pending and unreferenced ones.
-scenario: release $(if $(filter $(IMAGE_TARGETS),$(TARGET)),images)
+## snapshots; CI=true rejects pending and unreferenced ones. The process
+## targets run the python steps with the venv `make python` builds.
+scenario: release $(if $(filter $(IMAGE_TARGETS),$(TARGET)),images,python)
 	INSTA_WORKSPACE_ROOT=$(CURDIR) $(TARGET_DIR)/release/kt-scenario run scenarios $(SCENARIO_FLAGS)
 
 ## manifests: generate the injecting components' kustomizations
@@ -75,6 +76,18 @@ cluster-plans:
 ## lint-workflows: actionlint on .github/workflows.
 lint-workflows:
 	bash testbed/k8s/lint-workflows.sh
+
+## python: the Python package (import kt): the abi3 wheel into
+## $(TARGET_DIR)/wheels, installed into the venv $(TARGET_DIR)/python with the
+## pinned build and test tools (components/kt-python/build.sh).
+python:
+	bash components/kt-python/build.sh >/dev/null
+
+## python-test: the package's pytest suite against real servers on loopback
+## (the debug binaries `unit` builds).
+python-test: python
+	$(CARGO) build -q --bins -p kt-metadata -p kt-store -p kt-agent
+	KT_BIN_DIR=$(TARGET_DIR)/debug $(TARGET_DIR)/python/bin/python -m pytest -q -rs components/kt-python/tests
 
 ## images: the four images (metadata, store, agent, client), built offline
 ## from a base assembled from this machine (testbed/images/build.sh), tagged

@@ -1,0 +1,160 @@
+"""Tensors and state dicts as kt lends them to the pod's node agent.
+
+A tensor is a ``numpy.ndarray`` or a ``torch.Tensor`` (torch is used only
+when the caller already imported it); a state dict is a mapping of names
+to tensors, in its order. Each is described to the native half as
+``(name, dtype, shape, device, memory)``, where memory is shared memory the
+agent maps (``("shm", [path, offset, nbytes])``) or CUDA memory it opens
+by IPC handle (``("cuda", [pointer])``). Nothing here speaks to the agent.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any, Callable, List, Sequence, Tuple
+
+import numpy as np
+
+from . import _memory
+from .errors import InvalidInput
+
+Described = Tuple[str, str, List[int], str, Tuple[str, List[str]]]
+
+# numpy's and torch's dtype names kt moves (the native half knows both).
+_DTYPES = {
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+    "int64", "int32", "int16", "int8", "uint8", "bool",
+}
+
+
+def _torch():
+    """torch, when the caller imported it (kt never imports it itself)."""
+    return sys.modules.get("torch")
+
+
+def is_tensor(x: Any) -> bool:
+    if isinstance(x, np.ndarray):
+        return True
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_state_dict(x: Any) -> bool:
+    return isinstance(x, Mapping) and len(x) > 0 and all(is_tensor(v) for v in x.values())
+
+
+def _what(param: str, name: str) -> str:
+    return param if not name else f"{param}[{name!r}]"
+
+
+def _layout(param: str, name: str, t: Any) -> Tuple[str, List[int], int, str, int]:
+    """dtype name, shape, nbytes, device, data address; refuses what kt
+    cannot lend, naming the parameter."""
+    where = _what(param, name)
+    if isinstance(t, np.ndarray):
+        dtype = str(t.dtype)
+        if dtype not in _DTYPES:
+            raise InvalidInput(f"{where}: dtype {dtype} is not one kt moves "
+                               f"({', '.join(sorted(_DTYPES))})", "invalid_request")
+        if not t.flags.c_contiguous:
+            raise InvalidInput(f"{where}: the array is not contiguous "
+                               "(numpy.ascontiguousarray makes a contiguous copy)",
+                               "invalid_request")
+        return dtype, [int(d) for d in t.shape], int(t.nbytes), "cpu", \
+            int(t.__array_interface__["data"][0])
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in _DTYPES:
+        raise InvalidInput(f"{where}: dtype torch.{dtype} is not one kt moves",
+                           "invalid_request")
+    if not t.is_contiguous():
+        raise InvalidInput(f"{where}: the tensor is not contiguous (.contiguous() "
+                           "makes a contiguous copy)", "invalid_request")
+    device = t.device
+    if device.type == "cuda":
+        dev = f"cuda:{device.index if device.index is not None else 0}"
+    elif device.type == "cpu":
+        dev = "cpu"
+    else:
+        raise InvalidInput(f"{where}: a tensor on {device} (kt moves cpu and cuda)",
+                           "invalid_request")
+    nbytes = int(t.numel() * t.element_size())
+    return dtype, [int(d) for d in t.shape], nbytes, dev, int(t.data_ptr())
+
+
+def _shm_like(t: Any, nbytes: int) -> Any:
+    """A tensor of ``t``'s kind, dtype and shape in fresh shared memory."""
+    flat = _memory.allocate(nbytes)
+    if isinstance(t, np.ndarray):
+        return flat.view(t.dtype).reshape(t.shape)
+    torch = _torch()
+    return torch.from_numpy(flat).view(t.dtype).reshape(t.shape)
+
+
+def _copy(dst: Any, src: Any) -> None:
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src, casting="no")
+    else:
+        dst.copy_(src)
+
+
+class Lent:
+    """Tensors described for the agent, with what must stay alive while it
+    uses them (shared-memory copies) and the copies to make afterwards
+    (into destinations outside shared memory)."""
+
+    def __init__(self) -> None:
+        self.described: List[Described] = []
+        self.keep: List[Any] = []
+        self.after: List[Callable[[], None]] = []
+        self.nbytes = 0
+
+
+def lend(param: str, value: Any, for_get: bool) -> Lent:
+    """Describes a tensor or a state dict (``value``) given as ``param``;
+    raises :class:`InvalidInput` before anything is sent."""
+    if is_tensor(value):
+        items: Sequence[Tuple[str, Any]] = [("", value)]
+    elif isinstance(value, Mapping):
+        if not value:
+            raise InvalidInput(f"{param}: an empty state dict", "invalid_request")
+        for k, v in value.items():
+            if not isinstance(k, str) or not k:
+                raise InvalidInput(f"{param}: state dict names must be non-empty "
+                                   f"strings, not {k!r}", "invalid_request")
+            if not is_tensor(v):
+                raise TypeError(f"{param}[{k!r}] must be a numpy.ndarray or a "
+                                f"torch.Tensor, not {type(v).__name__}")
+        items = list(value.items())
+    else:
+        raise TypeError(f"{param} must be a tensor or a dict of tensors here, "
+                        f"not {type(value).__name__}")
+    out = Lent()
+    for name, t in items:
+        dtype, shape, nbytes, device, address = _layout(param, name, t)
+        out.nbytes += nbytes
+        if for_get and isinstance(t, np.ndarray) and not t.flags.writeable:
+            raise InvalidInput(f"{_what(param, name)}: the array is read-only",
+                               "invalid_request")
+        if device != "cpu":
+            out.described.append((name, dtype, shape, device, ("cuda", [str(address)])))
+            continue
+        found = _memory.locate(address, nbytes)
+        if found is None:
+            # Not in shared memory: lent through a copy that is.
+            shm = _shm_like(t, nbytes)
+            if for_get:
+                out.after.append(lambda dst=t, src=shm: _copy(dst, src))
+            else:
+                _copy(shm, t)
+            out.keep.append(shm)
+            address = int(shm.__array_interface__["data"][0]) if isinstance(shm, np.ndarray) \
+                else int(shm.data_ptr())
+            found = _memory.locate(address, nbytes)
+            assert found is not None
+        else:
+            out.keep.append(t)
+        path, offset = found
+        out.described.append((name, dtype, shape, "cpu",
+                              ("shm", [path, str(offset), str(nbytes)])))
+    return out

@@ -1,0 +1,85 @@
+//! How the process reaches kt: what `kt.configure` was given, else the
+//! environment variables the CLI reads.
+
+use std::path::PathBuf;
+
+use pyo3::PyResult;
+
+use crate::errors::{invalid, unauthorized};
+
+/// What `kt.configure` was given (None: from the environment).
+#[derive(Debug, Default)]
+pub struct Given {
+    pub metadata_url: Option<String>,
+    pub token: Option<String>,
+    pub token_file: Option<PathBuf>,
+    pub agent_socket: Option<PathBuf>,
+    pub streams: Option<usize>,
+}
+
+/// The settings in use.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub metadata_url: String,
+    pub token: String,
+    pub agent_socket: PathBuf,
+    pub streams: Option<usize>,
+}
+
+const DEFAULT_METADATA_URL: &str = "http://127.0.0.1:8081";
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+impl Settings {
+    /// `given`, the rest from `KT_METADATA_URL`, `KT_TOKEN_FILE` (which
+    /// wins over `KT_TOKEN`, as in the CLI), `KT_AGENT_SOCKET`, `KT_STREAMS`.
+    pub fn from_env(given: Given) -> PyResult<Settings> {
+        let metadata_url = given
+            .metadata_url
+            .or_else(|| var("KT_METADATA_URL"))
+            .unwrap_or_else(|| DEFAULT_METADATA_URL.to_owned());
+        if !(metadata_url.starts_with("http://") || metadata_url.starts_with("https://")) {
+            return Err(invalid(format!(
+                "metadata_url: {metadata_url:?} is not an http(s) URL"
+            )));
+        }
+        let token_file = given
+            .token_file
+            .or_else(|| var("KT_TOKEN_FILE").map(PathBuf::from));
+        let token = match (given.token, token_file) {
+            (Some(t), _) => t,
+            (None, Some(f)) => std::fs::read_to_string(&f)
+                .map_err(|e| unauthorized(format!("token file {}: {e}", f.display())))?
+                .trim()
+                .to_owned(),
+            (None, None) => var("KT_TOKEN").ok_or_else(|| {
+                unauthorized(
+                    "no token: set KT_TOKEN or KT_TOKEN_FILE, or call kt.configure(token=...)",
+                )
+            })?,
+        };
+        let streams = match given.streams {
+            Some(n) => Some(n),
+            None => var("KT_STREAMS")
+                .map(|v| {
+                    v.trim()
+                        .parse::<usize>()
+                        .map_err(|_| invalid(format!("KT_STREAMS: {v:?} is not a number")))
+                })
+                .transpose()?,
+        };
+        if streams == Some(0) {
+            return Err(invalid("streams: at least 1"));
+        }
+        Ok(Settings {
+            metadata_url: metadata_url.trim_end_matches('/').to_owned(),
+            token,
+            agent_socket: given
+                .agent_socket
+                .unwrap_or_else(kt_client::agent::default_socket),
+            streams,
+        })
+    }
+}

@@ -1,0 +1,201 @@
+"""Every exception class, bad input refused before anything moves, the GIL
+released during transfers, and Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import unique
+
+
+def test_every_error_has_its_class_code_and_message(testbed, pod_a, kt_in, run_in, tmp_path,
+                                                    monkeypatch):
+    kt = kt_in(pod_a)
+    with pytest.raises(kt.NotFound) as e:
+        kt.get(unique("missing"), dest=tmp_path / "x")
+    assert e.value.code == "not_found" and "not found" in e.value.message.lower()
+    assert isinstance(e.value, LookupError) and isinstance(e.value, kt.KtError)
+
+    with pytest.raises(kt.InvalidInput) as e:
+        kt.put("bad/../key", src=tmp_path)
+    assert e.value.code in ("invalid_key", "invalid_request") and "key" in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+    # Conflict: a key lent by another live process of the same pod.
+    key = unique("taken")
+    holder = run_in(testbed, pod_a, f"""
+        import sys, numpy as np, kt
+        kt.put("{key}", src=np.ones(4, np.float32))
+        print("held", flush=True)
+        sys.stdin.readline()
+    """, background=True)
+    try:
+        assert holder.stdout.readline().strip() == "held", holder.stderr.read()
+        with pytest.raises(kt.Conflict) as e:
+            kt.put(key, src=np.ones(4, np.float32))
+        assert e.value.code == "conflict"
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.wait(30)
+
+    # Unauthorized: a wrong token.
+    kt.configure(token="not-the-token")
+    with pytest.raises(kt.Unauthorized) as e:
+        kt.ls()
+    assert e.value.code == "unauthorized"
+
+    # Unavailable: nothing listens at the metadata URL.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    kt.configure(metadata_url=f"http://127.0.0.1:{dead}", token=testbed.token)
+    with pytest.raises(kt.Unavailable) as e:
+        kt.ls()
+    assert e.value.code == "unavailable"
+    assert str(dead) in str(e.value)
+
+    # No token at all.
+    monkeypatch.delenv("KT_TOKEN", raising=False)
+    monkeypatch.delenv("KT_TOKEN_FILE", raising=False)
+    with pytest.raises(kt.Unauthorized) as e:
+        kt.configure()
+    assert "KT_TOKEN" in str(e.value)
+
+
+def test_bad_input_is_refused_before_anything_is_sent(testbed, pod_a, kt_in, tmp_path):
+    kt = kt_in(pod_a)
+    key = unique("bad")
+    with pytest.raises(TypeError, match="src must be a path"):
+        kt.put(key, src=[1, 2, 3])
+    with pytest.raises(TypeError, match="key must be a str"):
+        kt.put(123, src=tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(kt.InvalidInput, match="locale: 'moon'"):
+        kt.put(key, src=tmp_path, locale="moon")
+    with pytest.raises(kt.InvalidInput, match="lifespan"):
+        kt.put(key, src=tmp_path, lifespan="forever")
+    with pytest.raises(kt.InvalidInput, match="ttl"):
+        kt.put(key, src=tmp_path, ttl=-5)
+    with pytest.raises(kt.InvalidInput, match="not contiguous"):
+        kt.put(key, src=np.ones((8, 8), np.float32)[:, ::2])
+    with pytest.raises(kt.InvalidInput, match="dtype complex64"):
+        kt.put(key, src=np.ones(4, np.complex64))
+    with pytest.raises(TypeError, match=r"src\['b'\] must be a numpy.ndarray"):
+        kt.put(key, src={"a": np.ones(2), "b": [1, 2]})
+    with pytest.raises(kt.InvalidInput, match="read-only"):
+        ro = np.ones(4, np.float32)
+        ro.flags.writeable = False
+        kt.get(key, dest=ro)
+    with pytest.raises(kt.InvalidInput, match="world_size"):
+        kt.get(key, dest=tmp_path / "d", broadcast=kt.BroadcastWindow(world_size=3))
+    with pytest.raises(kt.InvalidInput, match="world_size: at least 2"):
+        kt.put(key, src=np.ones(2), broadcast=kt.BroadcastWindow(world_size=1))
+    with pytest.raises(TypeError, match="broadcast must be a kt.BroadcastWindow"):
+        kt.get(key, dest=tmp_path / "d", broadcast={"world_size": 2})
+    # Nothing reached the metadata server, nothing landed in a destination.
+    assert [i for i in kt.ls("py") if i.name.startswith("bad-")] == []
+    assert not (tmp_path / "d").exists()
+    # A destination of another layout: refused before anything moves.
+    good = unique("layout")
+    kt.put(good, src=np.arange(8, dtype=np.float32))
+    dest = np.full(4, 7, np.float32)
+    with pytest.raises(kt.InvalidInput, match=r"f32\[8\].*f32\[4\]"):
+        kt.get(good, dest=dest)
+    assert (dest == 7).all(), "left untouched"
+
+
+def test_the_gil_is_released_while_a_transfer_waits(testbed, pod_a, kt_in, tmp_path):
+    kt = kt_in(pod_a)
+    key = unique("gil")
+    src = tmp_path / "big"
+    src.mkdir()
+    with open(src / "blob", "wb") as f:
+        f.truncate(256 << 20)  # 256 MiB (sparse: fast to make, real to move)
+    kt.put(key, src=src)
+    counts = []
+    done = threading.Event()
+
+    def spin():
+        n = 0
+        while not done.is_set():
+            n += 1
+        counts.append(n)
+
+    t = threading.Thread(target=spin)
+    started = time.monotonic()
+    t.start()
+    try:
+        kt.get(key, dest=tmp_path / "copy")
+    finally:
+        done.set()
+        t.join()
+    elapsed = time.monotonic() - started
+    assert (tmp_path / "copy/blob").stat().st_size == 256 << 20
+    # Without the GIL released the thread would run only between calls.
+    assert counts[0] > 10_000, (counts, elapsed)
+
+
+def interrupt(p):
+    """Sends SIGINT once ``p`` printed that it is starting its call."""
+    assert p.stdout.readline().strip() == "starting", p.stderr.read()
+    p.send_signal(signal.SIGINT)
+    return p.communicate(timeout=60)
+
+
+def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, run_in):
+    """A getter waiting for a quorum that never fills (its window is two
+    minutes) ends at Ctrl-C with KeyboardInterrupt, its array untouched."""
+    key = unique("interrupt-q")
+    group = unique("g").replace("/", "-")
+    p = run_in(testbed, pod_a, f"""
+        import sys, numpy as np, kt
+        dest = np.full(16, 7, np.float32)
+        print("starting", flush=True)
+        try:
+            kt.get("{key}", dest=dest,
+                   broadcast=kt.BroadcastWindow(group_id="{group}", world_size=2, timeout=120))
+            print("finished", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", "untouched" if (dest == 7).all() else "changed", flush=True)
+            sys.exit(7)
+    """, background=True)
+    out, err = interrupt(p)
+    assert p.returncode == 7, (out, err)
+    assert "interrupted untouched" in out
+
+
+def test_ctrl_c_stops_a_transfer_and_leaves_whole_files(testbed, pod_a, run_in, tmp_path):
+    key = unique("interrupt")
+    prep = run_in(testbed, pod_a, f"""
+        import os, kt
+        d = {str(tmp_path / 'big')!r}
+        os.makedirs(d)
+        with open(os.path.join(d, "blob"), "wb") as f:
+            f.truncate(512 << 20)
+        kt.put("{key}", src=d)
+    """)
+    assert prep.returncode == 0, prep.stderr
+    p = run_in(testbed, pod_a, f"""
+        import sys, kt
+        print("starting", flush=True)
+        try:
+            kt.get("{key}", dest={str(tmp_path / 'copy')!r}, verbose=False)
+            print("finished", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(7)
+    """, background=True)
+    out, err = interrupt(p)
+    if "finished" in out:
+        pytest.skip("the 512 MiB get finished before the signal arrived")
+    assert p.returncode == 7, (out, err)
+    assert "interrupted" in out
+    # Whatever landed is whole: the file is absent or complete, never cut.
+    blob = tmp_path / "copy" / "blob"
+    assert not blob.exists() or blob.stat().st_size == 512 << 20

@@ -1,0 +1,214 @@
+"""Tensors and state dicts from Python: lent to the pod's agent, received
+in place, peer to peer and through a quorum across processes; numpy
+always, torch (CPU) when it is installed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import unique
+
+HOLD = """
+import json, sys, numpy as np, kt
+{setup}
+r = kt.put("{key}", src=src{extra})
+print(json.dumps({{"version": r.version, "tensors": r.tensors}}), flush=True)
+sys.stdin.readline()   # lent while this process lives
+"""
+
+
+def holder(testbed, run_in, pod, key, setup, extra=""):
+    """A process of ``pod`` that puts ``src`` under ``key`` and holds it."""
+    p = run_in(testbed, pod, HOLD.format(setup=setup, key=key, extra=extra), background=True)
+    line = p.stdout.readline()
+    if not line:
+        raise AssertionError(f"the holder failed: {p.stderr.read()}")
+    return p, json.loads(line)
+
+
+def release(p):
+    p.stdin.write("\n")
+    p.stdin.flush()
+    p.wait(30)
+
+
+STATE = """
+rng = np.random.default_rng(7)
+src = {"layer0.weight": rng.standard_normal((64, 32), dtype=np.float32),
+       "layer0.bias": np.arange(32, dtype=np.float16),
+       "steps": np.array([12345], dtype=np.int64)}
+"""
+
+
+def expected():
+    rng = np.random.default_rng(7)
+    return {"layer0.weight": rng.standard_normal((64, 32), dtype=np.float32),
+            "layer0.bias": np.arange(32, dtype=np.float16),
+            "steps": np.array([12345], dtype=np.int64)}
+
+
+def test_a_state_dict_is_got_in_place_peer_to_peer(testbed, kt_in, run_in):
+    key = unique("sd")
+    p, put = holder(testbed, run_in, testbed.pod("trainer"), key, STATE)
+    try:
+        assert put["tensors"] == 3
+        kt = kt_in(testbed.pod("worker"))
+        want = expected()
+        # Ordinary arrays (through one copy) and shared memory (none).
+        plain = {k: np.zeros_like(v) for k, v in want.items()}
+        r = kt.get(key, dest=plain)
+        assert isinstance(r, kt.TensorResult)
+        assert r.tensors == 3 and r.bytes == sum(v.nbytes for v in want.values())
+        for k in want:
+            np.testing.assert_array_equal(plain[k], want[k])
+        shm = {k: kt.empty(v.shape, v.dtype) for k, v in want.items()}
+        kt.get(key, dest=shm)
+        for k in want:
+            np.testing.assert_array_equal(shm[k], want[k])
+        # One tensor of it is not the state dict's layout: refused, naming both.
+        wrong = dict(plain)
+        wrong["layer0.weight"] = np.zeros((64, 16), dtype=np.float32)
+        with pytest.raises(kt.InvalidInput) as e:
+            kt.get(key, dest=wrong)
+        assert "f32[64, 32]" in str(e.value) and "f32[64, 16]" in str(e.value)
+    finally:
+        release(p)
+
+
+def test_a_single_tensor_and_shared_memory_puts_move_without_copies(testbed, kt_in, run_in):
+    key = unique("one")
+    setup = """
+src = kt.empty((256, 256), "float32")
+src[:] = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
+"""
+    p, put = holder(testbed, run_in, testbed.pod("trainer"), key, setup)
+    try:
+        kt = kt_in(testbed.pod("worker"))
+        dest = kt.empty((256, 256), "float32")
+        r = kt.get(key, dest=dest)
+        assert r.tensors == 1 and r.bytes == 256 * 256 * 4
+        np.testing.assert_array_equal(dest.ravel(), np.arange(256 * 256, dtype=np.float32))
+        # A 1-D view of shared memory: still shared memory.
+        flat = kt.empty(256 * 256, "float32").reshape(256, 256)
+        kt.get(key, dest=flat)
+        assert flat[255, 255] == 256 * 256 - 1
+    finally:
+        release(p)
+
+
+def test_a_quorum_across_processes_broadcasts_one_state_dict(testbed, run_in):
+    """One putter and three getters in four pods, closed by world_size."""
+    key = unique("quorum")
+    group = unique("g").replace("/", "-")
+    window = f'kt.BroadcastWindow(group_id="{group}", world_size=4, timeout=60, pack=True)'
+    putter = run_in(testbed, testbed.pod("q-put"), "import json, numpy as np, kt\n" + STATE
+                    + f"r = kt.put('{key}', src=src, broadcast={window})\n"
+                    + "print(json.dumps({'rank': r.rank, 'world': r.world}))\n",
+                    background=True)
+    getters = []
+    for i in range(3):
+        getters.append(run_in(testbed, testbed.pod(f"q-get-{i}"), f"""
+            import json, numpy as np, kt
+            dest = {{"layer0.weight": np.zeros((64, 32), np.float32),
+                     "layer0.bias": np.zeros(32, np.float16),
+                     "steps": np.zeros(1, np.int64)}}
+            r = kt.get("{key}", dest=dest, broadcast={window})
+            rng = np.random.default_rng(7)
+            assert (dest["layer0.weight"] == rng.standard_normal((64, 32), dtype=np.float32)).all()
+            assert (dest["steps"] == 12345).all()
+            print(json.dumps({{"rank": r.rank, "world": r.world, "bytes": r.bytes}}))
+        """, background=True))
+    ranks = []
+    for p in [putter, *getters]:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        r = json.loads(out)
+        assert r["world"] == 4
+        ranks.append(r["rank"])
+    assert sorted(ranks) == [0, 1, 2, 3]
+    assert ranks[0] == 0  # putters rank first
+
+
+def test_torch_cpu_tensors_when_torch_is_installed(testbed, kt_in, run_in):
+    torch = pytest.importorskip("torch")
+    key = unique("torch")
+    setup = """
+import torch
+src = {"w": torch.arange(1024, dtype=torch.bfloat16).reshape(32, 32), "b": torch.ones(7)}
+"""
+    p, _ = holder(testbed, run_in, testbed.pod("trainer"), key, setup)
+    try:
+        kt = kt_in(testbed.pod("worker"))
+        dest = {"w": torch.zeros(32, 32, dtype=torch.bfloat16), "b": torch.zeros(7)}
+        kt.get(key, dest=dest)
+        assert torch.equal(dest["w"], torch.arange(1024, dtype=torch.bfloat16).reshape(32, 32))
+        assert torch.equal(dest["b"], torch.ones(7))
+        zero_copy = {"w": kt.empty((32, 32), torch.bfloat16, framework="torch"),
+                     "b": kt.empty(7, "float32", framework="torch")}
+        kt.get(key, dest=zero_copy)
+        assert torch.equal(zero_copy["b"], torch.ones(7))
+    finally:
+        release(p)
+
+
+CUDA_STATE = """
+import torch
+src = {"w": torch.arange(4096, dtype=torch.float32, device="cuda").reshape(64, 64),
+       "b": torch.ones(7, dtype=torch.bfloat16, device="cuda")}
+"""
+
+
+def cuda_torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
+    return torch
+
+
+def test_torch_cuda_tensors_through_ipc_handles_on_a_gpu(testbed, kt_in, run_in):
+    """CUDA tensors are lent by IPC handle and received in place on the
+    device (GPU runners: .github/workflows/gpu.yml makes this run)."""
+    torch = cuda_torch()
+    key = unique("cuda")
+    p, put = holder(testbed, run_in, testbed.pod("trainer"), key, CUDA_STATE)
+    try:
+        assert put["tensors"] == 2
+        kt = kt_in(testbed.pod("worker"))
+        dest = {"w": torch.zeros(64, 64, device="cuda"),
+                "b": torch.zeros(7, dtype=torch.bfloat16, device="cuda")}
+        kt.get(key, dest=dest)
+        torch.cuda.synchronize()
+        assert torch.equal(dest["w"].cpu(), torch.arange(4096, dtype=torch.float32).reshape(64, 64))
+        assert torch.equal(dest["b"].cpu(), torch.ones(7, dtype=torch.bfloat16))
+    finally:
+        release(p)
+
+
+def test_a_cuda_quorum_across_processes_on_a_gpu(testbed, run_in):
+    """One putter and two getters of CUDA tensors in one quorum (NCCL)."""
+    cuda_torch()
+    key = unique("cuda-quorum")
+    group = unique("g").replace("/", "-")
+    window = f'kt.BroadcastWindow(group_id="{group}", world_size=3, timeout=120)'
+    putter = run_in(testbed, testbed.pod("cq-put"), "import json, kt\n" + CUDA_STATE
+                    + f"r = kt.put('{key}', src=src, broadcast={window})\n"
+                    + "print(json.dumps({'rank': r.rank, 'backend': r.backend}))\n",
+                    background=True)
+    getters = [run_in(testbed, testbed.pod(f"cq-get-{i}"), f"""
+            import json, torch, kt
+            dest = {{"w": torch.zeros(64, 64, device="cuda"),
+                     "b": torch.zeros(7, dtype=torch.bfloat16, device="cuda")}}
+            r = kt.get("{key}", dest=dest, broadcast={window})
+            torch.cuda.synchronize()
+            assert torch.equal(dest["w"].cpu(), torch.arange(4096.).reshape(64, 64))
+            print(json.dumps({{"rank": r.rank, "backend": r.backend}}))
+        """, background=True) for i in range(2)]
+    ranks = []
+    for p in [putter, *getters]:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        ranks.append(json.loads(out)["rank"])
+    assert sorted(ranks) == [0, 1, 2]
