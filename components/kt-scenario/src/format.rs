@@ -847,6 +847,26 @@ pub struct ExecStep {
     pub stdout: Option<String>,
 }
 
+/// Runs a Python script inside a pod with the interpreter that has the `kt`
+/// package (`make python`): `python -c SCRIPT ARGS...`. The script is
+/// passed as written (no `{{ }}` expansion: Python uses braces); `args`
+/// are expanded and reach it as `sys.argv[1:]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PythonStep {
+    pub pod: String,
+    pub script: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub auth: Auth,
+    /// A regex stdout must match.
+    #[serde(default)]
+    pub stdout: Option<String>,
+}
+
 /// One step: an action and the fields every step has.
 #[derive(Debug, Clone)]
 pub struct Step {
@@ -875,6 +895,8 @@ pub enum Action {
     Assert(AssertStep),
     Snapshot(SnapshotStep),
     Exec(ExecStep),
+    /// A Python script in pods (`import kt`).
+    Python(PythonStep),
     /// Reads one metric from every instance of a component (e.g. the agents
     /// of a pod group) and records its spread.
     Metrics(MetricsStep),
@@ -902,6 +924,7 @@ pub const ACTIONS: &[&str] = &[
     "assert",
     "snapshot",
     "exec",
+    "python",
     "metrics",
     "tensor_put",
     "tensor_get",
@@ -929,6 +952,7 @@ const STEP_KEYS: &[&str] = &[
     "assert",
     "snapshot",
     "exec",
+    "python",
     "metrics",
     "tensor_put",
     "tensor_get",
@@ -953,6 +977,7 @@ impl Action {
             Action::Assert(_) => "assert",
             Action::Snapshot(_) => "snapshot",
             Action::Exec(_) => "exec",
+            Action::Python(_) => "python",
             Action::Metrics(_) => "metrics",
             Action::TensorPut(_) => "tensor_put",
             Action::TensorGet(_) => "tensor_get",
@@ -1015,6 +1040,7 @@ impl<'de> Deserialize<'de> for Step {
                         "wait" => set_action(Action::Wait(map.next_value()?), &mut action)?,
                         "assert" => set_action(Action::Assert(map.next_value()?), &mut action)?,
                         "exec" => set_action(Action::Exec(map.next_value()?), &mut action)?,
+                        "python" => set_action(Action::Python(map.next_value()?), &mut action)?,
                         "metrics" => set_action(Action::Metrics(map.next_value()?), &mut action)?,
                         "tensor_put" => {
                             set_action(Action::TensorPut(map.next_value()?), &mut action)?

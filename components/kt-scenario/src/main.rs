@@ -93,6 +93,10 @@ enum Cmd {
         /// Where kt, kt-metadata and kt-store are (default: beside this binary).
         #[arg(long, env = "KT_SCENARIO_BIN_DIR")]
         bin_dir: Option<PathBuf>,
+        /// The Python interpreter with the `kt` package that `python` steps
+        /// run (default: the venv `make python` builds, `BIN_DIR/../python`).
+        #[arg(long, env = "KT_SCENARIO_PYTHON")]
+        python: Option<PathBuf>,
         /// Parent of the per-scenario work directories.
         #[arg(long, env = "KT_SCENARIO_WORK_DIR")]
         work_dir: Option<PathBuf>,
@@ -270,6 +274,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
             accept,
             keep,
             bin_dir,
+            python,
             work_dir,
             dry_run,
             keep_cluster,
@@ -290,6 +295,10 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     .parent()
                     .map(Path::to_owned)
                     .context("locating the binary directory")?,
+            };
+            let python = match python {
+                Some(p) => Some(std::path::absolute(&p).unwrap_or(p)),
+                None => Some(bin_dir.join("../python/bin/python")).filter(|p| p.exists()),
             };
             let snap_dir = snapshots.unwrap_or_else(|| {
                 files
@@ -313,6 +322,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 keep,
                 tags: tags.clone(),
                 exclude_tags,
+                python,
             };
             quiet_snapshot_panics();
             let runner = Runner::new(opts, Snapshots::new(snap_dir, mode), Live::default());

@@ -378,6 +378,7 @@ impl Checker<'_> {
                     | Action::Ls(_)
                     | Action::Rm(_)
                     | Action::Exec(_)
+                    | Action::Python(_)
                     | Action::Metrics(_)
                     | Action::Teardown(_)
                     | Action::TensorPut(_)
@@ -387,7 +388,7 @@ impl Checker<'_> {
             if !records {
                 self.err(
                     &format!("{at}.record"),
-                    format!("a {kind} step has no result to record (put, get, broadcast, ls, rm, exec, metrics, teardown and the tensor steps do)"),
+                    format!("a {kind} step has no result to record (put, get, broadcast, ls, rm, exec, python, metrics, teardown and the tensor steps do)"),
                 );
             } else if !is_label(r) {
                 self.err(&format!("{at}.record"), "record names are lowercase words");
@@ -675,6 +676,18 @@ impl Checker<'_> {
                     self.err(&format!("{body}.program"), "program is `kt` or `sh`");
                 }
                 if let Some(r) = &e.stdout {
+                    self.regex(&format!("{body}.stdout"), r);
+                }
+            }
+            Action::Python(p) => {
+                self.pod(&format!("{body}.pod"), &p.pod);
+                if p.script.trim().is_empty() {
+                    self.err(&format!("{body}.script"), "a python step needs a script");
+                }
+                for (i, a) in p.args.iter().enumerate() {
+                    self.template(&format!("{body}.args.{i}"), a, true);
+                }
+                if let Some(r) = &p.stdout {
                     self.regex(&format!("{body}.stdout"), r);
                 }
             }

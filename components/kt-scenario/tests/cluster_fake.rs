@@ -96,6 +96,7 @@ async fn a_failed_rollout_dumps_logs_and_events_then_deletes_the_namespace_and_t
             keep: false,
             tags: vec![],
             exclude_tags: vec![],
+            python: None,
         },
         Snapshots::new(tmp.path().join("snapshots"), Mode::Check),
         Live::default(),

@@ -25,6 +25,11 @@ fn repo() -> PathBuf {
 /// Copies the self-test scenario `name` (and its snapshot) into a temp dir
 /// and runs it there, so nothing is written into the repository.
 fn run(name: &str, extra: &[&str]) -> (tempfile::TempDir, Output) {
+    run_from(&bin_dir(), name, extra)
+}
+
+/// [`run`] with the kt binaries of `bins`.
+fn run_from(bins: &Path, name: &str, extra: &[&str]) -> (tempfile::TempDir, Output) {
     let tmp = tempfile::tempdir().unwrap();
     let src = repo().join("testbed/selftest");
     std::fs::create_dir_all(tmp.path().join("s/snapshots")).unwrap();
@@ -45,7 +50,7 @@ fn run(name: &str, extra: &[&str]) -> (tempfile::TempDir, Output) {
         .arg("--work-dir")
         .arg(tmp.path().join("work"))
         .arg("--bin-dir")
-        .arg(bin_dir())
+        .arg(bins)
         .args(extra)
         .env("INSTA_WORKSPACE_ROOT", tmp.path())
         .env_remove("KT_SCENARIO_TAGS")
@@ -176,6 +181,50 @@ fn unreferenced_snapshots_fail_a_full_check_run() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("orphan.snap"), "{stderr}");
+}
+
+/// `python3` on PATH: `make test` needs it anyway (the Python package).
+fn python3() -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join("python3"))
+        .find(|p| p.is_file())
+        .expect("python3 on PATH")
+}
+
+#[test]
+fn a_python_step_runs_its_script_in_every_pod_and_a_failing_one_fails() {
+    let python = python3();
+    let (tmp, out) = run(
+        "python-step",
+        &["--check", "--python", python.to_str().unwrap()],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let r = report(tmp.path());
+    let steps = r["scenarios"][0]["steps"].as_array().unwrap().clone();
+    assert_eq!(steps[0]["status"], "passed", "{steps:#?}");
+    assert_eq!(steps[1]["status"], "passed", "{steps:#?}");
+}
+
+#[test]
+fn python_scenarios_are_skipped_with_the_fix_when_there_is_no_interpreter() {
+    // kt's binaries, with no `../python` venv beside them.
+    let bins = tempfile::tempdir().unwrap();
+    let dir = bins.path().join("debug");
+    std::fs::create_dir(&dir).unwrap();
+    for b in ["kt", "kt-metadata", "kt-store", "kt-agent"] {
+        std::os::unix::fs::symlink(bin_dir().join(b), dir.join(b)).unwrap();
+    }
+    let (tmp, out) = run_from(&dir, "python-step", &["--check"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "a skip is no failure: {stderr}");
+    let s = &report(tmp.path())["scenarios"][0];
+    assert_eq!(s["status"], "skipped", "{s:#?}");
+    assert!(
+        s["message"].as_str().unwrap_or("").contains("make python"),
+        "{s:#?}"
+    );
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! Commands in pods: `exec` steps, and running any step's command in every
+//! Commands in pods: `exec` and `python` steps, and running any step's command in every
 //! pod it names at once.
 
 use std::collections::BTreeMap;
@@ -8,7 +8,7 @@ use futures::future::join_all;
 use serde_json::json;
 
 use super::{Scn, StepError, StepResult};
-use crate::format::{Auth, ErrorClass, ExecStep, Step};
+use crate::format::{Auth, ErrorClass, ExecStep, PythonStep, Step};
 use crate::target::{ExecOutput, ExecRequest, PodPlan, Program};
 use crate::template::Context;
 
@@ -32,6 +32,17 @@ impl Invocation<'static> {
             env: &NO_ENV,
         }
     }
+}
+
+/// A command of an `exec` or `python` step: `lead` (as written) then
+/// `args` (template-expanded per pod), in every pod `pod` selects.
+#[derive(Debug, Clone, Copy)]
+struct Command<'c> {
+    pod: &'c str,
+    lead: &'c [String],
+    args: &'c [String],
+    /// A regex every pod's stdout must match.
+    stdout: Option<&'c str>,
 }
 
 /// What one pod's command did.
@@ -69,27 +80,74 @@ impl Scn<'_> {
         started: Instant,
         result: &mut StepResult,
     ) -> Result<(), StepError> {
-        let pods = self.select(&e.pod);
         let program = if e.program.as_deref() == Some("sh") {
             Program::Shell
         } else {
             Program::Kt
         };
+        let how = Invocation {
+            program,
+            auth: e.auth,
+            env: &e.env,
+        };
+        let command = Command {
+            pod: &e.pod,
+            lead: &[],
+            args: &e.args,
+            stdout: e.stdout.as_deref(),
+        };
+        self.command(step, how, command, started, result).await
+    }
+
+    /// `python`: a script run by the interpreter with the `kt` package in
+    /// every pod named (`python -c SCRIPT ARGS...`).
+    pub(super) async fn python(
+        &self,
+        step: &Step,
+        p: &PythonStep,
+        started: Instant,
+        result: &mut StepResult,
+    ) -> Result<(), StepError> {
+        let how = Invocation {
+            program: Program::Python,
+            auth: p.auth,
+            env: &p.env,
+        };
+        let lead = ["-c".to_owned(), p.script.clone()];
+        let command = Command {
+            pod: &p.pod,
+            lead: &lead,
+            args: &p.args,
+            stdout: p.stdout.as_deref(),
+        };
+        self.command(step, how, command, started, result).await
+    }
+
+    /// Runs a command in every pod it names; records the first pod's status
+    /// and stdout lines.
+    async fn command(
+        &self,
+        step: &Step,
+        how: Invocation<'_>,
+        c: Command<'_>,
+        started: Instant,
+        result: &mut StepResult,
+    ) -> Result<(), StepError> {
+        let pods = self.select(c.pod);
         let runs = self
             .in_pods(
                 &pods,
-                Invocation {
-                    program,
-                    auth: e.auth,
-                    env: &e.env,
+                how,
+                |_, ctx| {
+                    let expanded = c.args.iter().map(|a| Ok(ctx.expand(a)?));
+                    c.lead.iter().cloned().map(Ok).chain(expanded).collect()
                 },
-                |_, ctx| e.args.iter().map(|a| Ok(ctx.expand(a)?)).collect(),
                 started,
                 &result.index,
             )
             .await;
         self.settle(step, &runs, result)?;
-        if let Some(re) = &e.stdout {
+        if let Some(re) = c.stdout {
             let re = regex::Regex::new(re).map_err(|e| StepError::Input(e.to_string()))?;
             for run in &runs {
                 if let Ok(o) = &run.out

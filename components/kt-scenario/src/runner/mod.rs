@@ -17,6 +17,7 @@ use crate::format::{Action, Auth, Condition, ErrorClass, Expect, Signal, Step, V
 use crate::live::Live;
 use crate::report::{BudgetCheck, PodResult, RunReport, ScenarioReport, Status, StepReport};
 use crate::snapshot::{Redactor, Snapshots};
+use crate::target::local::NO_PYTHON;
 use crate::target::{Component, Plan, PodPlan, Target, parse_link};
 use crate::template::Context;
 use crate::validate::Loaded;
@@ -57,6 +58,9 @@ pub struct Options {
     pub tags: Vec<String>,
     /// Skip scenarios with any of these tags.
     pub exclude_tags: Vec<String>,
+    /// The Python interpreter with the `kt` package that `python` steps run
+    /// (None: scenarios with one are skipped).
+    pub python: Option<PathBuf>,
 }
 
 /// Makes a fresh target for each scenario.
@@ -72,9 +76,10 @@ pub struct Runner {
 }
 
 /// Why a selected scenario cannot run on this target here.
-fn skip_reason(l: &Loaded, target: &dyn Target) -> Option<String> {
+fn skip_reason(l: &Loaded, target: &dyn Target, opts: &Options) -> Option<String> {
     unsupported(l, target)
         .or_else(|| needs_gpu(l).then(cuda_missing).flatten())
+        .or_else(|| (runs_python(l) && opts.python.is_none()).then(|| NO_PYTHON.to_owned()))
         .or_else(|| target.unavailable())
 }
 
@@ -95,6 +100,12 @@ pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
         ));
     }
     let steps = || l.scenario.steps.iter().chain(&l.scenario.finally);
+    if !target.runs_python() && runs_python(l) {
+        return Some(format!(
+            "runs Python in its pods, but the {} target's pods run the client image, which has no Python (python steps run on the local and netns targets)",
+            target.name()
+        ));
+    }
     if !target.keeps_killed_agents_down() && steps().any(kills_an_agent) {
         return Some(format!(
             "kills a pod's agent and expects it down, but on the {} target the kubelet restarts a dead sidecar at once",
@@ -102,6 +113,18 @@ pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
         ));
     }
     None
+}
+
+/// Does `l` have a `python` step (anywhere, `finally` too)?
+pub fn runs_python(l: &Loaded) -> bool {
+    fn has(step: &Step) -> bool {
+        match &step.action {
+            Action::Python(_) => true,
+            Action::Parallel(inner) | Action::Sequence(inner) => inner.iter().any(has),
+            _ => false,
+        }
+    }
+    l.scenario.steps.iter().chain(&l.scenario.finally).any(has)
 }
 
 /// Does this step (or one nested in it) kill an agent alone?
@@ -171,7 +194,7 @@ impl Runner {
             let mut target = make_target();
             let report = if self.cancel.is_cancelled() {
                 self.skipped(l, "interrupted".into())
-            } else if let Some(why) = skip_reason(l, target.as_ref()) {
+            } else if let Some(why) = skip_reason(l, target.as_ref(), &self.opts) {
                 self.live.skipped(&l.name, &why);
                 self.skipped(l, why)
             } else {
@@ -218,7 +241,8 @@ impl Runner {
             .work_root
             .join(format!("{}-{}", l.name, self.run_id));
         let token = format!("kt-scenario-{}", uuid::Uuid::new_v4().simple());
-        let plan = scenario_plan(l, &self.run_id, &work, &self.opts.bin_dir, &token);
+        let mut plan = scenario_plan(l, &self.run_id, &work, &self.opts.bin_dir, &token);
+        plan.python = self.opts.python.clone();
         let pods = plan.pods.clone();
         report.pods = pods.len();
         let mut failure: Option<String> = None;
@@ -407,6 +431,7 @@ pub fn scenario_plan(l: &Loaded, run_id: &str, work: &Path, bin_dir: &Path, toke
             .and_then(|s| parse_link(s).ok()),
         metadata_flags: l.scenario.topology.metadata.flags(),
         pods: expand_pods(l),
+        python: None,
     }
 }
 
@@ -754,6 +779,20 @@ impl<'a> Scn<'a> {
                 e.program.as_deref().unwrap_or("kt"),
                 e.args.iter().map(|a| x(a)).collect::<Vec<_>>().join(" ")
             ),
+            Action::Python(p) => {
+                // Its first line that does something, as written (a script
+                // is not a template).
+                let lines = || p.script.lines().map(str::trim).filter(|l| !l.is_empty());
+                let busy = |l: &&str| {
+                    !l.starts_with('#') && !l.starts_with("import ") && !l.starts_with("from ")
+                };
+                let first = lines().find(busy).or_else(|| lines().next());
+                let mut line: String = first.unwrap_or("").chars().take(60).collect();
+                if first.is_some_and(|l| l.chars().count() > 60) {
+                    line.push('…');
+                }
+                format!("python in {}: {line}", p.pod)
+            }
             Action::Metrics(m) => format!("metric {} of {}", m.name, m.component),
             Action::TensorPut(p) => {
                 let mut d = format!("tensor put {} from {} ({}", x(&p.key), p.pod, x(&p.layout));
@@ -869,6 +908,7 @@ impl<'a> Scn<'a> {
             Action::Ls(l) => self.ls(step, l, started, result).await,
             Action::Rm(r) => self.rm(step, r, started, result).await,
             Action::Exec(e) => self.exec(step, e, started, result).await,
+            Action::Python(p) => self.python(step, p, started, result).await,
             Action::Kill(k) => self.kill(step, k).await,
             Action::Restart(r) => self.restart(step, r).await,
             Action::TensorPut(p) => self.tensor_put(step, p, started, result).await,

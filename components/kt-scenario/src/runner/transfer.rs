@@ -270,26 +270,51 @@ impl Scn<'_> {
             if o.status != 0 {
                 continue;
             }
-            // One summary, or one per key of a prefix get (`kt get a/b/`).
+            // One summary, or one per key of a prefix get (`kt get a/b/`),
+            // which counts as the pod's one transfer.
             let text = o.stdout.trim();
-            let sums: Vec<TransferSummary> = serde_json::from_str::<TransferSummary>(text)
-                .map(|s| vec![s])
-                .or_else(|_| serde_json::from_str(text))
+            let s = serde_json::from_str::<TransferSummary>(text)
+                .or_else(|_| serde_json::from_str::<Vec<TransferSummary>>(text).map(combined))
                 .map_err(|e| {
                     let why = format!("unreadable kt summary ({e}): {}", o.stdout);
                     StepError::at(&run.pod, StepError::Command(why))
                 })?;
-            let sent: u64 = sums.iter().map(|s| s.stats.bytes_sent).sum();
             if let Some(max) = max_sent
-                && sent > max.0
+                && s.stats.bytes_sent > max.0
             {
-                let why = format!("sent {sent} bytes, more than max_sent {max}");
+                let why = format!(
+                    "sent {} bytes, more than max_sent {max}",
+                    s.stats.bytes_sent
+                );
                 return Err(StepError::at(&run.pod, StepError::Check(why)));
             }
-            out.extend(sums);
+            out.push(s);
         }
         Ok(out)
     }
+}
+
+/// The summaries of a prefix get's keys as one transfer: files and bytes
+/// added up, the longest time.
+fn combined(sums: Vec<TransferSummary>) -> TransferSummary {
+    let mut all = TransferSummary {
+        op: "get".into(),
+        key: format!("{} keys", sums.len()),
+        files: 0,
+        stats: Default::default(),
+        unchanged: false,
+        seconds: 0.0,
+        dest: None,
+        broadcast: None,
+    };
+    for s in sums {
+        all.files += s.files;
+        all.stats.files_sent += s.stats.files_sent;
+        all.stats.bytes_sent += s.stats.bytes_sent;
+        all.stats.bytes_skipped += s.stats.bytes_skipped;
+        all.seconds = all.seconds.max(s.seconds);
+    }
+    all
 }
 
 /// The observable result of puts/gets: one summary, or totals over pods.

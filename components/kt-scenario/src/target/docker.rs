@@ -38,7 +38,7 @@ use bollard::query_parameters::{
 };
 use futures::{StreamExt, TryStreamExt};
 
-use super::local::{READY_TIMEOUT, agent_args, exec_argv, make_pod_dirs, pod_env, server_args};
+use super::local::{Programs, READY_TIMEOUT, agent_args, make_pod_dirs, pod_env, server_args};
 use super::wrapped::{self, Chunk, Killer};
 use super::{Component, ExecOutput, ExecRequest, Plan, PodPlan, PodProcess, Target, TargetError};
 use crate::format::Signal;
@@ -733,7 +733,7 @@ impl Target for Docker {
                 ExecConfig {
                     attach_stdout: Some(true),
                     attach_stderr: Some(true),
-                    cmd: Some(exec_argv("kt", &req)),
+                    cmd: Some(Programs::in_image().argv(&req)?),
                     env: Some(env),
                     user: Some(self.user.clone()),
                     working_dir: Some(dir.display().to_string()),
@@ -802,7 +802,7 @@ impl Target for Docker {
                 ExecConfig {
                     attach_stdout: Some(true),
                     attach_stderr: Some(true),
-                    cmd: Some(wrapped::wrap(exec_argv("kt", &req), false)),
+                    cmd: Some(wrapped::wrap(Programs::in_image().argv(&req)?, false)),
                     env: Some(env),
                     user: Some(self.user.clone()),
                     working_dir: Some(dir.display().to_string()),

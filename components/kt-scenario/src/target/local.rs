@@ -221,7 +221,7 @@ pub fn agent_socket(pod_dir: &Path) -> PathBuf {
 pub struct Local {
     http: reqwest::Client,
     work: PathBuf,
-    bin_kt: String,
+    programs: Programs,
     metadata_url: String,
     store_url: String,
     agent_urls: HashMap<String, String>,
@@ -350,15 +350,49 @@ pub fn pod_env(
     env
 }
 
-/// The program and arguments of an exec request.
-pub fn exec_argv(kt: &str, req: &ExecRequest) -> Vec<String> {
-    let mut argv = match req.program {
-        Program::Kt => vec![kt.to_owned()],
-        Program::Shell => vec!["sh".to_owned(), "-c".to_owned()],
-    };
-    argv.extend(req.args.iter().cloned());
-    argv
+/// The programs a pod's commands run: `kt`, and the Python interpreter
+/// with the `kt` package when there is one.
+#[derive(Debug, Clone, Default)]
+pub struct Programs {
+    pub kt: String,
+    pub python: Option<String>,
 }
+
+impl Programs {
+    /// The programs of a process-based target for `plan`.
+    pub fn of(plan: &Plan) -> Result<Programs, TargetError> {
+        Ok(Programs {
+            kt: binary(&plan.bin_dir, "kt")?,
+            python: (plan.python.as_ref()).map(|p| p.display().to_string()),
+        })
+    }
+
+    /// The programs of the client image: `kt` on its PATH, no Python.
+    pub fn in_image() -> Programs {
+        Programs {
+            kt: "kt".to_owned(),
+            python: None,
+        }
+    }
+
+    /// The program and arguments of an exec request.
+    pub fn argv(&self, req: &ExecRequest) -> Result<Vec<String>, TargetError> {
+        let mut argv = match req.program {
+            Program::Kt => vec![self.kt.clone()],
+            Program::Shell => vec!["sh".to_owned(), "-c".to_owned()],
+            Program::Python => vec![
+                self.python
+                    .clone()
+                    .ok_or_else(|| TargetError::Unavailable(NO_PYTHON.to_owned()))?,
+            ],
+        };
+        argv.extend(req.args.iter().cloned());
+        Ok(argv)
+    }
+}
+
+/// Why a `python` step cannot run: no interpreter with `kt` was found.
+pub const NO_PYTHON: &str = "no Python interpreter with the kt package: run `make python` (it builds one at target/python), or pass --python / KT_SCENARIO_PYTHON";
 
 /// Creates the pod directories below the plan's work dir.
 pub fn make_pod_dirs(plan: &Plan) -> Result<(), TargetError> {
@@ -396,7 +430,7 @@ impl Local {
             .pods
             .get(&req.pod)
             .ok_or_else(|| TargetError::Failed(format!("no pod named {}", req.pod)))?;
-        let argv = exec_argv(&self.bin_kt, req);
+        let argv = self.programs.argv(req)?;
         Ok(pod_command(
             &argv,
             &self.pod_dir(&req.pod),
@@ -417,9 +451,13 @@ impl Target for Local {
         None
     }
 
+    fn runs_python(&self) -> bool {
+        true
+    }
+
     async fn up(&mut self, plan: &Plan) -> Result<(), TargetError> {
         self.work = plan.work_dir.clone();
-        self.bin_kt = binary(&plan.bin_dir, "kt")?;
+        self.programs = Programs::of(plan)?;
         make_pod_dirs(plan)?;
         let mport = free_port(IpAddr::V4(METADATA_IP))?;
         let sport = free_port(IpAddr::V4(STORE_IP))?;

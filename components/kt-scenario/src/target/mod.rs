@@ -40,6 +40,10 @@ pub struct Plan {
     /// Extra flags of the metadata server (timing knobs).
     pub metadata_flags: Vec<String>,
     pub pods: Vec<PodPlan>,
+    /// The Python interpreter with the `kt` package (`make python`) that
+    /// `python` steps run, on targets that run the host's programs in their
+    /// pods. None: there is none.
+    pub python: Option<PathBuf>,
 }
 
 /// One pod instance.
@@ -83,6 +87,9 @@ pub enum Program {
     Kt,
     /// `sh -c`, for checks a scenario wants to make inside a pod.
     Shell,
+    /// The Python interpreter that has the `kt` package ([`Plan::python`]);
+    /// only on targets whose pods can run it ([`Target::runs_python`]).
+    Python,
 }
 
 /// A command to run inside a pod, with its working directory at the pod's
@@ -241,6 +248,14 @@ pub trait Target: Send + Sync {
     /// expect it gone are skipped there.
     fn keeps_killed_agents_down(&self) -> bool {
         true
+    }
+
+    /// Whether `python` steps can run in its pods: the pods run the host's
+    /// programs (local, netns), so the host's interpreter with the `kt`
+    /// package ([`Plan::python`]) is theirs too. Not where pods run the
+    /// client image: it is distroless and has no Python.
+    fn runs_python(&self) -> bool {
+        false
     }
 
     /// Whether a component is ready, for components the runner cannot ask

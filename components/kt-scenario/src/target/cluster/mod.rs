@@ -623,6 +623,10 @@ impl Cluster {
         match req.program {
             Program::Kt => argv.push("kt".into()),
             Program::Shell => argv.extend(["sh".into(), "-c".into()]),
+            // The client image has no Python: `runs_python` is false and no
+            // scenario with a python step gets here; an image that adds one
+            // has it on its PATH.
+            Program::Python => argv.push("python3".into()),
         }
         argv.extend(req.args.iter().cloned());
         argv

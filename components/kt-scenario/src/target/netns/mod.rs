@@ -62,9 +62,9 @@ use async_trait::async_trait;
 use tokio::process::Command;
 
 use super::local::{
-    Servers, agent_argv, agent_env, exec_argv, make_pod_dirs, pod_command, server_argvs,
+    Programs, Servers, agent_argv, agent_env, make_pod_dirs, pod_command, server_argvs,
 };
-use super::procs::{PodProcs, Server, binary};
+use super::procs::{PodProcs, Server};
 use super::{Component, ExecOutput, ExecRequest, Plan, PodProcess, Target, TargetError};
 use crate::format::Signal;
 
@@ -87,7 +87,7 @@ const NEED_ROOT: &str = "the netns target needs root (it creates network namespa
 pub struct Netns {
     http: reqwest::Client,
     work: PathBuf,
-    bin_kt: String,
+    programs: Programs,
     metadata_url: String,
     store_url: String,
     servers: Servers,
@@ -108,7 +108,7 @@ impl Default for Netns {
                 .build()
                 .unwrap_or_default(),
             work: PathBuf::new(),
-            bin_kt: String::new(),
+            programs: Programs::default(),
             metadata_url: String::new(),
             store_url: String::new(),
             servers: Default::default(),
@@ -127,7 +127,7 @@ impl Netns {
 
     async fn bring_up(&mut self, plan: &Plan) -> Result<(), TargetError> {
         self.work = plan.work_dir.clone();
-        self.bin_kt = binary(&plan.bin_dir, "kt")?;
+        self.programs = Programs::of(plan)?;
         self.metadata_url = format!("http://{METADATA_IP}:{METADATA_PORT}");
         self.store_url = format!("http://{STORE_IP}:{STORE_PORT}");
         let (margv, sargv) = server_argvs(
@@ -216,7 +216,7 @@ impl Netns {
     fn command(&self, req: &ExecRequest) -> Result<Command, TargetError> {
         let (ns, ip) = (self.pods.get(&req.pod))
             .ok_or_else(|| TargetError::Failed(format!("no pod named {}", req.pod)))?;
-        let argv = in_netns(ns, exec_argv(&self.bin_kt, req));
+        let argv = in_netns(ns, self.programs.argv(req)?);
         Ok(pod_command(
             &argv,
             &self.pod_dir(&req.pod),
@@ -252,6 +252,10 @@ impl Target for Netns {
                 missing.join(" and ")
             )
         })
+    }
+
+    fn runs_python(&self) -> bool {
+        true
     }
 
     async fn up(&mut self, plan: &Plan) -> Result<(), TargetError> {
