@@ -89,6 +89,14 @@ python-test: python
 	$(CARGO) build -q --bins -p kt-metadata -p kt-store -p kt-agent
 	KT_BIN_DIR=$(TARGET_DIR)/debug $(TARGET_DIR)/python/bin/python -m pytest -q -rs components/kt-python/tests
 
+## bench-python: the same 1 GiB state dict (500 tensors) and 10,000-file
+## tree moved from Python and from the Rust CLI in one run on a loopback
+## testbed (release binaries); Python/Rust ratios and the import time on
+## the last line (BENCH_ARGS=--quick for a smoke run).
+bench-python: release python
+	KT_BIN_DIR=$(abspath $(TARGET_DIR))/release $(TARGET_DIR)/python/bin/python \
+		components/kt-python/bench/bench.py $(BENCH_ARGS)
+
 ## images: the four images (metadata, store, agent, client), built offline
 ## from a base assembled from this machine (testbed/images/build.sh), tagged
 ## with the git revision and the workspace version.

@@ -317,11 +317,15 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                 broadcast: window.window(bucket),
                 packing: Some(packing),
             };
+            // The whole request as this process waits for it (the agent's
+            // `seconds` count its data movement alone).
+            let started = std::time::Instant::now();
             let stats = {
                 let mut gets: Vec<(Key, &mut StateDict<AnyTensor>)> =
                     keys.iter().cloned().zip(sets.iter_mut()).collect();
                 kt.get_many(&mut gets, &opts).await?
             };
+            let call_seconds = started.elapsed().as_secs_f64();
             let mut hasher = blake3::Hasher::new();
             for (i, (key, sd)) in keys.iter().zip(&sets).enumerate() {
                 for (name, t) in sd.iter() {
@@ -375,6 +379,7 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                         "rank": stats.rank,
                         "world": stats.world,
                         "seconds": stats.seconds,
+                        "call_seconds": call_seconds,
                         "digest": digest,
                     })
                 ),

@@ -47,8 +47,8 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Ctx {
     fn new(settings: Settings) -> PyResult<Ctx> {
+        // As the CLI's: a worker per core.
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(4)
             .thread_name("kt")
             .enable_all()
             .build()

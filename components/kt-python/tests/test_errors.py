@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import unique
+from loopback import unique
 
 
 def test_every_error_has_its_class_code_and_message(testbed, pod_a, kt_in, run_in, tmp_path,

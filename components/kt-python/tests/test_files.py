@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from conftest import unique
+from loopback import unique
 
 
 def write(root: pathlib.Path, files: dict) -> pathlib.Path:

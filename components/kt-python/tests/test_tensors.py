@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import unique
+from loopback import unique
 
 HOLD = """
 import json, sys, numpy as np, kt

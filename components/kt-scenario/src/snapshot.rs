@@ -37,6 +37,7 @@ const TIME_KEYS: &[&str] = &[
     "updated_at_ms",
     "expires_at_ms",
     "seconds",
+    "call_seconds",
     "duration_ms",
 ];
 /// Object keys whose values are opaque ids minted per run.

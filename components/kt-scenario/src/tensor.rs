@@ -172,8 +172,8 @@ fn ranks(values: impl Iterator<Item = Option<u64>>) -> Value {
     json!(r)
 }
 
-/// Per-field agreement over objects (`rank` becomes `ranks`; `seconds`
-/// and `version` are left out).
+/// Per-field agreement over objects (`rank` becomes `ranks`; times and
+/// `version` are left out).
 fn merge(objects: &[&serde_json::Map<String, Value>]) -> Value {
     let mut fields: Vec<&String> = objects.iter().flat_map(|o| o.keys()).collect();
     fields.sort();
@@ -181,7 +181,7 @@ fn merge(objects: &[&serde_json::Map<String, Value>]) -> Value {
     let mut out = serde_json::Map::new();
     for f in fields {
         match f.as_str() {
-            "seconds" | "version" => {}
+            "seconds" | "call_seconds" | "version" => {}
             "rank" if objects.len() > 1 => {
                 out.insert(
                     "ranks".to_owned(),
