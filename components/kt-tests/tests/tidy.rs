@@ -114,7 +114,14 @@ fn layering(members: &BTreeMap<String, Member>) -> Vec<String> {
         &[&HTTP[..], &["tokio", "redb"]].concat(),
         "the transfer engine is blocking code the agent drives",
     );
-    for client in ["kt-client", "kt-api", "kt-kube", "kt-service", "kt-sync"] {
+    for client in [
+        "kt-client",
+        "kt-api",
+        "kt-kube",
+        "kt-service",
+        "kt-sync",
+        "kt-python",
+    ] {
         never(
             client,
             &[&SERVERS[..], &["redb"]].concat(),
@@ -154,6 +161,7 @@ fn layering(members: &BTreeMap<String, Member>) -> Vec<String> {
         ("criterion", &["kt-bench"][..]),
         ("cudarc", &["kt-tensor"][..]),
         ("redb", &["kt-metadata"][..]),
+        ("pyo3", &["kt-python"][..]),
     ] {
         for (name, m) in members {
             if (m.deps.contains(dep) || m.dev_deps.contains(dep)) && !homes.contains(&name.as_str())
