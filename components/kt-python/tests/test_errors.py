@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import textwrap
 import threading
 import time
 
@@ -141,9 +142,26 @@ def test_the_gil_is_released_while_a_transfer_waits(testbed, pod_a, kt_in, tmp_p
     assert counts[0] > 10_000, (counts, elapsed)
 
 
+# Prints "inside" once the main thread is inside kt's native get (kt.get's
+# frame stands on its `_kt.get_...` line; the GIL is released there, so this
+# thread runs).
+ANNOUNCE = """
+import linecache, sys, threading, time
+def _announce(main=threading.main_thread().ident):
+    while True:
+        f = sys._current_frames().get(main)
+        if f is not None and f.f_code.co_name == "get" and \
+                "_kt.get_" in linecache.getline(f.f_code.co_filename, f.f_lineno):
+            print("inside", flush=True)
+            return
+        time.sleep(0.001)
+threading.Thread(target=_announce, daemon=True).start()
+"""
+
+
 def interrupt(p):
-    """Sends SIGINT once ``p`` printed that it is starting its call."""
-    assert p.stdout.readline().strip() == "starting", p.stderr.read()
+    """Sends SIGINT once ``p`` is inside kt's native call."""
+    assert p.stdout.readline().strip() == "inside", p.stderr.read()
     p.send_signal(signal.SIGINT)
     return p.communicate(timeout=60)
 
@@ -153,10 +171,9 @@ def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, r
     minutes) ends at Ctrl-C with KeyboardInterrupt, its array untouched."""
     key = unique("interrupt-q")
     group = unique("g").replace("/", "-")
-    p = run_in(testbed, pod_a, f"""
+    p = run_in(testbed, pod_a, ANNOUNCE + textwrap.dedent(f"""
         import sys, numpy as np, kt
         dest = np.full(16, 7, np.float32)
-        print("starting", flush=True)
         try:
             kt.get("{key}", dest=dest,
                    broadcast=kt.BroadcastWindow(group_id="{group}", world_size=2, timeout=120))
@@ -164,7 +181,7 @@ def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, r
         except KeyboardInterrupt:
             print("interrupted", "untouched" if (dest == 7).all() else "changed", flush=True)
             sys.exit(7)
-    """, background=True)
+    """), background=True)
     out, err = interrupt(p)
     assert p.returncode == 7, (out, err)
     assert "interrupted untouched" in out
@@ -181,16 +198,15 @@ def test_ctrl_c_stops_a_transfer_and_leaves_whole_files(testbed, pod_a, run_in, 
         kt.put("{key}", src=d)
     """)
     assert prep.returncode == 0, prep.stderr
-    p = run_in(testbed, pod_a, f"""
+    p = run_in(testbed, pod_a, ANNOUNCE + textwrap.dedent(f"""
         import sys, kt
-        print("starting", flush=True)
         try:
             kt.get("{key}", dest={str(tmp_path / 'copy')!r}, verbose=False)
             print("finished", flush=True)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             sys.exit(7)
-    """, background=True)
+    """), background=True)
     out, err = interrupt(p)
     if "finished" in out:
         pytest.skip("the 512 MiB get finished before the signal arrived")
