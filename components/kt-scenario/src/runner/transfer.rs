@@ -9,6 +9,7 @@ use serde_json::{Value, json};
 
 use super::exec::{Invocation, PodRun};
 use super::{Scn, StepError, StepResult};
+use crate::argv::Argv;
 use crate::data::Digest;
 use crate::format::{Action, Auth, Expect, GetStep, LsStep, PutStep, RmStep, Step, TeardownStep};
 use crate::template::Context;
@@ -44,27 +45,14 @@ impl Scn<'_> {
                             return Err(StepError::Input("a put needs data or src".into()));
                         }
                     };
-                    let mut a = vec![
-                        "put".into(),
-                        ctx.expand(&p.key)?,
-                        "--src".into(),
-                        src,
-                        "-o".into(),
-                        "json".into(),
-                    ];
-                    if let Some(l) = &p.locale {
-                        a.extend(["--locale".into(), l.clone()]);
-                    }
-                    if let Some(l) = &p.lifespan {
-                        a.extend(["--lifespan".into(), l.clone()]);
-                    }
-                    if let Some(t) = &p.ttl {
-                        a.extend(["--ttl".into(), t.clone()]);
-                    }
-                    if let Some(s) = &p.service {
-                        a.extend(["--service".into(), s.clone()]);
-                    }
-                    Ok(a)
+                    let mut a = Argv::new(["put".to_owned(), ctx.expand(&p.key)?]);
+                    a.words(["--src".to_owned(), src])
+                        .words(["-o", "json"])
+                        .opt("--locale", p.locale.as_deref())
+                        .opt("--lifespan", p.lifespan.as_deref())
+                        .opt("--ttl", p.ttl.as_deref())
+                        .opt("--service", p.service.as_deref());
+                    Ok(a.into_vec())
                 },
                 started,
                 &result.index,
@@ -99,33 +87,18 @@ impl Scn<'_> {
                 &pods,
                 Invocation::kt(g.auth),
                 |_, ctx| {
-                    let mut a: Vec<String> = vec![
-                        "get".into(),
-                        ctx.expand(&g.key)?,
-                        "--dest".into(),
-                        dest(ctx)?,
-                        "-o".into(),
-                        "json".into(),
-                    ];
-                    if !g.serve {
-                        a.push("--no-serve".into());
-                    }
-                    if g.delete {
-                        a.push("--delete".into());
-                    }
+                    let mut a = Argv::new(["get".to_owned(), ctx.expand(&g.key)?]);
+                    a.words(["--dest".to_owned(), dest(ctx)?])
+                        .words(["-o", "json"])
+                        .flag("--no-serve", !g.serve)
+                        .flag("--delete", g.delete);
                     if broadcast {
-                        a.push("--broadcast".into());
-                        if let Some(grp) = &group {
-                            a.extend(["--group".into(), grp.clone()]);
-                        }
-                        if let Some(f) = g.fanout {
-                            a.extend(["--fanout".into(), f.to_string()]);
-                        }
-                        if let Some(w) = &g.window {
-                            a.extend(["--timeout".into(), w.clone()]);
-                        }
+                        a.flag("--broadcast", true)
+                            .opt("--group", group.as_deref())
+                            .opt("--fanout", g.fanout)
+                            .opt("--timeout", g.window.as_deref());
                     }
-                    Ok(a)
+                    Ok(a.into_vec())
                 },
                 started,
                 &result.index,
