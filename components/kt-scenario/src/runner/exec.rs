@@ -165,6 +165,30 @@ impl Scn<'_> {
         Ok(())
     }
 
+    /// `kt ARGS`, the same in every pod of `pods`, settled against the
+    /// step's expectation.
+    pub(super) async fn kt_in(
+        &self,
+        step: &Step,
+        pods: &[&PodPlan],
+        auth: Auth,
+        args: Vec<String>,
+        started: Instant,
+        result: &mut StepResult,
+    ) -> Result<Vec<PodRun>, StepError> {
+        let runs = self
+            .in_pods(
+                pods,
+                Invocation::kt(auth),
+                |_, _| Ok(args.clone()),
+                started,
+                &result.index,
+            )
+            .await;
+        self.settle(step, &runs, result)?;
+        Ok(runs)
+    }
+
     /// Runs `args(pod)` in every selected pod at once.
     pub(super) async fn in_pods(
         &self,

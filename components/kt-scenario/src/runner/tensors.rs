@@ -122,23 +122,10 @@ impl Scn<'_> {
         result: &mut StepResult,
     ) -> Result<(), StepError> {
         let pods = self.select(&t.pod);
+        let args = ["tensor", "ls", "-o", "json"].map(String::from).to_vec();
         let runs = self
-            .in_pods(
-                &pods,
-                Invocation::kt(t.auth),
-                |_, _| {
-                    Ok(vec![
-                        "tensor".into(),
-                        "ls".into(),
-                        "-o".into(),
-                        "json".into(),
-                    ])
-                },
-                started,
-                &result.index,
-            )
-            .await;
-        self.settle(step, &runs, result)?;
+            .kt_in(step, &pods, t.auth, args, started, result)
+            .await?;
         let mut by_pod = serde_json::Map::new();
         for (pod, o) in ok_outputs(&runs) {
             let regs = tensor::ls_record(&o.stdout)

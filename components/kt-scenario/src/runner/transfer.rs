@@ -145,24 +145,11 @@ impl Scn<'_> {
         result: &mut StepResult,
     ) -> Result<(), StepError> {
         let pod = self.pod_or_first(l.pod.as_deref())?;
-        let prefix = self.expand(&l.prefix)?;
+        let mut args = Argv::new(["ls".to_owned(), self.expand(&l.prefix)?]);
+        args.words(["-o", "json"]);
         let runs = self
-            .in_pods(
-                &[pod],
-                Invocation::kt(l.auth),
-                |_, _| {
-                    Ok(vec![
-                        "ls".into(),
-                        prefix.clone(),
-                        "-o".into(),
-                        "json".into(),
-                    ])
-                },
-                started,
-                &result.index,
-            )
-            .await;
-        self.settle(step, &runs, result)?;
+            .kt_in(step, &[pod], l.auth, args.into_vec(), started, result)
+            .await?;
         if let Some(Ok(o)) = runs.first().map(|r| &r.out)
             && o.status == 0
         {
@@ -183,26 +170,12 @@ impl Scn<'_> {
         result: &mut StepResult,
     ) -> Result<(), StepError> {
         let pod = self.pod_or_first(r.pod.as_deref())?;
-        let key = self.expand(&r.key)?;
+        let mut args = Argv::new(["rm".to_owned(), self.expand(&r.key)?]);
+        args.flag("-r", r.recursive);
         let runs = self
-            .in_pods(
-                &[pod],
-                Invocation::kt(r.auth),
-                |_, _| {
-                    let mut a = vec!["rm".into(), key.clone()];
-                    if r.recursive {
-                        a.push("-r".into());
-                    }
-                    Ok(a)
-                },
-                started,
-                &result.index,
-            )
-            .await;
-        self.settle(step, &runs, result)?;
-        if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
-            result.record = Some(json!({ "stdout": o.stdout.lines().collect::<Vec<_>>() }));
-        }
+            .kt_in(step, &[pod], r.auth, args.into_vec(), started, result)
+            .await?;
+        record_stdout(&runs, result);
         Ok(())
     }
 
@@ -215,19 +188,11 @@ impl Scn<'_> {
         result: &mut StepResult,
     ) -> Result<(), StepError> {
         let pod = self.pod_or_first(t.pod.as_deref())?;
+        let args = vec!["teardown".into(), t.service.clone()];
         let runs = self
-            .in_pods(
-                &[pod],
-                Invocation::kt(Auth::Valid),
-                |_, _| Ok(vec!["teardown".into(), t.service.clone()]),
-                started,
-                &result.index,
-            )
-            .await;
-        self.settle(step, &runs, result)?;
-        if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
-            result.record = Some(json!({ "stdout": o.stdout.lines().collect::<Vec<_>>() }));
-        }
+            .kt_in(step, &[pod], Auth::Valid, args, started, result)
+            .await?;
+        record_stdout(&runs, result);
         Ok(())
     }
 
@@ -326,4 +291,11 @@ pub(super) fn listing(entries: &[ListEntry]) -> Value {
 
 fn key_dir(key: &str) -> String {
     key.replace('/', "_")
+}
+
+/// Records the first pod's stdout lines.
+fn record_stdout(runs: &[PodRun], result: &mut StepResult) {
+    if let Some(Ok(o)) = runs.first().map(|r| &r.out) {
+        result.record = Some(json!({ "stdout": o.stdout.lines().collect::<Vec<_>>() }));
+    }
 }
