@@ -466,14 +466,8 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
                 SummaryFormat::Json => println!(
                     "{}",
                     serde_json::to_string(&TransferSummary {
-                        op: "get".into(),
-                        key: key.to_string(),
-                        files: s.files,
-                        stats: s.stats,
-                        unchanged: false,
-                        seconds: s.duration.as_secs_f64(),
-                        dest: Some(s.dest.display().to_string()),
                         broadcast: place,
+                        ..got_summary(&key, &s)
                     })?
                 ),
             }
@@ -540,21 +534,26 @@ fn print_prefix(got: &kt_client::PrefixSummary, output: SummaryFormat) -> anyhow
             let all: Vec<TransferSummary> = got
                 .gets
                 .iter()
-                .map(|(key, s)| TransferSummary {
-                    op: "get".into(),
-                    key: key.to_string(),
-                    files: s.files,
-                    stats: s.stats,
-                    unchanged: false,
-                    seconds: s.duration.as_secs_f64(),
-                    dest: Some(s.dest.display().to_string()),
-                    broadcast: None,
-                })
+                .map(|(key, s)| got_summary(key, s))
                 .collect();
             println!("{}", serde_json::to_string(&all)?);
         }
     }
     Ok(())
+}
+
+/// The `-o json` summary of one get.
+fn got_summary(key: &Key, s: &kt_client::GetSummary) -> TransferSummary {
+    TransferSummary {
+        op: "get".into(),
+        key: key.to_string(),
+        files: s.files,
+        stats: s.stats,
+        unchanged: false,
+        seconds: s.duration.as_secs_f64(),
+        dest: Some(s.dest.display().to_string()),
+        broadcast: None,
+    }
 }
 
 /// Exit codes: 0 ok, 1 failure, 2 bad input, 3 not found, 4 unauthorized, 5 unavailable.
