@@ -36,6 +36,10 @@ fn local(msg: impl Into<String>) -> ClientError {
     ClientError::Local(msg.into())
 }
 
+fn away(msg: impl Into<String>) -> ClientError {
+    ClientError::Agent(msg.into())
+}
+
 impl AgentConn {
     /// Connects and says hello; `None` when no agent listens at `socket`.
     pub async fn connect(socket: &Path) -> Result<Option<AgentConn>, ClientError> {
@@ -58,7 +62,7 @@ impl AgentConn {
                 )));
             }
             Err(e) => {
-                return Err(local(format!("agent socket {}: {e}", socket.display())));
+                return Err(away(format!("agent socket {}: {e}", socket.display())));
             }
         };
         let mut conn = AgentConn {
@@ -105,7 +109,7 @@ impl AgentConn {
                 return Ok(c);
             }
             if Instant::now() >= deadline {
-                return Err(local(format!(
+                return Err(away(format!(
                     "started kt-agent, but it did not open {} within {START_TIMEOUT:?}; see {}",
                     socket.display(),
                     agent_log(socket).display()
@@ -118,7 +122,7 @@ impl AgentConn {
     /// One request, one reply. `Error` replies become errors.
     pub async fn request(&mut self, req: &ControlRequest) -> Result<ControlReply, ClientError> {
         let frame = encode_frame(req).map_err(|e| local(format!("encoding a request: {e}")))?;
-        let io = |e: std::io::Error| local(format!("agent control socket: {e}"));
+        let io = |e: std::io::Error| away(format!("agent control socket: {e}"));
         self.stream.write_all(&frame).await.map_err(io)?;
         let mut head = [0u8; 4];
         self.stream.read_exact(&mut head).await.map_err(io)?;
@@ -130,7 +134,7 @@ impl AgentConn {
             .await
             .map_err(io)?;
         if body.len() != n {
-            return Err(local("the node agent closed the control socket mid-reply"));
+            return Err(away("the node agent closed the control socket mid-reply"));
         }
         let reply: ControlReply = serde_json::from_slice(&body)
             .map_err(|e| local(format!("unreadable reply from the node agent: {e}")))?;
@@ -192,7 +196,13 @@ fn start_agent(socket: &Path, metadata_url: &str, token: &str) -> Result<(), Cli
         .stderr(err)
         .process_group(0)
         .spawn()
-        .map_err(|e| local(format!("starting {}: {e}", exe.display())))?;
+        .map_err(|e| {
+            away(format!(
+                "no node agent at {}, and starting {} failed: {e}",
+                socket.display(),
+                exe.display()
+            ))
+        })?;
     Ok(())
 }
 

@@ -21,6 +21,10 @@ pub enum ClientError {
     Key(#[from] kt_types::KeyError),
     #[error("server sent an invalid manifest: {0}")]
     Manifest(#[from] kt_types::ManifestError),
+    /// The pod's node agent is not there or broke its control connection
+    /// (`unavailable`: try again once it runs).
+    #[error("{0}")]
+    Agent(String),
     #[error("{0}")]
     Local(String),
 }
@@ -68,7 +72,7 @@ impl ClientError {
                     | kt_sync::SyncError::NotFound { .. }
                     | kt_sync::SyncError::NonUtf8 { .. }
             ),
-            ClientError::Key(_) | ClientError::Local(_) => false,
+            ClientError::Key(_) | ClientError::Agent(_) | ClientError::Local(_) => false,
         }
     }
 
@@ -85,6 +89,7 @@ impl ClientError {
         match self {
             ClientError::Api { code, .. } => Some(*code),
             ClientError::Key(_) => Some(ErrorCode::InvalidKey),
+            ClientError::Agent(_) => Some(ErrorCode::Unavailable),
             _ => None,
         }
     }

@@ -223,36 +223,38 @@ def main() -> int:
              "--repeat", str(a.tensors), "--seed", "7", "--hold"],
             env={**os.environ, **tb.env(src), "KT_PROGRESS": "never"}, cwd=src.dir,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        for line in holder.stdout:
-            if line.startswith("holding"):
-                break
-        else:
-            raise RuntimeError(f"kt tensor put --hold exited with {holder.wait()}")
-        # Destinations in memory already touched, as a model's weights are.
-        dests = {
-            "empty": f"dest = {{f'w.{{i}}': kt.empty(({rows_per_tensor}, 1024), 'float32') "
-                     f"for i in range({a.tensors})}}",
-            "numpy": f"dest = {{f'w.{{i}}': np.ones(({rows_per_tensor}, 1024), np.float32) "
-                     f"for i in range({a.tensors})}}",
-        }
-        for r in range(a.rounds):
-            sides = ["rust", "python"] if r % 2 == 0 else ["python", "rust"]
-            for side in sides:
-                if side == "rust":
-                    got, wall = kt_cmd(tb, rust, ["tensor", "get", "bench/sd", "--layout",
-                                                  layout, "--repeat", str(a.tensors)])
-                    assert got["bytes"] == sd_bytes, got
-                    for row in (sd_zero, sd_numpy):
+        try:
+            for line in holder.stdout:
+                if line.startswith("holding"):
+                    break
+            else:
+                raise RuntimeError(f"kt tensor put --hold exited with {holder.wait()}")
+            # Destinations in memory already touched, as a model's weights are.
+            dests = {
+                "empty": f"dest = {{f'w.{{i}}': kt.empty(({rows_per_tensor}, 1024), 'float32') "
+                         f"for i in range({a.tensors})}}",
+                "numpy": f"dest = {{f'w.{{i}}': np.ones(({rows_per_tensor}, 1024), np.float32) "
+                         f"for i in range({a.tensors})}}",
+            }
+            for r in range(a.rounds):
+                sides = ["rust", "python"] if r % 2 == 0 else ["python", "rust"]
+                for side in sides:
+                    if side == "rust":
+                        got, wall = kt_cmd(tb, rust, ["tensor", "get", "bench/sd", "--layout",
+                                                      layout, "--repeat", str(a.tensors)])
+                        assert got["bytes"] == sd_bytes, got
+                        for row in (sd_zero, sd_numpy):
+                            record(row, side, got["call_seconds"], wall)
+                        continue
+                    for kind, row in (("empty", sd_zero), ("numpy", sd_numpy)):
+                        got, wall = py_call(tb, py, "import numpy as np, kt\n" + dests[kind],
+                                            "kt.get('bench/sd', dest=dest)")
+                        assert got["bytes"] == sd_bytes, got
                         record(row, side, got["call_seconds"], wall)
-                    continue
-                for kind, row in (("empty", sd_zero), ("numpy", sd_numpy)):
-                    got, wall = py_call(tb, py, "import numpy as np, kt\n" + dests[kind],
-                                        "kt.get('bench/sd', dest=dest)")
-                    assert got["bytes"] == sd_bytes, got
-                    record(row, side, got["call_seconds"], wall)
-            print(f"  tensors: round {r + 1}/{a.rounds} done", flush=True)
-        holder.terminate()
-        holder.wait(30)
+                print(f"  tensors: round {r + 1}/{a.rounds} done", flush=True)
+        finally:
+            holder.terminate()
+            holder.wait(30)
 
         imp = import_ms(tb, py)
         rows = [sd_zero, sd_numpy, tree_put, tree_get]

@@ -33,13 +33,23 @@ use settings::Settings;
 /// tensors move) the control connection to the pod's agent, which the
 /// process keeps for its life (its registrations are tied to it).
 struct Ctx {
+    /// The process that made it: a forked child makes its own (the
+    /// runtime's threads and the agent connection are its parent's).
+    pid: u32,
     rt: tokio::runtime::Runtime,
     client: Client,
     settings: Settings,
     tensors: tokio::sync::Mutex<Option<TensorClient>>,
+    /// Agent connections left by an interrupted tensor call: a reply may
+    /// still be on its way, so they take no more requests, but they stay
+    /// open so that what this process lent through them stays registered.
+    retired: Mutex<Vec<TensorClient>>,
 }
 
 static CTX: Mutex<Option<Arc<Ctx>>> = Mutex::new(None);
+
+/// Contexts `configure` replaced that may still lend tensors.
+static REPLACED: Mutex<Vec<Arc<Ctx>>> = Mutex::new(Vec::new());
 
 fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -60,19 +70,49 @@ impl Ctx {
         }
         let client = Client::new(cfg).map_err(to_py)?;
         Ok(Ctx {
+            pid: std::process::id(),
             rt,
             client,
             settings,
             tensors: tokio::sync::Mutex::new(None),
+            retired: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Whether an agent connection of this context is (or is being) open.
+    fn may_lend(&self) -> bool {
+        !locked(&self.retired).is_empty()
+            || self.tensors.try_lock().map_or(true, |conn| conn.is_some())
     }
 }
 
-/// The process's context, made from the environment on first use.
+/// Takes the context out of `slot` for replacing. One a forked child
+/// inherited is leaked: its runtime's workers live only in the parent, so
+/// dropping it would wait for threads that do not exist here, and its agent
+/// connection (and the registrations on it) are the parent's.
+fn take_for_replacing(slot: &mut Option<Arc<Ctx>>) -> Option<Arc<Ctx>> {
+    let old = slot.take()?;
+    if old.pid == std::process::id() {
+        Some(old)
+    } else {
+        std::mem::forget(old);
+        None
+    }
+}
+
+/// The process's context, made from the environment on first use (and
+/// afresh in a forked child).
 fn ctx() -> PyResult<Arc<Ctx>> {
     let mut slot = locked(&CTX);
     if let Some(c) = slot.as_ref() {
-        return Ok(c.clone());
+        if c.pid == std::process::id() {
+            return Ok(c.clone());
+        }
+        let settings = c.settings.clone();
+        take_for_replacing(&mut slot);
+        let c = Arc::new(Ctx::new(settings)?);
+        *slot = Some(c.clone());
+        return Ok(c);
     }
     let c = Arc::new(Ctx::new(Settings::from_env(Default::default())?)?);
     *slot = Some(c.clone());
@@ -80,11 +120,23 @@ fn ctx() -> PyResult<Arc<Ctx>> {
 }
 
 /// Runs `fut` on kt's runtime without the GIL, looking for signals every
-/// 100 ms; a signal's exception (Ctrl-C) aborts the transfer.
+/// 100 ms; a signal's exception (Ctrl-C) aborts the transfer, and the call
+/// returns once the transfer has stopped and cleaned up after itself
+/// (partial files removed).
 fn run<T: Send + 'static>(
     py: Python<'_>,
     ctx: &Ctx,
     fut: impl Future<Output = Result<T, ClientError>> + Send + 'static,
+) -> PyResult<T> {
+    run_with(py, ctx, fut, || {})
+}
+
+/// [`run`], calling `interrupted` after a signal stopped the transfer.
+fn run_with<T: Send + 'static>(
+    py: Python<'_>,
+    ctx: &Ctx,
+    fut: impl Future<Output = Result<T, ClientError>> + Send + 'static,
+    interrupted: impl FnOnce() + Send,
 ) -> PyResult<T> {
     let mut task = ctx.rt.spawn(fut);
     loop {
@@ -103,11 +155,31 @@ fn run<T: Send + 'static>(
             Err(_) => {
                 if let Err(e) = py.check_signals() {
                     task.abort();
+                    // Aborting takes effect at the task's next await; its
+                    // drops (temporary files) run before this returns.
+                    let _ = py.detach(|| ctx.rt.block_on(&mut task));
+                    py.detach(interrupted);
                     return Err(e);
                 }
             }
         }
     }
+}
+
+/// [`run`] for a call on the agent connection. An interrupted call may
+/// leave its reply unread, so the connection is retired (kept open: what
+/// it lent stays registered while this process lives) and the next call
+/// opens another.
+fn run_tensors<T: Send + 'static>(
+    py: Python<'_>,
+    ctx: &Ctx,
+    fut: impl Future<Output = Result<T, ClientError>> + Send + 'static,
+) -> PyResult<T> {
+    run_with(py, ctx, fut, || {
+        if let Some(old) = ctx.rt.block_on(ctx.tensors.lock()).take() {
+            locked(&ctx.retired).push(old);
+        }
+    })
 }
 
 /// Sets how this process reaches kt; arguments left out come from the same
@@ -132,17 +204,27 @@ fn configure(
         streams,
     };
     let c = Arc::new(Ctx::new(Settings::from_env(given)?)?);
-    let old = locked(&CTX).replace(c);
-    // The old runtime ends off this thread: dropping it here would block
-    // on its workers while the caller holds the GIL.
-    if let Some(old) = old {
-        std::thread::spawn(move || drop(old));
+    let old = {
+        let mut slot = locked(&CTX);
+        let old = take_for_replacing(&mut slot);
+        *slot = Some(c);
+        old
+    };
+    match old {
+        // Its agent connections keep what this process lent registered
+        // (an agent that cannot see the process's pid ties registrations
+        // to the connection): kept open while the process lives.
+        Some(old) if old.may_lend() => locked(&REPLACED).push(old),
+        // The old runtime ends off this thread: dropping it here would
+        // block on its workers while the caller holds the GIL.
+        Some(old) => drop(std::thread::spawn(move || drop(old))),
+        None => {}
     }
     Ok(())
 }
 
-/// The settings in use: metadata URL, agent socket, streams (never the
-/// token).
+/// The settings in use: metadata URL, agent socket, streams, shared-memory
+/// directory (never the token).
 #[pyfunction(name = "settings")]
 fn current_settings(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let c = ctx()?;
@@ -153,6 +235,7 @@ fn current_settings(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         c.settings.agent_socket.display().to_string(),
     )?;
     d.set_item("streams", c.client.config().streams)?;
+    d.set_item("shm_dir", kt_tensor::shm::shm_dir().display().to_string())?;
     Ok(d)
 }
 
@@ -333,7 +416,7 @@ fn get_path<'py>(
 }
 
 /// The names directly below `prefix`, each a dict (name, key,
-/// is_directory, and the key's record as JSON when it is a key).
+/// has_children, and the key's record as JSON when it is a key).
 #[pyfunction]
 #[pyo3(signature = (prefix=""))]
 fn ls<'py>(py: Python<'py>, prefix: &str) -> PyResult<Bound<'py, PyList>> {
@@ -463,22 +546,30 @@ fn tensor_options(
     })
 }
 
-/// The agent connection of this process, made on first use.
-async fn tensor_client<'a>(
-    ctx: &'a Ctx,
-) -> Result<tokio::sync::MutexGuard<'a, Option<TensorClient>>, ClientError> {
+/// Runs `call` on this process's agent connection, made on first use. A
+/// connection the agent broke (it restarted, say) is forgotten, so that the
+/// next call connects again.
+async fn on_agent<T>(
+    ctx: &Ctx,
+    call: impl AsyncFnOnce(&mut TensorClient) -> Result<T, ClientError>,
+) -> Result<T, ClientError> {
     let mut guard = ctx.tensors.lock().await;
-    if guard.is_none() {
-        *guard = Some(
+    let client = match guard.as_mut() {
+        Some(client) => client,
+        None => guard.insert(
             TensorClient::connect(
                 &ctx.settings.agent_socket,
                 &ctx.settings.metadata_url,
                 &ctx.settings.token,
             )
             .await?,
-        );
+        ),
+    };
+    let r = call(client).await;
+    if matches!(r, Err(ClientError::Agent(_))) {
+        *guard = None;
     }
-    Ok(guard)
+    r
 }
 
 fn stats_dict<'py>(
@@ -516,17 +607,16 @@ fn put_tensors<'py>(
     let single = lent.len() == 1 && lent[0].0.is_empty();
     let c2 = c.clone();
     let k = key.clone();
-    let put = run(py, &c, async move {
-        let mut guard = tensor_client(&c2).await?;
-        let client = guard
-            .as_mut()
-            .ok_or_else(|| ClientError::Local("no agent connection".into()))?;
-        if single {
-            client.put_tensor(&k, &lent[0].1, &opts).await
-        } else {
-            let sd: StateDict<Borrowed> = lent.into_iter().collect();
-            client.put_state_dict(&k, &sd, &opts).await
-        }
+    let put = run_tensors(py, &c, async move {
+        on_agent(&c2, async |client| {
+            if single {
+                client.put_tensor(&k, &lent[0].1, &opts).await
+            } else {
+                let sd: StateDict<Borrowed> = lent.into_iter().collect();
+                client.put_state_dict(&k, &sd, &opts).await
+            }
+        })
+        .await
     })?;
     let d = PyDict::new(py);
     d.set_item("key", put.key.as_str())?;
@@ -555,22 +645,21 @@ fn get_tensors<'py>(
     let lent: Vec<(String, Borrowed)> = tensors.iter().map(borrowed).collect::<PyResult<_>>()?;
     let single = lent.len() == 1 && lent[0].0.is_empty();
     let c2 = c.clone();
-    let stats = run(py, &c, async move {
-        let mut guard = tensor_client(&c2).await?;
-        let client = guard
-            .as_mut()
-            .ok_or_else(|| ClientError::Local("no agent connection".into()))?;
-        if single {
-            let mut t = lent
-                .into_iter()
-                .next()
-                .map(|(_, b)| b)
-                .ok_or_else(|| ClientError::Local("no destination".into()))?;
-            client.get_tensor(&key, &mut t, &opts).await
-        } else {
-            let mut sd: StateDict<Borrowed> = lent.into_iter().collect();
-            client.get_state_dict(&key, &mut sd, &opts).await
-        }
+    let stats = run_tensors(py, &c, async move {
+        on_agent(&c2, async |client| {
+            if single {
+                let mut t = lent
+                    .into_iter()
+                    .next()
+                    .map(|(_, b)| b)
+                    .ok_or_else(|| ClientError::Local("no destination".into()))?;
+                client.get_tensor(&key, &mut t, &opts).await
+            } else {
+                let mut sd: StateDict<Borrowed> = lent.into_iter().collect();
+                client.get_state_dict(&key, &mut sd, &opts).await
+            }
+        })
+        .await
     })?;
     stats_dict(py, &stats)
 }
@@ -581,12 +670,8 @@ fn drop_tensors(py: Python<'_>, key: &str) -> PyResult<()> {
     let c = ctx()?;
     let key = parse_key("key", key)?;
     let c2 = c.clone();
-    run(py, &c, async move {
-        let mut guard = tensor_client(&c2).await?;
-        match guard.as_mut() {
-            Some(client) => client.drop_tensors(&key).await,
-            None => Ok(()),
-        }
+    run_tensors(py, &c, async move {
+        on_agent(&c2, async |client| client.drop_tensors(&key).await).await
     })
 }
 

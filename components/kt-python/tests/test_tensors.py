@@ -78,7 +78,8 @@ def test_a_state_dict_is_got_in_place_peer_to_peer(testbed, kt_in, run_in):
         release(p)
 
 
-def test_a_single_tensor_and_shared_memory_puts_move_without_copies(testbed, kt_in, run_in):
+def test_a_single_tensor_and_shared_memory_puts_move_without_copies(testbed, kt_in, run_in,
+                                                                   monkeypatch):
     key = unique("one")
     setup = """
 src = kt.empty((256, 256), "float32")
@@ -88,15 +89,51 @@ src[:] = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
     try:
         kt = kt_in(testbed.pod("worker"))
         dest = kt.empty((256, 256), "float32")
+        flat = kt.empty(256 * 256, "float32").reshape(256, 256)
+        # Destinations in shared memory are lent as they are: no copy.
+        copies = []
+        monkeypatch.setattr(kt._memory, "allocate", copies.append)
         r = kt.get(key, dest=dest)
         assert r.tensors == 1 and r.bytes == 256 * 256 * 4
         np.testing.assert_array_equal(dest.ravel(), np.arange(256 * 256, dtype=np.float32))
         # A 1-D view of shared memory: still shared memory.
-        flat = kt.empty(256 * 256, "float32").reshape(256, 256)
         kt.get(key, dest=flat)
         assert flat[255, 255] == 256 * 256 - 1
+        assert copies == []
     finally:
         release(p)
+
+
+def test_lent_memory_is_kept_until_its_key_is_deleted(testbed, run_in):
+    """kt holds what it lent until rm or a teardown deleted the key (a
+    failed rm keeps it), and a forked child makes its own connections."""
+    service = unique("held").replace("/", "-")
+    p = run_in(testbed, testbed.pod("held"), f"""
+        import os, numpy as np, kt
+        a, b = "{service}/a", "{service}/b"
+        kt.put(a, src=np.ones(8, np.float32), lifespan="resource")
+        kt.put(b, src=np.ones(8, np.float32), lifespan="resource")
+        assert set(kt._held) == {{a, b}}
+        try:
+            kt.rm("{service}/missing")
+        except kt.NotFound:
+            pass
+        assert set(kt._held) == {{a, b}}
+        assert kt.rm(a) == [a] and set(kt._held) == {{b}}
+        pid = os.fork()
+        if pid == 0:
+            # The child's first call makes its own runtime and connections.
+            names = [i.name for i in kt.ls("{service}")]
+            dest = np.zeros(8, np.float32)
+            kt.get(b, dest=dest)
+            os._exit(0 if names == ["b"] and (dest == 1).all() else 3)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert kt.teardown("{service}")["deleted"] == [b]
+        assert kt._held == {{}}
+        print("ok")
+    """)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "ok"
 
 
 def test_a_quorum_across_processes_broadcasts_one_state_dict(testbed, run_in):

@@ -174,7 +174,10 @@ def configure(metadata_url: Optional[str] = None, token: Optional[str] = None,
               streams: Optional[int] = None) -> None:
     """Sets how this process reaches kt. What is left out comes from the
     environment (``KT_METADATA_URL``, ``KT_TOKEN``/``KT_TOKEN_FILE``,
-    ``KT_AGENT_SOCKET``, ``KT_STREAMS``), as for the CLI."""
+    ``KT_AGENT_SOCKET``, ``KT_STREAMS``), as for the CLI. Calls after this
+    one use the new settings; tensors already lent stay lent through the
+    old agent connection while this process lives. Without a call, the
+    environment is read on first use."""
     if streams is not None and (not isinstance(streams, int) or streams < 1):
         raise InvalidInput(f"streams: at least 1, not {streams!r}", "invalid_request")
     _kt.configure(metadata_url, token,
@@ -183,7 +186,8 @@ def configure(metadata_url: Optional[str] = None, token: Optional[str] = None,
 
 
 def settings() -> Dict[str, Any]:
-    """The settings in use (never the token)."""
+    """The settings in use: ``metadata_url``, ``agent_socket``,
+    ``streams``, ``shm_dir`` (never the token)."""
     return dict(_kt.settings())
 
 
@@ -377,8 +381,16 @@ def rm(key: str, recursive: bool = False) -> List[str]:
     key = _key(key)
     if not isinstance(recursive, bool):
         raise TypeError("recursive must be a bool")
-    _held.pop(key, None)
-    return list(_kt.rm(key, recursive))
+    deleted = list(_kt.rm(key, recursive))
+    _release(deleted)
+    return deleted
+
+
+def _release(keys: List[str]) -> None:
+    """Lets go of the memory lent under ``keys``, which are gone (only
+    then: the agent may use the memory until its key is deleted)."""
+    for k in keys:
+        _held.pop(k, None)
 
 
 def teardown(service: str) -> Dict[str, List[str]]:
@@ -387,7 +399,9 @@ def teardown(service: str) -> Dict[str, List[str]]:
     ``evicted`` agents."""
     if not isinstance(service, str):
         raise TypeError(f"service must be a str, not {type(service).__name__}")
-    return dict(_kt.teardown(service))
+    out = dict(_kt.teardown(service))
+    _release(out.get("deleted", []))
+    return out
 
 
 def drop(key: str) -> None:
@@ -416,7 +430,10 @@ def empty(shape: Union[int, Sequence[int]], dtype: Any = "float32", *,
         return _allocate(count * dt.itemsize).view(dt).reshape(dims)
     if framework == "torch":
         import torch
-        dt = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+        dt = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) \
+            else dtype
+        if not isinstance(dt, torch.dtype):
+            raise InvalidInput(f"dtype: {dtype!r} is not a torch dtype", "invalid_request")
         size = torch.empty((), dtype=dt).element_size()
         return torch.from_numpy(_allocate(count * size)).view(dt).reshape(dims)
     raise InvalidInput(f"framework: {framework!r} is not numpy or torch", "invalid_request")

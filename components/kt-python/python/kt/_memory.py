@@ -23,9 +23,14 @@ _regions: Dict[int, Tuple[int, str]] = {}
 _lock = threading.Lock()
 
 
-def _forget(start: int, path: str) -> None:
+def _forget(start: int, path: str, owner: int) -> None:
     with _lock:
-        _regions.pop(start, None)
+        if _regions.get(start, (0, None))[1] == path:
+            del _regions[start]
+    # A forked child's copy of the mapping going away leaves the file to
+    # the process that made it.
+    if os.getpid() != owner:
+        return
     try:
         os.unlink(path)
     except OSError:
@@ -54,7 +59,7 @@ def allocate(nbytes: int) -> np.ndarray:
     with _lock:
         _regions[start] = (size, path)
     # When the last array over it goes, so do the mapping and the file.
-    weakref.finalize(mem, _forget, start, path)
+    weakref.finalize(mem, _forget, start, path, os.getpid())
     return flat[:nbytes]
 
 

@@ -137,6 +137,11 @@ def lend(param: str, value: Any, for_get: bool) -> Lent:
             raise InvalidInput(f"{_what(param, name)}: the array is read-only",
                                "invalid_request")
         if device != "cpu":
+            # The agent opens this memory by IPC handle: it must hold what
+            # the caller's queued kernels write (a put) and stay allocated
+            # while the agent uses it.
+            _torch().cuda.synchronize(t.device)
+            out.keep.append(t)
             out.described.append((name, dtype, shape, device, ("cuda", [str(address)])))
             continue
         found = _memory.locate(address, nbytes)

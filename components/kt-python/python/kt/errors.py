@@ -1,9 +1,11 @@
 """kt's exceptions.
 
-Every error kt raises is a :class:`KtError`, carrying the server's error
+What kt could not do is a :class:`KtError`, carrying the server's error
 ``code`` (``"not_found"``, ``"unavailable"``, ...; ``None`` for errors that
-never reached a server) and its ``message``. Catch the subclass you can
-act on::
+never reached a server) and its ``message``. Arguments of the wrong type
+raise ``TypeError`` before anything is sent; a full shared-memory directory
+while copying a tensor for the agent raises ``OSError``; ``RuntimeError``
+means a bug in kt (please report it). Catch the subclass you can act on::
 
     try:
         kt.get("team/model/v3", dest="model/")
