@@ -188,19 +188,9 @@ fn tensor_ip(url: &str, pod_ip: Option<&str>) -> Option<String> {
 
 /// An agent id is a pod name: what the metadata server accepts.
 fn check_id(id: &str) -> Result<(), AgentError> {
-    let valid = !id.is_empty()
-        && id.len() <= 253
-        && id != kt_types::STORE_HOLDER
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if valid {
-        Ok(())
-    } else {
-        Err(AgentError::Config(format!(
-            "agent id {id:?} is not a pod name (1 to 253 letters, digits, '.', '_' or '-'; not {:?})",
-            kt_types::STORE_HOLDER
-        )))
+    match kt_types::agent_id_problem(id) {
+        None => Ok(()),
+        Some(why) => Err(AgentError::Config(why)),
     }
 }
 

@@ -22,4 +22,6 @@ pub mod tensor;
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};
 pub use key::{Key, KeyError, KeyPrefix};
 pub use manifest::{Entry, EntryKind, Hash, Manifest, ManifestError, RootKind};
-pub use model::{BroadcastWindow, KeyRecord, Lifespan, Locale, STORE_HOLDER, Source};
+pub use model::{
+    BroadcastWindow, KeyRecord, Lifespan, Locale, STORE_HOLDER, Source, agent_id_problem,
+};

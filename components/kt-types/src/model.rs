@@ -118,6 +118,22 @@ impl Default for BroadcastWindow {
 /// The holder name of data kept by the store.
 pub const STORE_HOLDER: &str = "store";
 
+/// Why an agent id is refused, when it is: agent ids are pod names, 1 to
+/// 253 of `[A-Za-z0-9._-]`, and never [`STORE_HOLDER`].
+pub fn agent_id_problem(id: &str) -> Option<String> {
+    let valid = !id.is_empty()
+        && id.len() <= 253
+        && id != STORE_HOLDER
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    (!valid).then(|| {
+        format!(
+            "agent id {id:?} is not a pod name (1 to 253 letters, digits, '.', '_' or '-'; not {STORE_HOLDER:?})"
+        )
+    })
+}
+
 fn store_holder() -> String {
     STORE_HOLDER.to_owned()
 }
@@ -181,6 +197,17 @@ pub struct KeyRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn agent_ids_are_pod_names_but_never_the_store() {
+        for ok in ["pod-a", "worker-0.x_1", &"a".repeat(253)] {
+            assert_eq!(agent_id_problem(ok), None, "{ok}");
+        }
+        for bad in ["", "store", "a/b", "pod a", "pöd", &"a".repeat(254)] {
+            let why = agent_id_problem(bad).expect(bad);
+            assert!(why.contains("is not a pod name"), "{why}");
+        }
+    }
 
     #[test]
     fn tree_parents() {

@@ -387,18 +387,9 @@ fn check_url(what: &str, url: &str) -> Result<(), ApiError> {
 
 /// Agent ids are pod names: 1 to 253 of `[A-Za-z0-9._-]`, and never `store`.
 fn check_agent_id(id: &str) -> Result<(), ApiError> {
-    let valid = !id.is_empty()
-        && id.len() <= 253
-        && id != STORE_HOLDER
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if valid {
-        Ok(())
-    } else {
-        Err(ApiError::bad_request(format!(
-            "agent id {id:?} is not a pod name (1 to 253 letters, digits, '.', '_' or '-'; not {STORE_HOLDER:?})"
-        )))
+    match kt_types::agent_id_problem(id) {
+        None => Ok(()),
+        Some(why) => Err(ApiError::bad_request(why)),
     }
 }
 
