@@ -30,8 +30,10 @@ use errors::{invalid, to_py};
 use settings::Settings;
 
 /// The process's connection to kt: a runtime, the HTTP client, and (once
-/// tensors move) the control connection to the pod's agent, which the
-/// process keeps for its life (its registrations are tied to it).
+/// tensors move) the control connection to the pod's agent. An agent that
+/// cannot see the caller's pid ties registrations to their connection, so
+/// a connection is never closed while the process lives: one the agent
+/// broke is forgotten, one an interrupted call left is retired.
 struct Ctx {
     /// The process that made it: a forked child makes its own (the
     /// runtime's threads and the agent connection are its parent's).
@@ -104,39 +106,27 @@ fn take_for_replacing(slot: &mut Option<Arc<Ctx>>) -> Option<Arc<Ctx>> {
 /// afresh in a forked child).
 fn ctx() -> PyResult<Arc<Ctx>> {
     let mut slot = locked(&CTX);
-    if let Some(c) = slot.as_ref() {
-        if c.pid == std::process::id() {
-            return Ok(c.clone());
-        }
-        let settings = c.settings.clone();
-        take_for_replacing(&mut slot);
-        let c = Arc::new(Ctx::new(settings)?);
-        *slot = Some(c.clone());
-        return Ok(c);
-    }
-    let c = Arc::new(Ctx::new(Settings::from_env(Default::default())?)?);
+    let settings = match slot.as_ref() {
+        Some(c) if c.pid == std::process::id() => return Ok(c.clone()),
+        // Forked: the parent's settings, afresh.
+        Some(c) => c.settings.clone(),
+        None => Settings::from_env(Default::default())?,
+    };
+    take_for_replacing(&mut slot);
+    let c = Arc::new(Ctx::new(settings)?);
     *slot = Some(c.clone());
     Ok(c)
 }
 
 /// Runs `fut` on kt's runtime without the GIL, looking for signals every
-/// 100 ms; a signal's exception (Ctrl-C) aborts the transfer, and the call
-/// returns once the transfer has stopped and cleaned up after itself
-/// (partial files removed).
+/// 100 ms; a signal's exception (Ctrl-C) aborts the transfer and returns
+/// once its tasks have stopped and dropped what they held (a chunk write
+/// already under way on a blocking thread finishes, and removes its
+/// partial file, just after).
 fn run<T: Send + 'static>(
     py: Python<'_>,
     ctx: &Ctx,
     fut: impl Future<Output = Result<T, ClientError>> + Send + 'static,
-) -> PyResult<T> {
-    run_with(py, ctx, fut, || {})
-}
-
-/// [`run`], calling `interrupted` after a signal stopped the transfer.
-fn run_with<T: Send + 'static>(
-    py: Python<'_>,
-    ctx: &Ctx,
-    fut: impl Future<Output = Result<T, ClientError>> + Send + 'static,
-    interrupted: impl FnOnce() + Send,
 ) -> PyResult<T> {
     let mut task = ctx.rt.spawn(fut);
     loop {
@@ -155,31 +145,13 @@ fn run_with<T: Send + 'static>(
             Err(_) => {
                 if let Err(e) = py.check_signals() {
                     task.abort();
-                    // Aborting takes effect at the task's next await; its
-                    // drops (temporary files) run before this returns.
+                    // Aborting takes effect at the task's next await.
                     let _ = py.detach(|| ctx.rt.block_on(&mut task));
-                    py.detach(interrupted);
                     return Err(e);
                 }
             }
         }
     }
-}
-
-/// [`run`] for a call on the agent connection. An interrupted call may
-/// leave its reply unread, so the connection is retired (kept open: what
-/// it lent stays registered while this process lives) and the next call
-/// opens another.
-fn run_tensors<T: Send + 'static>(
-    py: Python<'_>,
-    ctx: &Ctx,
-    fut: impl Future<Output = Result<T, ClientError>> + Send + 'static,
-) -> PyResult<T> {
-    run_with(py, ctx, fut, || {
-        if let Some(old) = ctx.rt.block_on(ctx.tensors.lock()).take() {
-            locked(&ctx.retired).push(old);
-        }
-    })
 }
 
 /// Sets how this process reaches kt; arguments left out come from the same
@@ -235,7 +207,7 @@ fn current_settings(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
         c.settings.agent_socket.display().to_string(),
     )?;
     d.set_item("streams", c.client.config().streams)?;
-    d.set_item("shm_dir", kt_tensor::shm::shm_dir().display().to_string())?;
+    d.set_item("shm_dir", shm_dir())?;
     Ok(d)
 }
 
@@ -546,6 +518,26 @@ fn tensor_options(
     })
 }
 
+/// The agent connection while a call uses it. Dropped before the call
+/// ends (the call was interrupted), the connection may still owe that
+/// call's reply, so it is retired before the lock is let go: the next call
+/// opens another.
+struct InUse<'a> {
+    conn: tokio::sync::MutexGuard<'a, Option<TensorClient>>,
+    retired: &'a Mutex<Vec<TensorClient>>,
+    done: bool,
+}
+
+impl Drop for InUse<'_> {
+    fn drop(&mut self) {
+        if !self.done
+            && let Some(conn) = self.conn.take()
+        {
+            locked(self.retired).push(conn);
+        }
+    }
+}
+
 /// Runs `call` on this process's agent connection, made on first use. A
 /// connection the agent broke (it restarted, say) is forgotten, so that the
 /// next call connects again.
@@ -553,21 +545,30 @@ async fn on_agent<T>(
     ctx: &Ctx,
     call: impl AsyncFnOnce(&mut TensorClient) -> Result<T, ClientError>,
 ) -> Result<T, ClientError> {
-    let mut guard = ctx.tensors.lock().await;
-    let client = match guard.as_mut() {
-        Some(client) => client,
-        None => guard.insert(
+    let mut conn = ctx.tensors.lock().await;
+    if conn.is_none() {
+        *conn = Some(
             TensorClient::connect(
                 &ctx.settings.agent_socket,
                 &ctx.settings.metadata_url,
                 &ctx.settings.token,
             )
             .await?,
-        ),
+        );
+    }
+    let mut in_use = InUse {
+        conn,
+        retired: &ctx.retired,
+        done: false,
     };
+    let client = in_use
+        .conn
+        .as_mut()
+        .ok_or_else(|| ClientError::Agent("no connection to the node agent".into()))?;
     let r = call(client).await;
+    in_use.done = true;
     if matches!(r, Err(ClientError::Agent(_))) {
-        *guard = None;
+        *in_use.conn = None;
     }
     r
 }
@@ -607,7 +608,7 @@ fn put_tensors<'py>(
     let single = lent.len() == 1 && lent[0].0.is_empty();
     let c2 = c.clone();
     let k = key.clone();
-    let put = run_tensors(py, &c, async move {
+    let put = run(py, &c, async move {
         on_agent(&c2, async |client| {
             if single {
                 client.put_tensor(&k, &lent[0].1, &opts).await
@@ -645,7 +646,7 @@ fn get_tensors<'py>(
     let lent: Vec<(String, Borrowed)> = tensors.iter().map(borrowed).collect::<PyResult<_>>()?;
     let single = lent.len() == 1 && lent[0].0.is_empty();
     let c2 = c.clone();
-    let stats = run_tensors(py, &c, async move {
+    let stats = run(py, &c, async move {
         on_agent(&c2, async |client| {
             if single {
                 let mut t = lent
@@ -670,7 +671,7 @@ fn drop_tensors(py: Python<'_>, key: &str) -> PyResult<()> {
     let c = ctx()?;
     let key = parse_key("key", key)?;
     let c2 = c.clone();
-    run_tensors(py, &c, async move {
+    run(py, &c, async move {
         on_agent(&c2, async |client| client.drop_tensors(&key).await).await
     })
 }

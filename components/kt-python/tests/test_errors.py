@@ -208,6 +208,24 @@ def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, r
     assert "interrupted untouched" in out and "then put" in out
 
 
+def written_settles(pid: int, quiet: float = 0.3, timeout: float = 30) -> None:
+    """Waits until process ``pid`` has written no data for ``quiet`` seconds
+    (what the kernel had buffered from the stopped producer has landed).
+    Data is 64 KiB or more: the runtime's own wake-ups write a few bytes."""
+    def written() -> int:
+        with open(f"/proc/{pid}/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+    deadline = time.monotonic() + timeout
+    last, since = written(), time.monotonic()
+    while time.monotonic() - since < quiet:
+        assert time.monotonic() < deadline, "the getter kept writing"
+        time.sleep(0.05)
+        now = written()
+        if now - last >= 64 << 10:
+            last, since = now, time.monotonic()
+
+
 def test_ctrl_c_stops_a_transfer_and_removes_its_partial_file(testbed, pod_a, run_in,
                                                              tmp_path):
     """A get whose producer stops answering mid-file ends at Ctrl-C; the
@@ -249,6 +267,7 @@ def test_ctrl_c_stops_a_transfer_and_removes_its_partial_file(testbed, pod_a, ru
             p.kill()
             out, err = p.communicate(timeout=60)
             pytest.skip(f"the 1 GiB get ended before the producer stopped: {out} {err}")
+        written_settles(p.pid)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
     finally:

@@ -114,11 +114,14 @@ def test_lent_memory_is_kept_until_its_key_is_deleted(testbed, run_in):
         kt.put(a, src=np.ones(8, np.float32), lifespan="resource")
         kt.put(b, src=np.ones(8, np.float32), lifespan="resource")
         assert set(kt._held) == {{a, b}}
+        kt.configure(token="not-the-token")
         try:
-            kt.rm("{service}/missing")
-        except kt.NotFound:
+            kt.rm(a)
+            raise AssertionError("rm with a wrong token")
+        except kt.Unauthorized:
             pass
-        assert set(kt._held) == {{a, b}}
+        assert set(kt._held) == {{a, b}}, "a failed rm lets go of nothing"
+        kt.configure()
         assert kt.rm(a) == [a] and set(kt._held) == {{b}}
         pid = os.fork()
         if pid == 0:

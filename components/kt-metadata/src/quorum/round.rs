@@ -23,7 +23,6 @@ use kt_types::{ErrorCode, Key};
 
 /// Longest quorum window.
 pub const MAX_TIMEOUT_SECS: f64 = t::MAX_QUORUM_TIMEOUT_SECS;
-const MAX_AGENT_LEN: usize = 253;
 const MAX_ENDPOINT_LEN: usize = 512;
 const MAX_VERSION_LEN: usize = 256;
 const MAX_KEYS: usize = 4096;
@@ -386,7 +385,9 @@ fn bounded_text(what: &str, s: &str, max: usize) -> Result<(), QuorumError> {
 /// Checks a join (nothing changes when it fails); the member's IP.
 pub(super) fn check_join(group: &str, j: &QuorumJoin) -> Result<IpAddr, QuorumError> {
     kt_types::broadcast::check_group_id(group).map_err(bad)?;
-    bounded_text("agent id", &j.agent, MAX_AGENT_LEN)?;
+    if let Some(why) = kt_types::agent_id_problem(&j.agent) {
+        return Err(bad(why));
+    }
     let ip =
         j.ip.parse::<IpAddr>()
             .map_err(|_| bad(format!("member ip {:?} is not an IP address", j.ip)))?;
@@ -668,9 +669,11 @@ mod tests {
         let mut cases: Vec<(&str, QuorumJoin, &str)> = Vec::new();
         cases.push(("bad group!", ok.clone(), "group id"));
         cases.push(("join", ok.clone(), "reserved"));
-        let mut j = ok.clone();
-        j.agent = String::new();
-        cases.push(("g", j, "agent id"));
+        for agent in ["", "store", "pod a"] {
+            let mut j = ok.clone();
+            j.agent = agent.into();
+            cases.push(("g", j, "agent id"));
+        }
         let mut j = ok.clone();
         j.ip = "pod-1".into();
         cases.push(("g", j, "not an IP"));

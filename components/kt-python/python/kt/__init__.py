@@ -283,8 +283,16 @@ def put(key: str, src: Any, *, locale: str = "store", lifespan: str = "cluster",
         if locale != "store" and locale != "local":
             _choice("locale", locale, _LOCALES)
         lent = _tensors.lend("src", src, for_get=False)
-        r = _kt.put_tensors(key, lent.described, lifespan, ttl_s, service,
-                            window._json(tensors=True) if window else None)
+        try:
+            r = _kt.put_tensors(key, lent.described, lifespan, ttl_s, service,
+                                window._json(tensors=True) if window else None)
+        except KtError:
+            raise
+        except BaseException:
+            # Interrupted: the agent may have registered the key all the
+            # same, and uses this memory then: keep it with the key's.
+            _held[key] = _held.get(key, []) + lent.keep
+            raise
         # The agent maps this memory while the key lives: keep it.
         _held[key] = lent.keep
         stats = r.get("stats") or {}
@@ -426,14 +434,24 @@ def empty(shape: Union[int, Sequence[int]], dtype: Any = "float32", *,
         count *= d
     if framework == "numpy":
         import numpy as np
-        dt = np.dtype(dtype)
+        try:
+            dt = np.dtype(dtype)
+        except TypeError:
+            if isinstance(dtype, str):
+                raise InvalidInput(f"dtype: {dtype!r} is not a numpy dtype",
+                                   "invalid_request") from None
+            raise
         return _allocate(count * dt.itemsize).view(dt).reshape(dims)
     if framework == "torch":
         import torch
-        dt = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) \
-            else dtype
-        if not isinstance(dt, torch.dtype):
-            raise InvalidInput(f"dtype: {dtype!r} is not a torch dtype", "invalid_request")
+        if isinstance(dtype, torch.dtype):
+            dt = dtype
+        elif isinstance(dtype, str):
+            dt = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(dt, torch.dtype):
+                raise InvalidInput(f"dtype: {dtype!r} is not a torch dtype", "invalid_request")
+        else:
+            raise TypeError(f"dtype must be a torch dtype or its name, not {type(dtype).__name__}")
         size = torch.empty((), dtype=dt).element_size()
         return torch.from_numpy(_allocate(count * size)).view(dt).reshape(dims)
     raise InvalidInput(f"framework: {framework!r} is not numpy or torch", "invalid_request")

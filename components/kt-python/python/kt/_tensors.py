@@ -130,6 +130,7 @@ def lend(param: str, value: Any, for_get: bool) -> Lent:
         raise TypeError(f"{param} must be a tensor or a dict of tensors here, "
                         f"not {type(value).__name__}")
     out = Lent()
+    synced = set()
     for name, t in items:
         dtype, shape, nbytes, device, address = _layout(param, name, t)
         out.nbytes += nbytes
@@ -140,7 +141,9 @@ def lend(param: str, value: Any, for_get: bool) -> Lent:
             # The agent opens this memory by IPC handle: it must hold what
             # the caller's queued kernels write (a put) and stay allocated
             # while the agent uses it.
-            _torch().cuda.synchronize(t.device)
+            if device not in synced:
+                _torch().cuda.synchronize(t.device)
+                synced.add(device)
             out.keep.append(t)
             out.described.append((name, dtype, shape, device, ("cuda", [str(address)])))
             continue
