@@ -25,7 +25,19 @@ pub struct ClientConfig {
     /// started on demand inside a pod (`KT_POD_IP` set).
     pub serve_copies: bool,
     pub timeout: Duration,
+    /// How long a transfer keeps trying while its sources fail transiently
+    /// (a store restarting, a peer unreachable), counted from its last
+    /// progress (`--deadline`, `KT_DEADLINE`).
+    pub deadline: Duration,
+    /// How long a data request may go without receiving a byte before its
+    /// source counts as stalled (`--stall-timeout`, `KT_STALL_TIMEOUT`).
+    pub stall: Duration,
 }
+
+/// Default of [`ClientConfig::deadline`].
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
+/// Default of [`ClientConfig::stall`].
+pub const DEFAULT_STALL: Duration = Duration::from_secs(20);
 
 impl ClientConfig {
     pub fn new(metadata_url: impl Into<String>, token: impl Into<String>) -> Self {
@@ -37,6 +49,8 @@ impl ClientConfig {
             agent_socket: crate::agent::default_socket(),
             serve_copies: true,
             timeout: Duration::from_secs(3600),
+            deadline: DEFAULT_DEADLINE,
+            stall: DEFAULT_STALL,
         }
     }
 }

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use futures::{SinkExt, StreamExt};
 use kt_types::broadcast::{GetterMessage, GroupMessage, JoinRequest, Parent, Rejoin};
-use kt_types::{ErrorCode, Key, paths};
+use kt_types::{ErrorCode, Key, STORE_HOLDER, paths};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
@@ -29,6 +29,7 @@ use crate::download::Download;
 use crate::error::ClientError;
 use crate::progress::Progress;
 use crate::relay::{Relay, STALL};
+use crate::retry::{Failures, Next};
 use crate::transfer::GetSummary;
 
 /// How long a session keeps trying to reach the metadata server again.
@@ -470,7 +471,10 @@ impl Client {
     ) -> Result<Download, ClientError> {
         let mut dl: Option<Download> = None;
         let mut connected = true;
+        // The store, the durable origin, is waited for while it restarts.
+        let mut origin = Failures::new(self.cfg.deadline);
         loop {
+            let before = dl.as_ref().map(Download::outstanding);
             let (outcome, moved) = {
                 let attempt = self.fetch_from(
                     &parent.url,
@@ -501,6 +505,11 @@ impl Client {
                     }
                 }
             };
+            if dl.as_ref().map(Download::outstanding) < before || (before.is_none() && dl.is_some())
+            {
+                origin.progressed();
+                origin.recovered(STORE_HOLDER);
+            }
             if let Some(p) = moved {
                 tracing::info!(
                     from = parent.rank,
@@ -513,11 +522,58 @@ impl Client {
             match outcome {
                 None => continue,
                 Some(Ok(())) => break,
+                Some(Err(e)) if parent.id == STORE_HOLDER && store_may_return(&e) => {
+                    origin.record(STORE_HOLDER, &e);
+                    let wait = match origin.when_none_left() {
+                        Next::Now => Duration::ZERO,
+                        Next::Wait(d) => d,
+                        Next::GiveUp => {
+                            let why = origin.give_up("waiting for the store", "");
+                            tracing::warn!(error = %why, "the store did not come back");
+                            if !connected {
+                                return Err(why);
+                            }
+                            session.tell(GetterMessage::ParentFailed {
+                                parent: parent.rank,
+                                reason: why.to_string(),
+                                transient: false,
+                            });
+                            parent = session.next_parent().await?;
+                            parents.push(parent.rank);
+                            continue;
+                        }
+                    };
+                    tracing::warn!(error = %e, wait_ms = wait.as_millis() as u64, "the store failed; waiting for it");
+                    // While waiting, the group may still move this getter.
+                    let sleep = tokio::time::sleep(wait);
+                    tokio::pin!(sleep);
+                    while connected {
+                        tokio::select! {
+                            _ = sleep.as_mut() => break,
+                            ev = session.events.recv() => match ev {
+                                Some(GroupMessage::Parent { parent: p }) if p != parent => {
+                                    parent = p;
+                                    parents.push(parent.rank);
+                                    break;
+                                }
+                                Some(GroupMessage::Error { code, message }) => {
+                                    return Err(ClientError::Api { status: code.http_status(), code, message });
+                                }
+                                Some(_) => {}
+                                None => connected = false,
+                            },
+                        }
+                    }
+                    if !connected {
+                        sleep.await;
+                    }
+                }
                 Some(Err(e)) if e.is_source_failure() && connected => {
                     tracing::warn!(parent = parent.rank, error = %e, "parent failed; asking for another");
                     session.tell(GetterMessage::ParentFailed {
                         parent: parent.rank,
                         reason: e.to_string(),
+                        transient: e.is_transient(),
                     });
                     parent = session.next_parent().await?;
                     parents.push(parent.rank);
@@ -529,4 +585,11 @@ impl Client {
         dl.finish(delete).await?;
         Ok(dl)
     }
+}
+
+/// Whether the store failing a broadcast getter this way may serve it once
+/// it is back: a transient failure, or a read lease it forgot in a restart.
+/// (A version conflict is not: the group's version is fixed.)
+fn store_may_return(e: &ClientError) -> bool {
+    e.is_transient() || e.code() == Some(ErrorCode::NotFound)
 }

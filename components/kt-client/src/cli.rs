@@ -32,6 +32,15 @@ struct Cli {
     /// Parallel streams per transfer.
     #[arg(long, global = true, env = "KT_STREAMS", default_value_t = 4)]
     streams: usize,
+    /// How long a transfer keeps trying while its sources fail transiently
+    /// (a store restarting, a peer unreachable), counted from its last
+    /// progress, e.g. 5m.
+    #[arg(long, global = true, env = "KT_DEADLINE", default_value = "5m", value_parser = humantime::parse_duration)]
+    deadline: Duration,
+    /// How long a data request may receive nothing before its source
+    /// counts as stalled (frozen, or its link cut) and another is tried.
+    #[arg(long, global = true, env = "KT_STALL_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    stall_timeout: Duration,
     /// Progress bars: auto (on a terminal), always or never.
     #[arg(long, global = true, env = "KT_PROGRESS", default_value = "auto")]
     progress: ProgressMode,
@@ -340,6 +349,8 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
     }
     let mut cfg = ClientConfig::new(&metadata_url, token);
     cfg.streams = cli.streams.max(1);
+    cfg.deadline = cli.deadline;
+    cfg.stall = cli.stall_timeout.max(Duration::from_millis(100));
     // Outside the cluster there is no agent to serve copies to other pods.
     cfg.serve_copies = url_map.is_none();
     let client = client(cfg, &url_map)?;

@@ -248,16 +248,15 @@ impl Download {
                 progress.advance(n);
             })
         };
+        let stall = client.cfg.stall;
         let mut futs: Vec<futures::future::BoxFuture<'_, Result<(), ClientError>>> = Vec::new();
         for group in balance(small, client.cfg.streams) {
             let (expected, written) = (expected.clone(), written.clone());
             futs.push(Box::pin(async move {
-                let body = src
+                let call = src
                     .post(&paths::read_batch(lease))
-                    .json(&BatchRequest { indices: group })
-                    .send()
-                    .await?
-                    .bytes_stream();
+                    .json(&BatchRequest { indices: group });
+                let body = crate::stall::body(crate::stall::send(call, stall).await?, stall);
                 receive_stream_notify(body, expected, WriteMode::TempRename, Some(written)).await?;
                 Ok(())
             }));
@@ -317,11 +316,10 @@ impl Download {
             async move {
                 let (offset, len) =
                     chunk_range(large.entry.size, chunk_size, n).unwrap_or_default();
-                let data: Bytes = src
+                let call = src
                     .get(&paths::read_range(lease, index as usize))
-                    .query(&[("offset", offset), ("len", len)])
-                    .bytes()
-                    .await?;
+                    .query(&[("offset", offset), ("len", len)]);
+                let data: Bytes = crate::stall::bytes(call, client.cfg.stall).await?;
                 if data.len() as u64 != len {
                     return Err(ClientError::Sync(SyncError::Truncated));
                 }
@@ -397,6 +395,18 @@ impl Download {
         blocking(move || file.finish(&e)).await?;
         large.done.store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(())
+    }
+
+    /// How much is still to fetch (small files, chunks, large files to
+    /// place): a run that lowered it made progress.
+    pub fn outstanding(&self) -> usize {
+        let large: usize = self
+            .large
+            .values()
+            .filter(|l| !l.placed())
+            .map(|l| l.missing().len() + 1)
+            .sum();
+        lock(&self.pending).len() + large
     }
 
     /// True once every needed file is in place.

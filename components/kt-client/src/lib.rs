@@ -12,7 +12,9 @@ pub mod error;
 mod local;
 pub mod progress;
 pub mod relay;
+mod retry;
 pub mod size;
+mod stall;
 pub mod tensor;
 pub mod transfer;
 

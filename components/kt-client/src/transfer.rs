@@ -26,6 +26,8 @@ use crate::error::ClientError;
 use crate::local::{KEEP_BUDGET, balance, blocking, scan_cached};
 use crate::progress::Progress;
 use crate::relay::Board;
+use crate::retry::{Failures, Next, pause};
+use kt_types::STORE_HOLDER;
 
 /// Aborts a background task when dropped (also when a get is cancelled).
 struct AbortOnDrop(tokio::task::JoinHandle<()>);
@@ -106,16 +108,70 @@ impl Client {
             entries = manifest.entries.len(),
             "put: scanned"
         );
-        let total = manifest.total_bytes();
-        let files = manifest.file_count();
-        let store = self.meta.at(&self.store_url().await?);
-        // First the digest alone: an unchanged tree costs one small request.
         let encoded = kt_types::codec::to_bytes(&manifest);
         let req = PutRequest {
             key: key.clone(),
             digest: kt_sync::digest_of_encoded(&encoded),
             options,
         };
+        // A store that restarts or stalls mid-put is waited for and the put
+        // starts over in a new session; the old version stays readable
+        // throughout (nothing is published until a commit succeeds).
+        let mut failures = Failures::new(self.cfg.deadline);
+        loop {
+            let mut planned = false;
+            let attempt = self
+                .put_attempt(
+                    &req,
+                    src,
+                    &manifest,
+                    &encoded,
+                    &mut kept,
+                    &progress,
+                    started,
+                    &mut planned,
+                )
+                .await;
+            if planned {
+                failures.progressed();
+            }
+            match attempt {
+                Ok(s) => return Ok(s),
+                Err(e) if e.is_transient() || e.code() == Some(kt_types::ErrorCode::NotFound) => {
+                    failures.record(STORE_HOLDER, &e);
+                    match failures.when_none_left() {
+                        Next::Now => {}
+                        Next::Wait(d) => {
+                            tracing::warn!(%key, error = %e, wait_ms = d.as_millis() as u64, "the store failed the put; starting over once it answers");
+                            pause(d).await;
+                        }
+                        Next::GiveUp => {
+                            return Err(failures.give_up(&format!("put of {key}"), ""));
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One try at a put: plan a session with the store, upload what it
+    /// needs, commit. `planned` is set once the store answered the plan.
+    #[allow(clippy::too_many_arguments)]
+    async fn put_attempt(
+        &self,
+        req: &PutRequest,
+        src: &Path,
+        manifest: &Manifest,
+        encoded: &[u8],
+        kept: &mut Kept,
+        progress: &Progress,
+        started: Instant,
+        planned: &mut bool,
+    ) -> Result<PutSummary, ClientError> {
+        let total = manifest.total_bytes();
+        let files = manifest.file_count();
+        let store = self.meta.at(&self.store_url().await?);
         let plan_put = |doc: Vec<u8>| {
             store
                 .post(&paths::puts())
@@ -126,10 +182,12 @@ impl Client {
                 .body(doc)
                 .fetch::<PutPlan>()
         };
-        let mut plan = plan_put(codec::document_with(&req, &[])).await?;
+        // First the digest alone: an unchanged tree costs one small request.
+        let mut plan = plan_put(codec::document_with(req, &[])).await?;
         if plan.need_manifest {
-            plan = plan_put(codec::document_with(&req, &encoded)).await?;
+            plan = plan_put(codec::document_with(req, encoded)).await?;
         }
+        *planned = true;
         let Some(session) = plan.session.clone() else {
             return Ok(PutSummary {
                 record: None,
@@ -153,9 +211,9 @@ impl Client {
                 &store,
                 &session,
                 src,
-                &manifest,
+                manifest,
                 &plan,
-                &mut kept,
+                kept,
                 progress.clone(),
             )
             .await;
@@ -323,29 +381,54 @@ impl Client {
         let started = Instant::now();
         let mut agent = self.agent_if_serving().await;
         let getter = agent.as_ref().map(|a| a.id.clone());
-        let mut exclude: Vec<String> = Vec::new();
-        let mut last: Option<(String, ClientError)> = None;
+        let mut failures = Failures::new(self.cfg.deadline);
+        let mut meta_backoff =
+            kt_api::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         // Kept across sources: a failover fetches only what is missing.
         let mut dl: Option<Download> = None;
         loop {
-            let lease = match self.lease(key, &exclude, getter.clone()).await {
-                Ok(l) => l,
-                // Every source failed us: say what the last one did.
-                Err(e) if e.code() == Some(kt_types::ErrorCode::NoSource) && last.is_some() => {
-                    let (id, err) = last
-                        .take()
-                        .map(|(i, e)| (i, e.to_string()))
-                        .unwrap_or_default();
-                    return Err(ClientError::Api {
-                        status: 503,
-                        code: kt_types::ErrorCode::NoSource,
-                        message: format!(
-                            "every source of {key} failed (the last, {id}: {err}); {}",
-                            e.message().unwrap_or_default()
-                        ),
-                    });
+            let lease = match self.lease(key, &failures.exclude(), getter.clone()).await {
+                Ok(l) => {
+                    meta_backoff.reset();
+                    l
                 }
-                Err(e) => return Err(e),
+                // Every source failed us for now: wait for a transient one.
+                Err(e) if e.code() == Some(kt_types::ErrorCode::NoSource) && failures.any() => {
+                    match failures.when_none_left() {
+                        Next::Now => continue,
+                        Next::Wait(d) => {
+                            pause(d).await;
+                            continue;
+                        }
+                        Next::GiveUp => {
+                            progress.finish();
+                            let what = format!("get of {key}");
+                            return Err(failures.give_up(&what, &e.to_string()));
+                        }
+                    }
+                }
+                // The metadata server is restarting or unreachable.
+                Err(e) if e.is_transient() => {
+                    match failures.when_metadata_failed(&mut meta_backoff) {
+                        Next::GiveUp => {
+                            progress.finish();
+                            let what = format!("get of {key}");
+                            return Err(
+                                failures.give_up(&what, &format!("the metadata server: {e}"))
+                            );
+                        }
+                        Next::Wait(d) => {
+                            tracing::warn!(%key, error = %e, "the metadata server failed; trying again");
+                            pause(d).await;
+                            continue;
+                        }
+                        Next::Now => continue,
+                    }
+                }
+                Err(e) => {
+                    progress.finish();
+                    return Err(e);
+                }
             };
             // The key moved on to another version: start over for it.
             if dl
@@ -354,6 +437,7 @@ impl Client {
             {
                 dl = None;
             }
+            let before = dl.as_ref().map(Download::outstanding);
             let renewal = AbortOnDrop(self.keep_lease(&lease));
             let result = self
                 .fetch_from(
@@ -367,6 +451,11 @@ impl Client {
                 )
                 .await;
             drop(renewal);
+            if dl.as_ref().map(Download::outstanding) < before || (before.is_none() && dl.is_some())
+            {
+                failures.progressed();
+                failures.recovered(&lease.source.id);
+            }
             let release = || self.meta.delete(&paths::lease(&lease.lease)).ok();
             match result {
                 Ok(()) => {
@@ -387,18 +476,10 @@ impl Client {
                     });
                 }
                 Err(e) if e.is_source_failure() => {
-                    tracing::warn!(%key, source = %lease.source.id, error = %e, "source failed; trying another");
-                    let body = kt_types::api::SourceFailure {
-                        reason: e.to_string(),
-                    };
-                    let _ = self
-                        .meta
-                        .post(&paths::lease_failed(&lease.lease))
-                        .json(&body)
-                        .ok()
-                        .await;
-                    exclude.push(lease.source.id.clone());
-                    last = Some((lease.source.id, e));
+                    let id = &lease.source.id;
+                    tracing::warn!(%key, source = %id, error = %e, transient = e.retryable_at(id), "source failed; trying another");
+                    self.report_failure(&lease, key, &e).await;
+                    failures.record(id, &e);
                 }
                 Err(e) => {
                     let _ = release().await;
@@ -407,6 +488,25 @@ impl Client {
                 }
             }
         }
+    }
+
+    /// Tells the metadata server that `lease`'s source failed us (which
+    /// ends the lease). A permanent failure of a peer stops it being
+    /// offered; a transient one does not. The key and source ride along,
+    /// so a metadata server that forgot the lease (restarted) still learns.
+    pub(crate) async fn report_failure(&self, lease: &SourceLease, key: &Key, e: &ClientError) {
+        let body = kt_types::api::SourceFailure {
+            reason: e.to_string(),
+            transient: e.retryable_at(&lease.source.id),
+            key: Some(key.clone()),
+            source: Some(lease.source.id.clone()),
+        };
+        let _ = self
+            .meta
+            .post(&paths::lease_failed(&lease.lease))
+            .json(&body)
+            .ok()
+            .await;
     }
 
     /// Gets every key below `prefix` (a prefix get, `kt get team/run/`):
@@ -633,7 +733,7 @@ impl Client {
         let src = self.server(source)?;
         let tree = src.get(&paths::tree(key));
         let url = tree.url().to_owned();
-        let body = tree.bytes().await?;
+        let body = crate::stall::bytes(tree, self.cfg.stall).await?;
         let read = ReadManifest::from_document(&body).map_err(|e| ClientError::Api {
             status: 502,
             code: kt_types::ErrorCode::InvalidManifest,

@@ -107,6 +107,29 @@ pub struct GroupRecord {
     pub reserved: u32,
 }
 
+/// How long a parent that failed a member transiently is not handed to
+/// it again.
+pub const PAUSE_MS: u64 = 30_000;
+
+/// A member's report that its parent failed it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParentFailure {
+    /// The parent's rank.
+    pub parent: u32,
+    /// Refused, reset, stalled or 5xx: it may serve again soon.
+    pub transient: bool,
+}
+
+impl ParentFailure {
+    /// A failure for good (corrupt data, another version).
+    pub fn permanent(parent: u32) -> ParentFailure {
+        ParentFailure {
+            parent,
+            transient: false,
+        }
+    }
+}
+
 /// One getter of a group.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
@@ -121,6 +144,10 @@ pub struct Member {
     pub getter: Option<String>,
     /// Parents it reported failed: never handed to it again.
     pub failed: BTreeSet<u32>,
+    /// Parents it reported failed transiently (a stall, a reset), with the
+    /// time (ms) until which they are not handed to it again: a relay that
+    /// stalled because its own parent did is healthy once that one is back.
+    pub paused: BTreeMap<u32, u64>,
     /// Parents it moved away from, in order.
     pub replaced: Vec<u32>,
     pub connected: bool,
@@ -131,6 +158,18 @@ pub struct Member {
 }
 
 impl Member {
+    /// The parents it refuses at `now_ms`: the failed and the paused ones.
+    pub fn refused(&self, now_ms: u64) -> BTreeSet<u32> {
+        let mut r = self.failed.clone();
+        r.extend(
+            self.paused
+                .iter()
+                .filter(|&(_, &until)| until > now_ms)
+                .map(|(&p, _)| p),
+        );
+        r
+    }
+
     /// Where it serves others, when it can.
     fn url(&self) -> Option<&str> {
         match self.state {
@@ -372,9 +411,9 @@ impl Group {
     }
 
     /// Moves the downloading children of `rank`, which can no longer serve.
-    fn reassign_children(&mut self, rank: u32, events: &mut Events) {
+    fn reassign_children(&mut self, rank: u32, now_ms: u64, events: &mut Events) {
         for child in self.active_children(rank) {
-            let failed = self.members[&child].failed.clone();
+            let failed = self.members[&child].refused(now_ms);
             match self.pick_parent(child, &failed) {
                 Ok(p) => {
                     self.set_parent(child, p.rank);
@@ -614,6 +653,7 @@ impl Groups {
                 served_by: None,
                 getter: req.getter.clone(),
                 failed: BTreeSet::new(),
+                paused: BTreeMap::new(),
                 replaced: Vec::new(),
                 connected: true,
                 released: false,
@@ -813,6 +853,7 @@ impl Groups {
             served_by,
             getter: req.getter.clone(),
             failed,
+            paused: BTreeMap::new(),
             replaced,
             connected: true,
             released: released && rj.done,
@@ -937,16 +978,18 @@ impl Groups {
         events
     }
 
-    /// The member at `rank` reports that `parent` failed it: it is handed
-    /// another parent (never `parent` again), or an error when none is left.
+    /// The member at `rank` reports that a parent failed it: it is handed
+    /// another parent (never that one again, or not for [`PAUSE_MS`] after
+    /// a transient failure), or an error when none is left.
     pub fn parent_failed(
         &mut self,
         group: &str,
         rank: u32,
         session: u64,
-        parent: u32,
+        failure: ParentFailure,
         now_ms: u64,
     ) -> Events {
+        let parent = failure.parent;
         let mut events = Vec::new();
         let Some(g) = self.groups.get_mut(group) else {
             return events;
@@ -957,9 +1000,13 @@ impl Groups {
         if m.state != MemberState::Active || parent == rank {
             return events;
         }
-        m.failed.insert(parent);
+        if failure.transient {
+            m.paused.insert(parent, now_ms + PAUSE_MS);
+        } else {
+            m.failed.insert(parent);
+        }
         let current = m.parent;
-        let failed = m.failed.clone();
+        let failed = m.refused(now_ms);
         // A stale report (it moved already): confirm the current parent.
         if current != parent
             && !failed.contains(&current)
@@ -1023,7 +1070,7 @@ impl Groups {
                 {
                     m.state = MemberState::Gone;
                 }
-                g.reassign_children(rank, &mut events);
+                g.reassign_children(rank, now_ms, &mut events);
                 g.maybe_release(parent, now_ms, &mut events);
             }
             (MemberState::Gone, _) => {}
@@ -1361,13 +1408,13 @@ mod tests {
         let js = join_n(&mut gs, "g", 2, 8);
         // 8's parent is 3, grandparent 1.
         let s8 = js[7].session;
-        let ev = gs.parent_failed("g", 8, s8, 3, T0 + 1);
+        let ev = gs.parent_failed("g", 8, s8, ParentFailure::permanent(3), T0 + 1);
         assert_eq!(ev.len(), 1);
         assert_eq!(parent_of(&ev, 8), Some(1));
-        let ev = gs.parent_failed("g", 8, s8, 1, T0 + 2);
+        let ev = gs.parent_failed("g", 8, s8, ParentFailure::permanent(1), T0 + 2);
         assert_eq!(parent_of(&ev, 8), Some(0));
         // The origin fails it: no finished member yet → no source.
-        let ev = gs.parent_failed("g", 8, s8, 0, T0 + 3);
+        let ev = gs.parent_failed("g", 8, s8, ParentFailure::permanent(0), T0 + 3);
         assert!(
             matches!(
                 &ev[..],
@@ -1387,15 +1434,38 @@ mod tests {
         // Once rank 2 is done (and keeps serving: it has children), 8 gets it.
         let ev = gs.done("g", 2, js[1].session, None, T0 + 4);
         assert!(ev.is_empty(), "2 still has downloading children: {ev:?}");
-        let ev = gs.parent_failed("g", 8, s8, 0, T0 + 5);
+        let ev = gs.parent_failed("g", 8, s8, ParentFailure::permanent(0), T0 + 5);
         assert_eq!(parent_of(&ev, 8), Some(2));
         // A stale report (about a parent it already left) confirms the current one.
-        let ev = gs.parent_failed("g", 8, s8, 3, T0 + 6);
+        let ev = gs.parent_failed("g", 8, s8, ParentFailure::permanent(3), T0 + 6);
         assert_eq!(parent_of(&ev, 8), Some(2));
         // Another rank's failure does not exclude for others: 7 still goes to 3.
         assert_eq!(gs.get("g").unwrap().member(7).unwrap().parent, 3);
         // A report from a stale session is ignored.
-        assert!(gs.parent_failed("g", 7, 9999, 3, T0).is_empty());
+        assert!(
+            gs.parent_failed("g", 7, 9999, ParentFailure::permanent(3), T0)
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_transient_parent_failure_avoids_the_parent_only_for_a_while() {
+        let mut gs = Groups::default();
+        let js = join_n(&mut gs, "g", 2, 8);
+        let s8 = js[7].session;
+        let stalled = ParentFailure {
+            parent: 3,
+            transient: true,
+        };
+        let ev = gs.parent_failed("g", 8, s8, stalled, T0 + 1);
+        assert_eq!(parent_of(&ev, 8), Some(1));
+        let m = gs.get("g").unwrap().member(8).unwrap();
+        assert!(m.failed.is_empty(), "{m:?}");
+        assert_eq!(m.refused(T0 + 2), BTreeSet::from([3]));
+        // Once the pause is over, 3 is its parent again when 1 fails it.
+        assert!(m.refused(T0 + 1 + PAUSE_MS).is_empty());
+        let ev = gs.parent_failed("g", 8, s8, ParentFailure::permanent(1), T0 + 2 + PAUSE_MS);
+        assert_eq!(parent_of(&ev, 8), Some(3));
     }
 
     #[test]
@@ -1730,7 +1800,7 @@ mod tests {
         assert_eq!(r9.parent.rank, 4);
         assert!(gs.get("g").unwrap().member(9).unwrap().replaced.is_empty());
         // Once 4 is reported failed, 9 goes to an ancestor.
-        let moved = gs.parent_failed("g", 9, r9.session, 4, T0 + 1_400);
+        let moved = gs.parent_failed("g", 9, r9.session, ParentFailure::permanent(4), T0 + 1_400);
         assert!(
             moved.iter().any(|(r, m)| *r == 9
                 && matches!(m, GroupMessage::Parent { parent } if parent.rank == 1)),

@@ -70,6 +70,12 @@ impl Ctx {
         if let Some(n) = settings.streams {
             cfg.streams = n;
         }
+        if let Some(d) = settings.deadline {
+            cfg.deadline = d;
+        }
+        if let Some(d) = settings.stall {
+            cfg.stall = d.max(std::time::Duration::from_millis(100));
+        }
         let client = Client::new(cfg).map_err(to_py)?;
         Ok(Ctx {
             pid: std::process::id(),

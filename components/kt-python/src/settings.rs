@@ -24,6 +24,23 @@ pub struct Settings {
     pub token: String,
     pub agent_socket: PathBuf,
     pub streams: Option<usize>,
+    /// `KT_DEADLINE`, as the CLI's `--deadline`.
+    pub deadline: Option<std::time::Duration>,
+    /// `KT_STALL_TIMEOUT`, as the CLI's `--stall-timeout`.
+    pub stall: Option<std::time::Duration>,
+}
+
+/// A duration variable such as `KT_DEADLINE=5m`.
+fn duration_var(name: &str) -> PyResult<Option<std::time::Duration>> {
+    var(name)
+        .map(|v| {
+            humantime::parse_duration(v.trim()).map_err(|e| {
+                invalid(format!(
+                    "{name}: {v:?} is not a duration such as 30s or 5m: {e}"
+                ))
+            })
+        })
+        .transpose()
 }
 
 const DEFAULT_METADATA_URL: &str = "http://127.0.0.1:8081";
@@ -34,7 +51,8 @@ fn var(name: &str) -> Option<String> {
 
 impl Settings {
     /// `given`, the rest from `KT_METADATA_URL`, `KT_TOKEN_FILE` (which
-    /// wins over `KT_TOKEN`, as in the CLI), `KT_AGENT_SOCKET`, `KT_STREAMS`.
+    /// wins over `KT_TOKEN`, as in the CLI), `KT_AGENT_SOCKET`, `KT_STREAMS`,
+    /// `KT_DEADLINE`, `KT_STALL_TIMEOUT`.
     pub fn from_env(given: Given) -> PyResult<Settings> {
         let metadata_url = given
             .metadata_url
@@ -80,6 +98,8 @@ impl Settings {
                 .agent_socket
                 .unwrap_or_else(kt_client::agent::default_socket),
             streams,
+            deadline: duration_var("KT_DEADLINE")?,
+            stall: duration_var("KT_STALL_TIMEOUT")?,
         })
     }
 }

@@ -119,10 +119,16 @@ impl Cluster {
 
     /// A client with its own scan cache directory.
     pub fn client(&self) -> Client {
+        self.client_with(|_| {})
+    }
+
+    /// [`Cluster::client`] with `tune` applied to its configuration.
+    pub fn client_with(&self, tune: impl FnOnce(&mut ClientConfig)) -> Client {
         let mut cfg = ClientConfig::new(self.metadata_url(), TOKEN);
         cfg.cache_dir = Some(self.dir.path().join(format!("cache-{}", uuid_like())));
         // This test's own socket path: never an agent some other process runs.
         cfg.agent_socket = self.dir.path().join("client-agent.sock");
+        tune(&mut cfg);
         Client::new(cfg).expect("client")
     }
 
@@ -142,9 +148,21 @@ impl Cluster {
     }
 
     pub async fn restart_store(&mut self) {
+        let addr = self.stop_store().await;
+        self.start_store(addr).await;
+    }
+
+    /// Stops the store (an outage); its address, for [`Cluster::start_store`].
+    pub async fn stop_store(&mut self) -> SocketAddr {
         let old = self.store.take().expect("store running");
         let addr = old.addr;
         old.stop().await;
+        addr
+    }
+
+    /// Starts the store again on `addr` with the same data, and waits
+    /// until it is ready.
+    pub async fn start_store(&mut self, addr: SocketAddr) {
         let (store, metrics) = start_store(&self.store_config, &addr.to_string()).await;
         self.store = Some(store);
         self.store_metrics = metrics;

@@ -289,7 +289,8 @@ async fn members_get_ranks_parents_replacements_and_releases() {
     // A parent failure report moves the reporter up the tree.
     g5.send(&GetterMessage::ParentFailed {
         parent: 2,
-        reason: "connection refused".into(),
+        reason: "hash mismatch".into(),
+        transient: false,
     })
     .await;
     assert_eq!(

@@ -324,8 +324,28 @@ async fn a_failed_peer_is_no_longer_offered_until_it_beats_again() {
     api.beat("p1", None, &[("ml/data", &v)]).await;
     let l = api.lease("ml/data", &[], None).await;
     assert_eq!(l.source.id, "p1");
+    // A transient failure (a restart, a stall) only ends the lease.
+    let blip = SourceFailure {
+        reason: "connection refused".into(),
+        transient: true,
+        key: None,
+        source: None,
+    };
+    api.ok(
+        Method::POST,
+        &format!("leases/{}/failed", l.lease),
+        Some(json!(blip)),
+    )
+    .await;
+    assert_eq!(api.peers("ml/data").await, ["p1"]);
+    assert!(api.leases().await.leases.is_empty());
+    let l = api.lease("ml/data", &[], None).await;
+    assert_eq!(l.source.id, "p1");
     let failure = SourceFailure {
         reason: "hash mismatch on f".into(),
+        transient: false,
+        key: None,
+        source: None,
     };
     let (status, _) = api
         .call(
@@ -368,6 +388,20 @@ async fn a_failed_peer_is_no_longer_offered_until_it_beats_again() {
     // Its next heartbeat, still serving the version, makes p1 a peer again.
     api.beat("p1", None, &[("ml/data", &v)]).await;
     assert_eq!(api.peers("ml/data").await, ["p1"]);
+    // A report on a lease the server no longer knows (it restarted) still
+    // counts when it names the key and the source.
+    let by_key = SourceFailure {
+        key: Some(Key::parse("ml/data").unwrap()),
+        source: Some("p1".into()),
+        ..failure.clone()
+    };
+    api.ok(
+        Method::POST,
+        "leases/forgotten-by-a-restart/failed",
+        Some(json!(by_key)),
+    )
+    .await;
+    assert!(api.peers("ml/data").await.is_empty());
     c.stop().await;
 }
 

@@ -400,13 +400,25 @@ pub struct SourceLease {
 }
 
 /// The body of `POST /api/v1/leases/{id}/failed`: the leased source failed
-/// this getter. The lease ends; a peer is no longer offered for the key
-/// (until a heartbeat of its agent lists the version again), an origin is
-/// only released (the getter excludes it from its next request).
+/// this getter. The lease ends; after a permanent failure a peer is no
+/// longer offered for the key (until a heartbeat of its agent lists the
+/// version again), an origin is only released (the getter excludes it from
+/// its next request). A transient failure (refused, reset, stalled, 5xx)
+/// only releases: the source may serve the next getter.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SourceFailure {
     /// What went wrong, for the metadata server's log.
     pub reason: String,
+    /// The source may answer again soon: keep offering it.
+    #[serde(default)]
+    pub transient: bool,
+    /// The key and source of the lease, so that a metadata server that no
+    /// longer knows the lease (it restarted) still acts on the report.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<Key>,
+    /// The failed source's id (an agent id or `store`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
 /// One source lease: an item of [`LeaseList`], and the answer to a renewal

@@ -91,10 +91,15 @@ pub enum GetterMessage {
     /// The parent at `parent` (a rank) failed this getter.
     ParentFailed {
         /// Rank of the parent that failed; it is never handed to this
-        /// getter again.
+        /// getter again (unless `transient`).
         parent: u32,
         /// What went wrong, for the server's log.
         reason: String,
+        /// It refused, reset, stalled or answered 5xx: it may serve again
+        /// soon (a relay waiting on its own parent), so it is only avoided
+        /// for a while.
+        #[serde(default)]
+        transient: bool,
     },
 }
 

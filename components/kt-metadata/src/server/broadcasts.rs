@@ -429,10 +429,15 @@ fn on_report(s: &Inner, m: &Membership, text: &str) -> Result<(), ApiError> {
             tracing::debug!(group = %m.group, rank = m.rank, ?served_by, "broadcast member done");
             b.groups.done(&m.group, m.rank, m.session, served_by, now)
         }
-        GetterMessage::ParentFailed { parent, reason } => {
-            tracing::info!(group = %m.group, rank = m.rank, parent, %reason, "a broadcast parent failed a member");
+        GetterMessage::ParentFailed {
+            parent,
+            reason,
+            transient,
+        } => {
+            tracing::info!(group = %m.group, rank = m.rank, parent, transient, %reason, "a broadcast parent failed a member");
+            let failure = crate::broadcast::ParentFailure { parent, transient };
             b.groups
-                .parent_failed(&m.group, m.rank, m.session, parent, now)
+                .parent_failed(&m.group, m.rank, m.session, failure, now)
         }
         GetterMessage::Join(_) => {
             return Err(ApiError::bad_request(

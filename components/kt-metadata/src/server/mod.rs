@@ -588,25 +588,42 @@ async fn lease_failed(
     Path(id): Path<String>,
     ApiJson(failure): ApiJson<SourceFailure>,
 ) -> Result<StatusCode, ApiError> {
-    let lease = s
-        .leases
-        .lock()
-        .await
-        .release(&id, now_ms())
-        .ok_or_else(|| unknown_lease(&id))?;
+    let released = s.leases.lock().await.release(&id, now_ms());
+    // A lease this server no longer knows (it restarted, or the lease
+    // expired) is reported by key and source instead.
+    let (key, source, url) = match (released, failure.key, failure.source) {
+        (Some(l), _, _) => (l.key, l.source.id, l.source.url),
+        (None, Some(key), Some(source)) => {
+            check_agent_or_store(&source)?;
+            (key, source, String::new())
+        }
+        (None, _, _) => return Err(unknown_lease(&id)),
+    };
     tracing::warn!(
-        key = %lease.key,
-        source = %lease.source.id,
-        url = %lease.source.url,
+        %key,
+        %source,
+        %url,
         reason = %failure.reason,
+        transient = failure.transient,
         "a source failed a getter"
     );
+    if failure.transient {
+        return Ok(StatusCode::NO_CONTENT);
+    }
     let mut registry = s.registry.lock().await;
-    if let Some(record) = registry.remove_peer(&lease.key, &lease.source.id) {
+    if let Some(record) = registry.remove_peer(&key, &source) {
         s.db.put_record(&record).map_err(db_err)?;
-        tracing::info!(key = %lease.key, peer = %lease.source.id, "peer no longer offered");
+        tracing::info!(%key, peer = %source, "peer no longer offered");
     }
     Ok(StatusCode::NO_CONTENT)
+}
+
+/// A source id in a failure report: the store or an agent id.
+fn check_agent_or_store(id: &str) -> Result<(), ApiError> {
+    if id == kt_types::STORE_HOLDER {
+        return Ok(());
+    }
+    check_agent_id(id)
 }
 
 async fn list_leases(State(s): State<AppState>) -> ApiJson<LeaseList> {
