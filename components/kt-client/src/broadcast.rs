@@ -524,7 +524,7 @@ impl Client {
                 Some(Ok(())) => break,
                 Some(Err(e)) if parent.id == STORE_HOLDER && store_may_return(&e) => {
                     origin.record(STORE_HOLDER, &e);
-                    let wait = match origin.when_none_left() {
+                    let wait = match origin.when_none_left(&[STORE_HOLDER.to_owned()]) {
                         Next::Now => Duration::ZERO,
                         Next::Wait(d) => d,
                         Next::GiveUp => {

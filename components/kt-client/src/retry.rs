@@ -161,10 +161,18 @@ impl Failures {
         self.progress + self.deadline
     }
 
-    /// What to do when no source is left to lease now (the metadata server
-    /// answered `no_source` with [`Failures::exclude`] excluded): wait for
-    /// the first transient source's next try, within the deadline.
-    pub fn when_none_left(&self) -> Next {
+    /// What to do when no source is left to lease now: the metadata server
+    /// answered `no_source` to a request that excluded `excluded`. When that
+    /// excluded no source worth a retry, the metadata server has none at all
+    /// (the sources that failed are gone for it too): give up. Otherwise
+    /// wait for the first transient source's next try, within the deadline.
+    pub fn when_none_left(&self, excluded: &[String]) -> Next {
+        let waiting = excluded
+            .iter()
+            .any(|id| self.sources.get(id).is_some_and(|f| f.retryable));
+        if !waiting {
+            return Next::GiveUp;
+        }
         let now = Instant::now();
         let next = self
             .sources
@@ -292,22 +300,23 @@ mod tests {
         f.record("pod-a", &api(409, ErrorCode::Conflict));
         f.record(STORE_HOLDER, &api(503, ErrorCode::Unavailable));
         // Both excluded at once; the store's try is due within the backoff.
-        assert_eq!(
-            f.exclude(),
-            vec!["pod-a".to_owned(), STORE_HOLDER.to_owned()]
-        );
-        match f.when_none_left() {
+        let both = vec!["pod-a".to_owned(), STORE_HOLDER.to_owned()];
+        assert_eq!(f.exclude(), both);
+        match f.when_none_left(&both) {
             Next::Wait(d) => assert!(d <= BACKOFF_BASE, "{d:?}"),
             Next::Now => {}
             Next::GiveUp => panic!("the store is transient"),
         }
         std::thread::sleep(BACKOFF_BASE);
         assert_eq!(f.exclude(), vec!["pod-a".to_owned()]);
-        assert_eq!(f.when_none_left(), Next::Now);
+        assert_eq!(f.when_none_left(&both), Next::Now);
+        // No source left even with the store asked for: it is gone for the
+        // metadata server too.
+        assert_eq!(f.when_none_left(&f.exclude()), Next::GiveUp);
         f.recovered(STORE_HOLDER);
         assert_eq!(f.exclude(), vec!["pod-a".to_owned()]);
         // Only a permanent failure left: nothing to wait for.
-        assert_eq!(f.when_none_left(), Next::GiveUp);
+        assert_eq!(f.when_none_left(&both), Next::GiveUp);
     }
 
     #[test]
@@ -316,13 +325,14 @@ mod tests {
         for _ in 0..4 {
             f.record(STORE_HOLDER, &api(503, ErrorCode::Unavailable));
         }
-        let Next::Wait(d) = f.when_none_left() else {
+        let all = f.exclude();
+        let Next::Wait(d) = f.when_none_left(&all) else {
             panic!("a wait is due");
         };
         // The fourth backoff (up to 800 ms) is cut to the deadline.
         assert!(d <= Duration::from_millis(50), "{d:?}");
         std::thread::sleep(Duration::from_millis(60));
-        assert_eq!(f.when_none_left(), Next::GiveUp);
+        assert_eq!(f.when_none_left(&all), Next::GiveUp);
         let e = f.give_up("get of a/b", "the last lease: none");
         let msg = e.to_string();
         assert!(msg.contains("no progress for"), "{msg}");
@@ -330,6 +340,6 @@ mod tests {
         assert!(msg.contains("transient, 4 tries"), "{msg}");
         // Progress restarts the clock.
         f.progressed();
-        assert_ne!(f.when_none_left(), Next::GiveUp);
+        assert_ne!(f.when_none_left(&all), Next::GiveUp);
     }
 }

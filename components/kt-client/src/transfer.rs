@@ -139,7 +139,7 @@ impl Client {
                 Ok(s) => return Ok(s),
                 Err(e) if e.is_transient() || e.code() == Some(kt_types::ErrorCode::NotFound) => {
                     failures.record(STORE_HOLDER, &e);
-                    match failures.when_none_left() {
+                    match failures.when_none_left(&[STORE_HOLDER.to_owned()]) {
                         Next::Now => {}
                         Next::Wait(d) => {
                             tracing::warn!(%key, error = %e, wait_ms = d.as_millis() as u64, "the store failed the put; starting over once it answers");
@@ -387,14 +387,15 @@ impl Client {
         // Kept across sources: a failover fetches only what is missing.
         let mut dl: Option<Download> = None;
         loop {
-            let lease = match self.lease(key, &failures.exclude(), getter.clone()).await {
+            let exclude = failures.exclude();
+            let lease = match self.lease(key, &exclude, getter.clone()).await {
                 Ok(l) => {
                     meta_backoff.reset();
                     l
                 }
                 // Every source failed us for now: wait for a transient one.
                 Err(e) if e.code() == Some(kt_types::ErrorCode::NoSource) && failures.any() => {
-                    match failures.when_none_left() {
+                    match failures.when_none_left(&exclude) {
                         Next::Now => continue,
                         Next::Wait(d) => {
                             pause(d).await;
@@ -456,7 +457,12 @@ impl Client {
                 failures.progressed();
                 failures.recovered(&lease.source.id);
             }
-            let release = || self.meta.delete(&paths::lease(&lease.lease)).ok();
+            let release = || {
+                self.meta
+                    .delete(&paths::lease(&lease.lease))
+                    .timeout(self.cfg.stall)
+                    .ok()
+            };
             match result {
                 Ok(()) => {
                     let _ = release().await;
@@ -505,6 +511,7 @@ impl Client {
             .meta
             .post(&paths::lease_failed(&lease.lease))
             .json(&body)
+            .timeout(self.cfg.stall)
             .ok()
             .await;
     }
@@ -586,10 +593,13 @@ impl Client {
             exclude: exclude.to_vec(),
             getter,
         };
+        // A metadata server that does not answer within the stall timeout
+        // counts as away for now (transient), like one that refuses.
         Ok(self
             .meta
             .post(&paths::key_lease(key))
             .json(&req)
+            .timeout(self.cfg.stall)
             .fetch()
             .await?)
     }
@@ -740,7 +750,12 @@ impl Client {
             message: format!("{url}: invalid manifest document: {e}"),
         })?;
         let lease = read.lease.clone();
-        let release = || src.delete(&paths::read(&lease)).ok();
+        // Bounded: a frozen source must not hold the transfer up.
+        let release = || {
+            src.delete(&paths::read(&lease))
+                .timeout(self.cfg.stall)
+                .ok()
+        };
         let same = match dl {
             Some(d) => d.read.version == read.version && d.manifest() == &read.manifest,
             None => read.version == version,

@@ -361,6 +361,13 @@ pub enum Signal {
     KILL,
     #[serde(alias = "SIGTERM", alias = "term")]
     TERM,
+    /// Freezes it: it neither answers nor resets (a hung process, a node
+    /// under memory pressure). Not waited for; `CONT` thaws it.
+    #[serde(alias = "SIGSTOP", alias = "stop")]
+    STOP,
+    /// Thaws what `STOP` froze.
+    #[serde(alias = "SIGCONT", alias = "cont")]
+    CONT,
 }
 
 impl Signal {
@@ -369,7 +376,14 @@ impl Signal {
         match self {
             Signal::KILL => "KILL",
             Signal::TERM => "TERM",
+            Signal::STOP => "STOP",
+            Signal::CONT => "CONT",
         }
+    }
+
+    /// STOP or CONT: the process lives on (nothing waits for its exit).
+    pub fn freezes(self) -> bool {
+        matches!(self, Signal::STOP | Signal::CONT)
     }
 }
 
@@ -398,6 +412,12 @@ pub struct PutStep {
     /// Upper bound on the content bytes this put may send (incremental sync).
     #[serde(default)]
     pub max_sent: Option<Size>,
+    /// How long it waits for failed sources (`--deadline`), e.g. `30s`.
+    #[serde(default)]
+    pub deadline: Option<String>,
+    /// Its stall timeout (`--stall-timeout`), e.g. `2s`.
+    #[serde(default)]
+    pub stall_timeout: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -430,6 +450,12 @@ pub struct GetStep {
     /// `broadcast` steps only: children per node of the tree.
     #[serde(default)]
     pub fanout: Option<u32>,
+    /// How long it waits for failed sources (`--deadline`), e.g. `30s`.
+    #[serde(default)]
+    pub deadline: Option<String>,
+    /// Its stall timeout (`--stall-timeout`), e.g. `2s`.
+    #[serde(default)]
+    pub stall_timeout: Option<String>,
     /// `broadcast` steps only: how long the group accepts joins (e.g. `30s`).
     #[serde(default)]
     pub window: Option<String>,

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use crate::format::{Action, Condition, Expect, Scenario, Step, TensorBroadcast, Victim};
+use crate::format::{Action, Condition, Expect, Scenario, Signal, Step, TensorBroadcast, Victim};
 use crate::locate::{Pos, Positions};
 use crate::target::parse_link;
 use crate::template;
@@ -286,6 +286,20 @@ impl Checker<'_> {
         }
     }
 
+    /// Fields that hold a duration such as `30s`.
+    fn durations(&mut self, body: &str, fields: &[(&str, Option<&str>)]) {
+        for (field, value) in fields {
+            if let Some(v) = value
+                && humantime::parse_duration(v).is_err()
+            {
+                self.err(
+                    &format!("{body}.{field}"),
+                    format!("{v:?} is not a duration like 30s"),
+                );
+            }
+        }
+    }
+
     fn layout(&mut self, body: &str, layout: &str, repeat: Option<u32>) {
         if repeat == Some(0) {
             self.err(&format!("{body}.repeat"), "repeat must be at least 1");
@@ -433,6 +447,13 @@ impl Checker<'_> {
                     self.err(&format!("{body}.locale"), "locale is `store` or `local`");
                 }
                 self.lifespan(&body, p.lifespan.as_deref(), p.ttl.as_deref());
+                self.durations(
+                    &body,
+                    &[
+                        ("deadline", p.deadline.as_deref()),
+                        ("stall_timeout", p.stall_timeout.as_deref()),
+                    ],
+                );
             }
             Action::Get(g) | Action::Broadcast(g) => {
                 let broadcast = matches!(step.action, Action::Broadcast(_));
@@ -454,14 +475,14 @@ impl Checker<'_> {
                 if g.fanout == Some(0) {
                     self.err(&format!("{body}.fanout"), "fanout must be at least 1");
                 }
-                if let Some(w) = &g.window
-                    && humantime::parse_duration(w).is_err()
-                {
-                    self.err(
-                        &format!("{body}.window"),
-                        format!("{w:?} is not a duration like 30s"),
-                    );
-                }
+                self.durations(
+                    &body,
+                    &[
+                        ("window", g.window.as_deref()),
+                        ("deadline", g.deadline.as_deref()),
+                        ("stall_timeout", g.stall_timeout.as_deref()),
+                    ],
+                );
                 self.pod(&format!("{body}.pod"), &g.pod);
                 self.template(&format!("{body}.key"), &g.key, true);
                 if let Some(d) = &g.dest {
@@ -495,7 +516,15 @@ impl Checker<'_> {
                 }
             }
             Action::Kill(k) => self.victim(&body, k.victim()),
-            Action::Restart(r) => self.victim(&body, r.victim()),
+            Action::Restart(r) => {
+                self.victim(&body, r.victim());
+                if r.signal.is_some_and(Signal::freezes) {
+                    self.err(
+                        &format!("{body}.signal"),
+                        "a restart stops with TERM or KILL; freeze with `kill` and signal STOP, thaw with CONT",
+                    );
+                }
+            }
             Action::TensorPut(p) => {
                 self.pod(&format!("{body}.pod"), &p.pod);
                 self.template(&format!("{body}.key"), &p.key, true);
@@ -597,13 +626,10 @@ impl Checker<'_> {
                 Condition::Key(k) | Condition::NoKey(k) => {
                     self.template(&format!("{body}.for"), k, false)
                 }
+                // A pod's metrics are its agent's (the first instance of
+                // a group).
                 Condition::Metric(m) => {
-                    if m.component != "metadata" && m.component != "store" {
-                        self.err(
-                            &format!("{body}.for.metric.component"),
-                            "metrics come from `metadata` or `store`",
-                        );
-                    }
+                    self.component(&format!("{body}.for.metric.component"), &m.component)
                 }
             },
             Action::Assert(a) => {
@@ -819,6 +845,30 @@ steps:
         );
         assert!(e[1].contains("at least 1"), "{e:?}");
         assert!(e[2].contains("not a duration"), "{e:?}");
+    }
+
+    #[test]
+    fn patience_durations_freezes_and_pod_metrics_are_checked() {
+        let src = "topology: { pods: [ { name: a } ] }\nsteps:\n  - get: { pod: a, key: k, deadline: later }\n  - put: { pod: a, key: k, src: x, stall_timeout: 2 }\n  - restart: { component: store, signal: STOP }\n  - kill: { component: a, signal: STOP }\n  - wait: { for: { metric: { component: a, name: m, at_least: 1 } } }\n  - wait: { for: { metric: { component: b, name: m, at_least: 1 } } }\n";
+        let e = errors(src);
+        assert_eq!(e.len(), 4, "{e:?}");
+        assert!(
+            e[0].starts_with("s.yaml:3:") && e[0].contains("\"later\" is not a duration"),
+            "{e:?}"
+        );
+        assert!(
+            e[1].starts_with("s.yaml:4:") && e[1].contains("not a duration"),
+            "{e:?}"
+        );
+        assert!(
+            e[2].starts_with("s.yaml:5:") && e[2].contains("freeze with `kill`"),
+            "{e:?}"
+        );
+        // A pod's metrics are fine (line 7); an unknown component is not.
+        assert!(
+            e[3].starts_with("s.yaml:8:") && e[3].contains("`b` is not a component"),
+            "{e:?}"
+        );
     }
 
     #[test]

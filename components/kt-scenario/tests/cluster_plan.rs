@@ -94,9 +94,9 @@ fn every_library_scenario_is_planned_or_skipped_with_a_reason() {
             assert!(plan.contains("## up") && plan.contains("## down"), "{plan}");
         }
         // What cannot run on a cluster, and only that: the netns-only
-        // shaped link, the CUDA scenarios, an agent kept down, and Python
-        // (the client image has none).
-        assert_eq!(skipped.len(), 9, "{flavor}: {skipped:#?}");
+        // shaped link, the CUDA scenarios, an agent kept down, Python (the
+        // client image has none) and frozen processes (kill -STOP).
+        assert_eq!(skipped.len(), 12, "{flavor}: {skipped:#?}");
         assert!(
             skipped
                 .iter()

@@ -106,6 +106,12 @@ pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
             target.name()
         ));
     }
+    if !target.freezes() && steps().any(freezes) {
+        return Some(format!(
+            "freezes a process (kill -STOP), which the {} target cannot do (local, netns and docker can)",
+            target.name()
+        ));
+    }
     if !target.keeps_killed_agents_down() && steps().any(kills_an_agent) {
         return Some(format!(
             "kills a pod's agent and expects it down, but on the {} target the kubelet restarts a dead sidecar at once",
@@ -132,6 +138,15 @@ fn kills_an_agent(step: &Step) -> bool {
     match &step.action {
         Action::Kill(k) => matches!(k.victim(), Ok(Victim::Agent(_))),
         Action::Parallel(inner) | Action::Sequence(inner) => inner.iter().any(kills_an_agent),
+        _ => false,
+    }
+}
+
+/// Does this step (or one nested in it) freeze or thaw something?
+fn freezes(step: &Step) -> bool {
+    match &step.action {
+        Action::Kill(k) => k.signal.freezes(),
+        Action::Parallel(inner) | Action::Sequence(inner) => inner.iter().any(freezes),
         _ => false,
     }
 }

@@ -51,7 +51,9 @@ impl Scn<'_> {
                         .opt("--locale", p.locale.as_deref())
                         .opt("--lifespan", p.lifespan.as_deref())
                         .opt("--ttl", p.ttl.as_deref())
-                        .opt("--service", p.service.as_deref());
+                        .opt("--service", p.service.as_deref())
+                        .opt("--deadline", p.deadline.as_deref())
+                        .opt("--stall-timeout", p.stall_timeout.as_deref());
                     Ok(a.into_vec())
                 },
                 started,
@@ -91,7 +93,9 @@ impl Scn<'_> {
                     a.words(["--dest".to_owned(), dest(ctx)?])
                         .words(["-o", "json"])
                         .flag("--no-serve", !g.serve)
-                        .flag("--delete", g.delete);
+                        .flag("--delete", g.delete)
+                        .opt("--deadline", g.deadline.as_deref())
+                        .opt("--stall-timeout", g.stall_timeout.as_deref());
                     if broadcast {
                         a.flag("--broadcast", true)
                             .opt("--group", group.as_deref())

@@ -361,7 +361,7 @@ impl Docker {
     }
 
     /// Signals a container and waits for it to exit: TERM gets [`GRACE`],
-    /// then KILL.
+    /// then KILL. STOP and CONT pause and unpause it.
     async fn stop(&self, name: &str, signal: Signal) -> Result<(), TargetError> {
         let api = self.api()?;
         let res = match signal {
@@ -375,6 +375,20 @@ impl Docker {
             Signal::KILL => {
                 let opts = KillContainerOptionsBuilder::new().signal("SIGKILL").build();
                 api.kill_container(name, Some(opts)).await
+            }
+            // Frozen with the cgroup freezer (as SIGSTOP, but for every
+            // process of the container), thawed again; nothing exits.
+            Signal::STOP => {
+                return api
+                    .pause_container(name)
+                    .await
+                    .map_err(|e| TargetError::Failed(format!("pausing {name}: {e}")));
+            }
+            Signal::CONT => {
+                return api
+                    .unpause_container(name)
+                    .await
+                    .map_err(|e| TargetError::Failed(format!("unpausing {name}: {e}")));
             }
         };
         match res {
@@ -849,6 +863,10 @@ impl Target for Docker {
     async fn kill_agent(&self, pod: &str, signal: Signal) -> Result<(), TargetError> {
         let agent = self.pod(pod)?.agent.clone();
         self.stop(&agent, signal).await
+    }
+
+    fn freezes(&self) -> bool {
+        true
     }
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {

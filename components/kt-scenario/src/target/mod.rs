@@ -250,6 +250,12 @@ pub trait Target: Send + Sync {
         true
     }
 
+    /// Whether `kill` with STOP and CONT can freeze and thaw its servers
+    /// and pods (local and netns: process groups; docker: pause).
+    fn freezes(&self) -> bool {
+        false
+    }
+
     /// Whether `python` steps can run in its pods: the pods run the host's
     /// programs (local, netns), so the host's interpreter with the `kt`
     /// package ([`Plan::python`]) is theirs too. Not where pods run the

@@ -24,6 +24,8 @@ fn sig(s: Signal) -> Sig {
     match s {
         Signal::KILL => Sig::KILL,
         Signal::TERM => Sig::TERM,
+        Signal::STOP => Sig::STOP,
+        Signal::CONT => Sig::CONT,
     }
 }
 
@@ -92,11 +94,22 @@ impl Server {
         Ok(())
     }
 
-    /// Signals the server's process group and waits for it to exit.
+    /// Signals the server's process group and waits for it to exit
+    /// (STOP and CONT only freeze and thaw it).
     pub async fn stop(&mut self, s: Signal, grace: Duration) -> Result<(), TargetError> {
+        if s.freezes() {
+            if let Some(pid) = self.child.as_ref().and_then(Child::id) {
+                signal_group(pid, s);
+            }
+            return Ok(());
+        }
         let Some(mut child) = self.child.take() else {
             return Ok(());
         };
+        if let Some(pid) = child.id() {
+            // A frozen process would never see TERM.
+            signal_group(pid, Signal::CONT);
+        }
         if let Some(pid) = child.id() {
             signal_group(pid, s);
             if tokio::time::timeout(grace, child.wait()).await.is_err() {

@@ -949,6 +949,13 @@ impl Target for Cluster {
     }
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
+        if signal.freezes() {
+            return Err(TargetError::Unavailable(format!(
+                "the {} target cannot freeze {c} (kill -{})",
+                self.name(),
+                signal.name()
+            )));
+        }
         let (workload, selector) = self.workload(c)?;
         self.run(
             self.kubectl()

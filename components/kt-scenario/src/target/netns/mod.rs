@@ -307,6 +307,10 @@ impl Target for Netns {
             .await
     }
 
+    fn freezes(&self) -> bool {
+        true
+    }
+
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
         self.servers.kill_with_pods(&self.procs, c, signal).await
     }
