@@ -11,7 +11,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker kind k3d
 
-.PHONY: all build release python python-test bench-python images manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl clean
+.PHONY: all build release python python-test bench-python chaos images manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl clean
 
 all: build
 
@@ -51,6 +51,14 @@ validate:
 ## targets run the python steps with the venv `make python` builds.
 scenario: release $(if $(filter $(IMAGE_TARGETS),$(TARGET)),images,python)
 	INSTA_WORKSPACE_ROOT=$(CURDIR) $(TARGET_DIR)/release/kt-scenario run scenarios $(SCENARIO_FLAGS)
+
+## chaos: the chaos soak on $(TARGET) (local or netns) for CHAOS_DURATION
+## (default 5m): a seeded workload while the store, the metadata server and
+## agents are killed, frozen and restarted at random; CHAOS_ARGS adds flags
+## (e.g. --seed N to repeat a run's choices).
+CHAOS_DURATION ?= 5m
+chaos: release
+	$(TARGET_DIR)/release/kt-scenario chaos --target $(TARGET) --duration $(CHAOS_DURATION) $(CHAOS_ARGS)
 
 ## manifests: generate the injecting components' kustomizations
 ## (testbed/k8s/components.py) and render kustomize/ into manifests/

@@ -145,16 +145,32 @@ impl Session {
         }
     }
 
-    /// Joins, and hands the connection to a background task.
+    /// Joins, and hands the connection to a background task. A metadata
+    /// server that cannot be reached or drops the connection before it
+    /// answers (it is restarting) is tried again with backoff, within the
+    /// transfer's deadline; its answers (a refusal) are final.
     async fn join(
         client: &Client,
         request: JoinRequest,
     ) -> Result<(Session, Membership, Parent), ClientError> {
-        let mut ws = Self::connect(client).await?;
-        Self::send(&mut ws, &GetterMessage::Join(request.clone())).await?;
-        let first = Self::next(&mut ws)
-            .await
-            .unwrap_or_else(|| Err(lost("the metadata server closed the connection")))?;
+        let started = Instant::now();
+        let mut backoff = kt_api::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let (ws, first) = loop {
+            match Self::first_answer(client, &request).await {
+                Ok(got) => break got,
+                Err(e) if started.elapsed() < client.cfg.deadline => {
+                    let wait = backoff.next_delay();
+                    tracing::warn!(error = %e, wait_ms = wait.as_millis() as u64, "joining the broadcast group failed; trying again");
+                    tokio::time::sleep(wait).await;
+                }
+                Err(e) => {
+                    return Err(lost(format!(
+                        "{e} (tried for {:.1}s; --deadline or KT_DEADLINE)",
+                        started.elapsed().as_secs_f64()
+                    )));
+                }
+            }
+        };
         let (group, rank, version, parent) = match first {
             GroupMessage::Assigned {
                 group,
@@ -192,6 +208,20 @@ impl Session {
             task,
         };
         Ok((session, membership, parent))
+    }
+
+    /// Connects and sends the join: the connection and the server's first
+    /// message, or what kept it from answering (worth another try).
+    async fn first_answer(
+        client: &Client,
+        request: &JoinRequest,
+    ) -> Result<(Socket, GroupMessage), ClientError> {
+        let mut ws = Self::connect(client).await?;
+        Self::send(&mut ws, &GetterMessage::Join(request.clone())).await?;
+        let first = Self::next(&mut ws)
+            .await
+            .unwrap_or_else(|| Err(lost("the metadata server closed the connection")))?;
+        Ok((ws, first))
     }
 
     /// Relays messages both ways; on a lost connection, rejoins with the
@@ -476,6 +506,13 @@ impl Client {
         loop {
             let before = dl.as_ref().map(Download::outstanding);
             let (outcome, moved) = {
+                // A relay may wait up to its own STALL on its parent before
+                // it answers `unavailable`: no stall is declared before that.
+                let stall = if parent.rank == 0 {
+                    self.cfg.stall
+                } else {
+                    self.cfg.stall.max(STALL + RELAY_GRACE)
+                };
                 let attempt = self.fetch_from(
                     &parent.url,
                     version,
@@ -484,6 +521,7 @@ impl Client {
                     &mut dl,
                     Some(&relay.board),
                     progress,
+                    stall,
                 );
                 tokio::pin!(attempt);
                 loop {
@@ -586,6 +624,9 @@ impl Client {
         Ok(dl)
     }
 }
+
+/// How much longer than a relay's own [`STALL`] a child waits on it.
+const RELAY_GRACE: Duration = Duration::from_secs(5);
 
 /// Whether the store failing a broadcast getter this way may serve it once
 /// it is back: a transient failure, or a read lease it forgot in a restart.

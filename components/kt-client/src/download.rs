@@ -64,6 +64,15 @@ impl Large {
     }
 }
 
+/// A source a download run fetches from: the server, the read lease it
+/// granted, and how long a request to it may receive nothing (longer for a
+/// broadcast relay, which may wait on its own parent).
+pub(crate) struct Serving<'a> {
+    pub api: &'a Api,
+    pub lease: &'a str,
+    pub stall: Duration,
+}
+
 /// A download in progress (see the module documentation).
 #[derive(Debug)]
 pub(crate) struct Download {
@@ -208,16 +217,56 @@ impl Download {
         &self.read.manifest
     }
 
-    /// Fetches what is still missing through the read lease `lease` of
-    /// the server `src`. On error, what was written stays: the next run
-    /// starts from there.
+    /// The files this download placed so far (not those that were already
+    /// at the destination).
+    pub fn placed_files(&self) -> Vec<PathBuf> {
+        let m = &self.read.manifest;
+        let pending = lock(&self.pending);
+        self.needed
+            .iter()
+            .filter(|i| !pending.contains(i) && self.large.get(i).is_none_or(|l| l.placed()))
+            .map(|&i| self.target_of(&m.entries[i as usize]))
+            .collect()
+    }
+
+    /// Removes the files in `stale` (placed by a download of another version
+    /// this get abandoned) that this version does not name, so the get ends
+    /// with one version, not a mix. Best effort: a file that cannot be
+    /// removed is logged.
+    pub async fn remove_stale(&self, stale: Vec<PathBuf>) {
+        let mine: std::collections::HashSet<PathBuf> = self
+            .read
+            .manifest
+            .entries
+            .iter()
+            .map(|e| self.target_of(e))
+            .collect();
+        let gone: Vec<PathBuf> = stale.into_iter().filter(|p| !mine.contains(p)).collect();
+        if gone.is_empty() {
+            return;
+        }
+        let _ = blocking(move || {
+            for p in gone {
+                if let Err(e) = std::fs::remove_file(&p)
+                    && e.kind() != std::io::ErrorKind::NotFound
+                {
+                    tracing::warn!(path = %p.display(), error = %e, "removing a file of an abandoned version");
+                }
+            }
+            Ok::<(), SyncError>(())
+        })
+        .await;
+    }
+
+    /// Fetches what is still missing from `from`. On error, what was
+    /// written stays: the next run starts from there.
     pub async fn run(
         &self,
         client: &Client,
-        src: &Api,
-        lease: &str,
+        from: &Serving<'_>,
         progress: &Progress,
     ) -> Result<(), ClientError> {
+        let (src, lease, stall) = (from.api, from.lease, from.stall);
         let m = &self.read.manifest;
         let small: Vec<(u64, u32)> = lock(&self.pending)
             .iter()
@@ -248,7 +297,6 @@ impl Download {
                 progress.advance(n);
             })
         };
-        let stall = client.cfg.stall;
         let mut futs: Vec<futures::future::BoxFuture<'_, Result<(), ClientError>>> = Vec::new();
         for group in balance(small, client.cfg.streams) {
             let (expected, written) = (expected.clone(), written.clone());
@@ -267,8 +315,7 @@ impl Download {
             }
             futs.push(Box::pin(self.fetch_chunked(
                 client,
-                src,
-                lease,
+                from,
                 i,
                 large.clone(),
                 progress.clone(),
@@ -286,12 +333,12 @@ impl Download {
     async fn fetch_chunked(
         &self,
         client: &Client,
-        src: &Api,
-        lease: &str,
+        from: &Serving<'_>,
         index: u32,
         large: Arc<Large>,
         progress: Progress,
     ) -> Result<(), ClientError> {
+        let (src, lease, stall) = (from.api, from.lease, from.stall);
         let chunk_size = self.read.chunk_size;
         let file = {
             let existing = lock(&large.file).clone();
@@ -319,7 +366,7 @@ impl Download {
                 let call = src
                     .get(&paths::read_range(lease, index as usize))
                     .query(&[("offset", offset), ("len", len)]);
-                let data: Bytes = crate::stall::bytes(call, client.cfg.stall).await?;
+                let data: Bytes = crate::stall::bytes(call, stall).await?;
                 if data.len() as u64 != len {
                     return Err(ClientError::Sync(SyncError::Truncated));
                 }

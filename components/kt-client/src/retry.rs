@@ -33,12 +33,15 @@ impl ClientError {
     pub fn is_transient(&self) -> bool {
         match self {
             ClientError::Http { .. } => true,
+            // `no_source` is an answer about the data (nothing serves the
+            // key), not a server away.
             ClientError::Api { status, code, .. } => {
-                *status >= 500
-                    || matches!(
-                        code,
-                        ErrorCode::Unavailable | ErrorCode::NoStore | ErrorCode::Internal
-                    )
+                *code != ErrorCode::NoSource
+                    && (*status >= 500
+                        || matches!(
+                            code,
+                            ErrorCode::Unavailable | ErrorCode::NoStore | ErrorCode::Internal
+                        ))
             }
             ClientError::Sync(e) => matches!(
                 e,
@@ -174,9 +177,9 @@ impl Failures {
             return Next::GiveUp;
         }
         let now = Instant::now();
-        let next = self
-            .sources
-            .values()
+        let next = excluded
+            .iter()
+            .filter_map(|id| self.sources.get(id))
             .filter(|f| f.retryable)
             .map(|f| f.retry_at)
             .min();
@@ -196,6 +199,11 @@ impl Failures {
             return Next::GiveUp;
         }
         Next::Wait(backoff.next_delay().min(self.expires_at() - now))
+    }
+
+    /// Whether the deadline passed without progress.
+    pub fn expired(&self) -> bool {
+        Instant::now() >= self.expires_at()
     }
 
     /// How long the transfer has waited without progress.
@@ -281,6 +289,7 @@ mod tests {
         assert!(api(500, ErrorCode::Internal).is_transient());
         assert!(ClientError::Sync(kt_sync::SyncError::Truncated).is_transient());
         assert!(!api(409, ErrorCode::Conflict).is_transient());
+        assert!(!api(503, ErrorCode::NoSource).is_transient());
         assert!(!api(404, ErrorCode::NotFound).is_transient());
         assert!(!api(401, ErrorCode::Unauthorized).is_transient());
         let corrupt = ClientError::Sync(kt_sync::SyncError::HashMismatch { path: "a".into() });

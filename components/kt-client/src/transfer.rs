@@ -21,7 +21,7 @@ use kt_types::{Key, KeyPrefix, KeyRecord, Manifest, paths};
 
 use crate::agent::AgentConn;
 use crate::api::Client;
-use crate::download::Download;
+use crate::download::{Download, Serving};
 use crate::error::ClientError;
 use crate::local::{KEEP_BUDGET, balance, blocking, scan_cached};
 use crate::progress::Progress;
@@ -36,6 +36,16 @@ impl Drop for AbortOnDrop {
     fn drop(&mut self) {
         self.0.abort();
     }
+}
+
+/// How far one try at a put got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum PutStage {
+    Started,
+    /// Every needed file reached the store.
+    Uploaded,
+    /// The commit was sent (it may have gone through).
+    Committing,
 }
 
 /// What a put did.
@@ -118,26 +128,31 @@ impl Client {
         // starts over in a new session; the old version stays readable
         // throughout (nothing is published until a commit succeeds).
         let mut failures = Failures::new(self.cfg.deadline);
+        let mut committed_before = false;
         loop {
-            let mut planned = false;
+            let mut stage = PutStage::Started;
             let attempt = self
                 .put_attempt(
-                    &req,
-                    src,
-                    &manifest,
-                    &encoded,
-                    &mut kept,
-                    &progress,
-                    started,
-                    &mut planned,
+                    &req, src, &manifest, &encoded, &mut kept, &progress, started, &mut stage,
                 )
                 .await;
-            if planned {
-                failures.progressed();
-            }
+            committed_before |= stage == PutStage::Committing;
             match attempt {
-                Ok(s) => return Ok(s),
+                Ok(mut s) => {
+                    if s.unchanged && committed_before {
+                        // An earlier attempt's commit went through and only
+                        // its answer was lost: this put did publish.
+                        s.unchanged = false;
+                        s.record = self.stat(key).await.ok();
+                    }
+                    return Ok(s);
+                }
                 Err(e) if e.is_transient() || e.code() == Some(kt_types::ErrorCode::NotFound) => {
+                    // The deadline counts from the first failure in a row;
+                    // an attempt that got all its data across ends the row.
+                    if !failures.any() || stage >= PutStage::Uploaded {
+                        failures = Failures::new(self.cfg.deadline);
+                    }
                     failures.record(STORE_HOLDER, &e);
                     match failures.when_none_left(&[STORE_HOLDER.to_owned()]) {
                         Next::Now => {}
@@ -156,7 +171,7 @@ impl Client {
     }
 
     /// One try at a put: plan a session with the store, upload what it
-    /// needs, commit. `planned` is set once the store answered the plan.
+    /// needs, commit; `stage` tells how far it got.
     #[allow(clippy::too_many_arguments)]
     async fn put_attempt(
         &self,
@@ -167,7 +182,7 @@ impl Client {
         kept: &mut Kept,
         progress: &Progress,
         started: Instant,
-        planned: &mut bool,
+        stage: &mut PutStage,
     ) -> Result<PutSummary, ClientError> {
         let total = manifest.total_bytes();
         let files = manifest.file_count();
@@ -187,7 +202,6 @@ impl Client {
         if plan.need_manifest {
             plan = plan_put(codec::document_with(req, encoded)).await?;
         }
-        *planned = true;
         let Some(session) = plan.session.clone() else {
             return Ok(PutSummary {
                 record: None,
@@ -219,13 +233,17 @@ impl Client {
             .await;
         progress.finish();
         let stats = match result {
-            Ok(stats) => stats,
+            Ok(stats) => {
+                *stage = PutStage::Uploaded;
+                stats
+            }
             Err(e) => {
                 let _ = store.delete(&paths::put_session(&session)).ok().await;
                 return Err(e);
             }
         };
         tracing::debug!(ms = started.elapsed().as_millis() as u64, "put: uploaded");
+        *stage = PutStage::Committing;
         let commit: CommitResponse = store.post(&paths::put_commit(&session)).fetch().await?;
         Ok(PutSummary {
             record: Some(commit.record),
@@ -386,6 +404,8 @@ impl Client {
             kt_api::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         // Kept across sources: a failover fetches only what is missing.
         let mut dl: Option<Download> = None;
+        // Files placed for a version the key moved past mid-get.
+        let mut stale: Vec<PathBuf> = Vec::new();
         loop {
             let exclude = failures.exclude();
             let lease = match self.lease(key, &exclude, getter.clone()).await {
@@ -435,8 +455,9 @@ impl Client {
             if dl
                 .as_ref()
                 .is_some_and(|d| d.read.version != lease.source.version)
+                && let Some(old) = dl.take()
             {
-                dl = None;
+                stale.extend(old.placed_files());
             }
             let before = dl.as_ref().map(Download::outstanding);
             let renewal = AbortOnDrop(self.keep_lease(&lease));
@@ -449,6 +470,7 @@ impl Client {
                     &mut dl,
                     None,
                     &progress,
+                    self.cfg.stall,
                 )
                 .await;
             drop(renewal);
@@ -470,6 +492,7 @@ impl Client {
                     let Some(d) = dl else {
                         return Err(ClientError::Local("no download was planned".into()));
                     };
+                    d.remove_stale(std::mem::take(&mut stale)).await;
                     d.finish(opts.delete).await?;
                     if let Some(a) = agent.as_mut() {
                         self.serve_copy(a, key, &d.read, &d.final_dest).await;
@@ -486,6 +509,12 @@ impl Client {
                     tracing::warn!(%key, source = %id, error = %e, transient = e.retryable_at(id), "source failed; trying another");
                     self.report_failure(&lease, key, &e).await;
                     failures.record(id, &e);
+                    // Sources that keep failing one after another never
+                    // leave the lease loop: the deadline is checked here too.
+                    if failures.expired() {
+                        progress.finish();
+                        return Err(failures.give_up(&format!("get of {key}"), ""));
+                    }
                 }
                 Err(e) => {
                     let _ = release().await;
@@ -739,11 +768,12 @@ impl Client {
         dl: &mut Option<Download>,
         board: Option<&Arc<Board>>,
         progress: &Progress,
+        stall: Duration,
     ) -> Result<(), ClientError> {
         let src = self.server(source)?;
         let tree = src.get(&paths::tree(key));
         let url = tree.url().to_owned();
-        let body = crate::stall::bytes(tree, self.cfg.stall).await?;
+        let body = crate::stall::bytes(tree, stall).await?;
         let read = ReadManifest::from_document(&body).map_err(|e| ClientError::Api {
             status: 502,
             code: kt_types::ErrorCode::InvalidManifest,
@@ -788,7 +818,14 @@ impl Client {
             *dl = Some(planned);
         }
         let result = match dl {
-            Some(d) => d.run(self, &src, &lease, progress).await,
+            Some(d) => {
+                let from = Serving {
+                    api: &src,
+                    lease: &lease,
+                    stall,
+                };
+                d.run(self, &from, progress).await
+            }
             None => Ok(()),
         };
         let _ = release().await;

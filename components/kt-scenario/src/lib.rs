@@ -9,8 +9,10 @@
 //! - [`runner`]: executes scenarios; [`snapshot`]: insta snapshots with
 //!   redactions; [`report`]: terminal table, JSON, JUnit, HTML; [`live`]: the
 //!   progress view.
+//! - [`chaos`]: the seeded chaos soak (`kt-scenario chaos`).
 
 pub mod argv;
+pub mod chaos;
 pub mod data;
 pub mod format;
 pub mod live;

@@ -108,6 +108,36 @@ enum Cmd {
         #[arg(long, env = "KT_KEEP_CLUSTER")]
         keep_cluster: bool,
     },
+    /// The chaos soak: a seeded workload of puts, gets and broadcasts while
+    /// the store, the metadata server and agents are killed, frozen and
+    /// restarted at random; fails on any broken invariant, with the seed.
+    Chaos {
+        /// local or netns (the soak signals processes on this host).
+        #[arg(long, env = "KT_SCENARIO_TARGET", default_value = "local")]
+        target: TargetKind,
+        /// How long the workload runs, e.g. 2m.
+        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+        duration: std::time::Duration,
+        /// The seed (default: a random one, printed): the same seed makes
+        /// the same choices of operations and faults.
+        #[arg(long, env = "KT_CHAOS_SEED")]
+        seed: Option<u64>,
+        /// Pods that put and get.
+        #[arg(long, default_value_t = 4)]
+        pods: usize,
+        /// Operations in flight at once.
+        #[arg(long, default_value_t = 3)]
+        workers: usize,
+        /// Memory bound of every server and agent, in MiB (resident set).
+        #[arg(long, default_value_t = 1024)]
+        max_rss_mib: u64,
+        /// Where kt, kt-metadata and kt-store are (default: beside this binary).
+        #[arg(long, env = "KT_SCENARIO_BIN_DIR")]
+        bin_dir: Option<PathBuf>,
+        /// The soak's work directory (default: a new one under the temp dir).
+        #[arg(long)]
+        work_dir: Option<PathBuf>,
+    },
 }
 
 /// Scenario files below `paths` (directories are searched recursively,
@@ -231,6 +261,25 @@ fn main() -> ExitCode {
 
 fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
+        Cmd::Chaos {
+            target,
+            duration,
+            seed,
+            pods,
+            workers,
+            max_rss_mib,
+            bin_dir,
+            work_dir,
+        } => chaos(
+            target,
+            duration,
+            seed,
+            pods,
+            workers,
+            max_rss_mib,
+            bin_dir,
+            work_dir,
+        ),
         Cmd::Validate { paths } => {
             let (files, _) = files(&paths)?;
             match load_all(&files) {
@@ -438,5 +487,84 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                 ExitCode::SUCCESS
             })
         }
+    }
+}
+
+/// `kt-scenario chaos`.
+#[allow(clippy::too_many_arguments)]
+fn chaos(
+    target: TargetKind,
+    duration: std::time::Duration,
+    seed: Option<u64>,
+    pods: usize,
+    workers: usize,
+    max_rss_mib: u64,
+    bin_dir: Option<PathBuf>,
+    work_dir: Option<PathBuf>,
+) -> anyhow::Result<ExitCode> {
+    let t: Box<dyn Target> = match target {
+        TargetKind::Local => Box::new(Local::new()),
+        TargetKind::Netns => Box::new(Netns::new()),
+        other => anyhow::bail!("the chaos soak runs on the local and netns targets, not {other:?}"),
+    };
+    let seed = seed.unwrap_or_else(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.finish() % 1_000_000_000
+    });
+    let bin_dir = match bin_dir {
+        Some(d) => d,
+        None => std::env::current_exe()?
+            .parent()
+            .context("the binary's directory")?
+            .to_owned(),
+    };
+    // A directory of our own is removed after a clean run; one given must
+    // be empty (nothing of the user's is ever removed).
+    let (work_dir, ours) = match work_dir {
+        Some(d) => {
+            if std::fs::read_dir(&d).is_ok_and(|mut e| e.next().is_some()) {
+                anyhow::bail!("--work-dir {} is not empty", d.display());
+            }
+            (d, false)
+        }
+        None => {
+            let d = std::env::temp_dir().join(format!("kt-chaos-{seed}"));
+            let _ = std::fs::remove_dir_all(&d);
+            (d, true)
+        }
+    };
+    std::fs::create_dir_all(&work_dir)
+        .with_context(|| format!("creating {}", work_dir.display()))?;
+    eprintln!(
+        "kt-scenario chaos: seed {seed} (rerun with --seed {seed}), {} on the {target:?} target, work dir {}",
+        humantime::format_duration(duration),
+        work_dir.display()
+    );
+    let opts = kt_scenario::chaos::Options {
+        seed,
+        duration,
+        pods,
+        workers,
+        max_rss: max_rss_mib << 20,
+        work_dir: work_dir.clone(),
+        bin_dir,
+    };
+    let rt = tokio::runtime::Runtime::new().context("starting the runtime")?;
+    let report = rt.block_on(kt_scenario::chaos::run(t, opts))?;
+    print!("{}", report.render());
+    if report.violations.is_empty() {
+        if ours {
+            let _ = std::fs::remove_dir_all(&work_dir);
+        }
+        Ok(ExitCode::SUCCESS)
+    } else {
+        eprintln!(
+            "kt-scenario chaos: {} violation(s) with seed {seed}; logs kept in {}",
+            report.violations.len(),
+            work_dir.join("logs").display()
+        );
+        Ok(ExitCode::from(1))
     }
 }

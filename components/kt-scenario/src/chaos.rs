@@ -1,0 +1,696 @@
+//! The chaos soak (`kt-scenario chaos`, `make chaos`): for a while, a
+//! seeded workload of puts, local puts, gets and broadcasts runs against a
+//! testbed while faults are injected at random: the store and the metadata
+//! server killed (KILL or TERM) and started again, the store frozen (STOP)
+//! and thawed, pods' agents killed and started again.
+//!
+//! Invariants, checked as it goes and at the end; a violation names the
+//! seed and the operation that broke it:
+//! - every get that succeeds holds exactly one version that was put under
+//!   the key, verified by hash (no mixed or half-written tree);
+//! - every put and get of a store key succeeds (the store restarting or
+//!   freezing is waited for within the transfer's deadline); gets of local
+//!   keys may fail when their producer's agent is down, and say so;
+//! - once the workload stops, source leases return to zero;
+//! - no server or agent grows past a memory bound;
+//! - the store's data directory holds no more than its keys need (staging
+//!   leftovers are cleaned).
+//!
+//! The choice of operations and faults is reproducible from the seed; their
+//! interleaving follows the machine's timing.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::data::{Digest, Rng};
+use crate::format::{DataSpec, Signal};
+use crate::target::{Component, ExecRequest, Plan, PodPlan, Program, Target, TargetError};
+
+/// How a soak runs.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub seed: u64,
+    pub duration: Duration,
+    /// Pods that put and get.
+    pub pods: usize,
+    /// Operations in flight at once.
+    pub workers: usize,
+    /// The memory bound of every server and agent (resident set).
+    pub max_rss: u64,
+    pub work_dir: PathBuf,
+    pub bin_dir: PathBuf,
+}
+
+/// What a soak did.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub seed: u64,
+    pub elapsed: Duration,
+    /// Faults injected, by kind.
+    pub faults: BTreeMap<String, u64>,
+    /// Operations that succeeded, by kind.
+    pub ok: BTreeMap<String, u64>,
+    /// Operations that failed in a way the invariants allow, by kind.
+    pub tolerated: BTreeMap<String, u64>,
+    /// Largest resident set seen, by program.
+    pub max_rss: BTreeMap<String, u64>,
+    pub violations: Vec<String>,
+}
+
+impl Report {
+    /// The summary `kt-scenario chaos` prints.
+    pub fn render(&self) -> String {
+        let line = |m: &BTreeMap<String, u64>| {
+            if m.is_empty() {
+                return "none".to_owned();
+            }
+            m.iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let rss: BTreeMap<String, u64> = self
+            .max_rss
+            .iter()
+            .map(|(k, v)| (k.clone(), v >> 20))
+            .collect();
+        let mut out = format!(
+            "chaos: seed {} ran {:.0}s\n  faults:     {} ({} in all)\n  operations: {} ({} in all)\n  tolerated:  {}\n  max RSS MiB: {}\n  violations: {}\n",
+            self.seed,
+            self.elapsed.as_secs_f64(),
+            line(&self.faults),
+            self.faults.values().sum::<u64>(),
+            line(&self.ok),
+            self.ok.values().sum::<u64>(),
+            line(&self.tolerated),
+            line(&rss),
+            self.violations.len(),
+        );
+        for v in &self.violations {
+            out.push_str(&format!("  VIOLATION: {v}\n"));
+        }
+        out
+    }
+}
+
+const STORE_KEYS: usize = 3;
+const LOCAL_KEYS: usize = 2;
+/// Keys only broadcast (put once, never again: a group's version is fixed,
+/// so a put during a broadcast would fail its late joiners by design).
+const BROADCAST_KEYS: usize = 2;
+/// Every transfer's deadline: long enough for any injected outage.
+const DEADLINE: &str = "60s";
+
+/// The data sets the workload puts (small trees, chunked files, a mix).
+fn data_specs() -> Vec<(&'static str, DataSpec)> {
+    let spec = |yaml: &str| -> DataSpec {
+        serde_yaml_ng::from_str(yaml).expect("a valid built-in data set")
+    };
+    vec![
+        ("tree-a", spec("{ seed: 901, files: 60, dirs: 4 }")),
+        (
+            "tree-b",
+            spec("{ seed: 902, files: 40, dirs: 3, large: [24MiB] }"),
+        ),
+        ("big", spec("{ seed: 903, large: [64MiB] }")),
+        // Trees only: a get into a standing copy (a mirror) is exact for
+        // trees, but a single-file key lands inside an existing directory.
+        ("tree-c", spec("{ seed: 904, files: 5, large: [3MiB] }")),
+    ]
+}
+
+/// Runs the soak on `target` (brought up and down here).
+pub async fn run(mut target: Box<dyn Target>, opts: Options) -> Result<Report, TargetError> {
+    if let Some(why) = target.unavailable() {
+        return Err(TargetError::Unavailable(why));
+    }
+    let token = format!("chaos-{}", opts.seed);
+    let pods: Vec<PodPlan> = (0..opts.pods.max(2))
+        .map(|i| PodPlan {
+            name: format!("pod-{i}"),
+            group: "pod".to_owned(),
+            index: i,
+            service: None,
+            labels: BTreeMap::new(),
+            gpu: false,
+            link_bps: None,
+        })
+        .collect();
+    let plan = Plan {
+        run_id: format!("chaos{:x}", opts.seed & 0xffff_ffff),
+        scenario: "chaos".to_owned(),
+        work_dir: opts.work_dir.clone(),
+        bin_dir: opts.bin_dir.clone(),
+        token: token.clone(),
+        chunk_size: Some(1 << 20),
+        store_link_bps: None,
+        metadata_flags: vec![
+            "--agent-ttl".into(),
+            "5s".into(),
+            "--lease-ttl".into(),
+            "5s".into(),
+        ],
+        pods: pods.clone(),
+        python: None,
+    };
+    // The data sets, generated once and digested.
+    let data_dir = opts.work_dir.join("data");
+    let mut sets = Vec::new();
+    for (name, spec) in data_specs() {
+        let path = data_dir.join(name);
+        let (p, s) = (path.clone(), spec.clone());
+        tokio::task::spawn_blocking(move || crate::data::generate(&s, None, &p))
+            .await
+            .map_err(|e| TargetError::Failed(e.to_string()))?
+            .map_err(|e| TargetError::Failed(format!("generating {name}: {e}")))?;
+        let digest = digest(&path).await?;
+        let size = dir_size(&path);
+        sets.push(DataSet {
+            name,
+            path,
+            digest,
+            size,
+        });
+    }
+    target.up(&plan).await?;
+    let uses: Vec<(String, PathBuf)> = pods
+        .iter()
+        .flat_map(|p| sets.iter().map(|s| (p.name.clone(), s.path.clone())))
+        .collect();
+    let outcome = async {
+        target.stage_data(&uses).await?;
+        let target: &dyn Target = target.as_ref();
+        soak(target, &opts, &plan, &token, &sets).await
+    }
+    .await;
+    let down = target.down().await;
+    let report = outcome?;
+    down?;
+    Ok(report)
+}
+
+struct DataSet {
+    name: &'static str,
+    path: PathBuf,
+    digest: Digest,
+    size: u64,
+}
+
+/// What every worker shares.
+struct Shared<'a> {
+    target: &'a dyn Target,
+    token: String,
+    pods: Vec<String>,
+    sets: &'a [DataSet],
+    /// Key → the data sets ever put under it (a get must hold one).
+    attempted: Mutex<BTreeMap<String, BTreeSet<usize>>>,
+    report: Mutex<Report>,
+    /// Standing copies (`pod:key`) a get is writing now.
+    busy: Mutex<BTreeSet<String>>,
+    /// Numbered operations, for violations.
+    op: std::sync::atomic::AtomicU64,
+    until: Instant,
+}
+
+impl Shared<'_> {
+    fn count(&self, which: fn(&mut Report) -> &mut BTreeMap<String, u64>, kind: &str) {
+        let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
+        *which(&mut r).entry(kind.to_owned()).or_default() += 1;
+    }
+
+    fn violation(&self, what: String) {
+        let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
+        tracing::error!(%what, "chaos: invariant violated");
+        r.violations.push(what);
+    }
+
+    async fn kt(
+        &self,
+        pod: &str,
+        args: Vec<String>,
+    ) -> Result<crate::target::ExecOutput, TargetError> {
+        self.target
+            .exec(ExecRequest {
+                pod: pod.to_owned(),
+                program: Program::Kt,
+                args,
+                env: Vec::new(),
+                token: Some(self.token.clone()),
+            })
+            .await
+    }
+}
+
+async fn soak(
+    target: &dyn Target,
+    opts: &Options,
+    plan: &Plan,
+    token: &str,
+    sets: &[DataSet],
+) -> Result<Report, TargetError> {
+    let started = Instant::now();
+    let shared = Shared {
+        target,
+        token: token.to_owned(),
+        pods: plan.pods.iter().map(|p| p.name.clone()).collect(),
+        sets,
+        attempted: Mutex::new(BTreeMap::new()),
+        busy: Mutex::new(BTreeSet::new()),
+        report: Mutex::new(Report {
+            seed: opts.seed,
+            ..Report::default()
+        }),
+        op: Default::default(),
+        until: started + opts.duration,
+    };
+    // Every store key exists before the first fault: a get of a store key
+    // must then always succeed.
+    let mut rng = Rng::new(opts.seed ^ 0x5eed);
+    for k in 0..STORE_KEYS {
+        put(&shared, &mut rng, &format!("chaos/s{k}"), false).await;
+    }
+    for k in 0..BROADCAST_KEYS {
+        put(&shared, &mut rng, &format!("chaos/b{k}"), false).await;
+    }
+    let workers = (0..opts.workers.max(1)).map(|w| {
+        let shared = &shared;
+        let seed = opts.seed.wrapping_add(1 + w as u64);
+        async move {
+            let mut rng = Rng::new(seed);
+            while Instant::now() < shared.until {
+                operation(shared, &mut rng).await;
+            }
+        }
+    });
+    let faults = inject(&shared, opts);
+    futures::future::join(futures::future::join_all(workers), faults).await;
+    // Quiet now: what must have returned to rest.
+    let meta = kt_api::Api::new(reqwest::Client::new(), &target.metadata_url(), token);
+    let waited = Instant::now();
+    loop {
+        let list: Result<kt_types::api::LeaseList, _> =
+            meta.get(&kt_types::paths::leases()).fetch().await;
+        match list {
+            Ok(l) if l.leases.is_empty() => break,
+            Ok(l) if waited.elapsed() > Duration::from_secs(30) => {
+                shared.violation(format!(
+                    "{} source lease(s) still held 30 s after the workload stopped",
+                    l.leases.len()
+                ));
+                break;
+            }
+            Err(e) if waited.elapsed() > Duration::from_secs(30) => {
+                shared.violation(format!("the metadata server does not list leases: {e}"));
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    sample_rss(&shared, &plan.work_dir);
+    check_rss(&shared, opts.max_rss);
+    let store_dir = plan.work_dir.join("store");
+    if store_dir.is_dir() {
+        let used = dir_size(&store_dir);
+        // Every key's current version, and one superseded version each that
+        // may still be on its way out.
+        let largest = sets.iter().map(|s| s.size).max().unwrap_or(0);
+        let keys = (STORE_KEYS + BROADCAST_KEYS) as u64;
+        let bound = 2 * keys * largest + (16 << 20);
+        if used > bound {
+            shared.violation(format!(
+                "the store's data directory holds {} MiB, more than its {keys} keys need ({} MiB): staging leftovers?",
+                used >> 20,
+                bound >> 20
+            ));
+        }
+    }
+    let mut report = shared
+        .report
+        .into_inner()
+        .unwrap_or_else(|p| p.into_inner());
+    report.elapsed = started.elapsed();
+    Ok(report)
+}
+
+/// One random operation of the workload.
+async fn operation(s: &Shared<'_>, rng: &mut Rng) {
+    match rng.below(100) {
+        0..=29 => {
+            let k = rng.below(STORE_KEYS as u64);
+            put(s, rng, &format!("chaos/s{k}"), false).await
+        }
+        30..=39 => {
+            let k = rng.below(LOCAL_KEYS as u64);
+            put(s, rng, &format!("chaos/l{k}"), true).await
+        }
+        40..=84 => {
+            let (k, local) = if rng.below(4) == 0 {
+                (format!("chaos/l{}", rng.below(LOCAL_KEYS as u64)), true)
+            } else {
+                (format!("chaos/s{}", rng.below(STORE_KEYS as u64)), false)
+            };
+            get(s, rng, &k, local).await
+        }
+        _ => broadcast(s, rng).await,
+    }
+}
+
+fn pick<'a>(rng: &mut Rng, from: &'a [String]) -> &'a str {
+    &from[rng.below(from.len() as u64) as usize]
+}
+
+async fn put(s: &Shared<'_>, rng: &mut Rng, key: &str, local: bool) {
+    let n = s.op.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let set = rng.below(s.sets.len() as u64) as usize;
+    let pod = pick(rng, &s.pods).to_owned();
+    let src = match s.target.data_path(&pod, &s.sets[set].path) {
+        Ok(p) => p,
+        Err(e) => return s.violation(format!("op {n}: no data path: {e}")),
+    };
+    s.attempted
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .entry(key.to_owned())
+        .or_default()
+        .insert(set);
+    let mut args = vec![
+        "put".to_owned(),
+        key.to_owned(),
+        "--src".to_owned(),
+        src,
+        "--deadline".to_owned(),
+        DEADLINE.to_owned(),
+    ];
+    if local {
+        args.extend(["--locale".to_owned(), "local".to_owned()]);
+    }
+    let kind = if local { "local-put" } else { "put" };
+    match s.kt(&pod, args).await {
+        Ok(o) if o.status == 0 => s.count(|r| &mut r.ok, kind),
+        // A local put needs the pod's own agent, which a fault may have
+        // taken down for a moment.
+        Ok(o) if local => {
+            tracing::info!(op = n, stderr = %o.stderr.trim(), "chaos: local put failed");
+            s.count(|r| &mut r.tolerated, kind)
+        }
+        Ok(o) => s.violation(format!(
+            "op {n}: put of {} under {key} from {pod} failed (exit {}): {}",
+            s.sets[set].name,
+            o.status,
+            o.stderr.trim()
+        )),
+        Err(e) => s.violation(format!("op {n}: put under {key}: {e}")),
+    }
+}
+
+/// Checks what a successful get wrote against the versions put under
+/// `key`; the copy's path on this host.
+async fn check_copy(s: &Shared<'_>, n: u64, key: &str, pod: &str, rel: &str) -> Option<PathBuf> {
+    if let Err(e) = s.target.fetch(pod, Path::new(rel)).await {
+        s.violation(format!("op {n}: fetching {rel} from {pod}: {e}"));
+        return None;
+    }
+    let path = s.target.pod_dir(pod).join(rel);
+    let got = match digest(&path).await {
+        Ok(d) => d,
+        Err(e) => {
+            s.violation(format!("op {n}: {e}"));
+            return Some(path);
+        }
+    };
+    let attempted = s
+        .attempted
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(key)
+        .cloned()
+        .unwrap_or_default();
+    if !attempted.iter().any(|&i| s.sets[i].digest.hex == got.hex) {
+        let names: Vec<&str> = attempted.iter().map(|&i| s.sets[i].name).collect();
+        s.violation(format!(
+            "op {n}: the copy of {key} in {pod} ({} files, {} bytes) is none of the versions put under it ({}): a mixed or half-written tree",
+            got.files,
+            got.bytes,
+            names.join(", ")
+        ));
+    }
+    Some(path)
+}
+
+/// Removes a copy that was checked (a file or a tree).
+fn discard(path: &Path) {
+    let _ = if path.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    };
+}
+
+/// A get: one in four into the pod's standing copy of the key (a mirror,
+/// served by its agent afterwards: getters become sources), the others
+/// into a fresh directory that is removed once checked.
+async fn get(s: &Shared<'_>, rng: &mut Rng, key: &str, local: bool) {
+    let n = s.op.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let pod = pick(rng, &s.pods).to_owned();
+    // One get at a time into a standing copy (two into one directory at
+    // once would be the user's race, not kt's).
+    let standing = format!("{pod}:{key}");
+    let serve = rng.below(4) == 0
+        && s.busy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(standing.clone());
+    let rel = if serve {
+        format!("chaos-serve/{key}")
+    } else {
+        format!("chaos-get/{n}")
+    };
+    let mut args = vec![
+        "get".to_owned(),
+        key.to_owned(),
+        "--dest".to_owned(),
+        rel.clone(),
+        "--deadline".to_owned(),
+        DEADLINE.to_owned(),
+    ];
+    args.push(if serve { "--delete" } else { "--no-serve" }.to_owned());
+    let kind = if local { "local-get" } else { "get" };
+    match s.kt(&pod, args).await {
+        Ok(o) if o.status == 0 => {
+            if let Some(copy) = check_copy(s, n, key, &pod, &rel).await
+                && !serve
+            {
+                discard(&copy);
+            }
+            s.count(|r| &mut r.ok, kind);
+        }
+        // Never put yet, or its producer's agent is down: said plainly.
+        Ok(o)
+            if local && (o.stderr.contains("not found") || o.stderr.contains("no live source")) =>
+        {
+            s.count(|r| &mut r.tolerated, kind)
+        }
+        Ok(o) => s.violation(format!(
+            "op {n}: get of {key} into {pod} failed (exit {}): {}",
+            o.status,
+            o.stderr.trim()
+        )),
+        Err(e) => s.violation(format!("op {n}: get of {key}: {e}")),
+    }
+    if serve {
+        s.busy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&standing);
+    }
+}
+
+async fn broadcast(s: &Shared<'_>, rng: &mut Rng) {
+    let n = s.op.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let key = format!("chaos/b{}", rng.below(BROADCAST_KEYS as u64));
+    let group = format!("chaos-bc-{n}");
+    let members = s
+        .pods
+        .len()
+        .min(2 + rng.below(s.pods.len() as u64) as usize);
+    let runs = s.pods.iter().take(members).map(|pod| {
+        let (group, key) = (group.clone(), key.clone());
+        let rel = format!("chaos-bc/{n}");
+        async move {
+            let args = vec![
+                "get".to_owned(),
+                key.clone(),
+                "--dest".to_owned(),
+                rel.clone(),
+                "--broadcast".to_owned(),
+                "--group".to_owned(),
+                group,
+                "--fanout".to_owned(),
+                "1".to_owned(),
+                "--no-serve".to_owned(),
+                "--deadline".to_owned(),
+                DEADLINE.to_owned(),
+            ];
+            (pod.clone(), rel, s.kt(pod, args).await)
+        }
+    });
+    for (pod, rel, out) in futures::future::join_all(runs).await {
+        match out {
+            Ok(o) if o.status == 0 => {
+                if let Some(copy) = check_copy(s, n, &key, &pod, &rel).await {
+                    discard(&copy);
+                }
+                s.count(|r| &mut r.ok, "broadcast-member");
+            }
+            Ok(o) => s.violation(format!(
+                "op {n}: broadcast of {key} into {pod} failed (exit {}): {}",
+                o.status,
+                o.stderr.trim()
+            )),
+            Err(e) => s.violation(format!("op {n}: broadcast of {key}: {e}")),
+        }
+    }
+}
+
+/// Injects faults until the soak's end.
+async fn inject(s: &Shared<'_>, opts: &Options) {
+    let mut rng = Rng::new(opts.seed ^ 0xfa17);
+    let t = s.target;
+    loop {
+        let pause = Duration::from_millis(1500 + rng.below(3500));
+        if Instant::now() + pause >= s.until {
+            return;
+        }
+        tokio::time::sleep(pause).await;
+        sample_rss(s, &opts.work_dir);
+        let (kind, result) = match rng.below(6) {
+            0 => (
+                "store KILL+start",
+                restart(t, &Component::Store, Signal::KILL).await,
+            ),
+            1 => (
+                "store TERM+start",
+                restart(t, &Component::Store, Signal::TERM).await,
+            ),
+            2 => (
+                "metadata KILL+start",
+                restart(t, &Component::Metadata, Signal::KILL).await,
+            ),
+            3 => {
+                let frozen = Duration::from_millis(500 + rng.below(2500));
+                let r = async {
+                    t.kill(&Component::Store, Signal::STOP).await?;
+                    tokio::time::sleep(frozen).await;
+                    t.kill(&Component::Store, Signal::CONT).await
+                }
+                .await;
+                ("store STOP/CONT", r)
+            }
+            _ => {
+                let pod = pick(&mut rng, &s.pods).to_owned();
+                let r = async {
+                    t.kill_agent(&pod, Signal::KILL).await?;
+                    t.start(&Component::Pod(pod.clone())).await
+                }
+                .await;
+                ("agent KILL+start", r)
+            }
+        };
+        match result {
+            Ok(()) => s.count(|r| &mut r.faults, kind),
+            Err(e) => s.violation(format!("injecting {kind}: {e}")),
+        }
+    }
+}
+
+async fn restart(t: &dyn Target, c: &Component, sig: Signal) -> Result<(), TargetError> {
+    t.kill(c, sig).await?;
+    t.start(c).await
+}
+
+async fn digest(path: &Path) -> Result<Digest, TargetError> {
+    let p = path.to_owned();
+    tokio::task::spawn_blocking(move || crate::data::digest(&p))
+        .await
+        .map_err(|e| TargetError::Failed(e.to_string()))?
+        .map_err(|e| TargetError::Failed(e.to_string()))
+}
+
+/// Bytes of the regular files below `dir`.
+fn dir_size(dir: &Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_size(&e.path()),
+            Ok(t) if t.is_file() => e.metadata().map(|m| m.len()).unwrap_or(0),
+            _ => 0,
+        })
+        .sum()
+}
+
+/// Records the resident set of the testbed's processes (those whose command
+/// line names the soak's work directory: local and netns run them on this
+/// host).
+fn sample_rss(s: &Shared<'_>, work_dir: &Path) {
+    let needle = work_dir.display().to_string();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    for p in procs.flatten() {
+        let dir = p.path();
+        let Ok(cmdline) = std::fs::read(dir.join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<String> = cmdline
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if !args.iter().any(|a| a.contains(&needle)) {
+            continue;
+        }
+        let program = args
+            .first()
+            .and_then(|a| Path::new(a).file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if !program.starts_with("kt-") {
+            continue;
+        }
+        let rss = std::fs::read_to_string(dir.join("status"))
+            .ok()
+            .and_then(|st| {
+                st.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+            })
+            .map(|kib| kib * 1024)
+            .unwrap_or(0);
+        let mut r = s.report.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = r.max_rss.entry(program).or_default();
+        *seen = (*seen).max(rss);
+    }
+}
+
+/// A violation for every program whose largest resident set passed `bound`.
+fn check_rss(s: &Shared<'_>, bound: u64) {
+    let over: Vec<(String, u64)> = {
+        let r = s.report.lock().unwrap_or_else(|p| p.into_inner());
+        r.max_rss
+            .iter()
+            .filter(|&(_, &v)| v > bound)
+            .map(|(k, &v)| (k.clone(), v))
+            .collect()
+    };
+    for (program, rss) in over {
+        s.violation(format!(
+            "{program} held {} MiB at its peak, above the bound of {} MiB",
+            rss >> 20,
+            bound >> 20
+        ));
+    }
+}
