@@ -111,33 +111,36 @@ enum Cmd {
     /// The chaos soak: a seeded workload of puts, gets and broadcasts while
     /// the store, the metadata server and agents are killed, frozen and
     /// restarted at random; fails on any broken invariant, with the seed.
-    Chaos {
-        /// local or netns (the soak signals processes on this host).
-        #[arg(long, env = "KT_SCENARIO_TARGET", default_value = "local")]
-        target: TargetKind,
-        /// How long the workload runs, e.g. 2m.
-        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
-        duration: std::time::Duration,
-        /// The seed (default: a random one, printed): the same seed makes
-        /// the same choices of operations and faults.
-        #[arg(long, env = "KT_CHAOS_SEED")]
-        seed: Option<u64>,
-        /// Pods that put and get.
-        #[arg(long, default_value_t = 4)]
-        pods: usize,
-        /// Operations in flight at once.
-        #[arg(long, default_value_t = 3)]
-        workers: usize,
-        /// Memory bound of every server and agent, in MiB (resident set).
-        #[arg(long, default_value_t = 1024)]
-        max_rss_mib: u64,
-        /// Where kt, kt-metadata and kt-store are (default: beside this binary).
-        #[arg(long, env = "KT_SCENARIO_BIN_DIR")]
-        bin_dir: Option<PathBuf>,
-        /// The soak's work directory (default: a new one under the temp dir).
-        #[arg(long)]
-        work_dir: Option<PathBuf>,
-    },
+    Chaos(ChaosArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct ChaosArgs {
+    /// local or netns (the soak signals processes on this host).
+    #[arg(long, env = "KT_SCENARIO_TARGET", default_value = "local")]
+    target: TargetKind,
+    /// How long the workload runs, e.g. 2m.
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+    duration: std::time::Duration,
+    /// The seed (default: a random one, printed): the same seed makes
+    /// the same choices of operations and faults.
+    #[arg(long, env = "KT_CHAOS_SEED")]
+    seed: Option<u64>,
+    /// Pods that put and get.
+    #[arg(long, default_value_t = 4)]
+    pods: usize,
+    /// Operations in flight at once.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// Memory bound of every server and agent, in MiB (resident set).
+    #[arg(long, default_value_t = 1024)]
+    max_rss_mib: u64,
+    /// Where kt, kt-metadata and kt-store are (default: beside this binary).
+    #[arg(long, env = "KT_SCENARIO_BIN_DIR")]
+    bin_dir: Option<PathBuf>,
+    /// The soak's work directory (default: a new one under the temp dir).
+    #[arg(long)]
+    work_dir: Option<PathBuf>,
 }
 
 /// Scenario files below `paths` (directories are searched recursively,
@@ -261,25 +264,7 @@ fn main() -> ExitCode {
 
 fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.cmd {
-        Cmd::Chaos {
-            target,
-            duration,
-            seed,
-            pods,
-            workers,
-            max_rss_mib,
-            bin_dir,
-            work_dir,
-        } => chaos(
-            target,
-            duration,
-            seed,
-            pods,
-            workers,
-            max_rss_mib,
-            bin_dir,
-            work_dir,
-        ),
+        Cmd::Chaos(args) => chaos(args),
         Cmd::Validate { paths } => {
             let (files, _) = files(&paths)?;
             match load_all(&files) {
@@ -491,17 +476,17 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
 }
 
 /// `kt-scenario chaos`.
-#[allow(clippy::too_many_arguments)]
-fn chaos(
-    target: TargetKind,
-    duration: std::time::Duration,
-    seed: Option<u64>,
-    pods: usize,
-    workers: usize,
-    max_rss_mib: u64,
-    bin_dir: Option<PathBuf>,
-    work_dir: Option<PathBuf>,
-) -> anyhow::Result<ExitCode> {
+fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
+    let ChaosArgs {
+        target,
+        duration,
+        seed,
+        pods,
+        workers,
+        max_rss_mib,
+        bin_dir,
+        work_dir,
+    } = args;
     let t: Box<dyn Target> = match target {
         TargetKind::Local => Box::new(Local::new()),
         TargetKind::Netns => Box::new(Netns::new()),
