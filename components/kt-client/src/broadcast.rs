@@ -504,7 +504,7 @@ impl Client {
         // The store, the durable origin, is waited for while it restarts.
         let mut origin = Failures::new(self.cfg.deadline);
         loop {
-            let before = dl.as_ref().map(Download::outstanding);
+            let before = Download::mark(&dl);
             let (outcome, moved) = {
                 // A relay may wait up to its own STALL on its parent before
                 // it answers `unavailable`: no stall is declared before that.
@@ -543,8 +543,7 @@ impl Client {
                     }
                 }
             };
-            if dl.as_ref().map(Download::outstanding) < before || (before.is_none() && dl.is_some())
-            {
+            if before.advanced(&dl) {
                 origin.progressed();
                 origin.recovered(STORE_HOLDER);
             }

@@ -456,6 +456,12 @@ impl Download {
         lock(&self.pending).len() + large
     }
 
+    /// What is outstanding before a fetch attempt, to tell afterwards
+    /// whether it made progress (see [`Outstanding::advanced`]).
+    pub fn mark(dl: &Option<Download>) -> Outstanding {
+        Outstanding(dl.as_ref().map(Download::outstanding))
+    }
+
     /// True once every needed file is in place.
     pub fn complete(&self) -> bool {
         lock(&self.pending).is_empty() && self.large.values().all(|l| l.placed())
@@ -500,5 +506,21 @@ impl Download {
             }
         })
         .await
+    }
+}
+
+/// How much a download had outstanding at a mark: an attempt made
+/// progress if it lowered that, or created the download (its manifest
+/// arrived) where there was none.
+#[derive(Debug, Clone, Copy)]
+pub struct Outstanding(Option<usize>);
+
+impl Outstanding {
+    pub fn advanced(self, dl: &Option<Download>) -> bool {
+        match (self.0, dl.as_ref()) {
+            (None, Some(_)) => true,
+            (Some(before), Some(d)) => d.outstanding() < before,
+            (_, None) => false,
+        }
     }
 }

@@ -459,7 +459,7 @@ impl Client {
             {
                 stale.extend(old.placed_files());
             }
-            let before = dl.as_ref().map(Download::outstanding);
+            let before = Download::mark(&dl);
             let renewal = AbortOnDrop(self.keep_lease(&lease));
             let result = self
                 .fetch_from(
@@ -474,8 +474,7 @@ impl Client {
                 )
                 .await;
             drop(renewal);
-            if dl.as_ref().map(Download::outstanding) < before || (before.is_none() && dl.is_some())
-            {
+            if before.advanced(&dl) {
                 failures.progressed();
                 failures.recovered(&lease.source.id);
             }
