@@ -157,6 +157,7 @@ impl Agent {
             files: manifest.file_count(),
             tensors: None,
             options: options.clone(),
+            only_if: None,
         };
         let export = Export {
             key: key.clone(),

@@ -163,9 +163,9 @@ impl Exports {
         v
     }
 
-    /// What the heartbeat announces.
-    pub fn serves(&self) -> Vec<Served> {
-        self.all()
+    /// What the heartbeat announces, from a snapshot of [`Exports::all`].
+    pub fn serves(exports: &[Arc<Export>]) -> Vec<Served> {
+        exports
             .iter()
             .map(|e| Served {
                 key: e.key.clone(),
@@ -211,13 +211,15 @@ impl Exports {
         Ok(old)
     }
 
-    /// Stops serving `key` when its export is still `version` (or any
-    /// version, with `None`); returns whether it was removed.
-    pub async fn remove(&self, key: &Key, version: Option<&str>) -> Result<bool, ExportError> {
+    /// Stops serving `key` if its export is still `only` (that very export,
+    /// not just the same version: an identical tree exported again after
+    /// the metadata server dropped the first is a new export), or whatever
+    /// it is with `None`; returns whether it was removed.
+    pub async fn remove(&self, key: &Key, only: Option<&Arc<Export>>) -> Result<bool, ExportError> {
         let _w = self.writer.lock().await;
         let matches = self
             .get(key)
-            .is_some_and(|e| version.is_none_or(|v| e.version == v));
+            .is_some_and(|e| only.is_none_or(|o| Arc::ptr_eq(&e, o)));
         if !matches {
             return Ok(false);
         }
@@ -315,7 +317,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn exports_survive_a_reopen_and_removal_is_by_version() {
+    async fn exports_survive_a_reopen_and_removal_is_by_export() {
         let dir = tempfile::tempdir().unwrap();
         let state = dir.path().join("state");
         let limits = ManifestLimits::default();
@@ -331,12 +333,16 @@ mod tests {
         assert_eq!(again.len(), 2);
         assert_eq!(*again.get(&a.key).unwrap(), a);
         assert!(!state.join("exports/x.tmp").exists());
-        // Only the named version is removed.
-        assert!(!again.remove(&a.key, Some("v0")).await.unwrap());
-        assert!(again.remove(&a.key, Some("v1")).await.unwrap());
+        // Only the export named is removed: not the same version exported again.
+        let announced = again.get(&a.key).unwrap();
+        again.insert(a.clone()).await.unwrap();
+        assert!(!again.remove(&a.key, Some(&announced)).await.unwrap());
+        assert!(again.get(&a.key).is_some());
+        let current = again.get(&a.key).unwrap();
+        assert!(again.remove(&a.key, Some(&current)).await.unwrap());
         let third = Exports::open(&state, 1024, &limits).unwrap();
         assert_eq!(
-            third.serves(),
+            Exports::serves(&third.all()),
             vec![Served {
                 key: Key::parse("team/b").unwrap(),
                 version: "v1".into()

@@ -10,7 +10,7 @@ use kt_types::Key;
 use kt_types::api::AgentHeartbeat;
 use tokio_util::sync::CancellationToken;
 
-use crate::exports::Exports;
+use crate::exports::{Export, Exports};
 use crate::metadata::MetadataClient;
 use crate::tensors::Tensors;
 
@@ -50,7 +50,9 @@ pub async fn heartbeat_loop(
 ) {
     let mut failing = false;
     loop {
-        let mut serves = exports.serves();
+        // The exports announced: a drop applies to these very exports only.
+        let announced = exports.all();
+        let mut serves = Exports::serves(&announced);
         serves.extend(tensors.serves());
         let beat = AgentHeartbeat {
             id: who.id.clone(),
@@ -71,7 +73,7 @@ pub async fn heartbeat_loop(
                 stats.ok.fetch_add(1, Ordering::Relaxed);
                 interval =
                     Duration::from_millis(reply.interval_ms).clamp(MIN_INTERVAL, MAX_INTERVAL);
-                drop_keys(&exports, &tensors, &beat, &reply.drop, &stats).await;
+                drop_keys(&exports, &tensors, &beat, &announced, &reply.drop, &stats).await;
             }
             Err(e) => {
                 stats.failed.fetch_add(1, Ordering::Relaxed);
@@ -95,11 +97,13 @@ async fn drop_keys(
     exports: &Exports,
     tensors: &Tensors,
     beat: &AgentHeartbeat,
+    announced: &[Arc<Export>],
     drop: &[Key],
     stats: &BeatStats,
 ) {
     for key in drop {
-        // Only the version this beat announced: a newer export of the key stays.
+        // Only what this beat announced: a newer export of the key stays,
+        // and so does the same version exported again since.
         let Some(sent) = beat.serves.iter().find(|s| s.key == *key) else {
             continue;
         };
@@ -107,7 +111,10 @@ async fn drop_keys(
             stats.dropped.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        match exports.remove(key, Some(&sent.version)).await {
+        let Some(export) = announced.iter().find(|e| e.key == *key) else {
+            continue;
+        };
+        match exports.remove(key, Some(export)).await {
             Ok(true) => {
                 stats.dropped.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(%key, version = %sent.version, "no longer serving (deleted or superseded)");

@@ -221,6 +221,7 @@ impl Plan {
             files: 1,
             tensors: None,
             options: PutOptions::default(),
+            only_if: None,
         }
     }
 

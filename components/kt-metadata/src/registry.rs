@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use kt_types::api::{AgentHeartbeat, AgentInfo, LeaseRequest, ListEntry, RegisterKey};
+use kt_types::api::{AgentHeartbeat, AgentInfo, LeaseRequest, ListEntry, RegisterIf, RegisterKey};
 use kt_types::{Key, KeyPrefix, KeyRecord, Lifespan, STORE_HOLDER, Source};
 
 use crate::leases::Candidate;
@@ -74,6 +74,28 @@ pub struct Registry {
     /// everything and never make them sources again (until they register a
     /// local put themselves). In memory: a restart forgets them.
     retired: BTreeSet<String>,
+    /// Keys deleted within [`TOMBSTONE_MS`], with when: a conditional
+    /// registration ([`RegisterIf::AbsentOrHeld`]) does not bring them back.
+    /// In memory, at most [`MAX_TOMBSTONES`].
+    tombstones: BTreeMap<Key, u64>,
+}
+
+/// How long a deleted key refuses conditional registrations.
+pub const TOMBSTONE_MS: u64 = 60 * 60 * 1000;
+/// Most deletions remembered; past it the oldest are forgotten first.
+pub const MAX_TOMBSTONES: usize = 100_000;
+
+/// Why a conditional registration was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    #[error("{key} was deleted since; not registered again")]
+    Deleted { key: Key },
+    #[error("{key} is now held by {holder} at version {version}; not replaced")]
+    HeldElsewhere {
+        key: Key,
+        holder: String,
+        version: String,
+    },
 }
 
 impl Default for Registry {
@@ -89,6 +111,7 @@ impl Registry {
             agents: BTreeMap::new(),
             agent_ttl_ms,
             retired: BTreeSet::new(),
+            tombstones: BTreeMap::new(),
         }
     }
 
@@ -137,6 +160,7 @@ impl Registry {
     /// the holder, once each.
     pub fn insert(&mut self, mut record: KeyRecord) {
         self.retain_valid_peers(&mut record);
+        self.tombstones.remove(&record.key);
         if let Some(old) = self.keys.remove(&record.key) {
             self.unindex(&old);
         }
@@ -213,10 +237,54 @@ impl Registry {
         self.keys.get(key)
     }
 
-    pub fn remove(&mut self, key: &Key) -> Option<KeyRecord> {
+    /// Removes a key's record, remembering the deletion for
+    /// [`TOMBSTONE_MS`].
+    pub fn remove(&mut self, key: &Key, now_ms: u64) -> Option<KeyRecord> {
         let r = self.keys.remove(key)?;
         self.unindex(&r);
+        if self.tombstones.len() >= MAX_TOMBSTONES {
+            self.forget_deletions(now_ms, MAX_TOMBSTONES / 10);
+        }
+        self.tombstones.insert(key.clone(), now_ms);
         Some(r)
+    }
+
+    /// Forgets deletions older than [`TOMBSTONE_MS`], then the oldest until
+    /// `room` more fit under [`MAX_TOMBSTONES`].
+    pub fn forget_deletions(&mut self, now_ms: u64, room: usize) {
+        self.tombstones
+            .retain(|_, at| now_ms.saturating_sub(*at) < TOMBSTONE_MS);
+        let excess = (self.tombstones.len() + room).saturating_sub(MAX_TOMBSTONES);
+        if excess > 0 {
+            let mut times: Vec<u64> = self.tombstones.values().copied().collect();
+            times.select_nth_unstable(excess - 1);
+            let cut = times[excess - 1];
+            self.tombstones.retain(|_, at| *at > cut);
+        }
+    }
+
+    /// Checks a registration's condition against the key's record.
+    pub fn admits(&self, key: &Key, reg: &RegisterKey, now_ms: u64) -> Result<(), Refused> {
+        let Some(RegisterIf::AbsentOrHeld) = reg.only_if else {
+            return Ok(());
+        };
+        let holder = reg.holder.as_deref().unwrap_or(STORE_HOLDER);
+        match self.keys.get(key) {
+            Some(r) if r.holder == holder => Ok(()),
+            Some(r) => Err(Refused::HeldElsewhere {
+                key: key.clone(),
+                holder: r.holder.clone(),
+                version: r.version.clone(),
+            }),
+            None if self
+                .tombstones
+                .get(key)
+                .is_some_and(|at| now_ms.saturating_sub(*at) < TOMBSTONE_MS) =>
+            {
+                Err(Refused::Deleted { key: key.clone() })
+            }
+            None => Ok(()),
+        }
     }
 
     /// Live keys equal to or below `prefix`.
@@ -651,6 +719,7 @@ mod tests {
                 ttl_secs: ttl,
                 service: None,
             },
+            only_if: None,
         }
     }
     fn k(s: &str) -> Key {
@@ -980,7 +1049,7 @@ mod tests {
         let b = r.heartbeat(beat("p1", None, &[("s/a", "v1")]), 1);
         assert_eq!(keys_of(&b.changed), ["s/a"]);
         // Removing the key forgets p1 as its peer: a later beat just drops it.
-        r.remove(&k("s/a"));
+        r.remove(&k("s/a"), 0);
         let b = r.heartbeat(beat("p1", None, &[]), 2);
         assert!(b.changed.is_empty());
         assert!(r.evict(&["p1".into(), "nobody".into()]).agents == ["p1"]);
@@ -1026,5 +1095,61 @@ mod tests {
         assert_eq!(peer_ids(&restored, "s/a"), ["p1"]);
         assert!(restored.is_live("p1", 50_999));
         assert!(!restored.is_live("p1", 51_000));
+    }
+
+    #[test]
+    fn late_registrations_neither_replace_another_holder_nor_revive_a_deletion() {
+        let mut r = Registry::default();
+        let late = |version: &str| RegisterKey {
+            only_if: Some(RegisterIf::AbsentOrHeld),
+            version: version.into(),
+            ..reg(None)
+        };
+        // Absent and never deleted, or held by the store: admitted.
+        assert_eq!(r.admits(&k("s/a"), &late("v1"), 0), Ok(()));
+        r.upsert(k("s/a"), reg(None), 0);
+        assert_eq!(r.admits(&k("s/a"), &late("v2"), 0), Ok(()));
+        // Held by an agent: refused; unconditional: admitted.
+        r.upsert(k("s/a"), local("p1", "l1", Lifespan::Cluster), 0);
+        assert!(matches!(
+            r.admits(&k("s/a"), &late("v2"), 0),
+            Err(Refused::HeldElsewhere { ref holder, .. }) if holder == "p1"
+        ));
+        assert_eq!(r.admits(&k("s/a"), &reg(None), 0), Ok(()));
+        // Deleted: refused for an hour, then admitted again.
+        r.remove(&k("s/a"), 1_000);
+        assert_eq!(
+            r.admits(&k("s/a"), &late("v2"), 1_000 + TOMBSTONE_MS - 1),
+            Err(Refused::Deleted { key: k("s/a") })
+        );
+        assert_eq!(
+            r.admits(&k("s/a"), &late("v2"), 1_000 + TOMBSTONE_MS),
+            Ok(())
+        );
+        // A new record clears the deletion.
+        r.upsert(k("s/a"), reg(None), 2_000);
+        r.remove(&k("s/a"), 3_000);
+        r.upsert(k("s/a"), reg(None), 4_000);
+        assert!(r.tombstones.is_empty());
+    }
+
+    #[test]
+    fn deletions_are_forgotten_by_age_and_oldest_first_past_the_cap() {
+        let mut r = Registry::default();
+        for i in 0..MAX_TOMBSTONES as u64 {
+            r.tombstones.insert(k(&format!("s/k{i}")), i);
+        }
+        r.upsert(k("s/new"), reg(None), 0);
+        r.remove(&k("s/new"), MAX_TOMBSTONES as u64);
+        // Room was made by forgetting the oldest tenth; the newest stays.
+        assert_eq!(r.tombstones.len(), MAX_TOMBSTONES - MAX_TOMBSTONES / 10 + 1);
+        assert!(!r.tombstones.contains_key(&k("s/k0")));
+        assert!(r.tombstones.contains_key(&k("s/new")));
+        r.forget_deletions(MAX_TOMBSTONES as u64 + TOMBSTONE_MS - 1, 0);
+        assert_eq!(
+            r.tombstones.len(),
+            1,
+            "only the newest is under an hour old"
+        );
     }
 }

@@ -9,7 +9,9 @@
 //!   pins its version; the lease protocol itself is shared) and the removal
 //!   of versions no reader needs;
 //! - [`trees`]: tree listing and deletes;
-//! - [`registrar`]: announcing the store and its keys to the metadata server.
+//! - [`registrar`]: announcing the store and its keys to the metadata server;
+//! - [`reconcile`]: late registrations (retries, the start-up pass), conditional
+//!   on the key not having moved on; the store's copies of keys that did are removed.
 //!
 //! Handler modules depend on `state`, `keys`, `session` and `versions`, never
 //! on `server` (the composition root) or on each other.
@@ -21,6 +23,7 @@
 
 pub mod keys;
 pub mod put;
+pub mod reconcile;
 pub mod registrar;
 mod server;
 pub mod session;

@@ -16,9 +16,9 @@ use kt_sync::SyncError;
 use kt_sync::apply::{self, ChunkedFile, WriteMode};
 use kt_sync::batch::{Expected, receive_stream};
 use kt_sync::chunk::{ChunkAssembly, ChunkHasher};
-use kt_types::api::{BatchAck, CommitResponse, PutPlan, PutRequest, RegisterKey};
+use kt_types::api::{BatchAck, CommitResponse, PutPlan, PutRequest};
 use kt_types::codec;
-use kt_types::{ErrorCode, Hash, Key, Locale, Manifest, RootKind};
+use kt_types::{ErrorCode, Hash, Key, Manifest};
 
 use crate::keys::{Published, VersionMeta};
 use crate::session::{ChunkSlot, PutSession};
@@ -81,22 +81,6 @@ fn stage_from_base(
     Ok(needed)
 }
 
-/// The registration a published version makes with the metadata server.
-pub fn registration(s: &Shared, p: &Published) -> RegisterKey {
-    let m = &p.meta.manifest;
-    RegisterKey {
-        holder: None,
-        locale: Locale::Store,
-        source: s.url.clone(),
-        version: p.version.clone(),
-        is_dir: m.root == RootKind::Dir,
-        size: m.total_bytes(),
-        files: m.file_count(),
-        tensors: None,
-        options: p.meta.options.clone(),
-    }
-}
-
 /// `POST /api/v1/puts`: validates the manifest, stages what the current version
 /// already has, and answers which files must be sent.
 pub async fn plan(
@@ -127,7 +111,7 @@ pub async fn plan(
         };
         // Registered under the key lock, like a commit: records keep publish order.
         s.registrar
-            .register(&key, registration(&s, &published))
+            .register(&key, s.registration(&published))
             .await
             .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))?;
         return Ok(ApiJson(PutPlan {
@@ -534,7 +518,7 @@ pub async fn commit(
     tracing::info!(key = %sess.key, version = %sess.version, bytes = sess.bytes_needed, ms = t0.elapsed().as_millis() as u64, "published");
     let record = s
         .registrar
-        .register(&sess.key, registration(&s, &published))
+        .register(&sess.key, s.registration(&published))
         .await
         .map_err(|e| {
             ApiError::new(

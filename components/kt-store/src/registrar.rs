@@ -1,12 +1,13 @@
 //! The store's side of the metadata server: announce the store, register
-//! published keys, and retry what could not be registered.
+//! published keys, and remember which could not be registered (the retries
+//! themselves are [`crate::reconcile`], which knows the keys).
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::time::Duration;
 
 use kt_api::{Api, Backoff, CallError};
 use kt_service::Token;
-use kt_types::api::{RegisterKey, RegisterStore};
+use kt_types::api::{RegisterIf, RegisterKey, RegisterStore};
 use kt_types::{Key, KeyRecord, paths};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -15,7 +16,9 @@ use tokio_util::sync::CancellationToken;
 pub struct Registrar {
     meta: Api,
     store_url: String,
-    pending: Mutex<HashMap<Key, RegisterKey>>,
+    /// Keys whose last registration failed. Only the key: a retry registers
+    /// whatever the store holds then, never an older version.
+    pending: Mutex<HashSet<Key>>,
 }
 
 impl Registrar {
@@ -27,7 +30,7 @@ impl Registrar {
         Ok(Registrar {
             meta: Api::new(http, metadata_url, token.expose()),
             store_url: store_url.to_owned(),
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(HashSet::new()),
         })
     }
 
@@ -60,58 +63,56 @@ impl Registrar {
         }
     }
 
-    /// Records a published version; on failure it is kept for retry.
+    /// Records a published version (called under the key's lock, so records
+    /// follow publish order). Unconditional: the latest put wins. On failure
+    /// the key is kept for [`crate::reconcile::retry_pending`].
     pub async fn register(&self, key: &Key, reg: RegisterKey) -> Result<KeyRecord, CallError> {
-        match self.send(key, &reg).await {
-            Ok(r) => {
-                self.pending.lock().await.remove(key);
-                Ok(r)
-            }
-            Err(e) => {
-                self.pending.lock().await.insert(key.clone(), reg);
-                Err(e)
-            }
-        }
+        let sent = self.send(key, &reg).await;
+        let mut pending = self.pending.lock().await;
+        match sent {
+            Ok(_) => pending.remove(key),
+            Err(_) => pending.insert(key.clone()),
+        };
+        sent
     }
 
-    /// Forgets a pending registration (the key was deleted).
+    /// Registers `reg` only if the metadata server has no record of the key
+    /// (and did not delete it recently) or one the store holds: a late
+    /// registration never undoes a `locale=local` put or a delete that came
+    /// after it ([`RegisterIf::AbsentOrHeld`]).
+    pub async fn register_if_unchanged(
+        &self,
+        key: &Key,
+        reg: RegisterKey,
+    ) -> Result<KeyRecord, CallError> {
+        let reg = RegisterKey {
+            only_if: Some(RegisterIf::AbsentOrHeld),
+            ..reg
+        };
+        self.send(key, &reg).await
+    }
+
+    /// The metadata server's record of `key`.
+    pub async fn record(&self, key: &Key) -> Result<KeyRecord, CallError> {
+        self.meta.get(&paths::key(key)).fetch().await
+    }
+
+    /// Keys whose registration failed, to retry.
+    pub async fn pending(&self) -> Vec<Key> {
+        self.pending.lock().await.iter().cloned().collect()
+    }
+
+    /// Marks a key for retry.
+    pub async fn mark_pending(&self, key: &Key) {
+        self.pending.lock().await.insert(key.clone());
+    }
+
+    /// Forgets a pending registration (recorded, or the key is gone).
     pub async fn forget(&self, key: &Key) {
         self.pending.lock().await.remove(key);
     }
 
     async fn send(&self, key: &Key, reg: &RegisterKey) -> Result<KeyRecord, CallError> {
         self.meta.put(&paths::key(key)).json(reg).fetch().await
-    }
-
-    /// Registers keys the metadata server lacks or knows at another version.
-    pub async fn reconcile(&self, keys: Vec<(Key, RegisterKey)>) {
-        for (key, reg) in keys {
-            let known: Result<KeyRecord, _> = self.meta.get(&paths::key(&key)).fetch().await;
-            // Up to date, or superseded by a `locale=local` put (the key
-            // now belongs to a pod's agent, not to us): nothing to do.
-            let up_to_date = known.is_ok_and(|rec| {
-                rec.holder != kt_types::STORE_HOLDER
-                    || (rec.version == reg.version && rec.source == reg.source)
-            });
-            if !up_to_date && let Err(e) = self.register(&key, reg).await {
-                tracing::warn!(%key, error = %e, "could not register key; will retry");
-            }
-        }
-    }
-
-    /// Retries registrations that failed earlier.
-    pub async fn retry_pending(&self) {
-        let pending: Vec<(Key, RegisterKey)> = self
-            .pending
-            .lock()
-            .await
-            .iter()
-            .map(|(k, r)| (k.clone(), r.clone()))
-            .collect();
-        for (key, reg) in pending {
-            if self.register(&key, reg).await.is_ok() {
-                tracing::info!(%key, "pending registration recorded");
-            }
-        }
     }
 }

@@ -147,16 +147,7 @@ async fn serve(
 async fn background(s: AppState, ready: Ready, shutdown: CancellationToken) {
     let announce = async {
         s.registrar.announce_until_ok(&shutdown).await;
-        let current: Vec<_> = {
-            let mut out = Vec::new();
-            for (key, st) in s.keys.all() {
-                if let Some(p) = &st.lock().await.current {
-                    out.push((key, crate::put::registration(&s, p)));
-                }
-            }
-            out
-        };
-        s.registrar.reconcile(current).await;
+        crate::reconcile::all_keys(&s).await;
         ready.set(true);
     };
     tokio::select! {
@@ -169,7 +160,7 @@ async fn background(s: AppState, ready: Ready, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => break,
             _ = tick.tick() => {}
         }
-        s.registrar.retry_pending().await;
+        crate::reconcile::retry_pending(&s).await;
         s.reads.sweep(Instant::now()).await;
         put::sweep(&s, Instant::now()).await;
     }

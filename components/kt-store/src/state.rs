@@ -7,10 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kt_service::reads::Reads;
-use kt_service::{Metrics, Token};
+use kt_service::{ApiError, Metrics, Token};
+use kt_types::api::RegisterKey;
 use kt_types::manifest::ManifestLimits;
+use kt_types::{Key, Locale, RootKind};
 
-use crate::keys::Keys;
+use crate::keys::{KeyState, Keys, Published};
 use crate::registrar::Registrar;
 use crate::session::Sessions;
 use crate::versions::StoreVersions;
@@ -69,6 +71,36 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     pub registrar: Arc<Registrar>,
     pub url: String,
+}
+
+impl Shared {
+    /// The registration a published version makes with the metadata server.
+    pub fn registration(&self, p: &Published) -> RegisterKey {
+        let m = &p.meta.manifest;
+        RegisterKey {
+            holder: None,
+            locale: Locale::Store,
+            source: self.url.clone(),
+            version: p.version.clone(),
+            is_dir: m.root == RootKind::Dir,
+            size: m.total_bytes(),
+            files: m.file_count(),
+            tensors: None,
+            options: p.meta.options.clone(),
+            only_if: None,
+        }
+    }
+
+    /// Removes a key and all its versions (with its state locked, `st`).
+    /// Readers of it fail; pending registrations of it are dropped.
+    pub async fn remove_key(&self, key: &Key, st: &mut KeyState) -> Result<(), ApiError> {
+        let dir = self.keys.dir_of(key);
+        blocking(move || dir.remove_all()).await?;
+        st.current = None;
+        self.keys.forget(key);
+        self.registrar.forget(key).await;
+        Ok(())
+    }
 }
 
 pub type AppState = Arc<Shared>;

@@ -5,7 +5,7 @@ use kt_service::{ApiError, ApiJson};
 use kt_types::Key;
 use kt_types::api::{DeleteResponse, TreeDeleteQuery, TreeList};
 
-use crate::state::{AppState, blocking};
+use crate::state::AppState;
 use crate::versions::published;
 
 /// `DELETE /api/v1/trees/{key}`: removes a key and all its versions.
@@ -22,11 +22,7 @@ pub async fn delete_tree(
             format!("{key} is at version {}, not {v}", cur.version),
         ));
     }
-    let dir = s.keys.dir_of(&key);
-    blocking(move || dir.remove_all()).await?;
-    st.current = None;
-    s.keys.forget(&key);
-    s.registrar.forget(&key).await;
+    s.remove_key(&key, &mut st).await?;
     tracing::info!(%key, "tree deleted");
     Ok(ApiJson(DeleteResponse { deleted: vec![key] }))
 }

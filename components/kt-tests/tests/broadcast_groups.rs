@@ -82,6 +82,7 @@ impl Meta {
             files: 1,
             tensors: None,
             options: PutOptions::default(),
+            only_if: None,
         };
         let resp = reqwest::Client::new()
             .put(format!("{}/api/v1/keys/{KEY}", self.url()))

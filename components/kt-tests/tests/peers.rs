@@ -11,8 +11,8 @@ use kt_client::Progress;
 use kt_service::Token;
 use kt_tests::{Cluster, TOKEN, wait_until};
 use kt_types::api::{
-    AgentHeartbeat, AgentList, HeartbeatReply, LeaseList, LeaseRequest, PutOptions, RegisterKey,
-    Served, SourceFailure, SourceLease, TeardownResponse, TreeList,
+    AgentHeartbeat, AgentList, HeartbeatReply, LeaseList, LeaseRequest, PutOptions, RegisterIf,
+    RegisterKey, Served, SourceFailure, SourceLease, TeardownResponse, TreeList,
 };
 use kt_types::{ErrorBody, ErrorCode, Key, KeyRecord, Lifespan, Locale};
 use reqwest::{Method, StatusCode};
@@ -137,6 +137,7 @@ impl Api {
                 lifespan,
                 ..PutOptions::default()
             },
+            only_if: None,
         };
         typed!(
             self.ok(Method::PUT, &format!("keys/{k}"), Some(json!(reg)))
@@ -457,6 +458,7 @@ async fn heartbeats_tell_agents_what_to_drop_and_local_deletes_skip_the_store() 
         files: 1,
         tensors: None,
         options: PutOptions::default(),
+        only_if: None,
     };
     let msg = api
         .err(
@@ -612,5 +614,89 @@ async fn a_metadata_restart_keeps_agents_peers_and_local_keys() {
     // Agents loaded from disk are live (a full TTL to beat again).
     assert_eq!(api.lease("ml/local", &[], None).await.source.id, "p2");
     assert_eq!(api.lease("ml/local", &[], None).await.source.id, "p1");
+    c.stop().await;
+}
+
+/// The keys the store holds.
+async fn store_keys(c: &Cluster) -> Vec<String> {
+    let list: TreeList = typed!(Api::new(c.store_url()).ok(Method::GET, "trees", None).await);
+    list.keys.into_iter().map(|k| k.to_string()).collect()
+}
+
+/// What the store registers for `k`, made conditional: what a retry or the
+/// start-up pass sends.
+fn late_store_registration(c: &Cluster, version: &str) -> RegisterKey {
+    RegisterKey {
+        locale: Locale::Store,
+        source: c.store_url(),
+        holder: None,
+        version: version.into(),
+        is_dir: true,
+        size: 1,
+        files: 1,
+        tensors: None,
+        options: PutOptions::default(),
+        only_if: Some(RegisterIf::AbsentOrHeld),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_put_frees_the_store_copy_and_late_registrations_undo_nothing() {
+    let mut c = Cluster::start().await;
+    let api = Api::new(c.metadata_url());
+
+    // A local put takes a key over from the store: the store's copy goes.
+    let v = put_store(&c, "ml/taken", Lifespan::Cluster).await;
+    assert_eq!(store_keys(&c).await, ["ml/taken"]);
+    api.register_local("ml/taken", "p1", "l1", Lifespan::Cluster)
+        .await;
+    wait_until("the store drops its copy", WAIT, || async {
+        store_keys(&c).await.is_empty()
+    })
+    .await;
+    // A late registration of the store's version does not take it back...
+    let late = late_store_registration(&c, &v);
+    let msg = api
+        .err(
+            Method::PUT,
+            "keys/ml/taken",
+            Some(json!(late)),
+            ErrorCode::Conflict,
+        )
+        .await;
+    assert!(msg.contains("held by p1"), "{msg}");
+    assert_eq!(api.record("ml/taken").await.holder, "p1");
+    // ...nor brings back a deleted key; a new put does.
+    let v = put_store(&c, "ml/gone", Lifespan::Cluster).await;
+    api.ok(Method::DELETE, "keys/ml/gone", None).await;
+    let late = late_store_registration(&c, &v);
+    let msg = api
+        .err(
+            Method::PUT,
+            "keys/ml/gone",
+            Some(json!(late)),
+            ErrorCode::Conflict,
+        )
+        .await;
+    assert!(msg.contains("deleted"), "{msg}");
+    put_store(&c, "ml/gone", Lifespan::Cluster).await;
+    assert_eq!(api.record("ml/gone").await.holder, "store");
+
+    // While the store is down, one key is taken over by a local put and
+    // another is taken over and then deleted. The store, started again,
+    // registers neither and removes both copies.
+    put_store(&c, "ml/orphan", Lifespan::Cluster).await;
+    put_store(&c, "ml/deleted", Lifespan::Cluster).await;
+    let addr = c.stop_store().await;
+    api.register_local("ml/orphan", "p1", "l1", Lifespan::Cluster)
+        .await;
+    api.register_local("ml/deleted", "p1", "l1", Lifespan::Cluster)
+        .await;
+    api.ok(Method::DELETE, "keys/ml/deleted", None).await;
+    c.start_store(addr).await;
+    assert_eq!(store_keys(&c).await, ["ml/gone"]);
+    assert_eq!(api.record("ml/orphan").await.holder, "p1");
+    api.err(Method::GET, "keys/ml/deleted", None, ErrorCode::NotFound)
+        .await;
     c.stop().await;
 }

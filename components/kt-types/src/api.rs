@@ -117,6 +117,24 @@ pub struct RegisterKey {
     /// `service` sit at the top level of the object.
     #[serde(flatten)]
     pub options: PutOptions,
+    /// A condition on the key's current record; unmet, the registration is
+    /// refused with `conflict` and changes nothing. Absent: it applies
+    /// whatever the record (a fresh publish: the latest put wins).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub only_if: Option<RegisterIf>,
+}
+
+/// When a conditional [`RegisterKey`] applies. The store retries a
+/// registration the metadata server missed, and re-registers its keys when
+/// it starts, with [`RegisterIf::AbsentOrHeld`]: neither may undo what
+/// happened to the key meanwhile (a `locale=local` put, a delete).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RegisterIf {
+    /// The key has no record and was not deleted recently (the metadata
+    /// server remembers deletions for an hour), or its record is held by
+    /// the same holder as the registration's.
+    AbsentOrHeld,
 }
 
 /// One name directly below a listed prefix (also what `kt ls -o json`

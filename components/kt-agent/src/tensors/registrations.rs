@@ -296,6 +296,7 @@ impl Tensors {
                 dtypes,
             }),
             options: req.options.clone(),
+            only_if: None,
         };
         let record = match self.metadata.register(&req.key, &reg).await {
             Ok(r) => r,

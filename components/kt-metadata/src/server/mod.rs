@@ -329,6 +329,9 @@ async fn put_key(
         (Locale::Local, Some(holder)) => registry.touch_agent(holder, &reg.source, None, now),
         _ => None,
     };
+    registry
+        .admits(&key, &reg, now)
+        .map_err(|e| ApiError::new(ErrorCode::Conflict, e.to_string()))?;
     let record = registry.record_for(key, reg, now);
     s.db.write(&Batch {
         put_records: vec![record.clone()],
@@ -336,8 +339,39 @@ async fn put_key(
         ..Batch::default()
     })
     .map_err(db_err)?;
+    let replaced = registry.get_any(&record.key).cloned();
     registry.insert(record.clone());
+    drop(registry);
+    if let Some(old) =
+        replaced.filter(|old| old.holder == STORE_HOLDER && record.holder != STORE_HOLDER)
+    {
+        // A `locale=local` put took the key over from the store: the store's
+        // copy is no one's source any more. The store also finds such
+        // orphans itself when it starts.
+        let s = s.clone();
+        tokio::spawn(async move { drop_store_copy(&s, &old).await });
+    }
     Ok(ApiJson(record))
+}
+
+/// Deletes the store's copy of a key (that version only) after another
+/// holder took the key over; logged, not retried.
+async fn drop_store_copy(s: &Inner, old: &KeyRecord) {
+    let deleted = s
+        .stores
+        .at(&old.source)
+        .delete(&paths::tree(&old.key))
+        .query(&[("version", old.version.as_str())])
+        .ok()
+        .await;
+    match deleted {
+        Ok(()) => {
+            tracing::info!(key = %old.key, version = %old.version, "store copy of a key now held by an agent deleted")
+        }
+        Err(e) => {
+            tracing::warn!(key = %old.key, version = %old.version, error = %e, "could not delete the store copy of a key now held by an agent")
+        }
+    }
 }
 
 /// A store key is held by the store; a local key by the agent named in `holder`.
@@ -517,7 +551,7 @@ async fn delete_one(s: &Inner, r: &KeyRecord) -> Result<(), ApiError> {
         .is_some_and(|cur| cur.version == r.version)
     {
         s.db.remove_record(&r.key).map_err(db_err)?;
-        registry.remove(&r.key);
+        registry.remove(&r.key, now_ms());
         tracing::info!(key = %r.key, "key deleted");
     }
     Ok(())
@@ -734,6 +768,7 @@ async fn sweep(s: AppState, every: Duration, shutdown: CancellationToken) {
         s.leases.lock().await.expire(now);
         {
             let mut registry = s.registry.lock().await;
+            registry.forget_deletions(now, 0);
             let eviction = registry.evict_stale(now);
             if let Err(e) = commit_eviction(&s, &eviction, "no heartbeat within the agent TTL") {
                 tracing::warn!(error = %e, "could not persist an eviction; it is redone at start");
