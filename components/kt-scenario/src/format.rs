@@ -508,6 +508,23 @@ pub struct KillStep {
     pub signal: Signal,
 }
 
+/// `link: { component: NAME, state: down }` cuts the network link of a
+/// server or pod (group or instance): its packets are dropped, nothing is
+/// refused, as when a node loses its network; `state: up` restores it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LinkStep {
+    pub component: ComponentName,
+    pub state: LinkState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LinkState {
+    Down,
+    Up,
+}
+
 /// `restart: { component: NAME }` or `restart: { agent: POD }` (see
 /// [`KillStep`]).
 #[derive(Debug, Clone, Deserialize)]
@@ -917,6 +934,8 @@ pub enum Action {
     Teardown(TeardownStep),
     Kill(KillStep),
     Restart(RestartStep),
+    /// Cuts or restores a network link.
+    Link(LinkStep),
     Wait(WaitStep),
     Assert(AssertStep),
     Snapshot(SnapshotStep),
@@ -946,6 +965,7 @@ pub const ACTIONS: &[&str] = &[
     "teardown",
     "kill",
     "restart",
+    "link",
     "wait",
     "assert",
     "snapshot",
@@ -974,6 +994,7 @@ const STEP_KEYS: &[&str] = &[
     "teardown",
     "kill",
     "restart",
+    "link",
     "wait",
     "assert",
     "snapshot",
@@ -998,6 +1019,7 @@ impl Action {
             Action::Broadcast(_) => "broadcast",
             Action::Teardown(_) => "teardown",
             Action::Kill(_) => "kill",
+            Action::Link(_) => "link",
             Action::Restart(_) => "restart",
             Action::Wait(_) => "wait",
             Action::Assert(_) => "assert",
@@ -1063,6 +1085,7 @@ impl<'de> Deserialize<'de> for Step {
                         "teardown" => set_action(Action::Teardown(map.next_value()?), &mut action)?,
                         "kill" => set_action(Action::Kill(map.next_value()?), &mut action)?,
                         "restart" => set_action(Action::Restart(map.next_value()?), &mut action)?,
+                        "link" => set_action(Action::Link(map.next_value()?), &mut action)?,
                         "wait" => set_action(Action::Wait(map.next_value()?), &mut action)?,
                         "assert" => set_action(Action::Assert(map.next_value()?), &mut action)?,
                         "exec" => set_action(Action::Exec(map.next_value()?), &mut action)?,

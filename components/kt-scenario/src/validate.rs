@@ -516,6 +516,7 @@ impl Checker<'_> {
                 }
             }
             Action::Kill(k) => self.victim(&body, k.victim()),
+            Action::Link(l) => self.component(&format!("{body}.component"), &l.component),
             Action::Restart(r) => {
                 self.victim(&body, r.victim());
                 if r.signal.is_some_and(Signal::freezes) {
@@ -869,6 +870,25 @@ steps:
             e[3].starts_with("s.yaml:8:") && e[3].contains("`b` is not a component"),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn link_cuts_name_a_component_and_a_state() {
+        let good = "topology: { pods: [ { name: a } ] }\nsteps:\n  - link: { component: a, state: down }\n  - link: { component: store, state: up }\n";
+        assert!(errors(good).is_empty(), "{:?}", errors(good));
+        let e = errors(
+            "topology: { pods: [ { name: a } ] }\nsteps:\n  - link: { component: b, state: down }\n",
+        );
+        assert!(
+            e.len() == 1
+                && e[0].starts_with("s.yaml:3:")
+                && e[0].contains("`b` is not a component"),
+            "{e:?}"
+        );
+        let e = errors(
+            "topology: { pods: [ { name: a } ] }\nsteps:\n  - link: { component: a, state: sideways }\n",
+        );
+        assert!(e.len() == 1 && e[0].contains("sideways"), "{e:?}");
     }
 
     #[test]

@@ -95,8 +95,9 @@ fn every_library_scenario_is_planned_or_skipped_with_a_reason() {
         }
         // What cannot run on a cluster, and only that: the netns-only
         // shaped link, the CUDA scenarios, an agent kept down, Python (the
-        // client image has none) and frozen processes (kill -STOP).
-        assert_eq!(skipped.len(), 12, "{flavor}: {skipped:#?}");
+        // client image has none), frozen processes (kill -STOP) and cut
+        // links.
+        assert_eq!(skipped.len(), 13, "{flavor}: {skipped:#?}");
         assert!(
             skipped
                 .iter()

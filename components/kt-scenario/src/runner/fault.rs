@@ -7,7 +7,7 @@ use futures::future::{FutureExt, join_all};
 
 use super::exec::PodRun;
 use super::{Scn, StepError, StepResult};
-use crate::format::{KillStep, RestartStep, Signal, Step, StopStep, Victim};
+use crate::format::{KillStep, LinkState, LinkStep, RestartStep, Signal, Step, StopStep, Victim};
 use crate::target::Component;
 
 /// How long a holder left at the scenario's end gets after TERM.
@@ -55,6 +55,17 @@ impl Scn<'_> {
             }
             Err(e) => Err(StepError::Input(e.to_owned())),
         };
+        self.expect_plain(step, outcome)
+    }
+
+    /// `link`: cuts or restores the links of a server or a pod group.
+    pub(super) async fn link(&self, step: &Step, l: &LinkStep) -> Result<(), StepError> {
+        let up = l.state == LinkState::Up;
+        let outcome = self
+            .each_component(&l.component, |c| async move {
+                self.target.set_link(&c, up).await
+            })
+            .await;
         self.expect_plain(step, outcome)
     }
 

@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::data::{self, Digest};
-use crate::format::{Action, Auth, Condition, ErrorClass, Expect, Signal, Step, Victim};
+use crate::format::{Action, Auth, Condition, ErrorClass, Expect, LinkState, Signal, Step, Victim};
 use crate::live::Live;
 use crate::report::{BudgetCheck, PodResult, RunReport, ScenarioReport, Status, StepReport};
 use crate::snapshot::{Redactor, Snapshots};
@@ -112,6 +112,12 @@ pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
             target.name()
         ));
     }
+    if !target.cuts_links() && steps().any(cuts_links) {
+        return Some(format!(
+            "cuts a network link, which the {} target cannot do (netns can)",
+            target.name()
+        ));
+    }
     if !target.keeps_killed_agents_down() && steps().any(kills_an_agent) {
         return Some(format!(
             "kills a pod's agent and expects it down, but on the {} target the kubelet restarts a dead sidecar at once",
@@ -138,6 +144,15 @@ fn kills_an_agent(step: &Step) -> bool {
     match &step.action {
         Action::Kill(k) => matches!(k.victim(), Ok(Victim::Agent(_))),
         Action::Parallel(inner) | Action::Sequence(inner) => inner.iter().any(kills_an_agent),
+        _ => false,
+    }
+}
+
+/// Does this step (or one nested in it) cut or restore a link?
+fn cuts_links(step: &Step) -> bool {
+    match &step.action {
+        Action::Link(_) => true,
+        Action::Parallel(inner) | Action::Sequence(inner) => inner.iter().any(cuts_links),
         _ => false,
     }
 }
@@ -768,6 +783,14 @@ impl<'a> Scn<'a> {
                 Ok(Victim::Component(c)) => format!("kill -{:?} {c}", k.signal),
                 Err(_) => "kill".to_owned(),
             },
+            Action::Link(l) => format!(
+                "link of {} {}",
+                l.component,
+                match l.state {
+                    LinkState::Down => "down",
+                    LinkState::Up => "up",
+                }
+            ),
             Action::Restart(r) => match r.victim() {
                 Ok(Victim::Agent(p)) => format!("restart the agent of {p}"),
                 Ok(Victim::Component(c)) => format!("restart {c}"),
@@ -926,6 +949,7 @@ impl<'a> Scn<'a> {
             Action::Python(p) => self.python(step, p, started, result).await,
             Action::Kill(k) => self.kill(step, k).await,
             Action::Restart(r) => self.restart(step, r).await,
+            Action::Link(l) => self.link(step, l).await,
             Action::TensorPut(p) => self.tensor_put(step, p, started, result).await,
             Action::TensorGet(g) => self.tensor_get(step, g, started, result).await,
             Action::TensorLs(t) => self.tensor_ls(step, t, started, result).await,

@@ -250,6 +250,22 @@ pub trait Target: Send + Sync {
         true
     }
 
+    /// Whether [`Target::set_link`] can cut links (netns: the host side of
+    /// a node's veth).
+    fn cuts_links(&self) -> bool {
+        false
+    }
+
+    /// Cuts (`up` false) or restores the network link of a server or pod:
+    /// while cut, its packets are dropped and nothing is refused.
+    async fn set_link(&self, c: &Component, up: bool) -> Result<(), TargetError> {
+        let _ = up;
+        Err(TargetError::Unavailable(format!(
+            "the {} target cannot cut the link of {c}",
+            self.name()
+        )))
+    }
+
     /// Whether `kill` with STOP and CONT can freeze and thaw its servers
     /// and pods (local and netns: process groups; docker: pause).
     fn freezes(&self) -> bool {

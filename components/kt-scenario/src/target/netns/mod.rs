@@ -74,7 +74,7 @@ mod sweep;
 #[cfg(test)]
 mod testing;
 
-use exec::{blocking, in_netns, on_path};
+use exec::{Cmd, blocking, in_netns, on_path};
 use layout::{AGENT_PORT, METADATA_PORT, STORE_PORT};
 pub use layout::{BRIDGE_IP, MAX_PODS, METADATA_IP, Network, Node, STORE_IP, pod_ip, short_id};
 use sweep::remove_run;
@@ -313,6 +313,44 @@ impl Target for Netns {
 
     async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
         self.servers.kill_with_pods(&self.procs, c, signal).await
+    }
+
+    fn cuts_links(&self) -> bool {
+        true
+    }
+
+    /// The host side of the node's veth goes down: the bridge no longer
+    /// forwards to or from it, and its `eth0` loses carrier (its routes
+    /// stay, so its sockets retry rather than fail). Up again, it is a
+    /// bridge port as before, with its shaping.
+    async fn set_link(&self, c: &Component, up: bool) -> Result<(), TargetError> {
+        let net = self
+            .net
+            .as_ref()
+            .ok_or_else(|| TargetError::Failed("the netns network is not up".into()))?;
+        let node = match c {
+            Component::Metadata => net.metadata(),
+            Component::Store => net.store(),
+            Component::Pod(p) => {
+                let ns = &self
+                    .pods
+                    .get(p)
+                    .ok_or_else(|| TargetError::Failed(format!("no pod named {p}")))?
+                    .0;
+                net.pods()
+                    .iter()
+                    .find(|n| n.netns == *ns)
+                    .ok_or_else(|| TargetError::Failed(format!("no namespace for pod {p}")))?
+            }
+        };
+        let veth = node.veth.clone();
+        let state = if up { "up" } else { "down" };
+        blocking(move || {
+            Cmd::new(&["ip", "link", "set", &veth, state])
+                .run()
+                .map(drop)
+        })
+        .await
     }
 
     async fn start(&self, c: &Component) -> Result<(), TargetError> {
