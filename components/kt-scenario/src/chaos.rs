@@ -2,7 +2,9 @@
 //! seeded workload of puts, local puts, gets and broadcasts runs against a
 //! testbed while faults are injected at random: the store and the metadata
 //! server killed (KILL or TERM) and started again, the store frozen (STOP)
-//! and thawed, pods' agents killed and started again.
+//! and thawed, pods' agents killed and started again, and (where the
+//! target can cut links: netns) a pod's or the store's link cut for up to
+//! 5 s and restored.
 //!
 //! Invariants, checked as it goes and at the end; a violation names the
 //! seed and the operation that broke it:
@@ -565,7 +567,10 @@ async fn inject(s: &Shared<'_>, opts: &Options) {
         }
         tokio::time::sleep(pause).await;
         sample_rss(s, &opts.work_dir);
-        let (kind, result) = match rng.below(6) {
+        // Link cuts where the target can (netns); other targets draw from
+        // the same first six, so their seeds replay as before.
+        let kinds = if t.cuts_links() { 7 } else { 6 };
+        let (kind, result) = match rng.below(kinds) {
             0 => (
                 "store KILL+start",
                 restart(t, &Component::Store, Signal::KILL).await,
@@ -587,6 +592,22 @@ async fn inject(s: &Shared<'_>, opts: &Options) {
                 }
                 .await;
                 ("store STOP/CONT", r)
+            }
+            6 => {
+                // A pod or the store drops off the network for a while:
+                // its transfers stall, nothing is refused.
+                let c = match rng.below(4) {
+                    0 => Component::Store,
+                    _ => Component::Pod(pick(&mut rng, &s.pods).to_owned()),
+                };
+                let cut = Duration::from_millis(500 + rng.below(4500));
+                let r = async {
+                    t.set_link(&c, false).await?;
+                    tokio::time::sleep(cut).await;
+                    t.set_link(&c, true).await
+                }
+                .await;
+                ("link cut", r)
             }
             _ => {
                 let pod = pick(&mut rng, &s.pods).to_owned();
