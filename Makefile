@@ -11,7 +11,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker kind k3d
 
-.PHONY: all build release python python-test bench-python chaos images manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl clean
+.PHONY: all build release python python-test bench-python chaos images manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl bench-recovery clean
 
 all: build
 
@@ -130,6 +130,14 @@ bench-metadata:
 ## bytes, in one run (ratios on the last line; --quick for a smoke test).
 bench-tensors:
 	$(CARGO) run --release -p kt-bench --bin kt-bench-tensors -- $(BENCH_ARGS)
+
+## bench-recovery: a 1 GiB get with the store SIGKILLed and started again
+## halfway, against the same get undisturbed (real kt-metadata and kt-store
+## processes on loopback): the extra time against the store's time away, and
+## the bytes fetched twice (medians and targets on the last line).
+bench-recovery:
+	$(CARGO) build --release -p kt-store -p kt-metadata --bins
+	$(CARGO) run --release -p kt-bench --bin kt-bench-recovery -- $(BENCH_ARGS)
 
 ## bench-nccl: on a CUDA GPU with NCCL, a 4 GiB state dict of 500 tensors
 ## between two ranks through the transfer engine, packed and unpacked, against

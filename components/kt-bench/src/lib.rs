@@ -14,7 +14,10 @@
 //!   same bytes ([`tensors`]);
 //! - the `kt-bench-nccl` binary: the same state dict between two ranks on
 //!   the NCCL backend (a CUDA GPU), through the transfer engine packed and
-//!   unpacked, against a bare NCCL broadcast of the same bytes ([`nccl`]).
+//!   unpacked, against a bare NCCL broadcast of the same bytes ([`nccl`]);
+//! - the `kt-bench-recovery` binary: a large get with the store SIGKILLed and
+//!   started again midway, against the same get undisturbed: the extra time
+//!   and the bytes fetched twice ([`recovery`]).
 //!
 //! The binary's pieces live here so that `main` stays a thin argument parser:
 //! [`size`] (byte sizes such as `256MiB`), [`scratch`] (a work directory removed on
@@ -29,6 +32,7 @@ pub mod histogram;
 pub mod kt;
 pub mod metaload;
 pub mod nccl;
+pub mod recovery;
 pub mod report;
 pub mod rsync;
 pub mod scratch;

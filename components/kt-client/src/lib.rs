@@ -21,4 +21,5 @@ pub mod transfer;
 pub use api::{Client, ClientConfig, UrlMap};
 pub use error::ClientError;
 pub use progress::Progress;
+pub use stall::bytes_received;
 pub use transfer::{GetOptions, GetSummary, PrefixSummary, PutSummary};

@@ -4,6 +4,7 @@
 //! request limit. The time counts between bytes, not for the whole body,
 //! so a slow link is never mistaken for a stall.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -17,6 +18,17 @@ fn stalled(url: &str, stall: Duration) -> ClientError {
         "{url}: nothing received for {} (stalled; --stall-timeout or KT_STALL_TIMEOUT)",
         humantime::format_duration(stall)
     )))
+}
+
+/// Bytes of data-request bodies (manifests, batch streams, chunk ranges)
+/// this process received, including those of requests that failed midway.
+static RECEIVED: AtomicU64 = AtomicU64::new(0);
+
+/// How many bytes this process's gets received from sources so far (every
+/// client in the process together). Less the bytes the gets needed, it is
+/// what failures made them fetch twice: benchmarks of recovery read it.
+pub fn bytes_received() -> u64 {
+    RECEIVED.load(Ordering::Relaxed)
 }
 
 /// Sends `call` and waits at most `stall` for its answer to start.
@@ -44,7 +56,10 @@ pub(crate) fn body(
         async move {
             let mut s = state?;
             match tokio::time::timeout(stall, s.next()).await {
-                Ok(Some(Ok(b))) => Some((Ok(b), Some(s))),
+                Ok(Some(Ok(b))) => {
+                    RECEIVED.fetch_add(b.len() as u64, Ordering::Relaxed);
+                    Some((Ok(b), Some(s)))
+                }
                 Ok(Some(Err(e))) => Some((Err(format!("{url}: {e}")), None)),
                 Ok(None) => None,
                 Err(_) => Some((Err(stalled(&url, stall).to_string()), None)),
@@ -92,12 +107,15 @@ mod tests {
         let (url, task) = frozen_server().await;
         let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
         let started = std::time::Instant::now();
+        let before = bytes_received();
         let e = bytes(api.get("/x"), Duration::from_millis(200))
             .await
             .unwrap_err();
         assert!(e.to_string().contains("stalled"), "{e}");
         assert!(e.is_transient(), "{e}");
         assert!(started.elapsed() < Duration::from_secs(10));
+        // What arrived before the stall counts as received.
+        assert!(bytes_received() - before >= "hello".len() as u64);
         task.abort();
     }
 
