@@ -210,7 +210,8 @@ impl Servers {
             ],
         )?;
         self.store = Some(store);
-        self.wait_ready(&format!("http://{}", self.store_addr)).await
+        self.wait_ready(&format!("http://{}", self.store_addr))
+            .await
     }
 
     /// SIGKILL, as a crash or an OOM kill would.

@@ -4,8 +4,9 @@
 //! request limit. The time counts between bytes, not for the whole body,
 //! so a slow link is never mistaken for a stall.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::{Stream, StreamExt};
@@ -66,6 +67,137 @@ pub(crate) fn body(
             }
         }
     }))
+}
+
+/// A request body handed to the HTTP stack piece by piece, remembering
+/// whether the stack holds a piece it has not come back for yet (it comes
+/// back once the piece is on its way: a server that stops reading stops it).
+struct Watched<S> {
+    inner: S,
+    clock: Arc<Clock>,
+}
+
+/// When the last piece was handed over (ms since `start`) and whether the
+/// stack is still on it; `u64::MAX`: the body is done.
+struct Clock {
+    start: Instant,
+    handed_at: AtomicU64,
+    holding: std::sync::atomic::AtomicBool,
+}
+
+const DONE: u64 = u64::MAX;
+
+impl Clock {
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+}
+
+impl<S, E> Stream for Watched<S>
+where
+    S: Stream<Item = Result<Bytes, E>> + Unpin,
+{
+    type Item = Result<Bytes, E>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        // Asked for more: the last piece is on its way.
+        self.clock.holding.store(false, Ordering::Relaxed);
+        let next = self.inner.poll_next_unpin(cx);
+        match &next {
+            std::task::Poll::Ready(Some(Ok(_))) => {
+                self.clock
+                    .handed_at
+                    .store(self.clock.now(), Ordering::Relaxed);
+                self.clock.holding.store(true, Ordering::Relaxed);
+            }
+            std::task::Poll::Ready(_) => {
+                self.clock.handed_at.store(DONE, Ordering::Relaxed);
+            }
+            std::task::Poll::Pending => {}
+        }
+        next
+    }
+}
+
+/// Uploads `body` with `call` and decodes the JSON answer, failing once the
+/// server took nothing for `stall` (the HTTP stack held a piece that long)
+/// or, the body sent, did not answer within `stall`. The time a slow source
+/// of the body takes (a disk) never counts.
+pub(crate) async fn upload<T, S, E>(
+    call: kt_api::Call,
+    body: S,
+    stall: Duration,
+) -> Result<T, ClientError>
+where
+    T: serde::de::DeserializeOwned,
+    S: Stream<Item = Result<Bytes, E>> + Unpin + Send + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync>> + 'static,
+{
+    let url = call.url().to_owned();
+    let clock = Arc::new(Clock {
+        start: Instant::now(),
+        handed_at: AtomicU64::new(0),
+        holding: std::sync::atomic::AtomicBool::new(false),
+    });
+    let watched = Watched {
+        inner: body,
+        clock: clock.clone(),
+    };
+    let mut sent: Option<u64> = None;
+    let request = call.body(reqwest::Body::wrap_stream(watched)).fetch::<T>();
+    tokio::pin!(request);
+    let tick = (stall / 4).max(Duration::from_millis(5));
+    loop {
+        tokio::select! {
+            r = request.as_mut() => return Ok(r?),
+            _ = tokio::time::sleep(tick) => {}
+        }
+        let now = clock.now();
+        let handed = clock.handed_at.load(Ordering::Relaxed);
+        let waiting_since = if handed == DONE {
+            // The body is sent: the answer is due within `stall` of that.
+            *sent.get_or_insert(now)
+        } else if clock.holding.load(Ordering::Relaxed) {
+            handed
+        } else {
+            continue;
+        };
+        if now.saturating_sub(waiting_since) >= stall.as_millis() as u64 {
+            return Err(stalled(&url, stall));
+        }
+    }
+}
+
+/// Sends `call` and decodes its JSON answer, failing when none came within
+/// `limit` (requests the server works on before it answers).
+pub(crate) async fn answer<T: serde::de::DeserializeOwned>(
+    call: kt_api::Call,
+    limit: Duration,
+) -> Result<T, ClientError> {
+    let url = call.url().to_owned();
+    match tokio::time::timeout(limit, call.fetch::<T>()).await {
+        Ok(r) => Ok(r?),
+        Err(_) => Err(ClientError::Sync(SyncError::Stream(format!(
+            "{url}: no answer within {} (--deadline or KT_DEADLINE)",
+            humantime::format_duration(limit)
+        )))),
+    }
+}
+
+/// A buffer as a body of `piece`-sized parts, so that [`upload`] sees its
+/// progress.
+pub(crate) fn pieces(
+    data: Bytes,
+    piece: usize,
+) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Unpin + Send + 'static {
+    let parts: Vec<Bytes> = (0..data.len())
+        .step_by(piece.max(1))
+        .map(|at| data.slice(at..(at + piece).min(data.len())))
+        .collect();
+    futures::stream::iter(parts.into_iter().map(Ok))
 }
 
 /// Sends `call` and reads its whole answer, failing on a stall.
@@ -130,5 +262,85 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("stalled"), "{e}");
         drop(l);
+    }
+
+    /// A server that reads the request head and `read` body bytes, then
+    /// neither reads nor answers nor closes: a store frozen mid-upload.
+    async fn frozen_reader(read: usize) -> (String, tokio::task::JoinHandle<()>) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let task = tokio::spawn(async move {
+            let (mut c, _) = l.accept().await.unwrap();
+            let mut left = read;
+            let mut buf = vec![0u8; 64 << 10];
+            while left > 0 {
+                match c.read(&mut buf[..left.min(64 << 10)]).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => left -= n,
+                }
+            }
+            std::future::pending::<()>().await;
+        });
+        (url, task)
+    }
+
+    #[tokio::test]
+    async fn an_upload_the_server_stops_reading_fails_as_a_transient_stall() {
+        let (url, task) = frozen_reader(1 << 20).await;
+        let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
+        // Far more than socket buffers hold.
+        let body = pieces(Bytes::from(vec![7u8; 64 << 20]), 256 << 10);
+        let started = std::time::Instant::now();
+        let e = upload::<serde_json::Value, _, _>(api.put("/x"), body, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("stalled"), "{e}");
+        assert!(e.is_transient(), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn an_upload_whose_answer_never_comes_fails_as_a_stall() {
+        let size = 100 << 10;
+        let (url, task) = frozen_reader(size + 200).await;
+        let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
+        let body = pieces(Bytes::from(vec![7u8; size]), 16 << 10);
+        let e = upload::<serde_json::Value, _, _>(api.put("/x"), body, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("stalled"), "{e}");
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn an_upload_from_a_slow_source_is_not_a_stall() {
+        // The server answers once it has the whole body.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let task = tokio::spawn(async move {
+            let (mut c, _) = l.accept().await.unwrap();
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !got.ends_with(b"0\r\n\r\n") {
+                let n = c.read(&mut buf).await.unwrap();
+                assert!(n > 0);
+                got.extend_from_slice(&buf[..n]);
+            }
+            c.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 4\r\n\r\ntrue")
+                .await
+                .unwrap();
+        });
+        let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
+        // Each piece takes longer to produce than the stall timeout.
+        let body = Box::pin(futures::stream::iter(0..3).then(|i| async move {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            Ok::<_, std::io::Error>(Bytes::from(vec![i as u8; 10]))
+        }));
+        let answer: serde_json::Value = upload(api.put("/x"), body, Duration::from_millis(100))
+            .await
+            .unwrap();
+        assert_eq!(answer, serde_json::Value::Bool(true));
+        task.abort();
     }
 }

@@ -91,6 +91,10 @@ pub struct PrefixSummary {
 /// Keys a prefix get fetches at once.
 const PREFIX_CONCURRENCY: usize = 4;
 
+/// A chunk goes up in pieces of this size, so that a store that stops
+/// reading is noticed ([`crate::stall::upload`]).
+const UPLOAD_PIECE: usize = 256 << 10;
+
 enum Job {
     Batch(Vec<SendItem>),
     Chunk {
@@ -188,14 +192,11 @@ impl Client {
         let files = manifest.file_count();
         let store = self.meta.at(&self.store_url().await?);
         let plan_put = |doc: Vec<u8>| {
-            store
-                .post(&paths::puts())
-                .header(
-                    reqwest::header::CONTENT_TYPE,
-                    kt_types::codec::DOCUMENT_CONTENT_TYPE,
-                )
-                .body(doc)
-                .fetch::<PutPlan>()
+            let call = store.post(&paths::puts()).header(
+                reqwest::header::CONTENT_TYPE,
+                kt_types::codec::DOCUMENT_CONTENT_TYPE,
+            );
+            crate::stall::answer::<PutPlan>(call.body(doc), self.cfg.deadline)
         };
         // First the digest alone: an unchanged tree costs one small request.
         let mut plan = plan_put(codec::document_with(req, &[])).await?;
@@ -238,13 +239,23 @@ impl Client {
                 stats
             }
             Err(e) => {
-                let _ = store.delete(&paths::put_session(&session)).ok().await;
+                // Best effort, and bounded: the store may be the one that stalled.
+                let _ = store
+                    .delete(&paths::put_session(&session))
+                    .timeout(self.cfg.stall)
+                    .ok()
+                    .await;
                 return Err(e);
             }
         };
         tracing::debug!(ms = started.elapsed().as_millis() as u64, "put: uploaded");
         *stage = PutStage::Committing;
-        let commit: CommitResponse = store.post(&paths::put_commit(&session)).fetch().await?;
+        // Staging a plan and finishing a commit take the store time in
+        // proportion to the tree (links, modes, a registration): their
+        // answers are waited for up to the deadline, not the stall timeout.
+        let commit: CommitResponse =
+            crate::stall::answer(store.post(&paths::put_commit(&session)), self.cfg.deadline)
+                .await?;
         Ok(PutSummary {
             record: Some(commit.record),
             stats: TransferStats {
@@ -308,10 +319,9 @@ impl Client {
         }
         // Batches first: they are latency-bound, chunks bandwidth-bound.
         jobs.reverse();
-        futures::stream::iter(
-            jobs.into_iter()
-                .map(|job| Self::run_upload_job(store, session, job, progress.clone())),
-        )
+        futures::stream::iter(jobs.into_iter().map(|job| {
+            Self::run_upload_job(store, session, job, progress.clone(), self.cfg.stall)
+        }))
         .buffer_unordered(self.cfg.streams.max(1))
         .try_collect::<Vec<()>>()
         .await?;
@@ -323,15 +333,14 @@ impl Client {
         session: &str,
         job: Job,
         progress: Progress,
+        stall: Duration,
     ) -> Result<(), ClientError> {
         match job {
             Job::Batch(items) => {
-                let body = reqwest::Body::wrap_stream(send_stream(items, progress.callback()));
-                let _: BatchAck = store
-                    .put(&paths::put_batch(session))
-                    .body(body)
-                    .fetch()
-                    .await?;
+                let body = Box::pin(send_stream(items, progress.callback()));
+                let _: BatchAck =
+                    crate::stall::upload(store.put(&paths::put_batch(session)), body, stall)
+                        .await?;
             }
             Job::Chunk {
                 index,
@@ -360,11 +369,12 @@ impl Client {
                     Ok(buf)
                 })
                 .await?;
-                let _: BatchAck = store
-                    .put(&paths::put_chunk(session, index as usize, n))
-                    .body(data)
-                    .fetch()
-                    .await?;
+                let _: BatchAck = crate::stall::upload(
+                    store.put(&paths::put_chunk(session, index as usize, n)),
+                    crate::stall::pieces(data.into(), UPLOAD_PIECE),
+                    stall,
+                )
+                .await?;
                 progress.advance(len);
             }
         }
