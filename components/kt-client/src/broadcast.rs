@@ -619,7 +619,7 @@ impl Client {
             }
         }
         let dl = dl.ok_or_else(|| ClientError::Local("no download was planned".into()))?;
-        dl.finish(delete).await?;
+        dl.finish(delete, self.cfg.deadline).await?;
         Ok(dl)
     }
 }

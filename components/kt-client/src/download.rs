@@ -470,8 +470,9 @@ impl Download {
     /// Brings unchanged files' metadata in line, then links and directories.
     /// Sets the tree's metadata once every file is in place; with `prune`
     /// (a mirror get) also removes what the key does not name under the
-    /// destination directory.
-    pub async fn finish(&self, prune: bool) -> Result<(), ClientError> {
+    /// destination directory. Temporary files of killed gets in the
+    /// directories it placed files in, idle for `abandoned_after`, go too.
+    pub async fn finish(&self, prune: bool, abandoned_after: Duration) -> Result<(), ClientError> {
         if !self.complete() {
             return Err(ClientError::Local(
                 "download finished with files still missing".into(),
@@ -493,17 +494,22 @@ impl Download {
                     apply::fix_metadata(&p, e)?;
                 }
             }
-            match m.root {
+            let placed_at = match m.root {
                 RootKind::Dir => {
                     apply::finish_tree(&root, &m)?;
                     if prune {
                         let removed = apply::prune(&root, &m)?;
                         tracing::debug!(removed, dest = %root.display(), "mirror get: pruned");
                     }
-                    Ok(())
+                    root
                 }
-                RootKind::File => Ok(()),
+                RootKind::File => fin,
+            };
+            let removed = apply::remove_abandoned_temps(&placed_at, &m, abandoned_after);
+            if removed > 0 {
+                tracing::info!(removed, dest = %placed_at.display(), "removed temporary files of an earlier get that was killed");
             }
+            Ok(())
         })
         .await
     }

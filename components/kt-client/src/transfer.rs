@@ -502,7 +502,7 @@ impl Client {
                         return Err(ClientError::Local("no download was planned".into()));
                     };
                     d.remove_stale(std::mem::take(&mut stale)).await;
-                    d.finish(opts.delete).await?;
+                    d.finish(opts.delete, self.cfg.deadline).await?;
                     if let Some(a) = agent.as_mut() {
                         self.serve_copy(a, key, &d.read, &d.final_dest).await;
                     }

@@ -2,14 +2,16 @@
 //! seeded workload of puts, local puts, gets and broadcasts runs against a
 //! testbed while faults are injected at random: the store and the metadata
 //! server killed (KILL or TERM) and started again, the store frozen (STOP)
-//! and thawed, pods' agents killed and started again, and (where the
+//! and thawed, pods' agents killed and started again, getters killed
+//! midway (their get is then run again, mirroring), and (where the
 //! target can cut links: netns) a pod's or the store's link cut for up to
 //! 5 s and restored.
 //!
 //! Invariants, checked as it goes and at the end; a violation names the
 //! seed and the operation that broke it:
 //! - every get that succeeds holds exactly one version that was put under
-//!   the key, verified by hash (no mixed or half-written tree);
+//!   the key, verified by hash (no mixed or half-written tree), also when it
+//!   runs again into what a killed get left;
 //! - every put and get of a store key succeeds (the store restarting or
 //!   freezing is waited for within the transfer's deadline); gets of local
 //!   keys may fail when their producer's agent is down, and say so;
@@ -478,7 +480,20 @@ async fn get(s: &Shared<'_>, rng: &mut Rng, key: &str, local: bool) {
         DEADLINE.to_owned(),
     ];
     args.push(if serve { "--delete" } else { "--no-serve" }.to_owned());
-    let kind = if local { "local-get" } else { "get" };
+    let mut kind = if local { "local-get" } else { "get" };
+    if !serve && rng.below(8) == 0 {
+        // A getter killed midway (an OOM kill, a preempted pod); the same
+        // get again, mirroring, must finish and hold exactly one version:
+        // what the killed one left is resumed from or removed.
+        let delay = Duration::from_millis(20 + rng.below(480));
+        kill_a_get(s, n, &pod, args.clone(), delay).await;
+        args.push("--delete".to_owned());
+        kind = if local {
+            "local-get-after-kill"
+        } else {
+            "get-after-kill"
+        };
+    }
     match s.kt(&pod, args).await {
         Ok(o) if o.status == 0 => {
             if let Some(copy) = check_copy(s, n, key, &pod, &rel).await
@@ -506,6 +521,29 @@ async fn get(s: &Shared<'_>, rng: &mut Rng, key: &str, local: bool) {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&standing);
+    }
+}
+
+/// Starts `kt get ARGS` in `pod` and SIGKILLs it after `delay` (or lets it
+/// be, if it ended first).
+async fn kill_a_get(s: &Shared<'_>, n: u64, pod: &str, args: Vec<String>, delay: Duration) {
+    let req = ExecRequest {
+        pod: pod.to_owned(),
+        program: Program::Kt,
+        args,
+        env: Vec::new(),
+        token: Some(s.token.clone()),
+    };
+    let killed = async {
+        let mut p = s.target.spawn(req).await?;
+        tokio::time::sleep(delay).await;
+        p.signal(Signal::KILL).await?;
+        p.wait().await
+    }
+    .await;
+    match killed {
+        Ok(_) => s.count(|r| &mut r.faults, "getter KILL"),
+        Err(e) => s.violation(format!("op {n}: starting or killing a get in {pod}: {e}")),
     }
 }
 

@@ -11,7 +11,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt, symlink};
 use std::path::{Path, PathBuf};
 
 use filetime::FileTime;
-use kt_types::{Entry, EntryKind, Hash, Manifest};
+use kt_types::{Entry, EntryKind, Hash, Manifest, RootKind};
 
 use crate::error::{IoContext, SyncError};
 
@@ -35,7 +35,10 @@ fn temp_sibling(dest: &Path) -> PathBuf {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let short: String = name.chars().take(64).collect();
-    dest.with_file_name(format!(".kt-tmp.{short}.{}", uuid::Uuid::new_v4().simple()))
+    dest.with_file_name(format!(
+        "{TEMP_PREFIX}{short}.{}",
+        uuid::Uuid::new_v4().simple()
+    ))
 }
 
 /// The process umask, read once from `/proc/self/status` (no syscall changes it
@@ -271,6 +274,50 @@ pub fn prune(root: &Path, m: &Manifest) -> Result<u64, SyncError> {
         }
     }
     Ok(removed)
+}
+
+/// Prefix of the temporary siblings files are written to ([`WriteMode::TempRename`]).
+const TEMP_PREFIX: &str = ".kt-tmp.";
+
+/// Removes temporary files a killed transfer left in the directories a
+/// tree (or, for a single-file root, `root`'s own directory) places files
+/// in: regular files named like [`temp_sibling`]'s that nobody wrote to for
+/// `idle` (one being written now is newer). Returns how many went.
+pub fn remove_abandoned_temps(root: &Path, m: &Manifest, idle: std::time::Duration) -> u64 {
+    let dirs: Vec<PathBuf> = match m.root {
+        RootKind::Dir => std::iter::once(root.to_owned())
+            .chain(
+                m.entries
+                    .iter()
+                    .filter(|e| e.kind == EntryKind::Dir)
+                    .map(|e| root.join(&e.path)),
+            )
+            .collect(),
+        RootKind::File => root.parent().map(Path::to_owned).into_iter().collect(),
+    };
+    let now = std::time::SystemTime::now();
+    let mut removed = 0;
+    for dir in dirs {
+        let Ok(rd) = fs::read_dir(&dir) else { continue };
+        for entry in rd.flatten() {
+            if !entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+                continue;
+            }
+            // Not followed: a link or a directory of that name is not ours.
+            let abandoned = entry.metadata().is_ok_and(|md| {
+                md.file_type().is_file()
+                    && md
+                        .modified()
+                        .ok()
+                        .and_then(|t| now.duration_since(t).ok())
+                        .is_some_and(|age| age >= idle)
+            });
+            if abandoned && fs::remove_file(entry.path()).is_ok() {
+                removed += 1;
+            }
+        }
+    }
+    removed
 }
 
 /// Brings an existing file's mode and mtime in line with `e`.

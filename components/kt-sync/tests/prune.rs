@@ -64,3 +64,41 @@ fn walk(root: &std::path::Path) -> Vec<String> {
     }
     out
 }
+
+#[test]
+fn temporary_files_of_a_killed_get_go_once_idle_and_nothing_else_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dest = tmp.path().join("dest");
+    fs::create_dir_all(dest.join("sub")).unwrap();
+    fs::write(dest.join("sub/f"), "f").unwrap();
+    let m = scan(&dest, &mut ScanCache::default()).unwrap();
+    let old = filetime::FileTime::from_unix_time(1_000_000_000, 0);
+    // Left by a get killed long ago: at the top and below.
+    for p in [".kt-tmp.big.1", "sub/.kt-tmp.f.2"] {
+        fs::write(dest.join(p), "partial").unwrap();
+        filetime::set_file_mtime(dest.join(p), old).unwrap();
+    }
+    // Being written now by another get: recent.
+    fs::write(dest.join(".kt-tmp.big.3"), "partial").unwrap();
+    // Named like one but not a regular file, or not ours at all.
+    fs::create_dir(dest.join(".kt-tmp.dir")).unwrap();
+    symlink("sub/f", dest.join(".kt-tmp.link")).unwrap();
+    fs::write(dest.join("kt-tmp.user"), "u").unwrap();
+    filetime::set_file_mtime(dest.join("kt-tmp.user"), old).unwrap();
+
+    let idle = std::time::Duration::from_secs(300);
+    assert_eq!(apply::remove_abandoned_temps(&dest, &m, idle), 2);
+    let mut left = walk(&dest);
+    left.sort();
+    assert_eq!(
+        left,
+        [
+            ".kt-tmp.big.3",
+            ".kt-tmp.dir",
+            ".kt-tmp.link",
+            "kt-tmp.user",
+            "sub",
+            "sub/f"
+        ]
+    );
+}
