@@ -127,7 +127,7 @@ async fn both(
     kt: impl Future<Output = anyhow::Result<f64>>,
     rsync: impl Future<Output = anyhow::Result<f64>>,
 ) -> anyhow::Result<(f64, f64)> {
-    if run % 2 == 0 {
+    if run.is_multiple_of(2) {
         let k = kt.await?;
         Ok((k, rsync.await?))
     } else {

@@ -55,10 +55,9 @@ pub struct Run {
     pub with_restart: Duration,
     /// From the kill until the store answered ready again.
     pub away: Duration,
-    /// Bytes received beyond the file's size, with the restart.
+    /// Bytes received with the restart beyond what the undisturbed get
+    /// received (the file and its manifest).
     pub refetched: u64,
-    /// The same for the baseline (manifests, mostly).
-    pub baseline_overhead: u64,
 }
 
 impl Run {
@@ -307,6 +306,7 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         if get.is_finished() {
+            get.await??;
             bail!("the get finished before the store could be killed; use a larger --size");
         }
         let killed = Instant::now();
@@ -315,7 +315,9 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
         let away = killed.elapsed();
         get.await??;
         let with_restart = t.elapsed();
-        let refetched = (kt_client::bytes_received() - rx).saturating_sub(opts.size);
+        // Beyond what an undisturbed get receives too (manifests).
+        let refetched =
+            (kt_client::bytes_received() - rx).saturating_sub(opts.size + baseline_overhead);
         if std::fs::metadata(&dest)?.len() != opts.size {
             bail!("the get with a restart left a file of the wrong size");
         }
@@ -325,7 +327,6 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
             with_restart,
             away,
             refetched,
-            baseline_overhead,
         });
     }
     Ok(Report {

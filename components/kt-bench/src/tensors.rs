@@ -205,7 +205,7 @@ const COLS: [u64; 10] = [4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8];
 /// (at least two rows), else `[elements]`.
 fn shape_of(elements: u64) -> Vec<u64> {
     COLS.iter()
-        .find(|c| elements % **c == 0 && elements / **c >= 2)
+        .find(|c| elements.is_multiple_of(**c) && elements / **c >= 2)
         .map(|c| vec![elements / c, *c])
         .unwrap_or_else(|| vec![elements])
 }
@@ -217,7 +217,7 @@ fn shape_of(elements: u64) -> Vec<u64> {
 pub fn plan_layout(size: u64, tensors: usize, seed: u64) -> anyhow::Result<Vec<Spec>> {
     ensure!(tensors >= 1, "at least one tensor");
     ensure!(
-        size % 4 == 0,
+        size.is_multiple_of(4),
         "the size ({size} bytes) must be a multiple of 4 (every dtype's element must fit)"
     );
     let n = tensors as u64;
@@ -230,7 +230,7 @@ pub fn plan_layout(size: u64, tensors: usize, seed: u64) -> anyhow::Result<Vec<S
     // tensors get 2-D shapes; every tensor has at least one unit.
     let unit = [256u64, 128, 64, 32, 16, 8, 4]
         .into_iter()
-        .find(|u| size % u == 0 && size / u >= n)
+        .find(|u| size.is_multiple_of(*u) && size / u >= n)
         .expect("4 divides size and size >= 4n");
     let spare = size / unit - n;
     let weights: Vec<f64> = (0..tensors)

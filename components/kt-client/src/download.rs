@@ -471,7 +471,8 @@ impl Download {
     /// Sets the tree's metadata once every file is in place; with `prune`
     /// (a mirror get) also removes what the key does not name under the
     /// destination directory. Temporary files of killed gets in the
-    /// directories it placed files in, idle for `abandoned_after`, go too.
+    /// directories it placed files in go too: unlocked and idle for
+    /// `abandoned_after` (ten minutes at least).
     pub async fn finish(&self, prune: bool, abandoned_after: Duration) -> Result<(), ClientError> {
         if !self.complete() {
             return Err(ClientError::Local(
@@ -505,7 +506,10 @@ impl Download {
                 }
                 RootKind::File => fin,
             };
-            let removed = apply::remove_abandoned_temps(&placed_at, &m, abandoned_after);
+            // Never younger than ten minutes: another get's small file may
+            // wait on a stalled source for a while (large ones are locked).
+            let idle = abandoned_after.max(Duration::from_secs(600));
+            let removed = apply::remove_abandoned_temps(&placed_at, &m, idle);
             if removed > 0 {
                 tracing::info!(removed, dest = %placed_at.display(), "removed temporary files of an earlier get that was killed");
             }

@@ -77,15 +77,25 @@ struct Watched<S> {
     clock: Arc<Clock>,
 }
 
-/// When the last piece was handed over (ms since `start`) and whether the
-/// stack is still on it; `u64::MAX`: the body is done.
+/// The state of an upload's body, in one word so that it is read whole:
+/// [`DONE`], or the ms (since `start`) the last piece was handed over,
+/// shifted left by one, with the low bit set while the stack holds it.
 struct Clock {
     start: Instant,
-    handed_at: AtomicU64,
-    holding: std::sync::atomic::AtomicBool,
+    state: AtomicU64,
+    /// Bytes handed over so far.
+    bytes: AtomicU64,
 }
 
 const DONE: u64 = u64::MAX;
+
+/// What may still be on its way once the whole body was handed over (the
+/// HTTP stack's buffer and the socket's), at most.
+const IN_FLIGHT: u64 = 8 << 20;
+/// The rate at which that is assumed to drain, at the least (bytes/s):
+/// buffers that large build up on fast links only (socket buffers grow
+/// with the bandwidth-delay product).
+const DRAIN_BPS: u64 = 1 << 20;
 
 impl Clock {
     fn now(&self) -> u64 {
@@ -104,18 +114,20 @@ where
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Self::Item>> {
         // Asked for more: the last piece is on its way.
-        self.clock.holding.store(false, Ordering::Relaxed);
+        let state = self.clock.state.load(Ordering::Relaxed);
+        if state != DONE {
+            self.clock.state.store(state & !1, Ordering::Relaxed);
+        }
         let next = self.inner.poll_next_unpin(cx);
         match &next {
-            std::task::Poll::Ready(Some(Ok(_))) => {
+            std::task::Poll::Ready(Some(Ok(b))) => {
                 self.clock
-                    .handed_at
-                    .store(self.clock.now(), Ordering::Relaxed);
-                self.clock.holding.store(true, Ordering::Relaxed);
+                    .bytes
+                    .fetch_add(b.len() as u64, Ordering::Relaxed);
+                let now = self.clock.now();
+                self.clock.state.store((now << 1) | 1, Ordering::Relaxed);
             }
-            std::task::Poll::Ready(_) => {
-                self.clock.handed_at.store(DONE, Ordering::Relaxed);
-            }
+            std::task::Poll::Ready(_) => self.clock.state.store(DONE, Ordering::Relaxed),
             std::task::Poll::Pending => {}
         }
         next
@@ -123,9 +135,12 @@ where
 }
 
 /// Uploads `body` with `call` and decodes the JSON answer, failing once the
-/// server took nothing for `stall` (the HTTP stack held a piece that long)
-/// or, the body sent, did not answer within `stall`. The time a slow source
-/// of the body takes (a disk) never counts.
+/// server took nothing for `stall` (the HTTP stack held a piece that long:
+/// pieces are at most [`UPLOAD_PIECE`], so a link slower than about
+/// `UPLOAD_PIECE / stall` would count as stalled) or, the body sent, did
+/// not answer within `stall` plus the time what may still be buffered takes
+/// to drain (at [`DRAIN_BPS`]). The time a slow source of the body takes (a
+/// disk) never counts.
 pub(crate) async fn upload<T, S, E>(
     call: kt_api::Call,
     body: S,
@@ -134,21 +149,22 @@ pub(crate) async fn upload<T, S, E>(
 where
     T: serde::de::DeserializeOwned,
     S: Stream<Item = Result<Bytes, E>> + Unpin + Send + 'static,
-    E: Into<Box<dyn std::error::Error + Send + Sync>> + 'static,
+    E: Into<Box<dyn std::error::Error + Send + Sync>> + Send + 'static,
 {
     let url = call.url().to_owned();
     let clock = Arc::new(Clock {
         start: Instant::now(),
-        handed_at: AtomicU64::new(0),
-        holding: std::sync::atomic::AtomicBool::new(false),
+        state: AtomicU64::new(0),
+        bytes: AtomicU64::new(0),
     });
     let watched = Watched {
-        inner: body,
+        inner: sliced(body),
         clock: clock.clone(),
     };
-    let mut sent: Option<u64> = None;
+    let mut sent: Option<(u64, u64)> = None;
     let request = call.body(reqwest::Body::wrap_stream(watched)).fetch::<T>();
     tokio::pin!(request);
+    let stall_ms = stall.as_millis() as u64;
     let tick = (stall / 4).max(Duration::from_millis(5));
     loop {
         tokio::select! {
@@ -156,19 +172,44 @@ where
             _ = tokio::time::sleep(tick) => {}
         }
         let now = clock.now();
-        let handed = clock.handed_at.load(Ordering::Relaxed);
-        let waiting_since = if handed == DONE {
-            // The body is sent: the answer is due within `stall` of that.
-            *sent.get_or_insert(now)
-        } else if clock.holding.load(Ordering::Relaxed) {
-            handed
+        let state = clock.state.load(Ordering::Relaxed);
+        let (since, allowed) = if state == DONE {
+            // The body is handed over: the answer is due once what may be
+            // buffered had time to drain at the rate seen so far.
+            *sent.get_or_insert_with(|| {
+                let buffered = clock.bytes.load(Ordering::Relaxed).min(IN_FLIGHT);
+                (now, stall_ms + buffered * 1000 / DRAIN_BPS)
+            })
+        } else if state & 1 == 1 {
+            (state >> 1, stall_ms)
         } else {
             continue;
         };
-        if now.saturating_sub(waiting_since) >= stall.as_millis() as u64 {
+        if now.saturating_sub(since) >= allowed {
             return Err(stalled(&url, stall));
         }
     }
+}
+
+/// Largest piece an upload hands the HTTP stack at once.
+pub(crate) const UPLOAD_PIECE: usize = 256 << 10;
+
+/// `body` with every item cut into pieces of at most [`UPLOAD_PIECE`].
+fn sliced<S, E>(body: S) -> impl Stream<Item = Result<Bytes, E>> + Unpin + Send + 'static
+where
+    S: Stream<Item = Result<Bytes, E>> + Unpin + Send + 'static,
+    E: Send + 'static,
+{
+    body.flat_map(|item| {
+        let parts: Vec<Result<Bytes, E>> = match item {
+            Ok(b) => (0..b.len())
+                .step_by(UPLOAD_PIECE)
+                .map(|at| Ok(b.slice(at..(at + UPLOAD_PIECE).min(b.len()))))
+                .collect(),
+            Err(e) => vec![Err(e)],
+        };
+        futures::stream::iter(parts)
+    })
 }
 
 /// Sends `call` and decodes its JSON answer, failing when none came within
@@ -185,19 +226,6 @@ pub(crate) async fn answer<T: serde::de::DeserializeOwned>(
             humantime::format_duration(limit)
         )))),
     }
-}
-
-/// A buffer as a body of `piece`-sized parts, so that [`upload`] sees its
-/// progress.
-pub(crate) fn pieces(
-    data: Bytes,
-    piece: usize,
-) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Unpin + Send + 'static {
-    let parts: Vec<Bytes> = (0..data.len())
-        .step_by(piece.max(1))
-        .map(|at| data.slice(at..(at + piece).min(data.len())))
-        .collect();
-    futures::stream::iter(parts.into_iter().map(Ok))
 }
 
 /// Sends `call` and reads its whole answer, failing on a stall.
@@ -289,7 +317,8 @@ mod tests {
         let (url, task) = frozen_reader(1 << 20).await;
         let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
         // Far more than socket buffers hold.
-        let body = pieces(Bytes::from(vec![7u8; 64 << 20]), 256 << 10);
+        let body =
+            futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from(vec![7u8; 64 << 20]))]);
         let started = std::time::Instant::now();
         let e = upload::<serde_json::Value, _, _>(api.put("/x"), body, Duration::from_millis(300))
             .await
@@ -305,7 +334,7 @@ mod tests {
         let size = 100 << 10;
         let (url, task) = frozen_reader(size + 200).await;
         let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
-        let body = pieces(Bytes::from(vec![7u8; size]), 16 << 10);
+        let body = futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from(vec![7u8; size]))]);
         let e = upload::<serde_json::Value, _, _>(api.put("/x"), body, Duration::from_millis(300))
             .await
             .unwrap_err();
@@ -338,6 +367,40 @@ mod tests {
             Ok::<_, std::io::Error>(Bytes::from(vec![i as u8; 10]))
         }));
         let answer: serde_json::Value = upload(api.put("/x"), body, Duration::from_millis(100))
+            .await
+            .unwrap();
+        assert_eq!(answer, serde_json::Value::Bool(true));
+        task.abort();
+    }
+
+    #[tokio::test]
+    async fn an_upload_over_a_slow_but_steady_link_is_not_a_stall() {
+        // Reads at about 2 MiB/s, whatever each read returns, then answers.
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let task = tokio::spawn(async move {
+            let (mut c, _) = l.accept().await.unwrap();
+            let mut tail = Vec::new();
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = c.read(&mut buf).await.unwrap();
+                assert!(n > 0);
+                tail.extend_from_slice(&buf[..n]);
+                if tail.ends_with(b"0\r\n\r\n") {
+                    break;
+                }
+                let keep = tail.len().saturating_sub(8);
+                tail.drain(..keep);
+                tokio::time::sleep(Duration::from_micros(n as u64 / 2)).await;
+            }
+            c.write_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 4\r\n\r\ntrue")
+                .await
+                .unwrap();
+        });
+        let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
+        let body =
+            futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from(vec![1u8; 4 << 20]))]);
+        let answer: serde_json::Value = upload(api.put("/x"), body, Duration::from_secs(1))
             .await
             .unwrap();
         assert_eq!(answer, serde_json::Value::Bool(true));

@@ -91,10 +91,6 @@ pub struct PrefixSummary {
 /// Keys a prefix get fetches at once.
 const PREFIX_CONCURRENCY: usize = 4;
 
-/// A chunk goes up in pieces of this size, so that a store that stops
-/// reading is noticed ([`crate::stall::upload`]).
-const UPLOAD_PIECE: usize = 256 << 10;
-
 enum Job {
     Batch(Vec<SendItem>),
     Chunk {
@@ -282,6 +278,12 @@ impl Client {
         let mut small = Vec::new();
         let mut jobs = Vec::new();
         let mut stats = TransferStats::default();
+        // Chunks the store kept from an upload a restart interrupted.
+        let have: std::collections::HashMap<u32, std::collections::HashSet<u64>> = plan
+            .have
+            .iter()
+            .map(|h| (h.index, h.chunks.iter().copied().collect()))
+            .collect();
         for &i in &plan.needed {
             let e = m.entries.get(i as usize).ok_or_else(|| {
                 ClientError::Local(format!("store asked for entry #{i}, which does not exist"))
@@ -292,6 +294,10 @@ impl Client {
             if e.size > plan.chunk_size {
                 for n in 0..chunk_count(e.size, plan.chunk_size) {
                     let (offset, len) = chunk_range(e.size, plan.chunk_size, n).unwrap_or_default();
+                    if have.get(&i).is_some_and(|h| h.contains(&n)) {
+                        stats.bytes_sent -= len;
+                        continue;
+                    }
                     jobs.push(Job::Chunk {
                         index: i,
                         n,
@@ -369,9 +375,11 @@ impl Client {
                     Ok(buf)
                 })
                 .await?;
+                let body =
+                    futures::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(data))]);
                 let _: BatchAck = crate::stall::upload(
                     store.put(&paths::put_chunk(session, index as usize, n)),
-                    crate::stall::pieces(data.into(), UPLOAD_PIECE),
+                    body,
                     stall,
                 )
                 .await?;

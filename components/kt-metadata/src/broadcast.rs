@@ -502,7 +502,7 @@ pub struct Groups {
 }
 
 fn seconds(ms: u64) -> String {
-    if ms % 1000 == 0 {
+    if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)
     } else {
         format!("{:.3}s", ms as f64 / 1000.0)

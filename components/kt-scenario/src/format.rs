@@ -509,8 +509,9 @@ pub struct KillStep {
 }
 
 /// `link: { component: NAME, state: down }` cuts the network link of a
-/// server or pod (group or instance): its packets are dropped, nothing is
-/// refused, as when a node loses its network; `state: up` restores it.
+/// server or pod (group or instance), as when a node loses its network:
+/// its packets are dropped, so open connections stall and new ones fail as
+/// unreachable once address resolution gives up; `state: up` restores it.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LinkStep {

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use kt_sync::SyncError;
 use kt_sync::publish::VersionedDir;
@@ -11,6 +12,8 @@ use kt_types::api::PutOptions;
 use kt_types::{Key, Manifest};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
+
+use crate::resume::{Leftover, keep_until};
 
 /// What is stored beside each version: a codec document whose header is
 /// [`MetaHeader`] and whose body is the manifest.
@@ -106,6 +109,9 @@ impl KeyState {
 pub struct Keys {
     root: PathBuf,
     map: std::sync::Mutex<HashMap<Key, Arc<Mutex<KeyState>>>>,
+    /// Staging versions of uploads a restart interrupted, kept for resuming
+    /// until their time is up ([`crate::put::sweep`] removes them then).
+    pub leftovers: std::sync::Mutex<Vec<Leftover>>,
 }
 
 impl Keys {
@@ -141,16 +147,35 @@ impl Keys {
         map.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     }
 
-    /// Opens the store's key directory, removing leftovers of interrupted puts.
-    pub fn open(data_dir: &Path) -> Result<Self, SyncError> {
+    /// Opens the store's key directory, removing leftovers of interrupted
+    /// puts but those younger than `resume_for` (kept for resuming).
+    pub fn open(data_dir: &Path, resume_for: Duration) -> Result<Self, SyncError> {
         let root = data_dir.join("keys");
         std::fs::create_dir_all(&root).map_err(|e| SyncError::io(&root, e))?;
         let mut map = HashMap::new();
+        let mut leftovers = Vec::new();
         for dent in std::fs::read_dir(&root).map_err(|e| SyncError::io(&root, e))? {
             let dent = dent.map_err(|e| SyncError::io(&root, e))?;
             let vd = VersionedDir::new(dent.path());
-            if !vd.cleanup()? {
-                tracing::info!(dir = %dent.path().display(), "removed a key that was never published");
+            let published =
+                vd.cleanup_keeping(|id| keep_until(&vd.resume_path(id), resume_for).is_some())?;
+            for (id, marker) in vd.resumable() {
+                if let Some(until) = keep_until(&marker, resume_for) {
+                    tracing::info!(dir = %dent.path().display(), version = %id, "kept an interrupted upload for resuming");
+                    let key = std::fs::read_to_string(vd.path().join("key"))
+                        .ok()
+                        .and_then(|k| Key::parse(k.trim()).ok());
+                    let marked = std::fs::metadata(&marker).and_then(|m| m.modified()).ok();
+                    leftovers.push(Leftover {
+                        key,
+                        dir: vd.clone(),
+                        id,
+                        until,
+                        marked,
+                    });
+                }
+            }
+            if !published {
                 continue;
             }
             let Some(version) = vd.current()? else {
@@ -174,6 +199,7 @@ impl Keys {
         Ok(Keys {
             root,
             map: std::sync::Mutex::new(map),
+            leftovers: std::sync::Mutex::new(leftovers),
         })
     }
 }

@@ -10,6 +10,8 @@
 //!   of versions no reader needs;
 //! - [`trees`]: tree listing and deletes;
 //! - [`registrar`]: announcing the store and its keys to the metadata server;
+//! - [`resume`]: what an upload a restart interrupted left, verified, so
+//!   that the same put planned again sends only the rest;
 //! - [`reconcile`]: late registrations (retries, the start-up pass), conditional
 //!   on the key not having moved on; the store's copies of keys that did are removed.
 //!
@@ -25,6 +27,7 @@ pub mod keys;
 pub mod put;
 pub mod reconcile;
 pub mod registrar;
+pub mod resume;
 mod server;
 pub mod session;
 pub mod state;

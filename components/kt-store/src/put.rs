@@ -16,7 +16,7 @@ use kt_sync::SyncError;
 use kt_sync::apply::{self, ChunkedFile, WriteMode};
 use kt_sync::batch::{Expected, receive_stream};
 use kt_sync::chunk::{ChunkAssembly, ChunkHasher};
-use kt_types::api::{BatchAck, CommitResponse, PutPlan, PutRequest};
+use kt_types::api::{BatchAck, CommitResponse, HaveChunks, PutPlan, PutRequest};
 use kt_types::codec;
 use kt_types::{ErrorCode, Hash, Key, Manifest};
 
@@ -119,6 +119,7 @@ pub async fn plan(
             needed: Vec::new(),
             chunk_size: s.cfg.chunk_size,
             need_manifest: false,
+            have: Vec::new(),
         }));
     }
     if encoded.is_empty() {
@@ -127,6 +128,7 @@ pub async fn plan(
             needed: Vec::new(),
             chunk_size: s.cfg.chunk_size,
             need_manifest: true,
+            have: Vec::new(),
         }));
     }
     let t0 = Instant::now();
@@ -141,52 +143,107 @@ pub async fn plan(
     let dir = s.keys.dir_of(&key);
     let base = st.current.clone();
     let key_name = key.to_string();
-    let (version, manifest, needed, dir) = {
+    let chunk_size = s.cfg.chunk_size;
+    // The same tree, uploaded before a restart cut it off: resume it.
+    let busy: Vec<String> = s
+        .puts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .filter(|p| p.key == key)
+        .map(|p| p.version.clone())
+        .collect();
+    let adopt = crate::resume::find(&dir, &req.digest, &busy);
+    let digest = req.digest;
+    let (version, manifest, left, log, dir) = {
         let dir = dir.clone();
         blocking(move || {
+            if let Some(version) = adopt {
+                let staging = dir.version_path(&version);
+                let log_path = dir.chunks_path(&version);
+                let left = crate::resume::survey(&staging, &log_path, &manifest, chunk_size);
+                let log = crate::resume::rewrite_log(&log_path, &left)
+                    .map_err(|e| SyncError::io(&log_path, e))?;
+                crate::resume::mark(&dir, &version, &digest)?;
+                return Ok((version, manifest, left, log, dir));
+            }
             let version = dir.stage()?;
-            std::fs::write(dir.path().join("key"), key_name)
-                .map_err(|e| SyncError::io(dir.path(), e))?;
-            let base_root = base.as_ref().map(|b| dir.version_path(&b.version));
-            let base_pair = base
-                .as_ref()
-                .zip(base_root.as_deref())
-                .map(|(b, root)| (root, &*b.meta.manifest));
-            let needed = match stage_from_base(&dir.version_path(&version), &manifest, base_pair) {
-                Ok(n) => n,
+            let staged = (|| {
+                std::fs::write(dir.path().join("key"), key_name)
+                    .map_err(|e| SyncError::io(dir.path(), e))?;
+                let base_root = base.as_ref().map(|b| dir.version_path(&b.version));
+                let base_pair = base
+                    .as_ref()
+                    .zip(base_root.as_deref())
+                    .map(|(b, root)| (root, &*b.meta.manifest));
+                let needed = stage_from_base(&dir.version_path(&version), &manifest, base_pair)?;
+                crate::resume::mark(&dir, &version, &digest)?;
+                let log_path = dir.chunks_path(&version);
+                let log =
+                    std::fs::File::create(&log_path).map_err(|e| SyncError::io(&log_path, e))?;
+                Ok((needed, log))
+            })();
+            match staged {
+                Ok((needed, log)) => {
+                    let left = crate::resume::Left {
+                        needed,
+                        ..Default::default()
+                    };
+                    Ok((version, manifest, left, log, dir))
+                }
                 Err(e) => {
                     let _ = dir.remove_version(&version);
-                    return Err(e);
+                    Err(e)
                 }
-            };
-            Ok((version, manifest, needed, dir))
+            }
         })
         .await?
     };
     drop(st);
 
+    if left.kept > 0 {
+        tracing::info!(key = %key, version = %version, kept = left.kept, "upload resumed: what a restart interrupted is kept");
+    }
     tracing::debug!(ms = t0.elapsed().as_millis() as u64, "upload staged");
     let staging = dir.version_path(&version);
     let mut batch = HashMap::new();
     let mut chunked = HashMap::new();
     let mut bytes_needed = 0;
+    let mut have = Vec::new();
+    let needed = left.needed;
     for &i in &needed {
         let e = &manifest.entries[i as usize];
         bytes_needed += e.size;
         let dest = staging.join(&e.path);
         if e.size > s.cfg.chunk_size {
-            let file = match ChunkedFile::create(&dest, e.size, WriteMode::Direct) {
+            let kept = left.chunks.get(&i);
+            let file = match kept {
+                Some(_) => ChunkedFile::resume(&dest, e.size),
+                None => ChunkedFile::create(&dest, e.size, WriteMode::Direct),
+            };
+            let file = match file {
                 Ok(f) => f,
                 Err(err) => {
                     let _ = dir.remove_version(&version);
                     return Err(sync_err(err));
                 }
             };
+            let mut asm = ChunkAssembly::new(e.size, s.cfg.chunk_size);
+            if let Some(kept) = kept {
+                for (n, cv) in kept {
+                    asm.add_cv(*n, *cv);
+                    bytes_needed -= asm.range(*n).map(|(_, len)| len).unwrap_or(0);
+                }
+                have.push(HaveChunks {
+                    index: i,
+                    chunks: kept.iter().map(|(n, _)| *n).collect(),
+                });
+            }
             chunked.insert(
                 i,
                 Arc::new(ChunkSlot {
                     file: RwLock::new(Some(file)),
-                    asm: Mutex::new(ChunkAssembly::new(e.size, s.cfg.chunk_size)),
+                    asm: Mutex::new(asm),
                     done: AtomicBool::new(false),
                     finished: AtomicBool::new(false),
                 }),
@@ -220,6 +277,7 @@ pub async fn plan(
         started: now,
         touched: Mutex::new(now),
         bytes_needed,
+        chunk_log: Mutex::new(Some(log)),
     });
     tracing::debug!(session = %id, key = %sess.key, needed = needed.len(), ms = t0.elapsed().as_millis() as u64, "upload planned");
     s.puts
@@ -231,6 +289,7 @@ pub async fn plan(
         needed,
         chunk_size: s.cfg.chunk_size,
         need_manifest: false,
+        have,
     }))
 }
 
@@ -303,7 +362,18 @@ pub async fn chunk(
         Ok(None) => return Ok(ApiJson(BatchAck { files: 0, bytes: 0 })),
         Err(e) => return Err(e),
     };
+    let logged = sess.clone();
     let written = blocking(move || {
+        // Logged first: a restart from here on keeps the chunk.
+        if let Some(log) = logged
+            .chunk_log
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+            && let Err(e) = crate::resume::log_chunk(log, index, n, &cv)
+        {
+            tracing::warn!(error = %e, "could not log a chunk: a restart would have it sent again");
+        }
         let root = {
             let mut asm = slot.asm.lock().unwrap_or_else(|p| p.into_inner());
             asm.add_cv(n, cv);
@@ -433,7 +503,15 @@ async fn publish(
         blocking(move || {
             let root = sess.dir.version_path(&sess.version);
             apply::finish_tree(&root, &sess.meta.manifest)?;
-            sess.dir.write_meta(&sess.version, &sess.meta.to_bytes())
+            sess.dir.write_meta(&sess.version, &sess.meta.to_bytes())?;
+            // Complete: no longer an upload to resume (before it is
+            // published, so a published version is never adopted).
+            sess.chunk_log
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            sess.dir.drop_resume(&sess.version);
+            Ok::<(), SyncError>(())
         })
         .await?;
     }
@@ -583,10 +661,44 @@ pub async fn sweep(s: &Shared, now: Instant) {
         tracing::info!(session = %sess.id, key = %sess.key, "upload session expired");
         discard(s, sess).await;
     }
+    // Uploads a restart interrupted and no put resumed in time.
+    let due: Vec<crate::resume::Leftover> = {
+        let mut left = s.keys.leftovers.lock().unwrap_or_else(|p| p.into_inner());
+        let (due, keep) = left.drain(..).partition(|l| now >= l.until);
+        *left = keep;
+        due
+    };
+    for l in due {
+        // Under the key's lock, like a discard: a plan may be adopting it
+        // (it marks it young again) or staging beside it.
+        let state = l.key.as_ref().map(|k| s.keys.state(k));
+        let st = match &state {
+            Some(state) => Some(state.lock().await),
+            None => None,
+        };
+        let marker = l.dir.resume_path(&l.id);
+        let resumed = l.adopted()
+            || s.puts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .any(|p| p.version == l.id && p.dir.path() == l.dir.path());
+        if resumed || !marker.exists() {
+            continue;
+        }
+        tracing::info!(dir = %l.dir.path().display(), version = %l.id, "interrupted upload not resumed in time: removed");
+        remove_versions(&l.dir, vec![l.id]).await;
+        if st.as_ref().is_some_and(|st| st.current.is_none()) {
+            let dir = l.dir.clone();
+            let _ = blocking(move || dir.remove_if_unused()).await;
+        }
+    }
 }
 
-/// Aborts every session (at shutdown).
-pub async fn abort_all(s: &Shared) {
+/// Ends every session at shutdown, keeping their staging versions: a put
+/// planned again after the restart resumes from them ([`crate::resume`]);
+/// the next start removes those not resumed within the session TTL.
+pub async fn interrupt_all(s: &Shared) {
     let all: Vec<Arc<PutSession>> = s
         .puts
         .lock()
@@ -595,6 +707,6 @@ pub async fn abort_all(s: &Shared) {
         .map(|(_, v)| v)
         .collect();
     for sess in all {
-        discard(s, sess).await;
+        tracing::info!(session = %sess.id, key = %sess.key, "upload interrupted by shutdown; kept for resuming");
     }
 }

@@ -60,7 +60,7 @@ pub fn start(
     shutdown: CancellationToken,
 ) -> Result<StoreHandle, StoreError> {
     kt_sync::chunk::check_chunk_size(cfg.chunk_size)?;
-    let keys = Arc::new(Keys::open(&cfg.data_dir)?);
+    let keys = Arc::new(Keys::open(&cfg.data_dir, cfg.session_ttl)?);
     let url = advertised(listener.local_addr()?, cfg.advertise_url.as_deref());
     let registrar = Arc::new(
         Registrar::new(&cfg.metadata_url, &url, cfg.token.clone()).map_err(StoreError::Config)?,
@@ -164,6 +164,6 @@ async fn background(s: AppState, ready: Ready, shutdown: CancellationToken) {
         s.reads.sweep(Instant::now()).await;
         put::sweep(&s, Instant::now()).await;
     }
-    // Abort unfinished uploads so their staging areas do not outlive us.
-    put::abort_all(&s).await;
+    // Unfinished uploads keep their staging areas: resumed after the restart.
+    put::interrupt_all(&s).await;
 }

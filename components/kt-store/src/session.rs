@@ -44,6 +44,8 @@ pub struct PutSession {
     pub(crate) started: Instant,
     pub(crate) touched: Mutex<Instant>,
     pub(crate) bytes_needed: u64,
+    /// The staging version's chunk log ([`crate::resume`]); None once closed.
+    pub(crate) chunk_log: Mutex<Option<std::fs::File>>,
 }
 
 impl PutSession {

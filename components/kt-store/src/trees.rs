@@ -22,8 +22,33 @@ pub async fn delete_tree(
             format!("{key} is at version {}, not {v}", cur.version),
         ));
     }
+    if q.orphaned {
+        // Asked under the key's lock: a commit or an unchanged put
+        // registers under it too, so the answer holds until the removal.
+        match s.registrar.record(&key).await {
+            Ok(rec) if rec.holder == kt_types::STORE_HOLDER && rec.version == cur.version => {
+                return Err(ApiError::new(
+                    kt_types::ErrorCode::Conflict,
+                    format!(
+                        "{key} at version {} is the store's again: kept",
+                        cur.version
+                    ),
+                ));
+            }
+            Ok(_) => {}
+            Err(e) if e.code() == kt_types::ErrorCode::NotFound => {}
+            Err(e) => {
+                return Err(ApiError::new(
+                    kt_types::ErrorCode::Unavailable,
+                    format!(
+                        "could not ask the metadata server whether {key} is still the store's: {e}"
+                    ),
+                ));
+            }
+        }
+    }
     s.remove_key(&key, &mut st).await?;
-    tracing::info!(%key, "tree deleted");
+    tracing::info!(%key, orphaned = q.orphaned, "tree deleted");
     Ok(ApiJson(DeleteResponse { deleted: vec![key] }))
 }
 

@@ -152,12 +152,39 @@ impl ChunkedFile {
             WriteMode::TempRename => temp_sibling(dest),
         };
         let file = open_new(&path, 0o600)?;
+        if mode == WriteMode::TempRename {
+            // Held while it is written: [`remove_abandoned_temps`] leaves a
+            // locked temporary file alone, however long it sat idle.
+            let _ = file.try_lock();
+        }
         file.set_len(size).at(&path)?;
         Ok(ChunkedFile {
             file,
             path,
             dest: dest.to_owned(),
             mode,
+            placed: false,
+        })
+    }
+
+    /// Opens a file an interrupted upload was writing in place (kept in a
+    /// private staging area), keeping what it holds.
+    pub fn resume(dest: &Path, size: u64) -> Result<Self, SyncError> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .custom_flags(libc::O_NOFOLLOW)
+            .mode(0o600)
+            .open(dest)
+            .at(dest)?;
+        file.set_len(size).at(dest)?;
+        Ok(ChunkedFile {
+            file,
+            path: dest.to_owned(),
+            dest: dest.to_owned(),
+            mode: WriteMode::Direct,
             placed: false,
         })
     }
@@ -282,7 +309,8 @@ const TEMP_PREFIX: &str = ".kt-tmp.";
 /// Removes temporary files a killed transfer left in the directories a
 /// tree (or, for a single-file root, `root`'s own directory) places files
 /// in: regular files named like [`temp_sibling`]'s that nobody wrote to for
-/// `idle` (one being written now is newer). Returns how many went.
+/// `idle` and no live writer holds locked (a large file's writer locks it
+/// for as long as it writes). Returns how many went.
 pub fn remove_abandoned_temps(root: &Path, m: &Manifest, idle: std::time::Duration) -> u64 {
     let dirs: Vec<PathBuf> = match m.root {
         RootKind::Dir => std::iter::once(root.to_owned())
@@ -293,7 +321,10 @@ pub fn remove_abandoned_temps(root: &Path, m: &Manifest, idle: std::time::Durati
                     .map(|e| root.join(&e.path)),
             )
             .collect(),
-        RootKind::File => root.parent().map(Path::to_owned).into_iter().collect(),
+        RootKind::File => match root.parent() {
+            Some(p) if !p.as_os_str().is_empty() => vec![p.to_owned()],
+            _ => vec![PathBuf::from(".")],
+        },
     };
     let now = std::time::SystemTime::now();
     let mut removed = 0;
@@ -312,12 +343,25 @@ pub fn remove_abandoned_temps(root: &Path, m: &Manifest, idle: std::time::Durati
                         .and_then(|t| now.duration_since(t).ok())
                         .is_some_and(|age| age >= idle)
             });
-            if abandoned && fs::remove_file(entry.path()).is_ok() {
+            if abandoned && !in_use(&entry.path()) && fs::remove_file(entry.path()).is_ok() {
                 removed += 1;
             }
         }
     }
     removed
+}
+
+/// Whether a get still holds the lock it takes on a temporary file it
+/// writes (a large file, written for as long as its source allows).
+fn in_use(path: &Path) -> bool {
+    let Ok(f) = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    else {
+        return true;
+    };
+    f.try_lock().is_err()
 }
 
 /// Brings an existing file's mode and mtime in line with `e`.

@@ -4,6 +4,8 @@
 //! <dir>/current -> v-<id>        the published version (a symlink, swapped by rename)
 //! <dir>/v-<id>/                  a version's tree (a staging area until published)
 //! <dir>/v-<id>.meta              its manifest and options (opaque to this module), written before it is published
+//! <dir>/v-<id>.put               a staging version that may be resumed: what it is for (opaque here)
+//! <dir>/v-<id>.chunks            what arrived of it (opaque here), kept beside it
 //! ```
 //!
 //! Readers resolve `current` once and read that version; a new version is staged
@@ -21,6 +23,8 @@ use crate::error::{IoContext, SyncError};
 
 const CURRENT: &str = "current";
 const META_SUFFIX: &str = ".meta";
+const RESUME_SUFFIX: &str = ".put";
+const CHUNKS_SUFFIX: &str = ".chunks";
 
 #[derive(Debug, Clone)]
 pub struct VersionedDir {
@@ -55,6 +59,39 @@ impl VersionedDir {
 
     fn meta_path(&self, id: &str) -> PathBuf {
         self.dir.join(format!("v-{id}{META_SUFFIX}"))
+    }
+
+    /// The marker of a staging version that may be resumed after a restart
+    /// ([`VersionedDir::cleanup_keeping`] keeps those its caller names).
+    pub fn resume_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("v-{id}{RESUME_SUFFIX}"))
+    }
+
+    /// A log kept beside a resumable staging version.
+    pub fn chunks_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("v-{id}{CHUNKS_SUFFIX}"))
+    }
+
+    /// Ids of the staging versions with a resume marker, and the marker's
+    /// path.
+    pub fn resumable(&self) -> Vec<(String, PathBuf)> {
+        let Ok(rd) = fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        rd.flatten()
+            .filter_map(|d| {
+                let name = d.file_name().to_str()?.to_owned();
+                let id = name.strip_prefix("v-")?.strip_suffix(RESUME_SUFFIX)?;
+                Some((id.to_owned(), d.path()))
+            })
+            .filter(|(id, _)| self.version_path(id).is_dir())
+            .collect()
+    }
+
+    /// Forgets that a version may be resumed (it was published).
+    pub fn drop_resume(&self, id: &str) {
+        let _ = fs::remove_file(self.resume_path(id));
+        let _ = fs::remove_file(self.chunks_path(id));
     }
 
     /// Creates an empty staging version and returns its id.
@@ -101,9 +138,10 @@ impl VersionedDir {
         Ok(previous)
     }
 
-    /// Deletes a version's tree and manifest.
+    /// Deletes a version's tree, manifest and resume files.
     pub fn remove_version(&self, id: &str) -> Result<(), SyncError> {
         let _ = fs::remove_file(self.meta_path(id));
+        self.drop_resume(id);
         force_remove_dir_all(&self.version_path(id))
     }
 
@@ -135,20 +173,37 @@ impl VersionedDir {
     /// Removes everything but the current version. Returns whether a current
     /// version exists (when none does, the whole directory was removed).
     pub fn cleanup(&self) -> Result<bool, SyncError> {
+        self.cleanup_keeping(|_| false)
+    }
+
+    /// Removes everything but the current version and the resumable staging
+    /// versions `keep` names (with their resume files). Returns whether a
+    /// current version exists; the directory goes when nothing is left.
+    pub fn cleanup_keeping(&self, keep: impl Fn(&str) -> bool) -> Result<bool, SyncError> {
         let current = self.current()?;
-        if current.is_none() {
+        let kept: Vec<String> = self
+            .resumable()
+            .into_iter()
+            .map(|(id, _)| id)
+            .filter(|id| keep(id))
+            .collect();
+        if current.is_none() && kept.is_empty() {
             force_remove_dir_all(&self.dir)?;
             return Ok(false);
         }
-        let keep_tree = current.as_deref().map(|c| format!("v-{c}"));
-        let keep_meta = current.as_deref().map(|c| format!("v-{c}{META_SUFFIX}"));
+        let mut keep_names: Vec<String> = vec![CURRENT.to_owned()];
+        for id in current.iter().chain(&kept) {
+            keep_names.push(format!("v-{id}"));
+            keep_names.push(format!("v-{id}{META_SUFFIX}"));
+        }
+        for id in &kept {
+            keep_names.push(format!("v-{id}{RESUME_SUFFIX}"));
+            keep_names.push(format!("v-{id}{CHUNKS_SUFFIX}"));
+        }
         for dent in fs::read_dir(&self.dir).at(&self.dir)? {
             let dent = dent.at(&self.dir)?;
             let name = dent.file_name().to_string_lossy().into_owned();
-            if name == CURRENT
-                || Some(&name) == keep_tree.as_ref()
-                || Some(&name) == keep_meta.as_ref()
-            {
+            if keep_names.contains(&name) {
                 continue;
             }
             if !(name.starts_with("v-") || name.starts_with("current.tmp-")) {
@@ -161,7 +216,7 @@ impl VersionedDir {
                 fs::remove_file(&p).at(&p)?;
             }
         }
-        Ok(true)
+        Ok(current.is_some())
     }
 }
 
@@ -229,6 +284,27 @@ mod tests {
         assert_eq!(v.publish(&c).unwrap().as_deref(), Some(a.as_str()));
         v.remove_version(&a).unwrap();
         assert!(!v.version_path(&a).exists());
+    }
+
+    #[test]
+    fn resumable_staging_is_kept_when_asked_and_goes_with_its_version() {
+        let d = tempfile::tempdir().unwrap();
+        let v = VersionedDir::new(d.path().join("k"));
+        let (a, b) = (v.stage().unwrap(), v.stage().unwrap());
+        for id in [&a, &b] {
+            fs::write(v.resume_path(id), b"digest").unwrap();
+            fs::write(v.chunks_path(id), b"log").unwrap();
+        }
+        // Never published, one staging kept: the directory stays.
+        assert!(!v.cleanup_keeping(|id| id == a).unwrap());
+        let ids: Vec<String> = v.resumable().into_iter().map(|(id, _)| id).collect();
+        assert_eq!(ids, std::slice::from_ref(&a));
+        assert!(v.chunks_path(&a).exists() && !v.version_path(&b).exists());
+        assert!(!v.chunks_path(&b).exists());
+        v.remove_version(&a).unwrap();
+        assert!(!v.resume_path(&a).exists() && !v.chunks_path(&a).exists());
+        assert!(!v.cleanup_keeping(|_| true).unwrap());
+        assert!(!d.path().join("k").exists());
     }
 
     #[test]

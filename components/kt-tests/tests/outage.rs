@@ -153,3 +153,55 @@ async fn past_its_deadline_a_get_says_what_failed_and_how_long_it_waited() {
     assert!(msg.contains("transient"), "{msg}");
     c.stop().await;
 }
+
+/// Counts the bytes a transfer reports done.
+#[derive(Default)]
+struct Done(AtomicUsize);
+
+impl kt_client::progress::ProgressSink for Done {
+    fn start(&self, _bytes: u64, _files: u64) {}
+    fn advance(&self, bytes: u64) {
+        self.0.fetch_add(bytes as usize, Ordering::SeqCst);
+    }
+    fn finish(&self) {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_put_cut_off_by_a_store_restart_sends_only_the_rest() {
+    let mut c = Cluster::start().await;
+    let src = c.dir.path().join("src");
+    let size = 16 << 20;
+    write_files(&src, &[("big", &bytes(11, size)), ("small", b"small")]);
+    let k = Key::parse("outage/resume").unwrap();
+    let done = Arc::new(Done::default());
+    let put = {
+        let (client, k, src) = (c.client(), k.clone(), src.clone());
+        let progress = Progress::new(done.clone());
+        tokio::spawn(async move { client.put(&k, &src, PutOptions::default(), progress).await })
+    };
+    let counted = done.clone();
+    wait_until("half the file uploaded", Duration::from_secs(30), || {
+        let counted = counted.clone();
+        async move { counted.0.load(Ordering::SeqCst) >= size / 2 }
+    })
+    .await;
+    // A rolling update: stopped (TERM) and started again on its address.
+    c.restart_store().await;
+    let summary = put.await.unwrap().unwrap();
+    assert!(!summary.unchanged);
+    // The restarted store took the rest, not the whole file again.
+    let again = c.store_metrics.bytes_in() as usize;
+    assert!(
+        again <= size / 2 + (2 << 20),
+        "the restarted store received {again} bytes of a {size}-byte file"
+    );
+    assert!(
+        summary.stats.bytes_sent as usize <= size / 2 + (2 << 20),
+        "{:?}",
+        summary.stats
+    );
+    let dest = c.dir.path().join("dest");
+    c.client().get(&k, &dest, Progress::none()).await.unwrap();
+    assert_eq!(fingerprint(&dest), fingerprint(&src));
+    c.stop().await;
+}

@@ -648,6 +648,18 @@ async fn a_local_put_frees_the_store_copy_and_late_registrations_undo_nothing() 
     // A local put takes a key over from the store: the store's copy goes.
     let v = put_store(&c, "ml/taken", Lifespan::Cluster).await;
     assert_eq!(store_keys(&c).await, ["ml/taken"]);
+    // Not while the metadata server names the store's copy (a put that
+    // registered it again wins over a takeover's late deletion).
+    let store = Api::new(c.store_url());
+    store
+        .err(
+            Method::DELETE,
+            &format!("trees/ml/taken?version={v}&orphaned=true"),
+            None,
+            ErrorCode::Conflict,
+        )
+        .await;
+    assert_eq!(store_keys(&c).await, ["ml/taken"]);
     api.register_local("ml/taken", "p1", "l1", Lifespan::Cluster)
         .await;
     wait_until("the store drops its copy", WAIT, || async {

@@ -132,8 +132,9 @@ pub struct RegisterKey {
 #[serde(rename_all = "snake_case")]
 pub enum RegisterIf {
     /// The key has no record and was not deleted recently (the metadata
-    /// server remembers deletions for an hour), or its record is held by
-    /// the same holder as the registration's.
+    /// server remembers deletions for an hour, in memory: a restart forgets
+    /// them), or its record is held by the same holder as the
+    /// registration's.
     AbsentOrHeld,
 }
 
@@ -200,6 +201,20 @@ pub struct PutPlan {
     /// The tree changed (or is new): send the request again with the manifest.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub need_manifest: bool,
+    /// Chunks of needed large files the store already holds, verified, from
+    /// an upload of the same tree that a store restart interrupted: not to
+    /// be sent again.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub have: Vec<HaveChunks>,
+}
+
+/// Chunks of one large file the store holds already ([`PutPlan::have`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HaveChunks {
+    /// The file's manifest index (one of [`PutPlan::needed`]).
+    pub index: u32,
+    /// Chunk numbers, ascending.
+    pub chunks: Vec<u64>,
 }
 
 /// What the store took from one upload request: a batch stream
@@ -376,6 +391,12 @@ pub struct TreeDeleteQuery {
     /// The version to delete; absent: whatever version is current.
     #[serde(default)]
     pub version: Option<String>,
+    /// Only if the metadata server no longer names the store's copy (the
+    /// key was taken over by a `locale=local` put, or deleted): the store
+    /// asks it under the key's lock, so a put that registered the copy
+    /// again meanwhile keeps it (`conflict`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub orphaned: bool,
 }
 
 /// The query of `GET /api/v1/keys`.

@@ -349,27 +349,35 @@ async fn put_key(
         // copy is no one's source any more. The store also finds such
         // orphans itself when it starts.
         let s = s.clone();
-        tokio::spawn(async move { drop_store_copy(&s, &old).await });
+        tokio::spawn(async move {
+            drop_store_copy(&s, &old.source, &old.key, Some(&old.version)).await
+        });
     }
     Ok(ApiJson(record))
 }
 
-/// Deletes the store's copy of a key (that version only) after another
-/// holder took the key over; logged, not retried.
-async fn drop_store_copy(s: &Inner, old: &KeyRecord) {
+/// Deletes the store's copy of a key after another holder took the key
+/// over (`version`: the one superseded), or after a key another held was
+/// deleted (any version: an orphan a failed takeover left). The store keeps
+/// it if its record names the store again. Logged, not retried (the store's
+/// start-up pass finds what is left).
+async fn drop_store_copy(s: &Inner, store_url: &str, key: &Key, version: Option<&str>) {
+    let mut query = vec![("orphaned", "true")];
+    query.extend(version.map(|v| ("version", v)));
     let deleted = s
         .stores
-        .at(&old.source)
-        .delete(&paths::tree(&old.key))
-        .query(&[("version", old.version.as_str())])
+        .at(store_url)
+        .delete(&paths::tree(key))
+        .query(&query)
         .ok()
         .await;
     match deleted {
         Ok(()) => {
-            tracing::info!(key = %old.key, version = %old.version, "store copy of a key now held by an agent deleted")
+            tracing::info!(%key, version, "store copy of a key no longer the store's deleted")
         }
+        Err(e) if e.code() == ErrorCode::NotFound => {}
         Err(e) => {
-            tracing::warn!(key = %old.key, version = %old.version, error = %e, "could not delete the store copy of a key now held by an agent")
+            tracing::warn!(%key, version, error = %e, "could not delete the store copy of a key no longer the store's")
         }
     }
 }
@@ -508,7 +516,7 @@ async fn delete_key(
 
 /// Deletes a key's data at the store, then its record. A local key's record is
 /// just dropped: its agent learns it from the `drop` list of its next beat.
-async fn delete_one(s: &Inner, r: &KeyRecord) -> Result<(), ApiError> {
+async fn delete_one(s: &AppState, r: &KeyRecord) -> Result<(), ApiError> {
     if r.locale == Locale::Store && r.holder == STORE_HOLDER {
         // Only the version this record names: a put that published since is kept.
         let deleted = s
@@ -553,6 +561,16 @@ async fn delete_one(s: &Inner, r: &KeyRecord) -> Result<(), ApiError> {
         s.db.remove_record(&r.key).map_err(db_err)?;
         registry.remove(&r.key, now_ms());
         tracing::info!(key = %r.key, "key deleted");
+        drop(registry);
+        // A key an agent held may have left a store copy behind (a takeover
+        // whose deletion failed): it goes now, unless the store holds it
+        // for a record of its own again.
+        if r.holder != STORE_HOLDER
+            && let Some(store) = s.store_url.lock().await.clone()
+        {
+            let (s, key) = (s.clone(), r.key.clone());
+            tokio::spawn(async move { drop_store_copy(&s, &store, &key, None).await });
+        }
     }
     Ok(())
 }
@@ -723,7 +741,7 @@ async fn teardown(
 }
 
 /// Evicts a service's agents for good and deletes its `resource` keys.
-async fn teardown_service(s: &Inner, name: &str) -> Result<TeardownResponse, ApiError> {
+async fn teardown_service(s: &AppState, name: &str) -> Result<TeardownResponse, ApiError> {
     // Agents first, so none is handed out as a source while keys go.
     let (targets, evicted) = {
         let mut registry = s.registry.lock().await;

@@ -257,7 +257,7 @@ pub trait Target: Send + Sync {
     }
 
     /// Cuts (`up` false) or restores the network link of a server or pod:
-    /// while cut, its packets are dropped and nothing is refused.
+    /// while cut, its packets are dropped (open connections stall).
     async fn set_link(&self, c: &Component, up: bool) -> Result<(), TargetError> {
         let _ = up;
         Err(TargetError::Unavailable(format!(
