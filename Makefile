@@ -131,10 +131,10 @@ bench-metadata:
 bench-tensors:
 	$(CARGO) run --release -p kt-bench --bin kt-bench-tensors -- $(BENCH_ARGS)
 
-## bench-recovery: a 1 GiB get with the store SIGKILLed and started again
-## halfway, against the same get undisturbed (real kt-metadata and kt-store
+## bench-recovery: a 1 GiB get and put with the store SIGKILLed and started
+## again halfway, against the same undisturbed (real kt-metadata and kt-store
 ## processes on loopback): the extra time against the store's time away, and
-## the bytes fetched twice (medians and targets on the last line).
+## the bytes moved twice (medians and targets on the last two lines).
 bench-recovery:
 	$(CARGO) build --release -p kt-store -p kt-metadata --bins
 	$(CARGO) run --release -p kt-bench --bin kt-bench-recovery -- $(BENCH_ARGS)

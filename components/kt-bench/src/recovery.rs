@@ -6,14 +6,18 @@
 //! which an in-process server cannot). One file (1 GiB by default) is put
 //! once; then each run does a plain get of it (the baseline) and a get
 //! during which the store is SIGKILLed once the get has `at` of the bytes,
-//! and started again at once on the same address and data. Per run:
+//! and started again at once on the same address and data; and the same
+//! for a put of it. Per run and operation:
 //!
 //! - the extra time of the get with the restart over the baseline, against
 //!   the time the store was away (kill to ready again): the target is
 //!   extra ≤ away + 1 s;
-//! - the bytes received more than the file's size (what the restart made
-//!   the get fetch twice, read from [`kt_client::bytes_received`]): the
-//!   target is at most one chunk per stream.
+//! - the bytes moved twice: for the get, received beyond what the
+//!   undisturbed get received ([`kt_client::bytes_received`]); for a put of
+//!   the same file (to a new key, the store killed at the same point), what
+//!   the restarted store received beyond what the first had not confirmed
+//!   (its `kt_bytes_received_total`): the target is at most one chunk per
+//!   stream.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -48,19 +52,27 @@ pub struct Options {
     pub at: f64,
 }
 
-/// One run's figures.
+/// One run's figures: a get, and a put of the same file.
 #[derive(Debug, Clone)]
 pub struct Run {
+    pub get: Case,
+    pub put: Case,
+}
+
+/// One transfer undisturbed and with the store restarted midway.
+#[derive(Debug, Clone)]
+pub struct Case {
     pub baseline: Duration,
     pub with_restart: Duration,
     /// From the kill until the store answered ready again.
     pub away: Duration,
-    /// Bytes received with the restart beyond what the undisturbed get
-    /// received (the file and its manifest).
+    /// Bytes moved twice: for a get, received beyond what the undisturbed
+    /// get received (the file and its manifest); for a put, what the
+    /// restarted store received beyond what the first had not confirmed.
     pub refetched: u64,
 }
 
-impl Run {
+impl Case {
     pub fn extra(&self) -> f64 {
         self.with_restart.as_secs_f64() - self.baseline.as_secs_f64()
     }
@@ -82,36 +94,46 @@ impl Report {
     pub fn render(&self) -> String {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         let mut out = format!(
-            "{:>3}  {:>10}  {:>12}  {:>8}  {:>8}  {:>13}\n",
-            "run", "baseline_s", "with_restart", "extra_s", "away_s", "refetched_MiB"
+            "{:>3}  {:>4}  {:>10}  {:>12}  {:>8}  {:>8}  {:>11}\n",
+            "run", "op", "baseline_s", "with_restart", "extra_s", "away_s", "twice_MiB"
         );
         for (i, r) in self.runs.iter().enumerate() {
+            for (op, c) in [("get", &r.get), ("put", &r.put)] {
+                out += &format!(
+                    "{:>3}  {op:>4}  {:>10.2}  {:>12.2}  {:>8.2}  {:>8.2}  {:>11.1}\n",
+                    i + 1,
+                    c.baseline.as_secs_f64(),
+                    c.with_restart.as_secs_f64(),
+                    c.extra(),
+                    c.away.as_secs_f64(),
+                    mib(c.refetched),
+                );
+            }
+        }
+        let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
+        for (op, pick) in [
+            ("get", (|r: &Run| &r.get) as fn(&Run) -> &Case),
+            ("put", |r: &Run| &r.put),
+        ] {
+            let med = |f: &dyn Fn(&Case) -> f64| {
+                median(&self.runs.iter().map(|r| f(pick(r))).collect::<Vec<_>>())
+            };
+            let extra = med(&Case::extra);
+            let away = med(&|c| c.away.as_secs_f64());
+            let twice = med(&|c| c.refetched as f64) as u64;
             out += &format!(
-                "{:>3}  {:>10.2}  {:>12.2}  {:>8.2}  {:>8.2}  {:>13.1}\n",
-                i + 1,
-                r.baseline.as_secs_f64(),
-                r.with_restart.as_secs_f64(),
-                r.extra(),
-                r.away.as_secs_f64(),
-                mib(r.refetched),
+                "recovery op={op} size_mib={:.0} at={:.2} baseline_s={:.2} extra_s={extra:.2} \
+                 away_s={away:.2} extra_target={} twice_mib={:.1} twice_limit_mib={:.1} \
+                 twice_target={}\n",
+                mib(self.size),
+                self.at,
+                med(&|c| c.baseline.as_secs_f64()),
+                verdict(extra <= away + 1.0),
+                mib(twice),
+                mib(self.refetch_limit),
+                verdict(twice <= self.refetch_limit),
             );
         }
-        let med = |f: fn(&Run) -> f64| median(&self.runs.iter().map(f).collect::<Vec<_>>());
-        let extra = med(Run::extra);
-        let away = med(|r| r.away.as_secs_f64());
-        let refetched = med(|r| r.refetched as f64) as u64;
-        let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
-        out += &format!(
-            "recovery size_mib={:.0} at={:.2} baseline_s={:.2} extra_s={extra:.2} away_s={away:.2} \
-             extra_target={} refetched_mib={:.1} refetch_limit_mib={:.1} refetch_target={}\n",
-            mib(self.size),
-            self.at,
-            med(|r| r.baseline.as_secs_f64()),
-            verdict(extra <= away + 1.0),
-            mib(refetched),
-            mib(self.refetch_limit),
-            verdict(refetched <= self.refetch_limit),
-        );
         out
     }
 }
@@ -213,6 +235,24 @@ impl Servers {
             .await
     }
 
+    /// `kt_bytes_received_total` of the store running now.
+    async fn store_bytes_received(&self) -> anyhow::Result<u64> {
+        let text = self
+            .http
+            .get(format!("http://{}/metrics", self.store_addr))
+            .bearer_auth(TOKEN)
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("kt_bytes_received_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map(|v| v as u64)
+            .context("the store's metrics lack kt_bytes_received_total")
+    }
+
     /// SIGKILL, as a crash or an OOM kill would.
     fn kill_store(&mut self) {
         drop(self.store.take());
@@ -261,6 +301,126 @@ impl ProgressSink for Placed {
     fn finish(&self) {}
 }
 
+/// Waits until `placed` reached `at` of the size, then SIGKILLs the store
+/// and starts it again; how long it was away.
+async fn restart_midway(
+    servers: &mut Servers,
+    placed: &Placed,
+    running: &tokio::task::JoinHandle<impl Sized>,
+    opts: &Options,
+) -> anyhow::Result<Duration> {
+    let kill_at = (opts.size as f64 * opts.at) as u64;
+    while placed.0.load(Ordering::Relaxed) < kill_at && !running.is_finished() {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    if running.is_finished() {
+        bail!("the transfer ended before the store could be killed; use a larger --size");
+    }
+    let killed = Instant::now();
+    servers.kill_store();
+    servers.start_store().await?;
+    Ok(killed.elapsed())
+}
+
+/// A get undisturbed, then one with the store restarted midway.
+async fn get_case(
+    servers: &mut Servers,
+    client: &Client,
+    key: &Key,
+    dest: &Path,
+    opts: &Options,
+) -> anyhow::Result<Case> {
+    let rx = kt_client::bytes_received();
+    let t = Instant::now();
+    client.get(key, dest, Progress::none()).await?;
+    let baseline = t.elapsed();
+    let baseline_overhead = (kt_client::bytes_received() - rx).saturating_sub(opts.size);
+    std::fs::remove_file(dest)?;
+
+    let placed = Arc::new(Placed::default());
+    let get = {
+        let (client, key, dest) = (client.clone(), key.clone(), dest.to_owned());
+        let progress = Progress::new(placed.clone());
+        tokio::spawn(async move { client.get(&key, &dest, progress).await })
+    };
+    let rx = kt_client::bytes_received();
+    let t = Instant::now();
+    let away = match restart_midway(servers, &placed, &get, opts).await {
+        Ok(a) => a,
+        Err(e) => {
+            get.await??;
+            return Err(e);
+        }
+    };
+    get.await??;
+    let with_restart = t.elapsed();
+    // Beyond what an undisturbed get receives too (manifests).
+    let refetched =
+        (kt_client::bytes_received() - rx).saturating_sub(opts.size + baseline_overhead);
+    if std::fs::metadata(dest)?.len() != opts.size {
+        bail!("the get with a restart left a file of the wrong size");
+    }
+    std::fs::remove_file(dest)?;
+    Ok(Case {
+        baseline,
+        with_restart,
+        away,
+        refetched,
+    })
+}
+
+/// A put of `src` to a new key undisturbed, then one to another new key
+/// with the store restarted midway (it resumes: only the rest is sent).
+async fn put_case(
+    servers: &mut Servers,
+    client: &Client,
+    src: &Path,
+    n: usize,
+    opts: &Options,
+) -> anyhow::Result<Case> {
+    let t = Instant::now();
+    let base_key = Key::parse(&format!("bench/put-base-{n}"))?;
+    client
+        .put(&base_key, src, PutOptions::default(), Progress::none())
+        .await?;
+    let baseline = t.elapsed();
+
+    let key = Key::parse(&format!("bench/put-restart-{n}"))?;
+    let placed = Arc::new(Placed::default());
+    let put = {
+        let (client, key, src) = (client.clone(), key.clone(), src.to_owned());
+        let progress = Progress::new(placed.clone());
+        tokio::spawn(async move {
+            client
+                .put(&key, &src, PutOptions::default(), progress)
+                .await
+        })
+    };
+    let t = Instant::now();
+    let away = match restart_midway(servers, &placed, &put, opts).await {
+        Ok(a) => a,
+        Err(e) => {
+            put.await??;
+            return Err(e);
+        }
+    };
+    // What the first store had confirmed when it was killed.
+    let confirmed = placed.0.load(Ordering::Relaxed);
+    put.await??;
+    let with_restart = t.elapsed();
+    let received = servers.store_bytes_received().await?;
+    // Both copies go: the work directory is tmpfs, memory.
+    for k in [&base_key, &key] {
+        client.rm(k, false).await?;
+    }
+    Ok(Case {
+        baseline,
+        with_restart,
+        away,
+        refetched: received.saturating_sub(opts.size.saturating_sub(confirmed)),
+    })
+}
+
 /// Runs the benchmark.
 pub async fn run(opts: &Options) -> anyhow::Result<Report> {
     if !(0.0..1.0).contains(&opts.at) {
@@ -281,53 +441,19 @@ pub async fn run(opts: &Options) -> anyhow::Result<Report> {
     client
         .put(&key, &src, PutOptions::default(), Progress::none())
         .await?;
-    std::fs::remove_file(&src)?;
 
     let mut runs = Vec::new();
     for n in 0..opts.runs {
-        let dest = work.join(format!("get-{n}"));
-        let rx = kt_client::bytes_received();
-        let t = Instant::now();
-        client.get(&key, &dest, Progress::none()).await?;
-        let baseline = t.elapsed();
-        let baseline_overhead = (kt_client::bytes_received() - rx).saturating_sub(opts.size);
-        std::fs::remove_file(&dest)?;
-
-        let placed = Arc::new(Placed::default());
-        let get = {
-            let (client, key, dest) = (client.clone(), key.clone(), dest.clone());
-            let progress = Progress::new(placed.clone());
-            tokio::spawn(async move { client.get(&key, &dest, progress).await })
-        };
-        let rx = kt_client::bytes_received();
-        let t = Instant::now();
-        let kill_at = (opts.size as f64 * opts.at) as u64;
-        while placed.0.load(Ordering::Relaxed) < kill_at && !get.is_finished() {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        if get.is_finished() {
-            get.await??;
-            bail!("the get finished before the store could be killed; use a larger --size");
-        }
-        let killed = Instant::now();
-        servers.kill_store();
-        servers.start_store().await?;
-        let away = killed.elapsed();
-        get.await??;
-        let with_restart = t.elapsed();
-        // Beyond what an undisturbed get receives too (manifests).
-        let refetched =
-            (kt_client::bytes_received() - rx).saturating_sub(opts.size + baseline_overhead);
-        if std::fs::metadata(&dest)?.len() != opts.size {
-            bail!("the get with a restart left a file of the wrong size");
-        }
-        std::fs::remove_file(&dest)?;
-        runs.push(Run {
-            baseline,
-            with_restart,
-            away,
-            refetched,
-        });
+        let get = get_case(
+            &mut servers,
+            &client,
+            &key,
+            &work.join(format!("get-{n}")),
+            opts,
+        )
+        .await?;
+        let put = put_case(&mut servers, &client, &src, n, opts).await?;
+        runs.push(Run { get, put });
     }
     Ok(Report {
         size: opts.size,
