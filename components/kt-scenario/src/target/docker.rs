@@ -384,11 +384,17 @@ impl Docker {
                     .await
                     .map_err(|e| TargetError::Failed(format!("pausing {name}: {e}")));
             }
+            // As SIGCONT to a running process: thawing what is not frozen
+            // is no error.
             Signal::CONT => {
-                return api
-                    .unpause_container(name)
-                    .await
-                    .map_err(|e| TargetError::Failed(format!("unpausing {name}: {e}")));
+                return match api.unpause_container(name).await {
+                    Err(bollard::errors::Error::DockerResponseServerError { message, .. })
+                        if message.contains("is not paused") =>
+                    {
+                        Ok(())
+                    }
+                    r => r.map_err(|e| TargetError::Failed(format!("unpausing {name}: {e}"))),
+                };
             }
         };
         match res {
