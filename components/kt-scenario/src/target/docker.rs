@@ -384,18 +384,7 @@ impl Docker {
                     .await
                     .map_err(|e| TargetError::Failed(format!("pausing {name}: {e}")));
             }
-            // As SIGCONT to a running process: thawing what is not frozen
-            // is no error.
-            Signal::CONT => {
-                return match api.unpause_container(name).await {
-                    Err(bollard::errors::Error::DockerResponseServerError { message, .. })
-                        if message.contains("is not paused") =>
-                    {
-                        Ok(())
-                    }
-                    r => r.map_err(|e| TargetError::Failed(format!("unpausing {name}: {e}"))),
-                };
-            }
+            Signal::CONT => return unpause(api, name).await,
         };
         match res {
             Ok(()) => {}
@@ -969,6 +958,19 @@ impl Target for Docker {
         }
         self.pods.clear();
         first_error.map_or(Ok(()), Err)
+    }
+}
+
+/// Thaws a paused container; one that is not paused is no error (as
+/// SIGCONT to a running process).
+async fn unpause(api: &bollard::Docker, name: &str) -> Result<(), TargetError> {
+    match api.unpause_container(name).await {
+        Err(bollard::errors::Error::DockerResponseServerError { message, .. })
+            if message.contains("is not paused") =>
+        {
+            Ok(())
+        }
+        r => r.map_err(|e| TargetError::Failed(format!("unpausing {name}: {e}"))),
     }
 }
 
