@@ -13,6 +13,10 @@ use crate::ClientError;
 
 /// How long an agent started on demand gets to open its socket.
 const START_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a running agent may take to answer the hello: a frozen one
+/// (SIGSTOP, a node under memory pressure) fails the connection instead
+/// of hanging the caller.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `$KT_AGENT_SOCKET`, else the agent's own default
 /// ([`kt_service::cli::default_agent_socket`]).
@@ -43,6 +47,14 @@ fn away(msg: impl Into<String>) -> ClientError {
 impl AgentConn {
     /// Connects and says hello; `None` when no agent listens at `socket`.
     pub async fn connect(socket: &Path) -> Result<Option<AgentConn>, ClientError> {
+        Self::connect_within(socket, HELLO_TIMEOUT).await
+    }
+
+    /// [`AgentConn::connect`], the hello answered within `limit`.
+    async fn connect_within(
+        socket: &Path,
+        limit: Duration,
+    ) -> Result<Option<AgentConn>, ClientError> {
         let stream = match UnixStream::connect(socket).await {
             Ok(s) => s,
             Err(e)
@@ -70,12 +82,16 @@ impl AgentConn {
             id: String::new(),
             url: String::new(),
         };
-        match conn
-            .request(&ControlRequest::Hello {
-                version: CONTROL_VERSION,
-            })
-            .await?
-        {
+        let hello = conn.request(&ControlRequest::Hello {
+            version: CONTROL_VERSION,
+        });
+        let answer = tokio::time::timeout(limit, hello).await.map_err(|_| {
+            away(format!(
+                "the node agent at {} did not answer within {limit:?} (frozen?)",
+                socket.display()
+            ))
+        })??;
+        match answer {
             ControlReply::Hello {
                 version,
                 agent,
@@ -252,5 +268,17 @@ mod tests {
         let err = c.request(&ControlRequest::Status).await.unwrap_err();
         assert_eq!(err.code(), Some(kt_types::ErrorCode::InvalidRequest));
         assert!(err.to_string().contains("path must be absolute"));
+    }
+
+    #[tokio::test]
+    async fn an_agent_that_never_answers_fails_the_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("frozen.sock");
+        // Accepted by the kernel's backlog, never answered: a frozen agent.
+        let _listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let e = AgentConn::connect_within(&path, Duration::from_millis(200))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("did not answer"), "{e}");
     }
 }

@@ -718,10 +718,15 @@ impl Client {
             path: path.display().to_string(),
             manifest: read.manifest.clone(),
         };
-        match agent.request(&req).await {
-            Ok(_) => true,
-            Err(e) => {
+        // Bounded: a frozen agent must not hold a finished get.
+        match tokio::time::timeout(self.cfg.stall, agent.request(&req)).await {
+            Ok(Ok(_)) => true,
+            Ok(Err(e)) => {
                 tracing::warn!(%key, error = %e, "the node agent did not take the copy; it is not shared");
+                false
+            }
+            Err(_) => {
+                tracing::warn!(%key, stall = ?self.cfg.stall, "the node agent did not answer; the copy is not shared");
                 false
             }
         }
