@@ -63,6 +63,7 @@ pub fn run(
         world: Some(comm.world()),
         ..TensorStats::default()
     };
+    let mut staging = Staging::for_plan(backend, &*comm, plan, lent)?;
     for flow in &plan.flows {
         let group = flow.group();
         if !group.contains(&me) {
@@ -84,7 +85,7 @@ pub fn run(
                 &group,
                 regions,
                 plan.packing.bucket_bytes,
-                lent.device,
+                &mut staging.slots,
                 &mut stats,
             )?;
         } else {
@@ -101,6 +102,29 @@ pub fn run(
     }
     stats.seconds = started.elapsed().as_secs_f64();
     Ok(stats)
+}
+
+/// One rank's whole transfer: holds the device of `lent` (see
+/// [`Backend::hold`]), connects, runs the plan, and drops the communicator
+/// and the lent memory before letting the device go.
+#[allow(clippy::too_many_arguments)]
+pub fn transfer(
+    backend: &dyn Backend,
+    plan: &TransferPlan,
+    rank: u32,
+    endpoint: Box<dyn crate::transport::Endpoint>,
+    rendezvous: Option<&str>,
+    mut lent: Lent,
+    timeout: std::time::Duration,
+) -> Result<TensorStats, TransportError> {
+    let device = lent.memory_device();
+    let held = backend.hold(device, timeout)?;
+    let mut comm = backend.connect(plan, rank, endpoint, rendezvous, device, timeout)?;
+    let stats = run(backend, &mut *comm, plan, &mut lent);
+    drop(comm);
+    drop(lent);
+    drop(held);
+    stats
 }
 
 fn check_regions(flow: &Flow, regions: &[Box<dyn Region>]) -> Result<(), TransportError> {
@@ -172,25 +196,21 @@ fn packed(
     group: &[u32],
     regions: &mut [Box<dyn Region>],
     bucket_bytes: u64,
-    device: Device,
+    slots: &mut [Box<dyn Region>],
     stats: &mut TensorStats,
 ) -> Result<(), TransportError> {
     let buckets = pack::plan(&flow.tensors, bucket_bytes);
     if comm.gathers() {
         return gathered(comm, flow, group, regions, &buckets, stats);
     }
-    let packed_at: Vec<usize> = buckets
-        .iter()
-        .enumerate()
-        .filter(|(_, b)| matches!(b, Bucket::Packed { .. }))
-        .map(|(i, _)| i)
-        .collect();
-    let cap = pack::staging_len(&buckets);
-    // Staging beside the tensors (their mapped device, not the entry's index).
-    let device = regions.first().map(|r| r.device()).unwrap_or(device);
-    let mut slots: Vec<Box<dyn Region>> = Vec::new();
-    for _ in 0..packed_at.len().min(2) {
-        slots.push(backend.alloc(device, cap)?);
+    let packed_at = packed_buckets(&buckets);
+    if slots.len() < packed_at.len().min(2)
+        || slots.iter().any(|s| s.len() < pack::staging_len(&buckets))
+    {
+        return Err(TransportError::Invalid(format!(
+            "{}: the staging buffers were sized for another plan",
+            flow.key
+        )));
     }
     let is_root = comm.rank() == flow.root;
     if is_root && let Some(&first) = packed_at.first() {
@@ -209,7 +229,7 @@ fn packed(
                 comm.broadcast(flow.root, group, &mut *regions[*index], 0, *len)?;
             }
             Bucket::Packed { len, .. } => {
-                let (cur, other) = split(&mut slots, k % 2);
+                let (cur, other) = split(slots, k % 2);
                 let next = packed_at.get(k + 1).copied();
                 let prev = pending.take();
                 let regions_ref = &mut *regions;
@@ -282,6 +302,52 @@ fn gathered(
         stats.collectives += 1;
     }
     Ok(())
+}
+
+/// Indices of the packed buckets (those that go through staging).
+fn packed_buckets(buckets: &[Bucket]) -> Vec<usize> {
+    buckets
+        .iter()
+        .enumerate()
+        .filter(|(_, b)| matches!(b, Bucket::Packed { .. }))
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// The staging buffers of one rank's whole plan, allocated once before its
+/// first flow and dropped after its last: allocating and freeing device
+/// memory per flow would synchronise the GPU behind whatever else runs on
+/// it (NCCL kernels of other transfers waiting for their peers). Two
+/// buffers (double buffering) of the largest bucket any of this rank's
+/// packed flows has; none where nothing is packed or the transport gathers.
+struct Staging {
+    slots: Vec<Box<dyn Region>>,
+}
+
+impl Staging {
+    fn for_plan(
+        backend: &dyn Backend,
+        comm: &dyn Comm,
+        plan: &TransferPlan,
+        lent: &Lent,
+    ) -> Result<Staging, TransportError> {
+        if !plan.packing.pack || comm.gathers() {
+            return Ok(Staging { slots: Vec::new() });
+        }
+        let me = comm.rank();
+        let (mut count, mut cap) = (0, 0);
+        for flow in plan.flows.iter().filter(|f| f.group().contains(&me)) {
+            let buckets = pack::plan(&flow.tensors, plan.packing.bucket_bytes);
+            count = count.max(packed_buckets(&buckets).len().min(2));
+            cap = cap.max(pack::staging_len(&buckets));
+        }
+        // Beside the tensors (their mapped device, not the entry's index).
+        let device = lent.memory_device();
+        let slots = (0..count)
+            .map(|_| backend.alloc(device, cap))
+            .collect::<Result<_, _>>()?;
+        Ok(Staging { slots })
+    }
 }
 
 fn packed_slot(packed_at: &[usize], bucket: usize) -> usize {
@@ -369,12 +435,75 @@ mod tests {
         }
     }
 
-    /// Three ranks: 0 puts `a`, 1 puts `b`, 2 gets both, 1 also gets `a`.
-    fn many_to_many(packing: Packing) -> (Vec<TensorStats>, Vec<Lent>) {
-        many_to_many_over(packing, false)
+    /// The host backend, counting the staging buffers it hands out.
+    #[derive(Debug)]
+    struct Counting<'a> {
+        inner: &'a dyn Backend,
+        allocs: std::sync::atomic::AtomicUsize,
     }
 
-    fn many_to_many_over(packing: Packing, staged: bool) -> (Vec<TensorStats>, Vec<Lent>) {
+    impl Backend for Counting<'_> {
+        fn kind(&self) -> kt_types::tensor::BackendKind {
+            self.inner.kind()
+        }
+        fn map(
+            &self,
+            handle: &kt_types::tensor::MemHandle,
+            device: Device,
+        ) -> Result<Box<dyn Region>, TransportError> {
+            self.inner.map(handle, device)
+        }
+        fn alloc(&self, device: Device, len: u64) -> Result<Box<dyn Region>, TransportError> {
+            self.allocs
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.inner.alloc(device, len)
+        }
+        fn copy(
+            &self,
+            dst: &mut dyn Region,
+            dst_off: u64,
+            src: &dyn Region,
+            src_off: u64,
+            len: u64,
+        ) -> Result<(), TransportError> {
+            self.inner.copy(dst, dst_off, src, src_off, len)
+        }
+        fn endpoint(
+            &self,
+            id: &str,
+            ip: &str,
+        ) -> Result<Box<dyn crate::transport::Endpoint>, TransportError> {
+            self.inner.endpoint(id, ip)
+        }
+        fn rendezvous(&self, plan: &TransferPlan) -> Result<Option<String>, TransportError> {
+            self.inner.rendezvous(plan)
+        }
+        fn connect(
+            &self,
+            plan: &TransferPlan,
+            rank: u32,
+            endpoint: Box<dyn crate::transport::Endpoint>,
+            rendezvous: Option<&str>,
+            device: Device,
+            timeout: Duration,
+        ) -> Result<Box<dyn Comm>, TransportError> {
+            self.inner
+                .connect(plan, rank, endpoint, rendezvous, device, timeout)
+        }
+    }
+
+    /// Three ranks: 0 puts `a`, 1 puts `b`, 2 gets both, 1 also gets `a`.
+    fn many_to_many(packing: Packing) -> (Vec<TensorStats>, Vec<Lent>) {
+        let (stats, lents, _) = many_to_many_over(packing, false);
+        (stats, lents)
+    }
+
+    /// Each rank's stats, its lent memory afterwards, and how many staging
+    /// buffers it allocated.
+    fn many_to_many_over(
+        packing: Packing,
+        staged: bool,
+    ) -> (Vec<TensorStats>, Vec<Lent>, Vec<usize>) {
         let ka = Key::parse("m/a").unwrap();
         let kb = Key::parse("m/b").unwrap();
         let set = descs();
@@ -428,19 +557,28 @@ mod tests {
             plan.fanout = 1;
             plan.validate().unwrap();
         };
-        on_every_rank(3, configure, Duration::from_secs(20), |r, b, plan, c| {
+        let per_rank = on_every_rank(3, configure, Duration::from_secs(20), |r, b, plan, c| {
             let mut lent = lent_of(r);
+            let b = Counting {
+                inner: b,
+                allocs: Default::default(),
+            };
             let st = if staged {
-                run(b, &mut Staged(c), plan, &mut lent)
+                run(&b, &mut Staged(c), plan, &mut lent)
             } else {
                 let mut c = c;
-                run(b, &mut *c, plan, &mut lent)
+                run(&b, &mut *c, plan, &mut lent)
             }
             .unwrap();
-            (st, lent)
-        })
-        .into_iter()
-        .unzip()
+            (st, lent, b.allocs.into_inner())
+        });
+        let mut out = (Vec::new(), Vec::new(), Vec::new());
+        for (st, lent, allocs) in per_rank {
+            out.0.push(st);
+            out.1.push(lent);
+            out.2.push(allocs);
+        }
+        out
     }
 
     fn check(lents: &[Lent]) {
@@ -488,10 +626,13 @@ mod tests {
             pack: true,
             bucket_bytes: 1 << 20,
         };
-        let (stats, lents) = many_to_many_over(packing, true);
+        let (stats, lents, allocs) = many_to_many_over(packing, true);
         check(&lents);
         let per_flow = pack::plan(&descs(), 1 << 20).len() as u64;
         assert_eq!(stats[2].collectives, 2 * per_flow);
+        // Staging is allocated once per plan, not per flow (#19): ranks 1
+        // and 2 each take part in two packed flows.
+        assert_eq!(allocs, vec![2, 2, 2]);
     }
 
     /// Flows `a: 0 -> {1}` then `b: 0 -> {1, 2}`: rank 2 is in `b` only,

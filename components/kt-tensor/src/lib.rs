@@ -15,11 +15,12 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod engine;
+pub mod hold;
 pub mod host;
 pub mod pack;
 pub mod shm;
 pub mod transport;
 
-pub use engine::{Lent, run};
+pub use engine::{Lent, run, transfer};
 pub use host::HostBackend;
 pub use transport::{Backend, Comm, Endpoint, Region, TransportError};

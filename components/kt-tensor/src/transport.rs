@@ -1,7 +1,7 @@
 //! The transport trait: what a backend must provide for the engine to run a
 //! transfer plan.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kt_types::tensor::{BackendKind, Device, MemHandle, TransferPlan};
 
@@ -130,6 +130,20 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         let _ = handle;
     }
 
+    /// Holds `device` for one whole transfer, from before `connect` until
+    /// its communicator is dropped ([`crate::engine::transfer`]), waiting up
+    /// to `timeout` for a transfer holding it now: for transports whose
+    /// transfers must not overlap on a device ([`crate::hold`]). `None`:
+    /// nothing to hold (the default).
+    fn hold(
+        &self,
+        device: Device,
+        timeout: Duration,
+    ) -> Result<Option<Box<dyn Send>>, TransportError> {
+        let _ = (device, timeout);
+        Ok(None)
+    }
+
     /// A staging buffer of `len` bytes on `device` (pack buckets).
     fn alloc(&self, device: Device, len: u64) -> Result<Box<dyn Region>, TransportError>;
 
@@ -165,6 +179,78 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         device: Device,
         timeout: Duration,
     ) -> Result<Box<dyn Comm>, TransportError>;
+}
+
+/// Point-to-point messages of one byte, for transports whose operations
+/// are bounded from the moment they are posted (NCCL): what
+/// [`flow_handshake`] needs.
+pub trait Exchange {
+    /// Sends one byte to each of `to` and receives one byte from each of
+    /// `from`, all at once; fails if that is not done by `deadline`. `what`
+    /// says what the exchange is for, in errors.
+    fn exchange(
+        &mut self,
+        to: &[u32],
+        from: &[u32],
+        deadline: Instant,
+        what: &str,
+    ) -> Result<(), TransportError>;
+}
+
+/// [`Comm::begin_flow`] over an [`Exchange`]: every member but the root
+/// tells the root it is in the flow and waits for the root's answer, which
+/// comes once all of them are. Each exchange goes one way between a pair
+/// (NCCL fails with "Message truncated" when the two sides of a pair set up
+/// different connections in one group: seen on an H200 with NCCL 2.28). A member busy with earlier flows of the
+/// plan is waited for up to `idle` (the host backend's
+/// [`crate::host::IDLE_FACTOR`] timeouts); the collectives of the flow are
+/// posted only after this, so their own timeout starts when every member is
+/// there. Nothing to do for a rank outside `group`.
+pub fn flow_handshake(
+    x: &mut dyn Exchange,
+    me: u32,
+    root: u32,
+    group: &[u32],
+    idle: Duration,
+) -> Result<(), TransportError> {
+    let mut members: Vec<u32> = group.to_vec();
+    members.sort_unstable();
+    members.dedup();
+    if !members.contains(&me) || members.len() < 2 {
+        return Ok(());
+    }
+    let deadline = Instant::now() + idle;
+    if me == root {
+        let others: Vec<u32> = members.into_iter().filter(|m| *m != root).collect();
+        x.exchange(
+            &[],
+            &others,
+            deadline,
+            &format!("waiting for ranks {others:?} to come to the flow of rank {root}"),
+        )?;
+        x.exchange(
+            &others,
+            &[],
+            deadline,
+            &format!("starting the flow of rank {root}"),
+        )
+    } else {
+        // Two exchanges, as the root's: NCCL sets up the point-to-point
+        // connections an exchange needs with its peers, and both sides of a
+        // pair must ask for the same ones (one direction each time).
+        x.exchange(
+            &[root],
+            &[],
+            deadline,
+            &format!("telling rank {root} this rank is in its flow"),
+        )?;
+        x.exchange(
+            &[],
+            &[root],
+            deadline,
+            &format!("waiting for rank {root} to start its flow"),
+        )
+    }
 }
 
 /// The tree of a broadcast within `group` rooted at `root` with `fanout`
@@ -205,5 +291,197 @@ mod tests {
             assert!(seen.iter().all(|n| *n == 1), "fanout {fanout}: {seen:?}");
         }
         assert_eq!(tree(0, &[0, 3], 7, 2), (None, vec![]));
+    }
+}
+
+/// [`flow_handshake`] against a fake of NCCL's semantics: every operation's
+/// timeout runs from the moment it is posted, whether or not its peers are
+/// there yet.
+#[cfg(test)]
+mod handshake_tests {
+    use std::collections::HashMap;
+    use std::sync::mpsc::{Receiver, Sender, channel};
+
+    use super::*;
+    use crate::host::IDLE_FACTOR;
+    use crate::shm::HostBuf;
+
+    struct FakeNccl {
+        me: u32,
+        world: u32,
+        timeout: Duration,
+        /// Whether `begin_flow` runs the handshake (false: as the NCCL
+        /// backend did before it had one).
+        handshake: bool,
+        to: HashMap<u32, Sender<Vec<u8>>>,
+        from: HashMap<u32, Receiver<Vec<u8>>>,
+    }
+
+    impl FakeNccl {
+        /// Ranks joined by one ordered channel per pair (NCCL keeps the
+        /// order of messages between two ranks).
+        fn ranks(world: u32, timeout: Duration, handshake: bool) -> Vec<FakeNccl> {
+            let mut ranks: Vec<FakeNccl> = (0..world)
+                .map(|me| FakeNccl {
+                    me,
+                    world,
+                    timeout,
+                    handshake,
+                    to: HashMap::new(),
+                    from: HashMap::new(),
+                })
+                .collect();
+            for a in 0..world {
+                for b in 0..world {
+                    if a != b {
+                        let (tx, rx) = channel();
+                        ranks[a as usize].to.insert(b, tx);
+                        ranks[b as usize].from.insert(a, rx);
+                    }
+                }
+            }
+            ranks
+        }
+
+        fn send(&self, peer: u32, bytes: Vec<u8>) {
+            let _ = self.to[&peer].send(bytes);
+        }
+
+        fn recv(
+            &self,
+            peer: u32,
+            deadline: Instant,
+            what: &str,
+        ) -> Result<Vec<u8>, TransportError> {
+            let left = deadline.saturating_duration_since(Instant::now());
+            self.from[&peer]
+                .recv_timeout(left)
+                .map_err(|_| TransportError::Timeout(format!("{what}: nothing from rank {peer}")))
+        }
+    }
+
+    impl Exchange for FakeNccl {
+        fn exchange(
+            &mut self,
+            to: &[u32],
+            from: &[u32],
+            deadline: Instant,
+            what: &str,
+        ) -> Result<(), TransportError> {
+            for p in to {
+                self.send(*p, vec![1]);
+            }
+            for p in from {
+                self.recv(*p, deadline, what)?;
+            }
+            Ok(())
+        }
+    }
+
+    impl Comm for FakeNccl {
+        fn rank(&self) -> u32 {
+            self.me
+        }
+        fn world(&self) -> u32 {
+            self.world
+        }
+        /// The root's part ends when every member has the bytes (acks).
+        fn broadcast(
+            &mut self,
+            root: u32,
+            group: &[u32],
+            buf: &mut dyn Region,
+            offset: u64,
+            len: u64,
+        ) -> Result<(), TransportError> {
+            let deadline = Instant::now() + self.timeout;
+            let range = offset as usize..(offset + len) as usize;
+            let what = format!("broadcast from rank {root}");
+            if self.me == root {
+                let bytes = buf.host().unwrap()[range].to_vec();
+                let others: Vec<u32> = group.iter().copied().filter(|m| *m != root).collect();
+                for m in &others {
+                    self.send(*m, bytes.clone());
+                }
+                for m in &others {
+                    self.recv(*m, deadline, &what)?;
+                }
+            } else if group.contains(&self.me) {
+                let got = self.recv(root, deadline, &what)?;
+                buf.host_mut().unwrap()[range].copy_from_slice(&got);
+                self.send(root, vec![0xac]);
+            }
+            Ok(())
+        }
+        fn begin_flow(&mut self, root: u32, group: &[u32]) -> Result<(), TransportError> {
+            if !self.handshake {
+                return Ok(());
+            }
+            let (me, idle) = (self.me, self.timeout * IDLE_FACTOR);
+            flow_handshake(self, me, root, group, idle)
+        }
+    }
+
+    /// Flow A is {0, 1}, flow B {0, 2}, both from rank 0; rank 1 comes to
+    /// A three timeouts late. Each rank's result and what rank 2 received.
+    fn flows(handshake: bool) -> Vec<Result<Vec<u8>, TransportError>> {
+        let timeout = Duration::from_millis(150);
+        let threads: Vec<_> = FakeNccl::ranks(3, timeout, handshake)
+            .into_iter()
+            .map(|mut c| {
+                std::thread::spawn(move || {
+                    let mut buf = HostBuf(vec![0; 16]);
+                    let flows: &[(u8, [u32; 2])] = match c.me {
+                        0 => &[(5, [0, 1]), (6, [0, 2])],
+                        1 => &[(5, [0, 1])],
+                        _ => &[(6, [0, 2])],
+                    };
+                    if c.me == 1 {
+                        std::thread::sleep(3 * timeout);
+                    }
+                    for (seed, group) in flows {
+                        if c.me == 0 {
+                            buf.0 = vec![*seed; 16];
+                        }
+                        c.begin_flow(0, group)?;
+                        c.broadcast(0, group, &mut buf, 0, 16)?;
+                    }
+                    Ok(buf.0)
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn a_later_flow_waits_for_members_busy_with_an_earlier_one() {
+        let got = flows(true);
+        assert_eq!(got[1].as_ref().unwrap(), &vec![5; 16]);
+        assert_eq!(got[2].as_ref().unwrap(), &vec![6; 16]);
+        assert!(got[0].is_ok());
+    }
+
+    /// What the handshake is for: without it, the root times out in flow A
+    /// and rank 2 in flow B (as the NCCL backend did on an H200).
+    #[test]
+    fn without_the_handshake_a_busy_member_costs_the_transfer() {
+        let got = flows(false);
+        for r in [0, 2] {
+            assert!(
+                matches!(&got[r], Err(TransportError::Timeout(_))),
+                "rank {r}: {:?}",
+                got[r].as_ref().map(|_| "ok")
+            );
+        }
+    }
+
+    #[test]
+    fn outside_the_group_or_alone_there_is_nothing_to_wait_for() {
+        let mut ranks = FakeNccl::ranks(2, Duration::from_millis(10), true);
+        let idle = Duration::from_millis(10);
+        flow_handshake(&mut ranks[1], 1, 0, &[0], idle).unwrap();
+        flow_handshake(&mut ranks[0], 0, 0, &[0, 0], idle).unwrap();
+        let e = flow_handshake(&mut ranks[0], 0, 0, &[0, 1], idle).unwrap_err();
+        assert!(e.to_string().contains("waiting for ranks [1]"), "{e}");
     }
 }

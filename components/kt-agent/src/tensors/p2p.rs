@@ -162,6 +162,13 @@ impl Tensors {
         packing: Packing,
     ) -> Result<TensorStats, ApiError> {
         let ip = self.ip()?;
+        // The destination is mapped before the source is asked: a handle
+        // that does not open fails here, before the source has started its
+        // side (and NCCL its bootstrap) for nothing.
+        let mut mapped = Vec::with_capacity(keys.len());
+        for (want, dest) in &keys {
+            mapped.push((want, Self::map(backend.clone(), dest.clone()).await?));
+        }
         let b = backend.clone();
         let endpoint = blocking(move || b.endpoint("p2p", &ip).map_err(transport)).await?;
         let req = SessionRequest {
@@ -184,7 +191,7 @@ impl Tensors {
         plan.validate()
             .map_err(|m| internal(format!("session plan from {source}: {m}")))?;
         let mut lent = Lent::new(device);
-        for (want, dest) in keys {
+        for (want, regions) in mapped {
             let flow = plan
                 .flows
                 .iter()
@@ -192,22 +199,12 @@ impl Tensors {
                 .ok_or_else(|| internal(format!("{source} sent a plan without {}", want.key)))?;
             t::check_destination(&want.key, &flow.tensors, &want.tensors)
                 .map_err(ApiError::bad_request)?;
-            lent.keys
-                .insert(want.key.clone(), Self::map(backend.clone(), dest).await?);
+            lent.keys.insert(want.key.clone(), regions);
         }
         let timeout = self.timeout;
         blocking(move || {
-            let mut comm = backend
-                .connect(
-                    &plan,
-                    1,
-                    endpoint,
-                    reply.rendezvous.as_deref(),
-                    lent.memory_device(),
-                    timeout,
-                )
-                .map_err(transport)?;
-            kt_tensor::run(&*backend, &mut *comm, &plan, &mut lent).map_err(transport)
+            let rv = reply.rendezvous.as_deref();
+            kt_tensor::transfer(&*backend, &plan, 1, endpoint, rv, lent, timeout).map_err(transport)
         })
         .await
     }
@@ -297,9 +294,9 @@ impl Tensors {
             fanout: 1,
         };
         plan.validate().map_err(internal)?;
-        let b = backend.clone();
-        let p = plan.clone();
-        let rendezvous = blocking(move || b.rendezvous(&p).map_err(transport)).await?;
+        // The source's memory is mapped before the rendezvous: NCCL's
+        // unique id starts a bootstrap root, which must not wait for a
+        // transfer that a handle failing to open has already ended.
         let mut lent = Lent::new(device);
         for r in &sets {
             lent.keys.insert(
@@ -307,20 +304,14 @@ impl Tensors {
                 Self::map(backend.clone(), r.entries.clone()).await?,
             );
         }
+        let b = backend.clone();
+        let p = plan.clone();
+        let rendezvous = blocking(move || b.rendezvous(&p).map_err(transport)).await?;
         let (p, rv, timeout, getter) = (plan.clone(), rendezvous.clone(), self.timeout, req.agent);
         tokio::spawn(async move {
             let res = blocking(move || {
-                let mut comm = backend
-                    .connect(
-                        &p,
-                        0,
-                        endpoint,
-                        rv.as_deref(),
-                        lent.memory_device(),
-                        timeout,
-                    )
-                    .map_err(transport)?;
-                kt_tensor::run(&*backend, &mut *comm, &p, &mut lent).map_err(transport)
+                kt_tensor::transfer(&*backend, &p, 0, endpoint, rv.as_deref(), lent, timeout)
+                    .map_err(transport)
             })
             .await;
             match res {

@@ -79,7 +79,7 @@ impl Tensors {
         rank: u32,
         backend: Arc<dyn Backend>,
         endpoint: Box<dyn kt_tensor::Endpoint>,
-        mut lent: Lent,
+        lent: Lent,
     ) -> Result<TensorStats, ApiError> {
         plan.validate()
             .map_err(|e| internal(format!("quorum {group} sent an invalid plan: {e}")))?;
@@ -112,17 +112,16 @@ impl Tensors {
         };
         let (p, timeout) = (plan.clone(), self.timeout);
         blocking(move || {
-            let mut comm = backend
-                .connect(
-                    &p,
-                    rank,
-                    endpoint,
-                    rendezvous.as_deref(),
-                    lent.memory_device(),
-                    timeout,
-                )
-                .map_err(transport)?;
-            kt_tensor::run(&*backend, &mut *comm, &p, &mut lent).map_err(transport)
+            kt_tensor::transfer(
+                &*backend,
+                &p,
+                rank,
+                endpoint,
+                rendezvous.as_deref(),
+                lent,
+                timeout,
+            )
+            .map_err(transport)
         })
         .await
     }
