@@ -54,6 +54,12 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // Started again by its own NCCL backend for a unique id (see
+    // kt_tensor::cuda::serve_root_helper): that, and nothing else.
+    #[cfg(feature = "cuda")]
+    if let Some(served) = kt_tensor::cuda::serve_root_helper() {
+        return served.map_err(anyhow::Error::msg);
+    }
     let args = Args::parse();
     let token = args.server.init()?;
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;

@@ -26,6 +26,17 @@ struct Args {
 }
 
 fn main() -> ExitCode {
+    // NCCL's unique id is made in this executable again (see
+    // kt_tensor::cuda::serve_root_helper).
+    if let Some(served) = kt_tensor::cuda::serve_root_helper() {
+        return match served {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kt-bench-nccl: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     // The two ranks are this executable again.
     if let Some(outcome) = nccl::child() {
         return match outcome {

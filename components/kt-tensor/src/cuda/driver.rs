@@ -412,6 +412,10 @@ impl DeviceAlloc {
         )))?;
         Ok(DeviceAlloc { ctx, ptr, len })
     }
+
+    pub(crate) fn ptr(&self) -> u64 {
+        self.ptr
+    }
 }
 
 impl Drop for DeviceAlloc {
@@ -597,6 +601,37 @@ impl Region for CudaRegion {
 
 // ---- the application side -------------------------------------------------
 
+/// The calling thread's current CUDA context, put back on drop: calls made
+/// for an application do not change its current device.
+pub(crate) struct KeepCurrent(Option<sys::CUcontext>);
+
+impl KeepCurrent {
+    pub(crate) fn new() -> KeepCurrent {
+        let mut current: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `current` is a valid out-pointer.
+        let ok = unsafe { sys::cuCtxGetCurrent(&mut current) }
+            .result()
+            .is_ok();
+        KeepCurrent(ok.then_some(current))
+    }
+
+    /// The context current when this was made (null: none).
+    #[cfg(test)]
+    pub(crate) fn saved(&self) -> Option<sys::CUcontext> {
+        self.0
+    }
+}
+
+impl Drop for KeepCurrent {
+    fn drop(&mut self) {
+        if let Some(c) = self.0 {
+            // SAFETY: `c` was this thread's current context (or null) and a
+            // retained primary context outlives the process's calls.
+            let _ = unsafe { sys::cuCtxSetCurrent(c) };
+        }
+    }
+}
+
 /// The IPC handle of the allocation holding `device_ptr` on
 /// `cuda:{ordinal}`, for `len` bytes from `device_ptr` (memory allocated
 /// with `cuMemAlloc`/`cudaMalloc`, as PyTorch's caching allocator does;
@@ -608,6 +643,8 @@ pub fn ipc_mem_handle(
     len: u64,
 ) -> Result<MemHandle, TransportError> {
     let ctx = context(ordinal)?;
+    // The application's current device stays what it was.
+    let _keep = KeepCurrent::new();
     let (base, size) = address_range(&ctx, device_ptr)?;
     let offset = device_ptr - base;
     if offset.checked_add(len).is_none_or(|end| end > size) {

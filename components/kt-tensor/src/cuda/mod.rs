@@ -29,16 +29,21 @@
 
 mod driver;
 mod nccl;
+mod root;
 
 #[cfg(test)]
 mod tests;
 
 use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kt_types::tensor::{BackendKind, Device, MemHandle, TransferPlan};
 
+use crate::hold::DeviceHolds;
 use crate::transport::{Backend, Comm, Endpoint, Region, TransportError};
 
 pub use driver::{
@@ -46,9 +51,15 @@ pub use driver::{
     ipc_mem_handle, normalize_uuid, ordinal_of_uuid, probe_driver,
 };
 pub use nccl::{NCCL_LIBRARY_ENV, UNIQUE_ID_BYTES, probe_nccl};
+pub use root::{ROOT_HELPER_ENV, serve_root_helper};
 
 use driver::{IpcMapping, Stream};
 use nccl::{NcclComm, UniqueId};
+use root::RootHelper;
+
+/// How long a unique id's helper process lives at most (see [`root`]):
+/// rank 0 ends it sooner, once connected or failed.
+pub const ROOT_LIFETIME: Duration = Duration::from_secs(600);
 
 /// Whether this machine can run the NCCL backend: the CUDA driver loads
 /// and sees a GPU, and NCCL 2.14+ loads. The reason otherwise.
@@ -170,6 +181,13 @@ pub struct CudaBackend {
     /// Idle copy streams, by GPU: each `copy` takes one, so concurrent
     /// copies never wait for each other.
     streams: Mutex<HashMap<u32, Vec<Stream>>>,
+    /// The GPUs a transfer holds (one transfer at a time per GPU).
+    holds: Arc<DeviceHolds>,
+    /// The program (and its arguments) that serves NCCL unique ids
+    /// ([`root`]); this executable by default.
+    root_helper: Option<(PathBuf, Vec<OsString>)>,
+    /// Helpers of rendezvous whose rank 0 has not connected yet, by id.
+    roots: Mutex<HashMap<String, RootHelper>>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -202,6 +220,9 @@ impl CudaBackend {
             comm_device,
             ipc: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
+            holds: Arc::default(),
+            root_helper: None,
+            roots: Mutex::new(HashMap::new()),
         })
     }
 
@@ -213,6 +234,37 @@ impl CudaBackend {
 
     pub fn comm_device(&self) -> u32 {
         self.comm_device
+    }
+
+    /// Unique ids come from `program args…` (which must call
+    /// [`serve_root_helper`] first) instead of this executable.
+    pub fn with_root_helper(
+        mut self,
+        program: impl Into<PathBuf>,
+        args: impl IntoIterator<Item = impl Into<OsString>>,
+    ) -> CudaBackend {
+        self.root_helper = Some((program.into(), args.into_iter().map(Into::into).collect()));
+        self
+    }
+
+    /// A fresh unique id from a helper process, kept until rank 0 connects.
+    fn unique_id(&self) -> Result<String, TransportError> {
+        let mut cmd = match &self.root_helper {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args);
+                c
+            }
+            None => Command::new(std::env::current_exe().map_err(|e| {
+                TransportError::io("finding this executable (NCCL's unique id helper)", e)
+            })?),
+        };
+        cmd.stderr(std::process::Stdio::inherit());
+        let (helper, id) = RootHelper::start(cmd, ROOT_LIFETIME, root::ANSWER_WITHIN)?;
+        let mut roots = self.roots.lock().unwrap_or_else(|e| e.into_inner());
+        roots.retain(|_, h| h.running());
+        roots.insert(id.clone(), helper);
+        Ok(id)
     }
 
     /// The GPU a handle's memory is on: by UUID, else by the entry's index.
@@ -263,15 +315,35 @@ impl CudaBackend {
             return 0;
         };
         let hex = to_hex(&bytes);
-        let mut cache = self.ipc.lock().unwrap_or_else(|e| e.into_inner());
-        let before = cache.len();
-        cache.retain(|(_, h), _| *h != hex);
-        before - cache.len()
+        let gone: Vec<_> = {
+            let mut cache = self.ipc.lock().unwrap_or_else(|e| e.into_inner());
+            let keys: Vec<_> = cache.keys().filter(|(_, h)| *h == hex).cloned().collect();
+            keys.into_iter()
+                .filter_map(|k| cache.remove_entry(&k))
+                .collect()
+        };
+        let n = gone.len();
+        self.close(gone);
+        n
     }
 
     /// Drops every cached mapping.
     pub fn forget_all(&self) {
-        self.ipc.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        let gone: Vec<_> = self
+            .ipc
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .collect();
+        self.close(gone);
+    }
+
+    /// Closes mappings taken out of the cache, each once the transfer
+    /// holding its GPU (if any) is over: closing one synchronises the GPU.
+    fn close(&self, gone: Vec<((u32, String), Arc<IpcMapping>)>) {
+        for ((ordinal, _), mapping) in gone {
+            self.holds.defer(ordinal, Box::new(mapping));
+        }
     }
 
     /// IPC handles open now.
@@ -365,6 +437,21 @@ impl Backend for CudaBackend {
         self.forget(handle);
     }
 
+    fn hold(
+        &self,
+        device: Device,
+        timeout: Duration,
+    ) -> Result<Option<Box<dyn Send>>, TransportError> {
+        let ordinal = match device {
+            Device::Cuda(n) => n,
+            Device::Cpu => self.comm_device,
+        };
+        let held = self
+            .holds
+            .hold(ordinal, &format!("cuda:{ordinal}"), timeout)?;
+        Ok(Some(Box::new(held)))
+    }
+
     fn alloc(&self, device: Device, len: u64) -> Result<Box<dyn Region>, TransportError> {
         let ordinal = cuda_index(device, "a staging buffer")?;
         Ok(Box::new(self.alloc_device(ordinal, len)?))
@@ -398,7 +485,7 @@ impl Backend for CudaBackend {
 
     fn rendezvous(&self, plan: &TransferPlan) -> Result<Option<String>, TransportError> {
         Self::check_plan(plan)?;
-        Ok(Some(to_hex(&nccl::unique_id()?.to_bytes())))
+        self.unique_id().map(Some)
     }
 
     fn connect(
@@ -431,7 +518,17 @@ impl Backend for CudaBackend {
             Device::Cuda(n) => n,
             Device::Cpu => self.comm_device,
         };
-        let comm = NcclComm::init(&plan.id, ordinal, world, rank, &id, timeout)?;
-        Ok(Box::new(comm))
+        let comm = NcclComm::init(&plan.id, ordinal, world, rank, &id, timeout);
+        if rank == 0 {
+            // Every rank has met the bootstrap root (or never will): its
+            // helper can go.
+            let helper = self
+                .roots
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(blob.trim());
+            drop(helper);
+        }
+        Ok(Box::new(comm?))
     }
 }

@@ -17,14 +17,16 @@
 #![allow(unsafe_code)]
 
 use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
-use std::sync::OnceLock;
+use std::mem::ManuallyDrop;
+use std::sync::{OnceLock, mpsc};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::CUstream;
 use libloading::Library;
 
-use super::driver::{self, Stream, describe};
-use crate::transport::{Comm, Region, TransportError};
+use super::driver::{self, DeviceAlloc, Stream, describe};
+use crate::host::IDLE_FACTOR;
+use crate::transport::{Comm, Exchange, Region, TransportError, flow_handshake};
 use kt_types::tensor::Device;
 
 /// Path of the NCCL library to load instead of searching `libnccl.so.2`
@@ -322,12 +324,31 @@ pub(crate) fn part(me: u32, world: u32, root: u32, group: &[u32]) -> Result<Part
     }
 }
 
+/// How long an abort is waited for before it is left to finish on its own
+/// thread (`ncclCommAbort` can hang on a wedged peer or device).
+const ABORT_WAIT: Duration = Duration::from_secs(10);
+
+/// A communicator handed to the thread that aborts it.
+struct Aborting(RawComm);
+
+// SAFETY: the communicator is only used by that thread from then on (the
+// `NcclComm` forgot it).
+unsafe impl Send for Aborting {}
+
+impl Aborting {
+    fn raw(&self) -> RawComm {
+        self.0
+    }
+}
+
 /// The NCCL communicator of one transfer, on one GPU.
 pub(crate) struct NcclComm {
     api: &'static Api,
     /// Null once aborted or destroyed.
     raw: RawComm,
-    stream: Stream,
+    /// Kept (never freed) when an abort did not return: NCCL may still use
+    /// them.
+    stream: ManuallyDrop<Stream>,
     rank: u32,
     world: u32,
     ordinal: u32,
@@ -335,6 +356,11 @@ pub(crate) struct NcclComm {
     transfer: String,
     /// Why the communicator was aborted.
     failed: Option<String>,
+    /// The bytes of flow handshakes ([`Comm::begin_flow`]): one receive
+    /// slot per rank, then the byte sent. Kept as `stream` is.
+    token: ManuallyDrop<DeviceAlloc>,
+    /// An abort that had not returned after [`ABORT_WAIT`].
+    abandoned: bool,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a
@@ -395,6 +421,7 @@ impl NcclComm {
         let ctx = driver::context(ordinal)?;
         // Binds the context too: NCCL takes the calling thread's device.
         let stream = Stream::new(&ctx)?;
+        let token = DeviceAlloc::new(ordinal, u64::from(world) + 1)?;
         let mut config = ConfigV21400::non_blocking();
         let mut raw: RawComm = std::ptr::null_mut();
         let deadline = Instant::now() + timeout;
@@ -407,13 +434,15 @@ impl NcclComm {
         let mut comm = NcclComm {
             api,
             raw,
-            stream,
+            stream: ManuallyDrop::new(stream),
             rank,
             world,
             ordinal,
             timeout,
             transfer: transfer.to_owned(),
             failed: None,
+            token: ManuallyDrop::new(token),
+            abandoned: false,
         };
         let what = format!(
             "joining the NCCL communicator of transfer {transfer} as rank {rank} of {world} on cuda:{ordinal}"
@@ -475,22 +504,47 @@ impl NcclComm {
             rank = self.rank,
             "aborting the NCCL communicator: {why}"
         );
-        let _ = driver::bind(self.stream.ctx());
-        // SAFETY: `raw` is a live communicator, aborted once: NCCL sets its
-        // abort flag (kernels and proxy threads quit), joins its init thread
-        // and frees it, so it is not used again (set to null).
-        let r = unsafe { (self.api.comm_abort)(self.raw) };
-        if r != SUCCESS {
-            tracing::warn!("ncclCommAbort: {}", error_string(self.api, r));
-        }
+        let (api, ctx) = (self.api, self.stream.ctx().clone());
+        let comm = Aborting(self.raw);
         self.raw = std::ptr::null_mut();
         self.failed = Some(why.to_owned());
+        // On its own thread, waited for a while: an abort that hangs costs
+        // a thread, not the agent's transfer thread.
+        let (tx, rx) = mpsc::channel();
+        let run = move || {
+            let _ = driver::bind(&ctx);
+            // SAFETY: a live communicator, aborted once: NCCL sets its abort
+            // flag (kernels and proxy threads quit), joins its init thread
+            // and frees it; nothing uses it after (the `NcclComm` forgot it).
+            let r = unsafe { (api.comm_abort)(comm.raw()) };
+            let _ = tx.send(r);
+        };
+        if let Err(e) = std::thread::Builder::new()
+            .name("kt-nccl-abort".into())
+            .spawn(run)
+        {
+            tracing::warn!("no thread for ncclCommAbort ({e}): the communicator is left as it is");
+            self.abandoned = true;
+            return;
+        }
+        match rx.recv_timeout(ABORT_WAIT) {
+            Ok(SUCCESS) => {}
+            Ok(r) => tracing::warn!("ncclCommAbort: {}", error_string(api, r)),
+            Err(_) => {
+                tracing::warn!(
+                    transfer = %self.transfer,
+                    "ncclCommAbort has not returned after {ABORT_WAIT:?}: left to finish on its own thread; the communicator's stream and buffer are kept"
+                );
+                self.abandoned = true;
+            }
+        }
     }
 
     /// Polls until NCCL has done what was asked (`ncclCommGetAsyncError`
     /// leaves `ncclInProgress`) and, with `stream`, the stream has run it;
     /// aborts on an error or at `deadline`.
     fn wait(&mut self, deadline: Instant, what: &str, stream: bool) -> Result<(), TransportError> {
+        let limit = deadline.saturating_duration_since(Instant::now());
         let mut backoff = Backoff::new();
         loop {
             if self.raw.is_null() {
@@ -518,7 +572,7 @@ impl NcclComm {
                 code => return Err(self.fail(what, code)),
             }
             if Instant::now() >= deadline {
-                let msg = format!("{what}: not done after {:?}; aborted", self.timeout);
+                let msg = format!("{what}: not done after {limit:.1?}; aborted");
                 self.abort(&msg);
                 return Err(TransportError::Timeout(msg));
             }
@@ -544,6 +598,57 @@ impl NcclComm {
     }
 }
 
+impl Exchange for NcclComm {
+    fn exchange(
+        &mut self,
+        to: &[u32],
+        from: &[u32],
+        deadline: Instant,
+        what: &str,
+    ) -> Result<(), TransportError> {
+        if self.raw.is_null() {
+            return Err(self.aborted());
+        }
+        let (comm, stream, api) = (self.raw, self.stream.raw(), self.api);
+        let base = self.token.ptr();
+        let sent = (base + u64::from(self.world)) as *mut c_void;
+        driver::bind(self.stream.ctx())?;
+        let what = format!(
+            "{what} (transfer {}, rank {} of {})",
+            self.transfer, self.rank, self.world
+        );
+        // SAFETY: no arguments; opens a group on this thread, closed below
+        // whatever happens in between.
+        let r = unsafe { (api.group_start)() };
+        self.check(&what, r)?;
+        let mut first = SUCCESS;
+        for p in to {
+            // SAFETY: one byte of `token` (world + 1 bytes, owned by the
+            // communicator, so alive until the stream has run this); `p`
+            // is below `world` (callers pass members of checked groups).
+            let r = unsafe { (api.send)(sent, 1, UINT8, *p as c_int, comm, stream) };
+            if r != SUCCESS && r != IN_PROGRESS {
+                first = r;
+                break;
+            }
+        }
+        for p in from.iter().filter(|_| first == SUCCESS) {
+            let slot = (base + u64::from(*p)) as *mut c_void;
+            // SAFETY: as for the sends; each peer has its own slot.
+            let r = unsafe { (api.recv)(slot, 1, UINT8, *p as c_int, comm, stream) };
+            if r != SUCCESS && r != IN_PROGRESS {
+                first = r;
+                break;
+            }
+        }
+        // SAFETY: closes the group opened above.
+        let end = unsafe { (api.group_end)() };
+        self.check(&what, first)?;
+        self.check(&what, end)?;
+        self.wait(deadline, &what, true)
+    }
+}
+
 impl Comm for NcclComm {
     fn rank(&self) -> u32 {
         self.rank
@@ -551,6 +656,16 @@ impl Comm for NcclComm {
 
     fn world(&self) -> u32 {
         self.world
+    }
+
+    /// Waits for every member of the flow (see [`flow_handshake`]): a
+    /// member busy with earlier flows is waited for up to
+    /// [`IDLE_FACTOR`] timeouts, and the flow's collectives are bounded by
+    /// the timeout from when all are there.
+    fn begin_flow(&mut self, root: u32, group: &[u32]) -> Result<(), TransportError> {
+        part(self.rank, self.world, root, group)?;
+        let (me, idle) = (self.rank, self.timeout * IDLE_FACTOR);
+        flow_handshake(self, me, root, group, idle)
     }
 
     fn broadcast(
@@ -645,6 +760,22 @@ impl Comm for NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        self.close();
+        if !self.abandoned {
+            // SAFETY: dropped once, here, after the communicator that used
+            // them is destroyed or aborted (an abort that did not return
+            // keeps them: `abandoned`).
+            unsafe {
+                ManuallyDrop::drop(&mut self.token);
+                ManuallyDrop::drop(&mut self.stream);
+            }
+        }
+    }
+}
+
+impl NcclComm {
+    /// Finalizes and destroys the communicator (aborts it if that fails).
+    fn close(&mut self) {
         if self.raw.is_null() {
             return;
         }

@@ -212,10 +212,16 @@ fn endpoints_carry_the_address() {
 
 // ---- with a GPU -----------------------------------------------------------
 
+/// How the tests' backends start their unique-id helper: this test binary
+/// again, on [`gpu_child`].
+fn with_helper(b: CudaBackend) -> CudaBackend {
+    b.with_root_helper(std::env::current_exe().expect("test binary"), CHILD_ARGS)
+}
+
 /// The backend, or `None` after printing why the test is skipped.
 fn gpu() -> Option<CudaBackend> {
     match CudaBackend::new() {
-        Ok(b) => Some(b),
+        Ok(b) => Some(with_helper(b)),
         Err(e) => {
             eprintln!("skipping: {e}");
             None
@@ -254,17 +260,19 @@ fn plan(world: u32) -> TransferPlan {
 }
 
 const CHILD: &str = "KT_CUDA_TEST_CHILD";
+/// This test binary's arguments that run [`gpu_child`] alone.
+const CHILD_ARGS: [&str; 5] = [
+    "--exact",
+    "cuda::tests::gpu_child",
+    "--ignored",
+    "--nocapture",
+    "--test-threads=1",
+];
 
 /// Re-runs this test binary on [`gpu_child`] with `role` and `env`.
 fn spawn(role: &str, env: &[(&str, String)]) -> Child {
     Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "--exact",
-            "cuda::tests::gpu_child",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(CHILD_ARGS)
         .env(CHILD, role)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .spawn()
@@ -392,6 +400,24 @@ fn staging_memory_copies_and_reads_back() {
     );
 }
 
+/// The application's current device is its own business: making a handle
+/// leaves it as it was (here: no context at all).
+#[test]
+#[allow(unsafe_code)]
+fn making_an_ipc_handle_keeps_the_current_context() {
+    let Some(_b) = gpu() else { return };
+    let mem = CudaTensorMem::new(0, 4096).unwrap();
+    // SAFETY: unbinds this thread's context; nothing else uses it.
+    unsafe { cudarc::driver::sys::cuCtxSetCurrent(std::ptr::null_mut()) }
+        .result()
+        .unwrap();
+    mem.mem_handle_at(0, 4096).unwrap();
+    assert_eq!(
+        driver::KeepCurrent::new().saved(),
+        Some(std::ptr::null_mut())
+    );
+}
+
 #[test]
 fn ipc_handles_open_once_in_another_process() {
     let Some(_b) = gpu() else { return };
@@ -499,7 +525,7 @@ fn child_bcast() {
     let world = env_u64("KT_CT_WORLD") as u32;
     let dev = env_u64("KT_CT_DEVICE") as u32;
     let id = std::env::var("KT_CT_ID").unwrap();
-    let b = CudaBackend::new().unwrap().with_comm_device(dev);
+    let b = with_helper(CudaBackend::new().unwrap()).with_comm_device(dev);
     let p = plan(world);
     let ep = b.endpoint(&p.id, "127.0.0.1").unwrap();
     assert_eq!(ep.address(), "127.0.0.1");
@@ -580,11 +606,49 @@ fn child_bcast() {
     drop(comm);
 }
 
+/// A failed transfer leaves nothing behind (#19, bug 2): NCCL's bootstrap
+/// root lives in a helper process, which ends once rank 0 gave up.
+#[test]
+fn nccl_a_failed_rank_0_ends_its_bootstrap_root() {
+    let Some(b) = gpu() else { return };
+    let id = b.rendezvous(&plan(2)).unwrap().unwrap();
+    let pid = {
+        let mut roots = b.roots.lock().unwrap();
+        assert_eq!(roots.len(), 1);
+        let h = roots.get_mut(&id).unwrap();
+        assert!(h.running());
+        h.pid()
+    };
+    let ep = b.endpoint("t", "127.0.0.1").unwrap();
+    let e = b
+        .connect(
+            &plan(2),
+            0,
+            ep,
+            Some(&id),
+            Device::Cuda(0),
+            Duration::from_secs(2),
+        )
+        .err()
+        .expect("connected without rank 1");
+    eprintln!("rank 0 alone: {e}");
+    assert!(b.roots.lock().unwrap().is_empty());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::path::Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z")
+    {
+        assert!(Instant::now() < deadline, "the helper {pid} still runs");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn nccl_connect_times_out_when_a_rank_never_comes() {
     let Some(b) = gpu() else { return };
-    // The bootstrap root lives in this process, waiting for rank 0, which
-    // never connects.
+    // The bootstrap root lives in a helper process of this one, waiting
+    // for rank 0, which never connects.
     let id = b.rendezvous(&plan(2)).unwrap().unwrap();
     let mut env = rank_env(1, 2, &id);
     env.push(("KT_CT_TIMEOUT_MS", "3000".into()));
@@ -596,7 +660,7 @@ fn child_timeout() {
     let dev = env_u64("KT_CT_DEVICE") as u32;
     let timeout = Duration::from_millis(env_u64("KT_CT_TIMEOUT_MS"));
     let id = std::env::var("KT_CT_ID").unwrap();
-    let b = CudaBackend::new().unwrap().with_comm_device(dev);
+    let b = with_helper(CudaBackend::new().unwrap()).with_comm_device(dev);
     let p = plan(2);
     let ep = b.endpoint(&p.id, "127.0.0.1").unwrap();
     let t = Instant::now();
@@ -621,15 +685,84 @@ fn child_timeout() {
     assert_eq!(a.read(0, 64).unwrap(), vec![7; 64]);
 }
 
+/// Flows in turn (#19, bug 1): a rank of a later flow waits for the
+/// members still busy with an earlier one, longer than the collective
+/// timeout, and nobody aborts.
+#[test]
+fn nccl_a_later_flow_waits_for_an_earlier_one() {
+    let Some(b) = gpu() else { return };
+    let id = b.rendezvous(&plan(3)).unwrap().unwrap();
+    let children = (0..3)
+        .map(|r| spawn("flows", &rank_env(r, 3, &id)))
+        .collect();
+    join(children, Duration::from_secs(120));
+}
+
+/// Flow A is {0, 1}, flow B {0, 2}, both rooted at 0, every collective
+/// bounded by 6 s. Rank 1 comes to flow A 12 s late, so rank 0 is busy with
+/// A for 12 s, and rank 2, only in B, waits that long for rank 0.
+fn child_flows() {
+    let rank = env_u64("KT_CT_RANK") as u32;
+    let dev = env_u64("KT_CT_DEVICE") as u32;
+    let id = std::env::var("KT_CT_ID").unwrap();
+    let b = with_helper(CudaBackend::new().unwrap()).with_comm_device(dev);
+    let p = plan(3);
+    let ep = b.endpoint(&p.id, "127.0.0.1").unwrap();
+    // Bounds the connection too: generous for three ranks on one machine.
+    let timeout = Duration::from_secs(6);
+    let mut comm = b
+        .connect(&p, rank, ep, Some(&id), Device::Cuda(dev), timeout)
+        .unwrap();
+    let n: u64 = 1 << 20;
+    let mut buf = b.alloc_device(dev, n).unwrap();
+    buf.write(0, &vec![0; n as usize]).unwrap();
+    let t = Instant::now();
+    if rank == 0 {
+        for (seed, group) in [(5u8, [0u32, 1]), (6, [0, 2])] {
+            buf.write(0, &pattern(seed, n as usize)).unwrap();
+            comm.begin_flow(0, &group).unwrap();
+            comm.broadcast(0, &group, &mut buf, 0, n).unwrap();
+        }
+    } else {
+        let (seed, group) = if rank == 1 {
+            (5u8, [0u32, 1])
+        } else {
+            (6, [0, 2])
+        };
+        if rank == 1 {
+            std::thread::sleep(2 * timeout);
+        }
+        comm.begin_flow(0, &group).unwrap();
+        comm.broadcast(0, &group, &mut buf, 0, n).unwrap();
+        assert!(
+            buf.read(0, n).unwrap() == pattern(seed, n as usize),
+            "rank {rank}: wrong bytes"
+        );
+    }
+    eprintln!("rank {rank}: flows done in {:?}", t.elapsed());
+    if rank == 2 {
+        assert!(
+            t.elapsed() >= 2 * timeout,
+            "rank 2 did not wait: {:?}",
+            t.elapsed()
+        );
+    }
+    drop(comm);
+}
+
 /// The body of a child process (see [`spawn`]); does nothing when run by
 /// itself.
 #[test]
 #[ignore = "run by the GPU tests in a child process"]
 fn gpu_child() {
+    if let Some(r) = serve_root_helper() {
+        return r.unwrap();
+    }
     match std::env::var(CHILD).as_deref() {
         Ok("ipc") => child_ipc(),
         Ok("bcast") => child_bcast(),
         Ok("timeout") => child_timeout(),
+        Ok("flows") => child_flows(),
         _ => eprintln!("nothing to do: {CHILD} unset"),
     }
 }
