@@ -11,7 +11,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker kind k3d
 
-.PHONY: all build release python python-test bench-python chaos images manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl bench-recovery clean
+.PHONY: all build release python python-test bench-python chaos images images-gpu manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl bench-recovery clean
 
 all: build
 
@@ -110,6 +110,11 @@ bench-python: release python
 ## with the git revision and the workspace version.
 images: release
 	testbed/images/build.sh $(TARGET_DIR)/release
+
+## images-gpu: the same plus kt-agent-gpu, the agent with NCCL's runtime
+## (libnccl.so.2 from the nvidia-nccl-cu12 wheel on PyPI; KT_NCCL_WHEEL pins it).
+images-gpu: release
+	KT_IMAGE_GPU=1 testbed/images/build.sh $(TARGET_DIR)/release
 
 ## bench: criterion benches of the sync engine (scan, hash, diff, chunk roots).
 bench:

@@ -17,6 +17,9 @@
 #   KT_IMAGE_TAG   tag (default: the git revision, -dirty when the tree is)
 #   KT_IMAGE_BASE  use this base for the servers instead of assembling one
 #   KT_IMAGE_DEBUG_BASE  the same for the client (needs /bin/sh)
+#   KT_IMAGE_GPU   1: also kt-agent-gpu, the agent with NCCL (`make images-gpu`)
+#   KT_NCCL_WHEEL  the NCCL wheel it takes libnccl.so.2 from (pip requirement,
+#                  default nvidia-nccl-cu12==2.28.9; ~340 MB, cached)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -130,6 +133,41 @@ for c in "${components[@]}"; do
     die "building $repo/$c:$tag failed"
   fi
 done
+
+# --- the GPU agent ---------------------------------------------------------
+if [ "${KT_IMAGE_GPU:-0}" = 1 ]; then
+  wheel=${KT_NCCL_WHEEL:-nvidia-nccl-cu12==2.28.9}
+  cache=${KT_IMAGE_CACHE:-$(dirname "$bin_dir")/image-cache}/nccl/${wheel//[^A-Za-z0-9._-]/_}
+  if [ ! -f "$cache/libnccl.so.2" ]; then
+    echo "== downloading $wheel (NCCL for kt-agent-gpu)"
+    mkdir -p "$cache/wheel"
+    python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_18_x86_64 \
+      --platform manylinux2014_x86_64 --python-version 3.11 -d "$cache/wheel" "$wheel" ||
+      die "pip could not download $wheel"
+    unzip -q -o -j "$cache"/wheel/*.whl 'nvidia/nccl/lib/libnccl.so.2' -d "$cache" ||
+      die "no nvidia/nccl/lib/libnccl.so.2 in $wheel"
+  fi
+  ctx="$work/ctx/kt-agent-gpu"
+  mkdir -p "$ctx/nccl" "$ctx/lib"
+  cp "$cache/libnccl.so.2" "$ctx/nccl/"
+  # What NCCL links that a base assembled here lacks (libstdc++, glibc's
+  # libpthread/librt/libdl/libm stubs), from this machine's glibc as the
+  # base is. A given KT_IMAGE_BASE (distroless cc) has them all.
+  if [ -d "$work/base" ]; then
+    ldd "$ctx/nccl/libnccl.so.2" | awk '/=> \//{print $3}' | while read -r lib; do
+      [ -e "$work/base$lib" ] || cp -L "$lib" "$ctx/lib/"
+    done
+  fi
+  echo "== $repo/kt-agent-gpu:$tag (FROM $repo/kt-agent:$tag, $wheel)"
+  if ! out=$(docker build -q -f components/kt-agent/Dockerfile.gpu --build-arg "AGENT=$repo/kt-agent:$tag" \
+    --label "org.opencontainers.image.revision=$tag" \
+    --label "org.opencontainers.image.version=$version" \
+    -t "$repo/kt-agent-gpu:$tag" -t "$repo/kt-agent-gpu:$version" "$ctx" 2>&1); then
+    echo "$out" | grep -v -e DEPRECATED -e "legacy builder" -e "BuildKit is" -e "environment-variable" >&2
+    die "building $repo/kt-agent-gpu:$tag failed"
+  fi
+  components+=(kt-agent-gpu)
+fi
 
 echo "== images"
 for c in "${components[@]}"; do

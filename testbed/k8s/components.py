@@ -171,7 +171,8 @@ GPU_DOC = f"""
 GPU pods for workloads with the kt agent (labelled `kt.dev/agent:
 sidecar`; the same kinds as agent-sidecar: {KINDS_TEXT}):
 runtimeClassName nvidia, a toleration of the nvidia.com/gpu taint, and GPU
-access for the agent sidecar (see gpu.yaml). List it AFTER agent-sidecar.
+access and NCCL for the agent sidecar (its image becomes kt-agent-gpu; see
+gpu.yaml). List it AFTER agent-sidecar.
 The workload's own container still requests its GPUs (resources.limits
 nvidia.com/gpu), which is what puts the pod on a GPU node: no node selector
 is added (GPU feature discovery's labels are not assumed).
@@ -192,6 +193,9 @@ def gpu():
     lines += replacement(t, "spec.template.spec.tolerations.[key=nvidia.com/gpu]",
                          "tolerations.[key=nvidia.com/gpu]",
                          "GPU nodes' taint.")
+    lines += replacement(t, "spec.template.spec.initContainers.[name=kt-agent].image",
+                         "initContainers.[name=kt-agent].image",
+                         "The agent sidecar: the image with NCCL.")
     for e in ["NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"]:
         lines += replacement(
             t, f"spec.template.spec.initContainers.[name=kt-agent].env.[name={e}]",

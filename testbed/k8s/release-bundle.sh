@@ -42,7 +42,7 @@ trap 'rm -rf "$work"' EXIT
 if [ "$self_test" = 1 ]; then
   registry=registry.example/kt
   digests=$work/digests
-  for c in "${components[@]}"; do
+  for c in "${components[@]}" kt-agent-gpu; do
     echo "$c sha256:$(printf '%s' "$c" | sha256sum | cut -d' ' -f1)"
   done >"$digests"
 fi
@@ -97,11 +97,13 @@ for dir in kustomize/overlays/*/; do
   echo "release-bundle.sh: $dest ($(grep -c '^kind:' "$dest") objects)"
 done
 # Workloads get the agent from the agent-sidecar component (at the release's
-# tag); this `images:` stanza pins it (and the client image) by digest too.
+# tag; GPU workloads get kt-agent-gpu from the gpu component); this
+# `images:` stanza pins them (and the client image) by digest too.
+[ -n "${digest[kt-agent-gpu]:-}" ] || die "$digests: no digest for kt-agent-gpu"
 {
   echo "# kt $version: add under a kustomization that lists the agent-sidecar component"
   echo "images:"
-  for c in kt-agent kt-client; do
+  for c in kt-agent kt-agent-gpu kt-client; do
     echo "  - name: $bundle_repo/$c"
     echo "    newName: $registry/$c"
     echo "    digest: ${digest[$c]}"

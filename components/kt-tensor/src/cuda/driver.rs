@@ -620,6 +620,13 @@ impl KeepCurrent {
     pub(crate) fn saved(&self) -> Option<sys::CUcontext> {
         self.0
     }
+
+    /// Leaves the calling thread with no current context (tests).
+    #[cfg(test)]
+    pub(crate) fn unbind() -> Result<(), DriverError> {
+        // SAFETY: unbinding takes no pointer; contexts stay retained.
+        unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) }.result()
+    }
 }
 
 impl Drop for KeepCurrent {

@@ -20,8 +20,17 @@
 //!   root `ncclSend`s to each member and members `ncclRecv` (one group
 //!   call), and ranks outside it do nothing.
 //! - Initialisation and collectives are bounded by the `connect` timeout;
-//!   on an error or at the deadline the communicator is aborted and the
-//!   transfer gets the error (`Timeout`, `Peer`); the agent carries on.
+//!   on an error or at the deadline the communicator is aborted (on its own
+//!   thread, waited for a while) and the transfer gets the error
+//!   (`Timeout`, `Peer`); the agent carries on.
+//! - Each flow starts with [`crate::transport::flow_handshake`] over
+//!   one-byte sends and receives, so members busy with earlier flows are
+//!   waited for (up to [`crate::host::IDLE_FACTOR`] timeouts) before the
+//!   flow's collectives start their timeout.
+//! - The unique id comes from a helper process ([`serve_root_helper`]), so a transfer
+//!   that never connects leaves no bootstrap thread in the agent.
+//! - A transfer holds its GPU ([`crate::hold`], `Backend::hold`): one at a
+//!   time per GPU; IPC mappings released meanwhile close after it.
 //!
 //! NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU
 //! detected") unless they claim different hosts (`NCCL_HOSTID`), which is
@@ -57,7 +66,7 @@ use driver::{IpcMapping, Stream};
 use nccl::{NcclComm, UniqueId};
 use root::RootHelper;
 
-/// How long a unique id's helper process lives at most (see [`root`]):
+/// How long a unique id's helper process lives at most (see [`serve_root_helper`]):
 /// rank 0 ends it sooner, once connected or failed.
 pub const ROOT_LIFETIME: Duration = Duration::from_secs(600);
 
@@ -184,7 +193,7 @@ pub struct CudaBackend {
     /// The GPUs a transfer holds (one transfer at a time per GPU).
     holds: Arc<DeviceHolds>,
     /// The program (and its arguments) that serves NCCL unique ids
-    /// ([`root`]); this executable by default.
+    /// ([`serve_root_helper`]); this executable by default.
     root_helper: Option<(PathBuf, Vec<OsString>)>,
     /// Helpers of rendezvous whose rank 0 has not connected yet, by id.
     roots: Mutex<HashMap<String, RootHelper>>,

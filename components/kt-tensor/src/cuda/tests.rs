@@ -403,14 +403,10 @@ fn staging_memory_copies_and_reads_back() {
 /// The application's current device is its own business: making a handle
 /// leaves it as it was (here: no context at all).
 #[test]
-#[allow(unsafe_code)]
 fn making_an_ipc_handle_keeps_the_current_context() {
     let Some(_b) = gpu() else { return };
     let mem = CudaTensorMem::new(0, 4096).unwrap();
-    // SAFETY: unbinds this thread's context; nothing else uses it.
-    unsafe { cudarc::driver::sys::cuCtxSetCurrent(std::ptr::null_mut()) }
-        .result()
-        .unwrap();
+    driver::KeepCurrent::unbind().unwrap();
     mem.mem_handle_at(0, 4096).unwrap();
     assert_eq!(
         driver::KeepCurrent::new().saved(),
