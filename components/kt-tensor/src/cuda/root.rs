@@ -117,29 +117,33 @@ impl RootHelper {
             // its bootstrap root with it.
             for _ in lines {}
         });
-        let line = match rx.recv_timeout(answer_within) {
-            Ok(Ok(line)) => line,
-            Ok(Err(e)) => {
-                return Err(TransportError::io(
-                    format!("reading NCCL's unique id from {program}"),
-                    e,
-                ));
+        let answer = match rx.recv_timeout(answer_within) {
+            Ok(Ok(line)) => {
+                let line = line.trim();
+                if let Some((_, hex)) = line.split_once(ID) {
+                    return Ok((helper, hex.to_owned()));
+                } else if let Some((_, why)) = line.split_once(ERROR) {
+                    TransportError::Peer(format!("ncclGetUniqueId: {why}"))
+                } else {
+                    TransportError::Peer(format!(
+                        "{program} exited without NCCL's unique id (is {ROOT_HELPER_ENV} served first thing in its main?)"
+                    ))
+                }
             }
-            Err(_) => {
-                return Err(TransportError::Timeout(format!(
-                    "{program} gave no NCCL unique id within {answer_within:?}"
-                )));
-            }
+            Ok(Err(e)) => TransportError::io(format!("reading NCCL's unique id from {program}"), e),
+            Err(_) => TransportError::Timeout(format!(
+                "{program} gave no NCCL unique id within {answer_within:?}"
+            )),
         };
-        let line = line.trim();
-        if let Some((_, hex)) = line.split_once(ID) {
-            Ok((helper, hex.to_owned()))
-        } else if let Some((_, why)) = line.split_once(ERROR) {
-            Err(TransportError::Peer(format!("ncclGetUniqueId: {why}")))
-        } else {
-            Err(TransportError::Peer(format!(
-                "{program} exited without NCCL's unique id (is {ROOT_HELPER_ENV} served first thing in its main?)"
-            )))
+        // No id: the helper has nothing left to do.
+        helper.kill();
+        Err(answer)
+    }
+
+    /// Ends the helper at once (it gave no id).
+    fn kill(mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.kill();
         }
     }
 
@@ -231,7 +235,7 @@ mod tests {
             "{e}"
         );
         let e = RootHelper::start(
-            sh("sleep 30"),
+            sh("exec sleep 30"),
             Duration::from_secs(1),
             Duration::from_millis(200),
         )
