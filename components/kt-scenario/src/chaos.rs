@@ -1,11 +1,13 @@
 //! The chaos soak (`kt-scenario chaos`, `make chaos`): for a while, a
-//! seeded workload of puts, local puts, gets and broadcasts runs against a
-//! testbed while faults are injected at random: the store and the metadata
-//! server killed (KILL or TERM) and started again, the store frozen (STOP)
-//! and thawed, pods' agents killed and started again, getters killed
-//! midway (their get is then run again, mirroring), and (where the
-//! target can cut links: netns) a pod's or the store's link cut for up to
-//! 5 s and restored.
+//! seeded workload of puts, local puts, gets, broadcasts and tensor
+//! transfers (`kt tensor put --hold` in one pod, `kt tensor get` verified
+//! in another) runs against a testbed while faults are injected at random:
+//! the store and the metadata server killed (KILL or TERM) and started
+//! again; the store, the metadata server and pods' agents frozen (STOP)
+//! and thawed; pods' agents killed and started again; getters killed
+//! midway (their get is then run again, mirroring); and (where the target
+//! can cut links: netns) a pod's or the store's link cut for up to 5 s and
+//! restored.
 //!
 //! Invariants, checked as it goes and at the end; a violation names the
 //! seed and the operation that broke it:
@@ -15,6 +17,9 @@
 //! - every put and get of a store key succeeds (the store restarting or
 //!   freezing is waited for within the transfer's deadline); gets of local
 //!   keys may fail when their producer's agent is down, and say so;
+//! - a tensor get that succeeds holds the bytes its key was put with
+//!   (every put of a tensor key uses the same seed, so any version is
+//!   right and a mix is caught); one that fails says why, and none hangs;
 //! - once the workload stops, source leases return to zero;
 //! - no server or agent grows past a memory bound;
 //! - the store's data directory holds no more than its keys need (staging
@@ -30,7 +35,9 @@ use std::time::{Duration, Instant};
 
 use crate::data::{Digest, Rng};
 use crate::format::{DataSpec, Signal};
-use crate::target::{Component, ExecRequest, Plan, PodPlan, Program, Target, TargetError};
+use crate::target::{
+    Component, ExecRequest, Plan, PodPlan, PodProcess, Program, Target, TargetError,
+};
 
 /// How a soak runs.
 #[derive(Debug, Clone)]
@@ -106,6 +113,17 @@ const LOCAL_KEYS: usize = 2;
 const BROADCAST_KEYS: usize = 2;
 /// Every transfer's deadline: long enough for any injected outage.
 const DEADLINE: &str = "60s";
+/// Tensor keys, each held by one `kt tensor put --hold` at a time.
+const TENSOR_KEYS: u64 = 2;
+/// Their layout (0.5 MiB, CPU tensors over the host backend).
+const TENSOR_LAYOUT: &str = "w=f32[256,256];b=f32[256]";
+/// How long a tensor put or get may take before it counts as hung.
+const TENSOR_WITHIN: Duration = Duration::from_secs(120);
+
+/// The seed every put of tensor key `k` uses.
+fn tensor_seed(k: u64) -> String {
+    (31 + k).to_string()
+}
 
 /// The data sets the workload puts (small trees, chunked files, a mix).
 fn data_specs() -> Vec<(&'static str, DataSpec)> {
@@ -216,6 +234,8 @@ struct Shared<'a> {
     /// Numbered operations, for violations.
     op: std::sync::atomic::AtomicU64,
     until: Instant,
+    /// The `kt tensor put --hold` holding each tensor key now.
+    holders: tokio::sync::Mutex<BTreeMap<String, Box<dyn PodProcess>>>,
 }
 
 impl Shared<'_> {
@@ -268,6 +288,7 @@ async fn soak(
         }),
         op: Default::default(),
         until: started + opts.duration,
+        holders: Default::default(),
     };
     // Every store key exists before the first fault: a get of a store key
     // must then always succeed.
@@ -290,6 +311,11 @@ async fn soak(
     });
     let faults = inject(&shared, opts);
     futures::future::join(futures::future::join_all(workers), faults).await;
+    // The tensor holders let go (their keys are dropped with them).
+    for (_, mut h) in std::mem::take(&mut *shared.holders.lock().await) {
+        let _ = h.signal(Signal::TERM).await;
+        let _ = h.wait().await;
+    }
     // Quiet now: what must have returned to rest.
     let meta = kt_api::Api::new(reqwest::Client::new(), &target.metadata_url(), token);
     let waited = Instant::now();
@@ -341,15 +367,15 @@ async fn soak(
 /// One random operation of the workload.
 async fn operation(s: &Shared<'_>, rng: &mut Rng) {
     match rng.below(100) {
-        0..=29 => {
+        0..=26 => {
             let k = rng.below(STORE_KEYS as u64);
             put(s, rng, &format!("chaos/s{k}"), false).await
         }
-        30..=39 => {
+        27..=35 => {
             let k = rng.below(LOCAL_KEYS as u64);
             put(s, rng, &format!("chaos/l{k}"), true).await
         }
-        40..=84 => {
+        36..=76 => {
             let (k, local) = if rng.below(4) == 0 {
                 (format!("chaos/l{}", rng.below(LOCAL_KEYS as u64)), true)
             } else {
@@ -357,7 +383,9 @@ async fn operation(s: &Shared<'_>, rng: &mut Rng) {
             };
             get(s, rng, &k, local).await
         }
-        _ => broadcast(s, rng).await,
+        77..=85 => broadcast(s, rng).await,
+        86..=91 => tensor_put(s, rng).await,
+        _ => tensor_get(s, rng).await,
     }
 }
 
@@ -595,6 +623,114 @@ async fn broadcast(s: &Shared<'_>, rng: &mut Rng) {
     }
 }
 
+/// `kt tensor put --hold` of a tensor key in a random pod: once it holds,
+/// it replaces the key's previous holder (which is then stopped).
+async fn tensor_put(s: &Shared<'_>, rng: &mut Rng) {
+    let n = s.op.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let k = rng.below(TENSOR_KEYS);
+    let key = format!("chaos/t{k}");
+    let pod = pick(rng, &s.pods).to_owned();
+    let args = [
+        "tensor",
+        "put",
+        &key,
+        "--layout",
+        TENSOR_LAYOUT,
+        "--seed",
+        &tensor_seed(k),
+        "--hold",
+        "-o",
+        "json",
+    ];
+    let req = ExecRequest {
+        pod: pod.clone(),
+        program: Program::Kt,
+        args: args.map(String::from).to_vec(),
+        env: Vec::new(),
+        token: Some(s.token.clone()),
+    };
+    let mut p = match s.target.spawn(req).await {
+        Ok(p) => p,
+        Err(e) => return s.violation(format!("op {n}: starting a tensor put in {pod}: {e}")),
+    };
+    let held = tokio::time::timeout(TENSOR_WITHIN, async {
+        while let Some(line) = p.line().await {
+            if crate::tensor::is_holding(&line) {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    match held {
+        Ok(true) => {
+            s.count(|r| &mut r.ok, "tensor-put");
+            let old = s.holders.lock().await.insert(key, p);
+            if let Some(mut old) = old {
+                let _ = old.signal(Signal::TERM).await;
+                let _ = old.wait().await;
+            }
+        }
+        // It ended without holding: its agent is down, say. It must say so.
+        Ok(false) => match p.wait().await {
+            Ok(o) if o.status != 0 && !o.stderr.trim().is_empty() => {
+                s.count(|r| &mut r.tolerated, "tensor-put")
+            }
+            Ok(o) => s.violation(format!(
+                "op {n}: tensor put of {key} in {pod} ended (exit {}) without holding or saying why",
+                o.status
+            )),
+            Err(e) => s.violation(format!("op {n}: tensor put of {key} in {pod}: {e}")),
+        },
+        Err(_) => {
+            let _ = p.signal(Signal::KILL).await;
+            s.violation(format!(
+                "op {n}: tensor put of {key} in {pod} neither held nor failed within {TENSOR_WITHIN:?}"
+            ));
+        }
+    }
+}
+
+/// `kt tensor get` of a tensor key in a random pod, verified against the
+/// key's seed by `kt` itself.
+async fn tensor_get(s: &Shared<'_>, rng: &mut Rng) {
+    let n = s.op.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let k = rng.below(TENSOR_KEYS);
+    let key = format!("chaos/t{k}");
+    let pod = pick(rng, &s.pods).to_owned();
+    let args = [
+        "tensor",
+        "get",
+        &key,
+        "--layout",
+        TENSOR_LAYOUT,
+        "--seed",
+        &tensor_seed(k),
+        "-o",
+        "json",
+    ];
+    let out =
+        tokio::time::timeout(TENSOR_WITHIN, s.kt(&pod, args.map(String::from).to_vec())).await;
+    match out {
+        Ok(Ok(o)) if o.status == 0 => s.count(|r| &mut r.ok, "tensor-get"),
+        Ok(Ok(o)) if o.stderr.contains("differs from seed") => s.violation(format!(
+            "op {n}: tensor get of {key} into {pod} received other bytes: {}",
+            o.stderr.trim()
+        )),
+        // Not held now (never put, its holder's agent down or restarting),
+        // or a transfer cut by a fault: said plainly.
+        Ok(Ok(o)) if !o.stderr.trim().is_empty() => s.count(|r| &mut r.tolerated, "tensor-get"),
+        Ok(Ok(o)) => s.violation(format!(
+            "op {n}: tensor get of {key} into {pod} failed (exit {}) without saying why",
+            o.status
+        )),
+        Ok(Err(e)) => s.violation(format!("op {n}: tensor get of {key}: {e}")),
+        Err(_) => s.violation(format!(
+            "op {n}: tensor get of {key} into {pod} did not end within {TENSOR_WITHIN:?}"
+        )),
+    }
+}
+
 /// Injects faults until the soak's end.
 async fn inject(s: &Shared<'_>, opts: &Options) {
     let mut rng = Rng::new(opts.seed ^ 0xfa17);
@@ -606,10 +742,16 @@ async fn inject(s: &Shared<'_>, opts: &Options) {
         }
         tokio::time::sleep(pause).await;
         sample_rss(s, &opts.work_dir);
-        // Link cuts where the target can (netns); other targets draw from
-        // the same first six, so their seeds replay as before.
-        let kinds = if t.cuts_links() { 7 } else { 6 };
-        let (kind, result) = match rng.below(kinds) {
+        // Freezes and link cuts where the target can (local and netns
+        // freeze, netns cuts links).
+        let mut kinds: Vec<u64> = (0..6).collect();
+        if t.freezes() {
+            kinds.push(7);
+        }
+        if t.cuts_links() {
+            kinds.push(6);
+        }
+        let (kind, result) = match kinds[rng.below(kinds.len() as u64) as usize] {
             0 => (
                 "store KILL+start",
                 restart(t, &Component::Store, Signal::KILL).await,
@@ -647,6 +789,29 @@ async fn inject(s: &Shared<'_>, opts: &Options) {
                 }
                 .await;
                 ("link cut", r)
+            }
+            7 => {
+                // The metadata server or a pod's agent frozen for a while:
+                // it neither answers nor closes its connections.
+                let frozen = Duration::from_millis(500 + rng.below(2500));
+                let pod = (rng.below(2) == 0).then(|| pick(&mut rng, &s.pods).to_owned());
+                let r = async {
+                    match &pod {
+                        Some(p) => t.kill_agent(p, Signal::STOP).await?,
+                        None => t.kill(&Component::Metadata, Signal::STOP).await?,
+                    }
+                    tokio::time::sleep(frozen).await;
+                    match &pod {
+                        Some(p) => t.kill_agent(p, Signal::CONT).await,
+                        None => t.kill(&Component::Metadata, Signal::CONT).await,
+                    }
+                }
+                .await;
+                let kind = match pod {
+                    Some(_) => "agent STOP/CONT",
+                    None => "metadata STOP/CONT",
+                };
+                (kind, r)
             }
             _ => {
                 let pod = pick(&mut rng, &s.pods).to_owned();
