@@ -11,8 +11,8 @@ use std::sync::Arc;
 use kt_service::ApiError;
 use kt_sync::{ScanCache, SyncError};
 use kt_types::agent::{
-    CONTROL_VERSION, ControlReply, ControlRequest, ExportInfo, MIN_CONTROL_VERSION, TENSOR_VERSION,
-    encode_frame, frame_len,
+    CONTROL_VERSION, ControlReply, ControlRequest, ExportInfo, KEEPALIVE, MIN_CONTROL_VERSION,
+    TENSOR_VERSION, encode_frame, frame_len,
 };
 use kt_types::api::{PutOptions, RegisterKey};
 use kt_types::manifest::ManifestLimits;
@@ -68,7 +68,7 @@ impl Agent {
             };
         }
         let res = match req {
-            ControlRequest::Hello { version } => Ok(self.hello(version)),
+            ControlRequest::Hello { version, keepalive } => Ok(self.hello(version, keepalive)),
             ControlRequest::PutTensors(put) => self
                 .tensors
                 .put(caller.owner.clone(), put)
@@ -106,7 +106,7 @@ impl Agent {
         })
     }
 
-    fn hello(&self, version: u32) -> ControlReply {
+    fn hello(&self, version: u32, keepalive: bool) -> ControlReply {
         if !(MIN_CONTROL_VERSION..=CONTROL_VERSION).contains(&version) {
             return ControlReply::Error {
                 code: ErrorCode::InvalidRequest,
@@ -119,6 +119,7 @@ impl Agent {
             version,
             agent: self.id.clone(),
             url: self.url.clone(),
+            keepalive,
         }
     }
 
@@ -471,6 +472,26 @@ async fn write_reply(stream: &mut UnixStream, reply: &ControlReply) -> std::io::
     stream.write_all(&frame).await
 }
 
+/// Runs `work`, saying [`ControlReply::Working`] every [`KEEPALIVE`] until
+/// it is done; a client gone meanwhile only stops the saying.
+async fn keep_alive(
+    stream: &mut UnixStream,
+    work: impl std::future::Future<Output = ControlReply>,
+    every: std::time::Duration,
+) -> ControlReply {
+    tokio::pin!(work);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let mut listening = true;
+    loop {
+        tokio::select! {
+            reply = &mut work => return reply,
+            _ = tick.tick(), if listening => {
+                listening = write_reply(stream, &ControlReply::Working).await.is_ok();
+            }
+        }
+    }
+}
+
 /// One client: hello first, then requests answered in order.
 async fn connection(stream: UnixStream, agent: Arc<Agent>, shutdown: CancellationToken) {
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -493,6 +514,8 @@ async fn converse(
     shutdown: CancellationToken,
 ) {
     let mut greeted = false;
+    // The client asked for `Working` while its requests run.
+    let mut working = false;
     loop {
         let incoming = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -522,10 +545,11 @@ async fn converse(
                 },
                 !greeted,
             ),
-            Ok(ControlRequest::Hello { version }) => {
-                let reply = agent.hello(version);
+            Ok(ControlRequest::Hello { version, keepalive }) => {
+                let reply = agent.hello(version, keepalive);
                 greeted = matches!(reply, ControlReply::Hello { .. });
                 caller.version = version;
+                working = greeted && keepalive;
                 (reply, !greeted)
             }
             Ok(_) if !greeted => (
@@ -538,7 +562,12 @@ async fn converse(
             Ok(req) => {
                 // A request abandoned by its client (it closed the socket)
                 // still runs to its end: a put is registered or not, never half.
-                (agent.handle(req, &caller).await, false)
+                let work = agent.handle(req, &caller);
+                if working {
+                    (keep_alive(&mut stream, work, KEEPALIVE).await, false)
+                } else {
+                    (work.await, false)
+                }
             }
         };
         if let Err(e) = write_reply(&mut stream, &reply).await {
@@ -554,6 +583,32 @@ async fn converse(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_long_request_says_it_is_working_until_its_answer() {
+        let (mut agent_end, mut client) = UnixStream::pair().unwrap();
+        let every = std::time::Duration::from_millis(100);
+        let work = async {
+            tokio::time::sleep(every * 3 + every / 2).await;
+            ControlReply::Working // any reply: the caller writes it
+        };
+        let reading = tokio::spawn(async move {
+            let mut frames = Vec::new();
+            while let Ok(Incoming::Frame(b)) = read_frame(&mut client).await {
+                frames.push(serde_json::from_slice::<ControlReply>(&b).unwrap());
+            }
+            frames
+        });
+        keep_alive(&mut agent_end, work, every).await;
+        drop(agent_end);
+        let frames = reading.await.unwrap();
+        // Ticks at 100, 200 and 300 ms, the answer at 350 ms (a loaded
+        // machine may fold the last tick into the answer).
+        assert!(
+            (2..=3).contains(&frames.len()) && frames.iter().all(|f| *f == ControlReply::Working),
+            "{frames:?}"
+        );
+    }
 
     fn mode(p: &Path) -> u32 {
         std::fs::symlink_metadata(p).unwrap().mode() & 0o7777

@@ -361,9 +361,15 @@ mod tests {
 
         // A version we do not speak.
         let mut s = UnixStream::connect(&a.socket).await.unwrap();
-        let r = ask(&mut s, &ControlRequest::Hello { version: 99 })
-            .await
-            .unwrap();
+        let r = ask(
+            &mut s,
+            &ControlRequest::Hello {
+                version: 99,
+                keepalive: false,
+            },
+        )
+        .await
+        .unwrap();
         match r {
             ControlReply::Error { code, message } => {
                 assert_eq!(code, ErrorCode::InvalidRequest);
@@ -380,6 +386,7 @@ mod tests {
                 &mut s,
                 &ControlRequest::Hello {
                     version: CONTROL_VERSION,
+                    keepalive: false,
                 },
             )
             .await;
@@ -388,7 +395,8 @@ mod tests {
                 Some(ControlReply::Hello {
                     version: CONTROL_VERSION,
                     agent: "pod-a".into(),
-                    url: a.url.clone()
+                    url: a.url.clone(),
+                    keepalive: false
                 })
             );
             clients.push(s);
@@ -475,6 +483,7 @@ mod tests {
             &mut s,
             &ControlRequest::Hello {
                 version: CONTROL_VERSION,
+                keepalive: false,
             },
         )
         .await

@@ -17,6 +17,10 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// (SIGSTOP, a node under memory pressure) fails the connection instead
 /// of hanging the caller.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an agent that keeps the connection alive (it says `Working`
+/// every [`kt_types::agent::KEEPALIVE`] while a request runs) may say
+/// nothing before it counts as frozen.
+const SILENCE: Duration = Duration::from_secs(30);
 
 /// `$KT_AGENT_SOCKET`, else the agent's own default
 /// ([`kt_service::cli::default_agent_socket`]).
@@ -31,6 +35,10 @@ pub fn default_socket() -> PathBuf {
 #[derive(Debug)]
 pub struct AgentConn {
     stream: UnixStream,
+    /// The agent says `Working` while requests run: silence is bounded
+    /// (by `silence`).
+    keepalive: bool,
+    silence: Duration,
     /// The agent's id (its pod's name) and the URL peers fetch from.
     pub id: String,
     pub url: String,
@@ -79,11 +87,14 @@ impl AgentConn {
         };
         let mut conn = AgentConn {
             stream,
+            keepalive: false,
+            silence: SILENCE,
             id: String::new(),
             url: String::new(),
         };
         let hello = conn.request(&ControlRequest::Hello {
             version: CONTROL_VERSION,
+            keepalive: true,
         });
         let answer = tokio::time::timeout(limit, hello).await.map_err(|_| {
             away(format!(
@@ -96,9 +107,11 @@ impl AgentConn {
                 version,
                 agent,
                 url,
+                keepalive,
             } if version == CONTROL_VERSION => {
                 conn.id = agent;
                 conn.url = url;
+                conn.keepalive = keepalive;
                 Ok(Some(conn))
             }
             ControlReply::Hello { version, .. } => Err(local(format!(
@@ -140,6 +153,37 @@ impl AgentConn {
         let frame = encode_frame(req).map_err(|e| local(format!("encoding a request: {e}")))?;
         let io = |e: std::io::Error| away(format!("agent control socket: {e}"));
         self.stream.write_all(&frame).await.map_err(io)?;
+        let (keepalive, silence) = (self.keepalive, self.silence);
+        let reply = loop {
+            let next = self.read_reply();
+            let reply = if keepalive {
+                tokio::time::timeout(silence, next).await.map_err(|_| {
+                    away(format!(
+                        "the node agent said nothing for {silence:?} while it should have been saying it is working (frozen? out of CPU?)"
+                    ))
+                })??
+            } else {
+                next.await?
+            };
+            if reply != ControlReply::Working {
+                break reply;
+            }
+        };
+        match reply {
+            ControlReply::Error { code, message } => Err(ClientError::Api {
+                status: code.http_status(),
+                code,
+                message: format!("node agent: {message}"),
+            }),
+            r => Ok(r),
+        }
+    }
+}
+
+impl AgentConn {
+    /// The next frame from the agent.
+    async fn read_reply(&mut self) -> Result<ControlReply, ClientError> {
+        let io = |e: std::io::Error| away(format!("agent control socket: {e}"));
         let mut head = [0u8; 4];
         self.stream.read_exact(&mut head).await.map_err(io)?;
         let n = frame_len(head).map_err(local)?;
@@ -152,16 +196,8 @@ impl AgentConn {
         if body.len() != n {
             return Err(away("the node agent closed the control socket mid-reply"));
         }
-        let reply: ControlReply = serde_json::from_slice(&body)
-            .map_err(|e| local(format!("unreadable reply from the node agent: {e}")))?;
-        match reply {
-            ControlReply::Error { code, message } => Err(ClientError::Api {
-                status: code.http_status(),
-                code,
-                message: format!("node agent: {message}"),
-            }),
-            r => Ok(r),
-        }
+        serde_json::from_slice(&body)
+            .map_err(|e| local(format!("unreadable reply from the node agent: {e}")))
     }
 }
 
@@ -249,6 +285,7 @@ mod tests {
                     version: CONTROL_VERSION,
                     agent: "pod-a".into(),
                     url: "http://10.0.0.1:8090".into(),
+                    keepalive: false,
                 },
                 ControlReply::Error {
                     code: kt_types::ErrorCode::InvalidRequest,
@@ -268,6 +305,77 @@ mod tests {
         let err = c.request(&ControlRequest::Status).await.unwrap_err();
         assert_eq!(err.code(), Some(kt_types::ErrorCode::InvalidRequest));
         assert!(err.to_string().contains("path must be absolute"));
+    }
+
+    /// Frames of the fake agent below, one by one: `None` reads a request.
+    async fn fake(path: &Path, script: Vec<Option<(Duration, ControlReply)>>) {
+        let listener = tokio::net::UnixListener::bind(path).unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            for step in script {
+                match step {
+                    None => {
+                        let mut head = [0u8; 4];
+                        s.read_exact(&mut head).await.unwrap();
+                        let mut body = vec![0; frame_len(head).unwrap()];
+                        s.read_exact(&mut body).await.unwrap();
+                        let req: ControlRequest = serde_json::from_slice(&body).unwrap();
+                        if let ControlRequest::Hello { keepalive, .. } = req {
+                            assert!(keepalive, "this kt asks for keepalive");
+                        }
+                    }
+                    Some((pause, reply)) => {
+                        tokio::time::sleep(pause).await;
+                        s.write_all(&encode_frame(&reply).unwrap()).await.unwrap();
+                    }
+                }
+            }
+            // Then silence, the connection open: a frozen agent.
+            std::future::pending::<()>().await;
+        });
+    }
+
+    #[tokio::test]
+    async fn a_working_agent_may_take_long_a_silent_one_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("busy.sock");
+        let tick = Duration::from_millis(100);
+        let mut script = vec![
+            None,
+            Some((
+                Duration::ZERO,
+                ControlReply::Hello {
+                    version: CONTROL_VERSION,
+                    agent: "pod-a".into(),
+                    url: "http://10.0.0.1:8090".into(),
+                    keepalive: true,
+                },
+            )),
+            None,
+        ];
+        // Six ticks of work: longer than the silence allowed, said aloud.
+        script.extend((0..6).map(|_| Some((tick, ControlReply::Working))));
+        script.push(Some((
+            tick,
+            ControlReply::Status {
+                agent: "pod-a".into(),
+                url: "http://10.0.0.1:8090".into(),
+                exports: vec![],
+                tensors: vec![],
+            },
+        )));
+        script.push(None);
+        fake(&path, script).await;
+        let mut c = AgentConn::connect(&path).await.unwrap().unwrap();
+        assert!(c.keepalive);
+        c.silence = Duration::from_millis(300);
+        let t = Instant::now();
+        let r = c.request(&ControlRequest::Status).await.unwrap();
+        assert!(matches!(r, ControlReply::Status { .. }), "{r:?}");
+        assert!(t.elapsed() >= 6 * tick, "{:?}", t.elapsed());
+        // The next request meets silence.
+        let e = c.request(&ControlRequest::Status).await.unwrap_err();
+        assert!(e.to_string().contains("said nothing for 300ms"), "{e}");
     }
 
     #[tokio::test]

@@ -65,6 +65,8 @@ pub struct Report {
     pub ok: BTreeMap<String, u64>,
     /// Operations that failed in a way the invariants allow, by kind.
     pub tolerated: BTreeMap<String, u64>,
+    /// Why they failed: the first few distinct messages of each kind.
+    pub why: BTreeMap<String, BTreeSet<String>>,
     /// Largest resident set seen, by program.
     pub max_rss: BTreeMap<String, u64>,
     pub violations: Vec<String>,
@@ -99,6 +101,11 @@ impl Report {
             line(&rss),
             self.violations.len(),
         );
+        for (kind, whys) in &self.why {
+            for w in whys {
+                out.push_str(&format!("  tolerated {kind}: {w}\n"));
+            }
+        }
         for v in &self.violations {
             out.push_str(&format!("  VIOLATION: {v}\n"));
         }
@@ -242,6 +249,19 @@ impl Shared<'_> {
     fn count(&self, which: fn(&mut Report) -> &mut BTreeMap<String, u64>, kind: &str) {
         let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
         *which(&mut r).entry(kind.to_owned()).or_default() += 1;
+    }
+
+    /// A failure the invariants allow, and (the first few of each kind)
+    /// what it said.
+    fn tolerate(&self, kind: &str, stderr: &str) {
+        self.count(|r| &mut r.tolerated, kind);
+        let line = stderr.trim().lines().last().unwrap_or("").trim();
+        let line: String = line.chars().take(200).collect();
+        let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
+        let whys = r.why.entry(kind.to_owned()).or_default();
+        if whys.len() < 3 {
+            whys.insert(line);
+        }
     }
 
     fn violation(&self, what: String) {
@@ -425,7 +445,7 @@ async fn put(s: &Shared<'_>, rng: &mut Rng, key: &str, local: bool) {
         // taken down for a moment.
         Ok(o) if local => {
             tracing::info!(op = n, stderr = %o.stderr.trim(), "chaos: local put failed");
-            s.count(|r| &mut r.tolerated, kind)
+            s.tolerate(kind, &o.stderr)
         }
         Ok(o) => s.violation(format!(
             "op {n}: put of {} under {key} from {pod} failed (exit {}): {}",
@@ -535,7 +555,7 @@ async fn get(s: &Shared<'_>, rng: &mut Rng, key: &str, local: bool) {
         Ok(o)
             if local && (o.stderr.contains("not found") || o.stderr.contains("no live source")) =>
         {
-            s.count(|r| &mut r.tolerated, kind)
+            s.tolerate(kind, &o.stderr)
         }
         Ok(o) => s.violation(format!(
             "op {n}: get of {key} into {pod} failed (exit {}): {}",
@@ -674,7 +694,7 @@ async fn tensor_put(s: &Shared<'_>, rng: &mut Rng) {
         // It ended without holding: its agent is down, say. It must say so.
         Ok(false) => match p.wait().await {
             Ok(o) if o.status != 0 && !o.stderr.trim().is_empty() => {
-                s.count(|r| &mut r.tolerated, "tensor-put")
+                s.tolerate("tensor-put", &o.stderr)
             }
             Ok(o) => s.violation(format!(
                 "op {n}: tensor put of {key} in {pod} ended (exit {}) without holding or saying why",
@@ -719,7 +739,7 @@ async fn tensor_get(s: &Shared<'_>, rng: &mut Rng) {
         )),
         // Not held now (never put, its holder's agent down or restarting),
         // or a transfer cut by a fault: said plainly.
-        Ok(Ok(o)) if !o.stderr.trim().is_empty() => s.count(|r| &mut r.tolerated, "tensor-get"),
+        Ok(Ok(o)) if !o.stderr.trim().is_empty() => s.tolerate("tensor-get", &o.stderr),
         Ok(Ok(o)) => s.violation(format!(
             "op {n}: tensor get of {key} into {pod} failed (exit {}) without saying why",
             o.status

@@ -346,6 +346,7 @@ impl Agent {
         let hello = c
             .ask(&kt_types::agent::ControlRequest::Hello {
                 version: kt_types::agent::CONTROL_VERSION,
+                keepalive: false,
             })
             .await;
         assert!(

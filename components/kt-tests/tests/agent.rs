@@ -91,6 +91,7 @@ async fn control_socket_says_hello_and_refuses_other_versions() {
     let hello = s
         .ask(&ControlRequest::Hello {
             version: CONTROL_VERSION,
+            keepalive: false,
         })
         .await;
     assert_eq!(
@@ -99,6 +100,7 @@ async fn control_socket_says_hello_and_refuses_other_versions() {
             version: CONTROL_VERSION,
             agent: "pod-hello".into(),
             url: agent.url.clone(),
+            keepalive: false,
         })
     );
     let st = s.ask(&ControlRequest::Status).await;
@@ -111,6 +113,7 @@ async fn control_socket_says_hello_and_refuses_other_versions() {
     let reply = s
         .ask(&ControlRequest::Hello {
             version: CONTROL_VERSION + 1,
+            keepalive: false,
         })
         .await
         .unwrap();

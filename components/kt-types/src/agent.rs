@@ -17,6 +17,12 @@
 //! socket's peer credentials): they are dropped when it exits, or, when the
 //! agent cannot see its pid (another pid namespace), when the connection
 //! that made them closes.
+//!
+//! Keepalive: a client that says `keepalive: true` in its hello (and an
+//! agent that answers it in kind) gets [`ControlReply::Working`] every
+//! [`KEEPALIVE`] while a request runs (an export scan can take minutes),
+//! so it can tell a busy agent from a frozen one by silence alone. Both
+//! fields default to false: either side may be older.
 
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +40,10 @@ pub const MIN_CONTROL_VERSION: u32 = 1;
 /// The first version with tensor operations.
 pub const TENSOR_VERSION: u32 = 2;
 
+/// How often an agent says [`ControlReply::Working`] while a request runs,
+/// on connections that asked for it.
+pub const KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Largest control message accepted (a manifest of a big tree fits).
 pub const MAX_CONTROL_MESSAGE: u32 = 256 << 20;
 
@@ -50,6 +60,10 @@ pub enum ControlRequest {
         /// From [`MIN_CONTROL_VERSION`] to [`CONTROL_VERSION`]; another one
         /// is an error, and the connection is closed.
         version: u32,
+        /// Send [`ControlReply::Working`] while requests run (see the
+        /// module docs). Absent: false.
+        #[serde(default, skip_serializing_if = "is_false")]
+        keepalive: bool,
     },
     /// `kt put --locale local`: serve the file or tree at `path` (absolute)
     /// under `key`, and register it as the key's origin. Nothing is copied.
@@ -107,6 +121,10 @@ pub struct ExportInfo {
     pub size: u64,
 }
 
+fn is_false(b: &bool) -> bool {
+    !b
+}
+
 /// The agent's answer to one [`ControlRequest`], tagged by `op` like it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -119,7 +137,13 @@ pub enum ControlReply {
         agent: String,
         /// Base URL of the agent's read protocol.
         url: String,
+        /// This agent sends [`ControlReply::Working`] on this connection.
+        #[serde(default, skip_serializing_if = "is_false")]
+        keepalive: bool,
     },
+    /// Not an answer: the request is still running (every [`KEEPALIVE`],
+    /// on connections that asked for it). The answer follows.
+    Working,
     /// The export is registered (for a local put: the key's record).
     Exported {
         /// What the agent now serves.
@@ -193,12 +217,46 @@ mod tests {
 
     #[test]
     fn frames_carry_tagged_json() {
-        let f = encode_frame(&ControlRequest::Hello { version: 1 }).unwrap();
+        let f = encode_frame(&ControlRequest::Hello {
+            version: 1,
+            keepalive: false,
+        })
+        .unwrap();
         let n = frame_len(f[..4].try_into().unwrap()).unwrap();
         assert_eq!(n, f.len() - 4);
         assert_eq!(&f[4..], br#"{"op":"hello","version":1}"#);
         let back: ControlRequest = serde_json::from_slice(&f[4..]).unwrap();
-        assert_eq!(back, ControlRequest::Hello { version: 1 });
+        assert_eq!(
+            back,
+            ControlRequest::Hello {
+                version: 1,
+                keepalive: false
+            }
+        );
+        // Keepalive is said only when asked for, and read as false when
+        // absent (either side may be older).
+        let on: ControlRequest =
+            serde_json::from_str(r#"{"op":"hello","version":2,"keepalive":true}"#).unwrap();
+        assert_eq!(
+            on,
+            ControlRequest::Hello {
+                version: 2,
+                keepalive: true
+            }
+        );
+        let r: ControlReply =
+            serde_json::from_str(r#"{"op":"hello","version":2,"agent":"a","url":"u"}"#).unwrap();
+        assert!(matches!(
+            r,
+            ControlReply::Hello {
+                keepalive: false,
+                ..
+            }
+        ));
+        assert_eq!(
+            serde_json::to_string(&ControlReply::Working).unwrap(),
+            r#"{"op":"working"}"#
+        );
         assert!(frame_len(u32::MAX.to_be_bytes()).is_err());
     }
 }
