@@ -241,8 +241,8 @@ struct Shared<'a> {
     /// Numbered operations, for violations.
     op: std::sync::atomic::AtomicU64,
     until: Instant,
-    /// The `kt tensor put --hold` holding each tensor key now.
-    holders: tokio::sync::Mutex<BTreeMap<String, Box<dyn PodProcess>>>,
+    /// The `kt tensor put --hold` holding each tensor key now, and its pod.
+    holders: tokio::sync::Mutex<BTreeMap<String, (String, Box<dyn PodProcess>)>>,
 }
 
 impl Shared<'_> {
@@ -332,7 +332,7 @@ async fn soak(
     let faults = inject(&shared, opts);
     futures::future::join(futures::future::join_all(workers), faults).await;
     // The tensor holders let go (their keys are dropped with them).
-    for (_, mut h) in std::mem::take(&mut *shared.holders.lock().await) {
+    for (_, (_, mut h)) in std::mem::take(&mut *shared.holders.lock().await) {
         let _ = h.signal(Signal::TERM).await;
         let _ = h.wait().await;
     }
@@ -649,7 +649,16 @@ async fn tensor_put(s: &Shared<'_>, rng: &mut Rng) {
     let n = s.op.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let k = rng.below(TENSOR_KEYS);
     let key = format!("chaos/t{k}");
-    let pod = pick(rng, &s.pods).to_owned();
+    // Another pod than the holder's: in one pod the agent refuses a second
+    // process the key (by design), elsewhere the new put supersedes.
+    let holder = s.holders.lock().await.get(&key).map(|(p, _)| p.clone());
+    let others: Vec<String> = s
+        .pods
+        .iter()
+        .filter(|p| Some(*p) != holder.as_ref())
+        .cloned()
+        .collect();
+    let pod = pick(rng, &others).to_owned();
     let args = [
         "tensor",
         "put",
@@ -685,8 +694,8 @@ async fn tensor_put(s: &Shared<'_>, rng: &mut Rng) {
     match held {
         Ok(true) => {
             s.count(|r| &mut r.ok, "tensor-put");
-            let old = s.holders.lock().await.insert(key, p);
-            if let Some(mut old) = old {
+            let old = s.holders.lock().await.insert(key, (pod, p));
+            if let Some((_, mut old)) = old {
                 let _ = old.signal(Signal::TERM).await;
                 let _ = old.wait().await;
             }
