@@ -598,6 +598,43 @@ impl NcclComm {
     }
 }
 
+/// One point-to-point operation: device address, bytes, peer rank.
+type P2p = (u64, u64, u32);
+
+impl NcclComm {
+    /// `sends` then `recvs` as one NCCL group (the context bound): posted,
+    /// not waited for.
+    fn p2p(&mut self, what: &str, sends: &[P2p], recvs: &[P2p]) -> Result<(), TransportError> {
+        let (comm, stream, api) = (self.raw, self.stream.raw(), self.api);
+        // SAFETY: no arguments; opens a group on this thread, closed below
+        // whatever happens in between.
+        let r = unsafe { (api.group_start)() };
+        self.check(what, r)?;
+        let mut first = SUCCESS;
+        for (i, (ptr, n, peer)) in sends.iter().chain(recvs).enumerate() {
+            let (buf, n, peer) = (*ptr as *mut c_void, *n as usize, *peer as c_int);
+            let r = if i < sends.len() {
+                // SAFETY: callers pass ranges of device memory of this
+                // communicator's GPU that they keep alive until the stream
+                // has run the group (they wait for it, or abort), and ranks
+                // of the communicator (members of checked groups).
+                unsafe { (api.send)(buf, n, UINT8, peer, comm, stream) }
+            } else {
+                // SAFETY: as for the sends.
+                unsafe { (api.recv)(buf, n, UINT8, peer, comm, stream) }
+            };
+            if r != SUCCESS && r != IN_PROGRESS {
+                first = r;
+                break;
+            }
+        }
+        // SAFETY: closes the group opened above.
+        let end = unsafe { (api.group_end)() };
+        self.check(what, first)?;
+        self.check(what, end)
+    }
+}
+
 impl Exchange for NcclComm {
     fn exchange(
         &mut self,
@@ -609,42 +646,19 @@ impl Exchange for NcclComm {
         if self.raw.is_null() {
             return Err(self.aborted());
         }
-        let (comm, stream, api) = (self.raw, self.stream.raw(), self.api);
-        let base = self.token.ptr();
-        let sent = (base + u64::from(self.world)) as *mut c_void;
         driver::bind(self.stream.ctx())?;
         let what = format!(
             "{what} (transfer {}, rank {} of {})",
             self.transfer, self.rank, self.world
         );
-        // SAFETY: no arguments; opens a group on this thread, closed below
-        // whatever happens in between.
-        let r = unsafe { (api.group_start)() };
-        self.check(&what, r)?;
-        let mut first = SUCCESS;
-        for p in to {
-            // SAFETY: one byte of `token` (world + 1 bytes, owned by the
-            // communicator, so alive until the stream has run this); `p`
-            // is below `world` (callers pass members of checked groups).
-            let r = unsafe { (api.send)(sent, 1, UINT8, *p as c_int, comm, stream) };
-            if r != SUCCESS && r != IN_PROGRESS {
-                first = r;
-                break;
-            }
-        }
-        for p in from.iter().filter(|_| first == SUCCESS) {
-            let slot = (base + u64::from(*p)) as *mut c_void;
-            // SAFETY: as for the sends; each peer has its own slot.
-            let r = unsafe { (api.recv)(slot, 1, UINT8, *p as c_int, comm, stream) };
-            if r != SUCCESS && r != IN_PROGRESS {
-                first = r;
-                break;
-            }
-        }
-        // SAFETY: closes the group opened above.
-        let end = unsafe { (api.group_end)() };
-        self.check(&what, first)?;
-        self.check(&what, end)?;
+        let base = self.token.ptr();
+        let sends: Vec<P2p> = to
+            .iter()
+            .map(|p| (base + u64::from(self.world), 1, *p))
+            .collect();
+        // Each peer has its own receive slot.
+        let recvs: Vec<P2p> = from.iter().map(|p| (base + u64::from(*p), 1, *p)).collect();
+        self.p2p(&what, &sends, &recvs)?;
         self.wait(deadline, &what, true)
     }
 }
@@ -723,36 +737,10 @@ impl Comm for NcclComm {
                 self.check(&what, r)?;
             }
             Part::SendTo(peers) => {
-                // SAFETY: no arguments; opens a group on this thread, closed
-                // below whatever happens in between.
-                let r = unsafe { (api.group_start)() };
-                self.check(&what, r)?;
-                let mut first = SUCCESS;
-                for p in peers {
-                    // SAFETY: as for the broadcast above; `p` is a rank of
-                    // the communicator (checked by `part`).
-                    let r = unsafe { (api.send)(ptr, n, UINT8, *p as c_int, comm, stream) };
-                    if r != SUCCESS && r != IN_PROGRESS {
-                        first = r;
-                        break;
-                    }
-                }
-                // SAFETY: closes the group opened above.
-                let end = unsafe { (api.group_end)() };
-                self.check(&what, first)?;
-                self.check(&what, end)?;
+                let sends: Vec<P2p> = peers.iter().map(|p| (base + offset, len, *p)).collect();
+                self.p2p(&what, &sends, &[])?;
             }
-            Part::RecvFrom(from) => {
-                // SAFETY: as for SendTo.
-                let r = unsafe { (api.group_start)() };
-                self.check(&what, r)?;
-                // SAFETY: as for the broadcast above.
-                let r = unsafe { (api.recv)(ptr, n, UINT8, *from as c_int, comm, stream) };
-                // SAFETY: closes the group opened above.
-                let end = unsafe { (api.group_end)() };
-                self.check(&what, r)?;
-                self.check(&what, end)?;
-            }
+            Part::RecvFrom(from) => self.p2p(&what, &[], &[(base + offset, len, *from)])?,
         }
         self.wait(deadline, &what, true)
     }
