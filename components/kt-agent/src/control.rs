@@ -472,21 +472,25 @@ async fn write_reply(stream: &mut UnixStream, reply: &ControlReply) -> std::io::
     stream.write_all(&frame).await
 }
 
-/// Runs `work`, saying [`ControlReply::Working`] every [`KEEPALIVE`] until
-/// it is done; a client gone meanwhile only stops the saying.
+/// Runs `work`, saying [`ControlReply::Working`] every `every` until it is
+/// done: its answer, and whether the client still listens. A client gone
+/// or not reading (a `Working` not taken within `every`) only stops the
+/// saying: the work runs to its end, and the connection is closed after
+/// (a frame may have been cut).
 async fn keep_alive(
     stream: &mut UnixStream,
     work: impl std::future::Future<Output = ControlReply>,
     every: std::time::Duration,
-) -> ControlReply {
+) -> (ControlReply, bool) {
     tokio::pin!(work);
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     let mut listening = true;
     loop {
         tokio::select! {
-            reply = &mut work => return reply,
+            reply = &mut work => return (reply, listening),
             _ = tick.tick(), if listening => {
-                listening = write_reply(stream, &ControlReply::Working).await.is_ok();
+                let said = tokio::time::timeout(every, write_reply(stream, &ControlReply::Working));
+                listening = matches!(said.await, Ok(Ok(())));
             }
         }
     }
@@ -564,7 +568,12 @@ async fn converse(
                 // still runs to its end: a put is registered or not, never half.
                 let work = agent.handle(req, &caller);
                 if working {
-                    (keep_alive(&mut stream, work, KEEPALIVE).await, false)
+                    let (reply, listening) = keep_alive(&mut stream, work, KEEPALIVE).await;
+                    if !listening {
+                        tracing::debug!("control client stopped listening mid-request");
+                        return;
+                    }
+                    (reply, false)
                 } else {
                     (work.await, false)
                 }
@@ -599,7 +608,8 @@ mod tests {
             }
             frames
         });
-        keep_alive(&mut agent_end, work, every).await;
+        let (_, listening) = keep_alive(&mut agent_end, work, every).await;
+        assert!(listening);
         drop(agent_end);
         let frames = reading.await.unwrap();
         // Ticks at 100, 200 and 300 ms, the answer at 350 ms (a loaded

@@ -39,6 +39,8 @@ pub struct AgentConn {
     /// (by `silence`).
     keepalive: bool,
     silence: Duration,
+    /// Why the connection is out of step (a request cut off midway).
+    broken: Option<String>,
     /// The agent's id (its pod's name) and the URL peers fetch from.
     pub id: String,
     pub url: String,
@@ -89,6 +91,7 @@ impl AgentConn {
             stream,
             keepalive: false,
             silence: SILENCE,
+            broken: None,
             id: String::new(),
             url: String::new(),
         };
@@ -150,23 +153,20 @@ impl AgentConn {
 
     /// One request, one reply. `Error` replies become errors.
     pub async fn request(&mut self, req: &ControlRequest) -> Result<ControlReply, ClientError> {
+        if let Some(why) = &self.broken {
+            return Err(away(format!(
+                "the connection to the node agent broke earlier ({why}): connect again"
+            )));
+        }
         let frame = encode_frame(req).map_err(|e| local(format!("encoding a request: {e}")))?;
-        let io = |e: std::io::Error| away(format!("agent control socket: {e}"));
-        self.stream.write_all(&frame).await.map_err(io)?;
-        let (keepalive, silence) = (self.keepalive, self.silence);
-        let reply = loop {
-            let next = self.read_reply();
-            let reply = if keepalive {
-                tokio::time::timeout(silence, next).await.map_err(|_| {
-                    away(format!(
-                        "the node agent said nothing for {silence:?} while it should have been saying it is working (frozen? out of CPU?)"
-                    ))
-                })??
-            } else {
-                next.await?
-            };
-            if reply != ControlReply::Working {
-                break reply;
+        let reply = match self.exchange(&frame).await {
+            Ok(r) => r,
+            Err(e) => {
+                // A request cut off midway leaves the connection out of step
+                // (a late answer would be taken for the next request's).
+                self.broken = Some(e.to_string());
+                let _ = self.stream.shutdown().await;
+                return Err(e);
             }
         };
         match reply {
@@ -181,6 +181,40 @@ impl AgentConn {
 }
 
 impl AgentConn {
+    /// Writes `frame`, then reads until the answer (past `Working` frames),
+    /// silence bounded where the agent keeps the connection alive.
+    async fn exchange(&mut self, frame: &[u8]) -> Result<ControlReply, ClientError> {
+        let (keepalive, silence) = (self.keepalive, self.silence);
+        let frozen = || {
+            away(format!(
+                "the node agent said nothing for {silence:?} while it should have been saying it is working (frozen? out of CPU?)"
+            ))
+        };
+        let io = |e: std::io::Error| away(format!("agent control socket: {e}"));
+        let write = self.stream.write_all(frame);
+        if keepalive {
+            tokio::time::timeout(silence, write)
+                .await
+                .map_err(|_| frozen())?
+                .map_err(io)?;
+        } else {
+            write.await.map_err(io)?;
+        }
+        loop {
+            let next = self.read_reply();
+            let reply = if keepalive {
+                tokio::time::timeout(silence, next)
+                    .await
+                    .map_err(|_| frozen())??
+            } else {
+                next.await?
+            };
+            if reply != ControlReply::Working {
+                return Ok(reply);
+            }
+        }
+    }
+
     /// The next frame from the agent.
     async fn read_reply(&mut self) -> Result<ControlReply, ClientError> {
         let io = |e: std::io::Error| away(format!("agent control socket: {e}"));
@@ -376,6 +410,11 @@ mod tests {
         // The next request meets silence.
         let e = c.request(&ControlRequest::Status).await.unwrap_err();
         assert!(e.to_string().contains("said nothing for 300ms"), "{e}");
+        // Then the connection is out of step: refused at once.
+        let t = Instant::now();
+        let e = c.request(&ControlRequest::Status).await.unwrap_err();
+        assert!(e.to_string().contains("broke earlier"), "{e}");
+        assert!(t.elapsed() < Duration::from_millis(300));
     }
 
     #[tokio::test]

@@ -227,6 +227,22 @@ struct DataSet {
     size: u64,
 }
 
+/// A held tensor put: its pod and its process.
+type Holder = (String, Box<dyn PodProcess>);
+
+/// Stops a holder (TERM, then KILL after 30 s): true when it ended by TERM.
+async fn stop(mut p: Box<dyn PodProcess>) -> bool {
+    let _ = p.signal(Signal::TERM).await;
+    match tokio::time::timeout(Duration::from_secs(30), p.wait()).await {
+        Ok(_) => true,
+        Err(_) => {
+            let _ = p.signal(Signal::KILL).await;
+            let _ = p.wait().await;
+            false
+        }
+    }
+}
+
 /// What every worker shares.
 struct Shared<'a> {
     target: &'a dyn Target,
@@ -241,8 +257,8 @@ struct Shared<'a> {
     /// Numbered operations, for violations.
     op: std::sync::atomic::AtomicU64,
     until: Instant,
-    /// The `kt tensor put --hold` holding each tensor key now, and its pod.
-    holders: tokio::sync::Mutex<BTreeMap<String, (String, Box<dyn PodProcess>)>>,
+    /// The `kt tensor put --hold` holding each tensor key now.
+    holders: tokio::sync::Mutex<BTreeMap<String, Holder>>,
 }
 
 impl Shared<'_> {
@@ -332,9 +348,23 @@ async fn soak(
     let faults = inject(&shared, opts);
     futures::future::join(futures::future::join_all(workers), faults).await;
     // The tensor holders let go (their keys are dropped with them).
-    for (_, (_, mut h)) in std::mem::take(&mut *shared.holders.lock().await) {
-        let _ = h.signal(Signal::TERM).await;
-        let _ = h.wait().await;
+    for (key, (pod, h)) in std::mem::take(&mut *shared.holders.lock().await) {
+        if !stop(h).await {
+            shared.violation(format!(
+                "the holder of {key} in {pod} did not end within 30 s of TERM"
+            ));
+        }
+    }
+    // Tensor gets may fail while a fault lasts, but not all of them.
+    let (ok, tried) = {
+        let r = shared.report.lock().unwrap_or_else(|p| p.into_inner());
+        let ok = r.ok.get("tensor-get").copied().unwrap_or(0);
+        (ok, ok + r.tolerated.get("tensor-get").copied().unwrap_or(0))
+    };
+    if tried >= 20 && ok * 2 < tried {
+        shared.violation(format!(
+            "only {ok} of {tried} tensor gets succeeded (most failures are tolerated one by one, not all of them)"
+        ));
     }
     // Quiet now: what must have returned to rest.
     let meta = kt_api::Api::new(reqwest::Client::new(), &target.metadata_url(), token);
@@ -694,10 +724,13 @@ async fn tensor_put(s: &Shared<'_>, rng: &mut Rng) {
     match held {
         Ok(true) => {
             s.count(|r| &mut r.ok, "tensor-put");
-            let old = s.holders.lock().await.insert(key, (pod, p));
-            if let Some((_, mut old)) = old {
-                let _ = old.signal(Signal::TERM).await;
-                let _ = old.wait().await;
+            let old = s.holders.lock().await.insert(key.clone(), (pod, p));
+            if let Some((old_pod, old)) = old
+                && !stop(old).await
+            {
+                s.violation(format!(
+                    "op {n}: the previous holder of {key} in {old_pod} did not end within 30 s of TERM"
+                ));
             }
         }
         // It ended without holding: its agent is down, say. It must say so.

@@ -106,7 +106,8 @@ pub fn run(
 
 /// One rank's whole transfer: holds the device of `lent` (see
 /// [`Backend::hold`]), connects, runs the plan, and drops the communicator
-/// and the lent memory before letting the device go.
+/// and the lent memory before letting the device go (or, when the
+/// communicator is wedged, keeps all three for good).
 #[allow(clippy::too_many_arguments)]
 pub fn transfer(
     backend: &dyn Backend,
@@ -118,9 +119,25 @@ pub fn transfer(
     timeout: std::time::Duration,
 ) -> Result<TensorStats, TransportError> {
     let device = lent.memory_device();
-    let held = backend.hold(device, timeout)?;
-    let mut comm = backend.connect(plan, rank, endpoint, rendezvous, device, timeout)?;
+    let held = backend.hold(device);
+    let mut comm = match backend.connect(plan, rank, endpoint, rendezvous, device, timeout) {
+        Ok(c) => c,
+        Err(e) => {
+            drop(lent);
+            drop(held);
+            return Err(e);
+        }
+    };
     let stats = run(backend, &mut *comm, plan, &mut lent);
+    if comm.wedged() {
+        // Its kernels may still run (an abort that did not return): the
+        // memory they may touch stays mapped and allocated, and the device
+        // held, so nothing deferred on it is freed under them.
+        std::mem::forget(lent);
+        std::mem::forget(held);
+        std::mem::forget(comm);
+        return stats;
+    }
     drop(comm);
     drop(lent);
     drop(held);

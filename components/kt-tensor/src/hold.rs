@@ -1,99 +1,79 @@
-//! One transfer at a time per device, for transports that need it.
+//! What must wait until no transfer runs on a device.
 //!
 //! NCCL's kernels wait for their peers, and a CUDA call that synchronises
-//! the device (`cuMemFree`, `cuIpcCloseMemHandle`, a communicator's
-//! destruction) waits for every kernel on it: two transfers on one GPU can
-//! stall each other behind peers that wait for them in turn. NCCL's advice
-//! is to run communicators one at a time per device, so the NCCL backend
-//! holds a transfer's device from before `connect` until its communicator
-//! is gone ([`crate::engine::transfer`]), and what would synchronise the
-//! device while it is held (closing an IPC mapping the owner released) is
-//! put off until the holder lets go.
+//! the device (`cuMemFree`, `cuIpcCloseMemHandle`) waits for every kernel
+//! on it: a transfer that frees memory while another transfer's kernels
+//! wait for remote peers stalls behind them, and chains of such waits
+//! across agents can stall for good. So every transfer holds its device
+//! while it runs ([`crate::engine::transfer`]) and what would synchronise
+//! the device (a staging buffer's free, the close of an IPC mapping) is
+//! put off until the last holder lets go.
+//!
+//! Holds are shared: transfers on one device run side by side (an
+//! exclusive hold would make transfers that need each other in opposite
+//! orders on two agents wait out their timeouts, and queue every getter of
+//! one source behind the others).
 
-use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::transport::TransportError;
-
-/// Which devices are held, and what waits for them to be let go.
+/// Per device: how many transfers run, and what waits for none to.
 #[derive(Default)]
 pub struct DeviceHolds {
-    state: Mutex<State>,
-    released: Condvar,
+    state: Mutex<HashMap<u32, Device>>,
 }
 
 #[derive(Default)]
-struct State {
-    held: HashSet<u32>,
-    deferred: HashMap<u32, Vec<Box<dyn Send>>>,
+struct Device {
+    holders: usize,
+    deferred: Vec<Box<dyn Send>>,
 }
 
 impl std::fmt::Debug for DeviceHolds {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let s = self.lock();
-        f.debug_struct("DeviceHolds")
-            .field("held", &s.held)
-            .field(
-                "deferred",
-                &s.deferred.values().map(Vec::len).sum::<usize>(),
-            )
-            .finish()
+        let held: HashMap<u32, (usize, usize)> = s
+            .iter()
+            .map(|(d, v)| (*d, (v.holders, v.deferred.len())))
+            .collect();
+        f.debug_struct("DeviceHolds").field("held", &held).finish()
     }
 }
 
 impl DeviceHolds {
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<u32, Device>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Holds device `ordinal` (named `name` in errors), waiting up to
-    /// `timeout` for the transfer holding it now.
-    pub fn hold(
-        self: &Arc<Self>,
-        ordinal: u32,
-        name: &str,
-        timeout: Duration,
-    ) -> Result<Held, TransportError> {
-        let deadline = Instant::now() + timeout;
-        let mut s = self.lock();
-        while s.held.contains(&ordinal) {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(TransportError::Timeout(format!(
-                    "{name} was busy with another transfer for {timeout:?} (transfers on one GPU run one at a time)"
-                )));
-            }
-            s = self
-                .released
-                .wait_timeout(s, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        s.held.insert(ordinal);
-        Ok(Held {
+    /// Holds device `ordinal` for one transfer (never waits).
+    pub fn hold(self: &Arc<Self>, ordinal: u32) -> Held {
+        self.lock().entry(ordinal).or_default().holders += 1;
+        Held {
             holds: self.clone(),
             ordinal,
-        })
-    }
-
-    /// Drops `item` now, or when the transfer holding `ordinal` lets go.
-    pub fn defer(&self, ordinal: u32, item: Box<dyn Send>) {
-        let mut s = self.lock();
-        if s.held.contains(&ordinal) {
-            s.deferred.entry(ordinal).or_default().push(item);
-        } else {
-            drop(s);
-            drop(item);
         }
     }
 
-    pub fn is_held(&self, ordinal: u32) -> bool {
-        self.lock().held.contains(&ordinal)
+    /// Drops `item` now, or when the last transfer holding `ordinal` lets
+    /// go.
+    pub fn defer(&self, ordinal: u32, item: Box<dyn Send>) {
+        let mut s = self.lock();
+        match s.get_mut(&ordinal) {
+            Some(d) if d.holders > 0 => d.deferred.push(item),
+            _ => {
+                drop(s);
+                drop(item);
+            }
+        }
+    }
+
+    /// Transfers holding `ordinal` now.
+    pub fn holders(&self, ordinal: u32) -> usize {
+        self.lock().get(&ordinal).map_or(0, |d| d.holders)
     }
 }
 
-/// A held device: let go on drop, after what was deferred is dropped.
+/// A held device: let go on drop; the last holder drops what was deferred.
 pub struct Held {
     holds: Arc<DeviceHolds>,
     ordinal: u32,
@@ -111,17 +91,18 @@ impl Drop for Held {
     fn drop(&mut self) {
         loop {
             let mut s = self.holds.lock();
-            let items = s.deferred.remove(&self.ordinal).unwrap_or_default();
-            if items.is_empty() {
-                s.held.remove(&self.ordinal);
-                break;
+            let d = s.entry(self.ordinal).or_default();
+            if d.holders > 1 || d.deferred.is_empty() {
+                d.holders -= 1;
+                return;
             }
-            // Still held while they are dropped: nothing else runs on the
-            // device, so what they synchronise waits for nobody.
+            // The last holder: still counted while the deferred items are
+            // dropped (what they free waits for no other transfer), and
+            // again for what was deferred meanwhile.
+            let items = std::mem::take(&mut d.deferred);
             drop(s);
             drop(items);
         }
-        self.holds.released.notify_all();
     }
 }
 
@@ -139,49 +120,41 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_held_device_waits_for_its_holder_and_others_do_not() {
-        let holds = Arc::new(DeviceHolds::default());
-        let first = holds.hold(0, "cuda:0", Duration::ZERO).unwrap();
-        // Another device is free.
-        let other = holds.hold(1, "cuda:1", Duration::ZERO).unwrap();
-        let e = holds
-            .hold(0, "cuda:0", Duration::from_millis(50))
-            .unwrap_err();
-        assert!(
-            matches!(&e, TransportError::Timeout(m) if m.contains("cuda:0 was busy with another transfer")),
-            "{e}"
-        );
-        let waiter = {
-            let holds = holds.clone();
-            std::thread::spawn(move || holds.hold(0, "cuda:0", Duration::from_secs(30)).map(drop))
-        };
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(!waiter.is_finished(), "took a held device");
-        drop(first);
-        waiter.join().unwrap().unwrap();
-        drop(other);
-        assert!(!holds.is_held(0) && !holds.is_held(1));
+    fn flag() -> (Arc<AtomicBool>, Box<dyn Send>) {
+        let f = Arc::new(AtomicBool::new(false));
+        (f.clone(), Box::new(Flag(f)))
     }
 
     #[test]
-    fn what_is_deferred_is_dropped_when_the_holder_lets_go() {
+    fn holds_are_shared_and_what_is_deferred_waits_for_the_last_holder() {
         let holds = Arc::new(DeviceHolds::default());
-        let (a, b) = (
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicBool::new(false)),
-        );
         // Not held: at once.
-        holds.defer(0, Box::new(Flag(a.clone())));
+        let (a, item) = flag();
+        holds.defer(0, item);
         assert!(a.load(Ordering::SeqCst));
-        let held = holds.hold(0, "cuda:0", Duration::ZERO).unwrap();
-        holds.defer(0, Box::new(Flag(b.clone())));
-        assert!(
-            !b.load(Ordering::SeqCst),
-            "dropped while the device was held"
-        );
-        drop(held);
+        let first = holds.hold(0);
+        let second = holds.hold(0);
+        let other = holds.hold(1);
+        assert_eq!((holds.holders(0), holds.holders(1)), (2, 1));
+        let (b, item) = flag();
+        holds.defer(0, item);
+        drop(other);
+        drop(first);
+        assert!(!b.load(Ordering::SeqCst), "dropped while a transfer ran");
+        drop(second);
         assert!(b.load(Ordering::SeqCst));
-        holds.hold(0, "cuda:0", Duration::ZERO).unwrap();
+        assert_eq!(holds.holders(0), 0);
+    }
+
+    #[test]
+    fn a_holder_that_never_lets_go_keeps_what_was_deferred() {
+        // A wedged transfer (an abort that did not return) forgets its hold:
+        // nothing deferred on its device is ever freed under it.
+        let holds = Arc::new(DeviceHolds::default());
+        std::mem::forget(holds.hold(0));
+        let (c, item) = flag();
+        holds.defer(0, item);
+        drop(holds.hold(0));
+        assert!(!c.load(Ordering::SeqCst));
     }
 }

@@ -83,6 +83,13 @@ pub trait Comm: Send {
         Ok(())
     }
 
+    /// Whether the communicator may still be running on the device after
+    /// a failure (an abort that did not return): its memory must then not
+    /// be freed. False by default.
+    fn wedged(&self) -> bool {
+        false
+    }
+
     /// Whether [`Comm::broadcast_parts`] gathers and scatters (no staging
     /// buffer needed to pack).
     fn gathers(&self) -> bool {
@@ -131,17 +138,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     }
 
     /// Holds `device` for one whole transfer, from before `connect` until
-    /// its communicator is dropped ([`crate::engine::transfer`]), waiting up
-    /// to `timeout` for a transfer holding it now: for transports whose
-    /// transfers must not overlap on a device ([`crate::hold`]). `None`:
-    /// nothing to hold (the default).
-    fn hold(
-        &self,
-        device: Device,
-        timeout: Duration,
-    ) -> Result<Option<Box<dyn Send>>, TransportError> {
-        let _ = (device, timeout);
-        Ok(None)
+    /// its communicator and memory are dropped ([`crate::engine::transfer`]):
+    /// for transports whose device-synchronising work must wait until no
+    /// transfer runs ([`crate::hold`]). `None`: nothing to hold (the
+    /// default).
+    fn hold(&self, device: Device) -> Option<Box<dyn Send>> {
+        let _ = device;
+        None
     }
 
     /// A staging buffer of `len` bytes on `device` (pack buckets).
@@ -164,6 +167,13 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// Rank 0 of a transfer calls this before the others connect: a blob
     /// handed to every rank (NCCL's unique id). `None` when not needed.
     fn rendezvous(&self, plan: &TransferPlan) -> Result<Option<String>, TransportError>;
+
+    /// Rank 0 will not connect with `blob` after all (its transfer failed
+    /// before): what the rendezvous keeps for it can go (NCCL: the unique
+    /// id's helper process). `connect` of rank 0 does this itself.
+    fn abandon_rendezvous(&self, blob: &str) {
+        let _ = blob;
+    }
 
     /// Connects this rank to the others of `plan`. Every rank calls it, with
     /// rank 0's rendezvous blob; `device` is where this rank's memory of the
@@ -200,12 +210,12 @@ pub trait Exchange {
 /// [`Comm::begin_flow`] over an [`Exchange`]: every member but the root
 /// tells the root it is in the flow and waits for the root's answer, which
 /// comes once all of them are. Each exchange goes one way between a pair
-/// (NCCL fails with "Message truncated" when the two sides of a pair set up
-/// different connections in one group: seen on an H200 with NCCL 2.28). A member busy with earlier flows of the
-/// plan is waited for up to `idle` (the host backend's
-/// [`crate::host::IDLE_FACTOR`] timeouts); the collectives of the flow are
-/// posted only after this, so their own timeout starts when every member is
-/// there. Nothing to do for a rank outside `group`.
+/// (NCCL fails with "Message truncated" when the two sides of a pair set
+/// up different connections in one group: seen on an H200 with NCCL
+/// 2.28). A member busy with earlier flows of the plan is waited for up to
+/// `idle` (the NCCL backend: 5 timeouts); the collectives of the flow are
+/// posted only after this, so their own timeout starts when every member
+/// is there. Nothing to do for a rank outside `group`.
 pub fn flow_handshake(
     x: &mut dyn Exchange,
     me: u32,
@@ -228,10 +238,11 @@ pub fn flow_handshake(
             deadline,
             &format!("waiting for ranks {others:?} to come to the flow of rank {root}"),
         )?;
+        // A fresh bound: the last member may have come just in time.
         x.exchange(
             &others,
             &[],
-            deadline,
+            Instant::now() + idle,
             &format!("starting the flow of rank {root}"),
         )
     } else {

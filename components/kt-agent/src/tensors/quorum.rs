@@ -95,9 +95,14 @@ impl Tensors {
             let blob = blocking(move || b.rendezvous(&p).map_err(transport)).await?;
             if let Some(blob) = &blob {
                 let r = Rendezvous { blob: blob.clone() };
-                self.metadata
+                let published = self
+                    .metadata
                     .rendezvous(group, &plan.id, Some(&r), self.timeout)
-                    .await?;
+                    .await;
+                if let Err(e) = published {
+                    backend.abandon_rendezvous(blob);
+                    return Err(e);
+                }
             }
             blob
         } else if backend.kind() == BackendKind::Nccl {

@@ -13,6 +13,8 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{CudaContext, DriverError, result, sys};
+
+use crate::hold::DeviceHolds;
 use kt_types::tensor::{Device, MemHandle};
 
 use crate::transport::{Region, TransportError};
@@ -418,16 +420,44 @@ impl DeviceAlloc {
     }
 }
 
-impl Drop for DeviceAlloc {
+/// The transfers running on each GPU of this process, and what waits for
+/// none to run ([`crate::hold`]): freeing device memory and closing IPC
+/// mappings synchronise the device.
+pub(crate) fn holds() -> &'static Arc<DeviceHolds> {
+    static HOLDS: OnceLock<Arc<DeviceHolds>> = OnceLock::new();
+    HOLDS.get_or_init(Arc::default)
+}
+
+/// A `cuMemFree` to do, when no transfer runs on the device.
+struct Free {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+}
+
+impl Drop for Free {
     fn drop(&mut self) {
-        if self.len == 0 || !bind_for_drop(&self.ctx) {
+        if !bind_for_drop(&self.ctx) {
             return;
         }
         // SAFETY: `ptr` came from `cuMemAlloc` in this context and is freed
-        // once; no region of it outlives this object (they own it).
+        // once (its `DeviceAlloc` made one `Free`); no region uses it any
+        // more (they owned the allocation, which is gone).
         if let Err(e) = unsafe { result::free_sync(self.ptr) } {
             tracing::warn!("freeing GPU memory: {}", describe(e));
         }
+    }
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        let free = Free {
+            ctx: self.ctx.clone(),
+            ptr: self.ptr,
+        };
+        holds().defer(self.ctx.ordinal() as u32, Box::new(free));
     }
 }
 
@@ -472,16 +502,33 @@ impl IpcMapping {
     }
 }
 
-impl Drop for IpcMapping {
+/// A `cuIpcCloseMemHandle` to do, when no transfer runs on the device.
+struct Close {
+    ctx: Arc<CudaContext>,
+    base: u64,
+}
+
+impl Drop for Close {
     fn drop(&mut self) {
         if !bind_for_drop(&self.ctx) {
             return;
         }
         // SAFETY: `base` came from `cuIpcOpenMemHandle` in this context and
-        // is closed once; every region of it holds this object (Arc).
+        // is closed once (its `IpcMapping` made one `Close`, after every
+        // region of it was gone: they hold the mapping).
         if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.base) }.result() {
             tracing::warn!("closing a CUDA IPC mapping: {}", describe(e));
         }
+    }
+}
+
+impl Drop for IpcMapping {
+    fn drop(&mut self) {
+        let close = Close {
+            ctx: self.ctx.clone(),
+            base: self.base,
+        };
+        holds().defer(self.ctx.ordinal() as u32, Box::new(close));
     }
 }
 

@@ -25,12 +25,13 @@
 //!   (`Timeout`, `Peer`); the agent carries on.
 //! - Each flow starts with [`crate::transport::flow_handshake`] over
 //!   one-byte sends and receives, so members busy with earlier flows are
-//!   waited for (up to [`crate::host::IDLE_FACTOR`] timeouts) before the
+//!   waited for (up to 5 timeouts) before the
 //!   flow's collectives start their timeout.
 //! - The unique id comes from a helper process ([`serve_root_helper`]), so a transfer
 //!   that never connects leaves no bootstrap thread in the agent.
-//! - A transfer holds its GPU ([`crate::hold`], `Backend::hold`): one at a
-//!   time per GPU; IPC mappings released meanwhile close after it.
+//! - A transfer holds its GPU ([`crate::hold`], `Backend::hold`; holds are
+//!   shared): staging buffers are freed and IPC mappings closed only when
+//!   no transfer runs on the GPU.
 //!
 //! NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU
 //! detected") unless they claim different hosts (`NCCL_HOSTID`), which is
@@ -52,7 +53,6 @@ use std::time::Duration;
 
 use kt_types::tensor::{BackendKind, Device, MemHandle, TransferPlan};
 
-use crate::hold::DeviceHolds;
 use crate::transport::{Backend, Comm, Endpoint, Region, TransportError};
 
 pub use driver::{
@@ -190,8 +190,6 @@ pub struct CudaBackend {
     /// Idle copy streams, by GPU: each `copy` takes one, so concurrent
     /// copies never wait for each other.
     streams: Mutex<HashMap<u32, Vec<Stream>>>,
-    /// The GPUs a transfer holds (one transfer at a time per GPU).
-    holds: Arc<DeviceHolds>,
     /// The program (and its arguments) that serves NCCL unique ids
     /// ([`serve_root_helper`]); this executable by default.
     root_helper: Option<(PathBuf, Vec<OsString>)>,
@@ -229,7 +227,6 @@ impl CudaBackend {
             comm_device,
             ipc: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
-            holds: Arc::default(),
             root_helper: None,
             roots: Mutex::new(HashMap::new()),
         })
@@ -254,6 +251,14 @@ impl CudaBackend {
     ) -> CudaBackend {
         self.root_helper = Some((program.into(), args.into_iter().map(Into::into).collect()));
         self
+    }
+
+    /// The helper of rendezvous `blob`, out of the map.
+    fn take_root(&self, blob: &str) -> Option<RootHelper> {
+        self.roots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(blob.trim())
     }
 
     /// A fresh unique id from a helper process, kept until rank 0 connects.
@@ -331,28 +336,13 @@ impl CudaBackend {
                 .filter_map(|k| cache.remove_entry(&k))
                 .collect()
         };
-        let n = gone.len();
-        self.close(gone);
-        n
+        // Closed once no transfer runs on their GPU (see `crate::hold`).
+        gone.len()
     }
 
     /// Drops every cached mapping.
     pub fn forget_all(&self) {
-        let gone: Vec<_> = self
-            .ipc
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-            .collect();
-        self.close(gone);
-    }
-
-    /// Closes mappings taken out of the cache, each once the transfer
-    /// holding its GPU (if any) is over: closing one synchronises the GPU.
-    fn close(&self, gone: Vec<((u32, String), Arc<IpcMapping>)>) {
-        for ((ordinal, _), mapping) in gone {
-            self.holds.defer(ordinal, Box::new(mapping));
-        }
+        self.ipc.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     /// IPC handles open now.
@@ -446,19 +436,12 @@ impl Backend for CudaBackend {
         self.forget(handle);
     }
 
-    fn hold(
-        &self,
-        device: Device,
-        timeout: Duration,
-    ) -> Result<Option<Box<dyn Send>>, TransportError> {
+    fn hold(&self, device: Device) -> Option<Box<dyn Send>> {
         let ordinal = match device {
             Device::Cuda(n) => n,
             Device::Cpu => self.comm_device,
         };
-        let held = self
-            .holds
-            .hold(ordinal, &format!("cuda:{ordinal}"), timeout)?;
-        Ok(Some(Box::new(held)))
+        Some(Box::new(driver::holds().hold(ordinal)))
     }
 
     fn alloc(&self, device: Device, len: u64) -> Result<Box<dyn Region>, TransportError> {
@@ -497,6 +480,10 @@ impl Backend for CudaBackend {
         self.unique_id().map(Some)
     }
 
+    fn abandon_rendezvous(&self, blob: &str) {
+        drop(self.take_root(blob));
+    }
+
     fn connect(
         &self,
         plan: &TransferPlan,
@@ -506,6 +493,13 @@ impl Backend for CudaBackend {
         device: Device,
         timeout: Duration,
     ) -> Result<Box<dyn Comm>, TransportError> {
+        // Rank 0 takes its rendezvous' helper along: it ends with this call,
+        // however that ends (every rank has met the bootstrap root by then,
+        // or never will).
+        let _helper = match (rank, rendezvous) {
+            (0, Some(blob)) => self.take_root(blob),
+            _ => None,
+        };
         Self::check_plan(plan)?;
         let world = plan.ranks.len() as u32;
         if rank >= world {
@@ -527,17 +521,7 @@ impl Backend for CudaBackend {
             Device::Cuda(n) => n,
             Device::Cpu => self.comm_device,
         };
-        let comm = NcclComm::init(&plan.id, ordinal, world, rank, &id, timeout);
-        if rank == 0 {
-            // Every rank has met the bootstrap root (or never will): its
-            // helper can go.
-            let helper = self
-                .roots
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(blob.trim());
-            drop(helper);
-        }
-        Ok(Box::new(comm?))
+        let comm = NcclComm::init(&plan.id, ordinal, world, rank, &id, timeout)?;
+        Ok(Box::new(comm))
     }
 }

@@ -25,7 +25,6 @@ use cudarc::driver::sys::CUstream;
 use libloading::Library;
 
 use super::driver::{self, DeviceAlloc, Stream, describe};
-use crate::host::IDLE_FACTOR;
 use crate::transport::{Comm, Exchange, Region, TransportError, flow_handshake};
 use kt_types::tensor::Device;
 
@@ -323,6 +322,13 @@ pub(crate) fn part(me: u32, world: u32, root: u32, group: &[u32]) -> Result<Part
         Ok(Part::RecvFrom(root))
     }
 }
+
+/// How many timeouts a member of a flow waits for the others to be done
+/// with earlier flows. Fewer than the host backend's
+/// ([`crate::host::IDLE_FACTOR`]): a host rank learns at once that a peer
+/// failed (its connection closes), an NCCL rank not always (P2P and NVLink
+/// say nothing), so this bounds what a failed peer costs the others.
+const FLOW_WAIT_FACTOR: u32 = 5;
 
 /// How long an abort is waited for before it is left to finish on its own
 /// thread (`ncclCommAbort` can hang on a wedged peer or device).
@@ -672,13 +678,17 @@ impl Comm for NcclComm {
         self.world
     }
 
+    fn wedged(&self) -> bool {
+        self.abandoned
+    }
+
     /// Waits for every member of the flow (see [`flow_handshake`]): a
     /// member busy with earlier flows is waited for up to
-    /// [`IDLE_FACTOR`] timeouts, and the flow's collectives are bounded by
-    /// the timeout from when all are there.
+    /// [`FLOW_WAIT_FACTOR`] timeouts, and the flow's collectives are
+    /// bounded by the timeout from when all are there.
     fn begin_flow(&mut self, root: u32, group: &[u32]) -> Result<(), TransportError> {
         part(self.rank, self.world, root, group)?;
-        let (me, idle) = (self.rank, self.timeout * IDLE_FACTOR);
+        let (me, idle) = (self.rank, self.timeout * FLOW_WAIT_FACTOR);
         flow_handshake(self, me, root, group, idle)
     }
 
