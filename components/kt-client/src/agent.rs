@@ -178,9 +178,7 @@ impl AgentConn {
             r => Ok(r),
         }
     }
-}
 
-impl AgentConn {
     /// Writes `frame`, then reads until the answer (past `Working` frames),
     /// silence bounded where the agent keeps the connection alive.
     async fn exchange(&mut self, frame: &[u8]) -> Result<ControlReply, ClientError> {

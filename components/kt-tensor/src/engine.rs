@@ -119,15 +119,10 @@ pub fn transfer(
     timeout: std::time::Duration,
 ) -> Result<TensorStats, TransportError> {
     let device = lent.memory_device();
+    // Whatever is freed before the hold is let go waits for it (and for
+    // any other transfer on the device): the order of drops does not matter.
     let held = backend.hold(device);
-    let mut comm = match backend.connect(plan, rank, endpoint, rendezvous, device, timeout) {
-        Ok(c) => c,
-        Err(e) => {
-            drop(lent);
-            drop(held);
-            return Err(e);
-        }
-    };
+    let mut comm = backend.connect(plan, rank, endpoint, rendezvous, device, timeout)?;
     let stats = run(backend, &mut *comm, plan, &mut lent);
     if comm.wedged() {
         // Its kernels may still run (an abort that did not return): the
@@ -138,9 +133,7 @@ pub fn transfer(
         std::mem::forget(comm);
         return stats;
     }
-    drop(comm);
-    drop(lent);
-    drop(held);
+    drop((comm, lent, held));
     stats
 }
 

@@ -25,10 +25,11 @@
 //!   (`Timeout`, `Peer`); the agent carries on.
 //! - Each flow starts with [`crate::transport::flow_handshake`] over
 //!   one-byte sends and receives, so members busy with earlier flows are
-//!   waited for (up to 5 timeouts) before the
-//!   flow's collectives start their timeout.
-//! - The unique id comes from a helper process ([`serve_root_helper`]), so a transfer
-//!   that never connects leaves no bootstrap thread in the agent.
+//!   waited for (up to 5 timeouts) before the flow's collectives start
+//!   their timeout.
+//! - The unique id comes from a helper process ([`serve_root_helper`]), so
+//!   a transfer that never connects leaves no bootstrap thread in the
+//!   agent.
 //! - A transfer holds its GPU ([`crate::hold`], `Backend::hold`; holds are
 //!   shared): staging buffers are freed and IPC mappings closed only when
 //!   no transfer runs on the GPU.
@@ -66,8 +67,8 @@ use driver::{IpcMapping, Stream};
 use nccl::{NcclComm, UniqueId};
 use root::RootHelper;
 
-/// How long a unique id's helper process lives at most (see [`serve_root_helper`]):
-/// rank 0 ends it sooner, once connected or failed.
+/// How long a unique id's helper process lives at most (see
+/// [`serve_root_helper`]): rank 0 ends it sooner, once connected or failed.
 pub const ROOT_LIFETIME: Duration = Duration::from_secs(600);
 
 /// Whether this machine can run the NCCL backend: the CUDA driver loads
@@ -329,15 +330,11 @@ impl CudaBackend {
             return 0;
         };
         let hex = to_hex(&bytes);
-        let gone: Vec<_> = {
-            let mut cache = self.ipc.lock().unwrap_or_else(|e| e.into_inner());
-            let keys: Vec<_> = cache.keys().filter(|(_, h)| *h == hex).cloned().collect();
-            keys.into_iter()
-                .filter_map(|k| cache.remove_entry(&k))
-                .collect()
-        };
-        // Closed once no transfer runs on their GPU (see `crate::hold`).
-        gone.len()
+        let mut cache = self.ipc.lock().unwrap_or_else(|e| e.into_inner());
+        let before = cache.len();
+        // Each is closed once no transfer runs on its GPU (see `crate::hold`).
+        cache.retain(|(_, h), _| *h != hex);
+        before - cache.len()
     }
 
     /// Drops every cached mapping.
