@@ -14,13 +14,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
 use kt_api::Api;
 use kt_sync::SyncError;
 use kt_sync::apply::{self, ChunkedFile, WriteMode};
 use kt_sync::batch::{Expected, Written, receive_stream_notify};
-use kt_sync::chunk::{ChunkAssembly, chunk_count, chunk_cv, chunk_range};
+use kt_sync::chunk::{ChunkAssembly, ChunkHasher, chunk_count, chunk_range};
 use kt_sync::diff;
 use kt_types::api::{BatchRequest, ReadManifest, TransferStats};
 use kt_types::manifest::ManifestLimits;
@@ -30,7 +30,7 @@ use crate::api::Client;
 use crate::error::ClientError;
 use crate::local::{balance, blocking, scan_cached};
 use crate::progress::Progress;
-use crate::relay::Board;
+use crate::relay::{Board, PIECE};
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -61,6 +61,68 @@ impl Large {
 
     fn placed(&self) -> bool {
         self.done.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// The part of a download a chunk's pieces land in, in order.
+struct ChunkLanding {
+    /// Taken by the last piece, which lets go of the file before the chunk
+    /// counts as there: once all are, placing it must find no other holder.
+    file: Option<Arc<ChunkedFile>>,
+    hasher: Option<ChunkHasher>,
+    large: Arc<Large>,
+    board: Option<Arc<Board>>,
+    index: u32,
+    n: u64,
+    offset: u64,
+    len: u64,
+    written: u64,
+}
+
+impl ChunkLanding {
+    /// Writes and hashes `data`, the chunk's next piece, and tells the
+    /// relay. The last one also tells the download: the two learn of the
+    /// chunk together, even when the fetch is cancelled while it is
+    /// written.
+    async fn land(mut self, data: Bytes) -> Result<Self, ClientError> {
+        let at = self.written + data.len() as u64;
+        if at > self.len {
+            return Err(ClientError::Sync(SyncError::Stream(format!(
+                "chunk {} of entry #{} came longer than its {} bytes",
+                self.n, self.index, self.len
+            ))));
+        }
+        let last = at == self.len;
+        let file = if last {
+            self.file.take()
+        } else {
+            self.file.clone()
+        };
+        let mut hasher = self.hasher.take();
+        let (large, board, index, n) = (self.large.clone(), self.board.clone(), self.index, self.n);
+        let offset = self.offset + self.written;
+        let hasher = blocking(move || {
+            let (Some(file), Some(h)) = (file, hasher.as_mut()) else {
+                return Err(SyncError::Stream("a chunk landed after its end".into()));
+            };
+            file.write_at(offset, &data)?;
+            drop(file);
+            h.update(&data);
+            if last {
+                lock(&large.asm).add_cv(n, h.finish());
+                lock(&large.have)[n as usize] = true;
+                if let Some(b) = &board {
+                    b.chunk(index, n);
+                }
+            } else if let Some(b) = &board {
+                b.piece(index, n, at);
+            }
+            Ok(hasher)
+        })
+        .await?;
+        self.hasher = hasher;
+        self.written = at;
+        Ok(self)
     }
 }
 
@@ -366,27 +428,39 @@ impl Download {
                 let call = src
                     .get(&paths::read_range(lease, index as usize))
                     .query(&[("offset", offset), ("len", len)]);
-                let data: Bytes = crate::stall::bytes(call, stall).await?;
-                if data.len() as u64 != len {
+                let mut body = crate::stall::body(crate::stall::send(call, stall).await?, stall);
+                let mut landed = ChunkLanding {
+                    file: Some(file),
+                    hasher: Some(ChunkHasher::new(n, chunk_size)),
+                    large,
+                    board,
+                    index,
+                    n,
+                    offset,
+                    len,
+                    written: 0,
+                };
+                // Pieces are written (and told to the relay) as they come,
+                // so a child relaying from us lags by a piece, not a chunk.
+                let mut piece = BytesMut::new();
+                loop {
+                    let next = body.next().await;
+                    let ended = next.is_none();
+                    if let Some(b) = next {
+                        piece.extend_from_slice(
+                            &b.map_err(|e| ClientError::Sync(SyncError::Stream(e)))?,
+                        );
+                    }
+                    if piece.len() as u64 >= PIECE || (ended && !piece.is_empty()) {
+                        landed = landed.land(piece.split().freeze()).await?;
+                    }
+                    if ended {
+                        break;
+                    }
+                }
+                if landed.written != len {
                     return Err(ClientError::Sync(SyncError::Truncated));
                 }
-                let l = large.clone();
-                // The download and the relay learn of the chunk together,
-                // even when this fetch is cancelled while the write runs.
-                blocking(move || {
-                    file.write_at(offset, &data)?;
-                    // Let go of the file before the chunk counts as there:
-                    // once all are, placing it must find no other holder.
-                    drop(file);
-                    let cv = chunk_cv(&data, n, chunk_size);
-                    lock(&l.asm).add_cv(n, cv);
-                    lock(&l.have)[n as usize] = true;
-                    if let Some(b) = &board {
-                        b.chunk(index, n);
-                    }
-                    Ok(())
-                })
-                .await?;
                 progress.advance(len);
                 Ok::<(), ClientError>(())
             }

@@ -1,12 +1,19 @@
 //! The relay of a broadcast getter: it serves, over the read protocol of
 //! [`kt_service::reads`], the version it is downloading, while it downloads
-//! it (cut-through). A child asking for a chunk its parent does not have yet
-//! waits for it; a parent that stops making progress answers
+//! it (cut-through). A child asking for bytes its parent does not have yet
+//! waits for them; a parent that stops making progress answers
 //! `unavailable`, and the child asks the metadata server for another parent.
 //!
 //! The [`Board`] is what the download tells the relay: the manifest, each
-//! file placed, each chunk written. Partially written files are read through
-//! their own handle, which stays valid when the file is renamed into place.
+//! file placed, and how far each chunk of a large file is written. A range
+//! is served in pieces as they land ([`PIECE`] at most, often less), not
+//! chunk by chunk: a relay forwards bytes it got a moment ago, so a chain of
+//! relays adds a piece's time per hop, not a chunk's. Partially written
+//! files are read through their own handle, which stays valid when the file
+//! is renamed into place. What a relay forwards before its chunk is complete
+//! is not verified yet: every member verifies its own copy (chunk chaining
+//! values against the file's hash), so a bad piece costs a refetch, never a
+//! bad copy.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -23,6 +30,7 @@ use axum::http::StatusCode;
 use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
+use futures::StreamExt;
 use kt_service::reads::MAX_RANGE;
 use kt_service::{ApiError, ApiJson, Metrics, Ready, Token};
 use kt_types::api::{BatchRequest, RangeQuery, ReadHeader, ReadManifest};
@@ -36,31 +44,79 @@ use crate::error::ClientError;
 /// `unavailable` (its parent is stuck; it had better move).
 pub const STALL: Duration = Duration::from_secs(20);
 
+/// The most a range answer reads and sends at once.
+pub const PIECE: u64 = 256 << 10;
+
 /// Where the bytes of one file are.
 #[derive(Debug)]
 enum Avail {
     /// Complete, at this path.
     At(PathBuf),
-    /// Being written in chunks of `chunk` bytes; `have[n]` once chunk `n` is.
+    /// Being written in chunks of `chunk` bytes; `have[n]`: how many bytes
+    /// of chunk `n`, from its start, are written (`chunk` once it is whole,
+    /// also for a shorter last chunk).
     Partial {
         file: Arc<File>,
         chunk: u64,
-        have: Vec<bool>,
+        have: Vec<u64>,
     },
 }
 
 impl Avail {
-    fn covers(&self, offset: u64, len: u64) -> bool {
-        match self {
-            Avail::At(_) => true,
-            Avail::Partial { chunk, have, .. } => {
-                if len == 0 {
-                    return true;
-                }
-                let (first, last) = (offset / chunk, (offset + len - 1) / chunk);
-                (first..=last).all(|n| have.get(n as usize).copied().unwrap_or(false))
+    /// How many bytes from `offset` on (at most `max`) can be read now.
+    fn ready_at(&self, offset: u64, max: u64) -> u64 {
+        let Avail::Partial { chunk, have, .. } = self else {
+            return max;
+        };
+        let (mut ready, mut at) = (0, offset);
+        while ready < max {
+            let within = at % chunk;
+            let got = have.get((at / chunk) as usize).copied().unwrap_or(0);
+            if got <= within {
+                break;
+            }
+            let take = (got - within).min(max - ready);
+            ready += take;
+            at += take;
+            if got < *chunk {
+                // The rest of this chunk is not written yet.
+                break;
             }
         }
+        ready
+    }
+
+    fn covers(&self, offset: u64, len: u64) -> bool {
+        self.ready_at(offset, len) == len
+    }
+
+    fn source(&self) -> Src {
+        match self {
+            Avail::At(p) => Src::Path(p.clone()),
+            Avail::Partial { file, .. } => Src::File(file.clone()),
+        }
+    }
+}
+
+/// What a read opens: a complete file, or the one being written.
+enum Src {
+    Path(PathBuf),
+    File(Arc<File>),
+}
+
+impl Src {
+    /// Reads `len` bytes at `offset` (blocking).
+    fn read(self, offset: u64, len: u64) -> Result<Vec<u8>, kt_sync::SyncError> {
+        let mut buf = vec![0u8; len as usize];
+        match self {
+            Src::Path(p) => File::open(&p)
+                .and_then(|f| f.read_exact_at(&mut buf, offset))
+                .map_err(|e| kt_sync::SyncError::io(&p, e))?,
+            Src::File(f) => f
+                .read_exact_at(&mut buf, offset)
+                .map_err(|e| kt_sync::SyncError::io("(file being downloaded)", e))?,
+        }
+        Ok(buf)
     }
 }
 
@@ -114,30 +170,31 @@ impl Board {
         });
     }
 
-    /// File `index` is being written in chunks through `file`.
+    /// File `index` is being written in chunks through `file`; `have[n]`
+    /// once chunk `n` is whole.
     pub fn partial(&self, index: u32, file: File, chunk: u64, have: &[bool]) {
         let file = Arc::new(file);
+        let have = have.iter().map(|&h| if h { chunk } else { 0 }).collect();
         self.update(|s| {
-            s.files.insert(
-                index,
-                Avail::Partial {
-                    file,
-                    chunk,
-                    have: have.to_vec(),
-                },
-            );
+            s.files.insert(index, Avail::Partial { file, chunk, have });
+        });
+    }
+
+    /// The first `bytes` of chunk `n` of file `index` are written (a piece
+    /// landed; never takes back what was said before).
+    pub fn piece(&self, index: u32, n: u64, bytes: u64) {
+        self.update(|s| {
+            if let Some(Avail::Partial { have, chunk, .. }) = s.files.get_mut(&index)
+                && let Some(h) = have.get_mut(n as usize)
+            {
+                *h = (*h).max(bytes.min(*chunk));
+            }
         });
     }
 
     /// Chunk `n` of file `index` is written.
     pub fn chunk(&self, index: u32, n: u64) {
-        self.update(|s| {
-            if let Some(Avail::Partial { have, .. }) = s.files.get_mut(&index)
-                && let Some(h) = have.get_mut(n as usize)
-            {
-                *h = true;
-            }
-        });
+        self.piece(index, n, u64::MAX);
     }
 
     /// File `index` is being started over (its chunks did not verify).
@@ -196,34 +253,54 @@ impl Board {
 
     /// Waits until `len` bytes at `offset` of file `index` are there, then reads them.
     async fn read_range(&self, index: u32, offset: u64, len: u64) -> Result<Bytes, ApiError> {
-        enum Src {
-            Path(PathBuf),
-            File(Arc<File>),
-        }
         let src = self
             .wait(|s| {
                 let a = s.files.get(&index).filter(|a| a.covers(offset, len))?;
-                Some(Ok(match a {
-                    Avail::At(p) => Src::Path(p.clone()),
-                    Avail::Partial { file, .. } => Src::File(file.clone()),
-                }))
+                Some(Ok(a.source()))
             })
             .await?;
-        let data = kt_service::blocking(move || {
-            let mut buf = vec![0u8; len as usize];
-            match src {
-                Src::Path(p) => File::open(&p)
-                    .and_then(|f| f.read_exact_at(&mut buf, offset))
-                    .map_err(|e| kt_sync::SyncError::io(&p, e))?,
-                Src::File(f) => f
-                    .read_exact_at(&mut buf, offset)
-                    .map_err(|e| kt_sync::SyncError::io("(file being downloaded)", e))?,
-            }
-            Ok(buf)
-        })
-        .await?;
+        let data = kt_service::blocking(move || src.read(offset, len)).await?;
         self.served.fetch_add(len, Ordering::Relaxed);
         Ok(Bytes::from(data))
+    }
+
+    /// Reads the next piece at `offset` of file `index`, up to `end`: what
+    /// is there as soon as anything is (at most [`PIECE`]).
+    async fn read_piece(&self, index: u32, offset: u64, end: u64) -> Result<Bytes, ApiError> {
+        let (src, len) = self
+            .wait(|s| {
+                let a = s.files.get(&index)?;
+                let ready = a.ready_at(offset, (end - offset).min(PIECE));
+                (ready > 0).then(|| Ok((a.source(), ready)))
+            })
+            .await?;
+        let data = kt_service::blocking(move || src.read(offset, len)).await?;
+        self.served.fetch_add(len, Ordering::Relaxed);
+        Ok(Bytes::from(data))
+    }
+
+    /// `len` bytes at `offset` of file `index`, piece by piece as they land.
+    /// On an error the stream just stops: the reader sees a short body.
+    fn stream_range(
+        self: Arc<Self>,
+        index: u32,
+        offset: u64,
+        len: u64,
+    ) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
+        let end = offset + len;
+        futures::stream::unfold(Some(offset), move |at| {
+            let b = self.clone();
+            async move {
+                let at = at.filter(|&at| at < end)?;
+                match b.read_piece(index, at, end).await {
+                    Ok(data) => {
+                        let next = at + data.len() as u64;
+                        Some((Ok(data), Some(next)))
+                    }
+                    Err(e) => Some((Err(std::io::Error::other(e.to_string())), None)),
+                }
+            }
+        })
     }
 }
 
@@ -329,7 +406,7 @@ async fn range(
     State(b): State<Shared>,
     UrlPath((id, index)): UrlPath<(String, u32)>,
     Query(q): Query<RangeQuery>,
-) -> Result<Bytes, ApiError> {
+) -> Result<Body, ApiError> {
     check_lease(&b, &id)?;
     let read = b.read().await?;
     let size = file_size(&read, index)?;
@@ -339,7 +416,21 @@ async fn range(
             q.offset, q.len
         )));
     }
-    b.read_range(index, q.offset, q.len).await
+    if q.len == 0 {
+        return Ok(Body::empty());
+    }
+    // The first piece before the answer: a relay with nothing to send
+    // answers with its error (`unavailable`), not a short body.
+    let end = q.offset + q.len;
+    let first = b.read_piece(index, q.offset, end).await?;
+    let rest = b.stream_range(
+        index,
+        q.offset + first.len() as u64,
+        end - q.offset - first.len() as u64,
+    );
+    Ok(Body::from_stream(
+        futures::stream::once(async { Ok(first) }).chain(rest),
+    ))
 }
 
 async fn release(
@@ -438,6 +529,76 @@ impl Drop for Relay {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn partial(chunk: u64, have: Vec<u64>) -> Avail {
+        let file = Arc::new(tempfile::tempfile().unwrap());
+        Avail::Partial { file, chunk, have }
+    }
+
+    #[test]
+    fn what_is_ready_is_the_written_prefix_of_each_chunk() {
+        // Chunks of 4 bytes: the first whole, 2 bytes of the second.
+        let a = partial(4, vec![4, 2, 0]);
+        assert_eq!(a.ready_at(0, 12), 6);
+        assert_eq!(a.ready_at(0, 3), 3);
+        assert_eq!(a.ready_at(5, 7), 1);
+        assert_eq!(a.ready_at(6, 6), 0);
+        assert_eq!(a.ready_at(8, 4), 0);
+        assert!(a.covers(1, 5) && !a.covers(1, 6) && a.covers(9, 0));
+        // A whole chunk past a gap does not count from before the gap.
+        let a = partial(4, vec![4, 0, 4]);
+        assert_eq!(a.ready_at(0, 12), 4);
+        assert_eq!(a.ready_at(8, 4), 4);
+        assert_eq!(Avail::At(PathBuf::from("/x")).ready_at(3, 9), 9);
+    }
+
+    /// A range is answered piece by piece while its chunk is still being
+    /// written: the first bytes go out before the chunk is whole.
+    #[tokio::test]
+    async fn a_range_goes_out_as_its_pieces_land() {
+        const CHUNK: u64 = 1 << 20;
+        let b = Arc::new(Board::default());
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(CHUNK).unwrap();
+        let writer = file.try_clone().unwrap();
+        b.partial(0, file, CHUNK, &[false]);
+        let mut out = Box::pin(b.clone().stream_range(0, 0, CHUNK));
+
+        writer.write_all_at(&[7u8; 100], 0).unwrap();
+        b.piece(0, 0, 100);
+        let first = tokio::time::timeout(Duration::from_secs(10), out.next())
+            .await
+            .expect("the first piece goes out before the chunk is whole")
+            .unwrap()
+            .unwrap();
+        assert_eq!(&first[..], &[7u8; 100]);
+
+        writer
+            .write_all_at(&vec![9u8; CHUNK as usize - 100], 100)
+            .unwrap();
+        b.chunk(0, 0);
+        let mut rest = Vec::new();
+        while let Some(piece) = out.next().await {
+            let piece = piece.unwrap();
+            assert!(piece.len() as u64 <= PIECE);
+            rest.extend_from_slice(&piece);
+        }
+        assert_eq!(rest.len() as u64, CHUNK - 100);
+        assert!(rest.iter().all(|&x| x == 9));
+        assert_eq!(b.served(), CHUNK);
+    }
+
+    /// A download that fails while a reader waits ends the reader's stream.
+    #[tokio::test]
+    async fn a_waiting_range_ends_when_the_download_fails() {
+        let b = Arc::new(Board::default());
+        b.partial(0, tempfile::tempfile().unwrap(), 1024, &[false]);
+        let mut out = Box::pin(b.clone().stream_range(0, 0, 1024));
+        b.fail("parent gone");
+        let e = out.next().await.unwrap().unwrap_err();
+        assert!(e.to_string().contains("parent gone"), "{e}");
+        assert!(out.next().await.is_none());
+    }
 
     #[test]
     fn relay_port_specs() {
