@@ -37,8 +37,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, UNIX_EPOCH};
 
 use kt_types::broadcast::{
-    DEFAULT_FANOUT, DEFAULT_WINDOW_MS, GroupInfo, GroupMessage, JoinRequest, MemberInfo,
-    MemberState, Parent, Rejoin, check_group_id, parent_rank,
+    DEFAULT_WINDOW_MS, GroupInfo, GroupMessage, JoinRequest, MemberInfo, MemberState, Parent,
+    Rejoin, auto_fanout, check_group_id, parent_rank,
 };
 use kt_types::{ErrorCode, Key};
 use serde::{Deserialize, Serialize};
@@ -561,14 +561,16 @@ impl Groups {
         self.finished.contains_key(id)
     }
 
-    /// Admits a getter: `origin` is the key's rank 0 now and `version` its
-    /// current version; `make_id` supplies random bits for the id of a new
-    /// unnamed group.
+    /// Admits a getter: `origin` is the key's rank 0 now, `version` its
+    /// current version and `size` that version's bytes (a new group's shape
+    /// when the getter names no fanout: [`auto_fanout`]); `make_id` supplies
+    /// random bits for the id of a new unnamed group.
     pub fn join(
         &mut self,
         req: &JoinRequest,
         origin: Parent,
         version: &str,
+        size: u64,
         now_ms: u64,
         make_id: &mut dyn FnMut() -> u64,
     ) -> Result<Joined, JoinError> {
@@ -587,7 +589,7 @@ impl Groups {
                         (id.clone(), false)
                     }
                     None => {
-                        self.create(id.clone(), true, req, origin.clone(), version, now_ms)?;
+                        self.create(id.clone(), true, req, origin.clone(), version, size, now_ms)?;
                         (id.clone(), true)
                     }
                 }
@@ -609,7 +611,15 @@ impl Groups {
                                 break id;
                             }
                         };
-                        self.create(id.clone(), false, req, origin.clone(), version, now_ms)?;
+                        self.create(
+                            id.clone(),
+                            false,
+                            req,
+                            origin.clone(),
+                            version,
+                            size,
+                            now_ms,
+                        )?;
                         (id, true)
                     }
                 }
@@ -717,9 +727,10 @@ impl Groups {
         req: &JoinRequest,
         origin: Parent,
         version: &str,
+        size: u64,
         now_ms: u64,
     ) -> Result<(), JoinError> {
-        let fanout = req.fanout.unwrap_or(DEFAULT_FANOUT);
+        let fanout = req.fanout.unwrap_or_else(|| auto_fanout(size));
         if !(1..=MAX_FANOUT).contains(&fanout) {
             return Err(JoinError::Invalid(format!(
                 "fanout must be 1 to {MAX_FANOUT}, got {fanout}"
@@ -1138,6 +1149,7 @@ impl Groups {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kt_types::broadcast::DEFAULT_FANOUT;
 
     const T0: u64 = 1_700_000_000_000;
 
@@ -1186,6 +1198,7 @@ mod tests {
                     &req(Some(group), Some(fanout), i),
                     origin(),
                     "v1",
+                    0,
                     T0,
                     &mut make,
                 )
@@ -1226,6 +1239,7 @@ mod tests {
                         &req(Some(group), Some(fanout), i),
                         origin(),
                         "v1",
+                        0,
                         T0,
                         &mut make,
                     )
@@ -1314,12 +1328,57 @@ mod tests {
         assert_eq!(js[2550].parent.rank, 51);
     }
 
+    /// A group whose first getter names no fanout takes its shape from the
+    /// payload's size: a chain for a large one, a wide tree for a small one;
+    /// a named fanout wins, and later getters naming none join either.
+    #[test]
+    fn the_default_shape_follows_the_payload_size() {
+        use kt_types::broadcast::CHAIN_MIN_BYTES;
+        let mut gs = Groups::default();
+        let mut make = ids();
+        let mut first = |gs: &mut Groups, g: &str, fanout, size| {
+            gs.join(
+                &req(Some(g), fanout, 1),
+                origin(),
+                "v1",
+                size,
+                T0,
+                &mut make,
+            )
+            .unwrap()
+        };
+        assert_eq!(first(&mut gs, "big", None, CHAIN_MIN_BYTES).fanout, 1);
+        assert_eq!(
+            first(&mut gs, "small", None, CHAIN_MIN_BYTES - 1).fanout,
+            DEFAULT_FANOUT
+        );
+        assert_eq!(first(&mut gs, "named", Some(2), 1 << 40).fanout, 2);
+        // A chain: each member's parent is the one before it.
+        let later: Vec<Joined> = (2..6)
+            .map(|i| {
+                gs.join(
+                    &req(Some("big"), None, i),
+                    origin(),
+                    "v1",
+                    0,
+                    T0 + 1,
+                    &mut ids(),
+                )
+                .unwrap()
+            })
+            .collect();
+        for j in &later {
+            assert_eq!(j.fanout, 1);
+            assert_eq!(j.parent.rank, j.rank - 1, "rank {}", j.rank);
+        }
+    }
+
     #[test]
     fn default_fanout_and_window_bounds() {
         let mut gs = Groups::default();
         let mut make = ids();
         let j = gs
-            .join(&req(Some("g"), None, 1), origin(), "v1", T0, &mut make)
+            .join(&req(Some("g"), None, 1), origin(), "v1", 0, T0, &mut make)
             .unwrap();
         assert_eq!(j.fanout, DEFAULT_FANOUT);
         assert_eq!(gs.get("g").unwrap().window_ms, DEFAULT_WINDOW_MS);
@@ -1329,6 +1388,7 @@ mod tests {
                     &req(Some("h"), Some(fanout), 1),
                     origin(),
                     "v1",
+                    0,
                     T0,
                     &mut make,
                 )
@@ -1337,10 +1397,10 @@ mod tests {
         }
         let mut r = req(Some("h"), None, 1);
         r.window_ms = Some(MAX_WINDOW_MS + 1);
-        let e = gs.join(&r, origin(), "v1", T0, &mut make).unwrap_err();
+        let e = gs.join(&r, origin(), "v1", 0, T0, &mut make).unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidRequest);
         let e = gs
-            .join(&req(Some("a/b"), None, 1), origin(), "v1", T0, &mut make)
+            .join(&req(Some("a/b"), None, 1), origin(), "v1", 0, T0, &mut make)
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidRequest);
         assert!(gs.get("h").is_none(), "a refused group is not created");
@@ -1356,8 +1416,15 @@ mod tests {
         let mut make = ids();
         let late: Vec<Joined> = (3..=5)
             .map(|i| {
-                gs.join(&req(Some("g"), None, i), origin(), "v1", T0 + 2, &mut make)
-                    .unwrap()
+                gs.join(
+                    &req(Some("g"), None, i),
+                    origin(),
+                    "v1",
+                    0,
+                    T0 + 2,
+                    &mut make,
+                )
+                .unwrap()
             })
             .collect();
         let ps: Vec<(u32, u32)> = late.iter().map(|j| (j.rank, j.parent.rank)).collect();
@@ -1395,6 +1462,7 @@ mod tests {
                 &req(Some("g"), None, 15),
                 origin(),
                 "v1",
+                0,
                 T0 + 3,
                 &mut ids(),
             )
@@ -1516,7 +1584,14 @@ mod tests {
             MemberState::Done
         );
         let j = gs
-            .join(&req(Some("g"), None, 4), origin(), "v1", T0 + 2, &mut ids())
+            .join(
+                &req(Some("g"), None, 4),
+                origin(),
+                "v1",
+                0,
+                T0 + 2,
+                &mut ids(),
+            )
             .unwrap();
         assert_eq!((j.rank, j.parent.rank), (4, 1));
         assert_eq!(j.parent.url, "http://agent-1");
@@ -1529,20 +1604,41 @@ mod tests {
             MemberState::Done
         );
         let j = gs
-            .join(&req(Some("g"), None, 5), origin(), "v1", T0 + 4, &mut ids())
+            .join(
+                &req(Some("g"), None, 5),
+                origin(),
+                "v1",
+                0,
+                T0 + 4,
+                &mut ids(),
+            )
             .unwrap();
         assert_eq!((j.rank, j.parent.rank), (5, 0));
         // A finished, released member without an agent is no parent either.
         let j6 = gs
-            .join(&req(Some("g"), None, 6), origin(), "v1", T0 + 4, &mut ids())
+            .join(
+                &req(Some("g"), None, 6),
+                origin(),
+                "v1",
+                0,
+                T0 + 4,
+                &mut ids(),
+            )
             .unwrap();
         assert_eq!(j6.parent.rank, 0, "6's tree parent 2 is gone");
         assert_eq!(released(&gs.done("g", 6, j6.session, None, T0 + 5)), [6]);
         let mut make = ids();
         let j13 = (7..=13)
             .map(|i| {
-                gs.join(&req(Some("g"), None, i), origin(), "v1", T0 + 6, &mut make)
-                    .unwrap()
+                gs.join(
+                    &req(Some("g"), None, i),
+                    origin(),
+                    "v1",
+                    0,
+                    T0 + 6,
+                    &mut make,
+                )
+                .unwrap()
             })
             .last()
             .unwrap();
@@ -1559,13 +1655,14 @@ mod tests {
         let mut make = ids();
         let mut r = req(Some("run-7"), Some(2), 1);
         r.window_ms = Some(10_000);
-        gs.join(&r, origin(), "v1", T0, &mut make).unwrap();
+        gs.join(&r, origin(), "v1", 0, T0, &mut make).unwrap();
         // Open: another fanout, key or version is a conflict.
         let e = gs
             .join(
                 &req(Some("run-7"), Some(3), 2),
                 origin(),
                 "v1",
+                0,
                 T0 + 1,
                 &mut make,
             )
@@ -1575,7 +1672,7 @@ mod tests {
         let mut other = req(Some("run-7"), None, 2);
         other.key = Key::parse("ml/other").unwrap();
         let e = gs
-            .join(&other, origin(), "v1", T0 + 1, &mut make)
+            .join(&other, origin(), "v1", 0, T0 + 1, &mut make)
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::Conflict);
         let e = gs
@@ -1583,6 +1680,7 @@ mod tests {
                 &req(Some("run-7"), None, 2),
                 origin(),
                 "v2",
+                0,
                 T0 + 1,
                 &mut make,
             )
@@ -1594,6 +1692,7 @@ mod tests {
                 &req(Some("run-7"), None, 2),
                 origin(),
                 "v1",
+                0,
                 T0 + 10_000,
                 &mut make,
             )
@@ -1620,6 +1719,7 @@ mod tests {
                 &req(Some("run-7"), None, 2),
                 origin(),
                 "v1",
+                0,
                 T0 + 100_000,
                 &mut make,
             )
@@ -1635,27 +1735,27 @@ mod tests {
         let mut gs = Groups::default();
         let mut make = ids();
         let a = gs
-            .join(&req(None, None, 1), origin(), "v1", T0, &mut make)
+            .join(&req(None, None, 1), origin(), "v1", 0, T0, &mut make)
             .unwrap();
         assert_eq!(a.group, "auto-123456789abd");
         assert!(a.created);
         let b = gs
-            .join(&req(None, None, 2), origin(), "v1", T0 + 1, &mut make)
+            .join(&req(None, None, 2), origin(), "v1", 0, T0 + 1, &mut make)
             .unwrap();
         assert_eq!((b.group.as_str(), b.rank), (a.group.as_str(), 2));
         // A new version starts a new group; so does another fanout.
         let c = gs
-            .join(&req(None, None, 3), origin(), "v2", T0 + 2, &mut make)
+            .join(&req(None, None, 3), origin(), "v2", 0, T0 + 2, &mut make)
             .unwrap();
         assert_ne!(c.group, a.group);
         let d = gs
-            .join(&req(None, Some(7), 4), origin(), "v1", T0 + 2, &mut make)
+            .join(&req(None, Some(7), 4), origin(), "v1", 0, T0 + 2, &mut make)
             .unwrap();
         assert_ne!(d.group, a.group);
         // After the window, a new group.
         let later = T0 + DEFAULT_WINDOW_MS + 2;
         let e = gs
-            .join(&req(None, None, 5), origin(), "v1", later, &mut make)
+            .join(&req(None, None, 5), origin(), "v1", 0, later, &mut make)
             .unwrap();
         assert_ne!(e.group, a.group);
         assert_eq!(e.rank, 1);
@@ -1700,7 +1800,14 @@ mod tests {
         // A failed one is asked for again.
         gs.reservation_failed("g");
         let j = gs
-            .join(&req(Some("g"), None, 601), origin(), "v1", T0, &mut ids())
+            .join(
+                &req(Some("g"), None, 601),
+                origin(),
+                "v1",
+                0,
+                T0,
+                &mut ids(),
+            )
             .unwrap();
         assert_eq!(
             (j.rank, j.reserve_ahead.map(|r| r.reserved)),
@@ -1726,7 +1833,7 @@ mod tests {
             ..req(None, None, 1)
         };
         let r = gs
-            .join(&again, origin(), "v1", T0 + 10, &mut ids())
+            .join(&again, origin(), "v1", 0, T0 + 10, &mut ids())
             .unwrap();
         assert_eq!(released(&r.events), [1]);
         assert_eq!(
@@ -1752,6 +1859,7 @@ mod tests {
                 &req(Some("g"), None, 99),
                 origin(),
                 "v1",
+                0,
                 T0 + 1_000,
                 &mut make,
             )
@@ -1776,26 +1884,61 @@ mod tests {
             ..req(None, None, rank as usize)
         };
         let r1 = gs
-            .join(&rejoin(1, 0, true), origin(), "v1", T0 + 1_100, &mut make)
+            .join(
+                &rejoin(1, 0, true),
+                origin(),
+                "v1",
+                0,
+                T0 + 1_100,
+                &mut make,
+            )
             .unwrap();
         assert_eq!((r1.rank, r1.parent.rank, r1.rejoined), (1, 0, true));
         assert!(r1.events.is_empty(), "no release while members rejoin");
         let r10 = gs
-            .join(&rejoin(10, 4, true), origin(), "v1", T0 + 1_150, &mut make)
+            .join(
+                &rejoin(10, 4, true),
+                origin(),
+                "v1",
+                0,
+                T0 + 1_150,
+                &mut make,
+            )
             .unwrap();
         assert!(r10.events.is_empty(), "no release while members rejoin");
         let r3 = gs
-            .join(&rejoin(3, 1, false), origin(), "v1", T0 + 1_200, &mut make)
+            .join(
+                &rejoin(3, 1, false),
+                origin(),
+                "v1",
+                0,
+                T0 + 1_200,
+                &mut make,
+            )
             .unwrap();
         assert_eq!(r3.parent.rank, 1);
         // 7's parent 3 is back; 9's parent 4 is not yet, but may be on its
         // way: during the hold 9 keeps fetching from it.
         let r7 = gs
-            .join(&rejoin(7, 3, false), origin(), "v1", T0 + 1_300, &mut make)
+            .join(
+                &rejoin(7, 3, false),
+                origin(),
+                "v1",
+                0,
+                T0 + 1_300,
+                &mut make,
+            )
             .unwrap();
         assert_eq!(r7.parent.rank, 3);
         let r9 = gs
-            .join(&rejoin(9, 4, false), origin(), "v1", T0 + 1_300, &mut make)
+            .join(
+                &rejoin(9, 4, false),
+                origin(),
+                "v1",
+                0,
+                T0 + 1_300,
+                &mut make,
+            )
             .unwrap();
         assert_eq!(r9.parent.rank, 4);
         assert!(gs.get("g").unwrap().member(9).unwrap().replaced.is_empty());
@@ -1809,17 +1952,19 @@ mod tests {
         // Rejoin works after the window closed; a bad version does not.
         let late = T0 + DEFAULT_WINDOW_MS + 5;
         let r5 = gs
-            .join(&rejoin(5, 2, false), origin(), "v1", late, &mut make)
+            .join(&rejoin(5, 2, false), origin(), "v1", 0, late, &mut make)
             .unwrap();
         assert_eq!(r5.parent.rank, 0);
         let mut bad = rejoin(6, 2, false);
         if let Some(r) = bad.rejoin.as_mut() {
             r.version = "v0".into();
         }
-        let e = gs.join(&bad, origin(), "v1", late, &mut make).unwrap_err();
+        let e = gs
+            .join(&bad, origin(), "v1", 0, late, &mut make)
+            .unwrap_err();
         assert_eq!(e.code(), ErrorCode::Conflict);
         let e = gs
-            .join(&rejoin(6, 2, false), origin(), "v2", late, &mut make)
+            .join(&rejoin(6, 2, false), origin(), "v2", 0, late, &mut make)
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::Conflict);
         let mut unknown = rejoin(6, 2, false);
@@ -1827,7 +1972,7 @@ mod tests {
             r.group = "nope".into();
         }
         let e = gs
-            .join(&unknown, origin(), "v1", late, &mut make)
+            .join(&unknown, origin(), "v1", 0, late, &mut make)
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::NotFound);
         assert_eq!(e.to_string(), "broadcast group \"nope\" is unknown");
@@ -1841,7 +1986,7 @@ mod tests {
         );
         // A rank beyond the reservation (the database lost it) grows it.
         let far = gs
-            .join(&rejoin(900, 449, false), origin(), "v1", late, &mut make)
+            .join(&rejoin(900, 449, false), origin(), "v1", 0, late, &mut make)
             .unwrap();
         assert_eq!(far.persist.map(|r| r.reserved), Some(901 + RANK_BLOCK));
     }
@@ -1861,7 +2006,7 @@ mod tests {
             }),
             ..req(Some("g"), None, 1)
         };
-        let again = gs.join(&r, origin(), "v1", T0 + 1, &mut ids()).unwrap();
+        let again = gs.join(&r, origin(), "v1", 0, T0 + 1, &mut ids()).unwrap();
         assert_ne!(again.session, js[0].session);
         // The old connection closing changes nothing.
         assert!(gs.disconnected("g", 1, js[0].session, T0 + 2).is_empty());
@@ -1878,14 +2023,14 @@ mod tests {
         let mut gs = Groups::default();
         let mut make = ids();
         let j = gs
-            .join(&req(Some("g"), None, 1), origin(), "v1", T0, &mut make)
+            .join(&req(Some("g"), None, 1), origin(), "v1", 0, T0, &mut make)
             .unwrap();
         gs.undo_join(&j, T0);
         assert!(gs.get("g").is_none());
         // 512 joins, the reservation ahead never committed: 513 needs its own.
         let js = join_n(&mut gs, "g", 2, 512);
         let j = gs
-            .join(&req(Some("g"), None, 1), origin(), "v1", T0, &mut make)
+            .join(&req(Some("g"), None, 1), origin(), "v1", 0, T0, &mut make)
             .unwrap();
         assert_eq!(
             (j.rank, j.persist.as_ref().map(|r| r.reserved)),
@@ -1895,7 +2040,7 @@ mod tests {
         let g = gs.get("g").unwrap();
         assert_eq!((g.reserved(), g.members().count()), (513, 512));
         let again = gs
-            .join(&req(Some("g"), None, 1), origin(), "v1", T0, &mut make)
+            .join(&req(Some("g"), None, 1), origin(), "v1", 0, T0, &mut make)
             .unwrap();
         assert_eq!(again.rank, 513);
         assert!(again.persist.is_some());
@@ -1906,7 +2051,7 @@ mod tests {
     fn origin_changes_are_persisted() {
         let mut gs = Groups::default();
         let mut make = ids();
-        gs.join(&req(Some("g"), None, 1), origin(), "v1", T0, &mut make)
+        gs.join(&req(Some("g"), None, 1), origin(), "v1", 0, T0, &mut make)
             .unwrap();
         let peer = Parent {
             rank: 0,
@@ -1914,7 +2059,14 @@ mod tests {
             id: "p1".into(),
         };
         let j = gs
-            .join(&req(Some("g"), None, 2), peer.clone(), "v1", T0, &mut make)
+            .join(
+                &req(Some("g"), None, 2),
+                peer.clone(),
+                "v1",
+                0,
+                T0,
+                &mut make,
+            )
             .unwrap();
         assert_eq!(j.parent, peer);
         assert_eq!(j.persist.map(|r| r.origin), Some(peer));

@@ -318,6 +318,15 @@ fn put_path<'py>(
     Ok(d)
 }
 
+/// What a filesystem broadcast takes of a window's JSON: no fanout lets the
+/// group's shape follow the payload's size (`kt_types::broadcast::auto_fanout`).
+#[derive(Debug, serde::Deserialize)]
+struct FileWindow {
+    group_id: Option<String>,
+    timeout_secs: Option<f64>,
+    fanout: Option<u32>,
+}
+
 /// Gets `key` into `dest`; a `key` ending in `/` gets every key below it,
 /// each into `dest/<its path below the prefix>` (a list of results).
 /// `broadcast`: the JSON of a window (group_id, timeout, fanout) to join a
@@ -369,11 +378,14 @@ fn get_path<'py>(
             got_dict(py, key.as_str(), &s)?
         }
         Some(json) => {
-            let w: kt_types::BroadcastWindow =
+            let w: FileWindow =
                 serde_json::from_str(json).map_err(|e| invalid(format!("broadcast: {e}")))?;
+            if w.fanout == Some(0) {
+                return Err(invalid("broadcast.fanout: at least 1, not 0".to_owned()));
+            }
             let options = BroadcastOptions {
                 group: w.group_id.clone(),
-                fanout: Some(w.fanout),
+                fanout: w.fanout,
                 window: w.timeout_secs.map(Duration::from_secs_f64),
                 delete,
             };

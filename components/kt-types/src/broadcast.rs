@@ -36,8 +36,32 @@ use serde::{Deserialize, Serialize};
 use crate::error::ErrorCode;
 use crate::key::Key;
 
-/// Children per node when the first getter names none.
+/// Children per node of a small payload's group when the first getter
+/// names none (see [`auto_fanout`]).
 pub const DEFAULT_FANOUT: u32 = 50;
+/// Payloads from this size on go down a pipelined chain when the first
+/// getter names no fanout (see [`auto_fanout`]).
+pub const CHAIN_MIN_BYTES: u64 = 64 << 20;
+
+/// The fanout of a new group whose first getter names none, by the size of
+/// the payload: 1 (a pipelined chain) from [`CHAIN_MIN_BYTES`] on, else
+/// [`DEFAULT_FANOUT`].
+///
+/// With links of `B` bytes/s and `N` members, a tree of fanout `f` finishes
+/// its last member after about `f·S/B + depth·h` (every interior member
+/// sends `f` copies; `h` is a hop's lag: a piece, a round trip), a chain
+/// after `S/B + (N−1)·h`. Relays forward pieces (256 KiB), so `h` is a few
+/// milliseconds and a large payload's time is its bandwidth term: the
+/// chain's `S/B` is the least any shape can do. A small payload's time is
+/// its latency term, which a wide tree keeps at two hops for up to 2,550
+/// members. ARCHITECTURE.md ("Broadcast trees") derives it.
+pub fn auto_fanout(size: u64) -> u32 {
+    if size >= CHAIN_MIN_BYTES {
+        1
+    } else {
+        DEFAULT_FANOUT
+    }
+}
 /// How long a group accepts joins when the first getter names no window.
 pub const DEFAULT_WINDOW_MS: u64 = 60_000;
 /// Longest accepted group id.

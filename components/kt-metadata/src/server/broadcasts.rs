@@ -289,11 +289,14 @@ async fn admit(
 
     let mut guard = lock_broadcasts(s);
     let b = &mut *guard;
-    let mut joined: Joined =
-        b.groups
-            .join(req, origin, &sources.record.version, now, &mut || {
-                uuid::Uuid::new_v4().as_u64_pair().0
-            })?;
+    let mut joined: Joined = b.groups.join(
+        req,
+        origin,
+        &sources.record.version,
+        sources.record.size,
+        now,
+        &mut || uuid::Uuid::new_v4().as_u64_pair().0,
+    )?;
     if let Some(record) = &joined.persist
         && let Err(e) = s.db.write(&Batch {
             put_groups: vec![record.clone()],

@@ -57,7 +57,8 @@ class BroadcastWindow:
     Files (``kt.get(..., broadcast=w)``): getters form a tree as they
     arrive, each fetching from its parent while the parent is still
     downloading. ``group_id`` names the group (unique per run; default the
-    key's open group), ``fanout`` its children per node (default 50),
+    key's open group), ``fanout`` its children per node (default: by the payload's size, a
+    pipelined chain from 64 MiB on, else 50),
     ``timeout`` how long it accepts joins (seconds). The group's first
     getter fixes them.
 
@@ -107,7 +108,10 @@ class BroadcastWindow:
             window["world_size"] = self.world_size
         if self.timeout is not None:
             window["timeout_secs"] = float(self.timeout)
-        window["fanout"] = self.fanout if self.fanout is not None else (2 if tensors else 50)
+        if self.fanout is not None:
+            window["fanout"] = self.fanout
+        elif tensors:
+            window["fanout"] = 2
         return json.dumps(window)
 
 
