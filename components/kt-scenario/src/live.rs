@@ -145,6 +145,10 @@ impl Live {
             r.name,
             secs(r.duration_ms)
         );
+        // Worth a word only where it may explain the time.
+        if let Some(busy) = r.cpu_busy.filter(|_| r.duration_ms >= 1000.0) {
+            line.push_str(&format!(" (cpu {:.0}%)", busy * 100.0));
+        }
         if let Some(e) = &r.error {
             line.push_str(&format!(": {e}"));
         }

@@ -327,6 +327,9 @@ fn step_chart(h: &mut String, steps: &[StepReport]) -> fmt::Result {
         if let Some(o) = st.overhead_ms {
             let _ = write!(title, ", overhead {}", fmt_ms(o));
         }
+        if let Some(busy) = st.cpu_busy {
+            let _ = write!(title, ", cpu {:.0}% busy", busy * 100.0);
+        }
         title.push(')');
         if let Some(e) = &st.error {
             let _ = write!(title, "\n{e}");

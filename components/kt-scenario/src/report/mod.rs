@@ -87,6 +87,11 @@ pub struct StepReport {
     /// Per-pod results of steps that run in pods.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pods: Vec<PodResult>,
+    /// How busy the host's cores were during the step (0 to 1, all cores
+    /// together, from `/proc/stat`): near 1, the step's time is these
+    /// cores' limit, not the links' or the design's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_busy: Option<f64>,
 }
 
 /// One limit of a timing budget, checked on real durations (before any

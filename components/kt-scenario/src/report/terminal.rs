@@ -311,6 +311,7 @@ pub(crate) mod tests {
             overhead_ms: Some(ms * 0.2),
             budgets: Vec::new(),
             pods: Vec::new(),
+            cpu_busy: None,
         }
     }
 

@@ -24,6 +24,7 @@ use crate::validate::Loaded;
 
 mod budget;
 mod check;
+pub mod cpu;
 mod error;
 mod exec;
 mod fault;
@@ -652,6 +653,7 @@ impl<'a> Scn<'a> {
             let label = self.describe(step);
             self.runner.live.step_start(&index, &label);
             let started = Instant::now();
+            let cpu_before = cpu::CpuTimes::now();
             // A step's own limit, capped by the scenario's: a step that runs
             // into the scenario timeout still reports itself.
             let left = self.deadline().saturating_duration_since(started);
@@ -697,6 +699,9 @@ impl<'a> Scn<'a> {
                 Err(_) => Err(StepError::Timeout(limit)),
             };
             let duration = started.elapsed();
+            let cpu_busy = cpu_before
+                .zip(cpu::CpuTimes::now())
+                .and_then(|(a, b)| a.busy_until(&b));
             let mut r = r;
             let mut report = StepReport {
                 index: index.clone(),
@@ -711,6 +716,7 @@ impl<'a> Scn<'a> {
                     .then(|| ms(duration.saturating_sub(result.op + result.verify))),
                 budgets: vec![],
                 pods: result.pods,
+                cpu_busy,
             };
             if let Some(b) = &step.budget {
                 let durations: Vec<f64> = if report.pods.is_empty() {
