@@ -150,8 +150,10 @@ bench-recovery:
 bench-nccl:
 	$(CARGO) run --release -p kt-bench --bin kt-bench-nccl -- $(BENCH_ARGS)
 
-## bench-broadcast: one 512 MiB payload to 32 pods over 1 Gbit/s links on the
-## netns target (root): single get, star (all from the store), fanout-2 tree.
+## bench-broadcast: on the netns target (root), 256 MiB to 12 pods over
+## 300 Mbit/s links and 512 MiB to 32 pods over 250 Mbit/s (single get, star,
+## default-shape broadcast, one with its rank 1 killed midway), then 512 MiB
+## to 32 pods over 1 Gbit/s.
 bench-broadcast: release
 	$(CARGO) build --release -p kt-bench --bin kt-bench-broadcast
 	$(TARGET_DIR)/release/kt-bench-broadcast --bin-dir $(TARGET_DIR)/release \

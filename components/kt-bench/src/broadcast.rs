@@ -1,11 +1,15 @@
 //! The broadcast benchmark's driver (`kt-bench-broadcast`, `make
-//! bench-broadcast`): runs `testbed/bench/broadcast.yaml` with kt-scenario on
-//! the netns target and turns what it reports into a table and one line.
+//! bench-broadcast`): runs the scenarios of `testbed/bench/` with
+//! kt-scenario on the netns target and turns what each reports into a table
+//! and one line.
 //!
-//! The scenario moves one payload to 32 pods three ways — a single
-//! point-to-point get (`single`), 32 gets from the store at once (`star`) and
-//! a broadcast tree (`tree`) — and records the store's `kt_bytes_sent_total`
-//! between them. From the run the driver reads:
+//! Each scenario moves one payload to 32 pods in legs named after
+//! [`STEPS`]: a single point-to-point get (`single`), 32 gets from the store
+//! at once (`star`), a broadcast in kt's default shape (`tree`) and, in the
+//! link-bound scenario, a broadcast whose rank 1 is SIGKILLed midway
+//! (`killed`: its 31 survivors). Around the legs it records the store's
+//! `kt_bytes_sent_total` (`store-sent-0`, `store-sent-1`, … in leg order). From
+//! the run the driver reads:
 //! - `report.json`: each step's status, its operation time (`op_ms`: first pod
 //!   command's start to the last one's exit; verification not included) and
 //!   per-pod durations;
@@ -20,12 +24,14 @@ use anyhow::{Context, bail};
 use serde::Deserialize;
 use serde_json::Value;
 
-/// The steps the scenario names, in order.
-pub const STEPS: [&str; 3] = ["single", "star", "tree"];
-/// The issue's targets: cut-through makes a tree about as fast as one
-/// transfer, and far faster than the store serving everyone.
-pub const TREE_OVER_SINGLE_MAX: f64 = 1.5;
+/// The legs a scenario may name (the order of the final line).
+pub const STEPS: [&str; 4] = ["single", "star", "tree", "killed"];
+/// The targets: a broadcast's last pod about as fast as one transfer, far
+/// faster than the store serving everyone, and still within half a transfer
+/// more with an interior member killed midway.
+pub const TREE_OVER_SINGLE_MAX: f64 = 1.2;
 pub const STAR_OVER_TREE_MIN: f64 = 8.0;
+pub const KILLED_OVER_SINGLE_MAX: f64 = 1.5;
 
 /// Where the run's files are.
 #[derive(Debug, Clone)]
@@ -114,6 +120,9 @@ pub struct StepReport {
     pub op_ms: f64,
     #[serde(default)]
     pub pods: Vec<PodReport>,
+    /// How busy the host's cores were during the step (0 to 1).
+    #[serde(default)]
+    pub cpu_busy: Option<f64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -135,7 +144,12 @@ pub struct Leg {
     pub pod_secs: Vec<f64>,
     /// What the store served meanwhile (its counter's difference), bytes.
     pub store_egress: Option<u64>,
+    /// How busy the host's cores were (0 to 1) during the leg.
+    pub cpu_busy: Option<f64>,
 }
+
+/// From this share of busy cores on, a leg's time is the cores' limit.
+pub const CPU_BOUND: f64 = 0.9;
 
 /// Everything the summary needs.
 #[derive(Debug, Clone, PartialEq)]
@@ -221,20 +235,20 @@ pub fn results(scenario: &ScenarioReport, records: &Value) -> anyhow::Result<Res
     if size == 0 {
         bail!("the single get's record holds no size: {single}");
     }
-    let readings: Vec<Option<u64>> = (0..=STEPS.len())
-        .map(|i| records.get(format!("store-sent-{i}")).and_then(counter))
-        .collect();
+    let reading = |i: usize| records.get(format!("store-sent-{i}")).and_then(counter);
     let mut legs = Vec::new();
-    for (i, name) in STEPS.iter().enumerate() {
-        let Some(step) = scenario.steps.iter().find(|s| s.name == *name) else {
-            continue;
-        };
+    // Legs in the scenario's order: the k-th lies between readings k and k + 1.
+    let ran = scenario
+        .steps
+        .iter()
+        .filter_map(|s| Some((*STEPS.iter().find(|n| **n == s.name)?, s)));
+    for (i, (name, step)) in ran.enumerate() {
         if step.status != "passed" {
             continue;
         }
         let mut pod_secs: Vec<f64> = step.pods.iter().map(|p| p.duration_ms / 1e3).collect();
         pod_secs.sort_by(f64::total_cmp);
-        let store_egress = match (readings[i], readings[i + 1]) {
+        let store_egress = match (reading(i), reading(i + 1)) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a)),
             _ => None,
         };
@@ -244,6 +258,7 @@ pub fn results(scenario: &ScenarioReport, records: &Value) -> anyhow::Result<Res
             secs: step.op_ms / 1e3,
             pod_secs,
             store_egress,
+            cpu_busy: step.cpu_busy,
         });
     }
     let bc = &records["tree"]["broadcast"];
@@ -336,7 +351,7 @@ pub fn table(r: &Results) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<7} {:>4} {:>9} {:>9} {:>9} {:>9} {:>12} {:>13} {:>11}",
+        "{:<7} {:>4} {:>9} {:>9} {:>9} {:>9} {:>12} {:>13} {:>11} {:>5}",
         "way",
         "pods",
         "time",
@@ -345,14 +360,15 @@ pub fn table(r: &Results) -> String {
         "pod max",
         "delivered",
         "store egress",
-        "store link"
+        "store link",
+        "cpu"
     );
     for l in &r.legs {
         let delivered = l.pods as u64 * r.size;
         let gbit = |b: u64| b as f64 * 8.0 / l.secs / 1e9;
         let _ = writeln!(
             out,
-            "{:<7} {:>4} {:>9} {:>9} {:>9} {:>9} {:>7.2}Gbit/s {:>13} {:>11}",
+            "{:<7} {:>4} {:>9} {:>9} {:>9} {:>9} {:>7.2}Gbit/s {:>13} {:>11} {:>5}",
             l.name,
             l.pods,
             secs(l.secs),
@@ -363,6 +379,9 @@ pub fn table(r: &Results) -> String {
             l.store_egress.map(bytes).unwrap_or_else(|| "?".into()),
             l.store_egress
                 .map(|b| format!("{:.2}Gbit/s", gbit(b)))
+                .unwrap_or_else(|| "?".into()),
+            l.cpu_busy
+                .map(|c| format!("{:.0}%", c * 100.0))
                 .unwrap_or_else(|| "?".into()),
         );
     }
@@ -383,10 +402,10 @@ pub fn table(r: &Results) -> String {
     out
 }
 
-/// `broadcast single=… star=… tree=… tree/single=… star/tree=… store_egress_tree=…`
-/// (a missing way leaves its fields out).
-pub fn final_line(r: &Results) -> String {
-    let mut line = String::from("broadcast");
+/// `broadcast NAME: single=… star=… tree=… killed=… tree/single=… star/tree=…
+/// killed/single=… store_egress_tree=…` (a missing way leaves its fields out).
+pub fn final_line(name: &str, r: &Results) -> String {
+    let mut line = format!("broadcast {name}:");
     let t = |n: &str| r.leg(n).map(|l| l.secs);
     for n in STEPS {
         if let Some(s) = t(n) {
@@ -398,6 +417,9 @@ pub fn final_line(r: &Results) -> String {
     }
     if let (Some(star), Some(tree)) = (t("star"), t("tree")) {
         let _ = write!(line, " star/tree={}", ratio(star / tree));
+    }
+    if let (Some(killed), Some(single)) = (t("killed"), t("single")) {
+        let _ = write!(line, " killed/single={}", ratio(killed / single));
     }
     if let Some(b) = r.store_egress_tree() {
         let _ = write!(line, " store_egress_tree={}", bytes(b));
@@ -414,16 +436,12 @@ pub fn targets(r: &Results) -> Vec<String> {
         out.push(format!(
             "tree/single {} <= {TREE_OVER_SINGLE_MAX}: {}",
             ratio(v),
-            if v <= TREE_OVER_SINGLE_MAX {
-                "met"
-            } else {
-                "NOT met"
-            }
+            met(v <= TREE_OVER_SINGLE_MAX)
         ));
         if let Some(f) = r.fanout.filter(|f| *f > 1) {
             out.push(format!(
                 "  (with equal links a relay's egress carries each byte to {f} children: \
-                 tree/single >= about {f} unless relays split their children's chunks)"
+                 tree/single >= about {f}; a chain (fanout 1) sends each byte once per link)"
             ));
         }
     }
@@ -432,14 +450,35 @@ pub fn targets(r: &Results) -> Vec<String> {
         out.push(format!(
             "star/tree {} >= {STAR_OVER_TREE_MIN}: {}",
             ratio(v),
-            if v >= STAR_OVER_TREE_MIN {
-                "met"
-            } else {
-                "NOT met"
-            }
+            met(v >= STAR_OVER_TREE_MIN)
+        ));
+    }
+    if let (Some(killed), Some(single)) = (t("killed"), t("single")) {
+        let v = killed / single;
+        out.push(format!(
+            "killed/single {} <= {KILLED_OVER_SINGLE_MAX}: {}",
+            ratio(v),
+            met(v <= KILLED_OVER_SINGLE_MAX)
+        ));
+    }
+    let bound: Vec<String> = (r.legs.iter())
+        .filter_map(|l| {
+            let c = l.cpu_busy.filter(|c| *c >= CPU_BOUND)?;
+            Some(format!("{} {:.0}%", l.name, c * 100.0))
+        })
+        .collect();
+    if !bound.is_empty() {
+        out.push(format!(
+            "CPU-bound legs (cores busy: {}): their times are this host's limit, \
+             not the links'",
+            bound.join(", ")
         ));
     }
     out
+}
+
+fn met(yes: bool) -> &'static str {
+    if yes { "met" } else { "NOT met" }
 }
 
 #[cfg(test)]
@@ -456,6 +495,7 @@ mod tests {
             error: None,
             duration_ms: op_ms + 1000.0,
             op_ms,
+            cpu_busy: Some(0.5),
             pods: (0..pods)
                 .map(|i| PodReport {
                     pod: format!("{name}-{i}"),
@@ -504,12 +544,12 @@ mod tests {
             (Some(2), Some(2), Some(3))
         );
         assert_eq!(
-            final_line(&r),
-            "broadcast single=4.35s star=139.2s tree=5.10s tree/single=1.17 star/tree=27.3 \
+            final_line("b", &r),
+            "broadcast b: single=4.35s star=139.2s tree=5.10s tree/single=1.17 star/tree=27.3 \
              store_egress_tree=1.00GiB"
         );
         let t = targets(&r);
-        assert!(t[0].starts_with("tree/single 1.17 <= 1.5: met"), "{t:?}");
+        assert!(t[0].starts_with("tree/single 1.17 <= 1.2: met"), "{t:?}");
         assert!(
             t.last().unwrap().contains("star/tree 27.3 >= 8: met"),
             "{t:?}"
@@ -530,7 +570,53 @@ mod tests {
         let mut s = scenario();
         s.steps[2].status = "failed".into();
         let r = results(&s, &recs).unwrap();
-        assert_eq!(final_line(&r), "broadcast single=4.35s star=139.2s");
+        assert_eq!(final_line("b", &r), "broadcast b: single=4.35s star=139.2s");
+    }
+
+    /// Legs are read in the scenario's order, whatever it is: the readings
+    /// around the k-th are `store-sent-k` and `store-sent-k+1`.
+    #[test]
+    fn a_killed_leg_first_shifts_the_readings() {
+        let mut recs = parse_snapshot(SNAP).unwrap()["recorded"].clone();
+        let reading = |v: u64| json!({ "stdout": [format!("kt_bytes_sent_total {v}")] });
+        let m = 512u64 << 20;
+        for (i, v) in [
+            0,
+            m + (64 << 20),
+            2 * m + (64 << 20),
+            34 * m + (64 << 20),
+            35 * m + (64 << 20),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            recs[format!("store-sent-{i}")] = reading(v);
+        }
+        let mut s = scenario();
+        s.steps.insert(0, step("killed", 6000.0, 31));
+        s.steps[0].cpu_busy = Some(0.97);
+        let r = results(&s, &recs).unwrap();
+        assert_eq!(r.leg("killed").unwrap().store_egress, Some(m + (64 << 20)));
+        assert_eq!(r.leg("single").unwrap().store_egress, Some(m));
+        assert_eq!(r.leg("tree").unwrap().store_egress, Some(m));
+        assert!(
+            final_line("b", &r).ends_with("killed/single=1.38 store_egress_tree=512.0MiB"),
+            "{}",
+            final_line("b", &r)
+        );
+        let t = targets(&r);
+        assert!(
+            t.iter()
+                .any(|l| l.starts_with("killed/single 1.38 <= 1.5: met")),
+            "{t:?}"
+        );
+        assert!(
+            t.last()
+                .unwrap()
+                .starts_with("CPU-bound legs (cores busy: killed 97%)"),
+            "{t:?}"
+        );
+        assert!(table(&r).contains("97%"));
     }
 
     #[test]

@@ -1,13 +1,23 @@
-//! `kt-bench-broadcast`: one 512 MiB payload to 32 pods over shaped 1 Gbit/s
-//! links (netns target, root), measured in one run three ways: a single
-//! point-to-point get, all 32 from the store (star), and a broadcast tree of
-//! fanout 2. Runs `kt-scenario run testbed/bench/broadcast.yaml`, then prints
-//! a table and one line
-//! `broadcast single=Ts star=Ts tree=Ts tree/single=R star/tree=R store_egress_tree=B`
-//! and whether the targets (tree/single <= 1.5, star/tree >= 8) are
-//! met (informational). Exits non-zero when the scenario failed.
+//! `kt-bench-broadcast`: one payload to many pods over shaped links (netns
+//! target, root), in three scenarios run one after the other:
+//! - `testbed/bench/broadcast-300mbit.yaml`: 256 MiB to 12 pods over
+//!   300 Mbit/s links, link-bound even on 2 cores: a broadcast with its
+//!   rank 1 SIGKILLed midway, a single get, all from the store (star), and a
+//!   broadcast in kt's default shape;
+//! - `testbed/bench/broadcast-250mbit.yaml`: the same legs, 512 MiB to 32 pods
+//!   over 250 Mbit/s links (CPU-bound on a small host: the table's `cpu`
+//!   column says how busy the cores were);
+//! - `testbed/bench/broadcast.yaml`: 512 MiB to 32 pods over 1 Gbit/s links
+//!   (single, star, tree).
+//!
+//! For each it prints a table and one line
+//! `broadcast NAME: single=Ts star=Ts tree=Ts killed=Ts tree/single=R star/tree=R killed/single=R store_egress_tree=B`
+//! and whether the targets (tree/single <= 1.2, star/tree >= 8,
+//! killed/single <= 1.5) are met (informational), naming the legs whose
+//! cores were busy 90% of the time or more. Exits non-zero when a scenario
+//! failed.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -19,14 +29,22 @@ use kt_bench::broadcast::{self, RunFiles};
 #[derive(Debug, Parser)]
 #[command(name = "kt-bench-broadcast")]
 struct Args {
-    /// The scenario file.
-    #[arg(long, default_value = "testbed/bench/broadcast.yaml")]
-    scenario: PathBuf,
+    /// The scenario files, run in this order (repeat the flag).
+    #[arg(
+        long,
+        default_values = [
+            "testbed/bench/broadcast-300mbit.yaml",
+            "testbed/bench/broadcast-250mbit.yaml",
+            "testbed/bench/broadcast.yaml",
+        ]
+    )]
+    scenario: Vec<PathBuf>,
     /// Where kt-scenario, kt, kt-store, kt-metadata and kt-agent are.
     #[arg(long, default_value = "target/release")]
     bin_dir: PathBuf,
-    /// kt-scenario's report directory (report.json, the failure dump, and
-    /// the run's snapshot holding its records).
+    /// Where each scenario's report directory goes (`<report>/<file stem>`:
+    /// report.json, the failure dump, and the run's snapshot holding its
+    /// records).
     #[arg(long, default_value = "target/bench-broadcast")]
     report: PathBuf,
     /// The testbed: netns (shaped links; root) or local (no shaping: a
@@ -51,7 +69,7 @@ async fn main() -> ExitCode {
     }
 }
 
-/// Ok(false): the scenario failed (what it measured is still printed).
+/// Ok(false): a scenario failed (what it measured is still printed).
 async fn run(args: &Args) -> anyhow::Result<bool> {
     let kt_scenario = args.bin_dir.join("kt-scenario");
     if !kt_scenario.is_file() {
@@ -60,12 +78,38 @@ async fn run(args: &Args) -> anyhow::Result<bool> {
             kt_scenario.display()
         );
     }
-    let files = RunFiles::new(&args.report);
+    let mut all_ok = true;
+    let mut lines = Vec::new();
+    for scenario in &args.scenario {
+        let (ok, line) = run_one(args, &kt_scenario, scenario).await?;
+        all_ok &= ok;
+        lines.extend(line);
+    }
+    if args.scenario.len() > 1 {
+        println!();
+        for l in lines {
+            println!("{l}");
+        }
+    }
+    Ok(all_ok)
+}
+
+/// Runs one scenario; Ok((false, _)) when it failed. Its final line, if any.
+async fn run_one(
+    args: &Args,
+    kt_scenario: &Path,
+    scenario: &Path,
+) -> anyhow::Result<(bool, Option<String>)> {
+    let stem = scenario
+        .file_stem()
+        .with_context(|| format!("{}: no file name", scenario.display()))?;
+    let report_dir = args.report.join(stem);
+    let files = RunFiles::new(&report_dir);
     files
         .clear()
-        .with_context(|| format!("clearing {}", args.report.display()))?;
+        .with_context(|| format!("clearing {}", report_dir.display()))?;
     let argv = broadcast::scenario_args(
-        &args.scenario,
+        scenario,
         &args.target,
         &files,
         &args.bin_dir,
@@ -73,7 +117,7 @@ async fn run(args: &Args) -> anyhow::Result<bool> {
     );
     println!("$ {} {}", kt_scenario.display(), argv.join(" "));
     let started = Instant::now();
-    let mut child = tokio::process::Command::new(&kt_scenario)
+    let mut child = tokio::process::Command::new(kt_scenario)
         .args(&argv)
         // The snapshot holds this run's measurements: no need to see it as
         // a diff.
@@ -117,6 +161,7 @@ async fn run(args: &Args) -> anyhow::Result<bool> {
         Err(e) => return Err(e),
     };
     let ok = status.success() && scn.status == "passed";
+    let mut line = None;
     match broadcast::results(scn, &records) {
         Ok(r) => {
             print!("{}", broadcast::table(&r));
@@ -130,17 +175,20 @@ async fn run(args: &Args) -> anyhow::Result<bool> {
             for t in broadcast::targets(&r) {
                 println!("{t}");
             }
-            println!("{}", broadcast::final_line(&r));
+            let l = broadcast::final_line(&scn.name, &r);
+            println!("{l}");
+            line = Some(l);
         }
         Err(e) if !ok => println!("no results: {e:#}"),
         Err(e) => return Err(e),
     }
     if !ok {
         eprintln!(
-            "kt-bench-broadcast: the scenario failed ({}): {}",
+            "kt-bench-broadcast: {} failed ({}): {}",
+            scn.name,
             status,
             scn.message.as_deref().unwrap_or("see the report")
         );
     }
-    Ok(ok)
+    Ok((ok, line))
 }
