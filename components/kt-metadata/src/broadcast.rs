@@ -37,8 +37,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, UNIX_EPOCH};
 
 use kt_types::broadcast::{
-    DEFAULT_WINDOW_MS, GroupInfo, GroupMessage, JoinRequest, MemberInfo, MemberState, Parent,
-    Rejoin, auto_fanout, check_group_id, parent_rank,
+    DEFAULT_FANOUT, DEFAULT_WINDOW_MS, GroupInfo, GroupMessage, JoinRequest, MemberInfo,
+    MemberState, Parent, Rejoin, auto_fanout, check_group_id, parent_rank,
 };
 use kt_types::{ErrorCode, Key};
 use serde::{Deserialize, Serialize};
@@ -518,6 +518,15 @@ fn closed_error(id: &str, closed_at_ms: u64, window_ms: u64) -> JoinError {
     ))
 }
 
+/// `req` as the first getter of a new group: its fanout, or the one the
+/// payload's `size` calls for ([`auto_fanout`]).
+fn shaped(req: &JoinRequest, size: u64) -> JoinRequest {
+    JoinRequest {
+        fanout: Some(req.fanout.unwrap_or_else(|| auto_fanout(size))),
+        ..req.clone()
+    }
+}
+
 fn changed_error(g: &Group, key: &Key, version: &str) -> JoinError {
     JoinError::Conflict(format!(
         "key {key} changed since broadcast group {:?} began: the group broadcasts version {}, \
@@ -589,7 +598,14 @@ impl Groups {
                         (id.clone(), false)
                     }
                     None => {
-                        self.create(id.clone(), true, req, origin.clone(), version, size, now_ms)?;
+                        self.create(
+                            id.clone(),
+                            true,
+                            &shaped(req, size),
+                            origin.clone(),
+                            version,
+                            now_ms,
+                        )?;
                         (id.clone(), true)
                     }
                 }
@@ -614,10 +630,9 @@ impl Groups {
                         self.create(
                             id.clone(),
                             false,
-                            req,
+                            &shaped(req, size),
                             origin.clone(),
                             version,
-                            size,
                             now_ms,
                         )?;
                         (id, true)
@@ -727,10 +742,9 @@ impl Groups {
         req: &JoinRequest,
         origin: Parent,
         version: &str,
-        size: u64,
         now_ms: u64,
     ) -> Result<(), JoinError> {
-        let fanout = req.fanout.unwrap_or_else(|| auto_fanout(size));
+        let fanout = req.fanout.unwrap_or(DEFAULT_FANOUT);
         if !(1..=MAX_FANOUT).contains(&fanout) {
             return Err(JoinError::Invalid(format!(
                 "fanout must be 1 to {MAX_FANOUT}, got {fanout}"
@@ -1149,7 +1163,6 @@ impl Groups {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kt_types::broadcast::DEFAULT_FANOUT;
 
     const T0: u64 = 1_700_000_000_000;
 
