@@ -66,8 +66,8 @@ impl Large {
 
 /// The part of a download a chunk's pieces land in, in order.
 struct ChunkLanding {
-    /// Taken by the last piece, which lets go of the file before the chunk
-    /// counts as there: once all are, placing it must find no other holder.
+    /// Taken by the last piece. Every piece lets go of the file after it
+    /// recorded itself; placing the file waits for that.
     file: Option<Arc<ChunkedFile>>,
     hasher: Option<ChunkHasher>,
     large: Arc<Large>,
@@ -106,7 +106,6 @@ impl ChunkLanding {
                 return Err(SyncError::Stream("a chunk landed after its end".into()));
             };
             file.write_at(offset, &data)?;
-            drop(file);
             h.update(&data);
             if last {
                 lock(&large.asm).add_cv(n, h.finish());
@@ -117,6 +116,10 @@ impl ChunkLanding {
             } else if let Some(b) = &board {
                 b.piece(index, n, at);
             }
+            // Let go of the file only now: placing it waits until no piece
+            // holds it, so a piece of a cancelled run can never record
+            // itself into a file started over after a failed check.
+            drop(file);
             Ok(hasher)
         })
         .await?;

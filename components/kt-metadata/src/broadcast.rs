@@ -105,6 +105,10 @@ pub struct GroupRecord {
     pub named: bool,
     /// Ranks below this one may have been handed out (it never shrinks).
     pub reserved: u32,
+    /// The fanout was kt's choice, by the payload's size ([`auto_fanout`]),
+    /// not the first getter's: a later getter naming another joins anyway.
+    #[serde(default)]
+    pub auto_fanout: bool,
 }
 
 /// How long a parent that failed a member transiently is not handed to
@@ -199,6 +203,8 @@ pub struct Group {
     /// Fixed at creation: every member gets this version.
     pub version: String,
     pub fanout: u32,
+    /// See [`GroupRecord::auto_fanout`].
+    pub auto_fanout: bool,
     /// Rank 0.
     pub origin: Parent,
     pub created_ms: u64,
@@ -232,6 +238,7 @@ impl Group {
             key: r.key,
             version: r.version,
             fanout: r.fanout,
+            auto_fanout: r.auto_fanout,
             origin: r.origin,
             created_ms: r.created_ms,
             window_ms: r.window_ms,
@@ -253,6 +260,7 @@ impl Group {
             key: self.key.clone(),
             version: self.version.clone(),
             fanout: self.fanout,
+            auto_fanout: self.auto_fanout,
             origin: self.origin.clone(),
             created_ms: self.created_ms,
             window_ms: self.window_ms,
@@ -527,6 +535,18 @@ fn shaped(req: &JoinRequest, size: u64) -> JoinRequest {
     }
 }
 
+impl Groups {
+    /// Marks group `id`, just created for `req`, as shaped by kt when `req`
+    /// named no fanout.
+    fn note_auto_fanout(&mut self, id: &str, req: &JoinRequest) {
+        if req.fanout.is_none()
+            && let Some(g) = self.groups.get_mut(id)
+        {
+            g.auto_fanout = true;
+        }
+    }
+}
+
 fn changed_error(g: &Group, key: &Key, version: &str) -> JoinError {
     JoinError::Conflict(format!(
         "key {key} changed since broadcast group {:?} began: the group broadcasts version {}, \
@@ -606,6 +626,7 @@ impl Groups {
                             version,
                             now_ms,
                         )?;
+                        self.note_auto_fanout(id, req);
                         (id.clone(), true)
                     }
                 }
@@ -616,7 +637,7 @@ impl Groups {
                         && g.key == req.key
                         && g.version == version
                         && g.is_open(now_ms)
-                        && req.fanout.is_none_or(|f| f == g.fanout)
+                        && req.fanout.is_none_or(|f| f == g.fanout || g.auto_fanout)
                 });
                 match open {
                     Some(g) => (g.id.clone(), false),
@@ -635,6 +656,7 @@ impl Groups {
                             version,
                             now_ms,
                         )?;
+                        self.note_auto_fanout(&id, req);
                         (id, true)
                     }
                 }
@@ -717,6 +739,7 @@ impl Groups {
         }
         if let Some(f) = req.fanout
             && f != g.fanout
+            && !g.auto_fanout
         {
             return Err(JoinError::Conflict(format!(
                 "broadcast group {:?} has fanout {}, not {f}; omit the fanout or start a new group",
@@ -767,6 +790,7 @@ impl Groups {
             window_ms,
             named,
             reserved: 1,
+            auto_fanout: false,
         });
         self.groups.insert(id, g);
         Ok(())
@@ -1384,6 +1408,32 @@ mod tests {
             assert_eq!(j.fanout, 1);
             assert_eq!(j.parent.rank, j.rank - 1, "rank {}", j.rank);
         }
+        // kt chose the chain: a getter naming a fanout joins it anyway
+        // (an older client always named 50), and the choice survives a
+        // restart; a fanout a getter named still conflicts.
+        let j = gs
+            .join(
+                &req(Some("big"), Some(50), 9),
+                origin(),
+                "v1",
+                0,
+                T0 + 1,
+                &mut ids(),
+            )
+            .unwrap();
+        assert_eq!((j.fanout, j.parent.rank), (1, j.rank - 1));
+        assert!(gs.get("big").unwrap().record().auto_fanout);
+        let e = gs
+            .join(
+                &req(Some("named"), Some(3), 9),
+                origin(),
+                "v1",
+                0,
+                T0 + 1,
+                &mut ids(),
+            )
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Conflict, "{e}");
     }
 
     #[test]
@@ -1756,15 +1806,28 @@ mod tests {
             .join(&req(None, None, 2), origin(), "v1", 0, T0 + 1, &mut make)
             .unwrap();
         assert_eq!((b.group.as_str(), b.rank), (a.group.as_str(), 2));
-        // A new version starts a new group; so does another fanout.
+        // A new version starts a new group.
         let c = gs
             .join(&req(None, None, 3), origin(), "v2", 0, T0 + 2, &mut make)
             .unwrap();
         assert_ne!(c.group, a.group);
+        // A named fanout joins a group kt shaped, not one a getter shaped
+        // with another fanout.
         let d = gs
             .join(&req(None, Some(7), 4), origin(), "v1", 0, T0 + 2, &mut make)
             .unwrap();
-        assert_ne!(d.group, a.group);
+        assert_eq!(d.group, a.group);
+        let f2 = gs
+            .join(&req(None, Some(2), 6), origin(), "v2", 0, T0 + 2, &mut make)
+            .unwrap();
+        assert_eq!(f2.group, c.group);
+        let own = gs
+            .join(&req(None, Some(7), 7), origin(), "v3", 0, T0 + 2, &mut make)
+            .unwrap();
+        let other = gs
+            .join(&req(None, Some(9), 8), origin(), "v3", 0, T0 + 2, &mut make)
+            .unwrap();
+        assert_ne!(own.group, other.group);
         // After the window, a new group.
         let later = T0 + DEFAULT_WINDOW_MS + 2;
         let e = gs
@@ -1773,7 +1836,7 @@ mod tests {
         assert_ne!(e.group, a.group);
         assert_eq!(e.rank, 1);
         // Unnamed groups are forgotten with their record when swept.
-        for j in [&a, &b] {
+        for j in [&a, &b, &d] {
             gs.disconnected(&j.group, j.rank, j.session, T0 + 3);
         }
         let swept = gs.sweep(T0 + DEFAULT_WINDOW_MS + REJOIN_GRACE_MS);

@@ -286,6 +286,7 @@ mod tests {
             window_ms: 60_000,
             named: true,
             reserved,
+            auto_fanout: false,
         };
         {
             let (db, loaded) = Db::open(d.path()).unwrap();
