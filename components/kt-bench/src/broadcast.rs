@@ -412,14 +412,8 @@ pub fn final_line(name: &str, r: &Results) -> String {
             let _ = write!(line, " {n}={}", secs(s));
         }
     }
-    if let (Some(tree), Some(single)) = (t("tree"), t("single")) {
-        let _ = write!(line, " tree/single={}", ratio(tree / single));
-    }
-    if let (Some(star), Some(tree)) = (t("star"), t("tree")) {
-        let _ = write!(line, " star/tree={}", ratio(star / tree));
-    }
-    if let (Some(killed), Some(single)) = (t("killed"), t("single")) {
-        let _ = write!(line, " killed/single={}", ratio(killed / single));
+    for (a, b, v, _) in ratios(r) {
+        let _ = write!(line, " {a}/{b}={}", ratio(v));
     }
     if let Some(b) = r.store_egress_tree() {
         let _ = write!(line, " store_egress_tree={}", bytes(b));
@@ -427,39 +421,46 @@ pub fn final_line(name: &str, r: &Results) -> String {
     line
 }
 
+/// A ratio of two legs' times and its target.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    AtMost(f64),
+    AtLeast(f64),
+}
+
+/// The ratios the final line prints, in order, with their targets.
+const RATIOS: [(&str, &str, Target); 3] = [
+    ("tree", "single", Target::AtMost(TREE_OVER_SINGLE_MAX)),
+    ("star", "tree", Target::AtLeast(STAR_OVER_TREE_MIN)),
+    ("killed", "single", Target::AtMost(KILLED_OVER_SINGLE_MAX)),
+];
+
+/// Each of [`RATIOS`] both of whose legs ran: its legs, value and target.
+fn ratios(r: &Results) -> impl Iterator<Item = (&'static str, &'static str, f64, Target)> + '_ {
+    RATIOS.into_iter().filter_map(|(a, b, target)| {
+        let (x, y) = (r.leg(a)?.secs, r.leg(b)?.secs);
+        Some((a, b, x / y, target))
+    })
+}
+
 /// Whether the issue's targets are met (informational).
 pub fn targets(r: &Results) -> Vec<String> {
-    let t = |n: &str| r.leg(n).map(|l| l.secs);
     let mut out = Vec::new();
-    if let (Some(tree), Some(single)) = (t("tree"), t("single")) {
-        let v = tree / single;
-        out.push(format!(
-            "tree/single {} <= {TREE_OVER_SINGLE_MAX}: {}",
-            ratio(v),
-            met(v <= TREE_OVER_SINGLE_MAX)
-        ));
-        if let Some(f) = r.fanout.filter(|f| *f > 1) {
+    for (a, b, v, target) in ratios(r) {
+        let (op, bound, ok) = match target {
+            Target::AtMost(m) => ("<=", m, v <= m),
+            Target::AtLeast(m) => (">=", m, v >= m),
+        };
+        out.push(format!("{a}/{b} {} {op} {bound}: {}", ratio(v), met(ok)));
+        if a == "tree"
+            && b == "single"
+            && let Some(f) = r.fanout.filter(|f| *f > 1)
+        {
             out.push(format!(
                 "  (with equal links a relay's egress carries each byte to {f} children: \
                  tree/single >= about {f}; a chain (fanout 1) sends each byte once per link)"
             ));
         }
-    }
-    if let (Some(star), Some(tree)) = (t("star"), t("tree")) {
-        let v = star / tree;
-        out.push(format!(
-            "star/tree {} >= {STAR_OVER_TREE_MIN}: {}",
-            ratio(v),
-            met(v >= STAR_OVER_TREE_MIN)
-        ));
-    }
-    if let (Some(killed), Some(single)) = (t("killed"), t("single")) {
-        let v = killed / single;
-        out.push(format!(
-            "killed/single {} <= {KILLED_OVER_SINGLE_MAX}: {}",
-            ratio(v),
-            met(v <= KILLED_OVER_SINGLE_MAX)
-        ));
     }
     let bound: Vec<String> = (r.legs.iter())
         .filter_map(|l| {

@@ -251,12 +251,18 @@ impl Board {
         self.wait(|s| s.read.clone().map(Ok)).await
     }
 
-    /// Waits until `len` bytes at `offset` of file `index` are there, then reads them.
-    async fn read_range(&self, index: u32, offset: u64, len: u64) -> Result<Bytes, ApiError> {
-        let src = self
+    /// Waits until `ready` says how many bytes at `offset` of file `index`
+    /// can be read, then reads them.
+    async fn read_when(
+        &self,
+        index: u32,
+        offset: u64,
+        ready: impl Fn(&Avail) -> Option<u64>,
+    ) -> Result<Bytes, ApiError> {
+        let (src, len) = self
             .wait(|s| {
-                let a = s.files.get(&index).filter(|a| a.covers(offset, len))?;
-                Some(Ok(a.source()))
+                let a = s.files.get(&index)?;
+                Some(Ok((a.source(), ready(a)?)))
             })
             .await?;
         let data = kt_service::blocking(move || src.read(offset, len)).await?;
@@ -264,19 +270,20 @@ impl Board {
         Ok(Bytes::from(data))
     }
 
+    /// Waits until `len` bytes at `offset` of file `index` are there, then reads them.
+    async fn read_range(&self, index: u32, offset: u64, len: u64) -> Result<Bytes, ApiError> {
+        self.read_when(index, offset, |a| a.covers(offset, len).then_some(len))
+            .await
+    }
+
     /// Reads the next piece at `offset` of file `index`, up to `end`: what
     /// is there as soon as anything is (at most [`PIECE`]).
     async fn read_piece(&self, index: u32, offset: u64, end: u64) -> Result<Bytes, ApiError> {
-        let (src, len) = self
-            .wait(|s| {
-                let a = s.files.get(&index)?;
-                let ready = a.ready_at(offset, (end - offset).min(PIECE));
-                (ready > 0).then(|| Ok((a.source(), ready)))
-            })
-            .await?;
-        let data = kt_service::blocking(move || src.read(offset, len)).await?;
-        self.served.fetch_add(len, Ordering::Relaxed);
-        Ok(Bytes::from(data))
+        self.read_when(index, offset, |a| {
+            let ready = a.ready_at(offset, (end - offset).min(PIECE));
+            (ready > 0).then_some(ready)
+        })
+        .await
     }
 
     /// `len` bytes at `offset` of file `index`, piece by piece as they land.
