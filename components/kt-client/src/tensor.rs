@@ -282,6 +282,10 @@ pub struct TensorOptions {
     pub broadcast: Option<BroadcastWindow>,
     /// Point-to-point gets: packing (default packed).
     pub packing: Option<Packing>,
+    /// Gets into CUDA memory: the agent keeps the destination's IPC
+    /// mappings open after the get (until this process ends), for loops
+    /// that get into the same memory again ([`GetTensors::keep_mapped`]).
+    pub keep_mapped: bool,
 }
 
 /// A control connection to the pod's agent for GPU data. Keep it for the
@@ -402,6 +406,7 @@ impl TensorClient {
                 .collect(),
             broadcast: opts.broadcast.clone(),
             packing: opts.packing,
+            keep_mapped: opts.keep_mapped,
         });
         match self.conn.request(&req).await? {
             ControlReply::TensorsGot { stats } => Ok(stats),

@@ -236,6 +236,7 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                 },
                 broadcast: window.window(bucket),
                 packing: None,
+                keep_mapped: false,
             };
             let put = if sd.len() == 1 && sd.iter().next().is_some_and(|(n, _)| n.is_empty()) {
                 let (_, t) = sd.iter().next().context("one tensor")?;
@@ -316,6 +317,8 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                 put: PutOptions::default(),
                 broadcast: window.window(bucket),
                 packing: Some(packing),
+                // This process's memory goes away with it.
+                keep_mapped: false,
             };
             // The whole request as this process waits for it (the agent's
             // `seconds` count its data movement alone).
@@ -364,6 +367,9 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                     if let (Some(r), Some(w)) = (stats.rank, stats.world) {
                         line.push_str(&format!(" rank {r} of {w}"));
                     }
+                    if stats.reused {
+                        line.push_str(" (communicator reused)");
+                    }
                     println!("{line}");
                 }
                 SummaryFormat::Json => println!(
@@ -378,6 +384,7 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                         "packed": packed,
                         "rank": stats.rank,
                         "world": stats.world,
+                        "reused": stats.reused,
                         "seconds": stats.seconds,
                         "call_seconds": call_seconds,
                         "digest": digest,

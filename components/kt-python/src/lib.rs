@@ -533,6 +533,7 @@ fn tensor_options(
             pack,
             ..Packing::default()
         }),
+        keep_mapped: false,
     })
 }
 
@@ -650,17 +651,19 @@ fn put_tensors<'py>(
 /// Receives `key` into `tensors` (same names, order, dtypes and shapes),
 /// through this pod's agent, in place.
 #[pyfunction]
-#[pyo3(signature = (key, tensors, broadcast=None, packed=None))]
+#[pyo3(signature = (key, tensors, broadcast=None, packed=None, keep_mapped=false))]
 fn get_tensors<'py>(
     py: Python<'py>,
     key: &str,
     tensors: Vec<Described>,
     broadcast: Option<&str>,
     packed: Option<bool>,
+    keep_mapped: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
     let c = ctx()?;
     let key = parse_key("key", key)?;
-    let opts = tensor_options(PutOptions::default(), broadcast, packed)?;
+    let mut opts = tensor_options(PutOptions::default(), broadcast, packed)?;
+    opts.keep_mapped = keep_mapped;
     let lent: Vec<(String, Borrowed)> = tensors.iter().map(borrowed).collect::<PyResult<_>>()?;
     let single = lent.len() == 1 && lent[0].0.is_empty();
     let c2 = c.clone();

@@ -100,6 +100,9 @@ pub struct GetOutput {
     pub rank: Option<u32>,
     #[serde(default)]
     pub world: Option<u32>,
+    /// Ran on a communicator kept from the group's last round.
+    #[serde(default)]
+    pub reused: bool,
     pub digest: String,
 }
 
@@ -200,6 +203,9 @@ pub fn get_record(outs: &[GetOutput]) -> Value {
             }
             if let Some(w) = o.world {
                 m.insert("world".into(), json!(w));
+            }
+            if o.reused {
+                m.insert("reused".into(), json!(true));
             }
             m
         })
@@ -348,6 +354,7 @@ mod tests {
             packed: true,
             rank,
             world: rank.map(|_| 5),
+            reused: false,
             digest: "ab".into(),
         }
     }

@@ -104,26 +104,94 @@ pub fn run(
     Ok(stats)
 }
 
+/// How one rank's transfer gets its communicator.
+pub enum Link<'a> {
+    /// Connects anew ([`Backend::connect`]) with rank 0's rendezvous blob.
+    Connect {
+        endpoint: Box<dyn crate::transport::Endpoint>,
+        rendezvous: Option<&'a str>,
+    },
+    /// Runs on a communicator kept from an earlier transfer of the same
+    /// ranks ([`transfer_on`] gave it back).
+    Reuse(Box<dyn Comm>),
+}
+
+impl std::fmt::Debug for Link<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Link::Connect { endpoint, .. } => f
+                .debug_struct("Connect")
+                .field("endpoint", &endpoint.address())
+                .finish(),
+            Link::Reuse(c) => f
+                .debug_struct("Reuse")
+                .field("rank", &c.rank())
+                .field("world", &c.world())
+                .finish(),
+        }
+    }
+}
+
 /// One rank's whole transfer: holds the device of `lent` (see
 /// [`Backend::hold`]), connects, runs the plan, and drops the communicator
 /// and the lent memory before letting the device go (or, when the
 /// communicator is wedged, keeps all three for good).
-#[allow(clippy::too_many_arguments)]
 pub fn transfer(
     backend: &dyn Backend,
     plan: &TransferPlan,
     rank: u32,
     endpoint: Box<dyn crate::transport::Endpoint>,
     rendezvous: Option<&str>,
-    mut lent: Lent,
+    lent: Lent,
     timeout: std::time::Duration,
 ) -> Result<TensorStats, TransportError> {
+    let link = Link::Connect {
+        endpoint,
+        rendezvous,
+    };
+    transfer_on(backend, plan, rank, link, lent, timeout).0
+}
+
+/// [`transfer`] over `link`, giving the communicator back when it can run
+/// another transfer of the same ranks ([`Comm::reusable`] after a plan
+/// that ran to its end): the caller may keep it for the next one.
+pub fn transfer_on(
+    backend: &dyn Backend,
+    plan: &TransferPlan,
+    rank: u32,
+    link: Link<'_>,
+    mut lent: Lent,
+    timeout: std::time::Duration,
+) -> (Result<TensorStats, TransportError>, Option<Box<dyn Comm>>) {
     let device = lent.memory_device();
     // Whatever is freed before the hold is let go waits for it (and for
     // any other transfer on the device): the order of drops does not matter.
     let held = backend.hold(device);
-    let mut comm = backend.connect(plan, rank, endpoint, rendezvous, device, timeout)?;
-    let stats = run(backend, &mut *comm, plan, &mut lent);
+    let reused = matches!(link, Link::Reuse(_));
+    let mut comm = match link {
+        Link::Connect {
+            endpoint,
+            rendezvous,
+        } => match backend.connect(plan, rank, endpoint, rendezvous, device, timeout) {
+            Ok(c) => c,
+            Err(e) => return (Err(e), None),
+        },
+        Link::Reuse(c) => {
+            let world = plan.ranks.len() as u32;
+            if (c.rank(), c.world()) != (rank, world) {
+                let e = TransportError::Invalid(format!(
+                    "transfer {}: the kept communicator is rank {} of {}, the plan says {rank} of {world}",
+                    plan.id,
+                    c.rank(),
+                    c.world()
+                ));
+                return (Err(e), None);
+            }
+            c
+        }
+    };
+    comm.rename(&plan.id);
+    let stats = run(backend, &mut *comm, plan, &mut lent).map(|s| TensorStats { reused, ..s });
     if comm.wedged() {
         // Its kernels may still run (an abort that did not return): the
         // memory they may touch stays mapped and allocated, and the device
@@ -131,10 +199,11 @@ pub fn transfer(
         std::mem::forget(lent);
         std::mem::forget(held);
         std::mem::forget(comm);
-        return stats;
+        return (stats, None);
     }
-    drop((comm, lent, held));
-    stats
+    let kept = (stats.is_ok() && comm.reusable()).then_some(comm);
+    drop((lent, held));
+    (stats, kept)
 }
 
 fn check_regions(flow: &Flow, regions: &[Box<dyn Region>]) -> Result<(), TransportError> {
@@ -691,6 +760,120 @@ mod tests {
         for (r, bytes) in got.iter().enumerate() {
             assert!(*bytes == content(2, &desc), "rank {r} got other bytes");
         }
+    }
+
+    /// A communicator that can be kept (as NCCL's), over the host one.
+    struct Keepable(Box<dyn Comm>, bool);
+
+    impl Comm for Keepable {
+        fn rank(&self) -> u32 {
+            self.0.rank()
+        }
+        fn world(&self) -> u32 {
+            self.0.world()
+        }
+        fn broadcast(
+            &mut self,
+            root: u32,
+            group: &[u32],
+            buf: &mut dyn Region,
+            offset: u64,
+            len: u64,
+        ) -> Result<(), TransportError> {
+            self.0.broadcast(root, group, buf, offset, len)
+        }
+        fn reusable(&self) -> bool {
+            self.1
+        }
+    }
+
+    /// Rounds of one group (an RL loop's weight syncs): the communicator
+    /// the first transfer gives back runs the next ones, with fresh plans;
+    /// one that failed or cannot be kept is not given back, and one kept
+    /// for other ranks is refused.
+    #[test]
+    fn a_kept_communicator_runs_the_next_rounds() {
+        let desc = TensorDesc {
+            name: "w".into(),
+            meta: TensorMeta::new(DType::U8, [4096]),
+        };
+        let key = Key::parse("rl/weights").unwrap();
+        let configure = |plan: &mut TransferPlan| {
+            plan.flows = vec![Flow {
+                key: key.clone(),
+                version: "1".into(),
+                root: 0,
+                receivers: vec![1, 2],
+                tensors: vec![desc.clone()],
+            }];
+        };
+        let timeout = Duration::from_secs(10);
+        let got = on_every_rank(3, configure, timeout, |r, b, plan, c| {
+            let lent = |seed: u8| {
+                let mut l = Lent::new(Device::Cpu);
+                let bytes = if r == 0 {
+                    content(seed, &desc)
+                } else {
+                    vec![0; 4096]
+                };
+                l.keys.insert(
+                    key.clone(),
+                    vec![Box::new(HostBuf(bytes)) as Box<dyn Region>],
+                );
+                l
+            };
+            let mut comm: Box<dyn Comm> = Box::new(Keepable(c, true));
+            for round in 0..3u8 {
+                let mut p = plan.clone();
+                p.id = format!("round-{round}");
+                let (res, back) =
+                    transfer_on(b, &p, r as u32, Link::Reuse(comm), lent(round), timeout);
+                let stats = res.unwrap();
+                assert_eq!(stats.collectives, 1, "rank {r}, round {round}");
+                assert!(stats.reused);
+                comm = back.expect("a reusable communicator is given back");
+            }
+            // Still in step with the others: one more plan, its bytes checked.
+            let mut last = lent(7);
+            run(b, &mut *comm, plan, &mut last).unwrap();
+            assert!(
+                last.keys[&key][0].host().unwrap() == content(7, &desc),
+                "rank {r}"
+            );
+            // Kept for rank r, offered as another rank: refused, not run.
+            let other = (r as u32 + 1) % 3;
+            let (res, back) = transfer_on(b, plan, other, Link::Reuse(comm), lent(9), timeout);
+            assert!(back.is_none());
+            assert!(
+                res.unwrap_err()
+                    .to_string()
+                    .contains("kept communicator is rank"),
+                "rank {r}"
+            );
+            r
+        });
+        assert_eq!(got, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn a_communicator_that_cannot_be_kept_is_not_given_back() {
+        let configure = |plan: &mut TransferPlan| {
+            plan.flows[0].tensors = vec![TensorDesc {
+                name: "w".into(),
+                meta: TensorMeta::new(DType::U8, [64]),
+            }];
+        };
+        on_every_rank(2, configure, Duration::from_secs(5), |r, b, plan, c| {
+            let mut lent = Lent::new(Device::Cpu);
+            lent.keys.insert(
+                plan.flows[0].key.clone(),
+                vec![Box::new(HostBuf(vec![r as u8; 64])) as Box<dyn Region>],
+            );
+            let link = Link::Reuse(Box::new(Keepable(c, false)));
+            let (res, back) = transfer_on(b, plan, r as u32, link, lent, Duration::from_secs(5));
+            res.unwrap();
+            assert!(back.is_none());
+        });
     }
 
     #[test]

@@ -21,6 +21,6 @@ pub mod pack;
 pub mod shm;
 pub mod transport;
 
-pub use engine::{Lent, run, transfer};
+pub use engine::{Lent, Link, run, transfer, transfer_on};
 pub use host::HostBackend;
 pub use transport::{Backend, Comm, Endpoint, Region, TransportError};

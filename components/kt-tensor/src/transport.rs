@@ -90,6 +90,18 @@ pub trait Comm: Send {
         false
     }
 
+    /// Whether this communicator can run another transfer of the same
+    /// ranks (nothing failed or was aborted): kept for it rather than
+    /// dropped. False by default (connected per transfer).
+    fn reusable(&self) -> bool {
+        false
+    }
+
+    /// Names the transfer this communicator now runs, in its errors.
+    fn rename(&mut self, transfer: &str) {
+        let _ = transfer;
+    }
+
     /// Whether [`Comm::broadcast_parts`] gathers and scatters (no staging
     /// buffer needed to pack).
     fn gathers(&self) -> bool {

@@ -210,6 +210,7 @@ fn member(agent: &str, role: QuorumRole, w: &BroadcastWindow) -> QuorumJoin {
         backend: BackendKind::Host,
         role,
         window: w.clone(),
+        comms: Vec::new(),
     }
 }
 

@@ -629,6 +629,10 @@ pub struct TensorStats {
     /// See `rank`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub world: Option<u32>,
+    /// The transfer ran on a communicator kept from an earlier transfer of
+    /// the same ranks ([`QuorumPlan::reuse`]): nothing was connected.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reused: bool,
 }
 
 // ---- the control socket (version 2) --------------------------------------
@@ -669,6 +673,13 @@ pub struct GetTensors {
     /// [`DEFAULT_BUCKET_BYTES`]). A broadcast takes them from its window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub packing: Option<Packing>,
+    /// CUDA destinations: keep what the agent opened of them (their IPC
+    /// mappings) after the get, for a caller that gets into the same
+    /// memory again (a training loop's weights); they are closed when the
+    /// calling process goes away. By default they are closed when the get
+    /// ends, so memory the caller frees is not pinned by the agent.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub keep_mapped: bool,
 }
 
 /// One key of a [`GetTensors`] and the memory it goes into.
@@ -789,6 +800,39 @@ pub struct QuorumJoin {
     /// The window. The round's first join fixes its settings; later joins'
     /// windows are checked, then ignored.
     pub window: BroadcastWindow,
+    /// Communicators this agent keeps idle from earlier transfers of this
+    /// group (NCCL), reserved for this join: when every member of the
+    /// closing round holds one of the same members in the same ranks, the
+    /// plan reuses it ([`QuorumPlan::reuse`]) instead of building a new
+    /// one. At most [`MAX_HELD_COMMS`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub comms: Vec<HeldComm>,
+}
+
+/// Most communicators a join may list ([`QuorumJoin::comms`]).
+pub const MAX_HELD_COMMS: usize = 8;
+
+/// A communicator an agent keeps from an earlier transfer
+/// ([`QuorumJoin::comms`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldComm {
+    /// The id of the transfer that built it (every rank of that transfer
+    /// keeps it under this id).
+    pub id: String,
+    /// The agents of its ranks, rank 0 first.
+    pub members: Vec<String>,
+}
+
+impl HeldComm {
+    /// Whether `plan`'s ranks are exactly this communicator's, in order.
+    pub fn fits(&self, plan: &TransferPlan) -> bool {
+        self.members.len() == plan.ranks.len()
+            && self
+                .members
+                .iter()
+                .zip(&plan.ranks)
+                .all(|(m, r)| *m == r.agent)
+    }
 }
 
 /// The answer to a quorum join once its round closed: this member's place
@@ -803,6 +847,12 @@ pub struct QuorumPlan {
     pub plan: Arc<TransferPlan>,
     /// Why the quorum closed: `world_size`, `ips` or `timeout`.
     pub closed_by: String,
+    /// The id of a communicator every rank listed in its join
+    /// ([`QuorumJoin::comms`]) and whose ranks are the plan's: the ranks
+    /// run on it, with no rendezvous. Absent: they build one (and keep it
+    /// under the plan's id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reuse: Option<String>,
 }
 
 /// `PUT /api/v1/quorums/{group}/{transfer}/rendezvous` (rank 0) and `GET`

@@ -22,6 +22,8 @@
 //!   server's quorum (`/api/v1/quorums/...`) as putter or getter, gets its
 //!   rank and the plan when the quorum closes, exchanges the backend's
 //!   rendezvous (NCCL's unique id) through it, runs the plan and reports.
+//!   An NCCL rank keeps its communicator for the group's next round
+//!   (`comms`): the same members reuse it, with no rendezvous.
 //!
 //! Every transfer runs on a blocking thread with a timeout; a failure (a
 //! peer gone, an NCCL error) is an error for the application that asked,
@@ -30,9 +32,10 @@
 //! The parts, one module each: `registrations` (owners, the registry and
 //! its persistence, puts and drops, the reaper), `p2p` (gets, and the source
 //! side of sessions), `quorum` (membership: joins, rendezvous, done reports)
-//! and `http` (the route). This module holds [`Tensors`], its settings and
+//! `comms` (communicators kept between rounds) and `http` (the route). This module holds [`Tensors`], its settings and
 //! what the parts share: backends, mapping lent memory, blocking threads.
 
+mod comms;
 mod http;
 mod p2p;
 mod quorum;
@@ -70,15 +73,20 @@ pub struct Tensors {
     /// Registrations of the last run whose owners did not survive it: the
     /// next reap unregisters them at the metadata server (that version).
     stale: Mutex<Vec<(Key, String)>>,
-    /// CUDA destinations of gets (IPC handles stay open between gets into
-    /// the same memory), by owner: released once the owner goes away.
-    /// Locked after `regs` where both are.
-    dests: Mutex<Vec<(Owner, MemHandle)>>,
+    /// CUDA destinations of gets: of each get while it runs, released when
+    /// it ends; of `keep_mapped` gets, by owner (IPC handles stay open
+    /// between gets into the same memory), released once the owner goes
+    /// away. Locked after `regs` where both are.
+    dests: Mutex<Vec<(registrations::Lender, MemHandle)>>,
+    /// Numbers gets for `dests`.
+    next_get: std::sync::atomic::AtomicU64,
     conns: Mutex<HashSet<u64>>,
     state_file: PathBuf,
     /// Bounds connecting and every collective of a transfer.
     timeout: Duration,
     wake: Notify,
+    /// NCCL communicators kept between a group's rounds.
+    comms: comms::Comms,
 }
 
 /// Settings of the tensor service.
@@ -145,10 +153,12 @@ impl Tensors {
             regs: Mutex::default(),
             stale: Mutex::default(),
             dests: Mutex::default(),
+            next_get: Default::default(),
             conns: Mutex::default(),
             state_file,
             timeout: cfg.timeout,
             wake: Notify::new(),
+            comms: comms::Comms::new(comms::DEFAULT_LIMIT),
         };
         tensors.load();
         Ok(tensors)

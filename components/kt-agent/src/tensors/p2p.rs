@@ -40,9 +40,17 @@ impl Tensors {
             )));
         }
         let backend = self.backend(device)?;
-        if matches!(device, Device::Cuda(_)) {
-            self.keep_dests(owner, req.gets.iter().flat_map(|g| &g.dest));
-        }
+        // What the agent opens of CUDA destinations stays open after the get
+        // only when asked (`keep_mapped`); otherwise it is closed as the get
+        // ends, however it ends (`_in_use` is dropped).
+        let cuda = matches!(device, Device::Cuda(_));
+        let dests = req.gets.iter().flat_map(|g| &g.dest);
+        let _in_use = if cuda && req.keep_mapped {
+            self.keep_dests(owner, dests);
+            None
+        } else {
+            cuda.then(|| self.borrow_dests(dests))
+        };
         if let Some(window) = &req.broadcast {
             if window.group_id.is_none() && req.gets.len() > 1 {
                 // Each putter joins its own key's group: a getter of several
@@ -147,8 +155,7 @@ impl Tensors {
             collectives: 0,
             seconds: started.elapsed().as_secs_f64(),
             backend: Some(backend.kind()),
-            rank: None,
-            world: None,
+            ..TensorStats::default()
         })
     }
 

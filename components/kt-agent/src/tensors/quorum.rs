@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kt_service::ApiError;
-use kt_tensor::Backend;
 use kt_tensor::engine::Lent;
+use kt_tensor::{Backend, Comm, Link};
 use kt_types::Key;
 use kt_types::model::BroadcastWindow;
 use kt_types::tensor::{
@@ -38,6 +38,11 @@ impl Tensors {
         let b = backend.clone();
         let ip2 = ip.clone();
         let endpoint = blocking(move || b.endpoint("quorum", &ip2).map_err(transport)).await?;
+        // NCCL communicators this group kept, reserved for this join (the
+        // others are released when it ends): see `comms`.
+        let device = lent.memory_device();
+        let reserved =
+            (backend.kind() == BackendKind::Nccl).then(|| self.comms.reserve(&group, device));
         let join = QuorumJoin {
             agent: self.id.clone(),
             ip,
@@ -45,6 +50,10 @@ impl Tensors {
             backend: backend.kind(),
             role,
             window: window.clone(),
+            comms: reserved
+                .as_ref()
+                .map(|r| r.held.clone())
+                .unwrap_or_default(),
         };
         // The round's first join fixed its window, maybe a longer one than
         // ours: the server answers by its deadline, at most the longest
@@ -53,13 +62,25 @@ impl Tensors {
         let qp = self.metadata.quorum_join(&group, &join, wait).await?;
         let plan = qp.plan;
         let rank = qp.rank;
-        tracing::info!(group, transfer = %plan.id, rank, world = plan.ranks.len(), closed_by = %qp.closed_by, "quorum closed");
+        tracing::info!(group, transfer = %plan.id, rank, world = plan.ranks.len(), closed_by = %qp.closed_by, reuse = ?qp.reuse, "quorum closed");
+        let link = match (&qp.reuse, &reserved) {
+            (None, _) => Ok(None),
+            (Some(id), Some(r)) => r.take(id).map(Some).ok_or(id),
+            (Some(id), None) => Err(id),
+        };
+        drop(reserved);
         // Whatever happens from here on, the transfer hears how this rank
         // ended, so it completes (and is forgotten) instead of waiting for
         // a report that never comes.
-        let res = self
-            .run_quorum(&group, &plan, rank, backend, endpoint, lent)
-            .await;
+        let res = match link {
+            Ok(kept) => {
+                self.run_quorum(&group, &plan, rank, backend, endpoint, lent, kept)
+                    .await
+            }
+            Err(id) => Err(internal(format!(
+                "quorum {group}: the plan reuses communicator {id}, which this agent does not keep"
+            ))),
+        };
         let done = t::QuorumDone {
             rank,
             error: res.as_ref().err().map(|e| e.message.clone()),
@@ -71,15 +92,19 @@ impl Tensors {
         res
     }
 
-    /// This rank's part of a closed quorum: the rendezvous, then the plan.
+    /// This rank's part of a closed quorum: the rendezvous (unless it runs
+    /// on a `kept` communicator), then the plan; keeps the communicator
+    /// for the group's next round when it can.
+    #[allow(clippy::too_many_arguments)]
     async fn run_quorum(
         &self,
         group: &str,
-        plan: &TransferPlan,
+        plan: &Arc<TransferPlan>,
         rank: u32,
         backend: Arc<dyn Backend>,
         endpoint: Box<dyn kt_tensor::Endpoint>,
         lent: Lent,
+        kept: Option<Box<dyn Comm>>,
     ) -> Result<TensorStats, ApiError> {
         plan.validate()
             .map_err(|e| internal(format!("quorum {group} sent an invalid plan: {e}")))?;
@@ -89,7 +114,10 @@ impl Tensors {
                 plan.ranks.len()
             )));
         }
-        let rendezvous = if rank == 0 {
+        let device = lent.memory_device();
+        let rendezvous = if kept.is_some() {
+            None
+        } else if rank == 0 {
             let b = backend.clone();
             let p = plan.clone();
             let blob = blocking(move || b.rendezvous(&p).map_err(transport)).await?;
@@ -115,20 +143,24 @@ impl Tensors {
         } else {
             None
         };
-        let (p, timeout) = (plan.clone(), self.timeout);
-        blocking(move || {
-            kt_tensor::transfer(
-                &*backend,
-                &p,
-                rank,
-                endpoint,
-                rendezvous.as_deref(),
-                lent,
-                timeout,
-            )
-            .map_err(transport)
+        let (p, timeout, b) = (plan.clone(), self.timeout, backend.clone());
+        let (res, back) = blocking(move || {
+            let link = match kept {
+                Some(c) => Link::Reuse(c),
+                None => Link::Connect {
+                    endpoint,
+                    rendezvous: rendezvous.as_deref(),
+                },
+            };
+            Ok(kt_tensor::transfer_on(&*b, &p, rank, link, lent, timeout))
         })
-        .await
+        .await?;
+        if let Some(comm) = back
+            && backend.kind() == BackendKind::Nccl
+        {
+            self.comms.keep(group, device, plan, comm);
+        }
+        res.map_err(transport)
     }
 }
 

@@ -224,7 +224,7 @@ impl Tensors {
     }
 
     /// Keeps a get's CUDA destinations as `owner`'s (each allocation once
-    /// per owner) until the reaper finds the owner gone.
+    /// per owner) until the reaper finds the owner gone (`keep_mapped`).
     pub(super) fn keep_dests<'a>(
         &self,
         owner: &Owner,
@@ -232,13 +232,29 @@ impl Tensors {
     ) {
         let mut dests = locked(&self.dests);
         for e in dest {
+            let lender = Lender::Owner(owner.clone());
             if !dests
                 .iter()
-                .any(|(o, h)| o == owner && ipc(h) == ipc(&e.mem))
+                .any(|(l, h)| *l == lender && ipc(h) == ipc(&e.mem))
             {
-                dests.push((owner.clone(), e.mem.clone()));
+                dests.push((lender, e.mem.clone()));
             }
         }
+    }
+
+    /// Marks a get's CUDA destinations in use for that get only: what the
+    /// agent opened of them is closed when the returned guard is dropped
+    /// (the get ended), unless a registration or another get uses it.
+    pub(super) fn borrow_dests<'a>(
+        &self,
+        dest: impl IntoIterator<Item = &'a TensorEntry>,
+    ) -> GetDests<'_> {
+        let id = self
+            .next_get
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut dests = locked(&self.dests);
+        dests.extend(dest.into_iter().map(|e| (Lender::Get(id), e.mem.clone())));
+        GetDests { tensors: self, id }
     }
 
     pub async fn put(&self, owner: Owner, req: PutTensors) -> Result<TensorsPut, ApiError> {
@@ -416,7 +432,7 @@ impl Tensors {
             let mut dests = locked(&self.dests);
             let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *dests)
                 .into_iter()
-                .partition(|(owner, _)| !owner.alive(&conns));
+                .partition(|(l, _)| matches!(l, Lender::Owner(o) if !o.alive(&conns)));
             *dests = kept;
             unused(
                 gone.iter().map(|(_, h)| h),
@@ -427,6 +443,55 @@ impl Tensors {
         self.release(released);
         dead.len()
     }
+}
+
+/// Who a get's CUDA destination is mapped for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Lender {
+    /// Kept for this process until it goes away (`keep_mapped`).
+    Owner(Owner),
+    /// For the get of this number, until it ends.
+    Get(u64),
+}
+
+/// A get's destinations in use ([`Tensors::borrow_dests`]).
+pub(super) struct GetDests<'a> {
+    tensors: &'a Tensors,
+    id: u64,
+}
+
+impl Drop for GetDests<'_> {
+    fn drop(&mut self) {
+        let t = self.tensors;
+        let released = {
+            let regs = t.lock();
+            let mut dests = locked(&t.dests);
+            end_get(
+                &mut dests,
+                self.id,
+                regs.values().flat_map(|r| r.entries.iter().map(|e| &e.mem)),
+            )
+        };
+        t.release(released);
+    }
+}
+
+/// Takes get `id`'s destinations out of `dests`: the handles no
+/// registration (`registered`) and no other destination uses, to close.
+fn end_get<'a>(
+    dests: &mut Vec<(Lender, MemHandle)>,
+    id: u64,
+    registered: impl IntoIterator<Item = &'a MemHandle>,
+) -> Vec<MemHandle> {
+    let (mine, rest): (Vec<_>, Vec<_>) = std::mem::take(dests)
+        .into_iter()
+        .partition(|(l, _)| *l == Lender::Get(id));
+    *dests = rest;
+    unused(
+        mine.iter().map(|(_, h)| h),
+        registered,
+        dests.iter().map(|(_, h)| h),
+    )
 }
 
 /// The allocation a CUDA IPC handle names (`None` for shared memory).
@@ -440,12 +505,14 @@ fn ipc(h: &MemHandle) -> Option<&str> {
 /// The CUDA IPC handles among `gone` that neither `kept` nor `lent` use
 /// (one allocation may back several tensors, keys and gets): those whose
 /// mappings can be closed.
-fn unused<'a>(
-    gone: impl IntoIterator<Item = &'a MemHandle>,
-    kept: impl IntoIterator<Item = &'a MemHandle>,
-    lent: impl IntoIterator<Item = &'a MemHandle>,
+fn unused<'g, 'k, 'l>(
+    gone: impl IntoIterator<Item = &'g MemHandle>,
+    kept: impl IntoIterator<Item = &'k MemHandle>,
+    lent: impl IntoIterator<Item = &'l MemHandle>,
 ) -> Vec<MemHandle> {
-    let in_use: HashSet<&str> = kept.into_iter().chain(lent).filter_map(ipc).collect();
+    let mut in_use: HashSet<&str> = HashSet::new();
+    in_use.extend(kept.into_iter().filter_map(|h| ipc(h)));
+    in_use.extend(lent.into_iter().filter_map(|h| ipc(h)));
     let mut seen = HashSet::new();
     gone.into_iter()
         .filter(|h| ipc(h).is_some_and(|id| !in_use.contains(id) && seen.insert(id)))
@@ -503,6 +570,34 @@ mod tests {
         }
         assert_eq!(proc_start(pid), None);
         child.wait().unwrap();
+    }
+
+    /// A get's CUDA destinations are closed when it ends, unless another
+    /// get, a `keep_mapped` get or a registration still uses them.
+    #[test]
+    fn a_gets_destinations_are_released_when_no_one_else_uses_them() {
+        let h = |id: &str| MemHandle::CudaIpc {
+            handle: id.into(),
+            offset: 0,
+            len: 4,
+            device_uuid: None,
+        };
+        let owner = Owner::of(None, 7);
+        let mut dests = vec![
+            (Lender::Get(1), h("a")),
+            (Lender::Get(1), h("b")),
+            (Lender::Get(1), h("c")),
+            (Lender::Get(1), h("d")),
+            (Lender::Get(2), h("a")),
+            (Lender::Owner(owner.clone()), h("b")),
+        ];
+        let registered = [h("c")];
+        // a: get 2 still runs; b: kept for its owner; c: registered.
+        assert_eq!(end_get(&mut dests, 1, &registered), vec![h("d")]);
+        assert_eq!(dests.len(), 2);
+        assert_eq!(end_get(&mut dests, 2, &registered), vec![h("a")]);
+        assert_eq!(dests, vec![(Lender::Owner(owner), h("b"))]);
+        assert!(end_get(&mut dests, 3, &registered).is_empty());
     }
 
     #[test]

@@ -27,6 +27,8 @@ const MAX_ENDPOINT_LEN: usize = 512;
 const MAX_VERSION_LEN: usize = 256;
 const MAX_KEYS: usize = 4096;
 const MAX_IPS: usize = 4096;
+/// Most ranks a held communicator may list.
+const MAX_MEMBERS: usize = 4096;
 
 /// Why a quorum request is refused, or a member of a closed round gets no
 /// rank: its message, and ([`QuorumError::code`]) its error code.
@@ -124,6 +126,8 @@ pub(super) struct Closing {
     pub(super) plan: Option<Arc<TransferPlan>>,
     ranks: HashMap<u64, u32>,
     pub(super) errors: HashMap<u64, QuorumError>,
+    /// The communicator the ranks reuse (see [`reusable`]).
+    reuse: Option<String>,
 }
 
 impl Closing {
@@ -138,6 +142,7 @@ impl Closing {
                 rank: *rank,
                 plan: Arc::clone(plan),
                 closed_by: self.by.as_str().to_owned(),
+                reuse: self.reuse.clone(),
             }),
             _ => Err(QuorumError::Internal(format!(
                 "quorum {group} closed without an answer for this member"
@@ -257,6 +262,7 @@ pub(super) fn plan(group: &str, round: &Round, by: ClosedBy, id: String) -> Clos
         plan: None,
         ranks: HashMap::new(),
         errors: HashMap::new(),
+        reuse: None,
     };
     let (mut putters, mut wanting): (Vec<&Member>, Vec<&Member>) =
         round.members.iter().partition(|m| m.puts());
@@ -345,8 +351,27 @@ pub(super) fn plan(group: &str, round: &Round, by: ClosedBy, id: String) -> Clos
         .enumerate()
         .map(|(i, m)| (m.seq, i as u32))
         .collect();
+    if plan.backend == BackendKind::Nccl {
+        closing.reuse = reusable(&ranked, &plan);
+    }
     closing.plan = Some(Arc::new(plan));
     closing
+}
+
+/// A communicator every ranked member keeps for exactly the plan's ranks
+/// (NCCL's take 0.1 to several seconds to build; a group that moves the
+/// same members' weights every step reuses one). The first member's order
+/// breaks ties.
+fn reusable(ranked: &[&Member], plan: &TransferPlan) -> Option<String> {
+    let held_by = |m: &Member, id: &str| m.join.comms.iter().any(|c| c.id == id && c.fits(plan));
+    ranked
+        .first()?
+        .join
+        .comms
+        .iter()
+        .map(|c| c.id.as_str())
+        .find(|id| ranked.iter().all(|m| held_by(m, id)))
+        .map(str::to_owned)
 }
 
 /// Whether getter `g` can receive every key it wants from the round's putters.
@@ -426,6 +451,26 @@ pub(super) fn check_join(group: &str, j: &QuorumJoin) -> Result<IpAddr, QuorumEr
     if w.fanout == 0 {
         return Err(bad("fanout must be 1 or more"));
     }
+    if j.comms.len() > t::MAX_HELD_COMMS {
+        return Err(bad(format!(
+            "comms lists {} communicators, more than {}",
+            j.comms.len(),
+            t::MAX_HELD_COMMS
+        )));
+    }
+    for c in &j.comms {
+        bounded_text("a held communicator's id", &c.id, MAX_ENDPOINT_LEN)?;
+        if c.members.len() < 2 || c.members.len() > MAX_MEMBERS {
+            return Err(bad(format!(
+                "held communicator {}: {} members (2 to {MAX_MEMBERS})",
+                c.id,
+                c.members.len()
+            )));
+        }
+        if let Some(why) = c.members.iter().find_map(|a| kt_types::agent_id_problem(a)) {
+            return Err(bad(format!("held communicator {}: {why}", c.id)));
+        }
+    }
     if let Some(b) = w.bucket_bytes {
         Packing {
             pack: w.pack,
@@ -495,6 +540,7 @@ fn check_key(k: &QuorumKey) -> Result<(), QuorumError> {
 mod tests {
     use super::*;
     use crate::quorum::fixtures::{getter, key, putter, window};
+    use kt_types::tensor::HeldComm;
 
     /// A round of these members (join order), as if they had joined.
     fn round(joins: Vec<QuorumJoin>) -> Round {
@@ -539,6 +585,63 @@ mod tests {
         assert_eq!(c.answer("g", 1).unwrap().rank, 2);
         assert_eq!(c.answer("g", 4).unwrap().rank, 1);
         assert_eq!(c.answer("g", 4).unwrap().closed_by, "timeout");
+    }
+
+    /// NCCL rounds reuse a communicator every member keeps for exactly
+    /// the plan's ranks; nothing else does.
+    #[test]
+    fn a_communicator_every_rank_keeps_is_reused() {
+        let w = window(None, 5.0);
+        let held = |id: &str, members: &[&str]| HeldComm {
+            id: id.into(),
+            members: members.iter().map(|m| m.to_string()).collect(),
+        };
+        let joins = |comms: [Vec<HeldComm>; 3], backend| {
+            let mut v = vec![
+                getter("a1", vec![key("x", 4)], &w),
+                putter("a2", vec![key("x", 4)], &w),
+                getter("a3", vec![key("x", 4)], &w),
+            ];
+            for (j, c) in v.iter_mut().zip(comms) {
+                j.comms = c;
+                j.backend = backend;
+            }
+            v
+        };
+        let reuse = |comms, backend| {
+            let c = plan(
+                "g",
+                &round(joins(comms, backend)),
+                ClosedBy::Timeout,
+                "t".into(),
+            );
+            c.answer("g", 1).unwrap().reuse
+        };
+        let ranks = ["a2", "a1", "a3"];
+        let all = || {
+            [
+                vec![held("c1", &ranks)],
+                vec![held("c1", &ranks)],
+                vec![held("c1", &ranks)],
+            ]
+        };
+        assert_eq!(reuse(all(), BackendKind::Nccl).as_deref(), Some("c1"));
+        // The host backend connects per transfer.
+        assert_eq!(reuse(all(), BackendKind::Host), None);
+        // One member lacks it (restarted, evicted, busy).
+        let mut some = all();
+        some[2].clear();
+        assert_eq!(reuse(some, BackendKind::Nccl), None);
+        // Same id, other ranks: another member set, or another order.
+        let mut other = all();
+        other[0] = vec![held("c1", &["a1", "a2", "a3"])];
+        assert_eq!(reuse(other, BackendKind::Nccl), None);
+        // Of several, the one all share.
+        let mut two = all();
+        two[0].insert(0, held("c0", &ranks));
+        two[1] = vec![held("c0", &ranks)];
+        two[2] = vec![held("c9", &ranks), held("c0", &ranks), held("c1", &ranks)];
+        assert_eq!(reuse(two, BackendKind::Nccl).as_deref(), Some("c0"));
     }
 
     #[test]
@@ -696,6 +799,19 @@ mod tests {
         let mut j = ok.clone();
         j.window.fanout = 0;
         cases.push(("g", j, "fanout"));
+        let held = |members: &[&str]| HeldComm {
+            id: "c".into(),
+            members: members.iter().map(|m| m.to_string()).collect(),
+        };
+        let mut j = ok.clone();
+        j.comms = vec![held(&["a1", "a2"]); 9];
+        cases.push(("g", j, "more than 8"));
+        let mut j = ok.clone();
+        j.comms = vec![held(&["a1"])];
+        cases.push(("g", j, "1 members"));
+        let mut j = ok.clone();
+        j.comms = vec![held(&["a1", "pod a"])];
+        cases.push(("g", j, "held communicator c"));
         let mut j = ok.clone();
         j.window.bucket_bytes = Some(1024);
         cases.push(("g", j, "minimum"));

@@ -313,7 +313,7 @@ def put(key: str, src: Any, *, locale: str = "store", lifespan: str = "cluster",
 
 
 def get(key: str, dest: Any, *, broadcast: Optional[BroadcastWindow] = None,
-        delete: bool = False, verbose: bool = False
+        delete: bool = False, keep_mapped: bool = False, verbose: bool = False
         ) -> Union[GetResult, List[GetResult], TensorResult]:
     """Fetches ``key`` into ``dest``.
 
@@ -328,12 +328,16 @@ def get(key: str, dest: Any, *, broadcast: Optional[BroadcastWindow] = None,
     Tensors: ``dest`` is a tensor or a state dict of the source's names,
     order, dtypes and shapes, filled in place (a destination that does not
     match is refused before anything moves, naming both sides); with
-    ``broadcast``, through a quorum.
+    ``broadcast``, through a quorum. The agent lets go of CUDA destination
+    memory when the get ends; ``keep_mapped=True`` keeps it open until this
+    process exits, for a loop that gets into the same tensors every step.
     """
     key = _key(key)
     window = _window("broadcast", broadcast)
     if not isinstance(delete, bool):
         raise TypeError("delete must be a bool")
+    if not isinstance(keep_mapped, bool):
+        raise TypeError("keep_mapped must be a bool")
     if _is_path(dest):
         out = _kt.get_path(key, os.fspath(dest), delete,
                            window._json(tensors=False) if window else None, _bar(verbose))
@@ -347,7 +351,8 @@ def get(key: str, dest: Any, *, broadcast: Optional[BroadcastWindow] = None,
         lent = _tensors.lend("dest", dest, for_get=True)
         packed = window.pack if window is not None else None
         s = _kt.get_tensors(key, lent.described,
-                            window._json(tensors=True) if window else None, packed)
+                            window._json(tensors=True) if window else None, packed,
+                            keep_mapped)
         for copy in lent.after:
             copy()
         results = TensorResult(key=key, tensors=s["tensors"], bytes=s["bytes"],

@@ -16,9 +16,10 @@
 //!   `KT_CUDA_DEVICE` ([`CudaBackend::with_comm_device`]: an index or a
 //!   `GPU-…` UUID, default 0) is only the fallback when that is not a GPU.
 //!   A buffer on another GPU is refused by `broadcast`.
-//! - A broadcast within every rank is `ncclBroadcast`; within a subset, the
-//!   root `ncclSend`s to each member and members `ncclRecv` (one group
-//!   call), and ranks outside it do nothing.
+//! - A broadcast within every rank is `ncclBroadcast`; within a subset, it
+//!   goes down a pipelined chain of `ncclSend`/`ncclRecv` pieces (`chain`:
+//!   each link carries the payload once), or straight from the root when
+//!   it is small, and ranks outside it do nothing.
 //! - Initialisation and collectives are bounded by the `connect` timeout;
 //!   on an error or at the deadline the communicator is aborted (on its own
 //!   thread, waited for a while) and the transfer gets the error
@@ -38,6 +39,7 @@
 //! detected") unless they claim different hosts (`NCCL_HOSTID`), which is
 //! how the GPU tests run several ranks on a one-GPU machine.
 
+mod chain;
 mod driver;
 mod nccl;
 mod root;

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use cudarc::driver::sys::CUstream;
 use libloading::Library;
 
+use super::chain;
 use super::driver::{self, DeviceAlloc, Stream, describe};
 use crate::transport::{Comm, Exchange, Region, TransportError, flow_handshake};
 use kt_types::tensor::Device;
@@ -289,10 +290,9 @@ pub(crate) enum Part {
     Skip,
     /// The group is the whole communicator: `ncclBroadcast`.
     Broadcast,
-    /// The root of a subset: `ncclSend` to each of these.
-    SendTo(Vec<u32>),
-    /// A member of a subset: `ncclRecv` from the root.
-    RecvFrom(u32),
+    /// A member of a subset: point-to-point steps down this chain (the
+    /// root, then the other members in rank order; see [`chain`]).
+    Chain(Vec<u32>),
 }
 
 pub(crate) fn part(me: u32, world: u32, root: u32, group: &[u32]) -> Result<Part, TransportError> {
@@ -314,12 +314,10 @@ pub(crate) fn part(me: u32, world: u32, root: u32, group: &[u32]) -> Result<Part
     members.dedup();
     if members.len() == world as usize {
         Ok(Part::Broadcast)
-    } else if me == root {
-        Ok(Part::SendTo(
-            members.into_iter().filter(|m| *m != root).collect(),
-        ))
     } else {
-        Ok(Part::RecvFrom(root))
+        let mut order = vec![root];
+        order.extend(members.into_iter().filter(|m| *m != root));
+        Ok(Part::Chain(order))
     }
 }
 
@@ -682,6 +680,14 @@ impl Comm for NcclComm {
         self.abandoned
     }
 
+    fn reusable(&self) -> bool {
+        !self.raw.is_null() && self.failed.is_none() && !self.abandoned
+    }
+
+    fn rename(&mut self, transfer: &str) {
+        transfer.clone_into(&mut self.transfer);
+    }
+
     /// Waits for every member of the flow (see [`flow_handshake`]): a
     /// member busy with earlier flows is waited for up to
     /// [`FLOW_WAIT_FACTOR`] timeouts, and the flow's collectives are
@@ -746,12 +752,58 @@ impl Comm for NcclComm {
                 let r = unsafe { (api.broadcast)(ptr, ptr, n, UINT8, root as c_int, comm, stream) };
                 self.check(&what, r)?;
             }
-            Part::SendTo(peers) => {
-                let sends: Vec<P2p> = peers.iter().map(|p| (base + offset, len, *p)).collect();
-                self.p2p(&what, &sends, &[])?;
+            Part::Chain(order) => {
+                let steps = chain::steps(order, self.rank, len, chain::PIECE, chain::CHAIN_MIN);
+                self.steps(&steps, base + offset, deadline, &what)?;
             }
-            Part::RecvFrom(from) => self.p2p(&what, &[], &[(base + offset, len, *from)])?,
         }
+        self.wait(deadline, &what, true)
+    }
+}
+
+impl NcclComm {
+    /// Posts `steps` ([`chain::steps`]) on the bytes from device address
+    /// `at`, one group each; returns once the last is posted (not run).
+    pub(crate) fn steps(
+        &mut self,
+        steps: &[chain::Step],
+        at: u64,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<(), TransportError> {
+        let ops = |ops: &[chain::Op]| -> Vec<P2p> {
+            ops.iter()
+                .map(|(off, n, peer)| (at + off, *n, *peer))
+                .collect()
+        };
+        for (i, step) in steps.iter().enumerate() {
+            if i > 0 {
+                // A non-blocking communicator takes no call until the last
+                // one is posted.
+                self.wait(deadline, what, false)?;
+            }
+            self.p2p(what, &ops(&step.sends), &ops(&step.recvs))?;
+        }
+        Ok(())
+    }
+
+    /// A broadcast down `order` with another piece size and chain
+    /// threshold (`u64::MAX`: straight from the root), waited for: the GPU
+    /// tests compare the shapes.
+    #[cfg(test)]
+    pub(crate) fn subset_with(
+        &mut self,
+        order: &[u32],
+        at: u64,
+        len: u64,
+        piece: u64,
+        chain_min: u64,
+    ) -> Result<(), TransportError> {
+        driver::bind(self.stream.ctx())?;
+        let deadline = Instant::now() + self.timeout;
+        let what = format!("subset broadcast of {len} bytes down {order:?}");
+        let steps = chain::steps(order, self.rank, len, piece, chain_min);
+        self.steps(&steps, at, deadline, &what)?;
         self.wait(deadline, &what, true)
     }
 }

@@ -112,12 +112,18 @@ fn broadcast_parts_per_rank() {
     use nccl::{Part, part};
     // Every rank: one ncclBroadcast, whatever the order of the group.
     assert_eq!(part(1, 3, 2, &[2, 0, 1]).unwrap(), Part::Broadcast);
-    // A subset: the root sends to each member, members receive, the others
-    // do nothing.
-    assert_eq!(part(0, 4, 0, &[0, 1, 3]).unwrap(), Part::SendTo(vec![1, 3]));
-    assert_eq!(part(3, 4, 0, &[0, 1, 3]).unwrap(), Part::RecvFrom(0));
+    // A subset: a chain from the root through the members in rank order;
+    // the others do nothing.
+    assert_eq!(
+        part(0, 4, 0, &[0, 1, 3]).unwrap(),
+        Part::Chain(vec![0, 1, 3])
+    );
+    assert_eq!(
+        part(3, 4, 1, &[3, 0, 1]).unwrap(),
+        Part::Chain(vec![1, 0, 3])
+    );
     assert_eq!(part(2, 4, 0, &[0, 1, 3]).unwrap(), Part::Skip);
-    assert_eq!(part(2, 4, 2, &[2, 2, 0]).unwrap(), Part::SendTo(vec![0]));
+    assert_eq!(part(2, 4, 2, &[2, 2, 0]).unwrap(), Part::Chain(vec![2, 0]));
     assert!(
         matches!(part(0, 2, 0, &[0, 2]), Err(TransportError::Invalid(m)) if m.contains("rank 2"))
     );
@@ -505,11 +511,11 @@ fn nccl_broadcast_64_mib_between_two_ranks() {
 }
 
 #[test]
-fn nccl_subset_send_recv_among_three_ranks() {
+fn nccl_subset_broadcasts_among_four_ranks() {
     let Some(b) = gpu() else { return };
-    let id = b.rendezvous(&plan(3)).unwrap().unwrap();
-    let children = (0..3)
-        .map(|r| spawn("bcast", &rank_env(r, 3, &id)))
+    let id = b.rendezvous(&plan(4)).unwrap().unwrap();
+    let children = (0..4)
+        .map(|r| spawn("bcast", &rank_env(r, 4, &id)))
         .collect();
     join(children, Duration::from_secs(300));
 }
@@ -572,23 +578,34 @@ fn child_bcast() {
     assert!(got[(off + len) as usize..] == base[(off + len) as usize..]);
 
     if world >= 3 {
-        // A subset: 0 sends to the last rank; the ranks between do nothing
-        // (calling broadcast outside the group is a no-op too).
-        let group = [0, last];
-        let m: u64 = 8 << 20;
-        let mut sub = b.alloc_device(dev, m).unwrap();
-        sub.write(0, &vec![0xee; m as usize]).unwrap();
-        if rank == 0 {
-            sub.write(0, &pattern(3, m as usize)).unwrap();
-        }
-        comm.broadcast(0, &group, &mut sub, 0, m).unwrap();
-        let got = sub.read(0, m).unwrap();
-        if group.contains(&rank) {
-            assert!(got == pattern(3, m as usize), "rank {rank}: subset bytes");
-        } else {
-            assert!(got.iter().all(|x| *x == 0xee), "rank {rank} was written to");
+        // Subsets: every rank but 1. A large payload goes down the chain
+        // 0 -> 2 (-> 3), in pieces that do not divide it; a small one, from
+        // the last rank, straight to the others. Rank 1 is never written to.
+        let group: Vec<u32> = (0..world).filter(|r| *r != 1).collect();
+        for (root, m, seed) in [(0, (20u64 << 20) + 12_345, 3u8), (last, 100 << 10, 4)] {
+            let mut sub = b.alloc_device(dev, m).unwrap();
+            sub.write(0, &vec![0xee; m as usize]).unwrap();
+            if rank == root {
+                sub.write(0, &pattern(seed, m as usize)).unwrap();
+            }
+            let t = Instant::now();
+            comm.broadcast(root, &group, &mut sub, 0, m).unwrap();
+            eprintln!(
+                "rank {rank}: {m} bytes from rank {root} within {group:?} in {:?}",
+                t.elapsed()
+            );
+            let got = sub.read(0, m).unwrap();
+            if group.contains(&rank) {
+                assert!(
+                    got == pattern(seed, m as usize),
+                    "rank {rank}: subset bytes"
+                );
+            } else {
+                assert!(got.iter().all(|x| *x == 0xee), "rank {rank} was written to");
+            }
         }
         // Then the whole group again: the communicator is still in step.
+        let mut sub = b.alloc_device(dev, 1 << 20).unwrap();
         comm.broadcast(0, &all, &mut sub, 0, 1 << 20).unwrap();
     }
 
@@ -746,6 +763,196 @@ fn child_flows() {
     drop(comm);
 }
 
+/// 256 MiB from rank 0 to three others, straight from the root (what
+/// subsets did before) and down the pipelined chain in pieces of 1, 4 and
+/// 16 MiB, against NCCL's own broadcast: every copy checked, the times
+/// printed.
+#[test]
+fn nccl_a_chain_against_sends_from_the_root() {
+    let Some(b) = gpu() else { return };
+    let id = b.rendezvous(&plan(4)).unwrap().unwrap();
+    let children = (0..4)
+        .map(|r| spawn("chain", &rank_env(r, 4, &id)))
+        .collect();
+    join(children, Duration::from_secs(240));
+}
+
+fn child_chain() {
+    let rank = env_u64("KT_CT_RANK") as u32;
+    let dev = env_u64("KT_CT_DEVICE") as u32;
+    let id = UniqueId::from_bytes(&from_hex(&std::env::var("KT_CT_ID").unwrap(), "id").unwrap());
+    let b = with_helper(CudaBackend::new().unwrap()).with_comm_device(dev);
+    let timeout = Duration::from_secs(120);
+    let mut comm = nccl::NcclComm::init("chain", dev, 4, rank, &id, timeout).unwrap();
+    let n: u64 = 256 << 20;
+    let want = pattern(9, n as usize);
+    let mut buf = b.alloc_device(dev, n).unwrap();
+    let mut tick = b.alloc_device(dev, 1).unwrap();
+    let all = [0u32, 1, 2, 3];
+    let mut line = Vec::new();
+    let shapes = [
+        "star",
+        "chain 1 MiB",
+        "chain 4 MiB",
+        "chain 16 MiB",
+        "ncclBroadcast",
+    ];
+    for shape in shapes.iter().chain(&shapes) {
+        if rank == 0 {
+            buf.write(0, &want).unwrap();
+        } else {
+            buf.write(0, &vec![0; n as usize]).unwrap();
+        }
+        // Everyone starts together.
+        comm.broadcast(0, &all, &mut tick, 0, 1).unwrap();
+        let t = Instant::now();
+        let at = buf.device_ptr().unwrap();
+        match *shape {
+            "star" => comm
+                .subset_with(&all, at, n, chain::PIECE, u64::MAX)
+                .unwrap(),
+            "chain 1 MiB" => comm.subset_with(&all, at, n, 1 << 20, 0).unwrap(),
+            "chain 4 MiB" => comm.subset_with(&all, at, n, 4 << 20, 0).unwrap(),
+            "chain 16 MiB" => comm.subset_with(&all, at, n, 16 << 20, 0).unwrap(),
+            _ => comm.broadcast(0, &all, &mut buf, 0, n).unwrap(),
+        }
+        let took = t.elapsed();
+        assert!(
+            buf.read(0, n).unwrap() == want,
+            "rank {rank}: {shape} bytes"
+        );
+        line.push(format!("{shape} {:.1} ms", took.as_secs_f64() * 1e3));
+    }
+    eprintln!("rank {rank}: 256 MiB to 3 ranks: {}", line.join(", "));
+}
+
+/// Rounds of one group on a kept communicator: the first connects, the
+/// next ones reuse it (new plans, packed and unpacked), and it is given
+/// back after each.
+#[test]
+fn nccl_a_kept_communicator_runs_the_next_rounds() {
+    let Some(b) = gpu() else { return };
+    let id = b.rendezvous(&plan(3)).unwrap().unwrap();
+    let children = (0..3)
+        .map(|r| spawn("rounds", &rank_env(r, 3, &id)))
+        .collect();
+    join(children, Duration::from_secs(180));
+}
+
+fn child_rounds() {
+    use crate::engine::{Lent, Link, run, transfer_on};
+    use kt_types::Key;
+    use kt_types::tensor::{DType, Flow, TensorDesc, TensorMeta};
+
+    let rank = env_u64("KT_CT_RANK") as u32;
+    let dev = env_u64("KT_CT_DEVICE") as u32;
+    let id = std::env::var("KT_CT_ID").unwrap();
+    let b = with_helper(CudaBackend::new().unwrap()).with_comm_device(dev);
+    let key = Key::parse("rl/weights").unwrap();
+    // 40 tensors, 12 MiB in all; rank 0 sends to 1 and 2.
+    let descs: Vec<TensorDesc> = (0..40u64)
+        .map(|i| TensorDesc {
+            name: format!("l{i}"),
+            meta: TensorMeta::new(DType::F32, [(i + 1) * 2048]),
+        })
+        .collect();
+    let plan_of = |round: u32, pack: bool| {
+        let mut p = plan(3);
+        p.id = format!("round-{round}");
+        p.flows = vec![Flow {
+            key: key.clone(),
+            version: round.to_string(),
+            root: 0,
+            receivers: vec![1, 2],
+            tensors: descs.clone(),
+        }];
+        p.packing = Packing {
+            pack,
+            bucket_bytes: 4 << 20,
+        };
+        p
+    };
+    let lent = |seed: u8| {
+        let mut l = Lent::new(Device::Cuda(dev));
+        let regions = descs
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                let n = d.meta.nbytes().unwrap();
+                let mut r = b.alloc_device(dev, n).unwrap();
+                let bytes = if rank == 0 {
+                    pattern(seed.wrapping_add(i as u8), n as usize)
+                } else {
+                    vec![0; n as usize]
+                };
+                r.write(0, &bytes).unwrap();
+                Box::new(r) as Box<dyn Region>
+            })
+            .collect();
+        l.keys.insert(key.clone(), regions);
+        l
+    };
+    let check = |l: &Lent, seed: u8| {
+        for (i, (d, r)) in descs.iter().zip(&l.keys[&key]).enumerate() {
+            let n = d.meta.nbytes().unwrap();
+            let mut got = vec![0; n as usize];
+            driver::dtoh(
+                &driver::context(dev).unwrap(),
+                &mut got,
+                r.device_ptr().unwrap(),
+            )
+            .unwrap();
+            assert!(
+                got == pattern(seed.wrapping_add(i as u8), n as usize),
+                "rank {rank}: tensor {i}"
+            );
+        }
+    };
+    let timeout = Duration::from_secs(60);
+    let t = Instant::now();
+    let ep = b.endpoint("round-0", "127.0.0.1").unwrap();
+    let mut comm = b
+        .connect(
+            &plan_of(0, false),
+            rank,
+            ep,
+            Some(&id),
+            Device::Cuda(dev),
+            timeout,
+        )
+        .unwrap();
+    let connect = t.elapsed();
+    for (round, pack) in [(0u32, false), (1, true), (2, false)] {
+        let p = plan_of(round, pack);
+        let mut l = lent(round as u8 * 10);
+        let t = Instant::now();
+        comm.rename(&p.id);
+        run(&b, &mut *comm, &p, &mut l).unwrap();
+        eprintln!(
+            "rank {rank}: round {round} (pack {pack}) in {:?}",
+            t.elapsed()
+        );
+        check(&l, round as u8 * 10);
+        assert!(
+            comm.reusable(),
+            "rank {rank}: round {round} left it unusable"
+        );
+    }
+    // Through the engine: given back, and marked reused.
+    let (res, back) = transfer_on(
+        &b,
+        &plan_of(3, true),
+        rank,
+        Link::Reuse(comm),
+        lent(30),
+        timeout,
+    );
+    assert!(res.unwrap().reused);
+    let comm = back.expect("a healthy communicator is given back");
+    eprintln!("rank {rank}: connecting took {connect:?}; rounds 1-3 ran on the kept communicator");
+    drop(comm);
+}
+
 /// The body of a child process (see [`spawn`]); does nothing when run by
 /// itself.
 #[test]
@@ -759,6 +966,8 @@ fn gpu_child() {
         Ok("bcast") => child_bcast(),
         Ok("timeout") => child_timeout(),
         Ok("flows") => child_flows(),
+        Ok("rounds") => child_rounds(),
+        Ok("chain") => child_chain(),
         _ => eprintln!("nothing to do: {CHILD} unset"),
     }
 }

@@ -1,0 +1,289 @@
+//! Communicators kept between the quorum transfers of a group.
+//!
+//! Building an NCCL communicator takes 0.1 to several seconds, and a
+//! reinforcement-learning loop moves the same members' weights every step.
+//! So after a transfer that ran to its end, each rank keeps its
+//! communicator ([`kt_tensor::transfer_on`] gives it back when it is
+//! healthy), under the transfer's id, for its group and GPU. A later join
+//! of the group lists (and reserves) what it keeps ([`QuorumJoin::comms`]);
+//! the metadata server answers the id every rank listed for exactly the
+//! plan's ranks ([`QuorumPlan::reuse`]), and the ranks run on it without a
+//! rendezvous.
+//!
+//! - A reservation is a join's own: another join of the group cannot list
+//!   the same communicator (one transfer at a time runs on one), and what
+//!   the plan does not reuse is released when the join ends.
+//! - A communicator whose transfer failed is never kept; one the plan
+//!   named but this agent no longer has fails the transfer (every rank
+//!   listed it, so that is a bug or a race with eviction, which skips
+//!   reserved ones).
+//! - A group keeps one communicator per GPU (a newer one replaces it), and
+//!   the agent at most [`DEFAULT_LIMIT`] in all: the least recently used
+//!   goes. Dropping one closes it (NCCL frees its buffers), off the lock.
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use kt_tensor::Comm;
+use kt_types::tensor::{Device, HeldComm, MAX_HELD_COMMS, TransferPlan};
+
+use super::locked;
+
+/// Communicators an agent keeps at most (each holds NCCL buffers on its
+/// GPU).
+pub const DEFAULT_LIMIT: usize = 4;
+
+struct Entry {
+    group: String,
+    device: Device,
+    held: HeldComm,
+    comm: Box<dyn Comm>,
+    /// The join sequence that reserved it, if one did.
+    reserved: Option<u64>,
+    used: Instant,
+}
+
+/// The kept communicators.
+pub struct Comms {
+    entries: Mutex<Vec<Entry>>,
+    next: Mutex<u64>,
+    limit: usize,
+}
+
+impl std::fmt::Debug for Comms {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kept: Vec<(String, String, Option<u64>)> = locked(&self.entries)
+            .iter()
+            .map(|e| (e.group.clone(), e.held.id.clone(), e.reserved))
+            .collect();
+        f.debug_struct("Comms").field("kept", &kept).finish()
+    }
+}
+
+/// What one join reserved: released on drop, except what was taken.
+pub struct Reservation<'a> {
+    comms: &'a Comms,
+    seq: u64,
+    /// What the join lists.
+    pub held: Vec<HeldComm>,
+}
+
+impl Reservation<'_> {
+    /// Takes the reserved communicator `id` out of the cache.
+    pub fn take(&self, id: &str) -> Option<Box<dyn Comm>> {
+        let mut entries = locked(&self.comms.entries);
+        let i = entries
+            .iter()
+            .position(|e| e.reserved == Some(self.seq) && e.held.id == id)?;
+        Some(entries.swap_remove(i).comm)
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        for e in locked(&self.comms.entries).iter_mut() {
+            if e.reserved == Some(self.seq) {
+                e.reserved = None;
+            }
+        }
+    }
+}
+
+impl Comms {
+    pub fn new(limit: usize) -> Comms {
+        Comms {
+            entries: Mutex::default(),
+            next: Mutex::new(0),
+            limit: limit.max(1),
+        }
+    }
+
+    /// Reserves what `group` keeps idle on `device` for one join.
+    pub fn reserve(&self, group: &str, device: Device) -> Reservation<'_> {
+        let seq = {
+            let mut n = locked(&self.next);
+            *n += 1;
+            *n
+        };
+        let mut held = Vec::new();
+        for e in locked(&self.entries).iter_mut() {
+            if e.group == group
+                && e.device == device
+                && e.reserved.is_none()
+                && held.len() < MAX_HELD_COMMS
+            {
+                e.reserved = Some(seq);
+                held.push(e.held.clone());
+            }
+        }
+        Reservation {
+            comms: self,
+            seq,
+            held,
+        }
+    }
+
+    /// Keeps `comm`, the communicator of `plan` (whose ranks it serves),
+    /// for `group` on `device`: it replaces what the group kept there, and
+    /// the least recently used beyond the limit goes.
+    pub fn keep(&self, group: &str, device: Device, plan: &TransferPlan, comm: Box<dyn Comm>) {
+        let held = HeldComm {
+            id: plan.id.clone(),
+            members: plan.ranks.iter().map(|r| r.agent.clone()).collect(),
+        };
+        let dropped = {
+            let mut entries = locked(&self.entries);
+            let (mut gone, kept): (Vec<Entry>, Vec<Entry>) = std::mem::take(&mut *entries)
+                .into_iter()
+                .partition(|e| e.group == group && e.device == device && e.reserved.is_none());
+            *entries = kept;
+            entries.push(Entry {
+                group: group.to_owned(),
+                device,
+                held,
+                comm,
+                reserved: None,
+                used: Instant::now(),
+            });
+            while entries.len() > self.limit {
+                let oldest = entries
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, e)| e.reserved.is_none())
+                    .min_by_key(|(_, e)| e.used)
+                    .map(|(i, _)| i);
+                match oldest {
+                    Some(i) => gone.push(entries.swap_remove(i)),
+                    None => break,
+                }
+            }
+            gone
+        };
+        // Closing a communicator waits for NCCL: not under the lock.
+        drop(dropped);
+    }
+
+    /// The ids kept, for `group`.
+    #[cfg(test)]
+    pub fn kept(&self, group: &str) -> Vec<String> {
+        locked(&self.entries)
+            .iter()
+            .filter(|e| e.group == group)
+            .map(|e| e.held.id.clone())
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use kt_tensor::{Region, TransportError};
+    use kt_types::tensor::{BackendKind, Packing, Rank};
+
+    use super::*;
+
+    /// A communicator that counts its drops.
+    struct Fake(Arc<AtomicUsize>);
+
+    impl Comm for Fake {
+        fn rank(&self) -> u32 {
+            0
+        }
+        fn world(&self) -> u32 {
+            2
+        }
+        fn broadcast(
+            &mut self,
+            _: u32,
+            _: &[u32],
+            _: &mut dyn Region,
+            _: u64,
+            _: u64,
+        ) -> Result<(), TransportError> {
+            Ok(())
+        }
+    }
+
+    impl Drop for Fake {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn plan(id: &str) -> TransferPlan {
+        TransferPlan {
+            id: id.into(),
+            backend: BackendKind::Nccl,
+            ranks: ["a", "b"]
+                .iter()
+                .enumerate()
+                .map(|(i, a)| Rank {
+                    rank: i as u32,
+                    agent: (*a).into(),
+                    ip: "10.0.0.1".into(),
+                    endpoint: "10.0.0.1".into(),
+                })
+                .collect(),
+            flows: vec![],
+            packing: Packing::default(),
+            fanout: 1,
+        }
+    }
+
+    #[test]
+    fn a_join_reserves_what_its_group_keeps_and_releases_what_it_does_not_take() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let comms = Comms::new(4);
+        let gpu = Device::Cuda(0);
+        comms.keep("g", gpu, &plan("t1"), Box::new(Fake(drops.clone())));
+        // Another group, another GPU: not listed.
+        comms.keep("h", gpu, &plan("t2"), Box::new(Fake(drops.clone())));
+        comms.keep(
+            "g",
+            Device::Cuda(1),
+            &plan("t3"),
+            Box::new(Fake(drops.clone())),
+        );
+        let r = comms.reserve("g", gpu);
+        assert_eq!(r.held.len(), 1);
+        assert_eq!(r.held[0].id, "t1");
+        assert_eq!(r.held[0].members, ["a", "b"]);
+        // A second join of the group meanwhile gets nothing: one transfer
+        // at a time on a communicator.
+        assert!(comms.reserve("g", gpu).held.is_empty());
+        assert!(r.take("t2").is_none(), "not reserved by this join");
+        drop(r);
+        let r = comms.reserve("g", gpu);
+        let c = r.take("t1").expect("reserved");
+        assert_eq!(comms.kept("g"), ["t3"]);
+        drop(r);
+        drop(c);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_newer_communicator_replaces_the_groups_and_the_oldest_goes_beyond_the_limit() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let comms = Comms::new(2);
+        let gpu = Device::Cuda(0);
+        comms.keep("g", gpu, &plan("t1"), Box::new(Fake(drops.clone())));
+        comms.keep("g", gpu, &plan("t2"), Box::new(Fake(drops.clone())));
+        assert_eq!(comms.kept("g"), ["t2"]);
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        // A reserved one is neither replaced nor evicted.
+        let r = comms.reserve("g", gpu);
+        comms.keep("g", gpu, &plan("t3"), Box::new(Fake(drops.clone())));
+        comms.keep("h", gpu, &plan("t4"), Box::new(Fake(drops.clone())));
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            2,
+            "t3, the oldest idle one, went"
+        );
+        let mut kept = comms.kept("g");
+        kept.extend(comms.kept("h"));
+        assert_eq!(kept, ["t2", "t4"]);
+        drop(r);
+    }
+}
