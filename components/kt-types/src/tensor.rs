@@ -731,6 +731,11 @@ pub struct SessionRequest {
     /// absent.
     #[serde(default)]
     pub packing: Packing,
+    /// Communicators the getter keeps from earlier sessions with this
+    /// source (NCCL), reserved for this one: the source answers one it
+    /// keeps too ([`SessionReply::reuse`]). At most [`MAX_HELD_COMMS`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub comms: Vec<HeldComm>,
 }
 
 /// The answer: the plan both sides run, and (NCCL) the communicator's id.
@@ -739,9 +744,13 @@ pub struct SessionReply {
     /// Two ranks (the source 0, the getter 1), one flow per key.
     pub plan: TransferPlan,
     /// The backend's bootstrap blob (NCCL's unique id, hex); absent for the
-    /// host backend.
+    /// host backend and when a kept communicator is reused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rendezvous: Option<String>,
+    /// The id of a communicator both sides keep (one the getter listed):
+    /// the session runs on it, with no rendezvous.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reuse: Option<String>,
 }
 
 // ---- the metadata server's quorum -----------------------------------------

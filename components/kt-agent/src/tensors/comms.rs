@@ -1,4 +1,5 @@
-//! Communicators kept between the quorum transfers of a group.
+//! Communicators kept between the quorum transfers of a group, and between
+//! the point-to-point sessions of two agents.
 //!
 //! Building an NCCL communicator takes 0.1 to several seconds, and a
 //! reinforcement-learning loop moves the same members' weights every step.
@@ -17,17 +18,30 @@
 //!   named but this agent no longer has fails the transfer (every rank
 //!   listed it, so that is a bug or a race with eviction, which skips
 //!   reserved ones).
+//! - Point-to-point sessions do the same between two agents (kept under
+//!   [`pair`]): the getter offers what it keeps with the source
+//!   ([`SessionRequest::comms`]), and the source answers one it keeps too
+//!   ([`SessionReply::reuse`]).
 //! - A group keeps one communicator per GPU (a newer one replaces it), and
 //!   the agent at most [`DEFAULT_LIMIT`] in all: the least recently used
 //!   goes. Dropping one closes it (NCCL frees its buffers), off the lock.
 
+use std::collections::HashSet;
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kt_tensor::Comm;
 use kt_types::tensor::{Device, HeldComm, MAX_HELD_COMMS, TransferPlan};
+#[cfg(doc)]
+use kt_types::tensor::{QuorumJoin, QuorumPlan, SessionReply, SessionRequest};
 
 use super::locked;
+
+/// The key point-to-point sessions with agent `peer` keep their
+/// communicators under (a space never appears in a quorum group id).
+pub fn pair(peer: &str) -> String {
+    format!("p2p {peer}")
+}
 
 /// Communicators an agent keeps at most (each holds NCCL buffers on its
 /// GPU).
@@ -48,6 +62,10 @@ pub struct Comms {
     entries: Mutex<Vec<Entry>>,
     next: Mutex<u64>,
     limit: usize,
+    /// Ids of communicators a running transfer will hand back (the
+    /// transfer's own id), and a wake-up when one settles.
+    pending: Mutex<HashSet<String>>,
+    settled: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Comms {
@@ -95,6 +113,36 @@ impl Comms {
             entries: Mutex::default(),
             next: Mutex::new(0),
             limit: limit.max(1),
+            pending: Mutex::default(),
+            settled: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// A transfer of id `id` runs: what it may keep is on its way
+    /// (a point-to-point source's side ends a little after its getter's,
+    /// whose next session may offer that communicator already).
+    pub fn expect(&self, id: &str) {
+        locked(&self.pending).insert(id.to_owned());
+    }
+
+    /// The transfer of id `id` ended (what it kept, if anything, is kept).
+    pub fn settle(&self, id: &str) {
+        locked(&self.pending).remove(id);
+        self.settled.notify_waiters();
+    }
+
+    /// Waits up to `limit` for the transfers of `ids` still running to
+    /// end.
+    pub async fn settled(&self, ids: &[&str], limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let woken = self.settled.notified();
+            if !ids.iter().any(|id| locked(&self.pending).contains(*id)) {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, woken).await.is_err() {
+                return;
+            }
         }
     }
 
@@ -261,6 +309,33 @@ mod tests {
         drop(r);
         drop(c);
         assert_eq!(drops.load(Ordering::SeqCst), 1);
+    }
+
+    /// A session offering the communicator of a transfer still ending on
+    /// this side waits for it (bounded), then finds it kept.
+    #[tokio::test]
+    async fn a_session_waits_for_the_transfer_that_will_keep_its_communicator() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let comms = Arc::new(Comms::new(4));
+        let gpu = Device::Cuda(0);
+        comms.expect("t1");
+        let c = comms.clone();
+        let d = drops.clone();
+        let ending = tokio::spawn(async move {
+            tokio::task::yield_now().await;
+            c.keep("p2p a", gpu, &plan("t1"), Box::new(Fake(d)));
+            c.settle("t1");
+        });
+        comms.settled(&["t1"], Duration::from_secs(10)).await;
+        assert_eq!(comms.reserve("p2p a", gpu).held.len(), 1);
+        ending.await.unwrap();
+        // Nothing pending, or a transfer that never settles: no wait past
+        // the limit.
+        comms.settled(&["t1"], Duration::from_secs(10)).await;
+        comms.expect("t9");
+        let t = Instant::now();
+        comms.settled(&["t9"], Duration::from_millis(50)).await;
+        assert!(t.elapsed() >= Duration::from_millis(50));
     }
 
     #[test]

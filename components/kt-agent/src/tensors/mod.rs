@@ -85,8 +85,9 @@ pub struct Tensors {
     /// Bounds connecting and every collective of a transfer.
     timeout: Duration,
     wake: Notify,
-    /// NCCL communicators kept between a group's rounds.
-    comms: comms::Comms,
+    /// NCCL communicators kept between a group's rounds and between the
+    /// sessions of a pair of agents (shared with the sessions' tasks).
+    comms: Arc<comms::Comms>,
 }
 
 /// Settings of the tensor service.
@@ -158,7 +159,7 @@ impl Tensors {
             state_file,
             timeout: cfg.timeout,
             wake: Notify::new(),
-            comms: comms::Comms::new(comms::DEFAULT_LIMIT),
+            comms: Arc::new(comms::Comms::new(comms::DEFAULT_LIMIT)),
         };
         tensors.load();
         Ok(tensors)

@@ -9,15 +9,15 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use kt_service::ApiError;
-use kt_tensor::Backend;
 use kt_tensor::engine::Lent;
+use kt_tensor::{Backend, Link};
 use kt_types::tensor::{
-    self as t, Device, Flow, GetTensors, Packing, QuorumKey, QuorumRole, Rank, SessionReply,
-    SessionRequest, TensorEntry, TensorStats, TransferPlan,
+    self as t, BackendKind, Device, Flow, GetTensors, Packing, QuorumKey, QuorumRole, Rank,
+    SessionReply, SessionRequest, TensorEntry, TensorStats, TransferPlan,
 };
 use kt_types::{ErrorCode, Key, paths};
 
-use super::{Owner, Tensors, blocking, internal, locked, transport};
+use super::{Owner, Tensors, blocking, comms, internal, locked, transport};
 
 impl Tensors {
     pub async fn get(&self, owner: &Owner, req: GetTensors) -> Result<TensorStats, ApiError> {
@@ -111,10 +111,13 @@ impl Tensors {
                 None => by_source.push((record.source.clone(), vec![(want, g.dest)])),
             }
         }
+        // Reused: every session ran on a kept communicator.
+        total.reused = !by_source.is_empty();
         for (source, keys) in by_source {
             let s = self
                 .fetch(&source, keys, backend.clone(), device, packing)
                 .await?;
+            total.reused &= s.reused;
             add(&mut total, s);
         }
         Ok(total)
@@ -178,6 +181,10 @@ impl Tensors {
         }
         let b = backend.clone();
         let endpoint = blocking(move || b.endpoint("p2p", &ip).map_err(transport)).await?;
+        // NCCL communicators kept from earlier sessions with this source.
+        let pair = comms::pair(source);
+        let reserved =
+            (backend.kind() == BackendKind::Nccl).then(|| self.comms.reserve(&pair, device));
         let req = SessionRequest {
             keys: keys.iter().map(|(k, _)| k.clone()).collect(),
             agent: self.id.clone(),
@@ -185,6 +192,10 @@ impl Tensors {
             endpoint: endpoint.address(),
             backend: backend.kind(),
             packing,
+            comms: reserved
+                .as_ref()
+                .map(|r| r.held.clone())
+                .unwrap_or_default(),
         };
         let reply: SessionReply = self
             .api
@@ -208,12 +219,33 @@ impl Tensors {
                 .map_err(ApiError::bad_request)?;
             lent.keys.insert(want.key.clone(), regions);
         }
-        let timeout = self.timeout;
-        blocking(move || {
-            let rv = reply.rendezvous.as_deref();
-            kt_tensor::transfer(&*backend, &plan, 1, endpoint, rv, lent, timeout).map_err(transport)
+        let kept = match (&reply.reuse, &reserved) {
+            (None, _) => None,
+            (Some(id), r) => Some(r.as_ref().and_then(|r| r.take(id)).ok_or_else(|| {
+                internal(format!(
+                    "{source} answered communicator {id}, which this agent did not offer"
+                ))
+            })?),
+        };
+        drop(reserved);
+        let (timeout, b, p) = (self.timeout, backend.clone(), plan.clone());
+        let (res, back) = blocking(move || {
+            let link = match kept {
+                Some(c) => Link::Reuse(c),
+                None => Link::Connect {
+                    endpoint,
+                    rendezvous: reply.rendezvous.as_deref(),
+                },
+            };
+            Ok(kt_tensor::transfer_on(&*b, &p, 1, link, lent, timeout))
         })
-        .await
+        .await?;
+        if let Some(comm) = back
+            && backend.kind() == BackendKind::Nccl
+        {
+            self.comms.keep(&pair, device, &plan, comm);
+        }
+        res.map_err(transport)
     }
 
     /// Source's side: checks the request, answers the plan, runs rank 0.
@@ -225,6 +257,13 @@ impl Tensors {
             .parse::<std::net::IpAddr>()
             .map_err(|_| ApiError::bad_request(format!("getter ip {:?} is not an IP", req.ip)))?;
         req.packing.validate().map_err(ApiError::bad_request)?;
+        if req.comms.len() > t::MAX_HELD_COMMS {
+            return Err(ApiError::bad_request(format!(
+                "a session offers at most {} communicators, got {}",
+                t::MAX_HELD_COMMS,
+                req.comms.len()
+            )));
+        }
         let mut sets = Vec::new();
         {
             let conns = locked(&self.conns).clone();
@@ -311,16 +350,59 @@ impl Tensors {
                 Self::map(backend.clone(), r.entries.clone()).await?,
             );
         }
-        let b = backend.clone();
-        let p = plan.clone();
-        let rendezvous = blocking(move || b.rendezvous(&p).map_err(transport)).await?;
+        // A communicator this agent keeps with the getter and the getter
+        // offered (both reserved it): no rendezvous.
+        let pair = comms::pair(&req.agent);
+        let kept = if backend.kind() == BackendKind::Nccl {
+            // The getter may offer the communicator of the session that just
+            // ended on its side and is still ending on this one.
+            let offered: Vec<&str> = req.comms.iter().map(|c| c.id.as_str()).collect();
+            self.comms.settled(&offered, SETTLE_WAIT).await;
+            let mine = self.comms.reserve(&pair, device);
+            req.comms
+                .iter()
+                .filter(|c| c.fits(&plan))
+                .find_map(|c| mine.take(&c.id).map(|comm| (c.id.clone(), comm)))
+        } else {
+            None
+        };
+        let (reuse, kept) = match kept {
+            Some((id, comm)) => (Some(id), Some(comm)),
+            None => (None, None),
+        };
+        let rendezvous = if kept.is_some() {
+            None
+        } else {
+            let b = backend.clone();
+            let p = plan.clone();
+            blocking(move || b.rendezvous(&p).map_err(transport)).await?
+        };
         let (p, rv, timeout, getter) = (plan.clone(), rendezvous.clone(), self.timeout, req.agent);
+        let comms = self.comms.clone();
+        comms.expect(&plan.id);
         tokio::spawn(async move {
+            let b = backend.clone();
+            let p2 = p.clone();
             let res = blocking(move || {
-                kt_tensor::transfer(&*backend, &p, 0, endpoint, rv.as_deref(), lent, timeout)
-                    .map_err(transport)
+                let link = match kept {
+                    Some(c) => Link::Reuse(c),
+                    None => Link::Connect {
+                        endpoint,
+                        rendezvous: rv.as_deref(),
+                    },
+                };
+                Ok(kt_tensor::transfer_on(&*b, &p2, 0, link, lent, timeout))
             })
-            .await;
+            .await
+            .and_then(|(res, back)| {
+                if let Some(comm) = back
+                    && backend.kind() == BackendKind::Nccl
+                {
+                    comms.keep(&pair, device, &p, comm);
+                }
+                res.map_err(transport)
+            });
+            comms.settle(&p.id);
             match res {
                 Ok(s) => tracing::info!(
                     getter,
@@ -332,9 +414,17 @@ impl Tensors {
                 Err(e) => tracing::warn!(getter, error = %e.message, "sending tensors failed"),
             }
         });
-        Ok(SessionReply { plan, rendezvous })
+        Ok(SessionReply {
+            plan,
+            rendezvous,
+            reuse,
+        })
     }
 }
+
+/// How long a source waits for the session a getter's offered
+/// communicator comes from to end on its side.
+const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A key a getter wants (with its destination layout) and the memory it lends.
 type Wanted = (QuorumKey, Vec<TensorEntry>);
