@@ -223,8 +223,24 @@ def test_torch_cuda_tensors_through_ipc_handles_on_a_gpu(testbed, kt_in, run_in)
         torch.cuda.synchronize()
         assert torch.equal(dest["w"].cpu(), torch.arange(4096, dtype=torch.float32).reshape(64, 64))
         assert torch.equal(dest["b"].cpu(), torch.ones(7, dtype=torch.bfloat16))
+        # A training loop's gets into the same memory: the agent keeps it
+        # opened between them (keep_mapped), and they stay correct.
+        for _ in range(2):
+            dest["w"].zero_()
+            torch.cuda.synchronize()
+            r = kt.get(key, dest=dest, keep_mapped=True)
+            torch.cuda.synchronize()
+            assert r.tensors == 2
+            assert torch.equal(dest["w"].cpu(),
+                               torch.arange(4096, dtype=torch.float32).reshape(64, 64))
     finally:
         release(p)
+
+
+def test_keep_mapped_must_be_a_bool():
+    import kt
+    with pytest.raises(TypeError, match="keep_mapped"):
+        kt.get("k", dest={}, keep_mapped="yes")
 
 
 def test_a_cuda_quorum_across_processes_on_a_gpu(testbed, run_in):

@@ -249,6 +249,7 @@ fn pure_cores_import_no_io() {
         "components/kt-kube/src/state.rs",
         "components/kt-sync/src/diff.rs",
         "components/kt-tensor/src/pack.rs",
+        "components/kt-tensor/src/cuda/chain.rs",
     ];
     let extra: Vec<String> = ["components/kt-metadata/src/quorum/round.rs"]
         .into_iter()
