@@ -488,9 +488,10 @@ mod tests {
             .collect()
     }
 
-    /// A transport that cannot gather (as NCCL): packing goes through the
-    /// staging buffers and their double buffering.
-    struct Staged(Box<dyn Comm>);
+    /// The host communicator as NCCL's behaves: it cannot gather (packing
+    /// goes through the staging buffers and their double buffering), and
+    /// it can be kept for another transfer when the flag says so.
+    struct Staged(Box<dyn Comm>, bool);
 
     impl Comm for Staged {
         fn rank(&self) -> u32 {
@@ -511,6 +512,9 @@ mod tests {
         }
         fn begin_flow(&mut self, root: u32, group: &[u32]) -> Result<(), TransportError> {
             self.0.begin_flow(root, group)
+        }
+        fn reusable(&self) -> bool {
+            self.1
         }
     }
 
@@ -643,7 +647,7 @@ mod tests {
                 allocs: Default::default(),
             };
             let st = if staged {
-                run(&b, &mut Staged(c), plan, &mut lent)
+                run(&b, &mut Staged(c, false), plan, &mut lent)
             } else {
                 let mut c = c;
                 run(&b, &mut *c, plan, &mut lent)
@@ -762,31 +766,6 @@ mod tests {
         }
     }
 
-    /// A communicator that can be kept (as NCCL's), over the host one.
-    struct Keepable(Box<dyn Comm>, bool);
-
-    impl Comm for Keepable {
-        fn rank(&self) -> u32 {
-            self.0.rank()
-        }
-        fn world(&self) -> u32 {
-            self.0.world()
-        }
-        fn broadcast(
-            &mut self,
-            root: u32,
-            group: &[u32],
-            buf: &mut dyn Region,
-            offset: u64,
-            len: u64,
-        ) -> Result<(), TransportError> {
-            self.0.broadcast(root, group, buf, offset, len)
-        }
-        fn reusable(&self) -> bool {
-            self.1
-        }
-    }
-
     /// Rounds of one group (an RL loop's weight syncs): the communicator
     /// the first transfer gives back runs the next ones, with fresh plans;
     /// one that failed or cannot be kept is not given back, and one kept
@@ -822,7 +801,7 @@ mod tests {
                 );
                 l
             };
-            let mut comm: Box<dyn Comm> = Box::new(Keepable(c, true));
+            let mut comm: Box<dyn Comm> = Box::new(Staged(c, true));
             for round in 0..3u8 {
                 let mut p = plan.clone();
                 p.id = format!("round-{round}");
@@ -869,7 +848,7 @@ mod tests {
                 plan.flows[0].key.clone(),
                 vec![Box::new(HostBuf(vec![r as u8; 64])) as Box<dyn Region>],
             );
-            let link = Link::Reuse(Box::new(Keepable(c, false)));
+            let link = Link::Reuse(Box::new(Staged(c, false)));
             let (res, back) = transfer_on(b, plan, r as u32, link, lent, Duration::from_secs(5));
             res.unwrap();
             assert!(back.is_none());
