@@ -15,6 +15,7 @@ use kt_types::agent::{
     TENSOR_VERSION, encode_frame, frame_len,
 };
 use kt_types::api::{PutOptions, RegisterKey};
+use kt_types::manifest::EntryKind;
 use kt_types::manifest::ManifestLimits;
 use kt_types::{ErrorCode, Key, Locale, Manifest, RootKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -215,6 +216,14 @@ impl Agent {
                 if want_dir { "directory" } else { "file" }
             )));
         }
+        // What is served is what is on disk: every entry as the manifest
+        // describes it (kind, size, link target), nothing taken on trust.
+        let (on_disk, check) = (manifest.clone(), root.clone());
+        kt_service::blocking(move || Ok(matches_disk(&check, &on_disk)))
+            .await?
+            .map_err(|why| {
+                ApiError::bad_request(format!("{path:?} is not what its manifest says: {why}"))
+            })?;
         if let Some(cur) = self
             .exports
             .get(&key)
@@ -238,6 +247,54 @@ impl Agent {
         tracing::info!(%key, version = %export.version, path = %export.path.display(), "exported (downloaded copy)");
         Ok(exported(export.info()))
     }
+}
+
+/// Whether `root` holds `manifest`'s entries as it says (by `lstat`: kind,
+/// a file's size, a link's target); the first difference otherwise.
+fn matches_disk(root: &Path, manifest: &Manifest) -> Result<(), String> {
+    for e in &manifest.entries {
+        let p = match manifest.root {
+            RootKind::File => root.to_owned(),
+            RootKind::Dir => root.join(&e.path),
+        };
+        let md = std::fs::symlink_metadata(&p).map_err(|err| format!("{:?}: {err}", e.path))?;
+        let ok = match e.kind {
+            EntryKind::File => md.is_file() && md.len() == e.size,
+            EntryKind::Dir => md.is_dir(),
+            EntryKind::Symlink => {
+                md.is_symlink()
+                    && std::fs::read_link(&p).is_ok_and(|t| {
+                        Some(t.as_os_str()) == e.target.as_deref().map(std::ffi::OsStr::new)
+                    })
+            }
+        };
+        if !ok {
+            let disk = if md.is_symlink() {
+                format!(
+                    "a symlink to {:?}",
+                    std::fs::read_link(&p).unwrap_or_default()
+                )
+            } else if md.is_dir() {
+                "a directory".to_owned()
+            } else if md.is_file() {
+                format!("a file of {} bytes", md.len())
+            } else {
+                "neither a file, a directory nor a symlink".to_owned()
+            };
+            let want = match e.kind {
+                EntryKind::File => format!("a file of {} bytes", e.size),
+                EntryKind::Dir => "a directory".to_owned(),
+                EntryKind::Symlink => {
+                    format!("a symlink to {:?}", e.target.as_deref().unwrap_or(""))
+                }
+            };
+            return Err(format!(
+                "{:?}: the manifest says {want}, the disk has {disk}",
+                e.path
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn exported(export: ExportInfo) -> ControlReply {

@@ -315,6 +315,7 @@ impl Client {
                         size: e.size,
                         entry_path: e.path.clone(),
                         data: kept.remove(&e.path),
+                        beneath: None,
                     },
                 ));
             }

@@ -24,7 +24,6 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::future::Future;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -319,6 +318,12 @@ async fn batch<S: ReadSource>(
             size: e.size,
             entry_path: e.path.clone(),
             data: None,
+            // Checked below, and opened without following a link that was
+            // swapped in since.
+            beneath: l
+                .opened
+                .check_links
+                .then(|| l.opened.files.root().to_owned()),
         });
     }
     if l.opened.check_links {
@@ -358,19 +363,12 @@ async fn range<S: ReadSource>(
     let check = l.opened.check_links;
     let file = kt_sync::task::blocking(move || {
         if check {
-            confined(&files, &path, &entry_path, &mut HashSet::new())?;
-            let f = std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&path)
-                .map_err(|e| changed(&entry_path, &e.to_string()))?;
-            let md = f
-                .metadata()
-                .map_err(|e| sync_err(SyncError::io(&path, e)))?;
-            if !md.is_file() {
-                return Err(changed(&entry_path, "not a regular file"));
-            }
-            Ok(f)
+            // No link on the way or at the end, a regular file: whatever
+            // the files' owner swapped in since the export.
+            let root = files.root();
+            let rel = path.strip_prefix(root).unwrap_or(&path);
+            kt_sync::beneath::open_file_beneath(root, rel)
+                .map_err(|e| changed(&entry_path, &e.to_string()))
         } else {
             File::open(&path).map_err(|e| sync_err(SyncError::io(&path, e)))
         }

@@ -30,6 +30,10 @@ pub struct SendItem {
     pub entry_path: String,
     /// The content, when the sender already holds it (read while scanning).
     pub data: Option<Bytes>,
+    /// Open `path` below this directory only: no symlink on the way or at
+    /// the end, a regular file (a served tree whose owner may swap things
+    /// in; see [`crate::beneath`]). `None`: the sender's own files.
+    pub beneath: Option<std::path::PathBuf>,
 }
 
 /// A stream of framed file contents, read on a blocking thread.
@@ -69,7 +73,14 @@ fn read_into(item: &SendItem, buf: &mut BytesMut) -> Result<(), SyncError> {
     // One byte of room beyond the expected size reveals a file that grew.
     let want = item.size as usize;
     buf.resize(body_start + want + 1, 0);
-    let mut f = File::open(&item.path).at(&item.path)?;
+    let mut f = match &item.beneath {
+        Some(root) => {
+            let rel = item.path.strip_prefix(root).unwrap_or(&item.path);
+            crate::beneath::open_file_beneath(root, rel)
+        }
+        None => File::open(&item.path),
+    }
+    .at(&item.path)?;
     let mut filled = 0usize;
     loop {
         let room = want + 1 - filled;
@@ -286,6 +297,7 @@ mod tests {
                 size: data.len() as u64,
                 entry_path: name.to_string(),
                 data: None,
+                beneath: None,
             });
             exp.insert(
                 i as u32,

@@ -13,6 +13,7 @@
 
 pub mod apply;
 pub mod batch;
+pub mod beneath;
 pub mod chunk;
 pub mod diff;
 pub mod error;

@@ -353,6 +353,27 @@ async fn nothing_outside_the_exports_is_served() {
         .await
         .unwrap_err();
     assert_eq!(err.code, Some(ErrorCode::Conflict), "{err:?}");
+    // A FIFO in its place (nobody writes it): refused at once, not waited
+    // on by a thread of the agent.
+    fs::remove_file(copy.join("keep.txt")).unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        copy.join("keep.txt"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    let within = std::time::Duration::from_secs(10);
+    let err = tokio::time::timeout(
+        within,
+        read_range(&http, &agent.url, &read.lease, keep_index, 0, 4),
+    )
+    .await
+    .expect("a FIFO held the read")
+    .unwrap_err();
+    assert_eq!(err.code, Some(ErrorCode::Conflict), "{err:?}");
+    assert!(err.message.contains("regular file"), "{err:?}");
 
     // Keys it does not export are not found; there is no way to write.
     let err = open_read(&http, &agent.url, "team/other")
@@ -397,6 +418,24 @@ async fn nothing_outside_the_exports_is_served() {
     }
     // A copy whose path is not what its manifest says is refused.
     let r = export_copy(&agent, "team/bad", "v1", &copy.join("d/f.txt"), manifest).await;
+    assert_eq!(error_code(&r), Some(ErrorCode::InvalidRequest), "{r:?}");
+    // So is one whose files are not what its manifest says: the agent looks
+    // at the disk rather than trust the client.
+    let other = c.dir.path().join("other");
+    write_files(&other, &[("a.txt", b"12345"), ("b/c.txt", b"x")]);
+    let described = fingerprint(&other);
+    fs::write(other.join("a.txt"), b"123456789").unwrap();
+    let r = export_copy(&agent, "team/bad", "v1", &other, described.clone()).await;
+    let ControlReply::Error { message, .. } = &r else {
+        panic!("exported a copy whose file grew: {r:?}");
+    };
+    assert!(
+        message.contains("a file of 5 bytes, the disk has a file of 9"),
+        "{r:?}"
+    );
+    fs::remove_file(other.join("a.txt")).unwrap();
+    symlink("b/c.txt", other.join("a.txt")).unwrap();
+    let r = export_copy(&agent, "team/bad", "v1", &other, described).await;
     assert_eq!(error_code(&r), Some(ErrorCode::InvalidRequest), "{r:?}");
     assert_eq!(status(&agent).await.len(), 1);
     agent.stop().await;
