@@ -11,7 +11,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker kind k3d
 
-.PHONY: all build release python python-test bench-python chaos images images-gpu manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl bench-recovery clean
+.PHONY: all build release python python-test bench-python chaos images images-gpu manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl bench-recovery fuzz clean
 
 all: build
 
@@ -135,6 +135,16 @@ bench-metadata:
 ## bytes, in one run (ratios on the last line; --quick for a smoke test).
 bench-tensors:
 	$(CARGO) run --release -p kt-bench --bin kt-bench-tensors -- $(BENCH_ARGS)
+
+## fuzz: every decoder that reads bytes from the network or a socket
+## (manifest codec, documents, the agent's control frames, quorum, session,
+## tensor and broadcast bodies, batch frame streams) fed mutated and random
+## inputs for KT_FUZZ_SECONDS (default 30) s each: no panic, no hang, at most
+## 64 MiB allocated per case; prints the cases run and the seed (KT_FUZZ_SEED
+## repeats a run).
+KT_FUZZ_SECONDS ?= 30
+fuzz:
+	KT_FUZZ_SECONDS=$(KT_FUZZ_SECONDS) $(CARGO) test --release -p kt-tests --test fuzz -- --ignored --nocapture
 
 ## bench-recovery: a 1 GiB get and put with the store SIGKILLed and started
 ## again halfway, against the same undisturbed (real kt-metadata and kt-store
