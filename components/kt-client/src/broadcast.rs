@@ -80,6 +80,8 @@ struct Membership {
     parent: u32,
     done: bool,
     served_by: Option<String>,
+    /// What proves the rank is this getter's on a rejoin.
+    secret: Option<String>,
 }
 
 type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
@@ -171,14 +173,15 @@ impl Session {
                 }
             }
         };
-        let (group, rank, version, parent) = match first {
+        let (group, rank, version, parent, secret) = match first {
             GroupMessage::Assigned {
                 group,
                 rank,
                 version,
                 parent,
+                secret,
                 ..
-            } => (group, rank, version, parent),
+            } => (group, rank, version, parent, secret),
             GroupMessage::Error { code, message } => {
                 return Err(ClientError::Api {
                     status: code.http_status(),
@@ -196,6 +199,7 @@ impl Session {
             parent: parent.rank,
             done: false,
             served_by: None,
+            secret,
         };
         let shared = Arc::new(Mutex::new(membership.clone()));
         let (out_tx, out_rx) = mpsc::unbounded_channel();
@@ -307,6 +311,7 @@ impl Session {
                 parent: m.parent,
                 done: m.done,
                 served_by: m.served_by.clone(),
+                secret: m.secret.clone(),
             });
             let attempt = async {
                 let mut ws = Self::connect(client).await.ok()?;

@@ -109,6 +109,27 @@ pub struct GroupRecord {
     /// not the first getter's: a later getter naming another joins anyway.
     #[serde(default)]
     pub auto_fanout: bool,
+    /// The key members' secrets are made with (hex, 32 bytes): a rejoin
+    /// after a restart is checked with it. Empty in groups an older server
+    /// made (their rejoins are not checked).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub secret_key: String,
+}
+
+/// A fresh key for a group's member secrets, from four fresh ids (the
+/// server's are random: UUID v4 bits).
+fn fresh_key(make_id: &mut dyn FnMut() -> u64) -> [u8; 32] {
+    let mut k = [0u8; 32];
+    for part in k.chunks_exact_mut(8) {
+        part.copy_from_slice(&make_id().to_le_bytes());
+    }
+    // Spread whatever the ids share (a UUID's fixed version bits).
+    *blake3::hash(&k).as_bytes()
+}
+
+/// The secret of rank `rank` of group `group` under `key`.
+fn member_secret(key: &[u8; 32], group: &str, rank: u32) -> blake3::Hash {
+    blake3::keyed_hash(key, format!("{group}\0{rank}").as_bytes())
 }
 
 /// How long a parent that failed a member transiently is not handed to
@@ -226,6 +247,8 @@ pub struct Group {
     idle_since_ms: u64,
     /// Until then nothing is released (members are still rejoining).
     restored_until_ms: u64,
+    /// See [`GroupRecord::secret_key`].
+    pub secret_key: Option<[u8; 32]>,
 }
 
 /// Messages due to members of one group, by rank.
@@ -251,7 +274,16 @@ impl Group {
             connected: 0,
             idle_since_ms: r.created_ms,
             restored_until_ms: 0,
+            secret_key: blake3::Hash::from_hex(&r.secret_key)
+                .ok()
+                .map(|h| *h.as_bytes()),
         }
+    }
+
+    /// The secret of member `rank`, when the group has a key.
+    fn secret_of(&self, rank: u32) -> Option<String> {
+        self.secret_key
+            .map(|k| member_secret(&k, &self.id, rank).to_hex().to_string())
     }
 
     pub fn record(&self) -> GroupRecord {
@@ -266,6 +298,10 @@ impl Group {
             window_ms: self.window_ms,
             named: self.named,
             reserved: self.reserved,
+            secret_key: self
+                .secret_key
+                .map(|k| blake3::Hash::from(k).to_hex().to_string())
+                .unwrap_or_default(),
         }
     }
 
@@ -464,6 +500,8 @@ pub struct Joined {
     pub created: bool,
     /// True for a rejoin.
     pub rejoined: bool,
+    /// The member's secret ([`GroupMessage::Assigned`]).
+    pub secret: Option<String>,
     /// To commit before the getter is answered (and before anything else
     /// happens to the group: undo the join if that fails).
     pub persist: Option<GroupRecord>,
@@ -485,6 +523,7 @@ impl Joined {
             version: self.version.clone(),
             fanout: self.fanout,
             parent: self.parent.clone(),
+            secret: self.secret.clone(),
         }
     }
 }
@@ -669,6 +708,9 @@ impl Groups {
                 "broadcast group {id:?} is unknown"
             )));
         };
+        if created {
+            g.secret_key = Some(fresh_key(make_id));
+        }
         let rank = g.next_rank;
         let Some(next) = rank.checked_add(1) else {
             return Err(JoinError::Conflict(format!(
@@ -720,6 +762,7 @@ impl Groups {
             session,
             created,
             rejoined: false,
+            secret: g.secret_of(rank),
             persist,
             reserve_ahead,
             events: Vec::new(),
@@ -791,6 +834,7 @@ impl Groups {
             named,
             reserved: 1,
             auto_fanout: false,
+            secret_key: String::new(),
         });
         self.groups.insert(id, g);
         Ok(())
@@ -841,6 +885,21 @@ impl Groups {
         }
         if g.version != version {
             return Err(changed_error(g, &req.key, version));
+        }
+        // Only the getter that was given the rank may take it again.
+        if let Some(key) = &g.secret_key {
+            let want = member_secret(key, &g.id, rj.rank);
+            let shown = rj
+                .secret
+                .as_deref()
+                .and_then(|s| blake3::Hash::from_hex(s).ok());
+            // `Hash` compares in constant time.
+            if shown != Some(want) {
+                return Err(JoinError::Conflict(format!(
+                    "rank {} of broadcast group {:?} is another getter's: a rejoin must present the secret its join was given",
+                    rj.rank, g.id
+                )));
+            }
         }
         let existing = g.members.get(&rj.rank);
         let failed = existing.map(|m| m.failed.clone()).unwrap_or_default();
@@ -940,6 +999,7 @@ impl Groups {
             session,
             created: false,
             rejoined: true,
+            secret: g.secret_of(rj.rank),
             persist: persist.then(|| g.record()),
             reserve_ahead: None,
             events,
@@ -1338,7 +1398,16 @@ mod tests {
                 version: "v1".into(),
                 fanout: 2,
                 parent: js[5].parent.clone(),
+                secret: gs.get("run-1").unwrap().secret_of(6),
             }
+        );
+        // Every member has its own secret.
+        let secrets: BTreeSet<Option<String>> = js.iter().map(|j| j.secret.clone()).collect();
+        assert_eq!(secrets.len(), js.len());
+        assert!(
+            secrets
+                .iter()
+                .all(|s| s.as_ref().is_some_and(|s| s.len() == 64))
         );
         let info = gs.info("run-1", T0).unwrap();
         assert_eq!(info.origin, "store");
@@ -1905,6 +1974,7 @@ mod tests {
                 parent: 0,
                 done: true,
                 served_by: Some("http://agent-1".into()),
+                secret: js[0].secret.clone(),
             }),
             ..req(None, None, 1)
         };
@@ -1948,6 +2018,8 @@ mod tests {
         );
         assert_eq!(new.parent.rank, 0, "its ancestors have not rejoined");
         // Rejoins keep their rank; a kept parent is a usable one.
+        // Secrets are checked after the restart too (the key is in the record).
+        let key = gs.get("g").unwrap().secret_key.expect("a key");
         let rejoin = |rank: u32, parent: u32, done: bool| JoinRequest {
             rejoin: Some(Rejoin {
                 group: "g".into(),
@@ -1956,9 +2028,18 @@ mod tests {
                 parent,
                 done,
                 served_by: None,
+                secret: Some(member_secret(&key, "g", rank).to_hex().to_string()),
             }),
             ..req(None, None, rank as usize)
         };
+        let mut stolen = rejoin(2, 1, false);
+        if let Some(r) = stolen.rejoin.as_mut() {
+            r.secret = rejoin(3, 1, false).rejoin.and_then(|r| r.secret);
+        }
+        let e = gs
+            .join(&stolen, origin(), "v1", 0, T0 + 1_000, &mut ids())
+            .unwrap_err();
+        assert!(e.to_string().contains("another getter's"), "{e}");
         let r1 = gs
             .join(
                 &rejoin(1, 0, true),
@@ -2079,6 +2160,7 @@ mod tests {
                 parent: 0,
                 done: false,
                 served_by: None,
+                secret: js[0].secret.clone(),
             }),
             ..req(Some("g"), None, 1)
         };

@@ -287,6 +287,7 @@ mod tests {
             named: true,
             reserved,
             auto_fanout: false,
+            secret_key: "ab".repeat(32),
         };
         {
             let (db, loaded) = Db::open(d.path()).unwrap();

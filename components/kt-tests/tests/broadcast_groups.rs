@@ -139,6 +139,7 @@ struct Assigned {
     version: String,
     fanout: u32,
     parent: Parent,
+    secret: Option<String>,
 }
 
 /// A fake getter's connection.
@@ -176,12 +177,14 @@ impl Getter {
                 version,
                 fanout,
                 parent,
+                secret,
             }) => Assigned {
                 group,
                 rank,
                 version,
                 fanout,
                 parent,
+                secret,
             },
             other => panic!("expected an assignment, got {other:?}"),
         }
@@ -364,18 +367,32 @@ async fn members_rejoin_after_a_restart_and_keep_their_ranks() {
     let (_new, a) = meta.join(join_req(Some("run-2"), None, 99)).await;
     assert!(a.rank >= 257, "rank {}", a.rank);
     assert_eq!(a.parent, origin(), "its ancestors have not rejoined");
+    // Nobody takes another getter's rank: a rejoin without the rank's
+    // secret, or with another rank's, is refused (the key that checks
+    // secrets survived the restart with the group's record).
+    let rejoin_of = |a: &Assigned, secret: Option<String>| Rejoin {
+        group: "run-2".into(),
+        rank: a.rank,
+        version: a.version.clone(),
+        parent: a.parent.rank,
+        done: false,
+        served_by: None,
+        secret,
+    };
+    for secret in [None, assigned[1].secret.clone(), Some("00".repeat(32))] {
+        let mut req = join_req(None, None, 42);
+        req.rejoin = Some(rejoin_of(&assigned[0], secret));
+        let mut g = meta.connect().await;
+        g.send(&GetterMessage::Join(req)).await;
+        let why = g.refused(ErrorCode::Conflict).await;
+        assert!(why.contains("another getter's"), "{why}");
+    }
     // Rejoins keep rank and parent.
     let mut rejoined = Vec::new();
     for (i, a) in assigned.iter().enumerate() {
         let mut req = join_req(None, None, i as u32 + 1);
-        req.rejoin = Some(Rejoin {
-            group: "run-2".into(),
-            rank: a.rank,
-            version: a.version.clone(),
-            parent: a.parent.rank,
-            done: false,
-            served_by: None,
-        });
+        assert!(a.secret.as_ref().is_some_and(|s| s.len() == 64), "{a:?}");
+        req.rejoin = Some(rejoin_of(a, a.secret.clone()));
         let (g, again) = meta.join(req).await;
         assert_eq!(
             (again.rank, again.parent.clone()),

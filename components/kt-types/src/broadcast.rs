@@ -171,6 +171,10 @@ pub struct Rejoin {
     /// Where its agent serves the finished copy (as its `Done` said).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub served_by: Option<String>,
+    /// The secret its join was given ([`GroupMessage::Assigned`]): a rank
+    /// is rejoined only with it, so no other getter can take it over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<String>,
 }
 
 /// Where a getter fetches from.
@@ -204,6 +208,10 @@ pub enum GroupMessage {
         fanout: u32,
         /// Where to fetch from.
         parent: Parent,
+        /// This member's secret (hex): a rejoin of its rank must present it
+        /// ([`Rejoin::secret`]). Absent in groups made by an older server.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        secret: Option<String>,
     },
     /// Fetch from this parent from now on (the previous one failed or left).
     Parent {
