@@ -99,6 +99,9 @@ pub fn check_group_id(id: &str) -> Result<(), String> {
 /// `done` or `parent_failed`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
+// One message per WebSocket frame, parsed and dropped: the size of the
+// largest variant (a join) costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 pub enum GetterMessage {
     /// The connection's first message, and only once per connection: join
     /// a group, or rejoin it ([`JoinRequest::rejoin`]). The request's
