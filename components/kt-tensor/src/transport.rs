@@ -159,6 +159,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// Lets go of a communicator kept between transfers (replaced, evicted
+    /// or not used after all), whose memory is on `device`: closed now, or
+    /// (CUDA) once no transfer runs on the device, as every free there is
+    /// ([`crate::hold`]). Call it from a blocking thread: closing waits for
+    /// the library. Dropped at once by default.
+    fn retire(&self, device: Device, comm: Box<dyn Comm>) {
+        let _ = device;
+        drop(comm);
+    }
+
     /// A staging buffer of `len` bytes on `device` (pack buckets).
     fn alloc(&self, device: Device, len: u64) -> Result<Box<dyn Region>, TransportError>;
 

@@ -37,8 +37,14 @@ struct Counting;
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
-/// Only the thread running a case counts toward its peak.
+/// Whether a case runs (its peak is being measured). Allocations of every
+/// thread count while it does, a decoder's helper threads included; the
+/// fuzz runs of this binary take turns ([`TURN`]) so that one run's
+/// allocations never count against another's case.
 static COUNTING: AtomicBool = AtomicBool::new(false);
+
+/// One fuzz run at a time in this process (libtest runs tests on threads).
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 // SAFETY: every call is forwarded to the system allocator unchanged; the
 // counters are plain atomics.
@@ -176,15 +182,17 @@ struct Target {
 /// Runs `target` for `cases` cases or until `until`: the cases run and the
 /// largest allocation peak of one case.
 fn fuzz(target: &Target, seed: u64, cases: u64, until: Option<Instant>) -> (u64, usize) {
+    // A run that failed (a caught panic) poisons the lock; the next may go.
+    let _turn = TURN.lock().unwrap_or_else(|p| p.into_inner());
     let mut rng = Rng(seed | 1);
     let started = Arc::new(AtomicU64::new(0));
     let done = Arc::new(AtomicBool::new(false));
     let clock = Instant::now();
     // The watchdog: a case that runs past HANG ends the process, naming it.
-    let watchdog = {
-        let (started, done, name) = (started.clone(), done.clone(), target.name);
-        std::thread::spawn(move || {
-            while !done.load(Ordering::Relaxed) {
+    let _watchdog = {
+        let (started, stop, name) = (started.clone(), done.clone(), target.name);
+        let handle = std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(100));
                 let at = started.load(Ordering::Relaxed);
                 let now = clock.elapsed().as_millis() as u64 + 1;
@@ -193,7 +201,9 @@ fn fuzz(target: &Target, seed: u64, cases: u64, until: Option<Instant>) -> (u64,
                     std::process::abort();
                 }
             }
-        })
+        });
+        // Stopped and joined however the run ends (a failed case panics).
+        Stop(done.clone(), Some(handle))
     };
     let (mut n, mut worst) = (0u64, 0usize);
     while n < cases && until.is_none_or(|u| Instant::now() < u) {
@@ -221,9 +231,19 @@ fn fuzz(target: &Target, seed: u64, cases: u64, until: Option<Instant>) -> (u64,
         );
         n += 1;
     }
-    done.store(true, Ordering::Relaxed);
-    let _ = watchdog.join();
     (n, worst)
+}
+
+/// Ends the watchdog of a fuzz run when dropped.
+struct Stop(Arc<AtomicBool>, Option<std::thread::JoinHandle<()>>);
+
+impl Drop for Stop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+        if let Some(h) = self.1.take() {
+            let _ = h.join();
+        }
+    }
 }
 
 // ---- targets ----------------------------------------------------------------

@@ -24,7 +24,10 @@
 //!   ([`SessionReply::reuse`]).
 //! - A group keeps one communicator per GPU (a newer one replaces it), and
 //!   the agent at most [`DEFAULT_LIMIT`] in all: the least recently used
-//!   goes. Dropping one closes it (NCCL frees its buffers), off the lock.
+//!   goes. One that goes (or that a transfer took and then did not use) is
+//!   retired on a blocking thread through its backend
+//!   ([`kt_tensor::Backend::retire`]: closed once no transfer runs on the
+//!   GPU, as NCCL frees device memory).
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -173,8 +176,17 @@ impl Comms {
 
     /// Keeps `comm`, the communicator of `plan` (whose ranks it serves),
     /// for `group` on `device`: it replaces what the group kept there, and
-    /// the least recently used beyond the limit goes.
-    pub fn keep(&self, group: &str, device: Device, plan: &TransferPlan, comm: Box<dyn Comm>) {
+    /// the least recently used beyond the limit goes. Returns those that
+    /// went, with their devices, for [`kt_tensor::Backend::retire`]
+    /// (closing one waits for NCCL and frees device memory).
+    #[must_use = "communicators that went must be retired"]
+    pub fn keep(
+        &self,
+        group: &str,
+        device: Device,
+        plan: &TransferPlan,
+        comm: Box<dyn Comm>,
+    ) -> Vec<(Device, Box<dyn Comm>)> {
         let held = HeldComm {
             id: plan.id.clone(),
             members: plan.ranks.iter().map(|r| r.agent.clone()).collect(),
@@ -207,8 +219,7 @@ impl Comms {
             }
             gone
         };
-        // Closing a communicator waits for NCCL: not under the lock.
-        drop(dropped);
+        dropped.into_iter().map(|e| (e.device, e.comm)).collect()
     }
 
     /// The ids kept, for `group`.
@@ -285,15 +296,15 @@ mod tests {
         let drops = Arc::new(AtomicUsize::new(0));
         let comms = Comms::new(4);
         let gpu = Device::Cuda(0);
-        comms.keep("g", gpu, &plan("t1"), Box::new(Fake(drops.clone())));
+        drop(comms.keep("g", gpu, &plan("t1"), Box::new(Fake(drops.clone()))));
         // Another group, another GPU: not listed.
-        comms.keep("h", gpu, &plan("t2"), Box::new(Fake(drops.clone())));
-        comms.keep(
+        drop(comms.keep("h", gpu, &plan("t2"), Box::new(Fake(drops.clone()))));
+        drop(comms.keep(
             "g",
             Device::Cuda(1),
             &plan("t3"),
             Box::new(Fake(drops.clone())),
-        );
+        ));
         let r = comms.reserve("g", gpu);
         assert_eq!(r.held.len(), 1);
         assert_eq!(r.held[0].id, "t1");
@@ -323,7 +334,7 @@ mod tests {
         let d = drops.clone();
         let ending = tokio::spawn(async move {
             tokio::task::yield_now().await;
-            c.keep("p2p a", gpu, &plan("t1"), Box::new(Fake(d)));
+            drop(c.keep("p2p a", gpu, &plan("t1"), Box::new(Fake(d))));
             c.settle("t1");
         });
         comms.settled(&["t1"], Duration::from_secs(10)).await;
@@ -343,14 +354,23 @@ mod tests {
         let drops = Arc::new(AtomicUsize::new(0));
         let comms = Comms::new(2);
         let gpu = Device::Cuda(0);
-        comms.keep("g", gpu, &plan("t1"), Box::new(Fake(drops.clone())));
-        comms.keep("g", gpu, &plan("t2"), Box::new(Fake(drops.clone())));
+        assert!(
+            comms
+                .keep("g", gpu, &plan("t1"), Box::new(Fake(drops.clone())))
+                .is_empty()
+        );
+        // What went is handed back to be retired (not closed under the lock).
+        let gone = comms.keep("g", gpu, &plan("t2"), Box::new(Fake(drops.clone())));
+        assert_eq!(gone.len(), 1);
+        assert_eq!(gone[0].0, gpu);
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
+        drop(gone);
         assert_eq!(comms.kept("g"), ["t2"]);
         assert_eq!(drops.load(Ordering::SeqCst), 1);
         // A reserved one is neither replaced nor evicted.
         let r = comms.reserve("g", gpu);
-        comms.keep("g", gpu, &plan("t3"), Box::new(Fake(drops.clone())));
-        comms.keep("h", gpu, &plan("t4"), Box::new(Fake(drops.clone())));
+        drop(comms.keep("g", gpu, &plan("t3"), Box::new(Fake(drops.clone()))));
+        drop(comms.keep("h", gpu, &plan("t4"), Box::new(Fake(drops.clone()))));
         assert_eq!(
             drops.load(Ordering::SeqCst),
             2,

@@ -188,6 +188,20 @@ impl Tensors {
         })
     }
 
+    /// Retires communicators the kept set let go (or a transfer did not
+    /// use) through `backend`, on a blocking thread (see `comms`).
+    fn retire(backend: &Arc<dyn Backend>, gone: Vec<(Device, Box<dyn kt_tensor::Comm>)>) {
+        if gone.is_empty() {
+            return;
+        }
+        let b = backend.clone();
+        tokio::task::spawn_blocking(move || {
+            for (device, comm) in gone {
+                b.retire(device, comm);
+            }
+        });
+    }
+
     /// Maps every entry (checks that the handles open) into a set of regions.
     async fn map(
         backend: Arc<dyn Backend>,

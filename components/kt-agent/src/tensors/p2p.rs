@@ -243,7 +243,7 @@ impl Tensors {
         if let Some(comm) = back
             && backend.kind() == BackendKind::Nccl
         {
-            self.comms.keep(&pair, device, &plan, comm);
+            Self::retire(&backend, self.comms.keep(&pair, device, &plan, comm));
         }
         res.map_err(transport)
     }
@@ -398,7 +398,7 @@ impl Tensors {
                 if let Some(comm) = back
                     && backend.kind() == BackendKind::Nccl
                 {
-                    comms.keep(&pair, device, &p, comm);
+                    Tensors::retire(&backend, comms.keep(&pair, device, &p, comm));
                 }
                 res.map_err(transport)
             });

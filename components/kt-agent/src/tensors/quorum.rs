@@ -106,15 +106,25 @@ impl Tensors {
         lent: Lent,
         kept: Option<Box<dyn Comm>>,
     ) -> Result<TensorStats, ApiError> {
-        plan.validate()
-            .map_err(|e| internal(format!("quorum {group} sent an invalid plan: {e}")))?;
-        if rank as usize >= plan.ranks.len() {
-            return Err(internal(format!(
-                "quorum {group} gave rank {rank} in a plan of {} ranks",
-                plan.ranks.len()
-            )));
-        }
         let device = lent.memory_device();
+        let bad = plan
+            .validate()
+            .err()
+            .map(|e| format!("quorum {group} sent an invalid plan: {e}"))
+            .or_else(|| {
+                (rank as usize >= plan.ranks.len()).then(|| {
+                    format!(
+                        "quorum {group} gave rank {rank} in a plan of {} ranks",
+                        plan.ranks.len()
+                    )
+                })
+            });
+        if let Some(why) = bad {
+            if let Some(c) = kept {
+                Self::retire(&backend, vec![(device, c)]);
+            }
+            return Err(internal(why));
+        }
         let rendezvous = if kept.is_some() {
             None
         } else if rank == 0 {
@@ -158,7 +168,7 @@ impl Tensors {
         if let Some(comm) = back
             && backend.kind() == BackendKind::Nccl
         {
-            self.comms.keep(group, device, plan, comm);
+            Self::retire(&backend, self.comms.keep(group, device, plan, comm));
         }
         res.map_err(transport)
     }

@@ -443,6 +443,16 @@ impl Backend for CudaBackend {
         Some(Box::new(driver::holds().hold(ordinal)))
     }
 
+    fn retire(&self, device: Device, comm: Box<dyn Comm>) {
+        // Destroying a communicator frees device memory: not under another
+        // transfer's kernels.
+        let ordinal = match device {
+            Device::Cuda(n) => n,
+            Device::Cpu => self.comm_device,
+        };
+        driver::holds().defer(ordinal, Box::new(comm));
+    }
+
     fn alloc(&self, device: Device, len: u64) -> Result<Box<dyn Region>, TransportError> {
         let ordinal = cuda_index(device, "a staging buffer")?;
         Ok(Box::new(self.alloc_device(ordinal, len)?))
