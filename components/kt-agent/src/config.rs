@@ -20,6 +20,9 @@ pub struct Config {
     pub service: Option<String>,
     pub metadata_url: String,
     pub token: Token,
+    /// Who may call this server (`--auth-file`); `None`: the token alone,
+    /// as admin.
+    pub auth: Option<kt_service::Auth>,
     /// The control socket (created mode 0600; a stale one is replaced).
     pub socket: PathBuf,
     /// Where exports are persisted (and scan caches of local exports kept).
@@ -62,6 +65,7 @@ impl Config {
             service: None,
             metadata_url: metadata_url.into(),
             token,
+            auth: None,
             state_dir: default_state_dir(&socket),
             socket,
             chunk_size: kt_sync::defaults::CHUNK_SIZE,

@@ -121,7 +121,7 @@ pub fn start(
             .routes()
             .merge(crate::tensors::routes(tensors.clone()))
             .layer(DefaultBodyLimit::max(cfg.max_request_bytes)),
-        cfg.token.clone(),
+        cfg.auth.clone().unwrap_or_else(|| cfg.token.clone().into()),
         metrics.clone(),
         ready.clone(),
         cfg.max_in_flight,

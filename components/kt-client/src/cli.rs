@@ -580,7 +580,7 @@ fn exit_code(e: &anyhow::Error) -> u8 {
             | ErrorCode::Conflict,
         ) => 2,
         Some(ErrorCode::NotFound) => 3,
-        Some(ErrorCode::Unauthorized) => 4,
+        Some(ErrorCode::Unauthorized | ErrorCode::Forbidden) => 4,
         Some(ErrorCode::NoStore | ErrorCode::NoSource | ErrorCode::Unavailable) => 5,
         _ => 1,
     }

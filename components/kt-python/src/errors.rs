@@ -12,7 +12,8 @@ use pyo3::prelude::*;
 fn class_of(code: Option<ErrorCode>) -> &'static str {
     match code {
         Some(ErrorCode::NotFound) => "NotFound",
-        Some(ErrorCode::Unauthorized) => "Unauthorized",
+        // `.code` says which: a bad token, or a role that may not.
+        Some(ErrorCode::Unauthorized | ErrorCode::Forbidden) => "Unauthorized",
         Some(ErrorCode::NoStore | ErrorCode::NoSource | ErrorCode::Unavailable) => "Unavailable",
         Some(
             ErrorCode::InvalidKey

@@ -17,6 +17,11 @@ pub struct ServerArgs {
     /// File holding the bearer token.
     #[arg(long, env = "KT_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// Tokens file (JSON) granting roles (admin, store, agent, workload):
+    /// only its tokens are accepted, and the token above is this server's
+    /// own credential for its calls. Without it that token is admin.
+    #[arg(long, env = "KT_AUTH_FILE")]
+    pub auth_file: Option<PathBuf>,
     /// Requests served at once; more wait.
     #[arg(long, env = "KT_MAX_CONNECTIONS", default_value_t = 512)]
     pub max_connections: usize,
@@ -33,6 +38,15 @@ impl ServerArgs {
     pub fn init(&self) -> Result<Token, TokenError> {
         crate::telemetry::init_logging(Some(&self.log), Some(&self.log_format));
         Token::resolve(self.token.as_deref(), self.token_file.as_deref())
+    }
+
+    /// Who the server accepts: the tokens file's grants, or `token` alone
+    /// as admin.
+    pub fn auth(&self, token: &Token) -> Result<crate::Auth, crate::auth::AuthFileError> {
+        match &self.auth_file {
+            Some(path) => crate::Auth::from_file(path),
+            None => Ok(token.clone().into()),
+        }
     }
 }
 

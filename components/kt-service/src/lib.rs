@@ -27,7 +27,7 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use auth::Token;
+pub use auth::{Auth, Token, allow, forbidden, only};
 pub use error::{ApiBytes, ApiError, ApiJson};
 pub use metrics::Metrics;
 pub use reads::{blocking, sync_err};
@@ -45,23 +45,26 @@ impl Ready {
     }
 }
 
+/// Routes only admin calls (operators, Prometheus, the scenario runner).
+pub const ADMIN: &[kt_types::auth::Role] = &[];
+
 /// Wraps a server's API routes with health, metrics, auth and limits.
 pub fn app(
     api: Router,
-    token: Token,
+    auth: impl Into<Auth>,
     metrics: Arc<Metrics>,
     ready: Ready,
     max_in_flight: usize,
 ) -> Router {
     let metrics_route = Router::new()
-        .route("/metrics", get(metrics::serve_metrics))
+        .route("/metrics", allow(ADMIN, get(metrics::serve_metrics)))
         .with_state(metrics.clone());
     // The fallback sits behind auth too: without a token, every path but health is 401.
     let protected = api
         .merge(metrics_route)
         .fallback(|| async { ApiError::not_found("no such route") })
         .layer(axum::middleware::from_fn_with_state(
-            token,
+            auth.into(),
             auth::require_token,
         ));
     Router::new()

@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::allow;
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path as UrlPath, Query, State};
@@ -38,6 +39,7 @@ use axum::routing::{delete, get, post};
 use kt_sync::SyncError;
 use kt_sync::batch::{SendItem, send_stream};
 use kt_types::api::{BatchRequest, RangeQuery, ReadHeader};
+use kt_types::auth::Role;
 use kt_types::{Entry, EntryKind, ErrorCode, Key, Manifest};
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
 use tokio_util::io::ReaderStream;
@@ -204,11 +206,16 @@ impl<S: ReadSource> Reads<S> {
 
     /// The read routes (see the module documentation), with this state applied.
     pub fn routes(self: &Arc<Self>) -> Router {
+        // Applications read (their kt client); nothing else needs to.
+        const R: &[Role] = &[Role::Workload];
         Router::new()
-            .route("/api/v1/trees/{*key}", get(open::<S>))
-            .route("/api/v1/reads/{lease}/batch", post(batch::<S>))
-            .route("/api/v1/reads/{lease}/files/{index}", get(range::<S>))
-            .route("/api/v1/reads/{lease}", delete(release::<S>))
+            .route("/api/v1/trees/{*key}", allow(R, get(open::<S>)))
+            .route("/api/v1/reads/{lease}/batch", allow(R, post(batch::<S>)))
+            .route(
+                "/api/v1/reads/{lease}/files/{index}",
+                allow(R, get(range::<S>)),
+            )
+            .route("/api/v1/reads/{lease}", allow(R, delete(release::<S>)))
             .with_state(self.clone())
     }
 

@@ -85,6 +85,7 @@ fn stage_from_base(
 /// already has, and answers which files must be sent.
 pub async fn plan(
     State(s): State<AppState>,
+    axum::extract::Extension(who): axum::extract::Extension<kt_types::auth::Principal>,
     ApiBytes(body): ApiBytes,
 ) -> Result<ApiJson<PutPlan>, ApiError> {
     let (head, encoded): (PutHeader, &[u8]) = codec::split_document(&body)
@@ -96,6 +97,22 @@ pub async fn plan(
     };
     if let Some(service) = &req.options.service {
         Key::parse(service).map_err(|e| ApiError::bad_request(format!("service name: {e}")))?;
+    }
+    // A workload puts only under its services (the key's first segment
+    // when the put names none, as the metadata server records it).
+    let service = req.options.service.clone().unwrap_or_else(|| {
+        req.key
+            .as_str()
+            .split('/')
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    });
+    if !who.serves(&service) {
+        return Err(kt_service::forbidden(format!(
+            "this token may not put {} for service {service:?} (not one of its services)",
+            req.key
+        )));
     }
     let key = req.key.clone();
     let state = s.keys.state(&key);

@@ -102,18 +102,25 @@ pub async fn run(
 
 fn routes(state: AppState) -> Router {
     let json_limit = state.cfg.max_request_bytes;
+    // Applications put; the metadata server (admin) deletes and lists.
+    use kt_service::{ADMIN, allow};
+    use kt_types::auth::Role::Workload;
+    const W: &[kt_types::auth::Role] = &[Workload];
     Router::new()
-        .route("/api/v1/puts", post(put::plan))
-        .route("/api/v1/puts/{session}/batch", put(put::batch))
+        .route("/api/v1/puts", allow(W, post(put::plan)))
+        .route("/api/v1/puts/{session}/batch", allow(W, put(put::batch)))
         .route(
             "/api/v1/puts/{session}/files/{index}/chunks/{n}",
             // Streamed; the handler refuses bytes beyond the chunk's length.
-            put(put::chunk),
+            allow(W, put(put::chunk)),
         )
-        .route("/api/v1/puts/{session}/commit", post(put::commit))
-        .route("/api/v1/puts/{session}", delete(put::abort))
-        .route("/api/v1/trees", get(trees::list))
-        .route("/api/v1/trees/{*key}", delete(trees::delete_tree))
+        .route("/api/v1/puts/{session}/commit", allow(W, post(put::commit)))
+        .route("/api/v1/puts/{session}", allow(W, delete(put::abort)))
+        .route("/api/v1/trees", allow(ADMIN, get(trees::list)))
+        .route(
+            "/api/v1/trees/{*key}",
+            allow(ADMIN, delete(trees::delete_tree)),
+        )
         .with_state(state.clone())
         // GET /api/v1/trees/{key} and /api/v1/reads/...
         .merge(state.reads.routes())
@@ -128,7 +135,10 @@ async fn serve(
     let ready = Ready::default();
     let app = kt_service::app(
         routes(s.clone()),
-        s.cfg.token.clone(),
+        s.cfg
+            .auth
+            .clone()
+            .unwrap_or_else(|| s.cfg.token.clone().into()),
         s.metrics.clone(),
         ready.clone(),
         s.cfg.max_in_flight,

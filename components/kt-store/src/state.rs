@@ -25,6 +25,9 @@ pub struct Config {
     /// URL under which other components reach this store; defaults to the listen address.
     pub advertise_url: Option<String>,
     pub token: Token,
+    /// Who may call this server (`--auth-file`); `None`: the token alone,
+    /// as admin.
+    pub auth: Option<kt_service::Auth>,
     /// Files larger than this are moved in chunks of this size (power of two).
     pub chunk_size: u64,
     pub max_in_flight: usize,
@@ -49,6 +52,7 @@ impl Config {
             metadata_url: metadata_url.into(),
             advertise_url: None,
             token,
+            auth: None,
             chunk_size: kt_sync::defaults::CHUNK_SIZE,
             max_in_flight: 512,
             max_request_bytes: 256 << 20,

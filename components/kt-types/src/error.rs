@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 pub enum ErrorCode {
     /// The bearer token is missing or wrong (401).
     Unauthorized,
+    /// The token is good, but its role (or the agent or services it is
+    /// given) may not do this (403; see [`crate::auth`]).
+    Forbidden,
     /// A key or key prefix breaks the key grammar ([`crate::key`]) (400).
     InvalidKey,
     /// A manifest does not decode, or fails validation
@@ -46,6 +49,7 @@ impl ErrorCode {
     pub fn http_status(self) -> u16 {
         match self {
             ErrorCode::Unauthorized => 401,
+            ErrorCode::Forbidden => 403,
             ErrorCode::InvalidKey
             | ErrorCode::InvalidManifest
             | ErrorCode::InvalidRequest
@@ -63,7 +67,8 @@ impl ErrorCode {
     /// stands for (a proxy's, or a server that is not kt).
     pub fn from_status(status: u16) -> ErrorCode {
         match status {
-            401 | 403 => ErrorCode::Unauthorized,
+            401 => ErrorCode::Unauthorized,
+            403 => ErrorCode::Forbidden,
             400 => ErrorCode::InvalidRequest,
             404 => ErrorCode::NotFound,
             409 => ErrorCode::Conflict,
@@ -77,6 +82,7 @@ impl ErrorCode {
     pub fn as_str(self) -> &'static str {
         match self {
             ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::Forbidden => "forbidden",
             ErrorCode::InvalidKey => "invalid_key",
             ErrorCode::InvalidManifest => "invalid_manifest",
             ErrorCode::InvalidRequest => "invalid_request",

@@ -8,6 +8,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod auth;
 pub mod broadcast;
 pub mod codec;
 pub mod env;

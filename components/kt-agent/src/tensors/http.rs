@@ -12,8 +12,13 @@ use super::Tensors;
 
 /// `POST /api/v1/tensors/sessions`.
 pub fn routes(tensors: Arc<Tensors>) -> axum::Router {
+    // Another pod's agent asks (the getter's side of a session).
+    let agents = &[kt_types::auth::Role::Agent];
     axum::Router::new()
-        .route("/api/v1/tensors/sessions", post(session))
+        .route(
+            "/api/v1/tensors/sessions",
+            kt_service::allow(agents, post(session)),
+        )
         .with_state(tensors)
 }
 

@@ -43,18 +43,30 @@ fn wait(q: Result<Query<Wait>, QueryRejection>, default_ms: u64) -> Result<Durat
 
 /// The quorum routes (merged into the metadata server's API, behind its auth).
 pub fn routes(q: Arc<Quorums>) -> Router {
+    // Agents take part; operators look.
+    use kt_service::{ADMIN, allow};
+    use kt_types::auth::Role::Agent;
     Router::new()
-        .route("/api/v1/quorums/{group}", get(info))
+        .route("/api/v1/quorums/{group}", allow(ADMIN, get(info)))
         .route(
             "/api/v1/quorums/{group}/join",
-            post(join).layer(DefaultBodyLimit::max(MAX_JOIN_BODY)),
+            allow(
+                &[Agent],
+                post(join).layer(DefaultBodyLimit::max(MAX_JOIN_BODY)),
+            ),
         )
-        .route("/api/v1/quorums/{group}/{transfer}", get(transfer_status))
+        .route(
+            "/api/v1/quorums/{group}/{transfer}",
+            allow(ADMIN, get(transfer_status)),
+        )
         .route(
             "/api/v1/quorums/{group}/{transfer}/rendezvous",
-            get(get_rendezvous).put(put_rendezvous),
+            allow(&[Agent], get(get_rendezvous).put(put_rendezvous)),
         )
-        .route("/api/v1/quorums/{group}/{transfer}/done", post(done))
+        .route(
+            "/api/v1/quorums/{group}/{transfer}/done",
+            allow(&[Agent], post(done)),
+        )
         .with_state(q)
 }
 
@@ -67,9 +79,18 @@ async fn info(
 
 async fn join(
     State(q): State<Arc<Quorums>>,
+    axum::extract::Extension(who): axum::extract::Extension<kt_types::auth::Principal>,
     Path(group): Path<String>,
     ApiJson(j): ApiJson<QuorumJoin>,
 ) -> Result<ApiJson<QuorumPlan>, ApiError> {
+    // An agent joins as itself (and so takes only its own rank).
+    if !who.is_agent(&j.agent) {
+        return Err(kt_service::forbidden(format!(
+            "this agent token is {:?}'s; it may not join as {:?}",
+            who.name.as_deref().unwrap_or_default(),
+            j.agent
+        )));
+    }
     Ok(ApiJson(q.join(&group, j).await?))
 }
 

@@ -5,15 +5,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Extension, Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::{delete, get, post, put};
-use kt_service::{ApiError, ApiJson, Metrics, Ready, Token};
+use kt_service::{ApiError, ApiJson, Metrics, Ready, Token, forbidden};
 use kt_types::api::{
     AgentHeartbeat, AgentList, DeleteQuery, DeleteResponse, HeartbeatReply, LeaseInfo, LeaseList,
     LeaseRequest, ListQuery, ListResponse, RegisterKey, RegisterStore, SourceFailure, SourceLease,
     StoreLocation, TeardownResponse,
 };
+use kt_types::auth::{Principal, Role};
 use kt_types::{ErrorCode, Key, KeyPrefix, KeyRecord, Locale, STORE_HOLDER, paths};
 use tokio::net::TcpListener;
 use tokio::sync::{Mutex, oneshot};
@@ -35,6 +36,9 @@ use broadcasts::{Broadcasts, get_broadcast, join_broadcast, sweep_broadcasts};
 pub struct Config {
     pub state_dir: PathBuf,
     pub token: Token,
+    /// Who may call this server (`--auth-file`); `None`: the token alone,
+    /// as admin.
+    pub auth: Option<kt_service::Auth>,
     /// Requests served at once; more wait.
     pub max_in_flight: usize,
     /// How often expired keys, leases and silent agents are swept.
@@ -57,6 +61,7 @@ impl Config {
         Config {
             state_dir: state_dir.into(),
             token,
+            auth: None,
             max_in_flight: 512,
             sweep_interval: Duration::from_secs(5),
             heartbeat_interval: Self::DEFAULT_HEARTBEAT_INTERVAL,
@@ -235,24 +240,49 @@ where
         lease_ttl_ms: millis(config.lease_ttl),
         _closed: closed_tx,
     });
+    // Every route declares who may call it (admin always may; see
+    // kt_types::auth and kt-tests' roles table).
+    use kt_service::{ADMIN, allow};
+    use kt_types::auth::Role::{Agent, Store, Workload};
     let api = Router::new()
-        .route("/api/v1/stores", post(register_store))
-        .route("/api/v1/store", get(get_store))
-        .route("/api/v1/keys", get(list_keys))
+        .route("/api/v1/stores", allow(&[Store], post(register_store)))
+        .route(
+            "/api/v1/store",
+            allow(&[Workload, Agent, Store], get(get_store)),
+        )
+        .route("/api/v1/keys", allow(&[Workload], get(list_keys)))
         .route(
             "/api/v1/keys/{*key}",
-            get(get_key).put(put_key).delete(delete_key).post(lease_key),
+            allow(&[Workload, Agent, Store], get(get_key))
+                .merge(allow(&[Store, Agent], put(put_key)))
+                .merge(allow(&[Workload, Agent], delete(delete_key)))
+                .merge(allow(&[Workload], post(lease_key))),
         )
-        .route("/api/v1/leases", get(list_leases))
+        .route("/api/v1/leases", allow(ADMIN, get(list_leases)))
         .route(
             "/api/v1/leases/{id}",
-            put(renew_lease).delete(release_lease),
+            allow(&[Workload], put(renew_lease).delete(release_lease)),
         )
-        .route("/api/v1/leases/{id}/failed", post(lease_failed))
-        .route("/api/v1/agents", post(heartbeat).get(list_agents))
-        .route("/api/v1/services/{name}", delete(teardown))
-        .route("/api/v1/broadcasts/join", get(join_broadcast))
-        .route("/api/v1/broadcasts/{group}", get(get_broadcast))
+        .route(
+            "/api/v1/leases/{id}/failed",
+            allow(&[Workload], post(lease_failed)),
+        )
+        .route(
+            "/api/v1/agents",
+            allow(&[Agent], post(heartbeat)).merge(allow(ADMIN, get(list_agents))),
+        )
+        .route(
+            "/api/v1/services/{name}",
+            allow(&[Workload], delete(teardown)),
+        )
+        .route(
+            "/api/v1/broadcasts/join",
+            allow(&[Workload], get(join_broadcast)),
+        )
+        .route(
+            "/api/v1/broadcasts/{group}",
+            allow(ADMIN, get(get_broadcast)),
+        )
         .with_state(state.clone());
     let metrics = Arc::new(Metrics::new());
     // Quorums live in memory only: a restart fails the open ones.
@@ -262,7 +292,10 @@ where
     ready.set(true);
     let app = kt_service::app(
         api,
-        config.token.clone(),
+        config
+            .auth
+            .clone()
+            .unwrap_or_else(|| config.token.clone().into()),
         metrics,
         ready,
         config.max_in_flight,
@@ -317,11 +350,29 @@ async fn get_store(State(s): State<AppState>) -> Result<ApiJson<StoreLocation>, 
 
 async fn put_key(
     State(s): State<AppState>,
+    Extension(who): Extension<Principal>,
     Path(key): Path<String>,
     ApiJson(reg): ApiJson<RegisterKey>,
 ) -> Result<ApiJson<KeyRecord>, ApiError> {
     let key = Key::parse(&key)?;
     check_registration(&reg)?;
+    // The store registers what it committed; an agent what it holds.
+    let own = match who.role {
+        Role::Admin => true,
+        Role::Store => reg.locale == Locale::Store,
+        Role::Agent => {
+            reg.locale == Locale::Local && reg.holder.as_deref().is_some_and(|h| who.is_agent(h))
+        }
+        Role::Workload => false,
+    };
+    if !own {
+        return Err(forbidden(format!(
+            "a {} token may not register {key} as {:?} held by {:?}",
+            who.role,
+            reg.locale,
+            reg.holder.as_deref().unwrap_or(STORE_HOLDER)
+        )));
+    }
     let now = now_ms();
     let mut registry = s.registry.lock().await;
     // An agent registering a local key is alive, even before its first beat.
@@ -469,6 +520,7 @@ async fn list_keys(
 
 async fn delete_key(
     State(s): State<AppState>,
+    Extension(who): Extension<Principal>,
     Path(key): Path<String>,
     Query(q): Query<DeleteQuery>,
 ) -> Result<ApiJson<DeleteResponse>, ApiError> {
@@ -505,6 +557,17 @@ async fn delete_key(
     };
     if targets.is_empty() {
         return Err(ApiError::not_found(format!("nothing under {key}")));
+    }
+    // An agent drops only keys it holds; a workload only its services'.
+    if let Some(r) = targets.iter().find(|r| match who.role {
+        Role::Admin => false,
+        Role::Agent => !who.is_agent(&r.holder),
+        _ => !who.serves(&r.service),
+    }) {
+        return Err(forbidden(format!(
+            "a {} token may not delete {} (service {:?}, held by {}): nothing was deleted",
+            who.role, r.key, r.service, r.holder
+        )));
     }
     let mut deleted = Vec::new();
     for r in targets {
@@ -685,9 +748,17 @@ async fn list_leases(State(s): State<AppState>) -> ApiJson<LeaseList> {
 
 async fn heartbeat(
     State(s): State<AppState>,
+    Extension(who): Extension<Principal>,
     ApiJson(hb): ApiJson<AgentHeartbeat>,
 ) -> Result<ApiJson<HeartbeatReply>, ApiError> {
     check_agent_id(&hb.id)?;
+    if !who.is_agent(&hb.id) {
+        return Err(forbidden(format!(
+            "this agent token is {:?}'s, not {:?}'s",
+            who.name.as_deref().unwrap_or_default(),
+            hb.id
+        )));
+    }
     check_url("agent url", &hb.url)?;
     check_service(hb.service.as_deref())?;
     let id = hb.id.clone();
@@ -735,8 +806,14 @@ fn commit_eviction(s: &Inner, e: &Eviction, why: &str) -> Result<(), DbError> {
 /// its `resource` keys. Run again after a partial failure: it is idempotent.
 async fn teardown(
     State(s): State<AppState>,
+    Extension(who): Extension<Principal>,
     Path(name): Path<String>,
 ) -> Result<ApiJson<TeardownResponse>, ApiError> {
+    if !who.serves(&name) {
+        return Err(forbidden(format!(
+            "this token may not tear down service {name:?} (not one of its services)"
+        )));
+    }
     teardown_service(&s, &name).await.map(ApiJson)
 }
 

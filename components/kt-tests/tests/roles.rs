@@ -1,0 +1,350 @@
+//! Least privilege: every route of the metadata server, the store and an
+//! agent, called with a token of every role. A role a route does not allow
+//! gets 403 `forbidden`; one it allows never does (whatever else the empty
+//! request earns it); admin passes everywhere. The table below is the
+//! contract, written out apart from the routers that enforce it.
+
+use std::time::Duration;
+
+use kt_service::{Auth, Token};
+use kt_types::ErrorCode;
+use kt_types::auth::{AuthFile, Grant, Role};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+const ADMIN: &str = "admin-token-0123456789";
+const STORE: &str = "store-token-0123456789";
+const AGENT: &str = "agent-token-pod-a-0123";
+const WORKLOAD: &str = "workload-token-0123456";
+/// A workload given service `train` alone.
+const TRAIN: &str = "workload-train-0123456";
+
+fn token_of(role: Role) -> &'static str {
+    match role {
+        Role::Admin => ADMIN,
+        Role::Store => STORE,
+        Role::Agent => AGENT,
+        Role::Workload => WORKLOAD,
+    }
+}
+
+fn auth_file(dir: &std::path::Path) -> Auth {
+    let grant = |token: &str, role, name: Option<&str>| Grant {
+        token: token.into(),
+        role,
+        name: name.map(str::to_owned),
+        services: None,
+    };
+    let file = AuthFile {
+        tokens: vec![
+            grant(ADMIN, Role::Admin, None),
+            grant(STORE, Role::Store, None),
+            grant(AGENT, Role::Agent, Some("pod-a")),
+            grant(WORKLOAD, Role::Workload, None),
+            Grant {
+                services: Some(vec!["train".into()]),
+                ..grant(TRAIN, Role::Workload, None)
+            },
+        ],
+    };
+    let path = dir.join("auth.json");
+    std::fs::write(&path, serde_json::to_vec(&file).unwrap()).unwrap();
+    Auth::from_file(&path).unwrap()
+}
+
+use Role::{Agent as A, Store as S, Workload as W};
+
+/// (server, method, path, roles allowed besides admin).
+const TABLE: &[(&str, &str, &str, &[Role])] = &[
+    ("meta", "POST", "/api/v1/stores", &[S]),
+    ("meta", "GET", "/api/v1/store", &[W, A, S]),
+    ("meta", "GET", "/api/v1/keys?prefix=", &[W]),
+    ("meta", "GET", "/api/v1/keys/a/b", &[W, A, S]),
+    ("meta", "PUT", "/api/v1/keys/a/b", &[S, A]),
+    ("meta", "DELETE", "/api/v1/keys/a/b", &[W, A]),
+    ("meta", "POST", "/api/v1/keys/a/b", &[W]),
+    ("meta", "GET", "/api/v1/leases", &[]),
+    ("meta", "PUT", "/api/v1/leases/l1", &[W]),
+    ("meta", "DELETE", "/api/v1/leases/l1", &[W]),
+    ("meta", "POST", "/api/v1/leases/l1/failed", &[W]),
+    ("meta", "POST", "/api/v1/agents", &[A]),
+    ("meta", "GET", "/api/v1/agents", &[]),
+    ("meta", "DELETE", "/api/v1/services/train", &[W]),
+    ("meta", "GET", "/api/v1/broadcasts/join", &[W]),
+    ("meta", "GET", "/api/v1/broadcasts/g1", &[]),
+    ("meta", "GET", "/api/v1/quorums/g1", &[]),
+    ("meta", "POST", "/api/v1/quorums/g1/join", &[A]),
+    ("meta", "GET", "/api/v1/quorums/g1/t1", &[]),
+    ("meta", "GET", "/api/v1/quorums/g1/t1/rendezvous", &[A]),
+    ("meta", "PUT", "/api/v1/quorums/g1/t1/rendezvous", &[A]),
+    ("meta", "POST", "/api/v1/quorums/g1/t1/done", &[A]),
+    ("meta", "GET", "/metrics", &[]),
+    ("store", "POST", "/api/v1/puts", &[W]),
+    ("store", "PUT", "/api/v1/puts/s1/batch", &[W]),
+    ("store", "PUT", "/api/v1/puts/s1/files/0/chunks/0", &[W]),
+    ("store", "POST", "/api/v1/puts/s1/commit", &[W]),
+    ("store", "DELETE", "/api/v1/puts/s1", &[W]),
+    ("store", "GET", "/api/v1/trees", &[]),
+    ("store", "GET", "/api/v1/trees/a/b", &[W]),
+    ("store", "DELETE", "/api/v1/trees/a/b", &[]),
+    ("store", "POST", "/api/v1/reads/l1/batch", &[W]),
+    (
+        "store",
+        "GET",
+        "/api/v1/reads/l1/files/0?offset=0&len=1",
+        &[W],
+    ),
+    ("store", "DELETE", "/api/v1/reads/l1", &[W]),
+    ("store", "GET", "/metrics", &[]),
+    ("agent", "GET", "/api/v1/trees/a/b", &[W]),
+    ("agent", "POST", "/api/v1/reads/l1/batch", &[W]),
+    (
+        "agent",
+        "GET",
+        "/api/v1/reads/l1/files/0?offset=0&len=1",
+        &[W],
+    ),
+    ("agent", "DELETE", "/api/v1/reads/l1", &[W]),
+    ("agent", "POST", "/api/v1/tensors/sessions", &[A]),
+    ("agent", "GET", "/metrics", &[]),
+];
+
+struct Running(CancellationToken, Vec<tokio::task::JoinHandle<()>>);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_route_answers_only_the_roles_it_allows() {
+    let dir = tempfile::tempdir().unwrap();
+    let auth = auth_file(dir.path());
+    let stop = CancellationToken::new();
+    let mut tasks = Vec::new();
+
+    // Each server calls the others with its own role's token.
+    let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let meta_url = format!("http://{}", meta_l.local_addr().unwrap());
+    let mut meta = kt_metadata::Config::new(dir.path().join("meta"), Token::new(ADMIN).unwrap());
+    meta.auth = Some(auth.clone());
+    let s = stop.clone();
+    tasks.push(tokio::spawn(async move {
+        kt_metadata::run(meta_l, meta, s).await.unwrap();
+    }));
+    let store_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let store_url = format!("http://{}", store_l.local_addr().unwrap());
+    let mut store = kt_store::Config::new(
+        dir.path().join("store"),
+        meta_url.clone(),
+        Token::new(STORE).unwrap(),
+    );
+    store.auth = Some(auth.clone());
+    let h = kt_store::start(store_l, store, stop.clone()).unwrap();
+    tasks.push(tokio::spawn(async move {
+        let _ = h.task.await;
+    }));
+    let agent_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let agent_url = format!("http://{}", agent_l.local_addr().unwrap());
+    let mut agent = kt_agent::Config::new(
+        "pod-a",
+        meta_url.clone(),
+        Token::new(AGENT).unwrap(),
+        dir.path().join("agent/agent.sock"),
+    );
+    agent.auth = Some(auth);
+    agent.shm_dir = dir.path().join("shm");
+    std::fs::create_dir_all(&agent.shm_dir).unwrap();
+    let h = kt_agent::start(agent_l, agent, stop.clone()).unwrap();
+    tasks.push(tokio::spawn(async move {
+        let _ = h.task.await;
+    }));
+    let _running = Running(stop.clone(), Vec::new());
+
+    // The store registered itself with its store token: the store role
+    // works end to end (GET /store answers its URL once it has).
+    let http = reqwest::Client::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = http
+            .get(format!("{meta_url}/api/v1/store"))
+            .bearer_auth(WORKLOAD)
+            .send()
+            .await
+            .unwrap();
+        if r.status().is_success() {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the store never registered"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let mut wrong = Vec::new();
+    for (server, method, path, allowed) in TABLE {
+        let base = match *server {
+            "meta" => &meta_url,
+            "store" => &store_url,
+            _ => &agent_url,
+        };
+        for role in Role::ALL {
+            let m = reqwest::Method::from_bytes(method.as_bytes()).unwrap();
+            let resp = http
+                .request(m, format!("{base}{path}"))
+                .bearer_auth(token_of(role))
+                .timeout(Duration::from_secs(10))
+                .send()
+                .await
+                .unwrap();
+            let status = resp.status().as_u16();
+            let may = role == Role::Admin || allowed.contains(&role);
+            if status == 401 || (status == 403) == may {
+                wrong.push(format!(
+                    "{server} {method} {path} as {role}: {status} (allowed: {may})"
+                ));
+            }
+            if status == 403 {
+                let body: kt_types::ErrorBody = resp.json().await.unwrap();
+                assert_eq!(body.error.code, ErrorCode::Forbidden);
+                assert!(
+                    body.error.message.contains(role.as_str()),
+                    "{}",
+                    body.error.message
+                );
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    stop.cancel();
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(15), t).await;
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.cancel();
+        self.1.clear();
+    }
+}
+
+/// Beyond the route: an agent acts only as itself, the store registers
+/// only store keys, a workload touches only its services' keys; a refused
+/// call changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_act_as_themselves_and_workloads_within_their_services() {
+    let dir = tempfile::tempdir().unwrap();
+    let stop = CancellationToken::new();
+    let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", meta_l.local_addr().unwrap());
+    let mut meta = kt_metadata::Config::new(dir.path().join("meta"), Token::new(ADMIN).unwrap());
+    meta.auth = Some(auth_file(dir.path()));
+    let s = stop.clone();
+    let task = tokio::spawn(async move {
+        kt_metadata::run(meta_l, meta, s).await.unwrap();
+    });
+    let _running = Running(stop.clone(), Vec::new());
+    let http = reqwest::Client::new();
+    let call = |method: &str, path: &str, token: &str, body: Option<serde_json::Value>| {
+        let mut r = http
+            .request(
+                reqwest::Method::from_bytes(method.as_bytes()).unwrap(),
+                format!("{url}{path}"),
+            )
+            .bearer_auth(token);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        async move { r.send().await.unwrap().status().as_u16() }
+    };
+    // Heartbeats and quorum joins only as the token's agent.
+    let beat = |id: &str| serde_json::json!({ "id": id, "url": "http://10.0.0.1:8100" });
+    assert_eq!(
+        call("POST", "/api/v1/agents", AGENT, Some(beat("pod-b"))).await,
+        403
+    );
+    assert_eq!(
+        call("POST", "/api/v1/agents", AGENT, Some(beat("pod-a"))).await,
+        200
+    );
+    let join = serde_json::json!({
+        "agent": "pod-b", "ip": "10.0.0.2", "endpoint": "10.0.0.2:1", "backend": "host",
+        "role": "put", "keys": [{ "key": "train/w", "version": "v", "tensors": [] }],
+        "window": { "world_size": 2, "fanout": 2 }
+    });
+    assert_eq!(
+        call("POST", "/api/v1/quorums/g1/join", AGENT, Some(join)).await,
+        403
+    );
+    // Key registrations: an agent's own local keys, the store's store keys.
+    let reg = |holder: Option<&str>, locale: &str, service: &str| {
+        serde_json::json!({
+            "locale": locale, "source": "http://10.0.0.1:8100", "holder": holder,
+            "version": "v1", "is_dir": false, "size": 1, "files": 1, "service": service
+        })
+    };
+    for (token, body) in [
+        (AGENT, reg(Some("pod-b"), "local", "eval")),
+        (AGENT, reg(None, "store", "eval")),
+        (STORE, reg(Some("pod-a"), "local", "eval")),
+    ] {
+        assert_eq!(
+            call("PUT", "/api/v1/keys/eval/x", token, Some(body)).await,
+            403
+        );
+    }
+    assert_eq!(
+        call("GET", "/api/v1/keys/eval/x", ADMIN, None).await,
+        404,
+        "nothing registered"
+    );
+    let ok = reg(Some("pod-a"), "local", "eval");
+    assert_eq!(
+        call("PUT", "/api/v1/keys/eval/x", AGENT, Some(ok.clone())).await,
+        200
+    );
+    assert_eq!(
+        call(
+            "PUT",
+            "/api/v1/keys/train/y",
+            AGENT,
+            Some(reg(Some("pod-a"), "local", "train"))
+        )
+        .await,
+        200
+    );
+    // A workload deletes and tears down only within its services.
+    assert_eq!(
+        call("DELETE", "/api/v1/keys/eval/x", TRAIN, None).await,
+        403
+    );
+    assert_eq!(
+        call("DELETE", "/api/v1/keys/eval?recursive=true", TRAIN, None).await,
+        403
+    );
+    assert_eq!(
+        call("GET", "/api/v1/keys/eval/x", ADMIN, None).await,
+        200,
+        "still there"
+    );
+    assert_eq!(
+        call("DELETE", "/api/v1/services/eval", TRAIN, None).await,
+        403
+    );
+    assert_eq!(
+        call("GET", "/api/v1/keys/eval/x", ADMIN, None).await,
+        200,
+        "still there"
+    );
+    assert_eq!(
+        call("DELETE", "/api/v1/keys/train/y", TRAIN, None).await,
+        200
+    );
+    assert_eq!(
+        call("DELETE", "/api/v1/services/train", TRAIN, None).await,
+        200
+    );
+    assert_eq!(
+        call("DELETE", "/api/v1/keys/eval/x", WORKLOAD, None).await,
+        200
+    );
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
+}
