@@ -155,7 +155,7 @@ pub async fn run(mut target: Box<dyn Target>, opts: Options) -> Result<Report, T
     if let Some(why) = target.unavailable() {
         return Err(TargetError::Unavailable(why));
     }
-    let token = format!("chaos-{}", opts.seed);
+    let token = format!("chaos-{:016x}", opts.seed);
     let pods: Vec<PodPlan> = (0..opts.pods.max(2))
         .map(|i| PodPlan {
             name: format!("pod-{i}"),

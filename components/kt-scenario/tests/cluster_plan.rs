@@ -97,7 +97,7 @@ fn every_library_scenario_is_planned_or_skipped_with_a_reason() {
         // shaped link, the CUDA scenarios, an agent kept down, Python (the
         // client image has none), frozen processes (kill -STOP) and cut
         // links.
-        assert_eq!(skipped.len(), 16, "{flavor}: {skipped:#?}");
+        assert_eq!(skipped.len(), 17, "{flavor}: {skipped:#?}");
         assert!(
             skipped
                 .iter()

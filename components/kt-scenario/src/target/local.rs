@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use tokio::process::Command;
 
 use super::procs::{PodProcs, Server, binary, free_port};
+use super::roles::Roles;
 use super::{
     Component, ExecOutput, ExecRequest, Plan, PodPlan, PodProcess, Program, Target, TargetError,
 };
@@ -192,8 +193,8 @@ pub fn agent_args(
 /// of its own to NCCL (`NCCL_HOSTID`): NCCL refuses two ranks of one
 /// communicator on one GPU of one host, and the pods of a process-based
 /// testbed share the machine's GPUs.
-pub fn agent_env(plan: &Plan, pod: &PodPlan) -> Vec<(String, String)> {
-    let mut env = vec![("KT_TOKEN".to_owned(), plan.token.clone())];
+pub fn agent_env(plan: &Plan, pod: &PodPlan, roles: &Roles) -> Vec<(String, String)> {
+    let mut env = roles.agent_env(&pod.name);
     if pod.gpu {
         env.push((
             "NCCL_HOSTID".to_owned(),
@@ -228,6 +229,8 @@ pub struct Local {
     servers: Servers,
     pods: HashMap<String, Ipv4Addr>,
     procs: PodProcs,
+    /// The run's per-component tokens (set by `up`).
+    roles: Option<Roles>,
 }
 
 impl Local {
@@ -296,6 +299,12 @@ pub fn server_args(
 
 /// The networks testbeds use (local: loopback; netns: 198.18.0.0/15).
 const TESTBED_NETS: &str = "127.0.0.0/8,198.18.0.0/15,localhost";
+
+/// `req` with the workload's token where it carries the run's (the
+/// process targets give each component its role).
+pub fn in_pod(roles: Option<&Roles>, req: &ExecRequest) -> ExecRequest {
+    roles.map_or_else(|| req.clone(), |r| r.in_pod(req))
+}
 
 /// `argv` run as a pod's command: in its directory, with its environment.
 pub fn pod_command(
@@ -431,10 +440,11 @@ impl Local {
             .get(&req.pod)
             .ok_or_else(|| TargetError::Failed(format!("no pod named {}", req.pod)))?;
         let argv = self.programs.argv(req)?;
+        let req = in_pod(self.roles.as_ref(), req);
         Ok(pod_command(
             &argv,
             &self.pod_dir(&req.pod),
-            req,
+            &req,
             &self.metadata_url,
             &ip.to_string(),
         ))
@@ -470,18 +480,24 @@ impl Target for Local {
             &format!("{STORE_IP}:{sport}"),
             &store_url,
         )?;
-        let env = vec![("KT_TOKEN".to_owned(), plan.token.clone())];
+        // Every component with its own role (see `roles`).
+        let roles = Roles::write(plan)?;
         let logs = plan.work_dir.join("logs");
         self.metadata_url = metadata_url.clone();
         self.store_url = store_url.clone();
         self.servers.set(
             &Component::Metadata,
-            Server::new("metadata", margv, env.clone(), logs.join("metadata.log")),
+            Server::new(
+                "metadata",
+                margv,
+                roles.metadata_env(),
+                logs.join("metadata.log"),
+            ),
             metadata_url.clone(),
         );
         self.servers.set(
             &Component::Store,
-            Server::new("store", sargv, env.clone(), logs.join("store.log")),
+            Server::new("store", sargv, roles.store_env(), logs.join("store.log")),
             store_url,
         );
         self.pods = plan
@@ -499,10 +515,16 @@ impl Target for Local {
             self.agent_urls.insert(p.name.clone(), url.clone());
             self.servers.set(
                 &Component::Pod(p.name.clone()),
-                Server::new(&format!("agent-{}", p.name), argv, agent_env(plan, p), log),
+                Server::new(
+                    &format!("agent-{}", p.name),
+                    argv,
+                    agent_env(plan, p, &roles),
+                    log,
+                ),
                 url,
             );
         }
+        self.roles = Some(roles);
         self.servers.start(&self.http, &Component::Metadata).await?;
         self.servers.start(&self.http, &Component::Store).await?;
         self.servers.start_pods(&self.http).await

@@ -19,6 +19,7 @@ pub mod kind;
 pub mod local;
 pub mod netns;
 pub mod procs;
+pub mod roles;
 pub mod wrapped;
 
 /// What to bring up for one scenario.

@@ -62,9 +62,10 @@ use async_trait::async_trait;
 use tokio::process::Command;
 
 use super::local::{
-    Programs, Servers, agent_argv, agent_env, make_pod_dirs, pod_command, server_argvs,
+    Programs, Servers, agent_argv, agent_env, in_pod, make_pod_dirs, pod_command, server_argvs,
 };
 use super::procs::{PodProcs, Server};
+use super::roles::Roles;
 use super::{Component, ExecOutput, ExecRequest, Plan, PodProcess, Target, TargetError};
 use crate::format::Signal;
 
@@ -97,6 +98,8 @@ pub struct Netns {
     /// Pod name → its namespace and address.
     pods: HashMap<String, (String, Ipv4Addr)>,
     procs: PodProcs,
+    /// The run's per-component tokens (set by `up`).
+    roles: Option<Roles>,
 }
 
 impl Default for Netns {
@@ -116,6 +119,7 @@ impl Default for Netns {
             net: None,
             pods: HashMap::new(),
             procs: PodProcs::default(),
+            roles: None,
         }
     }
 }
@@ -160,14 +164,15 @@ impl Netns {
         self.pods = (plan.pods.iter().zip(net.pods()))
             .map(|(p, n)| (p.name.clone(), (n.netns.clone(), n.ip)))
             .collect();
-        let env = vec![("KT_TOKEN".to_owned(), plan.token.clone())];
+        // Every component with its own role (see `roles`).
+        let roles = Roles::write(plan)?;
         let logs = plan.work_dir.join("logs");
         self.servers.set(
             &Component::Metadata,
             Server::new(
                 "metadata",
                 in_netns(&net.metadata().netns, margv),
-                env.clone(),
+                roles.metadata_env(),
                 logs.join("metadata.log"),
             ),
             self.metadata_url.clone(),
@@ -177,7 +182,7 @@ impl Netns {
             Server::new(
                 "store",
                 in_netns(&net.store().netns, sargv),
-                env.clone(),
+                roles.store_env(),
                 logs.join("store.log"),
             ),
             self.store_url.clone(),
@@ -198,13 +203,14 @@ impl Netns {
                 Server::new(
                     &format!("agent-{}", p.name),
                     in_netns(&n.netns, argv),
-                    agent_env(plan, p),
+                    agent_env(plan, p, &roles),
                     logs.join(format!("agent-{}.log", p.name)),
                 ),
                 url,
             );
         }
         self.net = Some(net);
+        self.roles = Some(roles);
         self.servers.start(&self.http, &Component::Metadata).await?;
         self.servers.start(&self.http, &Component::Store).await?;
         self.servers.start_pods(&self.http).await
@@ -217,10 +223,11 @@ impl Netns {
         let (ns, ip) = (self.pods.get(&req.pod))
             .ok_or_else(|| TargetError::Failed(format!("no pod named {}", req.pod)))?;
         let argv = in_netns(ns, self.programs.argv(req)?);
+        let req = in_pod(self.roles.as_ref(), req);
         Ok(pod_command(
             &argv,
             &self.pod_dir(&req.pod),
-            req,
+            &req,
             &self.metadata_url,
             &ip.to_string(),
         ))

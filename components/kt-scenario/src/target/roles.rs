@@ -1,0 +1,203 @@
+//! Per-component tokens of the process testbeds (local, netns): the
+//! library runs with least privilege, so every scenario proves the roles
+//! hold (`kt_types::auth`).
+//!
+//! The run's token stays the admin's (the runner's probes, the metadata
+//! server's calls to the store); the store gets a `store` token, each pod's
+//! agent an `agent` token naming it, and every command in a pod a
+//! `workload` token. The servers and agents accept exactly those, from a
+//! tokens file in the run's work directory (`--auth-file`). A command the
+//! runner gives another token (a scenario testing a wrong one) keeps it.
+
+use std::path::PathBuf;
+
+use kt_types::auth::{AuthFile, Grant, Role};
+
+use super::{ExecRequest, Plan, TargetError};
+
+/// The tokens of one run.
+#[derive(Debug, Clone)]
+pub struct Roles {
+    file: PathBuf,
+    admin: String,
+}
+
+impl Roles {
+    /// Writes the run's tokens file (mode 0600) for `plan`'s pods.
+    pub fn write(plan: &Plan) -> Result<Roles, TargetError> {
+        let roles = Roles {
+            file: plan.work_dir.join("auth.json"),
+            admin: plan.token.clone(),
+        };
+        let grant = |token: String, role, name: Option<String>| Grant {
+            token,
+            role,
+            name,
+            services: None,
+        };
+        let mut tokens = vec![
+            grant(roles.admin.clone(), Role::Admin, None),
+            grant(roles.store(), Role::Store, None),
+            grant(roles.workload(), Role::Workload, None),
+        ];
+        for p in &plan.pods {
+            tokens.push(grant(
+                roles.agent(&p.name),
+                Role::Agent,
+                Some(p.name.clone()),
+            ));
+        }
+        let file = AuthFile { tokens };
+        file.validate()
+            .map_err(|e| TargetError::Failed(format!("the run's tokens file: {e}")))?;
+        let text = serde_json::to_vec_pretty(&file)
+            .map_err(|e| TargetError::Failed(format!("the run's tokens file: {e}")))?;
+        write_private(&roles.file, &text)
+            .map_err(|e| TargetError::Failed(format!("{}: {e}", roles.file.display())))?;
+        Ok(roles)
+    }
+
+    fn store(&self) -> String {
+        format!("{}-store", self.admin)
+    }
+
+    fn workload(&self) -> String {
+        format!("{}-workload", self.admin)
+    }
+
+    fn agent(&self, pod: &str) -> String {
+        format!("{}-agent-{pod}", self.admin)
+    }
+
+    fn server_env(&self, token: String) -> Vec<(String, String)> {
+        vec![
+            ("KT_TOKEN".to_owned(), token),
+            ("KT_AUTH_FILE".to_owned(), self.file.display().to_string()),
+        ]
+    }
+
+    /// The metadata server's environment: admin (it deletes at the store).
+    pub fn metadata_env(&self) -> Vec<(String, String)> {
+        self.server_env(self.admin.clone())
+    }
+
+    /// The store's environment.
+    pub fn store_env(&self) -> Vec<(String, String)> {
+        self.server_env(self.store())
+    }
+
+    /// The environment of `pod`'s agent (its token names it).
+    pub fn agent_env(&self, pod: &str) -> Vec<(String, String)> {
+        self.server_env(self.agent(pod))
+    }
+
+    /// `req` as a pod's command: the run's token becomes the workload's.
+    pub fn in_pod(&self, req: &ExecRequest) -> ExecRequest {
+        let mut r = req.clone();
+        if r.token.as_deref() == Some(self.admin.as_str()) {
+            r.token = Some(self.workload());
+        }
+        r
+    }
+}
+
+fn write_private(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::target::{PodPlan, Program};
+
+    #[test]
+    fn each_component_gets_its_own_role_and_pods_the_workloads() {
+        let dir = tempfile::tempdir().unwrap();
+        let pod = |name: &str| PodPlan {
+            name: name.into(),
+            group: "pod".into(),
+            index: 0,
+            service: None,
+            labels: BTreeMap::new(),
+            gpu: false,
+            link_bps: None,
+        };
+        let plan = Plan {
+            run_id: "r".into(),
+            scenario: "s".into(),
+            work_dir: dir.path().to_owned(),
+            bin_dir: dir.path().to_owned(),
+            token: "kt-scenario-0123456789".into(),
+            chunk_size: None,
+            store_link_bps: None,
+            metadata_flags: vec![],
+            pods: vec![pod("a"), pod("b")],
+            python: None,
+        };
+        let roles = Roles::write(&plan).unwrap();
+        let file: AuthFile =
+            serde_json::from_slice(&std::fs::read(dir.path().join("auth.json")).unwrap()).unwrap();
+        let granted: Vec<(Role, Option<&str>)> = file
+            .tokens
+            .iter()
+            .map(|g| (g.role, g.name.as_deref()))
+            .collect();
+        assert_eq!(
+            granted,
+            [
+                (Role::Admin, None),
+                (Role::Store, None),
+                (Role::Workload, None),
+                (Role::Agent, Some("a")),
+                (Role::Agent, Some("b")),
+            ]
+        );
+        assert_eq!(
+            file.tokens[0].token, plan.token,
+            "the runner's probes are admin"
+        );
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.path().join("auth.json"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let token_of = |env: Vec<(String, String)>| {
+            env.into_iter()
+                .find(|(k, _)| k == "KT_TOKEN")
+                .map(|(_, v)| v)
+                .unwrap()
+        };
+        assert_eq!(token_of(roles.agent_env("b")), file.tokens[4].token);
+        assert_eq!(token_of(roles.store_env()), file.tokens[1].token);
+        assert_eq!(token_of(roles.metadata_env()), plan.token);
+        // Pod commands run as the workload, unless a scenario hands a command
+        // another token on purpose.
+        let req = |token: Option<&str>| ExecRequest {
+            pod: "a".into(),
+            program: Program::Kt,
+            args: vec![],
+            env: vec![],
+            token: token.map(str::to_owned),
+        };
+        assert_eq!(
+            roles.in_pod(&req(Some(&plan.token))).token.as_deref(),
+            Some(file.tokens[2].token.as_str())
+        );
+        assert_eq!(
+            roles.in_pod(&req(Some("wrong"))).token.as_deref(),
+            Some("wrong")
+        );
+        assert_eq!(roles.in_pod(&req(None)).token, None);
+    }
+}
