@@ -65,12 +65,7 @@ async fn main() -> anyhow::Result<()> {
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
     let socket = args.socket.unwrap_or_else(kt_agent::config::default_socket);
     let id = args.id.unwrap_or_else(kt_agent::config::default_id);
-    let auth = args
-        .server
-        .auth_file
-        .is_some()
-        .then(|| args.server.auth(&token))
-        .transpose()?;
+    let auth = args.server.auth()?;
     let mut config = kt_agent::Config::new(id, args.metadata_url, token, socket);
     config.auth = auth;
     if let Some(dir) = args.state_dir {

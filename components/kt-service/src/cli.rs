@@ -40,13 +40,13 @@ impl ServerArgs {
         Token::resolve(self.token.as_deref(), self.token_file.as_deref())
     }
 
-    /// Who the server accepts: the tokens file's grants, or `token` alone
-    /// as admin.
-    pub fn auth(&self, token: &Token) -> Result<crate::Auth, crate::auth::AuthFileError> {
-        match &self.auth_file {
-            Some(path) => crate::Auth::from_file(path),
-            None => Ok(token.clone().into()),
-        }
+    /// The grants of `--auth-file`; `None` without one (the token alone is
+    /// then admin).
+    pub fn auth(&self) -> Result<Option<crate::Auth>, crate::auth::AuthFileError> {
+        self.auth_file
+            .as_deref()
+            .map(crate::Auth::from_file)
+            .transpose()
     }
 }
 

@@ -310,41 +310,23 @@ async fn agents_act_as_themselves_and_workloads_within_their_services() {
         .await,
         200
     );
-    // A workload deletes and tears down only within its services.
-    assert_eq!(
-        call("DELETE", "/api/v1/keys/eval/x", TRAIN, None).await,
-        403
-    );
-    assert_eq!(
-        call("DELETE", "/api/v1/keys/eval?recursive=true", TRAIN, None).await,
-        403
-    );
-    assert_eq!(
-        call("GET", "/api/v1/keys/eval/x", ADMIN, None).await,
-        200,
-        "still there"
-    );
-    assert_eq!(
-        call("DELETE", "/api/v1/services/eval", TRAIN, None).await,
-        403
-    );
-    assert_eq!(
-        call("GET", "/api/v1/keys/eval/x", ADMIN, None).await,
-        200,
-        "still there"
-    );
-    assert_eq!(
-        call("DELETE", "/api/v1/keys/train/y", TRAIN, None).await,
-        200
-    );
-    assert_eq!(
-        call("DELETE", "/api/v1/services/train", TRAIN, None).await,
-        200
-    );
-    assert_eq!(
-        call("DELETE", "/api/v1/keys/eval/x", WORKLOAD, None).await,
-        200
-    );
+    // A workload deletes and tears down only within its services; what it
+    // is refused stays.
+    for (method, path, token, want) in [
+        ("DELETE", "/api/v1/keys/eval/x", TRAIN, 403),
+        ("DELETE", "/api/v1/keys/eval?recursive=true", TRAIN, 403),
+        ("DELETE", "/api/v1/services/eval", TRAIN, 403),
+        ("GET", "/api/v1/keys/eval/x", ADMIN, 200),
+        ("DELETE", "/api/v1/keys/train/y", TRAIN, 200),
+        ("DELETE", "/api/v1/services/train", TRAIN, 200),
+        ("DELETE", "/api/v1/keys/eval/x", WORKLOAD, 200),
+    ] {
+        assert_eq!(
+            call(method, path, token, None).await,
+            want,
+            "{method} {path}"
+        );
+    }
     stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
 }
