@@ -114,6 +114,25 @@ pub async fn plan(
             req.key
         )));
     }
+    // Nor replace a key another service owns (a put would hand it over).
+    if who.services.is_some() && who.role != kt_types::auth::Role::Admin {
+        match s.registrar.record(&req.key).await {
+            Ok(r) if !who.serves(&r.service) => {
+                return Err(kt_service::forbidden(format!(
+                    "{} belongs to service {:?}, not one of this token's: it is left as it is",
+                    req.key, r.service
+                )));
+            }
+            Ok(_) => {}
+            Err(e) if e.code() == kt_types::ErrorCode::NotFound => {}
+            Err(e) => {
+                return Err(ApiError::new(
+                    kt_types::ErrorCode::Unavailable,
+                    format!("checking who owns {}: {e}", req.key),
+                ));
+            }
+        }
+    }
     let key = req.key.clone();
     let state = s.keys.state(&key);
     let st = state.lock().await;

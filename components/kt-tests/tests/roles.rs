@@ -212,6 +212,40 @@ async fn every_route_answers_only_the_roles_it_allows() {
         }
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+
+    // A workload limited to `train` puts train's keys, not another
+    // service's, and cannot take one over by naming its own service.
+    let src = dir.path().join("src.txt");
+    std::fs::write(&src, b"weights").unwrap();
+    let put = |token: &'static str, key: &str, service: Option<&str>| {
+        let mut cfg = kt_client::ClientConfig::new(meta_url.clone(), token);
+        cfg.cache_dir = Some(dir.path().join(format!("cache-{token}")));
+        cfg.agent_socket = dir.path().join("no-agent.sock");
+        let client = kt_client::Client::new(cfg).unwrap();
+        let (key, src) = (kt_types::Key::parse(key).unwrap(), src.clone());
+        let options = kt_types::api::PutOptions {
+            service: service.map(str::to_owned),
+            ..Default::default()
+        };
+        async move {
+            client
+                .put(&key, &src, options, kt_client::Progress::none())
+                .await
+                .map(|_| ())
+                .map_err(|e| e.code())
+        }
+    };
+    assert_eq!(put(TRAIN, "train/w", None).await, Ok(()));
+    assert_eq!(put(WORKLOAD, "eval/w", None).await, Ok(()));
+    assert_eq!(
+        put(TRAIN, "eval/x", None).await,
+        Err(Some(ErrorCode::Forbidden))
+    );
+    assert_eq!(
+        put(TRAIN, "eval/w", Some("train")).await,
+        Err(Some(ErrorCode::Forbidden)),
+        "taking eval/w over by naming train"
+    );
     stop.cancel();
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(15), t).await;

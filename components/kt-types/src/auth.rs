@@ -6,7 +6,7 @@
 //! - `store`: the store server (registers itself, registers the keys it
 //!   committed);
 //! - `agent`: a node agent, as the one agent it is named (heartbeats,
-//!   keys it holds, quorums, other agents' tensor sessions and reads);
+//!   keys it holds, quorums, other agents' tensor sessions);
 //! - `workload`: an application (put, get, ls, rm, teardown, broadcasts),
 //!   within the services it is given;
 //! - `admin`: everything (operators, the metadata server's calls to the
