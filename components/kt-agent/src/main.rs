@@ -65,7 +65,7 @@ async fn main() -> anyhow::Result<()> {
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
     let socket = args.socket.unwrap_or_else(kt_agent::config::default_socket);
     let id = args.id.unwrap_or_else(kt_agent::config::default_id);
-    let auth = args.server.auth()?;
+    let auth = args.server.auth_asking(&args.metadata_url, &token)?;
     let mut config = kt_agent::Config::new(id, args.metadata_url, token, socket);
     config.auth = auth;
     if let Some(dir) = args.state_dir {

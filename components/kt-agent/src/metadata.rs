@@ -50,7 +50,7 @@ impl MetadataClient {
             .build()
             .map_err(|e| e.to_string())?;
         Ok(MetadataClient {
-            api: Api::new(http, base, token.expose()),
+            api: Api::new(http, base, token.credential()),
         })
     }
 

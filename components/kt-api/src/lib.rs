@@ -18,7 +18,14 @@
 //!   back together). Nothing is retried unless the caller asks: a getter
 //!   failing over to another source wants to know at once.
 //!
+//! - [`Credential`] is the bearer token: fixed, or a file read again as
+//!   the kubelet rotates it (projected ServiceAccount tokens).
+//!
 //! Invariant: no server code; depends on kt-types and reqwest only.
+
+mod credential;
+
+pub use credential::Credential;
 
 use std::fmt;
 use std::hash::{BuildHasher, Hasher};
@@ -127,7 +134,7 @@ pub async fn check(url: &str, resp: reqwest::Response) -> Result<reqwest::Respon
 pub struct Api {
     http: reqwest::Client,
     base: String,
-    token: String,
+    token: Credential,
 }
 
 impl fmt::Debug for Api {
@@ -141,11 +148,11 @@ impl fmt::Debug for Api {
 impl Api {
     /// `base` is the server's URL (`http://kt-metadata:8081`; a trailing
     /// slash is dropped).
-    pub fn new(http: reqwest::Client, base: &str, token: &str) -> Api {
+    pub fn new(http: reqwest::Client, base: &str, token: impl Into<Credential>) -> Api {
         Api {
             http,
             base: base.trim_end_matches('/').to_owned(),
-            token: token.to_owned(),
+            token: token.into(),
         }
     }
 
@@ -193,7 +200,10 @@ impl Api {
                 | reqwest::Method::DELETE
         );
         Call {
-            req: self.http.request(method, &url).bearer_auth(&self.token),
+            req: self
+                .http
+                .request(method, &url)
+                .bearer_auth(&*self.token.value()),
             url,
             idempotent,
             retries: 0,

@@ -4,6 +4,8 @@
 //!   machine (watch events in, evictions and teardowns out), no kube I/O.
 //! - [`watch`]: kube-runtime watchers on pods and workloads labelled
 //!   [`SERVICE_LABEL`], with a backoff, feeding [`state`].
+//! - [`review`]: who a bearer token is (TokenReview, and the pod it is
+//!   bound to), for the metadata server's `--kube-auth`.
 //! - [`portforward`]: `kt` outside the cluster: kubeconfig, the token Secret,
 //!   Ready pods behind a Service, local listeners over the API server's
 //!   port-forward.
@@ -14,6 +16,7 @@
 #[cfg(feature = "mock")]
 pub mod mock;
 pub mod portforward;
+pub mod review;
 pub mod state;
 pub mod watch;
 

@@ -5,7 +5,9 @@
 //! A route is the last path segment with `?watch` appended for watches
 //! (`pods`, `pods?watch`, `deployments?watch`, `secrets/kt-token`, …).
 //! Unscripted lists answer an empty list; unscripted watches and other
-//! requests wait until a reply is scripted for them.
+//! requests wait until a reply is scripted for them. A route may instead
+//! have a responder, which answers every request from its body
+//! ([`MockApi::respond`]: TokenReviews by token).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -24,10 +26,23 @@ pub enum Reply {
     Events(Vec<Value>),
 }
 
+/// Answers every request to a route from its body.
+pub type Responder = Arc<dyn Fn(&[u8]) -> Reply + Send + Sync>;
+
+#[derive(Clone, Default)]
+struct Responders(Arc<Mutex<HashMap<String, Responder>>>);
+
+impl std::fmt::Debug for Responders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(lock(&self.0).keys()).finish()
+    }
+}
+
 /// Scripts and the log of requests seen.
 #[derive(Debug, Clone, Default)]
 pub struct MockApi {
     scripts: Arc<Mutex<HashMap<String, VecDeque<Reply>>>>,
+    responders: Responders,
     seen: Arc<Mutex<Vec<String>>>,
     added: Arc<tokio::sync::Notify>,
 }
@@ -44,6 +59,17 @@ impl MockApi {
             .or_default()
             .push_back(reply);
         self.added.notify_waiters();
+        self
+    }
+
+    /// Answers every request to `route` with `f` of its body (instead of
+    /// the scripted queue).
+    pub fn respond(
+        &self,
+        route: &str,
+        f: impl Fn(&[u8]) -> Reply + Send + Sync + 'static,
+    ) -> &Self {
+        lock(&self.responders.0).insert(route.to_owned(), Arc::new(f));
         self
     }
 
@@ -79,8 +105,17 @@ impl MockApi {
                     req.uri().path_and_query().map(|p| p.as_str()).unwrap_or("")
                 ));
                 let me = me.clone();
+                let responder = lock(&me.responders.0).get(&route).cloned();
                 pending.spawn(async move {
-                    let reply = me.reply_for(&route).await;
+                    let reply = match responder {
+                        Some(f) => {
+                            use http_body_util::BodyExt;
+                            let body = req.into_body().collect().await;
+                            let bytes = body.map(|b| b.to_bytes()).unwrap_or_default();
+                            f(&bytes)
+                        }
+                        None => me.reply_for(&route).await,
+                    };
                     send.send_response(response(reply));
                 });
             }

@@ -10,7 +10,8 @@
 //! persists keys, agents and broadcast groups in redb;
 //! [`server`] is the HTTP API around them (and the WebSocket of broadcast
 //! members); `cluster` (feature `kube`) applies the namespace watch's
-//! decisions (evictions, teardowns) through a [`Handle`].
+//! decisions (evictions, teardowns) through a [`Handle`]; `kube_auth`
+//! (feature `kube`) reviews ServiceAccount tokens (`--kube-auth`).
 //!
 //! Invariant: a mutation is committed to the database before it is answered,
 //! so a restart loses nothing that a client was told happened. Quorums are
@@ -21,6 +22,8 @@ pub mod broadcast;
 #[cfg(feature = "kube")]
 pub mod cluster;
 pub mod db;
+#[cfg(feature = "kube")]
+pub mod kube_auth;
 pub mod leases;
 pub mod quorum;
 pub mod registry;

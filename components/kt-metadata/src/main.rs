@@ -33,6 +33,13 @@ struct Args {
     /// Namespace to watch (default: this pod's service-account namespace).
     #[arg(long, env = "KT_NAMESPACE")]
     namespace: Option<String>,
+    /// With --kube-auth: who may do what, by ServiceAccount (YAML; the
+    /// kt-access ConfigMap in the bundle).
+    #[arg(long, env = "KT_ACCESS_MAP")]
+    access_map: Option<PathBuf>,
+    /// With --kube-auth: the audience tokens must be made for.
+    #[arg(long, env = "KT_TOKEN_AUDIENCE", default_value = "kt")]
+    token_audience: String,
 }
 
 #[tokio::main]
@@ -40,7 +47,10 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let token = args.server.init()?;
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
-    let auth = args.server.auth()?;
+    let mut auth = args.server.auth()?;
+    if args.server.kube_auth {
+        auth = Some(kube_auth(&args, auth).await?);
+    }
     let mut config = kt_metadata::Config::new(args.state_dir, token);
     config.auth = auth;
     config.max_in_flight = args.server.max_connections;
@@ -52,6 +62,42 @@ async fn main() -> anyhow::Result<()> {
     }
     kt_metadata::run(listener, config, shutdown).await?;
     Ok(())
+}
+
+/// `--kube-auth`: the tokens file's grants (if any), and ServiceAccount
+/// tokens reviewed with the Kubernetes API and the access map.
+#[cfg(feature = "kube")]
+async fn kube_auth(
+    args: &Args,
+    grants: Option<kt_service::Auth>,
+) -> anyhow::Result<kt_service::Auth> {
+    use anyhow::Context;
+    let path = args
+        .access_map
+        .as_deref()
+        .context("--kube-auth needs --access-map (KT_ACCESS_MAP): who may do what")?;
+    let map = kt_metadata::kube_auth::load_access_map(path).map_err(anyhow::Error::msg)?;
+    let namespace = args
+        .namespace
+        .clone()
+        .or_else(kt_kube::in_cluster_namespace)
+        .context("--kube-auth needs a namespace: set KT_NAMESPACE or run in a pod")?;
+    let client = kube::Client::try_default()
+        .await
+        .context("--kube-auth: no Kubernetes configuration (in-cluster or kubeconfig)")?;
+    let reviewer =
+        kt_metadata::kube_auth::KubeReviewer::new(client, &args.token_audience, &namespace, map);
+    Ok(grants
+        .unwrap_or_else(kt_service::Auth::none)
+        .with_reviewer(std::sync::Arc::new(reviewer)))
+}
+
+#[cfg(not(feature = "kube"))]
+async fn kube_auth(
+    _args: &Args,
+    _grants: Option<kt_service::Auth>,
+) -> anyhow::Result<kt_service::Auth> {
+    anyhow::bail!("--kube-auth: this kt-metadata was built without the `kube` feature")
 }
 
 #[cfg(feature = "kube")]

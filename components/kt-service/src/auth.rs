@@ -1,7 +1,14 @@
-//! Bearer-token authentication.
+//! Bearer-token authentication: static grants (`KT_TOKEN`, a tokens
+//! file), and tokens a [`Reviewer`] vouches for (`--kube-auth`: the
+//! metadata server asks the Kubernetes API, the store and agents ask the
+//! metadata server), cached for as long as the answer holds.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use axum::extract::{Request, State};
 use axum::http::header::AUTHORIZATION;
@@ -14,7 +21,7 @@ use crate::ApiError;
 
 /// The shared secret every API call must present as `Authorization: Bearer <token>`.
 #[derive(Clone)]
-pub struct Token(Arc<str>);
+pub struct Token(Arc<str>, Option<Arc<PathBuf>>);
 
 impl std::fmt::Debug for Token {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -42,7 +49,7 @@ impl Token {
         if v.is_empty() {
             return Err(TokenError::Empty);
         }
-        Ok(Token(Arc::from(v)))
+        Ok(Token(Arc::from(v), None))
     }
 
     /// The token from a file (preferred) or a literal value (usually `KT_TOKEN`).
@@ -52,13 +59,25 @@ impl Token {
                 path: path.display().to_string(),
                 source,
             })?;
-            return Token::new(text);
+            let mut t = Token::new(text)?;
+            t.1 = Some(Arc::new(path.to_owned()));
+            return Ok(t);
         }
         value.map(Token::new).unwrap_or(Err(TokenError::Missing))
     }
 
     pub fn expose(&self) -> &str {
         &self.0
+    }
+
+    /// This server's credential for its calls to others: the token, read
+    /// again from its file as that is rotated (a projected ServiceAccount
+    /// token).
+    pub fn credential(&self) -> kt_api::Credential {
+        self.1
+            .as_deref()
+            .and_then(|p| kt_api::Credential::file(p).ok())
+            .unwrap_or_else(|| kt_api::Credential::fixed(&self.0))
     }
 
     /// Constant-time comparison with a presented token.
@@ -80,6 +99,7 @@ impl Token {
 #[derive(Clone)]
 pub struct Auth {
     grants: Arc<Vec<(Token, Principal)>>,
+    review: Option<Arc<Review>>,
 }
 
 impl std::fmt::Debug for Auth {
@@ -89,7 +109,10 @@ impl std::fmt::Debug for Auth {
             .iter()
             .map(|(_, p)| p.role.to_string())
             .collect();
-        f.debug_struct("Auth").field("grants", &roles).finish()
+        f.debug_struct("Auth")
+            .field("grants", &roles)
+            .field("reviewer", &self.review.as_ref().map(|r| &r.reviewer))
+            .finish()
     }
 }
 
@@ -98,6 +121,7 @@ impl From<Token> for Auth {
     fn from(t: Token) -> Auth {
         Auth {
             grants: Arc::new(vec![(t, Principal::admin())]),
+            review: None,
         }
     }
 }
@@ -145,12 +169,31 @@ impl Auth {
             .collect::<Result<_, _>>()?;
         Ok(Auth {
             grants: Arc::new(grants),
+            review: None,
         })
     }
 
-    /// Who `presented` is: every grant is compared (in constant time),
-    /// whichever matches.
-    pub fn resolve(&self, presented: &str) -> Option<Principal> {
+    /// No static grant: every token goes to the reviewer.
+    pub fn none() -> Auth {
+        Auth {
+            grants: Arc::new(Vec::new()),
+            review: None,
+        }
+    }
+
+    /// Tokens no grant matches are asked of `reviewer` (answers cached).
+    pub fn with_reviewer(mut self, reviewer: Arc<dyn Reviewer>) -> Auth {
+        self.review = Some(Arc::new(Review {
+            reviewer,
+            cache: Mutex::default(),
+            gate: tokio::sync::Semaphore::new(MAX_REVIEWS),
+        }));
+        self
+    }
+
+    /// Who `presented` is by the static grants: every grant is compared
+    /// (in constant time), whichever matches.
+    fn granted(&self, presented: &str) -> Option<Principal> {
         let mut found = None;
         for (t, p) in self.grants.iter() {
             if t.matches(presented) && found.is_none() {
@@ -159,25 +202,236 @@ impl Auth {
         }
         found
     }
+
+    /// Who `presented` is: a static grant, else the reviewer's answer;
+    /// `Err` when the reviewer could not answer (503: not the caller's
+    /// fault).
+    pub async fn resolve(&self, presented: &str) -> Result<Verdict, ApiError> {
+        self.resolve_for(presented).await.map(|(v, _)| v)
+    }
+
+    /// [`Auth::resolve`], and how much longer the answer holds.
+    pub async fn resolve_for(&self, presented: &str) -> Result<(Verdict, Duration), ApiError> {
+        if let Some(p) = self.granted(presented) {
+            return Ok((Verdict::Known(p), STATIC_TTL));
+        }
+        let Some(review) = &self.review else {
+            return Ok((Verdict::Refused(WRONG_TOKEN.into()), NEGATIVE_TTL));
+        };
+        if presented.is_empty() || presented.len() > MAX_TOKEN_LEN {
+            return Ok((Verdict::Refused(WRONG_TOKEN.into()), NEGATIVE_TTL));
+        }
+        review.resolve(presented).await
+    }
 }
 
-/// Resolves the bearer token to a [`Principal`] (a request extension for
-/// [`only`] and the handlers); 401 when none matches.
-pub async fn require_token(State(auth): State<Auth>, mut req: Request, next: Next) -> Response {
-    let who = req
-        .headers()
+/// The answer for an unknown static token.
+const WRONG_TOKEN: &str = "missing or wrong bearer token";
+/// How long a static grant's answer holds for those who ask (the store
+/// and agents asking the metadata server).
+const STATIC_TTL: Duration = Duration::from_secs(60);
+/// How long a refusal is kept: a caller retrying a bad token costs the
+/// Kubernetes API one review in this time.
+const NEGATIVE_TTL: Duration = Duration::from_secs(5);
+/// The longest any answer is kept, whatever the token's lifetime: a pod
+/// deleted (its token invalidated) loses access within this.
+pub const MAX_REVIEW_TTL: Duration = Duration::from_secs(300);
+/// Answers kept at most (a flood of distinct tokens cannot grow the cache).
+const MAX_CACHED: usize = 8192;
+/// Reviews in flight at once.
+const MAX_REVIEWS: usize = 64;
+/// Longer tokens are refused without a review (a projected token is ~1 KiB).
+const MAX_TOKEN_LEN: usize = 16 << 10;
+
+/// Who a token is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Someone kt knows.
+    Known(Principal),
+    /// Nobody kt knows, and why (answered 401 with it).
+    Refused(String),
+}
+
+/// A reviewer's answer.
+#[derive(Debug, Clone)]
+pub struct Reviewed {
+    pub verdict: Verdict,
+    /// How long it may be kept (capped at [`MAX_REVIEW_TTL`]; a refusal
+    /// is kept a few seconds whatever this says).
+    pub ttl: Duration,
+}
+
+/// The reviewer could not answer (the API it asks is away): 503.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot check the bearer token now: {0}")]
+pub struct ReviewError(pub String);
+
+/// A boxed future of a [`Reviewer`].
+pub type ReviewFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<Reviewed, ReviewError>> + Send + 'a>>;
+
+/// Who tokens are that no static grant matches.
+pub trait Reviewer: Send + Sync + std::fmt::Debug + 'static {
+    fn review<'a>(&'a self, token: &'a str) -> ReviewFuture<'a>;
+}
+
+struct Review {
+    reviewer: Arc<dyn Reviewer>,
+    /// By the token's BLAKE3 hash (the token itself is never kept).
+    cache: Mutex<HashMap<[u8; 32], (Verdict, Instant)>>,
+    gate: tokio::sync::Semaphore,
+}
+
+impl Review {
+    fn cached(&self, key: &[u8; 32]) -> Option<(Verdict, Duration)> {
+        let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let (v, until) = cache.get(key)?;
+        let left = until.checked_duration_since(Instant::now())?;
+        Some((v.clone(), left))
+    }
+
+    async fn resolve(&self, token: &str) -> Result<(Verdict, Duration), ApiError> {
+        let key = *blake3::hash(token.as_bytes()).as_bytes();
+        if let Some(hit) = self.cached(&key) {
+            return Ok(hit);
+        }
+        let _permit = self
+            .gate
+            .acquire()
+            .await
+            .map_err(|_| ApiError::new(ErrorCode::Unavailable, "shutting down"))?;
+        // Another request may have reviewed it while this one waited.
+        if let Some(hit) = self.cached(&key) {
+            return Ok(hit);
+        }
+        let r = self
+            .reviewer
+            .review(token)
+            .await
+            .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))?;
+        let ttl = match r.verdict {
+            Verdict::Known(_) => r.ttl.min(MAX_REVIEW_TTL),
+            Verdict::Refused(_) => NEGATIVE_TTL,
+        };
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if cache.len() >= MAX_CACHED {
+            let now = Instant::now();
+            cache.retain(|_, (_, until)| *until > now);
+            if cache.len() >= MAX_CACHED {
+                cache.clear();
+            }
+        }
+        cache.insert(key, (r.verdict.clone(), Instant::now() + ttl));
+        Ok((r.verdict, ttl))
+    }
+}
+
+/// Asks the metadata server who a token is (the store and agents under
+/// `--kube-auth`: one place reviews tokens and holds the access map).
+#[derive(Debug)]
+pub struct AskMetadata {
+    api: kt_api::Api,
+}
+
+impl AskMetadata {
+    /// The metadata server at `url`, called with `credential` (this
+    /// server's own token, which the metadata server reviews in turn).
+    pub fn new(url: &str, credential: kt_api::Credential) -> AskMetadata {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap_or_default();
+        AskMetadata {
+            api: kt_api::Api::new(http, url, credential),
+        }
+    }
+}
+
+impl Reviewer for AskMetadata {
+    fn review<'a>(&'a self, token: &'a str) -> ReviewFuture<'a> {
+        Box::pin(async move {
+            let query = kt_types::auth::TokenQuery {
+                token: token.to_owned(),
+            };
+            let a: kt_types::auth::TokenAnswer = self
+                .api
+                .post(&kt_types::paths::auth_review())
+                .json(&query)
+                .retry(2)
+                .fetch()
+                .await
+                .map_err(|e| ReviewError(format!("asking the metadata server: {e}")))?;
+            let verdict = match a.principal {
+                Some(p) => Verdict::Known(p),
+                None => Verdict::Refused(a.reason.unwrap_or_else(|| WRONG_TOKEN.into())),
+            };
+            Ok(Reviewed {
+                verdict,
+                ttl: Duration::from_millis(a.ttl_ms),
+            })
+        })
+    }
+}
+
+/// `POST /api/v1/auth/review` over `auth` (the metadata server's): the
+/// store and agents ask who a token they are shown is.
+pub fn review_routes(auth: Auth) -> axum::Router {
+    use kt_types::auth::Role::{Agent, Store};
+    axum::Router::new()
+        .route(
+            &kt_types::paths::auth_review(),
+            allow(
+                &[Store, Agent],
+                axum::routing::post(answer_review)
+                    .layer(axum::extract::DefaultBodyLimit::max(2 * MAX_TOKEN_LEN)),
+            ),
+        )
+        .with_state(auth)
+}
+
+async fn answer_review(
+    State(auth): State<Auth>,
+    crate::ApiJson(q): crate::ApiJson<kt_types::auth::TokenQuery>,
+) -> Result<crate::ApiJson<kt_types::auth::TokenAnswer>, ApiError> {
+    let (verdict, ttl) = auth.resolve_for(&q.token).await?;
+    let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+    Ok(crate::ApiJson(match verdict {
+        Verdict::Known(p) => kt_types::auth::TokenAnswer {
+            principal: Some(p),
+            reason: None,
+            ttl_ms,
+        },
+        Verdict::Refused(why) => kt_types::auth::TokenAnswer {
+            principal: None,
+            reason: Some(why),
+            ttl_ms,
+        },
+    }))
+}
+
+/// The bearer token of a request, if it has one.
+fn bearer(req: &Request) -> Option<&str> {
+    req.headers()
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .and_then(|t| auth.resolve(t.trim()));
-    match who {
-        Some(p) => {
+        .map(str::trim)
+}
+
+/// Resolves the bearer token to a [`Principal`] (a request extension for
+/// [`only`] and the handlers); 401 when nobody kt knows presents it.
+pub async fn require_token(State(auth): State<Auth>, mut req: Request, next: Next) -> Response {
+    let verdict = match bearer(&req) {
+        Some(t) => auth.resolve(t).await,
+        None => Ok(Verdict::Refused(WRONG_TOKEN.into())),
+    };
+    match verdict {
+        Ok(Verdict::Known(p)) => {
             req.extensions_mut().insert(p);
             next.run(req).await
         }
-        None => {
-            ApiError::new(ErrorCode::Unauthorized, "missing or wrong bearer token").into_response()
-        }
+        Ok(Verdict::Refused(why)) => ApiError::new(ErrorCode::Unauthorized, why).into_response(),
+        Err(e) => e.into_response(),
     }
 }
 
@@ -186,8 +440,7 @@ pub async fn require_token(State(auth): State<Auth>, mut req: Request, next: Nex
 pub async fn only(State(roles): State<&'static [Role]>, req: Request, next: Next) -> Response {
     let role = req.extensions().get::<Principal>().map(|p| p.role);
     match role {
-        Some(Role::Admin) => next.run(req).await,
-        Some(r) if roles.contains(&r) => next.run(req).await,
+        Some(r) if r.passes(roles) => next.run(req).await,
         Some(r) => forbidden(format!(
             "a {r} token may not call {} {}",
             req.method(),

@@ -22,6 +22,13 @@ pub struct ServerArgs {
     /// own credential for its calls. Without it that token is admin.
     #[arg(long, env = "KT_AUTH_FILE")]
     pub auth_file: Option<PathBuf>,
+    /// Callers present projected ServiceAccount tokens (audience kt): the
+    /// metadata server reviews them with the Kubernetes API and maps them
+    /// with its access map; the store and agents ask the metadata server.
+    /// The token above is then only this server's own credential, read
+    /// again as the kubelet rotates it.
+    #[arg(long, env = "KT_KUBE_AUTH")]
+    pub kube_auth: bool,
     /// Requests served at once; more wait.
     #[arg(long, env = "KT_MAX_CONNECTIONS", default_value_t = 512)]
     pub max_connections: usize,
@@ -47,6 +54,25 @@ impl ServerArgs {
             .as_deref()
             .map(crate::Auth::from_file)
             .transpose()
+    }
+
+    /// What the store and agents accept: [`ServerArgs::auth`], and with
+    /// `--kube-auth` what the metadata server at `metadata_url` says of
+    /// other tokens (asked with `own`, this server's credential).
+    pub fn auth_asking(
+        &self,
+        metadata_url: &str,
+        own: &Token,
+    ) -> Result<Option<crate::Auth>, crate::auth::AuthFileError> {
+        let auth = self.auth()?;
+        if !self.kube_auth {
+            return Ok(auth);
+        }
+        let ask = crate::auth::AskMetadata::new(metadata_url, own.credential());
+        Ok(Some(
+            auth.unwrap_or_else(crate::Auth::none)
+                .with_reviewer(std::sync::Arc::new(ask)),
+        ))
     }
 }
 

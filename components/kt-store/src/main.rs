@@ -31,7 +31,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let token = args.server.init()?;
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
-    let auth = args.server.auth()?;
+    let auth = args.server.auth_asking(&args.metadata_url, &token)?;
     let mut config = kt_store::Config::new(args.data_dir, args.metadata_url, token);
     config.auth = auth;
     config.advertise_url = args.advertise_url;

@@ -28,7 +28,7 @@ impl Registrar {
             .build()
             .map_err(|e| e.to_string())?;
         Ok(Registrar {
-            meta: Api::new(http, metadata_url, token.expose()),
+            meta: Api::new(http, metadata_url, token.credential()),
             store_url: store_url.to_owned(),
             pending: Mutex::new(HashSet::new()),
         })

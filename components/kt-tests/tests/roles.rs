@@ -18,6 +18,8 @@ const AGENT: &str = "agent-token-pod-a-0123";
 const WORKLOAD: &str = "workload-token-0123456";
 /// A workload given service `train` alone.
 const TRAIN: &str = "workload-train-0123456";
+/// Pod pod-a: its agent and its workload in one token.
+const POD: &str = "pod-token-pod-a-012345";
 
 fn token_of(role: Role) -> &'static str {
     match role {
@@ -25,6 +27,7 @@ fn token_of(role: Role) -> &'static str {
         Role::Store => STORE,
         Role::Agent => AGENT,
         Role::Workload => WORKLOAD,
+        Role::Pod => POD,
     }
 }
 
@@ -41,6 +44,7 @@ fn auth_file(dir: &std::path::Path) -> Auth {
             grant(STORE, Role::Store, None),
             grant(AGENT, Role::Agent, Some("pod-a")),
             grant(WORKLOAD, Role::Workload, None),
+            grant(POD, Role::Pod, Some("pod-a")),
             Grant {
                 services: Some(vec!["train".into()]),
                 ..grant(TRAIN, Role::Workload, None)
@@ -54,7 +58,8 @@ fn auth_file(dir: &std::path::Path) -> Auth {
 
 use Role::{Agent as A, Store as S, Workload as W};
 
-/// (server, method, path, roles allowed besides admin).
+/// (server, method, path, roles allowed besides admin; a pod goes where
+/// an agent or a workload may).
 const TABLE: &[(&str, &str, &str, &[Role])] = &[
     ("meta", "POST", "/api/v1/stores", &[S]),
     ("meta", "GET", "/api/v1/store", &[W, A, S]),
@@ -78,6 +83,7 @@ const TABLE: &[(&str, &str, &str, &[Role])] = &[
     ("meta", "GET", "/api/v1/quorums/g1/t1/rendezvous", &[A]),
     ("meta", "PUT", "/api/v1/quorums/g1/t1/rendezvous", &[A]),
     ("meta", "POST", "/api/v1/quorums/g1/t1/done", &[A]),
+    ("meta", "POST", "/api/v1/auth/review", &[S, A]),
     ("meta", "GET", "/metrics", &[]),
     ("store", "POST", "/api/v1/puts", &[W]),
     ("store", "PUT", "/api/v1/puts/s1/batch", &[W]),
@@ -194,7 +200,11 @@ async fn every_route_answers_only_the_roles_it_allows() {
                 .await
                 .unwrap();
             let status = resp.status().as_u16();
-            let may = role == Role::Admin || allowed.contains(&role);
+            let may = match role {
+                Role::Admin => true,
+                Role::Pod => allowed.contains(&A) || allowed.contains(&W),
+                r => allowed.contains(&r),
+            };
             if status == 401 || (status == 403) == may {
                 wrong.push(format!(
                     "{server} {method} {path} as {role}: {status} (allowed: {may})"

@@ -9,12 +9,19 @@
 //!   keys it holds, quorums, other agents' tensor sessions);
 //! - `workload`: an application (put, get, ls, rm, teardown, broadcasts),
 //!   within the services it is given;
+//! - `pod`: a workload pod and its sidecar agent, which share the pod's
+//!   ServiceAccount token (the pod is the trust boundary): what the
+//!   agent named after the pod and a workload within its services may do;
 //! - `admin`: everything (operators, the metadata server's calls to the
 //!   store, the scenario runner's probes).
 //!
 //! Outside a cluster the grants come from a tokens file ([`AuthFile`],
 //! `--auth-file`); `KT_TOKEN` alone keeps meaning admin, for the
-//! one-command local setup.
+//! one-command local setup. In a cluster (`--kube-auth`) callers present
+//! projected ServiceAccount tokens, which the metadata server reviews with
+//! the Kubernetes API and maps to principals with an [`AccessMap`].
+
+use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
@@ -30,6 +37,9 @@ pub enum Role {
     Agent,
     /// An application (within its services).
     Workload,
+    /// A workload pod with its sidecar agent (an agent named after the pod,
+    /// and a workload within its services).
+    Pod,
 }
 
 impl Role {
@@ -40,11 +50,30 @@ impl Role {
             Role::Store => "store",
             Role::Agent => "agent",
             Role::Workload => "workload",
+            Role::Pod => "pod",
         }
     }
 
     /// Every role (tests walk them).
-    pub const ALL: [Role; 4] = [Role::Admin, Role::Store, Role::Agent, Role::Workload];
+    pub const ALL: [Role; 5] = [
+        Role::Admin,
+        Role::Store,
+        Role::Agent,
+        Role::Workload,
+        Role::Pod,
+    ];
+
+    /// Whether a route that allows `roles` lets this role through: admin
+    /// always, a pod where agents or workloads may go.
+    pub fn passes(self, roles: &[Role]) -> bool {
+        match self {
+            Role::Admin => true,
+            Role::Pod => roles
+                .iter()
+                .any(|r| matches!(r, Role::Agent | Role::Workload | Role::Pod)),
+            r => roles.contains(&r),
+        }
+    }
 }
 
 impl std::fmt::Display for Role {
@@ -54,14 +83,21 @@ impl std::fmt::Display for Role {
 }
 
 /// Who a request comes from, as its token says.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Principal {
     /// Its role.
     pub role: Role,
-    /// An agent's id (the pod name); `None` for the other roles.
+    /// An agent's or a pod's id (the pod name); `None` for the other roles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    /// A workload's services; `None`: every service.
+    /// A workload's or a pod's services; `None`: every service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub services: Option<Vec<String>>,
+    /// The pod's IP, when its token is bound to a pod: the URLs it
+    /// advertises (agent, sources) must be on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<IpAddr>,
 }
 
 impl Principal {
@@ -71,6 +107,7 @@ impl Principal {
             role: Role::Admin,
             name: None,
             services: None,
+            ip: None,
         }
     }
 
@@ -83,10 +120,34 @@ impl Principal {
                 .is_none_or(|s| s.iter().any(|x| x == service))
     }
 
-    /// Whether it is agent `id` (or an admin).
+    /// Whether it is agent `id` (or an admin): an agent token naming it,
+    /// or the token of pod `id`.
     pub fn is_agent(&self, id: &str) -> bool {
-        self.role == Role::Admin || (self.role == Role::Agent && self.name.as_deref() == Some(id))
+        self.role == Role::Admin
+            || (matches!(self.role, Role::Agent | Role::Pod) && self.name.as_deref() == Some(id))
     }
+
+    /// Whether it may advertise `url` (its agent's, a source's): any URL
+    /// unless its token is bound to a pod, then only on the pod's IP.
+    pub fn may_advertise(&self, url: &str) -> bool {
+        match self.ip {
+            None => true,
+            Some(ip) => url_ip(url) == Some(ip),
+        }
+    }
+}
+
+/// The IP literal a URL's host is (`http://10.0.0.7:8090/x`,
+/// `http://[fd00::7]:8090`), if it is one.
+pub fn url_ip(url: &str) -> Option<IpAddr> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let host = match host.strip_prefix('[') {
+        Some(v6) => v6.split_once(']')?.0,
+        None => host.split(':').next()?,
+    };
+    host.parse().ok()
 }
 
 /// The tokens file (`--auth-file`, JSON): `{"tokens": [{"token": "...",
@@ -122,6 +183,7 @@ impl Grant {
             role: self.role,
             name: self.name.clone(),
             services: self.services.clone(),
+            ip: None,
         }
     }
 }
@@ -146,10 +208,10 @@ impl AuthFile {
                 return Err(format!("{at}: the same token is granted twice"));
             }
             match (g.role, &g.name) {
-                (Role::Agent, None) => {
+                (Role::Agent | Role::Pod, None) => {
                     return Err(format!("{at}: an agent token names its agent (name)"));
                 }
-                (Role::Agent, Some(n)) => {
+                (Role::Agent | Role::Pod, Some(n)) => {
                     if let Some(why) = crate::agent_id_problem(n) {
                         return Err(format!("{at}: {why}"));
                     }
@@ -158,16 +220,202 @@ impl AuthFile {
                 (_, None) => {}
             }
             if let Some(s) = &g.services {
-                if g.role != Role::Workload {
+                if !matches!(g.role, Role::Workload | Role::Pod) {
                     return Err(format!("{at}: only workload tokens have services"));
                 }
-                if s.iter().any(|x| x.is_empty() || x.len() > 253) {
-                    return Err(format!("{at}: a service name is 1 to 253 characters"));
-                }
+                check_services(s).map_err(|e| format!("{at}: {e}"))?;
             }
         }
         Ok(())
     }
+}
+
+fn check_services(s: &[String]) -> Result<(), String> {
+    if s.iter().any(|x| x.is_empty() || x.len() > 253) {
+        return Err("a service name is 1 to 253 characters".into());
+    }
+    Ok(())
+}
+
+/// Who the Kubernetes API says a token is: a ServiceAccount (a
+/// TokenReview's answer) and the pod its token is bound to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KubeIdentity {
+    /// The ServiceAccount's namespace.
+    pub namespace: String,
+    /// The ServiceAccount's name.
+    pub service_account: String,
+    /// The pod the token is bound to (projected tokens are), as the API
+    /// has it now.
+    pub pod: Option<BoundPod>,
+}
+
+/// The pod a token is bound to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BoundPod {
+    /// Its name (an agent's id).
+    pub name: String,
+    /// Its IP, once it has one.
+    pub ip: Option<IpAddr>,
+    /// Its `kt.dev/service` label.
+    pub service: Option<String>,
+}
+
+/// Who may do what in a cluster (`--access-map`, a ConfigMap; YAML or
+/// JSON): ServiceAccounts to roles, the first rule that matches wins.
+///
+/// ```yaml
+/// rules:
+///   - serviceAccount: kt-store
+///     role: store
+///   - serviceAccount: trainer
+///     role: pod
+///     services: [train]
+///   - serviceAccount: "*"
+///     role: pod
+///     podService: true
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccessMap {
+    /// In order: the first that matches a token's ServiceAccount decides.
+    pub rules: Vec<AccessRule>,
+}
+
+/// One rule of an [`AccessMap`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AccessRule {
+    /// The ServiceAccount's name, or `*` for every one of the namespace.
+    pub service_account: String,
+    /// Its namespace; absent: kt's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// What it may do. `agent` and `pod` need a token bound to a pod
+    /// (a projected ServiceAccount token): the pod's name is the agent's.
+    pub role: Role,
+    /// The services a `workload` or `pod` may write (put, rm, teardown);
+    /// absent (and no `podService`): every service.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub services: Option<Vec<String>>,
+    /// `workload` or `pod`: also the service its pod is labelled with
+    /// (`kt.dev/service`); with no `services`, only that one.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pod_service: bool,
+}
+
+/// A Kubernetes name (a ServiceAccount's, a namespace's): 1 to 253
+/// characters of `a-z`, `0-9`, `-` and `.`.
+fn kube_name_problem(what: &str, n: &str) -> Option<String> {
+    let ok = !n.is_empty()
+        && n.len() <= 253
+        && n.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
+    (!ok).then(|| format!("{what} {n:?} is not a Kubernetes name"))
+}
+
+impl AccessMap {
+    /// Checks every rule: names, and services only where they mean something.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.rules.is_empty() {
+            return Err("the access map has no rule".into());
+        }
+        for (i, r) in self.rules.iter().enumerate() {
+            let at = format!("rules[{i}] ({})", r.service_account);
+            if r.service_account != "*"
+                && let Some(why) = kube_name_problem("serviceAccount", &r.service_account)
+            {
+                return Err(format!("{at}: {why}"));
+            }
+            if let Some(why) = r
+                .namespace
+                .as_deref()
+                .and_then(|n| kube_name_problem("namespace", n))
+            {
+                return Err(format!("{at}: {why}"));
+            }
+            let scoped = matches!(r.role, Role::Workload | Role::Pod);
+            if (r.services.is_some() || r.pod_service) && !scoped {
+                return Err(format!(
+                    "{at}: only workload and pod rules have services or podService"
+                ));
+            }
+            if let Some(s) = &r.services {
+                check_services(s).map_err(|e| format!("{at}: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The principal `who` is, by the first rule that matches (`home`:
+    /// kt's namespace, that of rules naming none); why not, otherwise.
+    pub fn principal(&self, who: &KubeIdentity, home: &str) -> Result<Principal, String> {
+        let sa = format!("{}/{}", who.namespace, who.service_account);
+        let rule = self
+            .rules
+            .iter()
+            .find(|r| {
+                r.namespace.as_deref().unwrap_or(home) == who.namespace
+                    && (r.service_account == "*" || r.service_account == who.service_account)
+            })
+            .ok_or_else(|| format!("ServiceAccount {sa} has no rule in kt's access map"))?;
+        let mut p = Principal {
+            role: rule.role,
+            name: None,
+            services: None,
+            ip: None,
+        };
+        if matches!(rule.role, Role::Agent | Role::Pod) {
+            let pod = who.pod.as_ref().ok_or_else(|| {
+                format!(
+                    "ServiceAccount {sa} is a {} in kt's access map, but its token is bound to no pod (mount a projected ServiceAccount token)",
+                    rule.role
+                )
+            })?;
+            if let Some(why) = crate::agent_id_problem(&pod.name) {
+                return Err(format!("pod {}: {why}", pod.name));
+            }
+            p.name = Some(pod.name.clone());
+            p.ip = Some(
+                pod.ip
+                    .ok_or_else(|| format!("pod {} has no IP yet", pod.name))?,
+            );
+        }
+        if rule.services.is_some() || rule.pod_service {
+            let mut services = rule.services.clone().unwrap_or_default();
+            if rule.pod_service
+                && let Some(s) = who.pod.as_ref().and_then(|p| p.service.clone())
+                && !services.contains(&s)
+            {
+                services.push(s);
+            }
+            p.services = Some(services);
+        }
+        Ok(p)
+    }
+}
+
+/// `POST /api/v1/auth/review`: who a token is (the store and agents ask the
+/// metadata server, which reviews it with the Kubernetes API).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenQuery {
+    /// The bearer token a caller presented.
+    pub token: String,
+}
+
+/// The answer to a [`TokenQuery`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenAnswer {
+    /// Who it is; `None`: nobody kt knows (answer 401).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub principal: Option<Principal>,
+    /// Why not, when not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// How long the answer may be kept (ms).
+    pub ttl_ms: u64,
 }
 
 #[cfg(test)]
@@ -232,5 +480,90 @@ mod tests {
         let a = grant(Role::Agent, Some("pod-a"), None).principal();
         assert!(a.is_agent("pod-a") && !a.is_agent("pod-b"));
         assert!(!w.is_agent("pod-a"));
+    }
+
+    fn identity(sa: &str, pod: Option<(&str, &str)>) -> KubeIdentity {
+        KubeIdentity {
+            namespace: "kt".into(),
+            service_account: sa.into(),
+            pod: pod.map(|(name, service)| BoundPod {
+                name: name.into(),
+                ip: Some("10.0.0.7".parse().unwrap()),
+                service: Some(service.into()),
+            }),
+        }
+    }
+
+    #[test]
+    fn access_maps_grant_by_service_account() {
+        let map: AccessMap = serde_json::from_str(
+            r#"{"rules":[
+                {"serviceAccount":"kt-store","role":"store"},
+                {"serviceAccount":"ops","namespace":"tools","role":"admin"},
+                {"serviceAccount":"trainer","role":"pod","services":["train"],"podService":true},
+                {"serviceAccount":"*","role":"pod","podService":true}
+            ]}"#,
+        )
+        .unwrap();
+        map.validate().unwrap();
+        let store = map.principal(&identity("kt-store", Some(("kt-store-0", "x"))), "kt");
+        assert_eq!(store.unwrap().role, Role::Store);
+        // A pod: its name is its agent's, its IP what it may advertise,
+        // its label (and the rule's services) what it may write.
+        let p = map
+            .principal(&identity("trainer", Some(("trainer-0", "eval"))), "kt")
+            .unwrap();
+        assert_eq!(p.role, Role::Pod);
+        assert!(p.is_agent("trainer-0") && !p.is_agent("other-0"));
+        assert!(p.serves("train") && p.serves("eval") && !p.serves("other"));
+        assert!(p.may_advertise("http://10.0.0.7:8090"));
+        assert!(!p.may_advertise("http://10.0.0.8:8090"));
+        assert!(!p.may_advertise("http://kt-store:8082"));
+        let other = map
+            .principal(&identity("default", Some(("web-1", "web"))), "kt")
+            .unwrap();
+        assert_eq!(other.services, Some(vec!["web".to_string()]));
+        // A pod rule needs a pod-bound token; other namespaces need a rule.
+        let e = map.principal(&identity("default", None), "kt").unwrap_err();
+        assert!(e.contains("bound to no pod"), "{e}");
+        let mut elsewhere = identity("default", Some(("a", "b")));
+        elsewhere.namespace = "prod".into();
+        let e = map.principal(&elsewhere, "kt").unwrap_err();
+        assert!(e.contains("no rule"), "{e}");
+        elsewhere.namespace = "tools".into();
+        elsewhere.service_account = "ops".into();
+        assert_eq!(map.principal(&elsewhere, "kt").unwrap().role, Role::Admin);
+        // Rules are checked.
+        let bad = |json: &str, what: &str| {
+            let m: AccessMap = serde_json::from_str(json).unwrap();
+            let e = m.validate().unwrap_err();
+            assert!(e.contains(what), "{e}");
+        };
+        bad(r#"{"rules":[]}"#, "no rule");
+        bad(
+            r#"{"rules":[{"serviceAccount":"Bad_Name","role":"admin"}]}"#,
+            "not a Kubernetes name",
+        );
+        bad(
+            r#"{"rules":[{"serviceAccount":"s","role":"store","podService":true}]}"#,
+            "only workload and pod",
+        );
+        assert!(
+            serde_json::from_str::<AccessMap>(
+                r#"{"rules":[{"serviceAccount":"s","role":"root"}]}"#
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn roles_pass_routes() {
+        use Role::*;
+        assert!(Admin.passes(&[]) && !Store.passes(&[]) && !Pod.passes(&[]));
+        assert!(Pod.passes(&[Agent]) && Pod.passes(&[Workload]) && !Pod.passes(&[Store]));
+        assert!(Agent.passes(&[Agent]) && !Agent.passes(&[Workload]));
+        assert_eq!(url_ip("http://[fd00::7]:80/x"), "fd00::7".parse().ok());
+        assert_eq!(url_ip("https://u@10.1.2.3/x"), "10.1.2.3".parse().ok());
+        assert_eq!(url_ip("http://kt-store:8082"), None);
     }
 }

@@ -86,6 +86,11 @@ pub fn service(name: &str) -> String {
     api(&format!("services/{}", encode(name)))
 }
 
+/// `POST`: who a bearer token is ([`crate::auth::TokenQuery`]).
+pub fn auth_review() -> String {
+    api("auth/review")
+}
+
 /// `GET`, upgraded to a broadcast member's WebSocket.
 pub fn broadcast_join() -> String {
     api("broadcasts/join")

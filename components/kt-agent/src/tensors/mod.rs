@@ -148,7 +148,7 @@ impl Tensors {
             url,
             ip,
             metadata,
-            api: kt_api::Api::new(http, "", token.expose()),
+            api: kt_api::Api::new(http, "", token.credential()),
             host: Arc::new(HostBackend::new(cfg.shm_dir).with_ports(cfg.ports)),
             cuda: std::sync::OnceLock::new(),
             regs: Mutex::default(),

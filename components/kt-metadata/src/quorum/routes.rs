@@ -91,6 +91,12 @@ async fn join(
             j.agent
         )));
     }
+    if who.ip.is_some() && j.ip.parse().ok() != who.ip {
+        return Err(kt_service::forbidden(format!(
+            "this pod's token may join from its own IP only, not {:?}",
+            j.ip
+        )));
+    }
     Ok(ApiJson(q.join(&group, j).await?))
 }
 

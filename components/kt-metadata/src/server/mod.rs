@@ -234,7 +234,7 @@ where
         shutdown: shutdown.clone(),
         sessions: TaskTracker::new(),
         db,
-        stores: kt_api::Api::new(http, "", config.token.expose()),
+        stores: kt_api::Api::new(http, "", config.token.credential()),
         heartbeat_interval_ms: millis(config.heartbeat_interval),
         agent_ttl_ms,
         lease_ttl_ms: millis(config.lease_ttl),
@@ -290,16 +290,13 @@ where
     let api = api.merge(crate::quorum::routes(Arc::new(quorums)));
     let ready = Ready::default();
     ready.set(true);
-    let app = kt_service::app(
-        api,
-        config
-            .auth
-            .clone()
-            .unwrap_or_else(|| config.token.clone().into()),
-        metrics,
-        ready,
-        config.max_in_flight,
-    );
+    let auth = config
+        .auth
+        .clone()
+        .unwrap_or_else(|| config.token.clone().into());
+    // The store and agents ask here who the tokens they are shown are.
+    let api = api.merge(kt_service::auth::review_routes(auth.clone()));
+    let app = kt_service::app(api, auth, metrics, ready, config.max_in_flight);
     let sessions = state.sessions.clone();
     sessions.spawn(attach(Handle(state.clone())));
     let sweeper = tokio::spawn(sweep(state, config.sweep_interval, shutdown.clone()));
@@ -360,7 +357,7 @@ async fn put_key(
     let own = match who.role {
         Role::Admin => true,
         Role::Store => reg.locale == Locale::Store,
-        Role::Agent => {
+        Role::Agent | Role::Pod => {
             reg.locale == Locale::Local && reg.holder.as_deref().is_some_and(|h| who.is_agent(h))
         }
         Role::Workload => false,
@@ -371,6 +368,12 @@ async fn put_key(
             who.role,
             reg.locale,
             reg.holder.as_deref().unwrap_or(STORE_HOLDER)
+        )));
+    }
+    if !who.may_advertise(&reg.source) {
+        return Err(forbidden(format!(
+            "this pod's token may advertise sources on its own IP only, not {:?}",
+            reg.source
         )));
     }
     let now = now_ms();
@@ -562,6 +565,7 @@ async fn delete_key(
     if let Some(r) = targets.iter().find(|r| match who.role {
         Role::Admin => false,
         Role::Agent => !who.is_agent(&r.holder),
+        Role::Pod => !who.is_agent(&r.holder) && !who.serves(&r.service),
         _ => !who.serves(&r.service),
     }) {
         return Err(forbidden(format!(
@@ -760,6 +764,12 @@ async fn heartbeat(
         )));
     }
     check_url("agent url", &hb.url)?;
+    if !who.may_advertise(&hb.url) {
+        return Err(forbidden(format!(
+            "this pod's token may announce its agent on its own IP only, not {:?}",
+            hb.url
+        )));
+    }
     check_service(hb.service.as_deref())?;
     let id = hb.id.clone();
     let mut registry = s.registry.lock().await;
