@@ -1,6 +1,6 @@
 """Generates the kustomization.yaml of the components that inject into
-users' workloads: agent-sidecar and gpu (`make manifests` runs it; `make
-manifests-check` fails when the committed files differ).
+users' workloads: agent-sidecar, agent-identity and gpu (`make manifests`
+runs it; `make manifests-check` fails when the committed files differ).
 
 Why generated: kustomize can only select a workload by kind, and a
 replacement or patch that names no kind also hits a labelled Service or
@@ -9,7 +9,7 @@ apply). So every injected field is copied once per workload kind, each with
 its own path to the pod spec (a CronJob's is under jobTemplate): about a
 hundred near-identical entries that nobody should write or review by hand.
 What is injected lives in the components' template files (sidecar.yaml,
-gpu.yaml); this script only says where each piece goes.
+identity.yaml, gpu.yaml); this script only says where each piece goes.
 
 usage: python3 testbed/k8s/components.py [--check]   (stdlib only)
 """
@@ -205,8 +205,44 @@ def gpu():
     return "\n".join(lines) + "\n"
 
 
+IDENTITY_DOC = f"""
+For installs with kube-identity (the production overlay): the agents of
+every {KINDS_TEXT}
+labelled `kt.dev/agent: sidecar` (the kinds agent-sidecar injects into)
+present their pod's ServiceAccount token instead of the static kt-token
+Secret, which such an install does not have: the pod volume `kt-token`
+becomes a projected ServiceAccount token (audience kt, one hour, renewed
+by the kubelet), and the agent gets KT_KUBE_AUTH=true (it asks the
+metadata server who a caller's token is).
+kt's access map (kube-identity's access.yaml) says what the pod's
+ServiceAccount may do; see identity.yaml.
+List it AFTER agent-sidecar, and again wherever agent-sidecar is listed
+again (a later agent-sidecar puts the Secret volume back). Like
+agent-sidecar it emits no resource, so it may be listed at several levels
+of one build. Leave it out over the overlays that keep the static token
+(kind, k3d, gpu).
+"""
+
+IDENTITY_TEMPLATE = "kt-agent-identity-template"
+
+
+def agent_identity():
+    t = IDENTITY_TEMPLATE
+    lines = component_head("identity.yaml", IDENTITY_DOC)
+    lines += replacement(t, "spec.template.spec.volumes.[name=kt-token]",
+                         "volumes.[name=kt-token]",
+                         "Pod volume kt-token: the pod's projected ServiceAccount token.")
+    lines += replacement(
+        t, "spec.template.spec.initContainers.[name=kt-agent].env.[name=KT_KUBE_AUTH]",
+        "initContainers.[name=kt-agent].env.[name=KT_KUBE_AUTH]",
+        "The agent sidecar: KT_KUBE_AUTH.")
+    lines += drop_template(t)
+    return "\n".join(lines) + "\n"
+
+
 FILES = {
     COMPONENTS / "agent-sidecar" / "kustomization.yaml": agent_sidecar,
+    COMPONENTS / "agent-identity" / "kustomization.yaml": agent_identity,
     COMPONENTS / "gpu" / "kustomization.yaml": gpu,
 }
 

@@ -10,6 +10,13 @@ File names say what a file is: base.yaml and the overlays (kind, k3d, gpu,
 production) are installs; the default installs (base, gpu, production) must
 not filter a user's traffic or need a CRD; examples/*.yaml and cases/*.yaml
 are users' kustomizations with the components applied.
+
+A bundle whose metadata server has KT_KUBE_AUTH=true (kube-identity: the
+production overlay and the examples over it) uses Kubernetes identities:
+nothing there may refer to the static kt-token Secret, every kt server and
+agent checks tokens the same way, kt's projected tokens are for the
+audience kt and live an hour at most, and the metadata server may create
+TokenReviews and reads an access map that the bundle carries.
 """
 
 import argparse
@@ -38,6 +45,20 @@ TRANSFORMED = {"app.kubernetes.io/instance", "app.kubernetes.io/version",
 KT_SERVERS = {"kt-metadata", "kt-store"}
 CRD_GROUPS = {"monitoring.coreos.com"}
 AGENT = "kt-agent"
+# The static token: a Secret the operator creates for the installs without
+# kube identity (kube-identity: projected ServiceAccount tokens instead).
+TOKEN_SECRET = "kt-token"
+# kt's projected tokens: the audience the metadata server reviews them for,
+# and their lifetime (the API's minimum; at most an hour, so a leaked one
+# is soon useless and the servers' re-reading of KT_TOKEN_FILE is
+# exercised).
+AUDIENCE = "kt"
+TOKEN_SECONDS = (600, 3600)
+# The containers that check callers' tokens: KT_KUBE_AUTH decides how.
+VERIFIERS = {"kt-metadata", "kt-store", AGENT}
+# The access map's vocabulary (kt_types::auth::AccessMap).
+ROLES = {"admin", "store", "agent", "workload", "pod"}
+RULE_FIELDS = {"serviceAccount", "namespace", "role", "services", "podService"}
 
 
 def dig(d, *path):
@@ -90,6 +111,60 @@ def selects(selector, pod_labels):
         if op == "DoesNotExist" and have:
             return False
     return True
+
+
+def containers(spec):
+    return (spec.get("initContainers") or []) + (spec.get("containers") or [])
+
+
+def env_of(c):
+    return {e.get("name"): e.get("value") for e in c.get("env") or []}
+
+
+def kube_auth(c):
+    return env_of(c).get("KT_KUBE_AUTH") == "true"
+
+
+def mount_of(c, spec, file_path):
+    """The volume a container's file path lies on: (volume, path inside it),
+    or (None, None)."""
+    best = None
+    for m in c.get("volumeMounts") or []:
+        mp = (m.get("mountPath") or "").rstrip("/")
+        if file_path.startswith(mp + "/") and (best is None or len(mp) > len(best[0])):
+            best = (mp, m.get("name"))
+    if best is None:
+        return None, None
+    vol = next((v for v in spec.get("volumes") or [] if v.get("name") == best[1]), None)
+    return vol, file_path[len(best[0]) + 1:]
+
+
+def secret_refs(spec):
+    """Where a pod spec refers to Secrets: (what, secret name)."""
+    out = []
+    for v in spec.get("volumes") or []:
+        name = dig(v, "secret", "secretName")
+        if name:
+            out.append((f"volume {v.get('name')}", name))
+        for src in dig(v, "projected", "sources") or []:
+            name = dig(src, "secret", "name")
+            if name:
+                out.append((f"volume {v.get('name')}", name))
+    for c in containers(spec):
+        for e in c.get("env") or []:
+            name = dig(e, "valueFrom", "secretKeyRef", "name")
+            if name:
+                out.append((f"container {c.get('name')} env {e.get('name')}", name))
+        for e in c.get("envFrom") or []:
+            name = dig(e, "secretRef", "name")
+            if name:
+                out.append((f"container {c.get('name')} envFrom", name))
+    return out
+
+
+def rule_matches(rule, sa, ns, home):
+    return ((rule.get("namespace") or home) == ns
+            and rule.get("serviceAccount") in ("*", sa))
 
 
 class Checker:
@@ -179,6 +254,178 @@ class Checker:
                           f"container {name} does not meet Pod Security restricted: "
                           + ", ".join(problems))
 
+    # --- identity: the static token or kube identity ---------------------
+
+    def tokens(self, where, spec, kube_bundle):
+        """KT_TOKEN_FILE is a credential the pod really has, of the kind its
+        verifiers expect; kt's projected tokens are for kt, and short-lived."""
+        if kube_bundle or any(kube_auth(c) for c in containers(spec)):
+            for what, name in secret_refs(spec):
+                if name == TOKEN_SECRET:
+                    self.fail(where, "static-token",
+                              f"{what} refers to the Secret {TOKEN_SECRET}, which an install "
+                              "with kube identity does not have: the pod would never start "
+                              "(workloads: list agent-identity after agent-sidecar)")
+        seen = set()
+        for c in containers(spec):
+            path = env_of(c).get("KT_TOKEN_FILE")
+            if not path:
+                continue
+            name = c.get("name")
+            vol, rel = mount_of(c, spec, path)
+            if vol is None:
+                self.fail(where, "token-file",
+                          f"container {name}: KT_TOKEN_FILE {path} is on no volume it mounts")
+                continue
+            projected = [src["serviceAccountToken"]
+                         for src in dig(vol, "projected", "sources") or []
+                         if src.get("serviceAccountToken")]
+            own = next((t for t in projected if t.get("path") == rel), None)
+            static = dig(vol, "secret", "secretName") == TOKEN_SECRET
+            if own is None and not static:
+                self.fail(where, "token-file",
+                          f"container {name}: KT_TOKEN_FILE {path} is neither the "
+                          f"{TOKEN_SECRET} Secret's token nor a projected ServiceAccount token")
+            if name in VERIFIERS and kube_auth(c) and own is None:
+                self.fail(where, "identity-mode",
+                          f"container {name} has KT_KUBE_AUTH=true but presents no projected "
+                          "ServiceAccount token (KT_TOKEN_FILE): the metadata server cannot "
+                          "review it")
+            if name in VERIFIERS and not kube_auth(c) and own is not None:
+                self.fail(where, "identity-mode",
+                          f"container {name} presents a projected ServiceAccount token without "
+                          "KT_KUBE_AUTH=true: it would take that token for the one static "
+                          "token and refuse every other caller")
+            if vol.get("name") in seen:
+                continue
+            seen.add(vol.get("name"))
+            for t in projected:
+                aud = t.get("audience")
+                if aud != AUDIENCE:
+                    self.fail(where, "token-audience",
+                              f"volume {vol.get('name')}: a ServiceAccount token for the audience "
+                              f"{aud!r}, not {AUDIENCE!r}: the metadata server reviews tokens for "
+                              f"{AUDIENCE!r} only (and one without an audience is good against "
+                              "the API server)")
+                secs = t.get("expirationSeconds", 3600)
+                lo, hi = TOKEN_SECONDS
+                if not (isinstance(secs, int) and lo <= secs <= hi):
+                    self.fail(where, "token-lifetime",
+                              f"volume {vol.get('name')}: expirationSeconds {secs} is outside "
+                              f"{lo}..{hi} (the API's minimum; an hour at most, so a leaked token "
+                              "is soon of no use)")
+
+    def metadata_identity(self, path, docs, meta, store_sa):
+        """A metadata server with KT_KUBE_AUTH can review tokens and read its
+        access map, and the map gives the servers their roles."""
+        where = f"{path}: {ident(meta)}"
+        spec = dig(pod_template(meta), "spec") or {}
+        c = next((c for c in spec.get("containers") or [] if c.get("name") == "kt-metadata"), {})
+        ns = dig(meta, "metadata", "namespace")
+        sa = spec.get("serviceAccountName") or "default"
+        cluster_roles = {dig(d, "metadata", "name"): d for d in docs
+                         if d.get("kind") == "ClusterRole"}
+
+        def reviews(role):
+            if role == "system:auth-delegator":  # built in
+                return True
+            for r in dig(cluster_roles.get(role) or {}, "rules") or []:
+                if (set(r.get("apiGroups") or []) & {"authentication.k8s.io", "*"}
+                        and set(r.get("resources") or []) & {"tokenreviews", "*"}
+                        and set(r.get("verbs") or []) & {"create", "*"}):
+                    return True
+            return False
+
+        bound = any(
+            d.get("kind") == "ClusterRoleBinding"
+            and dig(d, "roleRef", "kind") == "ClusterRole"
+            and reviews(dig(d, "roleRef", "name"))
+            and any(s.get("kind") == "ServiceAccount" and s.get("name") == sa
+                    and s.get("namespace") == ns for s in d.get("subjects") or [])
+            for d in docs)
+        if not bound:
+            self.fail(where, "tokenreview",
+                      f"has KT_KUBE_AUTH=true, but no ClusterRoleBinding of the bundle lets its "
+                      f"ServiceAccount {ns}/{sa} create tokenreviews (authentication.k8s.io): "
+                      "every caller would be refused")
+        amap = env_of(c).get("KT_ACCESS_MAP")
+        if not amap:
+            self.fail(where, "access-map", "has KT_KUBE_AUTH=true but no KT_ACCESS_MAP")
+            return
+        vol, rel = mount_of(c, spec, amap)
+        cm_name = dig(vol or {}, "configMap", "name")
+        if cm_name is None:
+            self.fail(where, "access-map",
+                      f"KT_ACCESS_MAP {amap} is not on a ConfigMap volume it mounts")
+            return
+        items = dig(vol, "configMap", "items")
+        key = next((i.get("key") for i in items if i.get("path") == rel), None) if items else rel
+        cm = next((d for d in docs if d.get("kind") == "ConfigMap"
+                   and dig(d, "metadata", "name") == cm_name), None)
+        text = dig(cm or {}, "data", key) if key else None
+        if text is None:
+            self.fail(where, "access-map",
+                      f"KT_ACCESS_MAP {amap}: the bundle has no ConfigMap {cm_name} with the key "
+                      f"{key}: the pod would not start (or the server not read its map)")
+            return
+        expect = {sa: {"admin"}}
+        if store_sa:
+            expect[store_sa] = {"store"}
+        self.access_map(f"{path}: ConfigMap/{cm_name}", text, ns, expect)
+
+    def access_map(self, where, text, home, expect):
+        """The access map parses as the metadata server reads it, every rule
+        can be reached, and kt's own ServiceAccounts get their roles."""
+        try:
+            m = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            self.fail(where, "access-map", f"not YAML: {e}")
+            return
+        rules = m.get("rules") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or set(m) != {"rules"} or not isinstance(rules, list) \
+                or not rules:
+            self.fail(where, "access-map", "not a map of a non-empty `rules` list alone")
+            return
+        for i, r in enumerate(rules):
+            if not isinstance(r, dict):
+                self.fail(where, "access-map", f"rules[{i}] is not a map")
+                continue
+            at = f"rules[{i}] ({r.get('serviceAccount')})"
+            unknown = sorted(set(r) - RULE_FIELDS)
+            if unknown:
+                self.fail(where, "access-map",
+                          f"{at}: unknown field(s) {', '.join(unknown)}: the metadata server "
+                          "refuses the map")
+            if not isinstance(r.get("serviceAccount"), str) or not r.get("serviceAccount"):
+                self.fail(where, "access-map", f"{at}: no serviceAccount")
+            role = r.get("role")
+            if role not in ROLES:
+                self.fail(where, "access-map",
+                          f"{at}: role {role!r} is none of {', '.join(sorted(ROLES))}")
+            svc = r.get("services")
+            if (svc is not None or r.get("podService")) and role not in ("workload", "pod"):
+                self.fail(where, "access-map",
+                          f"{at}: only workload and pod rules have services or podService")
+            if svc is not None and not (isinstance(svc, list) and svc
+                                        and all(isinstance(x, str) and x for x in svc)):
+                self.fail(where, "access-map", f"{at}: services is not a list of names")
+            for j, e in enumerate(rules[:i]):
+                if isinstance(e, dict) and rule_matches(
+                        e, r.get("serviceAccount"), r.get("namespace") or home, home):
+                    self.fail(where, "access-map",
+                              f"{at} is never reached: rules[{j}] ({e.get('serviceAccount')}) "
+                              "matches first (the first matching rule wins)")
+                    break
+        for sa, want in expect.items():
+            rule = next((r for r in rules if isinstance(r, dict)
+                         and rule_matches(r, sa, home, home)), None)
+            got = rule.get("role") if rule else None
+            if got not in want:
+                why = "more than it needs" if got == "admin" else "its calls would be refused"
+                self.fail(where, "access-map",
+                          f"kt's own ServiceAccount {sa} is {got or 'in no rule'}, not "
+                          f"{' or '.join(sorted(want))}: {why}")
+
     # --- rules over a whole file -----------------------------------------
 
     def check_file(self, path, docs):
@@ -188,6 +435,12 @@ class Checker:
         case = path.parent.name == "cases"
         services = {dig(d, "metadata", "name"): d for d in docs if d.get("kind") == "Service"}
         pods = []  # (doc, template labels)
+        # Kube identity (kube-identity): the metadata server reviews tokens,
+        # and every kt server, agent and scrape must do without the Secret.
+        metas = [d for d in docs if d.get("kind") == "Deployment"
+                 and dig(d, "metadata", "name") == "kt-metadata"]
+        kube_bundle = any(kube_auth(c) for d in metas
+                          for c in containers(dig(pod_template(d), "spec") or {}))
 
         for d in docs:
             where = f"{path}: {ident(d)}"
@@ -208,6 +461,7 @@ class Checker:
                 kt_pod = is_kt(d)
                 self.sidecar(where, spec)
                 self.volumes(where, spec, kt_pod)
+                self.tokens(where, spec, kube_bundle)
                 if not case:
                     self.restricted(where, spec)
                 pods.append((d, dig(tpl, "metadata", "labels") or {}))
@@ -228,10 +482,22 @@ class Checker:
                 self.statefulset(where, d, services)
             if kind == "ServiceMonitor":
                 for ep in dig(d, "spec", "endpoints") or []:
-                    if dig(ep, "authorization", "credentials", "name") != "kt-token":
+                    cred = dig(ep, "authorization", "credentials") or {}
+                    if not cred.get("name") or not cred.get("key"):
                         self.fail(where, "metrics-auth",
-                                  f"endpoint {ep.get('port')} scrapes without the kt-token "
-                                  "bearer token: /metrics answers 401")
+                                  f"endpoint {ep.get('port')} scrapes without a bearer token: "
+                                  "/metrics answers 401")
+                    elif kube_bundle and cred["name"] == TOKEN_SECRET:
+                        self.fail(where, "static-token",
+                                  f"endpoint {ep.get('port')} sends the {TOKEN_SECRET} Secret's "
+                                  "token, which an install with kube identity does not have: "
+                                  "give Prometheus a token of its own (see "
+                                  "kustomize/examples/monitoring)")
+                    elif not kube_bundle and cred["name"] != TOKEN_SECRET:
+                        self.fail(where, "metrics-auth",
+                                  f"endpoint {ep.get('port')} sends the Secret "
+                                  f"{cred['name']}'s token, not the install's static token "
+                                  f"({TOKEN_SECRET}): /metrics answers 401")
             if kind == "NetworkPolicy" and default_install:
                 sel = dig(d, "spec", "podSelector") or {}
                 names = set()
@@ -254,6 +520,24 @@ class Checker:
         for d in docs:
             if d.get("kind") == "PodDisruptionBudget":
                 self.pdb(f"{path}: {ident(d)}", d, pods)
+        if metas:
+            # One way of checking tokens per install: a verifier in the other
+            # mode refuses every caller.
+            for d, _ in pods:
+                for c in containers(dig(pod_template(d), "spec") or {}):
+                    if c.get("name") in VERIFIERS and kube_auth(c) != kube_bundle:
+                        self.fail(f"{path}: {ident(d)}", "identity-mode",
+                                  f"container {c.get('name')} "
+                                  + ("lacks KT_KUBE_AUTH=true, which the metadata server has"
+                                     if kube_bundle else
+                                     "has KT_KUBE_AUTH=true, which the metadata server lacks"))
+            stores = [d for d, _ in pods if d.get("kind") == "StatefulSet"
+                      and dig(d, "metadata", "name") == "kt-store"]
+            store_sa = (dig(pod_template(stores[0]), "spec", "serviceAccountName") or "default"
+                        if stores else None)
+            for d in metas:
+                if any(kube_auth(c) for c in containers(dig(pod_template(d), "spec") or {})):
+                    self.metadata_identity(path, docs, d, store_sa)
         if install:
             self.namespace(path, docs)
             if stem == "gpu":
@@ -324,6 +608,14 @@ class Checker:
         if path.stem == "base":
             return
         for d in docs:
+            if d.get("kind") == "ClusterRoleBinding" and any(
+                    s.get("kind") == "ServiceAccount" and s.get("namespace") == name
+                    for s in d.get("subjects") or []):
+                if not dig(d, "metadata", "name").endswith("-" + name):
+                    self.fail(f"{path}: {ident(d)}", "cluster-name",
+                              f"binds a ServiceAccount of {name!r} but its name does not end "
+                              f"in -{name}: an install in another namespace would take it over "
+                              "(one install per namespace)")
             if d.get("kind") in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
                 continue
             got = dig(d, "metadata", "namespace")
