@@ -161,6 +161,11 @@ impl Api {
         Api::new(self.http.clone(), base, &self.token)
     }
 
+    /// The same client for another server, presenting `token` there.
+    pub fn at_with(&self, base: &str, token: impl Into<Credential>) -> Api {
+        Api::new(self.http.clone(), base, token)
+    }
+
     pub fn base(&self) -> &str {
         &self.base
     }

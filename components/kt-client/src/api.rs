@@ -125,6 +125,15 @@ impl Client {
         Ok(self.meta.at(&self.map_url(url)?))
     }
 
+    /// [`Client::server`], presenting `key` there instead of this client's
+    /// token when there is one (a broadcast parent's relay key).
+    pub(crate) fn server_keyed(&self, url: &str, key: Option<&str>) -> Result<Api, ClientError> {
+        match key {
+            Some(k) => Ok(self.meta.at_with(&self.map_url(url)?, k)),
+            None => self.server(url),
+        }
+    }
+
     /// The store's URL, as registered with the metadata server.
     pub async fn store_url(&self) -> Result<String, ClientError> {
         let loc: StoreLocation = self.meta.get(&paths::store()).fetch().await?;

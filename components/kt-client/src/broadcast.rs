@@ -409,13 +409,21 @@ impl Client {
     ) -> Result<BroadcastSummary, ClientError> {
         let started = Instant::now();
         let mut agent = self.agent_if_serving().await;
-        let relay = Relay::start(&relay_ip(), &self.cfg.token).await?;
+        // Children present this key to the relay: it cannot check their
+        // own tokens (other pods' ServiceAccount tokens).
+        let relay_key = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let relay = Relay::start(&relay_ip(), &self.cfg.token, &relay_key).await?;
         let request = JoinRequest {
             key: key.clone(),
             group: options.group.clone(),
             fanout: options.fanout,
             window_ms: options.window.map(|w| w.as_millis() as u64),
             relay_url: relay.url.clone(),
+            relay_key: Some(relay_key),
             getter: agent.as_ref().map(|a| a.id.clone()),
             rejoin: None,
         };
@@ -519,7 +527,7 @@ impl Client {
                     self.cfg.stall.max(STALL + RELAY_GRACE)
                 };
                 let attempt = self.fetch_from(
-                    &parent.url,
+                    (&parent.url, parent.key.as_deref()),
                     version,
                     key,
                     dest,

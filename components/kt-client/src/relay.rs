@@ -467,10 +467,11 @@ pub fn relay_ports(spec: &str) -> Result<Vec<u16>, String> {
 pub const DEFAULT_RELAY_PORTS: &str = "8091-8099";
 
 impl Relay {
-    /// Serves `board` on `ip`, behind `token`: on the first free port of
+    /// Serves `board` on `ip`, behind `token` and `key` (the group's
+    /// children present it, [`kt_types::broadcast::Parent::key`]): on the first free port of
     /// `KT_RELAY_PORT` (a port or a range, default 8091-8099, the ports a
     /// NetworkPolicy opens), else on one of the system's choosing.
-    pub async fn start(ip: &str, token: &str) -> Result<Relay, ClientError> {
+    pub async fn start(ip: &str, token: &str, key: &str) -> Result<Relay, ClientError> {
         let addr: std::net::IpAddr = ip
             .parse()
             .map_err(|e| ClientError::Local(format!("relay: pod IP {ip:?}: {e}")))?;
@@ -499,7 +500,13 @@ impl Relay {
         ready.set(true);
         let token =
             Token::new(token).map_err(|e| ClientError::Local(format!("relay token: {e}")))?;
-        let app = kt_service::app(routes, token, Arc::new(Metrics::new()), ready, 1024);
+        let key = Token::new(key).map_err(|e| ClientError::Local(format!("relay key: {e}")))?;
+        let children = kt_types::auth::Principal {
+            role: kt_types::auth::Role::Workload,
+            ..kt_types::auth::Principal::admin()
+        };
+        let auth = kt_service::Auth::from(token).with_grant(key, children);
+        let app = kt_service::app(routes, auth, Arc::new(Metrics::new()), ready, 1024);
         let stop = CancellationToken::new();
         let s = stop.clone();
         let task = tokio::spawn(async move {

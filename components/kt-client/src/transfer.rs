@@ -482,7 +482,7 @@ impl Client {
             let renewal = AbortOnDrop(self.keep_lease(&lease));
             let result = self
                 .fetch_from(
-                    &lease.source.url,
+                    (&lease.source.url, None),
                     &lease.source.version,
                     key,
                     dest,
@@ -784,7 +784,7 @@ impl Client {
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn fetch_from(
         &self,
-        source: &str,
+        (source, source_key): (&str, Option<&str>),
         version: &str,
         key: &Key,
         dest: &Path,
@@ -793,7 +793,7 @@ impl Client {
         progress: &Progress,
         stall: Duration,
     ) -> Result<(), ClientError> {
-        let src = self.server(source)?;
+        let src = self.server_keyed(source, source_key)?;
         let tree = src.get(&paths::tree(key));
         let url = tree.url().to_owned();
         let body = crate::stall::bytes(tree, stall).await?;

@@ -163,6 +163,8 @@ pub struct Member {
     pub parent: u32,
     pub state: MemberState,
     pub relay_url: String,
+    /// What its relay accepts from the children it serves.
+    pub relay_key: Option<String>,
     /// Where its agent serves the finished copy (from `Done`).
     pub served_by: Option<String>,
     /// Its node agent id.
@@ -195,12 +197,14 @@ impl Member {
         r
     }
 
-    /// Where it serves others, when it can.
-    fn url(&self) -> Option<&str> {
+    /// Where it serves others, when it can, and the key its relay takes
+    /// (none for its agent, which checks the children's own tokens).
+    fn url(&self) -> Option<(&str, Option<&str>)> {
+        let relay = (self.relay_url.as_str(), self.relay_key.as_deref());
         match self.state {
-            MemberState::Active if self.connected => Some(&self.relay_url),
-            MemberState::Done if self.connected && !self.released => Some(&self.relay_url),
-            MemberState::Done => self.served_by.as_deref(),
+            MemberState::Active if self.connected => Some(relay),
+            MemberState::Done if self.connected && !self.released => Some(relay),
+            MemberState::Done => self.served_by.as_deref().map(|u| (u, None)),
             MemberState::Active | MemberState::Gone => None,
         }
     }
@@ -356,11 +360,12 @@ impl Group {
         if rank == 0 {
             return Some(self.origin.clone());
         }
-        let url = self.members.get(&rank)?.url()?;
+        let (url, key) = self.members.get(&rank)?.url()?;
         Some(Parent {
             rank,
             url: url.to_owned(),
             id: format!("rank-{rank}"),
+            key: key.map(str::to_owned),
         })
     }
 
@@ -739,6 +744,7 @@ impl Groups {
                 parent: parent.rank,
                 state: MemberState::Active,
                 relay_url: req.relay_url.clone(),
+                relay_key: req.relay_key.clone(),
                 served_by: None,
                 getter: req.getter.clone(),
                 failed: BTreeSet::new(),
@@ -915,6 +921,7 @@ impl Groups {
                         rank: rj.parent,
                         url: String::new(),
                         id: format!("rank-{}", rj.parent),
+                        key: None,
                     })
                 })
             })
@@ -958,6 +965,7 @@ impl Groups {
                 MemberState::Active
             },
             relay_url: req.relay_url.clone(),
+            relay_key: req.relay_key.clone(),
             served_by,
             getter: req.getter.clone(),
             failed,
@@ -1165,6 +1173,7 @@ impl Groups {
                             rank,
                             url: url.clone(),
                             id: format!("rank-{rank}"),
+                            key: None,
                         };
                         events.push((child, GroupMessage::Parent { parent: p }));
                     }
@@ -1259,6 +1268,7 @@ mod tests {
             rank: 0,
             url: "http://store".into(),
             id: "store".into(),
+            key: None,
         }
     }
 
@@ -1273,6 +1283,7 @@ mod tests {
             fanout,
             window_ms: None,
             relay_url: relay(i),
+            relay_key: None,
             getter: Some(format!("pod-{i}")),
             rejoin: None,
         }
@@ -1384,7 +1395,8 @@ mod tests {
             Parent {
                 rank: 1,
                 url: relay(1),
-                id: "rank-1".into()
+                id: "rank-1".into(),
+                key: None,
             }
         );
         assert!(js[0].created && !js[1].created);
@@ -1706,7 +1718,8 @@ mod tests {
                     parent: Parent {
                         rank: 1,
                         url: "http://agent-1".into(),
-                        id: "rank-1".into()
+                        id: "rank-1".into(),
+                        key: None,
                     }
                 }
             )]
@@ -2215,6 +2228,7 @@ mod tests {
             rank: 0,
             url: "http://peer".into(),
             id: "p1".into(),
+            key: None,
         };
         let j = gs
             .join(

@@ -281,6 +281,7 @@ mod tests {
                 rank: 0,
                 url: "http://s".into(),
                 id: "store".into(),
+                key: None,
             },
             created_ms: 1,
             window_ms: 60_000,

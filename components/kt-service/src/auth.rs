@@ -173,6 +173,12 @@ impl Auth {
         })
     }
 
+    /// `token` as `who` too.
+    pub fn with_grant(mut self, token: Token, who: Principal) -> Auth {
+        Arc::make_mut(&mut self.grants).push((token, who));
+        self
+    }
+
     /// No static grant: every token goes to the reviewer.
     pub fn none() -> Auth {
         Auth {

@@ -250,6 +250,7 @@ async fn fake_member(c: &Cluster, k: &str, group: &str, relay_url: String) -> Ws
         fanout: Some(1),
         window_ms: Some(30_000),
         relay_url,
+        relay_key: None,
         getter: None,
         rejoin: None,
     });

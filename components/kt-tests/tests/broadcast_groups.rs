@@ -214,6 +214,7 @@ fn join_req(group: Option<&str>, fanout: Option<u32>, i: u32) -> JoinRequest {
         fanout,
         window_ms: None,
         relay_url: relay_url(i),
+        relay_key: None,
         getter: Some(format!("getter-{i}")),
         rejoin: None,
     }
@@ -224,6 +225,7 @@ fn origin() -> Parent {
         rank: 0,
         url: holder_url(),
         id: HOLDER.into(),
+        key: None,
     }
 }
 
@@ -232,6 +234,7 @@ fn relay_parent(rank: u32) -> Parent {
         rank,
         url: relay_url(rank),
         id: format!("rank-{rank}"),
+        key: None,
     }
 }
 

@@ -256,6 +256,38 @@ async fn every_route_answers_only_the_roles_it_allows() {
         Err(Some(ErrorCode::Forbidden)),
         "taking eval/w over by naming train"
     );
+
+    // A broadcast whose getters hold different tokens (as pods do, each
+    // its own ServiceAccount's): a child presents its parent relay's key,
+    // so the chain holds without falling back to the store.
+    let getters = [WORKLOAD, POD, TRAIN].map(|token| {
+        let mut cfg = kt_client::ClientConfig::new(meta_url.clone(), token);
+        cfg.cache_dir = Some(dir.path().join(format!("bc-cache-{token}")));
+        cfg.agent_socket = dir.path().join("no-agent.sock");
+        let client = kt_client::Client::new(cfg).unwrap();
+        let dest = dir.path().join(format!("bc-{token}"));
+        async move {
+            let options = kt_client::broadcast::BroadcastOptions {
+                group: Some("chain".into()),
+                fanout: Some(1),
+                window: Some(Duration::from_secs(30)),
+                delete: false,
+            };
+            let key = kt_types::Key::parse("train/w").unwrap();
+            let s = client
+                .get_broadcast(&key, &dest, &options, kt_client::Progress::none())
+                .await
+                .expect("broadcast get");
+            (std::fs::read(&dest).unwrap(), s)
+        }
+    });
+    let mut got = futures::future::join_all(getters).await;
+    got.sort_by_key(|(_, s)| s.rank);
+    for (bytes, s) in &got {
+        assert_eq!(bytes, b"weights");
+        assert_eq!(s.parents, vec![s.rank - 1], "rank {} moved parents", s.rank);
+    }
+    assert_eq!(got[0].1.relayed, 7, "rank 1 relayed to rank 2");
     stop.cancel();
     for t in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(15), t).await;

@@ -150,6 +150,12 @@ pub struct JoinRequest {
     pub window_ms: Option<u64>,
     /// Where this getter serves what it has so far (the read protocol).
     pub relay_url: String,
+    /// What its relay accepts as a bearer token besides the getter's own
+    /// (16 to 128 printable characters): handed to the children it serves
+    /// ([`Parent::key`]), whose own tokens (other pods' ServiceAccount
+    /// tokens) a relay cannot check.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay_key: Option<String>,
     /// This getter's node agent id, when it has one (for the tree's listing).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub getter: Option<String>,
@@ -192,6 +198,10 @@ pub struct Parent {
     pub url: String,
     /// `store`, an agent id, or `rank-N` for a relay.
     pub id: String,
+    /// The bearer token to present to a relay ([`JoinRequest::relay_key`]);
+    /// `None`: the getter's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }
 
 /// A message the server sends a member, tagged by `op`: `assigned`,

@@ -403,6 +403,7 @@ pub async fn run(opts: &JoinOptions) -> anyhow::Result<JoinOutcome> {
             fanout: Some(opts.fanout),
             window_ms: Some(WINDOW_MS),
             relay_url: format!("http://{}-getter-{i}.invalid:8085", plan.service()),
+            relay_key: None,
             getter: None,
             rejoin: None,
         });

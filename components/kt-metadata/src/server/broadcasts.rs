@@ -97,6 +97,7 @@ impl From<JoinError> for ApiError {
 /// `GET /api/v1/broadcasts/join`: the WebSocket of one broadcast member.
 pub(super) async fn join_broadcast(
     State(s): State<AppState>,
+    axum::extract::Extension(who): axum::extract::Extension<kt_types::auth::Principal>,
     ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
 ) -> Response {
     match ws {
@@ -109,7 +110,7 @@ pub(super) async fn join_broadcast(
             .max_frame_size(MAX_MEMBER_MESSAGE)
             .on_upgrade(move |socket| {
                 let sessions = s.sessions.clone();
-                sessions.track_future(member_session(s, socket))
+                sessions.track_future(member_session(s, who, socket))
             }),
         Err(r) => ApiError::bad_request(format!(
             "broadcast members join over a WebSocket: {}",
@@ -159,7 +160,7 @@ enum SessionEnd {
 
 /// One member's connection: its `Join`, then messages out and reports in
 /// until it closes, fails, or the server stops.
-async fn member_session(s: AppState, mut socket: WebSocket) {
+async fn member_session(s: AppState, who: kt_types::auth::Principal, mut socket: WebSocket) {
     if s.shutdown.is_cancelled() {
         return;
     }
@@ -168,7 +169,7 @@ async fn member_session(s: AppState, mut socket: WebSocket) {
         Err(e) => return refuse(&mut socket, e).await,
     };
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let member = match admit(&s, &req, tx).await {
+    let member = match admit(&s, &who, &req, tx).await {
         Ok(m) => m,
         Err(e) => {
             tracing::debug!(key = %req.key, group = ?req.group, error = %e, "broadcast join refused");
@@ -256,10 +257,24 @@ async fn send_message(socket: &mut WebSocket, msg: &GroupMessage) -> Result<(), 
 /// committed in the background.
 async fn admit(
     s: &AppState,
+    who: &kt_types::auth::Principal,
     req: &JoinRequest,
     tx: mpsc::UnboundedSender<GroupMessage>,
 ) -> Result<Membership, ApiError> {
     check_url("relay_url", &req.relay_url)?;
+    if let Some(k) = &req.relay_key
+        && (k.len() < 16 || k.len() > 128 || !k.bytes().all(|b| b.is_ascii_graphic()))
+    {
+        return Err(ApiError::bad_request(
+            "relay_key is 16 to 128 printable characters without spaces",
+        ));
+    }
+    if !who.may_advertise(&req.relay_url) {
+        return Err(kt_service::forbidden(format!(
+            "this pod's token may serve a relay on its own IP only, not {:?}",
+            req.relay_url
+        )));
+    }
     if let Some(getter) = &req.getter {
         check_agent_id(getter)?;
     }
@@ -284,6 +299,7 @@ async fn admit(
             rank: 0,
             url: c.source.url.clone(),
             id: c.source.id.clone(),
+            key: None,
         })
         .ok_or_else(|| ApiError::internal("a key with sources yielded none"))?;
 
