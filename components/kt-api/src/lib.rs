@@ -170,6 +170,11 @@ impl Api {
         &self.base
     }
 
+    /// The token it presents.
+    pub fn credential(&self) -> &Credential {
+        &self.token
+    }
+
     /// The URL of `path` (from [`kt_types::paths`]) on this server.
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)

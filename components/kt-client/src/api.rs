@@ -14,6 +14,10 @@ use crate::error::ClientError;
 pub struct ClientConfig {
     pub metadata_url: String,
     pub token: String,
+    /// The file `token` was read from, read again as it is rotated (a
+    /// projected ServiceAccount token, which the kubelet renews hourly):
+    /// a long-lived client keeps presenting a valid token.
+    pub token_file: Option<PathBuf>,
     /// Parallel streams per transfer (batches and chunks in flight).
     pub streams: usize,
     /// Where scan caches live (one file per source tree); `None` disables caching.
@@ -44,6 +48,7 @@ impl ClientConfig {
         ClientConfig {
             metadata_url: metadata_url.into().trim_end_matches('/').to_owned(),
             token: token.into(),
+            token_file: None,
             streams: kt_sync::defaults::STREAMS,
             cache_dir: default_cache_dir(),
             agent_socket: crate::agent::default_socket(),
@@ -88,11 +93,21 @@ impl Client {
             .pool_max_idle_per_host(cfg.streams.max(1) * 2)
             .build()
             .map_err(|e| ClientError::Local(format!("http client: {e}")))?;
+        let token = cfg
+            .token_file
+            .as_deref()
+            .and_then(|f| kt_api::Credential::file(f).ok())
+            .unwrap_or_else(|| kt_api::Credential::fixed(&cfg.token));
         Ok(Client {
-            meta: Api::new(http, &cfg.metadata_url, &cfg.token),
+            meta: Api::new(http, &cfg.metadata_url, token),
             cfg,
             url_map: None,
         })
+    }
+
+    /// The token to present now (read again from its file as it rotates).
+    pub fn bearer(&self) -> std::sync::Arc<str> {
+        self.meta.credential().value()
     }
 
     /// This client, with every server URL the metadata server names passed

@@ -113,7 +113,7 @@ impl Session {
             None => format!("ws://{base}{}", paths::broadcast_join()),
         };
         let mut req = url.as_str().into_client_request().map_err(lost)?;
-        let auth = format!("Bearer {}", client.cfg.token)
+        let auth = format!("Bearer {}", client.bearer())
             .parse()
             .map_err(|_| lost("the token is not a valid header value"))?;
         req.headers_mut()

@@ -348,6 +348,7 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
         return crate::tensor_cli::run(cmd, &metadata_url, &token).await;
     }
     let mut cfg = ClientConfig::new(&metadata_url, token);
+    cfg.token_file = cli.token_file.clone().filter(|_| url_map.is_none());
     cfg.streams = cli.streams.max(1);
     cfg.deadline = cli.deadline;
     cfg.stall = cli.stall_timeout.max(Duration::from_millis(100));

@@ -1,7 +1,8 @@
 //! `kt --kube`: kt from outside the cluster, through the Kubernetes API.
 //!
-//! The token comes from Secret `kt-token` (key `token`) unless one is
-//! given; the metadata server is reached at `http://kt-metadata:8081` and
+//! The token comes from Secret `kt-token` (key `token`), or where there is
+//! none (an install on Kubernetes identities) from a TokenRequest for the
+//! ServiceAccount `kt-operator`, unless one is given; the metadata server is reached at `http://kt-metadata:8081` and
 //! every server it names (the store's `http://kt-store:8082`, agents'
 //! `http://<pod IP>:8090`) through local port-forwards
 //! ([`kt_kube::portforward::Forwarder`]), plugged into the client as its
@@ -37,14 +38,9 @@ impl External {
     pub async fn connect(opts: &KubeOptions, read_token: bool) -> anyhow::Result<Self> {
         let (client, namespace) = portforward::connect(opts).await?;
         let token = if read_token {
-            let t = portforward::read_token(
-                &client,
-                &namespace,
-                kt_kube::TOKEN_SECRET,
-                kt_kube::TOKEN_SECRET_KEY,
-            )
-            .await
-            .context("no token given (KT_TOKEN, --token-file): reading it from the cluster")?;
+            let t = portforward::cluster_token(&client, &namespace)
+                .await
+                .context("no token given (KT_TOKEN, --token-file): getting one from the cluster")?;
             Some(t)
         } else {
             None

@@ -29,6 +29,11 @@ pub const SERVICE_LABEL: &str = "kt.dev/service";
 pub const TOKEN_SECRET: &str = "kt-token";
 pub const TOKEN_SECRET_KEY: &str = "token";
 
+/// The ServiceAccount whose tokens `kt --kube` requests where there is no
+/// token Secret (an install on Kubernetes identities; admin in the
+/// bundle's access map).
+pub const OPERATOR_ACCOUNT: &str = "kt-operator";
+
 /// The in-cluster Services and ports of kt's servers.
 pub const METADATA_SERVICE_URL: &str = "http://kt-metadata:8081";
 

@@ -120,6 +120,63 @@ pub async fn read_token(
     Ok(token.trim().to_owned())
 }
 
+/// The token `kt --kube` presents: the static token's Secret (`kt-token`,
+/// the dev overlays), or where that does not exist or may not be read (an
+/// install on Kubernetes identities), a short-lived token for the
+/// ServiceAccount [`crate::OPERATOR_ACCOUNT`] (a TokenRequest, audience
+/// kt, one hour).
+pub async fn cluster_token(client: &Client, namespace: &str) -> Result<String, ForwardError> {
+    let secret = read_token(
+        client,
+        namespace,
+        crate::TOKEN_SECRET,
+        crate::TOKEN_SECRET_KEY,
+    )
+    .await;
+    match secret {
+        Err(ForwardError::Kube {
+            source: kube::Error::Api(e),
+            ..
+        }) if e.code == 404 || e.code == 403 => {
+            request_token(client, namespace, crate::OPERATOR_ACCOUNT).await
+        }
+        other => other,
+    }
+}
+
+/// A token for ServiceAccount `account` (audience kt, one hour).
+pub async fn request_token(
+    client: &Client,
+    namespace: &str,
+    account: &str,
+) -> Result<String, ForwardError> {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let ask = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: vec![crate::review::AUDIENCE.to_owned()],
+            expiration_seconds: Some(3600),
+            ..TokenRequestSpec::default()
+        },
+        ..TokenRequest::default()
+    };
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    let made = accounts
+        .create_token_request(account, &Default::default(), &ask)
+        .await
+        .map_err(kube_err(format!(
+            "no kt-token Secret; requesting a token for ServiceAccount {namespace}/{account}"
+        )))?;
+    made.status
+        .map(|s| s.token)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| {
+            ForwardError::NotFound(format!(
+                "the TokenRequest for {namespace}/{account} answered no token"
+            ))
+        })
+}
+
 /// True for a Running pod, not being deleted, whose Ready condition is True.
 pub fn is_ready(p: &Pod) -> bool {
     let status = p.status.as_ref();

@@ -79,6 +79,33 @@ async fn reads_the_token_secret() {
 }
 
 #[tokio::test]
+async fn without_a_token_secret_kt_requests_an_operator_token() {
+    let api = MockApi::default();
+    // Kubernetes identities: no Secret (or no right to read it), a token
+    // for kt-operator instead; the static Secret wins where it exists.
+    api.script("secrets/kt-token", mock::status(404, "not found"));
+    api.script("secrets/kt-token", mock::status(403, "forbidden"));
+    for _ in 0..2 {
+        api.script(
+            "serviceaccounts/kt-operator/token",
+            ok(json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                      "metadata": {}, "spec": {"audiences": ["kt"]},
+                      "status": {"token": "projected.jwt", "expirationTimestamp": "2030-01-01T00:00:00Z"}})),
+        );
+    }
+    api.script("secrets/kt-token", mock::status(500, "etcd away"));
+    let (client, task) = api.client("kt");
+    for _ in 0..2 {
+        let t = portforward::cluster_token(&client, "kt").await;
+        assert_eq!(t.expect("token"), "projected.jwt");
+    }
+    let away = portforward::cluster_token(&client, "kt").await;
+    assert!(matches!(away, Err(ForwardError::Kube { .. })), "{away:?}");
+    assert_eq!(api.count("serviceaccounts/kt-operator/token"), 2);
+    task.abort();
+}
+
+#[tokio::test]
 async fn picks_a_ready_pod_by_the_services_selector_and_resolves_the_port() {
     let api = MockApi::default();
     api.script(

@@ -66,6 +66,7 @@ impl Ctx {
             .build()
             .map_err(|e| PyRuntimeError::new_err(format!("kt: starting its runtime: {e}")))?;
         let mut cfg = ClientConfig::new(&settings.metadata_url, &settings.token);
+        cfg.token_file = settings.token_file.clone();
         cfg.agent_socket = settings.agent_socket.clone();
         if let Some(n) = settings.streams {
             cfg.streams = n;

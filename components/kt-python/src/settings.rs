@@ -22,6 +22,8 @@ pub struct Given {
 pub struct Settings {
     pub metadata_url: String,
     pub token: String,
+    /// Where `token` was read from (read again as it rotates).
+    pub token_file: Option<PathBuf>,
     pub agent_socket: PathBuf,
     pub streams: Option<usize>,
     /// `KT_DEADLINE`, as the CLI's `--deadline`.
@@ -66,6 +68,7 @@ impl Settings {
         let token_file = given
             .token_file
             .or_else(|| var("KT_TOKEN_FILE").map(PathBuf::from));
+        let from_file = given.token.is_none().then(|| token_file.clone()).flatten();
         let token = match (given.token, token_file) {
             (Some(t), _) => t,
             (None, Some(f)) => std::fs::read_to_string(&f)
@@ -94,6 +97,7 @@ impl Settings {
         Ok(Settings {
             metadata_url: metadata_url.trim_end_matches('/').to_owned(),
             token,
+            token_file: from_file,
             agent_socket: given
                 .agent_socket
                 .unwrap_or_else(kt_client::agent::default_socket),
