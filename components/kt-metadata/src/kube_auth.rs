@@ -75,7 +75,7 @@ impl Reviewer for KubeReviewer {
 }
 
 fn refused(why: String) -> Reviewed {
-    tracing::info!(why = %why, "token refused");
+    tracing::debug!(why = %why, "token refused");
     Reviewed {
         verdict: Verdict::Refused(why),
         ttl: DEFAULT_TTL,
