@@ -62,6 +62,14 @@ impl Credential {
         })))
     }
 
+    /// The token in `file` when there is one and it can be read (a
+    /// rotated token), else `value` (what was read of it at start, or
+    /// given).
+    pub fn file_or(file: Option<&Path>, value: &str) -> Credential {
+        file.and_then(|f| Credential::file(f).ok())
+            .unwrap_or_else(|| Credential::fixed(value))
+    }
+
     /// The token to present now.
     pub fn value(&self) -> Arc<str> {
         match &*self.0 {

@@ -93,11 +93,7 @@ impl Client {
             .pool_max_idle_per_host(cfg.streams.max(1) * 2)
             .build()
             .map_err(|e| ClientError::Local(format!("http client: {e}")))?;
-        let token = cfg
-            .token_file
-            .as_deref()
-            .and_then(|f| kt_api::Credential::file(f).ok())
-            .unwrap_or_else(|| kt_api::Credential::fixed(&cfg.token));
+        let token = kt_api::Credential::file_or(cfg.token_file.as_deref(), &cfg.token);
         Ok(Client {
             meta: Api::new(http, &cfg.metadata_url, token),
             cfg,

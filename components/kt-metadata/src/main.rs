@@ -47,74 +47,61 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let token = args.server.init()?;
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
-    let mut auth = args.server.auth()?;
-    if args.server.kube_auth {
-        auth = Some(kube_auth(&args, auth).await?);
-    }
-    let mut config = kt_metadata::Config::new(args.state_dir, token);
-    config.auth = auth;
+    let mut config = kt_metadata::Config::new(args.state_dir.clone(), token);
+    config.auth = args.server.auth()?;
     config.max_in_flight = args.server.max_connections;
     config.heartbeat_interval = args.heartbeat_interval;
     config.agent_ttl = args.agent_ttl;
     config.lease_ttl = args.lease_ttl;
-    if args.kube_watch {
-        return watching(args.namespace, listener, config, shutdown).await;
-    }
-    kt_metadata::run(listener, config, shutdown).await?;
-    Ok(())
+    serve(&args, listener, config, shutdown).await
 }
 
-/// `--kube-auth`: the tokens file's grants (if any), and ServiceAccount
-/// tokens reviewed with the Kubernetes API and the access map.
+/// Runs the server, with the namespace watch (`--kube-watch`) and
+/// ServiceAccount tokens (`--kube-auth`) when asked: both on one
+/// Kubernetes client and namespace.
 #[cfg(feature = "kube")]
-async fn kube_auth(
+async fn serve(
     args: &Args,
-    grants: Option<kt_service::Auth>,
-) -> anyhow::Result<kt_service::Auth> {
+    listener: tokio::net::TcpListener,
+    mut config: kt_metadata::Config,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> anyhow::Result<()> {
     use anyhow::Context;
-    let path = args
-        .access_map
-        .as_deref()
-        .context("--kube-auth needs --access-map (KT_ACCESS_MAP): who may do what")?;
-    let map = kt_metadata::kube_auth::load_access_map(path).map_err(anyhow::Error::msg)?;
+    if !args.kube_watch && !args.server.kube_auth {
+        return Ok(kt_metadata::run(listener, config, shutdown).await?);
+    }
     let namespace = args
         .namespace
         .clone()
         .or_else(kt_kube::in_cluster_namespace)
-        .context("--kube-auth needs a namespace: set KT_NAMESPACE or run in a pod")?;
-    let client = kube::Client::try_default()
-        .await
-        .context("--kube-auth: no Kubernetes configuration (in-cluster or kubeconfig)")?;
-    let reviewer =
-        kt_metadata::kube_auth::KubeReviewer::new(client, &args.token_audience, &namespace, map);
-    Ok(grants
-        .unwrap_or_else(kt_service::Auth::none)
-        .with_reviewer(std::sync::Arc::new(reviewer)))
-}
-
-#[cfg(not(feature = "kube"))]
-async fn kube_auth(
-    _args: &Args,
-    _grants: Option<kt_service::Auth>,
-) -> anyhow::Result<kt_service::Auth> {
-    anyhow::bail!("--kube-auth: this kt-metadata was built without the `kube` feature")
-}
-
-#[cfg(feature = "kube")]
-async fn watching(
-    namespace: Option<String>,
-    listener: tokio::net::TcpListener,
-    config: kt_metadata::Config,
-    shutdown: tokio_util::sync::CancellationToken,
-) -> anyhow::Result<()> {
-    use anyhow::Context;
-    let namespace = namespace
-        .or_else(kt_kube::in_cluster_namespace)
-        .context("--kube-watch needs a namespace: set KT_NAMESPACE or run in a pod")?;
-    // Only the configuration can fail here; API errors are the watch's to retry.
-    let client = kube::Client::try_default()
-        .await
-        .context("--kube-watch: no Kubernetes configuration (in-cluster or kubeconfig)")?;
+        .context(
+            "--kube-watch and --kube-auth need a namespace: set KT_NAMESPACE or run in a pod",
+        )?;
+    // Only the configuration can fail here; API errors are retried (the
+    // watch) or answered 503 (token reviews).
+    let client = kube::Client::try_default().await.context(
+        "--kube-watch, --kube-auth: no Kubernetes configuration (in-cluster or kubeconfig)",
+    )?;
+    if args.server.kube_auth {
+        let path = args
+            .access_map
+            .as_deref()
+            .context("--kube-auth needs --access-map (KT_ACCESS_MAP): who may do what")?;
+        let map = kt_metadata::kube_auth::load_access_map(path).map_err(anyhow::Error::msg)?;
+        let reviewer = kt_metadata::kube_auth::KubeReviewer::new(
+            client.clone(),
+            &args.token_audience,
+            &namespace,
+            map,
+        );
+        config.auth = Some(kt_service::Auth::asking(
+            config.auth.take(),
+            std::sync::Arc::new(reviewer),
+        ));
+    }
+    if !args.kube_watch {
+        return Ok(kt_metadata::run(listener, config, shutdown).await?);
+    }
     let cfg = kt_kube::watch::WatchConfig::new(namespace);
     kt_metadata::run_with(listener, config, shutdown, move |handle| {
         kt_metadata::cluster::watch(handle, client, cfg)
@@ -124,11 +111,16 @@ async fn watching(
 }
 
 #[cfg(not(feature = "kube"))]
-async fn watching(
-    _namespace: Option<String>,
-    _listener: tokio::net::TcpListener,
-    _config: kt_metadata::Config,
-    _shutdown: tokio_util::sync::CancellationToken,
+async fn serve(
+    args: &Args,
+    listener: tokio::net::TcpListener,
+    config: kt_metadata::Config,
+    shutdown: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
-    anyhow::bail!("--kube-watch: this kt-metadata was built without the `kube` feature")
+    if args.kube_watch || args.server.kube_auth {
+        anyhow::bail!(
+            "--kube-watch, --kube-auth: this kt-metadata was built without the `kube` feature"
+        );
+    }
+    Ok(kt_metadata::run(listener, config, shutdown).await?)
 }

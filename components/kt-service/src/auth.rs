@@ -74,10 +74,7 @@ impl Token {
     /// again from its file as that is rotated (a projected ServiceAccount
     /// token).
     pub fn credential(&self) -> kt_api::Credential {
-        self.1
-            .as_deref()
-            .and_then(|p| kt_api::Credential::file(p).ok())
-            .unwrap_or_else(|| kt_api::Credential::fixed(&self.0))
+        kt_api::Credential::file_or(self.1.as_deref().map(PathBuf::as_path), &self.0)
     }
 
     /// Constant-time comparison with a presented token.
@@ -185,6 +182,12 @@ impl Auth {
             grants: Arc::new(Vec::new()),
             review: None,
         }
+    }
+
+    /// The grants of `base` (none without), and `reviewer` for the
+    /// tokens they do not match (`--kube-auth`).
+    pub fn asking(base: Option<Auth>, reviewer: Arc<dyn Reviewer>) -> Auth {
+        base.unwrap_or_else(Auth::none).with_reviewer(reviewer)
     }
 
     /// Tokens no grant matches are asked of `reviewer` (answers cached).

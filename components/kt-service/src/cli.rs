@@ -69,10 +69,7 @@ impl ServerArgs {
             return Ok(auth);
         }
         let ask = crate::auth::AskMetadata::new(metadata_url, own.credential());
-        Ok(Some(
-            auth.unwrap_or_else(crate::Auth::none)
-                .with_reviewer(std::sync::Arc::new(ask)),
-        ))
+        Ok(Some(crate::Auth::asking(auth, std::sync::Arc::new(ask))))
     }
 }
 
