@@ -120,7 +120,8 @@ images-gpu: release
 bench:
 	$(CARGO) bench -p kt-bench
 
-## bench-rsync: kt against a real rsync daemon on the same data, in one run.
+## bench-rsync: kt against a real rsync daemon on the same data, in one run
+## (BENCH_ARGS=--tls: kt serves HTTPS, for the cost of transport security).
 bench-rsync:
 	@command -v rsync >/dev/null 2>&1 || { echo "rsync missing: apt-get install -y rsync"; exit 1; }
 	$(CARGO) run --release -p kt-bench --bin kt-bench-rsync -- $(BENCH_ARGS)

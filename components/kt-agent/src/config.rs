@@ -23,6 +23,8 @@ pub struct Config {
     /// Who may call this server (`--auth-file`); `None`: the token alone,
     /// as admin.
     pub auth: Option<kt_service::Auth>,
+    /// Serve HTTPS with this certificate (`--tls-cert`, `--tls-key`).
+    pub tls: Option<kt_service::tls::Tls>,
     /// The control socket (created mode 0600; a stale one is replaced).
     pub socket: PathBuf,
     /// Where exports are persisted (and scan caches of local exports kept).
@@ -66,6 +68,7 @@ impl Config {
             metadata_url: metadata_url.into(),
             token,
             auth: None,
+            tls: None,
             state_dir: default_state_dir(&socket),
             socket,
             chunk_size: kt_sync::defaults::CHUNK_SIZE,
@@ -110,8 +113,14 @@ pub fn default_id() -> String {
 }
 
 /// The URL peers use: the configured one; else, listening on an unspecified
-/// address, the pod IP (or 127.0.0.1, with a warning); else the listen address.
-pub fn advertised(addr: SocketAddr, configured: Option<&str>, pod_ip: Option<&str>) -> String {
+/// address, the pod IP (or 127.0.0.1, with a warning); else the listen
+/// address (`https` when serving TLS).
+pub fn advertised(
+    addr: SocketAddr,
+    configured: Option<&str>,
+    pod_ip: Option<&str>,
+    https: bool,
+) -> String {
     if let Some(u) = configured.filter(|u| !u.is_empty()) {
         return u.trim_end_matches('/').to_owned();
     }
@@ -128,7 +137,8 @@ pub fn advertised(addr: SocketAddr, configured: Option<&str>, pod_ip: Option<&st
     } else {
         addr.ip()
     };
-    format!("http://{}", SocketAddr::new(ip, addr.port()))
+    let scheme = if https { "https" } else { "http" };
+    format!("{scheme}://{}", SocketAddr::new(ip, addr.port()))
 }
 
 #[cfg(test)]
@@ -139,21 +149,21 @@ mod tests {
     fn advertised_urls() {
         let any: SocketAddr = "0.0.0.0:8090".parse().unwrap();
         let lo: SocketAddr = "127.0.0.3:9000".parse().unwrap();
-        assert_eq!(advertised(any, None, None), "http://127.0.0.1:8090");
+        assert_eq!(advertised(any, None, None, false), "http://127.0.0.1:8090");
         assert_eq!(
-            advertised(any, None, Some("10.1.2.3")),
+            advertised(any, None, Some("10.1.2.3"), false),
             "http://10.1.2.3:8090"
         );
         assert_eq!(
-            advertised(any, None, Some("fd00::5")),
-            "http://[fd00::5]:8090"
+            advertised(any, None, Some("fd00::5"), true),
+            "https://[fd00::5]:8090"
         );
         assert_eq!(
-            advertised(lo, None, Some("10.1.2.3")),
+            advertised(lo, None, Some("10.1.2.3"), false),
             "http://127.0.0.3:9000"
         );
         assert_eq!(
-            advertised(any, Some("http://agent.svc:1/"), Some("10.1.2.3")),
+            advertised(any, Some("http://agent.svc:1/"), Some("10.1.2.3"), true),
             "http://agent.svc:1"
         );
     }

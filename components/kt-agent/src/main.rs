@@ -68,6 +68,7 @@ async fn main() -> anyhow::Result<()> {
     let auth = args.server.auth_asking(&args.metadata_url, &token)?;
     let mut config = kt_agent::Config::new(id, args.metadata_url, token, socket);
     config.auth = auth;
+    config.tls = args.server.tls()?;
     if let Some(dir) = args.state_dir {
         config.state_dir = dir;
     }

@@ -45,7 +45,8 @@ async fn ok(call: Call) -> Result<(), ApiError> {
 
 impl MetadataClient {
     pub fn new(base: &str, token: Token, timeout: Duration) -> Result<Self, String> {
-        let http = reqwest::Client::builder()
+        let http = kt_api::tls::http_builder()
+            .map_err(|e| e.to_string())?
             .timeout(timeout)
             .build()
             .map_err(|e| e.to_string())?;

@@ -72,6 +72,7 @@ pub fn start(
         listener.local_addr()?,
         cfg.advertise_url.as_deref(),
         cfg.pod_ip.as_deref(),
+        cfg.tls.is_some(),
     );
     let exports = Arc::new(Exports::open(&cfg.state_dir, cfg.chunk_size, &cfg.limits)?);
     let metadata = Arc::new(
@@ -144,10 +145,10 @@ pub fn start(
     let sweeper = tokio::spawn(sweep(reads.clone(), shutdown.clone()));
     let reaper = tokio::spawn(reap_loop(tensors.clone(), shutdown.clone()));
     ready.set(true);
-    let drain = cfg.drain;
+    let (drain, tls) = (cfg.drain, cfg.tls.clone());
     let stop = shutdown.clone();
     let task = tokio::spawn(async move {
-        let served = kt_service::serve(listener, app, stop.clone(), drain).await;
+        let served = kt_service::serve_tls(listener, app, stop.clone(), drain, tls.as_ref()).await;
         stop.cancel();
         let _ = tokio::join!(beat, control, sweeper, reaper);
         reads.release_all().await;

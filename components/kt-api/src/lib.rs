@@ -21,9 +21,12 @@
 //! - [`Credential`] is the bearer token: fixed, or a file read again as
 //!   the kubelet rotates it (projected ServiceAccount tokens).
 //!
-//! Invariant: no server code; depends on kt-types and reqwest only.
+//! - [`tls`]: https, trusting the CAs of `KT_CA_FILE` only.
+//!
+//! Invariant: no server code; depends on kt-types, reqwest and rustls only.
 
 mod credential;
+pub mod tls;
 
 pub use credential::Credential;
 

@@ -36,6 +36,9 @@ pub struct Options {
     /// memory, connection pools, thread pools).
     pub warmup: usize,
     pub skip_large: bool,
+    /// kt's servers serve HTTPS with this certificate and key (the client
+    /// trusts `KT_CA_FILE`): the cost of transport security.
+    pub tls: Option<(PathBuf, PathBuf)>,
 }
 
 /// Progress notes go to stderr; results are returned.
@@ -97,8 +100,12 @@ pub async fn run(opts: &Options) -> anyhow::Result<Vec<CaseResult>> {
 
     let daemon = RsyncDaemon::start(&rsync_bin, &rsync_work, &module_dir)?;
     note(format!("rsync daemon on 127.0.0.1:{}", daemon.port()));
-    let kt = KtCluster::start(&kt_work).await?;
-    note("kt metadata server and store up; store registered");
+    let kt = KtCluster::start(&kt_work, opts.tls.as_ref()).await?;
+    note(if opts.tls.is_some() {
+        "kt metadata server and store up over TLS; store registered"
+    } else {
+        "kt metadata server and store up; store registered"
+    });
 
     let mut results = Vec::new();
     let cases = async {

@@ -32,7 +32,13 @@ pub struct KtCluster {
 impl KtCluster {
     /// Starts both servers with their state under `work` and waits until the
     /// store is registered with the metadata server.
-    pub async fn start(work: &Path) -> anyhow::Result<Self> {
+    /// With `tls` (a certificate and key for 127.0.0.1), both serve HTTPS
+    /// (the client trusts `KT_CA_FILE`).
+    pub async fn start(work: &Path, tls: Option<&(PathBuf, PathBuf)>) -> anyhow::Result<Self> {
+        let tls = tls
+            .map(|(c, k)| kt_service::tls::Tls::load(c, k))
+            .transpose()?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let token = Token::new(TOKEN)?;
         let shutdown = CancellationToken::new();
         let stop_on_drop = shutdown.clone().drop_guard();
@@ -40,23 +46,19 @@ impl KtCluster {
         let meta_listener = TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding the metadata server")?;
-        let metadata_url = format!("http://{}", meta_listener.local_addr()?);
-        let metadata = tokio::spawn(kt_metadata::run(
-            meta_listener,
-            kt_metadata::Config::new(work.join("metadata"), token.clone()),
-            shutdown.clone(),
-        ));
+        let metadata_url = format!("{scheme}://{}", meta_listener.local_addr()?);
+        let mut meta = kt_metadata::Config::new(work.join("metadata"), token.clone());
+        meta.tls = tls.clone();
+        let metadata = tokio::spawn(kt_metadata::run(meta_listener, meta, shutdown.clone()));
 
         let store_listener = TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding the store")?;
-        let store = kt_store::start(
-            store_listener,
-            kt_store::Config::new(work.join("store"), metadata_url.clone(), token),
-            shutdown.clone(),
-        )
-        .context("starting the store")?
-        .task;
+        let mut store = kt_store::Config::new(work.join("store"), metadata_url.clone(), token);
+        store.tls = tls;
+        let store = kt_store::start(store_listener, store, shutdown.clone())
+            .context("starting the store")?
+            .task;
 
         let cache_dir = work.join("client-cache");
         let mut cfg = ClientConfig::new(metadata_url, TOKEN);

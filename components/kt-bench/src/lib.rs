@@ -38,3 +38,4 @@ pub mod rsync;
 pub mod scratch;
 pub mod size;
 pub mod tensors;
+pub mod tls;

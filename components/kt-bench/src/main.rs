@@ -4,6 +4,8 @@
 //! then one line `ratio small_cold=R small_noop=R small_changed=R large_cold=R`
 //! (`large_cold` is left out with `--skip-large`).
 
+#![allow(unsafe_code)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -38,11 +40,37 @@ struct Args {
     /// (tracing EnvFilter syntax, e.g. `kt_store=debug`); off by default.
     #[arg(long)]
     log: Option<String>,
+    /// kt over TLS: its servers serve HTTPS with a certificate of a CA made
+    /// for the run (rustls, ring); rsync stays plain. Compare the ratios
+    /// with a run without it for the cost of transport security.
+    #[arg(long)]
+    tls: bool,
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let args = Args::parse();
+    let certs = match args.tls.then(kt_bench::tls::TestPki::create).transpose() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kt-bench-rsync: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(c) = &certs {
+        // SAFETY: no other thread exists yet (the runtime is built below).
+        unsafe { std::env::set_var(kt_api::tls::CA_FILE, c.ca()) };
+    }
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kt-bench-rsync: starting the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(bench(args, certs))
+}
+
+async fn bench(args: Args, certs: Option<kt_bench::tls::TestPki>) -> ExitCode {
     if let Some(filter) = &args.log {
         kt_service::telemetry::init_logging(Some(filter), Some("text"));
     }
@@ -53,6 +81,7 @@ async fn main() -> ExitCode {
         runs: args.runs,
         warmup: args.warmup,
         skip_large: args.skip_large,
+        tls: certs.as_ref().map(|c| c.server()),
     };
     // On Ctrl-C the run is dropped, which removes its work directory and
     // stops the rsync daemon and the servers.

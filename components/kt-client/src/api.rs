@@ -87,7 +87,8 @@ pub struct Client {
 
 impl Client {
     pub fn new(cfg: ClientConfig) -> Result<Self, ClientError> {
-        let http = reqwest::Client::builder()
+        let http = kt_api::tls::http_builder()
+            .map_err(|e| ClientError::Local(e.to_string()))?
             .timeout(cfg.timeout)
             .connect_timeout(Duration::from_secs(10))
             .pool_max_idle_per_host(cfg.streams.max(1) * 2)

@@ -123,9 +123,14 @@ impl Session {
         let config = WebSocketConfig::default()
             .read_buffer_size(4 << 10)
             .write_buffer_size(0);
-        let (ws, _) = tokio_tungstenite::connect_async_with_config(req, Some(config), true)
-            .await
-            .map_err(|e| lost(format!("{url}: {e}")))?;
+        // wss: the CAs of KT_CA_FILE, as for every other kt call.
+        let tls = kt_api::tls::rustls_client()
+            .map_err(lost)?
+            .map(tokio_tungstenite::Connector::Rustls);
+        let (ws, _) =
+            tokio_tungstenite::connect_async_tls_with_config(req, Some(config), true, tls)
+                .await
+                .map_err(|e| lost(format!("{url}: {e}")))?;
         Ok(ws)
     }
 

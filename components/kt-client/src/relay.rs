@@ -507,15 +507,22 @@ impl Relay {
         };
         let auth = kt_service::Auth::from(token).with_grant(key, children);
         let app = kt_service::app(routes, auth, Arc::new(Metrics::new()), ready, 1024);
+        // In a pod whose kt serves TLS, the relay does too, with the pod's
+        // certificate (KT_TLS_CERT, KT_TLS_KEY).
+        let tls = kt_service::tls::Tls::from_env()
+            .map_err(|e| ClientError::Local(format!("relay: {e}")))?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let stop = CancellationToken::new();
         let s = stop.clone();
         let task = tokio::spawn(async move {
-            if let Err(e) = kt_service::serve(listener, app, s, Duration::from_secs(1)).await {
+            let served =
+                kt_service::serve_tls(listener, app, s, Duration::from_secs(1), tls.as_ref()).await;
+            if let Err(e) = served {
                 tracing::warn!(error = %e, "relay stopped");
             }
         });
         Ok(Relay {
-            url: format!("http://{addr}"),
+            url: format!("{scheme}://{addr}"),
             board,
             stop,
             task,

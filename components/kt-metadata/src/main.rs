@@ -50,6 +50,7 @@ async fn main() -> anyhow::Result<()> {
     let mut config = kt_metadata::Config::new(args.state_dir.clone(), token);
     config.auth = args.server.auth()?;
     config.max_in_flight = args.server.max_connections;
+    config.tls = args.server.tls()?;
     config.heartbeat_interval = args.heartbeat_interval;
     config.agent_ttl = args.agent_ttl;
     config.lease_ttl = args.lease_ttl;

@@ -134,6 +134,11 @@ pub enum AuthFileError {
     },
     #[error("tokens file {path}: {message}")]
     Invalid { path: String, message: String },
+    /// The client that asks the metadata server cannot be made.
+    #[error(transparent)]
+    Ca(#[from] kt_api::tls::CaError),
+    #[error("http client: {0}")]
+    Client(String),
 }
 
 impl Auth {
@@ -345,14 +350,14 @@ pub struct AskMetadata {
 impl AskMetadata {
     /// The metadata server at `url`, called with `credential` (this
     /// server's own token, which the metadata server reviews in turn).
-    pub fn new(url: &str, credential: kt_api::Credential) -> AskMetadata {
-        let http = reqwest::Client::builder()
+    pub fn new(url: &str, credential: kt_api::Credential) -> Result<AskMetadata, AuthFileError> {
+        let http = kt_api::tls::http_builder()?
             .timeout(Duration::from_secs(10))
             .build()
-            .unwrap_or_default();
-        AskMetadata {
+            .map_err(|e| AuthFileError::Client(e.to_string()))?;
+        Ok(AskMetadata {
             api: kt_api::Api::new(http, url, credential),
-        }
+        })
     }
 }
 

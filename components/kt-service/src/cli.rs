@@ -29,6 +29,13 @@ pub struct ServerArgs {
     /// again as the kubelet rotates it.
     #[arg(long, env = "KT_KUBE_AUTH")]
     pub kube_auth: bool,
+    /// Serve HTTPS with this PEM certificate chain (with --tls-key; read
+    /// again as it is renewed). Clients trust the CAs of KT_CA_FILE.
+    #[arg(long, env = "KT_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "KT_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
     /// Requests served at once; more wait.
     #[arg(long, env = "KT_MAX_CONNECTIONS", default_value_t = 512)]
     pub max_connections: usize,
@@ -56,6 +63,11 @@ impl ServerArgs {
             .transpose()
     }
 
+    /// `--tls-cert` and `--tls-key`, loaded (both or neither).
+    pub fn tls(&self) -> Result<Option<crate::tls::Tls>, crate::tls::TlsError> {
+        crate::tls::Tls::from_args(self.tls_cert.as_deref(), self.tls_key.as_deref())
+    }
+
     /// What the store and agents accept: [`ServerArgs::auth`], and with
     /// `--kube-auth` what the metadata server at `metadata_url` says of
     /// other tokens (asked with `own`, this server's credential).
@@ -68,7 +80,7 @@ impl ServerArgs {
         if !self.kube_auth {
             return Ok(auth);
         }
-        let ask = crate::auth::AskMetadata::new(metadata_url, own.credential());
+        let ask = crate::auth::AskMetadata::new(metadata_url, own.credential())?;
         Ok(Some(crate::Auth::asking(auth, std::sync::Arc::new(ask))))
     }
 }

@@ -8,7 +8,9 @@
 //! - [`metrics`]: Prometheus counters every server exposes on `/metrics`;
 //! - [`reads`]: the read half of the sync protocol (read leases, batch streams,
 //!   ranges) over any [`reads::ReadSource`]: the store and node agents;
-//! - [`telemetry`]: logging set-up and the signal handler.
+//! - [`telemetry`]: logging set-up and the signal handler;
+//! - [`tls`]: HTTPS (`--tls-cert`, `--tls-key`), certificates reloaded as
+//!   they are renewed.
 
 pub mod auth;
 pub mod cli;
@@ -16,6 +18,7 @@ pub mod error;
 pub mod metrics;
 pub mod reads;
 pub mod telemetry;
+pub mod tls;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -98,6 +101,33 @@ pub async fn serve(
     shutdown: CancellationToken,
     drain: std::time::Duration,
 ) -> std::io::Result<()> {
+    serve_tls(listener, app, shutdown, drain, None).await
+}
+
+/// [`serve`], over TLS when `tls` is given ([`tls::TlsListener`]).
+pub async fn serve_tls(
+    listener: TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+    drain: std::time::Duration,
+    tls: Option<&tls::Tls>,
+) -> std::io::Result<()> {
+    match tls {
+        Some(t) => serve_on(tls::TlsListener::new(listener, t)?, app, shutdown, drain).await,
+        None => serve_on(listener, app, shutdown, drain).await,
+    }
+}
+
+async fn serve_on<L>(
+    listener: L,
+    app: Router,
+    shutdown: CancellationToken,
+    drain: std::time::Duration,
+) -> std::io::Result<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
     let stop = shutdown.clone();
     let server =
         axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });

@@ -37,6 +37,7 @@ async fn main() -> anyhow::Result<()> {
     config.advertise_url = args.advertise_url;
     config.chunk_size = args.chunk_size;
     config.max_in_flight = args.server.max_connections;
+    config.tls = args.server.tls()?;
     kt_store::run(listener, config, shutdown).await?;
     Ok(())
 }

@@ -23,7 +23,8 @@ pub struct Registrar {
 
 impl Registrar {
     pub fn new(metadata_url: &str, store_url: &str, token: Token) -> Result<Self, String> {
-        let http = reqwest::Client::builder()
+        let http = kt_api::tls::http_builder()
+            .map_err(|e| e.to_string())?
             .timeout(Duration::from_secs(30))
             .build()
             .map_err(|e| e.to_string())?;

@@ -38,7 +38,7 @@ pub struct StoreHandle {
     pub task: JoinHandle<Result<(), StoreError>>,
 }
 
-fn advertised(addr: SocketAddr, configured: Option<&str>) -> String {
+fn advertised(addr: SocketAddr, configured: Option<&str>, https: bool) -> String {
     if let Some(u) = configured {
         return u.trim_end_matches('/').to_owned();
     }
@@ -50,7 +50,8 @@ fn advertised(addr: SocketAddr, configured: Option<&str>) -> String {
     } else {
         addr.ip().to_string()
     };
-    format!("http://{host}:{}", addr.port())
+    let scheme = if https { "https" } else { "http" };
+    format!("{scheme}://{host}:{}", addr.port())
 }
 
 /// Opens the data directory and starts serving on `listener` in a task.
@@ -61,7 +62,11 @@ pub fn start(
 ) -> Result<StoreHandle, StoreError> {
     kt_sync::chunk::check_chunk_size(cfg.chunk_size)?;
     let keys = Arc::new(Keys::open(&cfg.data_dir, cfg.session_ttl)?);
-    let url = advertised(listener.local_addr()?, cfg.advertise_url.as_deref());
+    let url = advertised(
+        listener.local_addr()?,
+        cfg.advertise_url.as_deref(),
+        cfg.tls.is_some(),
+    );
     let registrar = Arc::new(
         Registrar::new(&cfg.metadata_url, &url, cfg.token.clone()).map_err(StoreError::Config)?,
     );
@@ -145,7 +150,14 @@ async fn serve(
     );
     tracing::info!(addr = %listener.local_addr()?, url = %s.url, data_dir = %s.cfg.data_dir.display(), "store listening");
     let background = tokio::spawn(background(s.clone(), ready, shutdown.clone()));
-    let served = kt_service::serve(listener, app, shutdown.clone(), s.cfg.drain).await;
+    let served = kt_service::serve_tls(
+        listener,
+        app,
+        shutdown.clone(),
+        s.cfg.drain,
+        s.cfg.tls.as_ref(),
+    )
+    .await;
     shutdown.cancel();
     let _ = background.await;
     served?;

@@ -28,6 +28,8 @@ pub struct Config {
     /// Who may call this server (`--auth-file`); `None`: the token alone,
     /// as admin.
     pub auth: Option<kt_service::Auth>,
+    /// Serve HTTPS with this certificate (`--tls-cert`, `--tls-key`).
+    pub tls: Option<kt_service::tls::Tls>,
     /// Files larger than this are moved in chunks of this size (power of two).
     pub chunk_size: u64,
     pub max_in_flight: usize,
@@ -53,6 +55,7 @@ impl Config {
             advertise_url: None,
             token,
             auth: None,
+            tls: None,
             chunk_size: kt_sync::defaults::CHUNK_SIZE,
             max_in_flight: 512,
             max_request_bytes: 256 << 20,

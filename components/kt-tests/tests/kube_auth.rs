@@ -116,7 +116,7 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
 
     // The store and the agent of pod-a ask the metadata server.
     let asking = |token: &str| {
-        let ask = AskMetadata::new(&meta_url, kt_api::Credential::fixed(token));
+        let ask = AskMetadata::new(&meta_url, kt_api::Credential::fixed(token)).unwrap();
         Some(Auth::none().with_reviewer(Arc::new(ask)))
     };
     let store_l = TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -138,7 +138,8 @@ impl Tensors {
         token: kt_service::Token,
         cfg: TensorConfig,
     ) -> Result<Self, String> {
-        let http = reqwest::Client::builder()
+        let http = kt_api::tls::http_builder()
+            .map_err(|e| e.to_string())?
             .timeout(Duration::from_secs(30))
             .build()
             .map_err(|e| e.to_string())?;

@@ -39,6 +39,8 @@ pub struct Config {
     /// Who may call this server (`--auth-file`); `None`: the token alone,
     /// as admin.
     pub auth: Option<kt_service::Auth>,
+    /// Serve HTTPS with this certificate (`--tls-cert`, `--tls-key`).
+    pub tls: Option<kt_service::tls::Tls>,
     /// Requests served at once; more wait.
     pub max_in_flight: usize,
     /// How often expired keys, leases and silent agents are swept.
@@ -62,6 +64,7 @@ impl Config {
             state_dir: state_dir.into(),
             token,
             auth: None,
+            tls: None,
             max_in_flight: 512,
             sweep_interval: Duration::from_secs(5),
             heartbeat_interval: Self::DEFAULT_HEARTBEAT_INTERVAL,
@@ -221,7 +224,8 @@ where
         );
     }
     let groups = Groups::restore(loaded.groups, now_ms());
-    let http = reqwest::Client::builder()
+    let http = kt_api::tls::http_builder()
+        .map_err(|e| MetadataError::Client(e.to_string()))?
         .timeout(Duration::from_secs(60))
         .build()
         .map_err(|e| MetadataError::Client(e.to_string()))?;
@@ -301,7 +305,14 @@ where
     sessions.spawn(attach(Handle(state.clone())));
     let sweeper = tokio::spawn(sweep(state, config.sweep_interval, shutdown.clone()));
     tracing::info!(addr = %listener.local_addr()?, "metadata server listening");
-    let served = kt_service::serve(listener, app, shutdown.clone(), Duration::from_secs(10)).await;
+    let served = kt_service::serve_tls(
+        listener,
+        app,
+        shutdown.clone(),
+        Duration::from_secs(10),
+        config.tls.as_ref(),
+    )
+    .await;
     shutdown.cancel();
     let _ = sweeper.await;
     // Member sessions end on the cancel; none outlives the database.
