@@ -7,11 +7,13 @@
 #     cases of testbed/k8s/cases) against the JSON schemas of the three
 #     newest Kubernetes minors that the pinned kubernetes-validate bundles
 #     and of the kind/k3d testbeds' versions, strictly (unknown fields
-#     fail); CRDs (ServiceMonitor) against testbed/k8s/schemas/;
+#     fail); custom resources (ServiceMonitor, cert-manager's Issuer and
+#     Certificate) against testbed/k8s/schemas/;
 #  3. policy: the rules policy.py states (native sidecar, no default policy
 #     on users' pods, no CRD in an install, PDBs that let nodes drain, a
 #     headless governing Service, claim templates no label reaches,
-#     recommended labels, ephemeral storage, Pod Security restricted...);
+#     recommended labels, ephemeral storage, Pod Security restricted, TLS
+#     that cert-manager can issue and every client speaks...);
 #  4. the release bundle: release-bundle.sh pins every image by digest.
 # Offline once pyenv.sh has installed the tools.
 set -euo pipefail

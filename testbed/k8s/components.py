@@ -1,5 +1,5 @@
 """Generates the kustomization.yaml of the components that inject into
-users' workloads: agent-sidecar, agent-identity and gpu (`make manifests`
+users' workloads: agent-sidecar, agent-identity, agent-tls and gpu (`make manifests`
 runs it; `make manifests-check` fails when the committed files differ).
 
 Why generated: kustomize can only select a workload by kind, and a
@@ -9,7 +9,8 @@ apply). So every injected field is copied once per workload kind, each with
 its own path to the pod spec (a CronJob's is under jobTemplate): about a
 hundred near-identical entries that nobody should write or review by hand.
 What is injected lives in the components' template files (sidecar.yaml,
-identity.yaml, gpu.yaml); this script only says where each piece goes.
+identity.yaml, tls.yaml, gpu.yaml); this script only says where each piece
+goes.
 
 usage: python3 testbed/k8s/components.py [--check]   (stdlib only)
 """
@@ -240,9 +241,66 @@ def agent_identity():
     return "\n".join(lines) + "\n"
 
 
+TLS_DOC = f"""
+For installs with the tls component (see kustomize/examples/tls): the kt
+clients in the pods of every {KINDS_TEXT}
+labelled `kt.dev/agent: sidecar` (the kinds agent-sidecar injects into)
+speak https:// to the metadata server and the store, which then refuse
+plain HTTP. The agent and the workload's first container get KT_CA_FILE
+(the CA they trust) and an https:// KT_METADATA_URL, and mount the pod
+volume `kt-tls` (cert-manager's csi-driver, which must be installed;
+Issuer kt-ca of the pod's namespace) at /etc/kt/tls, for its ca.crt.
+Nothing in the pod serves TLS: no KT_TLS_CERT or KT_TLS_KEY, so the agent
+(8090) and the broadcast relays of `kt get --broadcast` serve plain HTTP,
+and the agent's probes stay HTTP. Peers reach them at their pod IP, which
+the csi-driver cannot put in a certificate, so agent-to-agent and relay
+traffic (peer-to-peer gets, broadcast trees; tensor traffic, raw TCP or
+NCCL, has no TLS anyway) stays plaintext on the pod network until kt
+verifies agent certificates by pod name: restrict it meanwhile with a
+NetworkPolicy (the agent-networkpolicy component). See tls.yaml.
+List it AFTER agent-sidecar, and again wherever agent-sidecar is listed
+again (a later agent-sidecar replaces the agent and puts the http:// URLs
+back).
+Like agent-sidecar it emits no resource, so it may be listed at several
+levels of one build. Leave it out over installs without the tls component.
+"""
+
+TLS_TEMPLATE = "kt-agent-tls-template"
+# No KT_TLS_CERT/KT_TLS_KEY, no HTTPS probes: the pod's kt serves plain
+# HTTP (see TLS_DOC).
+TLS_ENV = ["KT_METADATA_URL", "KT_CA_FILE"]
+
+
+def agent_tls():
+    t = TLS_TEMPLATE
+    agent = "spec.template.spec.initContainers.[name=kt-agent]"
+    workload = "spec.template.spec.containers.[name=workload]"
+    lines = component_head("tls.yaml", TLS_DOC)
+    lines += replacement(t, "spec.template.spec.volumes.[name=kt-tls]",
+                         "volumes.[name=kt-tls]",
+                         "Pod volume kt-tls: the CA's certificate (ca.crt), from the csi-driver.")
+    for e in TLS_ENV:
+        lines += replacement(t, f"{agent}.env.[name={e}]",
+                             f"initContainers.[name=kt-agent].env.[name={e}]",
+                             f"The agent sidecar: {e}.")
+    lines += replacement(t, f"{agent}.volumeMounts.[name=kt-tls]",
+                         "initContainers.[name=kt-agent].volumeMounts.[name=kt-tls]",
+                         "The agent sidecar: mount of kt-tls.")
+    for e in TLS_ENV:
+        lines += replacement(t, f"{workload}.env.[name={e}]",
+                             f"containers.0.env.[name={e}]",
+                             f"The workload's first container: {e}.")
+    lines += replacement(t, f"{workload}.volumeMounts.[name=kt-tls]",
+                         "containers.0.volumeMounts.[name=kt-tls]",
+                         "The workload's first container: mount of kt-tls.")
+    lines += drop_template(t)
+    return "\n".join(lines) + "\n"
+
+
 FILES = {
     COMPONENTS / "agent-sidecar" / "kustomization.yaml": agent_sidecar,
     COMPONENTS / "agent-identity" / "kustomization.yaml": agent_identity,
+    COMPONENTS / "agent-tls" / "kustomization.yaml": agent_tls,
     COMPONENTS / "gpu" / "kustomization.yaml": gpu,
 }
 

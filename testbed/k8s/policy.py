@@ -17,10 +17,25 @@ nothing there may refer to the static kt-token Secret, every kt server and
 agent checks tokens the same way, kt's projected tokens are for the
 audience kt and live an hour at most, and the metadata server may create
 TokenReviews and reads an access map that the bundle carries.
+
+A container with KT_TLS_CERT serves HTTPS (the tls component: the
+metadata server and the store; examples/tls): its certificate and key come
+as a pair from cert-manager, on a volume it mounts read-only (a
+Certificate's Secret); its pod's kt URLs are https://, its probes HTTPS;
+the servers' certificates name what clients call them. Every https://
+client trusts a CA file (for the workloads' pods, agent-tls: the ca.crt of
+cert-manager's csi-driver volume, with attributes the driver accepts), and
+a kt server that serves plain HTTP has HTTP probes and advertises http://.
+In one bundle the servers and their clients agree on TLS or none; the
+agents and the broadcast relays in the workloads' `kt` serve plain HTTP
+either way: peers reach them by pod IP, which no certificate of theirs can
+name (the csi-driver cannot put the pod's IP in it), so one that served
+TLS would be refused by every peer.
 """
 
 import argparse
 import pathlib
+import re
 import sys
 
 import yaml
@@ -43,7 +58,10 @@ RECOMMENDED = ["name", "instance", "version", "component", "part-of", "managed-b
 TRANSFORMED = {"app.kubernetes.io/instance", "app.kubernetes.io/version",
                "app.kubernetes.io/managed-by"}
 KT_SERVERS = {"kt-metadata", "kt-store"}
-CRD_GROUPS = {"monitoring.coreos.com"}
+# API groups of custom resources: an object of one needs its CRDs, which an
+# operator (the Prometheus Operator, cert-manager) installs first. kt ships
+# no CRD itself (apiextensions.k8s.io CustomResourceDefinition), anywhere.
+CRD_GROUPS = {"monitoring.coreos.com", "cert-manager.io"}
 AGENT = "kt-agent"
 # The static token: a Secret the operator creates for the installs without
 # kube identity (kube-identity: projected ServiceAccount tokens instead).
@@ -59,6 +77,24 @@ VERIFIERS = {"kt-metadata", "kt-store", AGENT}
 # The access map's vocabulary (kt_types::auth::AccessMap).
 ROLES = {"admin", "store", "agent", "workload", "pod"}
 RULE_FIELDS = {"serviceAccount", "namespace", "role", "services", "podService"}
+# TLS (the tls and agent-tls components): the variables of a server's
+# certificate, its key and the CA its clients trust, and the file
+# cert-manager writes each to (a Certificate's Secret, or the csi-driver's
+# volume, whose attribute may rename it).
+TLS_FILES = {"KT_TLS_CERT": ("tls.crt", "certificate-file"),
+             "KT_TLS_KEY": ("tls.key", "privatekey-file"),
+             "KT_CA_FILE": ("ca.crt", "ca-file")}
+# kt's URLs: https:// wherever the pod serves TLS (and only where the
+# server serves it).
+URL_ENV = ("KT_METADATA_URL", "KT_ADVERTISE_URL")
+PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+CSI_DRIVER = "csi.cert-manager.io"
+CSI = CSI_DRIVER + "/"
+# The csi-driver expands ${VAR} in these attributes only, and knows only
+# these variables (the pod has no IP yet when its volumes are mounted): any
+# other `${` fails the mount, and the pod never starts.
+CSI_EXPANDED = {"dns-names", "uri-sans", "common-name", "literal-subject"}
+CSI_VARS = {"POD_NAME", "POD_NAMESPACE", "POD_UID", "SERVICE_ACCOUNT_NAME"}
 
 
 def dig(d, *path):
@@ -137,6 +173,43 @@ def mount_of(c, spec, file_path):
         return None, None
     vol = next((v for v in spec.get("volumes") or [] if v.get("name") == best[1]), None)
     return vol, file_path[len(best[0]) + 1:]
+
+
+def mount_entry(c, file_path):
+    """The volumeMount of a container that a file path lies under (the
+    deepest), or None."""
+    best = None
+    for m in c.get("volumeMounts") or []:
+        mp = (m.get("mountPath") or "").rstrip("/")
+        if file_path.startswith(mp + "/") and (
+                best is None or len(mp) > len(best.get("mountPath", "").rstrip("/"))):
+            best = m
+    return best
+
+
+def env_with(c, configmaps):
+    """A container's environment as its process sees it, so far as the
+    bundle says: its envFrom ConfigMaps (of the bundle), then its env."""
+    out = {}
+    for e in c.get("envFrom") or []:
+        data = configmaps.get(dig(e, "configMapRef", "name")) or {}
+        out.update({(e.get("prefix") or "") + k: v for k, v in data.items()})
+    out.update(env_of(c))
+    return out
+
+
+def url_host(url):
+    rest = url.split("://", 1)[-1]
+    return rest.split("/", 1)[0].rsplit(":", 1)[0] if rest else ""
+
+
+def csi_attrs(vol):
+    """The volume attributes of a cert-manager csi-driver volume (without
+    the csi.cert-manager.io/ prefix), or None for any other volume."""
+    if dig(vol, "csi", "driver") != CSI_DRIVER:
+        return None
+    return {k[len(CSI):]: v for k, v in (dig(vol, "csi", "volumeAttributes") or {}).items()
+            if k.startswith(CSI)}
 
 
 def secret_refs(spec):
@@ -426,6 +499,279 @@ class Checker:
                           f"kt's own ServiceAccount {sa} is {got or 'in no rule'}, not "
                           f"{' or '.join(sorted(want))}: {why}")
 
+    # --- TLS: cert-manager's certificates ---------------------------------
+
+    def tls(self, where, spec, configmaps):
+        """A container's TLS files are a pair, on volumes it mounts read-only,
+        each the file cert-manager writes for it; a pod that serves TLS calls
+        kt at https:// URLs, with a CA to trust; a kt server's probes speak
+        what it serves; every https:// URL has a CA to trust; nothing in an
+        agent's pod serves TLS (yet); cert-manager's csi-driver gets
+        attributes it accepts."""
+        psc = spec.get("securityContext") or {}
+        pod_tls = any(env_with(c, configmaps).get("KT_TLS_CERT") for c in containers(spec))
+        # A pod with the agent: the agent, and the workload whose `kt` runs
+        # broadcast relays (which serve TLS whenever KT_TLS_CERT is set).
+        agent_pod = any(c.get("name") == AGENT for c in containers(spec))
+        for v in spec.get("volumes") or []:
+            attrs = csi_attrs(v)
+            if attrs is None:
+                continue
+            at = f"volume {v.get('name')}"
+            if dig(v, "csi", "readOnly") is not True:
+                self.fail(where, "tls-csi",
+                          f"{at}: the csi-driver mounts read-only volumes only (readOnly: true)")
+            if not attrs.get("issuer-name"):
+                self.fail(where, "tls-csi", f"{at}: no {CSI}issuer-name")
+            for k, val in sorted(attrs.items()):
+                if "${" not in str(val):
+                    continue
+                if k not in CSI_EXPANDED:
+                    self.fail(where, "tls-csi",
+                              f"{at}: {CSI}{k} {val!r}: the csi-driver expands no variable "
+                              "there: the mount fails and the pod never starts (it has no IP "
+                              "yet when its volumes are mounted: name the pod in dns-names)")
+                    continue
+                unknown = sorted(set(re.findall(r"\$\{([^}]*)\}", str(val))) - CSI_VARS)
+                if unknown:
+                    self.fail(where, "tls-csi",
+                              f"{at}: {CSI}{k} uses {', '.join(unknown)}, which the csi-driver "
+                              f"does not know (only {', '.join(sorted(CSI_VARS))}): the mount "
+                              "fails")
+            # The driver writes its files 0440, root's, of the group fs-group:
+            # a non-root container reads them only as that group.
+            for c in containers(spec):
+                if not any(m.get("name") == v.get("name") for m in c.get("volumeMounts") or []):
+                    continue
+                group = dig(c, "securityContext", "runAsGroup")
+                groups = {group if group is not None else psc.get("runAsGroup"),
+                          psc.get("fsGroup"), *(psc.get("supplementalGroups") or [])} - {None}
+                if not groups:
+                    continue  # the image's group: the bundle does not say
+                fs_group = attrs.get("fs-group")
+                if fs_group is None or not str(fs_group).isdigit() or int(fs_group) not in groups:
+                    self.fail(where, "tls-csi",
+                              f"{at}: container {c.get('name')} cannot read the certificate's "
+                              f"files (0440, group {fs_group or 'root'}): it runs as group(s) "
+                              f"{', '.join(map(str, sorted(groups)))} (set {CSI}fs-group to "
+                              "one of them)")
+        for c in containers(spec):
+            name = c.get("name")
+            env = env_with(c, configmaps)
+            cert, key, ca = (env.get(k) for k in ("KT_TLS_CERT", "KT_TLS_KEY", "KT_CA_FILE"))
+            if bool(cert) != bool(key):
+                self.fail(where, "tls-files",
+                          f"container {name} has {'KT_TLS_CERT' if cert else 'KT_TLS_KEY'} "
+                          f"without {'KT_TLS_KEY' if cert else 'KT_TLS_CERT'}: it needs both to "
+                          "serve HTTPS")
+            if agent_pod and (cert or key):
+                # agent-tls makes the pod's kt a TLS client only. Peers call
+                # an agent or a relay at https://<pod IP>:<port> and check
+                # the certificate against that IP, which the csi-driver
+                # cannot put in it: every peer would refuse this one. Until
+                # kt verifies agents by pod name, they serve plain HTTP.
+                self.fail(where, "tls-agents",
+                          f"container {name} of an agent's pod has "
+                          f"{'KT_TLS_CERT' if cert else 'KT_TLS_KEY'}: the agent (or the "
+                          "broadcast relays of its `kt`) would serve HTTPS with a certificate "
+                          "that does not name the pod's IP, which its peers call it by")
+            for var, want in TLS_FILES.items():
+                path = env.get(var)
+                if not path:
+                    continue
+                m = mount_entry(c, path)
+                vol, rel = mount_of(c, spec, path)
+                if vol is None:
+                    self.fail(where, "tls-files",
+                              f"container {name}: {var} {path} is on no volume it mounts")
+                    continue
+                if not m.get("readOnly"):
+                    self.fail(where, "tls-files",
+                              f"container {name}: {var} {path} is on a mount it may write to "
+                              f"({m.get('mountPath')}): mount volume {vol.get('name')} read-only")
+                attrs = csi_attrs(vol)
+                if attrs is not None:
+                    file = attrs.get(want[1], want[0])
+                elif vol.get("secret") is not None:
+                    # The Secret's key behind the file (items may rename it).
+                    items = dig(vol, "secret", "items") or []
+                    rel = next((i.get("key") for i in items if i.get("path") == rel), rel)
+                    file = want[0]
+                else:
+                    self.fail(where, "tls-files",
+                              f"container {name}: {var} {path} is on volume {vol.get('name')}, "
+                              "neither a Secret (of a cert-manager Certificate) nor the "
+                              "csi-driver's: nothing renews it")
+                    continue
+                if rel != file:
+                    self.fail(where, "tls-files",
+                              f"container {name}: {var} {path} is {rel} of volume "
+                              f"{vol.get('name')}, where cert-manager writes {var}'s file to "
+                              f"{file}")
+            if name in VERIFIERS:
+                for p in PROBES:
+                    hg = dig(c, p, "httpGet")
+                    if hg is None:
+                        continue
+                    scheme = hg.get("scheme", "HTTP")
+                    if cert and scheme != "HTTPS":
+                        self.fail(where, "tls-probes",
+                                  f"container {name} serves HTTPS (KT_TLS_CERT) but its {p} "
+                                  f"speaks {scheme}: the probe fails and the pod never gets "
+                                  "ready")
+                    if not cert and scheme == "HTTPS":
+                        self.fail(where, "tls-probes",
+                                  f"container {name} serves plain HTTP (no KT_TLS_CERT) but its "
+                                  f"{p} speaks HTTPS: the probe fails")
+                if cert and not ca:
+                    self.fail(where, "tls-ca",
+                              f"container {name} serves HTTPS but has no KT_CA_FILE: its calls to "
+                              "the other kt servers, at https://, would trust nothing")
+            for var in URL_ENV:
+                url = env.get(var)
+                if not url:
+                    continue
+                if pod_tls and not url.startswith("https://"):
+                    self.fail(where, "tls-urls",
+                              f"container {name}: {var} {url} is not https:// in a pod with "
+                              "TLS")
+                if url.startswith("https://") and not ca:
+                    self.fail(where, "tls-ca",
+                              f"container {name}: {var} is https:// but there is no KT_CA_FILE: "
+                              "it would not trust kt's CA")
+            url = env.get("KT_ADVERTISE_URL")
+            if url and url.startswith("https://") and not cert:
+                self.fail(where, "tls-urls",
+                          f"container {name} advertises {url} but serves plain HTTP (no "
+                          "KT_TLS_CERT)")
+
+    def tls_bundle(self, path, docs, pods, configmaps):
+        """The issuers and certificates of a bundle hang together: each
+        Certificate's Issuer and each CA Issuer's CA are in it; the servers
+        serve their own Certificate's Secret (never the CA's), whose names
+        are those clients call them by, in the bundle's namespace; the csi
+        volumes ask an Issuer of their pod's namespace; and the servers (the
+        metadata server and the store), their clients and the scrapes agree
+        on https:// or http://. Not the agents: they serve plain HTTP in
+        every bundle (see tls(), "tls-agents"), and their callers follow the
+        scheme each one advertises."""
+        issuers = {(dig(d, "metadata", "namespace"), dig(d, "metadata", "name")): d
+                   for d in docs if d.get("kind") == "Issuer"
+                   and d.get("apiVersion", "").startswith("cert-manager.io/")}
+        certs = [d for d in docs if d.get("kind") == "Certificate"
+                 and d.get("apiVersion", "").startswith("cert-manager.io/")]
+        by_secret = {(dig(d, "metadata", "namespace"), dig(d, "spec", "secretName")): d
+                     for d in certs}
+        services = {dig(d, "metadata", "name") for d in docs if d.get("kind") == "Service"}
+        for d in certs:
+            where = f"{path}: {ident(d)}"
+            ns = dig(d, "metadata", "namespace")
+            ref = dig(d, "spec", "issuerRef") or {}
+            if ref.get("kind", "Issuer") == "Issuer" and (ns, ref.get("name")) not in issuers:
+                self.fail(where, "tls-issuer",
+                          f"its Issuer {ref.get('name')} is not in the bundle (namespace {ns}): "
+                          "the certificate is never issued")
+            for n in dig(d, "spec", "dnsNames") or []:
+                parts = n.split(".")
+                for i, label in enumerate(parts[:-1]):
+                    if label in services and parts[i + 1] != "svc" and parts[i + 1] != ns:
+                        self.fail(where, "tls-namespace",
+                                  f"dnsName {n} names the namespace {parts[i + 1]!r}, the "
+                                  f"Certificate and its Service are in {ns!r} (kustomize's "
+                                  "namespace: does not rewrite dnsNames: patch them)")
+                        break
+        for (ns, name), d in issuers.items():
+            secret = dig(d, "spec", "ca", "secretName")
+            if secret is None:
+                continue
+            ca = by_secret.get((ns, secret))
+            if ca is None or dig(ca, "spec", "isCA") is not True:
+                self.fail(f"{path}: {ident(d)}", "tls-issuer",
+                          f"its CA Secret {secret} is no isCA Certificate's of the bundle: "
+                          "nothing creates (or renews) it")
+        meta_tls = None   # does the bundle's metadata server serve HTTPS?
+        for d, _ in pods:
+            spec = dig(pod_template(d), "spec") or {}
+            where = f"{path}: {ident(d)}"
+            ns = dig(d, "metadata", "namespace")
+            for v in spec.get("volumes") or []:
+                attrs = csi_attrs(v)
+                if attrs is None or not issuers:
+                    continue
+                if attrs.get("issuer-kind", "Issuer") == "Issuer" and (
+                        ns, attrs.get("issuer-name")) not in issuers:
+                    self.fail(where, "tls-issuer",
+                              f"volume {v.get('name')} asks the Issuer "
+                              f"{attrs.get('issuer-name')}, which is not in the pod's namespace "
+                              f"{ns}: the pod never starts")
+            for c in containers(spec):
+                env = env_with(c, configmaps)
+                cert = env.get("KT_TLS_CERT")
+                if dig(d, "metadata", "name") == "kt-metadata" and c.get("name") == "kt-metadata":
+                    meta_tls = bool(cert)
+                if not cert or not certs:
+                    continue
+                vol, _ = mount_of(c, spec, cert)
+                secret = dig(vol or {}, "secret", "secretName")
+                if secret is None:
+                    continue
+                owner = by_secret.get((ns, secret))
+                if owner is None:
+                    self.fail(where, "tls-secret",
+                              f"container {c.get('name')} serves the Secret {secret}, which no "
+                              "Certificate of the bundle writes: nothing renews it")
+                    continue
+                if dig(owner, "spec", "isCA") is True:
+                    self.fail(where, "tls-secret",
+                              f"container {c.get('name')} serves the CA's own Secret {secret}: "
+                              "the CA's key would sign for anyone who reads it")
+                names = set(dig(owner, "spec", "dnsNames") or [])
+                if c.get("name") == "kt-store" and env.get("KT_ADVERTISE_URL"):
+                    host = url_host(env["KT_ADVERTISE_URL"])
+                    if host not in names:
+                        self.fail(where, "tls-names",
+                                  f"container kt-store advertises {host}, which its certificate "
+                                  f"{ident(owner)} does not name: clients refuse it")
+                if c.get("name") == "kt-metadata":
+                    for d2, _ in pods:
+                        for c2 in containers(dig(pod_template(d2), "spec") or {}):
+                            u = env_with(c2, configmaps).get("KT_METADATA_URL")
+                            if u and url_host(u) not in names:
+                                self.fail(f"{path}: {ident(d2)}", "tls-names",
+                                          f"container {c2.get('name')} calls the metadata "
+                                          f"server at {url_host(u)}, which its certificate "
+                                          f"{ident(owner)} does not name")
+        if meta_tls is None:
+            return
+        # "TLS or none" binds the servers and every client of theirs (the
+        # agents and the workloads' `kt` included, as clients), never what
+        # the agents serve: peers reach an agent or a relay by pod IP, which
+        # its certificate cannot name, so agents serve plain HTTP even in a
+        # bundle with TLS.
+        for d, _ in pods:
+            for c in containers(dig(pod_template(d), "spec") or {}):
+                if c.get("name") == "kt-store" and bool(
+                        env_with(c, configmaps).get("KT_TLS_CERT")) != meta_tls:
+                    self.fail(f"{path}: {ident(d)}", "tls-mode",
+                              "container kt-store serves "
+                              + ("plain HTTP, but the metadata server HTTPS" if meta_tls
+                                 else "HTTPS, but the metadata server plain HTTP")
+                              + ": the tls component switches both")
+                u = env_with(c, configmaps).get("KT_METADATA_URL")
+                if u and u.startswith("https://") != meta_tls:
+                    self.fail(f"{path}: {ident(d)}", "tls-mode",
+                              f"container {c.get('name')}: KT_METADATA_URL {u}, but the "
+                              "metadata server serves "
+                              + ("HTTPS (the tls component; workloads: list agent-tls after "
+                                 "agent-sidecar)" if meta_tls else "plain HTTP"))
+        for d in docs:
+            if d.get("kind") == "ServiceMonitor" and meta_tls:
+                for ep in dig(d, "spec", "endpoints") or []:
+                    if ep.get("scheme", "http") != "https":
+                        self.fail(f"{path}: {ident(d)}", "tls-mode",
+                                  f"endpoint {ep.get('port')} scrapes http://, which the "
+                                  "servers with TLS refuse")
+
     # --- rules over a whole file -----------------------------------------
 
     def check_file(self, path, docs):
@@ -434,6 +780,8 @@ class Checker:
         default_install = install and stem in DEFAULT_INSTALLS
         case = path.parent.name == "cases"
         services = {dig(d, "metadata", "name"): d for d in docs if d.get("kind") == "Service"}
+        configmaps = {dig(d, "metadata", "name"): d.get("data") or {}
+                      for d in docs if d.get("kind") == "ConfigMap"}
         pods = []  # (doc, template labels)
         # Kube identity (kube-identity): the metadata server reviews tokens,
         # and every kt server, agent and scrape must do without the Secret.
@@ -456,12 +804,17 @@ class Checker:
                 self.fail(where, "no-crds",
                           f"{group} needs an operator's CRDs: an install may not include it "
                           "(make it an opt-in component)")
+            if kind == "CustomResourceDefinition":
+                self.fail(where, "no-crds",
+                          "a CRD: kt's bundles use custom resources (opt-in), but their CRDs "
+                          "are the operator's to install and upgrade, never kt's")
             if tpl is not None:
                 spec = tpl.get("spec") or {}
                 kt_pod = is_kt(d)
                 self.sidecar(where, spec)
                 self.volumes(where, spec, kt_pod)
                 self.tokens(where, spec, kube_bundle)
+                self.tls(where, spec, configmaps)
                 if not case:
                     self.restricted(where, spec)
                 pods.append((d, dig(tpl, "metadata", "labels") or {}))
@@ -520,6 +873,7 @@ class Checker:
         for d in docs:
             if d.get("kind") == "PodDisruptionBudget":
                 self.pdb(f"{path}: {ident(d)}", d, pods)
+        self.tls_bundle(path, docs, pods, configmaps)
         if metas:
             # One way of checking tokens per install: a verifier in the other
             # mode refuses every caller.

@@ -4,8 +4,10 @@ Core kinds: kubernetes-validate's bundled JSON schemas (strict: unknown
 fields are errors) of the three newest Kubernetes minor versions it ships,
 and of the versions the kind and k3d testbeds run (their node images,
 pinned in testbed/kind/cluster.yaml and testbed/k3d/config.yaml).
-CRDs: the small schemas in schemas/ (<kind>-<group>-<version>.json); a kind
-with neither fails the run.
+Custom resources (of the CRDs that operators install: the Prometheus
+Operator's ServiceMonitor, cert-manager's Issuer and Certificate): the small
+schemas in schemas/ (<kind>-<first label of the group>-<version>.json); a
+kind with neither fails the run.
 
 usage: python validate.py FILE...   (prints one line per file; exit 1 on any error)
 """
@@ -20,8 +22,9 @@ import yaml
 from kubernetes_validate import utils
 
 HERE = pathlib.Path(__file__).resolve().parent
-# API groups that are CRDs, validated against schemas/ instead.
-CRD_GROUPS = {"monitoring.coreos.com"}
+# API groups of custom resources (their CRDs come with an operator),
+# validated against schemas/ instead.
+CRD_GROUPS = {"monitoring.coreos.com", "cert-manager.io"}
 
 
 TESTBEDS = [HERE.parent / "kind" / "cluster.yaml", HERE.parent / "k3d" / "config.yaml"]
