@@ -15,6 +15,9 @@ use tokio_util::sync::CancellationToken;
 const ADMIN: &str = "admin-token-0123456789";
 const STORE: &str = "store-token-0123456789";
 const AGENT: &str = "agent-token-pod-a-0123";
+/// Agents pod-b and pod-c (quorum membership).
+const AGENT_B: &str = "agent-token-pod-b-0123";
+const AGENT_C: &str = "agent-token-pod-c-0123";
 const WORKLOAD: &str = "workload-token-0123456";
 /// A workload given service `train` alone.
 const TRAIN: &str = "workload-train-0123456";
@@ -43,6 +46,8 @@ fn auth_file(dir: &std::path::Path) -> Auth {
             grant(ADMIN, Role::Admin, None),
             grant(STORE, Role::Store, None),
             grant(AGENT, Role::Agent, Some("pod-a")),
+            grant(AGENT_B, Role::Agent, Some("pod-b")),
+            grant(AGENT_C, Role::Agent, Some("pod-c")),
             grant(WORKLOAD, Role::Workload, None),
             grant(POD, Role::Pod, Some("pod-a")),
             Grant {
@@ -402,6 +407,115 @@ async fn agents_act_as_themselves_and_workloads_within_their_services() {
             want,
             "{method} {path}"
         );
+    }
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
+}
+
+/// A quorum transfer answers only its members: rank 0 publishes the
+/// rendezvous, members read it, each rank reports for itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_transfers_answer_only_their_members() {
+    use kt_types::tensor::{
+        BackendKind, DType, QuorumJoin, QuorumKey, QuorumPlan, QuorumRole, TensorDesc, TensorMeta,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let stop = CancellationToken::new();
+    let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", meta_l.local_addr().unwrap());
+    let mut meta = kt_metadata::Config::new(dir.path().join("meta"), Token::new(ADMIN).unwrap());
+    meta.auth = Some(auth_file(dir.path()));
+    let s = stop.clone();
+    let task = tokio::spawn(async move {
+        kt_metadata::run(meta_l, meta, s).await.unwrap();
+    });
+    let _running = Running(stop.clone(), Vec::new());
+    let http = reqwest::Client::new();
+    let window = kt_types::BroadcastWindow {
+        world_size: Some(2),
+        timeout_secs: Some(60.0),
+        ..kt_types::BroadcastWindow::default()
+    };
+    let keys = vec![QuorumKey {
+        key: kt_types::Key::parse("q/w").unwrap(),
+        version: "v1".into(),
+        tensors: vec![TensorDesc {
+            name: "w".into(),
+            meta: TensorMeta::new(DType::F32, [4]),
+        }],
+    }];
+    let join = |agent: &str, token: &'static str, role: QuorumRole, n: u8| {
+        let body = QuorumJoin {
+            agent: agent.into(),
+            ip: format!("10.0.0.{n}"),
+            endpoint: format!("10.0.0.{n}:8100"),
+            backend: BackendKind::Host,
+            role,
+            window: window.clone(),
+            comms: Vec::new(),
+        };
+        let req = http
+            .post(format!("{url}/api/v1/quorums/g/join"))
+            .bearer_auth(token)
+            .json(&body);
+        async move {
+            let r = req.send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.json::<QuorumPlan>().await.unwrap()
+        }
+    };
+    let (a, b) = tokio::join!(
+        join("pod-a", AGENT, QuorumRole::Put { keys: keys.clone() }, 1),
+        join("pod-b", AGENT_B, QuorumRole::Get { keys }, 2),
+    );
+    let id = a.plan.id.clone();
+    let token_of_rank = |r: u32| if r == a.rank { AGENT } else { AGENT_B };
+    let (rank0, rank1) = (token_of_rank(0), token_of_rank(1));
+    let call = |method: &str, path: &str, token: &str, body: Option<serde_json::Value>| {
+        let mut r = http
+            .request(
+                reqwest::Method::from_bytes(method.as_bytes()).unwrap(),
+                format!("{url}/api/v1/quorums/g/{id}/{path}"),
+            )
+            .bearer_auth(token);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        async move { r.send().await.unwrap().status().as_u16() }
+    };
+    let blob = serde_json::json!({"blob": "00ff"});
+    assert_eq!(b.plan.id, id);
+    // Outsiders and other ranks are refused, and change nothing.
+    assert_eq!(
+        call("PUT", "rendezvous", rank1, Some(blob.clone())).await,
+        403
+    );
+    assert_eq!(
+        call("PUT", "rendezvous", AGENT_C, Some(blob.clone())).await,
+        403
+    );
+    assert_eq!(
+        call("GET", "rendezvous?wait_ms=0", AGENT_C, None).await,
+        403
+    );
+    assert_eq!(
+        call("GET", "rendezvous?wait_ms=0", rank1, None).await,
+        503,
+        "nothing published"
+    );
+    for (token, rank) in [(rank1, 0), (AGENT_C, 1)] {
+        let done = serde_json::json!({"rank": rank});
+        assert_eq!(call("POST", "done", token, Some(done)).await, 403);
+    }
+    // Members do their part.
+    assert_eq!(
+        call("PUT", "rendezvous", rank0, Some(blob.clone())).await,
+        200
+    );
+    assert_eq!(call("GET", "rendezvous?wait_ms=0", rank1, None).await, 200);
+    for (token, rank) in [(rank0, 0), (rank1, 1)] {
+        let done = serde_json::json!({"rank": rank});
+        assert_eq!(call("POST", "done", token, Some(done)).await, 200);
     }
     stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(15), task).await;

@@ -36,6 +36,8 @@ struct Open {
 #[derive(Debug)]
 struct Transfer {
     world: u32,
+    /// The agent of each rank (who may publish, read and report).
+    agents: Vec<String>,
     closed_at: Instant,
     completed_at: Option<Instant>,
     rendezvous: watch::Sender<Option<String>>,
@@ -46,9 +48,10 @@ struct Transfer {
 }
 
 impl Transfer {
-    fn new(world: u32, now: Instant) -> Transfer {
+    fn new(agents: Vec<String>, now: Instant) -> Transfer {
         Transfer {
-            world,
+            world: agents.len() as u32,
+            agents,
             closed_at: now,
             completed_at: None,
             rendezvous: watch::channel(None).0,
@@ -191,7 +194,8 @@ impl Quorums {
                     refused = closing.errors.len(),
                     "quorum closed"
                 );
-                let tr = Transfer::new(plan.ranks.len() as u32, Instant::now());
+                let agents = plan.ranks.iter().map(|r| r.agent.clone()).collect();
+                let tr = Transfer::new(agents, Instant::now());
                 self.lock().transfers.insert((group.to_owned(), id), tr);
             }
             None => tracing::info!(
@@ -297,6 +301,14 @@ impl Quorums {
         }
         drop(st);
         self.membership.send_modify(|n| *n += 1);
+    }
+
+    /// The agent of each rank of transfer `id` (the routes let only them
+    /// publish, read the rendezvous and report).
+    pub fn agents(&self, group: &str, id: &str) -> Result<Vec<String>, QuorumError> {
+        let mut st = self.lock();
+        st.gc(Instant::now());
+        Ok(st.transfer(group, id)?.agents.clone())
     }
 
     /// `PUT …/rendezvous`: rank 0's bootstrap blob, once.

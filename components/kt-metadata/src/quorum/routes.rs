@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path, Query, State};
 use axum::routing::{get, post};
 use kt_service::{ApiError, ApiJson};
+use kt_types::auth::Principal;
 use kt_types::tensor::{QuorumDone, QuorumInfo, QuorumJoin, QuorumPlan, QuorumStatus, Rendezvous};
 use serde::Deserialize;
 
@@ -79,7 +80,7 @@ async fn info(
 
 async fn join(
     State(q): State<Arc<Quorums>>,
-    axum::extract::Extension(who): axum::extract::Extension<kt_types::auth::Principal>,
+    Extension(who): Extension<Principal>,
     Path(group): Path<String>,
     ApiJson(j): ApiJson<QuorumJoin>,
 ) -> Result<ApiJson<QuorumPlan>, ApiError> {
@@ -100,29 +101,65 @@ async fn join(
     Ok(ApiJson(q.join(&group, j).await?))
 }
 
+/// The caller, which must be the agent of one of `ranks` of transfer
+/// `id` (all of them: `None`).
+fn member_of(
+    q: &Quorums,
+    who: &Principal,
+    group: &str,
+    id: &str,
+    rank: Option<u32>,
+) -> Result<(), ApiError> {
+    let agents = q.agents(group, id)?;
+    let ok = match rank {
+        Some(r) => agents.get(r as usize).is_none_or(|a| who.is_agent(a)),
+        None => agents.iter().any(|a| who.is_agent(a)),
+    };
+    if ok {
+        return Ok(());
+    }
+    let what = match rank {
+        Some(r) => format!("rank {r} of"),
+        None => "a member of".to_owned(),
+    };
+    Err(kt_service::forbidden(format!(
+        "this token's agent {:?} is not {what} transfer {id} of quorum {group}",
+        who.name.as_deref().unwrap_or_default()
+    )))
+}
+
 async fn put_rendezvous(
     State(q): State<Arc<Quorums>>,
+    Extension(who): Extension<Principal>,
     Path((group, id)): Path<(String, String)>,
     ApiJson(r): ApiJson<Rendezvous>,
 ) -> Result<ApiJson<Rendezvous>, ApiError> {
+    // Rank 0 bootstraps the communicator.
+    member_of(&q, &who, &group, &id, Some(0))?;
     q.publish(&group, &id, r.clone())?;
     Ok(ApiJson(r))
 }
 
 async fn get_rendezvous(
     State(q): State<Arc<Quorums>>,
+    Extension(who): Extension<Principal>,
     Path((group, id)): Path<(String, String)>,
     w: Result<Query<Wait>, QueryRejection>,
 ) -> Result<ApiJson<Rendezvous>, ApiError> {
     let wait = wait(w, DEFAULT_WAIT_MS)?;
+    member_of(&q, &who, &group, &id, None)?;
     Ok(ApiJson(q.rendezvous(&group, &id, wait).await?))
 }
 
 async fn done(
     State(q): State<Arc<Quorums>>,
+    Extension(who): Extension<Principal>,
     Path((group, id)): Path<(String, String)>,
     ApiJson(d): ApiJson<QuorumDone>,
 ) -> Result<ApiJson<QuorumStatus>, ApiError> {
+    // A rank reports for itself (a rank out of range is the coordinator's
+    // `invalid_request`).
+    member_of(&q, &who, &group, &id, Some(d.rank))?;
     Ok(ApiJson(q.done(&group, &id, d)?))
 }
 
