@@ -76,7 +76,7 @@ TOKEN_SECONDS = (600, 3600)
 VERIFIERS = {"kt-metadata", "kt-store", AGENT}
 # The access map's vocabulary (kt_types::auth::AccessMap).
 ROLES = {"admin", "store", "agent", "workload", "pod"}
-RULE_FIELDS = {"serviceAccount", "namespace", "role", "services", "podService"}
+RULE_FIELDS = {"serviceAccount", "namespace", "role", "services", "podService", "reads"}
 # TLS (the tls and agent-tls components): the variables of a server's
 # certificate, its key and the CA its clients trust, and the file
 # cert-manager writes each to (a Certificate's Secret, or the csi-driver's
@@ -476,12 +476,18 @@ class Checker:
                 self.fail(where, "access-map",
                           f"{at}: role {role!r} is none of {', '.join(sorted(ROLES))}")
             svc = r.get("services")
-            if (svc is not None or r.get("podService")) and role not in ("workload", "pod"):
+            reads = r.get("reads")
+            if (svc is not None or r.get("podService") or reads is not None) \
+                    and role not in ("workload", "pod"):
                 self.fail(where, "access-map",
-                          f"{at}: only workload and pod rules have services or podService")
+                          f"{at}: only workload and pod rules have services, podService or reads")
             if svc is not None and not (isinstance(svc, list) and svc
                                         and all(isinstance(x, str) and x for x in svc)):
                 self.fail(where, "access-map", f"{at}: services is not a list of names")
+            # `reads: []` is meaningful (its own services only).
+            if reads is not None and not (isinstance(reads, list)
+                                          and all(isinstance(x, str) and x for x in reads)):
+                self.fail(where, "access-map", f"{at}: reads is not a list of names")
             for j, e in enumerate(rules[:i]):
                 if isinstance(e, dict) and rule_matches(
                         e, r.get("serviceAccount"), r.get("namespace") or home, home):

@@ -133,3 +133,15 @@ impl MetadataClient {
         fetch(self.api.post(&paths::agents()).json(beat)).await
     }
 }
+
+/// The metadata server's record says which service owns a key this agent
+/// serves (asked before serving it to a token that reads only some).
+impl kt_service::reads::Owners for MetadataClient {
+    fn service_of<'a>(
+        &'a self,
+        key: &'a Key,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<String, ApiError>> + Send + 'a>>
+    {
+        Box::pin(async move { Ok(self.key(key).await?.service) })
+    }
+}

@@ -81,7 +81,12 @@ pub fn start(
     );
     let (control_listener, socket_file) = control::bind(&cfg.socket)?;
     let metrics = Arc::new(Metrics::new());
-    let reads = Reads::new(exports.clone(), metrics.clone(), cfg.lease_ttl);
+    let reads = Reads::new(
+        exports.clone(),
+        metadata.clone(),
+        metrics.clone(),
+        cfg.lease_ttl,
+    );
     let heartbeats = Arc::new(BeatStats::default());
     let tensors = Arc::new(
         Tensors::new(

@@ -305,10 +305,29 @@ impl Registry {
         self.keys_within(&p, now_ms).iter().any(|r| &r.key != key)
     }
 
-    /// The immediate children of `prefix`: one entry per name, merged across keys.
-    pub fn list(&self, prefix: &KeyPrefix, now_ms: u64) -> Vec<ListEntry> {
+    /// Live keys within `prefix` that `visible` lets a caller see (those of
+    /// the services its token reads).
+    fn visible_within(
+        &self,
+        prefix: &KeyPrefix,
+        now_ms: u64,
+        visible: &dyn Fn(&KeyRecord) -> bool,
+    ) -> Vec<KeyRecord> {
+        let mut keys = self.keys_within(prefix, now_ms);
+        keys.retain(|r| visible(r));
+        keys
+    }
+
+    /// The immediate children of `prefix`: one entry per name, merged across
+    /// keys, of the keys `visible` lets the caller see.
+    pub fn list(
+        &self,
+        prefix: &KeyPrefix,
+        now_ms: u64,
+        visible: &dyn Fn(&KeyRecord) -> bool,
+    ) -> Vec<ListEntry> {
         let mut out: BTreeMap<String, ListEntry> = BTreeMap::new();
-        for r in self.keys_within(prefix, now_ms) {
+        for r in self.visible_within(prefix, now_ms, visible) {
             let Some((name, deeper)) = prefix.child_of(&r.key) else {
                 continue;
             };
@@ -331,7 +350,7 @@ impl Registry {
         }
         if out.is_empty()
             && let Ok(key) = Key::parse(prefix.as_str())
-            && let Some(r) = self.get(&key, now_ms)
+            && let Some(r) = self.get(&key, now_ms).filter(|r| visible(r))
         {
             // Like `ls FILE`: a key with nothing below it lists itself.
             return vec![ListEntry {
@@ -346,8 +365,13 @@ impl Registry {
 
     /// Every key strictly below `prefix` (at any depth), named by its path
     /// below it: what a prefix get (`kt get team/run/`) fetches.
-    pub fn list_below(&self, prefix: &KeyPrefix, now_ms: u64) -> Vec<ListEntry> {
-        self.keys_within(prefix, now_ms)
+    pub fn list_below(
+        &self,
+        prefix: &KeyPrefix,
+        now_ms: u64,
+        visible: &dyn Fn(&KeyRecord) -> bool,
+    ) -> Vec<ListEntry> {
+        self.visible_within(prefix, now_ms, visible)
             .into_iter()
             .filter_map(|r| {
                 let name = if prefix.as_str().is_empty() {
@@ -361,7 +385,10 @@ impl Registry {
                 Some(ListEntry {
                     name: name.to_owned(),
                     key: r.key.to_string(),
-                    has_children: self.has_children(&r.key, now_ms),
+                    has_children: self
+                        .visible_within(&KeyPrefix::from(r.key.clone()), now_ms, visible)
+                        .iter()
+                        .any(|c| c.key != r.key),
                     record: Some(r.clone()),
                 })
             })
@@ -743,7 +770,7 @@ mod tests {
             r.upsert(k(key), reg(None), 1);
         }
         let names = |p: &str| -> Vec<(String, bool, bool)> {
-            r.list(&KeyPrefix::parse(p).unwrap(), 1)
+            r.list(&KeyPrefix::parse(p).unwrap(), 1, &|_| true)
                 .into_iter()
                 .map(|e| (e.name, e.has_children, e.record.is_some()))
                 .collect()
@@ -775,7 +802,7 @@ mod tests {
             r.upsert(k(key), reg(None), 1);
         }
         let below = |p: &str| -> Vec<(String, String, bool)> {
-            r.list_below(&KeyPrefix::parse(p).unwrap(), 1)
+            r.list_below(&KeyPrefix::parse(p).unwrap(), 1, &|_| true)
                 .into_iter()
                 .map(|e| (e.name, e.key, e.has_children))
                 .collect()
@@ -790,6 +817,25 @@ mod tests {
             ]
         );
         assert_eq!(below("").len(), 6);
+        // A caller sees only the keys `visible` passes: "a/b/c" hidden, "a/b"
+        // has no children it can see.
+        let hide = |r: &KeyRecord| r.key.as_str() != "a/b/c";
+        let seen: Vec<(String, bool)> = r
+            .list_below(&KeyPrefix::parse("a").unwrap(), 1, &hide)
+            .into_iter()
+            .map(|e| (e.key, e.has_children))
+            .collect();
+        assert_eq!(seen, vec![("a/b".into(), false), ("a/d/e".into(), false)]);
+        let names: Vec<String> = r
+            .list(&KeyPrefix::parse("a/b").unwrap(), 1, &hide)
+            .into_iter()
+            .map(|e| e.key)
+            .collect();
+        assert_eq!(names, vec!["a/b".to_string()]);
+        assert!(
+            r.list(&KeyPrefix::parse("b").unwrap(), 1, &|_| false)
+                .is_empty()
+        );
         assert!(below("a/b/c").is_empty());
         assert!(below("zzz").is_empty());
     }
@@ -801,7 +847,7 @@ mod tests {
         assert!(r.get(&k("t/x"), 10_999).is_some());
         assert!(r.get(&k("t/x"), 11_000).is_none());
         assert_eq!(r.expired(11_000).len(), 1);
-        assert!(r.list(&KeyPrefix::root(), 11_000).is_empty());
+        assert!(r.list(&KeyPrefix::root(), 11_000, &|_| true).is_empty());
     }
 
     const TTL: u64 = 1_000;

@@ -30,7 +30,7 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use auth::{Auth, Token, allow, forbidden, only};
+pub use auth::{Auth, Token, allow, check_read, forbidden, only};
 pub use error::{ApiBytes, ApiError, ApiJson};
 pub use metrics::Metrics;
 pub use reads::{blocking, sync_err};

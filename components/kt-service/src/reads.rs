@@ -104,6 +104,32 @@ pub trait ReadSource: Send + Sync + 'static {
     fn close(&self, opened: &OpenVersion) -> impl Future<Output = ()> + Send;
 }
 
+/// Which service owns a key, as the metadata server records it: a server
+/// asks before it serves a key to a token that reads only some services
+/// ([`kt_types::auth::Principal::reads`]).
+pub trait Owners: Send + Sync + 'static {
+    /// The service `key` belongs to; an error when that cannot be told (the
+    /// read is then refused: nothing is served on a guess).
+    fn service_of<'a>(
+        &'a self,
+        key: &'a Key,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<String, ApiError>> + Send + 'a>>;
+}
+
+/// Checks that `who` may read `key`: at once for a token that reads every
+/// service, else by asking `owners` which service the key belongs to.
+pub async fn check_owner(
+    owners: &dyn Owners,
+    who: &kt_types::auth::Principal,
+    key: &Key,
+) -> Result<(), ApiError> {
+    if who.reads_all() {
+        return Ok(());
+    }
+    let service = owners.service_of(key).await?;
+    crate::check_read(who, key, &service)
+}
+
 /// A shared source is a source (a server keeps its own handle on it).
 impl<T: ReadSource> ReadSource for Arc<T> {
     fn open(&self, key: &Key) -> impl Future<Output = Result<OpenVersion, ApiError>> + Send {
@@ -176,19 +202,34 @@ impl Lease {
 }
 
 /// The read leases of one server over its [`ReadSource`].
-#[derive(Debug)]
 pub struct Reads<S> {
     source: S,
+    owners: Arc<dyn Owners>,
     leases: Mutex<HashMap<String, Arc<Lease>>>,
     metrics: Arc<Metrics>,
     /// Leases idle for longer than this are released by [`Reads::sweep`].
     ttl: Duration,
 }
 
+impl<S: std::fmt::Debug> std::fmt::Debug for Reads<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reads")
+            .field("source", &self.source)
+            .field("ttl", &self.ttl)
+            .finish_non_exhaustive()
+    }
+}
+
 impl<S: ReadSource> Reads<S> {
-    pub fn new(source: S, metrics: Arc<Metrics>, ttl: Duration) -> Arc<Self> {
+    pub fn new(
+        source: S,
+        owners: Arc<dyn Owners>,
+        metrics: Arc<Metrics>,
+        ttl: Duration,
+    ) -> Arc<Self> {
         Arc::new(Reads {
             source,
+            owners,
             leases: Mutex::new(HashMap::new()),
             metrics,
             ttl,
@@ -293,12 +334,15 @@ impl<S: ReadSource> Reads<S> {
     }
 }
 
-/// `GET /api/v1/trees/{key}`.
+/// `GET /api/v1/trees/{key}`: only for a token that reads the key's service
+/// (the lease it answers is the only way to the files).
 async fn open<S: ReadSource>(
     State(r): State<Arc<Reads<S>>>,
+    axum::Extension(who): axum::Extension<kt_types::auth::Principal>,
     UrlPath(key): UrlPath<String>,
 ) -> Result<Response, ApiError> {
     let key = Key::parse(&key)?;
+    check_owner(r.owners.as_ref(), &who, &key).await?;
     let doc = r.open_lease(&key).await?;
     Ok((
         [(CONTENT_TYPE, kt_types::codec::DOCUMENT_CONTENT_TYPE)],

@@ -117,3 +117,24 @@ impl Registrar {
         self.meta.put(&paths::key(key)).json(reg).fetch().await
     }
 }
+
+/// The metadata server's record says which service owns a key the store
+/// holds (asked before serving it to a token that reads only some).
+impl kt_service::reads::Owners for Registrar {
+    fn service_of<'a>(
+        &'a self,
+        key: &'a Key,
+    ) -> std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<String, kt_service::ApiError>> + Send + 'a>,
+    > {
+        Box::pin(async move {
+            self.record(key).await.map(|r| r.service).map_err(|e| {
+                let code = match e.code() {
+                    kt_types::ErrorCode::NotFound => kt_types::ErrorCode::NotFound,
+                    _ => kt_types::ErrorCode::Unavailable,
+                };
+                kt_service::ApiError::new(code, format!("which service owns {key}: {e}"))
+            })
+        })
+    }
+}

@@ -76,6 +76,7 @@ pub fn start(
             keys: keys.clone(),
             chunk_size: cfg.chunk_size,
         },
+        registrar.clone(),
         metrics.clone(),
         cfg.lease_ttl,
     );

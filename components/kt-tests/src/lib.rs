@@ -340,20 +340,7 @@ impl Agent {
 
     /// A control connection past the hello.
     pub async fn control(&self) -> ControlClient {
-        let mut c = ControlClient::connect(self.socket())
-            .await
-            .expect("connect to the agent");
-        let hello = c
-            .ask(&kt_types::agent::ControlRequest::Hello {
-                version: kt_types::agent::CONTROL_VERSION,
-                keepalive: false,
-            })
-            .await;
-        assert!(
-            matches!(hello, Some(kt_types::agent::ControlReply::Hello { .. })),
-            "{hello:?}"
-        );
-        c
+        ControlClient::open(self.socket()).await
     }
 
     /// Stops the agent (as on SIGTERM) and starts it again on the same
@@ -415,6 +402,24 @@ impl ControlClient {
         Ok(ControlClient {
             stream: tokio::net::UnixStream::connect(socket).await?,
         })
+    }
+
+    /// A connection to the agent at `socket`, past the hello.
+    pub async fn open(socket: &Path) -> ControlClient {
+        let mut c = ControlClient::connect(socket)
+            .await
+            .expect("connect to the agent");
+        let hello = c
+            .ask(&kt_types::agent::ControlRequest::Hello {
+                version: kt_types::agent::CONTROL_VERSION,
+                keepalive: false,
+            })
+            .await;
+        assert!(
+            matches!(hello, Some(kt_types::agent::ControlReply::Hello { .. })),
+            "{hello:?}"
+        );
+        c
     }
 
     /// One request, one reply; `None` when the agent closed the connection.

@@ -23,6 +23,12 @@ const WORKLOAD: &str = "workload-token-0123456";
 const TRAIN: &str = "workload-train-0123456";
 /// Pod pod-a: its agent and its workload in one token.
 const POD: &str = "pod-token-pod-a-012345";
+/// A workload writing `eval` that reads nothing else (`reads: []`).
+const EVAL: &str = "workload-eval-only-0123";
+/// A workload writing `eval` that also reads `train`.
+const EVAL_READS_TRAIN: &str = "workload-eval-train-012";
+/// Pod pod-e, writing `eval` and reading nothing else.
+const POD_EVAL: &str = "pod-token-pod-e-012345";
 
 fn token_of(role: Role) -> &'static str {
     match role {
@@ -40,6 +46,12 @@ fn auth_file(dir: &std::path::Path) -> Auth {
         role,
         name: name.map(str::to_owned),
         services: None,
+        reads: None,
+    };
+    let scoped = |g: Grant, reads: &[&str]| Grant {
+        services: Some(vec!["eval".into()]),
+        reads: Some(reads.iter().map(|s| s.to_string()).collect()),
+        ..g
     };
     let file = AuthFile {
         tokens: vec![
@@ -54,6 +66,9 @@ fn auth_file(dir: &std::path::Path) -> Auth {
                 services: Some(vec!["train".into()]),
                 ..grant(TRAIN, Role::Workload, None)
             },
+            scoped(grant(EVAL, Role::Workload, None), &[]),
+            scoped(grant(EVAL_READS_TRAIN, Role::Workload, None), &["train"]),
+            scoped(grant(POD_EVAL, Role::Pod, Some("pod-e")), &[]),
         ],
     };
     let path = dir.join("auth.json");
@@ -122,71 +137,111 @@ const TABLE: &[(&str, &str, &str, &[Role])] = &[
 
 struct Running(CancellationToken, Vec<tokio::task::JoinHandle<()>>);
 
+/// A metadata server, a store and agent pod-a, each with its own role's
+/// token, all accepting the tokens of [`auth_file`].
+struct Servers {
+    meta: String,
+    store: String,
+    agent: String,
+    /// pod-a's control socket.
+    socket: std::path::PathBuf,
+    stop: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Servers {
+    async fn start(dir: &std::path::Path) -> Servers {
+        let auth = auth_file(dir);
+        let stop = CancellationToken::new();
+        let mut tasks = Vec::new();
+
+        // Each server calls the others with its own role's token.
+        let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let meta_url = format!("http://{}", meta_l.local_addr().unwrap());
+        let mut meta = kt_metadata::Config::new(dir.join("meta"), Token::new(ADMIN).unwrap());
+        meta.auth = Some(auth.clone());
+        let s = stop.clone();
+        tasks.push(tokio::spawn(async move {
+            kt_metadata::run(meta_l, meta, s).await.unwrap();
+        }));
+        let store_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let store_url = format!("http://{}", store_l.local_addr().unwrap());
+        let mut store = kt_store::Config::new(
+            dir.join("store"),
+            meta_url.clone(),
+            Token::new(STORE).unwrap(),
+        );
+        store.auth = Some(auth.clone());
+        let h = kt_store::start(store_l, store, stop.clone()).unwrap();
+        tasks.push(tokio::spawn(async move {
+            let _ = h.task.await;
+        }));
+        let agent_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let agent_url = format!("http://{}", agent_l.local_addr().unwrap());
+        let mut agent = kt_agent::Config::new(
+            "pod-a",
+            meta_url.clone(),
+            Token::new(AGENT).unwrap(),
+            dir.join("agent/agent.sock"),
+        );
+        agent.auth = Some(auth);
+        agent.shm_dir = dir.join("shm");
+        std::fs::create_dir_all(&agent.shm_dir).unwrap();
+        let h = kt_agent::start(agent_l, agent, stop.clone()).unwrap();
+        tasks.push(tokio::spawn(async move {
+            let _ = h.task.await;
+        }));
+        // The store registered itself with its store token: the store role
+        // works end to end (GET /store answers its URL once it has).
+        let http = reqwest::Client::new();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = http
+                .get(format!("{meta_url}/api/v1/store"))
+                .bearer_auth(WORKLOAD)
+                .send()
+                .await
+                .unwrap();
+            if r.status().is_success() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the store never registered"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+
+        Servers {
+            meta: meta_url,
+            store: store_url,
+            agent: agent_url,
+            socket: dir.join("agent/agent.sock"),
+            stop,
+            tasks,
+        }
+    }
+
+    async fn stop(mut self) {
+        self.stop.cancel();
+        for t in std::mem::take(&mut self.tasks) {
+            let _ = tokio::time::timeout(Duration::from_secs(15), t).await;
+        }
+    }
+}
+
+impl Drop for Servers {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_route_answers_only_the_roles_it_allows() {
     let dir = tempfile::tempdir().unwrap();
-    let auth = auth_file(dir.path());
-    let stop = CancellationToken::new();
-    let mut tasks = Vec::new();
-
-    // Each server calls the others with its own role's token.
-    let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let meta_url = format!("http://{}", meta_l.local_addr().unwrap());
-    let mut meta = kt_metadata::Config::new(dir.path().join("meta"), Token::new(ADMIN).unwrap());
-    meta.auth = Some(auth.clone());
-    let s = stop.clone();
-    tasks.push(tokio::spawn(async move {
-        kt_metadata::run(meta_l, meta, s).await.unwrap();
-    }));
-    let store_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let store_url = format!("http://{}", store_l.local_addr().unwrap());
-    let mut store = kt_store::Config::new(
-        dir.path().join("store"),
-        meta_url.clone(),
-        Token::new(STORE).unwrap(),
-    );
-    store.auth = Some(auth.clone());
-    let h = kt_store::start(store_l, store, stop.clone()).unwrap();
-    tasks.push(tokio::spawn(async move {
-        let _ = h.task.await;
-    }));
-    let agent_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let agent_url = format!("http://{}", agent_l.local_addr().unwrap());
-    let mut agent = kt_agent::Config::new(
-        "pod-a",
-        meta_url.clone(),
-        Token::new(AGENT).unwrap(),
-        dir.path().join("agent/agent.sock"),
-    );
-    agent.auth = Some(auth);
-    agent.shm_dir = dir.path().join("shm");
-    std::fs::create_dir_all(&agent.shm_dir).unwrap();
-    let h = kt_agent::start(agent_l, agent, stop.clone()).unwrap();
-    tasks.push(tokio::spawn(async move {
-        let _ = h.task.await;
-    }));
-    let _running = Running(stop.clone(), Vec::new());
-
-    // The store registered itself with its store token: the store role
-    // works end to end (GET /store answers its URL once it has).
+    let servers = Servers::start(dir.path()).await;
+    let (meta_url, store_url, agent_url) = (&servers.meta, &servers.store, &servers.agent);
     let http = reqwest::Client::new();
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let r = http
-            .get(format!("{meta_url}/api/v1/store"))
-            .bearer_auth(WORKLOAD)
-            .send()
-            .await
-            .unwrap();
-        if r.status().is_success() {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the store never registered"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 
     let mut wrong = Vec::new();
     for (server, method, path, allowed) in TABLE {
@@ -293,10 +348,205 @@ async fn every_route_answers_only_the_roles_it_allows() {
         assert_eq!(s.parents, vec![s.rank - 1], "rank {} moved parents", s.rank);
     }
     assert_eq!(got[0].1.relayed, 7, "rank 1 relayed to rank 2");
-    stop.cancel();
-    for t in tasks {
-        let _ = tokio::time::timeout(Duration::from_secs(15), t).await;
+    servers.stop().await;
+}
+
+/// Reads within services: a token given `reads` gets, lists and receives
+/// only its own services' keys and those it lists, at the metadata server
+/// and at every server that holds data (the store, an agent's exports, an
+/// agent's tensor sessions, quorums, broadcasts); a token without `reads`
+/// reads every service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_get_only_the_services_their_tokens_read() {
+    use kt_types::ErrorCode::Forbidden;
+    let dir = tempfile::tempdir().unwrap();
+    let servers = Servers::start(dir.path()).await;
+    let client = |token: &'static str| {
+        let mut cfg = kt_client::ClientConfig::new(servers.meta.clone(), token);
+        cfg.cache_dir = Some(dir.path().join(format!("cache-{token}")));
+        cfg.agent_socket = dir.path().join("no-agent.sock");
+        kt_client::Client::new(cfg).unwrap()
+    };
+    let key = |k: &str| kt_types::Key::parse(k).unwrap();
+    let src = dir.path().join("src.txt");
+    std::fs::write(&src, b"weights").unwrap();
+    for k in ["train/w", "eval/x"] {
+        client(WORKLOAD)
+            .put(
+                &key(k),
+                &src,
+                Default::default(),
+                kt_client::Progress::none(),
+            )
+            .await
+            .unwrap();
     }
+    // pod-a's agent serves train/local in place (its service: train).
+    let tree = dir.path().join("tree");
+    std::fs::create_dir_all(&tree).unwrap();
+    std::fs::write(tree.join("f"), b"local weights").unwrap();
+    let reply = kt_tests::ControlClient::open(&servers.socket)
+        .await
+        .ask(&kt_types::agent::ControlRequest::ExportLocal {
+            key: key("train/local"),
+            path: tree.display().to_string(),
+            options: Default::default(),
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(reply, kt_types::agent::ControlReply::Exported { .. }),
+        "{reply:?}"
+    );
+
+    let http = reqwest::Client::new();
+    let call = |method: &str, url: String, token: &str, body: Option<serde_json::Value>| {
+        let mut r = http
+            .request(reqwest::Method::from_bytes(method.as_bytes()).unwrap(), url)
+            .bearer_auth(token);
+        if let Some(b) = body {
+            r = r.json(&b);
+        }
+        async move {
+            let resp = r.send().await.unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.text().await.unwrap())
+        }
+    };
+    let (meta, store, agent) = (&servers.meta, &servers.store, &servers.agent);
+    let session = |k: &str| {
+        serde_json::json!({
+            "keys": [{ "key": k, "tensors": [] }], "agent": "pod-e", "ip": "127.0.0.1",
+            "endpoint": "127.0.0.1:1", "backend": "host"
+        })
+    };
+    let quorum_get = serde_json::json!({
+        "agent": "pod-e", "ip": "127.0.0.1", "endpoint": "127.0.0.1:1", "backend": "host",
+        "role": "get", "keys": [{ "key": "train/w", "tensors": [] }],
+        "window": { "world_size": 2 }
+    });
+    let refused = [
+        ("GET", format!("{meta}/api/v1/keys/train/w"), EVAL, None),
+        (
+            "POST",
+            format!("{meta}/api/v1/keys/train/w/lease"),
+            EVAL,
+            Some(serde_json::json!({})),
+        ),
+        ("GET", format!("{store}/api/v1/trees/train/w"), EVAL, None),
+        (
+            "GET",
+            format!("{agent}/api/v1/trees/train/local"),
+            EVAL,
+            None,
+        ),
+        (
+            "GET",
+            format!("{agent}/api/v1/trees/train/local"),
+            POD_EVAL,
+            None,
+        ),
+        (
+            "POST",
+            format!("{agent}/api/v1/tensors/sessions"),
+            POD_EVAL,
+            Some(session("train/w")),
+        ),
+        (
+            "POST",
+            format!("{meta}/api/v1/quorums/g/join"),
+            POD_EVAL,
+            Some(quorum_get),
+        ),
+    ];
+    for (method, url, token, body) in refused {
+        let (status, text) = call(method, url.clone(), token, body).await;
+        assert_eq!(status, 403, "{method} {url}: {text}");
+        let body: kt_types::ErrorBody = serde_json::from_str(&text).unwrap();
+        assert!(
+            body.error.message.contains("service \"train\""),
+            "{method} {url}: {text}"
+        );
+    }
+    // Its own service, a listed one, or a token without `reads`: served.
+    let served = [
+        ("GET", format!("{meta}/api/v1/keys/eval/x"), EVAL),
+        (
+            "GET",
+            format!("{meta}/api/v1/keys/train/w"),
+            EVAL_READS_TRAIN,
+        ),
+        ("GET", format!("{meta}/api/v1/keys/train/w"), TRAIN),
+        ("GET", format!("{store}/api/v1/trees/eval/x"), EVAL),
+        (
+            "GET",
+            format!("{store}/api/v1/trees/train/w"),
+            EVAL_READS_TRAIN,
+        ),
+        (
+            "GET",
+            format!("{agent}/api/v1/trees/train/local"),
+            EVAL_READS_TRAIN,
+        ),
+        ("GET", format!("{agent}/api/v1/trees/train/local"), WORKLOAD),
+    ];
+    for (method, url, token) in served {
+        let (status, text) = call(method, url.clone(), token, None).await;
+        assert_eq!(status, 200, "{method} {url}: {text}");
+    }
+    // A tensor session for its own service's key passes the check (and
+    // fails later: this agent holds no such tensors).
+    let (status, text) = call(
+        "POST",
+        format!("{agent}/api/v1/tensors/sessions"),
+        POD_EVAL,
+        Some(session("eval/x")),
+    )
+    .await;
+    assert_ne!(status, 403, "{text}");
+
+    // `kt ls` shows only the keys it may read; `kt get` and broadcasts
+    // of another service are refused.
+    let listed = |token: &'static str| {
+        let c = client(token);
+        async move {
+            let l = c.ls_below(&kt_types::KeyPrefix::root()).await.unwrap();
+            l.entries.into_iter().map(|e| e.key).collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(listed(EVAL).await, ["eval/x"]);
+    assert_eq!(
+        listed(EVAL_READS_TRAIN).await,
+        ["eval/x", "train/local", "train/w"]
+    );
+    assert_eq!(listed(WORKLOAD).await.len(), 3);
+    let dest = dir.path().join("got");
+    let got = client(EVAL)
+        .get(&key("train/w"), &dest, kt_client::Progress::none())
+        .await;
+    assert_eq!(got.map(|_| ()).map_err(|e| e.code()), Err(Some(Forbidden)));
+    assert!(!dest.exists(), "a refused get wrote nothing");
+    let options = kt_client::broadcast::BroadcastOptions {
+        group: None,
+        fanout: None,
+        window: Some(Duration::from_secs(5)),
+        delete: false,
+    };
+    let got = client(EVAL)
+        .get_broadcast(
+            &key("train/w"),
+            &dest,
+            &options,
+            kt_client::Progress::none(),
+        )
+        .await;
+    assert_eq!(got.map(|_| ()).map_err(|e| e.code()), Err(Some(Forbidden)));
+    client(EVAL_READS_TRAIN)
+        .get(&key("train/w"), &dest, kt_client::Progress::none())
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(&dest).unwrap(), b"weights");
+    servers.stop().await;
 }
 
 impl Drop for Running {

@@ -8,7 +8,9 @@
 //! - `agent`: a node agent, as the one agent it is named (heartbeats,
 //!   keys it holds, quorums, other agents' tensor sessions);
 //! - `workload`: an application (put, get, ls, rm, teardown, broadcasts),
-//!   within the services it is given;
+//!   within the services it is given: it writes only its `services`, and
+//!   reads every service unless it is given `reads` (then only its
+//!   services and those);
 //! - `pod`: a workload pod and its sidecar agent, which share the pod's
 //!   ServiceAccount token (the pod is the trust boundary): what the
 //!   agent named after the pod and a workload within its services may do;
@@ -91,9 +93,15 @@ pub struct Principal {
     /// An agent's or a pod's id (the pod name); `None` for the other roles.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    /// A workload's or a pod's services; `None`: every service.
+    /// A workload's or a pod's services (what it writes); `None`: every
+    /// service.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub services: Option<Vec<String>>,
+    /// The services it reads besides its own `services`; `None`: every
+    /// service (keys are shared across services unless an operator says
+    /// otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reads: Option<Vec<String>>,
     /// The pod's IP, when its token is bound to a pod: the URLs it
     /// advertises (agent, sources) must be on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -107,17 +115,35 @@ impl Principal {
             role: Role::Admin,
             name: None,
             services: None,
+            reads: None,
             ip: None,
         }
     }
 
-    /// Whether it may touch the keys of `service`.
+    /// Whether it may touch (write) the keys of `service`.
     pub fn serves(&self, service: &str) -> bool {
         self.role == Role::Admin
             || self
                 .services
                 .as_ref()
                 .is_none_or(|s| s.iter().any(|x| x == service))
+    }
+
+    /// Whether it may read the keys of `service` (get, ls, broadcasts):
+    /// every service unless it was given `reads`, then its own services
+    /// and those.
+    pub fn reads(&self, service: &str) -> bool {
+        let listed =
+            |l: &Option<Vec<String>>| l.as_ref().is_some_and(|l| l.iter().any(|x| x == service));
+        self.role == Role::Admin
+            || self.reads.is_none()
+            || listed(&self.reads)
+            || listed(&self.services)
+    }
+
+    /// Whether it reads every service (nothing to look up before a read).
+    pub fn reads_all(&self) -> bool {
+        self.role == Role::Admin || self.reads.is_none()
     }
 
     /// Whether it is agent `id` (or an admin): an agent token naming it,
@@ -170,10 +196,14 @@ pub struct Grant {
     /// An agent token's agent id (required for `agent`, refused otherwise).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    /// A workload token's services (absent: every service; refused for
-    /// other roles).
+    /// A workload token's services, which it writes (absent: every
+    /// service; refused for other roles).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub services: Option<Vec<String>>,
+    /// The services a workload token reads besides its own (absent: every
+    /// service; `[]`: its own only; refused for other roles).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reads: Option<Vec<String>>,
 }
 
 impl Grant {
@@ -183,6 +213,7 @@ impl Grant {
             role: self.role,
             name: self.name.clone(),
             services: self.services.clone(),
+            reads: self.reads.clone(),
             ip: None,
         }
     }
@@ -219,11 +250,12 @@ impl AuthFile {
                 (_, Some(_)) => return Err(format!("{at}: only agent tokens have a name")),
                 (_, None) => {}
             }
-            if let Some(s) = &g.services {
+            for (field, s) in [("services", &g.services), ("reads", &g.reads)] {
+                let Some(s) = s else { continue };
                 if !matches!(g.role, Role::Workload | Role::Pod) {
-                    return Err(format!("{at}: only workload tokens have services"));
+                    return Err(format!("{at}: only workload tokens have {field}"));
                 }
-                check_services(s).map_err(|e| format!("{at}: {e}"))?;
+                check_services(s).map_err(|e| format!("{at}: {field}: {e}"))?;
             }
         }
         Ok(())
@@ -302,6 +334,10 @@ pub struct AccessRule {
     /// (`kt.dev/service`); with no `services`, only that one.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pod_service: bool,
+    /// `workload` or `pod`: the services it reads besides those it writes;
+    /// absent: every service, `[]`: only its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reads: Option<Vec<String>>,
 }
 
 /// A Kubernetes name (a ServiceAccount's, a namespace's): 1 to 253
@@ -335,13 +371,15 @@ impl AccessMap {
                 return Err(format!("{at}: {why}"));
             }
             let scoped = matches!(r.role, Role::Workload | Role::Pod);
-            if (r.services.is_some() || r.pod_service) && !scoped {
+            if (r.services.is_some() || r.pod_service || r.reads.is_some()) && !scoped {
                 return Err(format!(
-                    "{at}: only workload and pod rules have services or podService"
+                    "{at}: only workload and pod rules have services, podService or reads"
                 ));
             }
-            if let Some(s) = &r.services {
-                check_services(s).map_err(|e| format!("{at}: {e}"))?;
+            for (field, s) in [("services", &r.services), ("reads", &r.reads)] {
+                if let Some(s) = s {
+                    check_services(s).map_err(|e| format!("{at}: {field}: {e}"))?;
+                }
             }
         }
         Ok(())
@@ -363,6 +401,7 @@ impl AccessMap {
             role: rule.role,
             name: None,
             services: None,
+            reads: rule.reads.clone(),
             ip: None,
         };
         if matches!(rule.role, Role::Agent | Role::Pod) {
@@ -428,6 +467,7 @@ mod tests {
             role,
             name: name.map(str::to_owned),
             services: services.map(|s| s.iter().map(|x| x.to_string()).collect()),
+            reads: None,
         }
     }
 
@@ -482,6 +522,33 @@ mod tests {
         assert!(!w.is_agent("pod-a"));
     }
 
+    #[test]
+    fn reads_are_every_service_unless_listed() {
+        // No `reads`: a workload writing only train reads every service.
+        let w = grant(Role::Workload, None, Some(&["train"])).principal();
+        assert!(w.reads("train") && w.reads("eval") && w.reads_all());
+        // `reads: [datasets]`: its own services and datasets, nothing else.
+        let mut g = grant(Role::Workload, None, Some(&["train"]));
+        g.reads = Some(vec!["datasets".into()]);
+        let r = g.principal();
+        assert!(r.reads("train") && r.reads("datasets") && !r.reads("eval"));
+        assert!(!r.reads_all());
+        // `reads: []` and no services of its own: it reads nothing.
+        let mut g = grant(Role::Workload, None, None);
+        g.reads = Some(Vec::new());
+        assert!(!g.principal().reads("eval"));
+        assert!(Principal::admin().reads("eval") && Principal::admin().reads_all());
+        // Only workload tokens have reads; names are checked.
+        let mut bad = grant(Role::Store, None, None);
+        bad.reads = Some(vec!["x".into()]);
+        let e = AuthFile { tokens: vec![bad] }.validate().unwrap_err();
+        assert!(e.contains("only workload tokens have reads"), "{e}");
+        let mut bad = grant(Role::Workload, None, None);
+        bad.reads = Some(vec![String::new()]);
+        let e = AuthFile { tokens: vec![bad] }.validate().unwrap_err();
+        assert!(e.contains("reads: a service name"), "{e}");
+    }
+
     fn identity(sa: &str, pod: Option<(&str, &str)>) -> KubeIdentity {
         KubeIdentity {
             namespace: "kt".into(),
@@ -501,7 +568,8 @@ mod tests {
                 {"serviceAccount":"kt-store","role":"store"},
                 {"serviceAccount":"ops","namespace":"tools","role":"admin"},
                 {"serviceAccount":"trainer","role":"pod","services":["train"],"podService":true},
-                {"serviceAccount":"*","role":"pod","podService":true}
+                {"serviceAccount":"eval","role":"pod","podService":true,"reads":["train"]},
+                {"serviceAccount":"*","role":"pod","podService":true,"reads":[]}
             ]}"#,
         )
         .unwrap();
@@ -523,6 +591,15 @@ mod tests {
             .principal(&identity("default", Some(("web-1", "web"))), "kt")
             .unwrap();
         assert_eq!(other.services, Some(vec!["web".to_string()]));
+        // Reads: the trainer (no `reads`) every service; the catch-all only
+        // its pod's; eval its pod's and train.
+        assert!(p.reads("other"));
+        assert!(other.reads("web") && !other.reads("train"));
+        let eval = map
+            .principal(&identity("eval", Some(("eval-0", "eval"))), "kt")
+            .unwrap();
+        assert!(eval.reads("eval") && eval.reads("train") && !eval.reads("web"));
+        assert!(!eval.serves("train"));
         // A pod rule needs a pod-bound token; other namespaces need a rule.
         let e = map.principal(&identity("default", None), "kt").unwrap_err();
         assert!(e.contains("bound to no pod"), "{e}");
@@ -546,6 +623,10 @@ mod tests {
         );
         bad(
             r#"{"rules":[{"serviceAccount":"s","role":"store","podService":true}]}"#,
+            "only workload and pod",
+        );
+        bad(
+            r#"{"rules":[{"serviceAccount":"s","role":"agent","reads":["a"]}]}"#,
             "only workload and pod",
         );
         assert!(

@@ -24,7 +24,12 @@ pub fn routes(tensors: Arc<Tensors>) -> axum::Router {
 
 async fn session(
     State(t): State<Arc<Tensors>>,
+    axum::Extension(who): axum::Extension<kt_types::auth::Principal>,
     axum::Json(req): axum::Json<SessionRequest>,
 ) -> Result<axum::Json<SessionReply>, ApiError> {
+    // A pod's token that reads only some services gets only their tensors.
+    for k in &req.keys {
+        kt_service::reads::check_owner(t.metadata(), &who, &k.key).await?;
+    }
     t.open_session(req).await.map(axum::Json)
 }

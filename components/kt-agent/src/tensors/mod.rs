@@ -130,6 +130,11 @@ async fn blocking<T: Send + 'static>(
 }
 
 impl Tensors {
+    /// The metadata server's client (who owns a key, for the session route).
+    pub(crate) fn metadata(&self) -> &MetadataClient {
+        &self.metadata
+    }
+
     pub fn new(
         id: String,
         url: String,

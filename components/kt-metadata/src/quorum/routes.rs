@@ -42,8 +42,12 @@ fn wait(q: Result<Query<Wait>, QueryRejection>, default_ms: u64) -> Result<Durat
     ))
 }
 
-/// The quorum routes (merged into the metadata server's API, behind its auth).
-pub fn routes(q: Arc<Quorums>) -> Router {
+/// Which service owns a key (the metadata server's registry).
+pub type Owners = Arc<dyn kt_service::reads::Owners>;
+
+/// The quorum routes (merged into the metadata server's API, behind its
+/// auth); `owners` says whose keys a getter asks for.
+pub fn routes(q: Arc<Quorums>, owners: Owners) -> Router {
     // Agents take part; operators look.
     use kt_service::{ADMIN, allow};
     use kt_types::auth::Role::Agent;
@@ -68,6 +72,7 @@ pub fn routes(q: Arc<Quorums>) -> Router {
             "/api/v1/quorums/{group}/{transfer}/done",
             allow(&[Agent], post(done)),
         )
+        .layer(Extension(owners))
         .with_state(q)
 }
 
@@ -81,6 +86,7 @@ async fn info(
 async fn join(
     State(q): State<Arc<Quorums>>,
     Extension(who): Extension<Principal>,
+    Extension(owners): Extension<Owners>,
     Path(group): Path<String>,
     ApiJson(j): ApiJson<QuorumJoin>,
 ) -> Result<ApiJson<QuorumPlan>, ApiError> {
@@ -97,6 +103,12 @@ async fn join(
             "this pod's token may join from its own IP only, not {:?}",
             j.ip
         )));
+    }
+    // A getter receives only the keys of services its token reads.
+    if let kt_types::tensor::QuorumRole::Get { keys } = &j.role {
+        for k in keys {
+            kt_service::reads::check_owner(owners.as_ref(), &who, &k.key).await?;
+        }
     }
     Ok(ApiJson(q.join(&group, j).await?))
 }

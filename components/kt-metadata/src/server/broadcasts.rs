@@ -289,6 +289,9 @@ async fn admit(
         .lock()
         .await
         .sources(&req.key, &lease_req, store_registered, now)?;
+    // Its parents' relays trust the metadata server's word (the relay key):
+    // only a getter that may read the key joins.
+    kt_service::check_read(who, &req.key, &sources.record.service)?;
     // Rank 0: the origin, or the first live peer when the origin is gone.
     let origin = sources
         .candidates

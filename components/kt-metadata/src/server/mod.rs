@@ -194,6 +194,25 @@ impl Handle {
     }
 }
 
+/// The registry says which service owns a key (quorum getters' keys). A
+/// getter may join a quorum before its putter registered the key: a key
+/// not recorded yet is taken to belong to the service a put records by
+/// default (its first segment).
+impl kt_service::reads::Owners for Handle {
+    fn service_of<'a>(
+        &'a self,
+        key: &'a Key,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<String, ApiError>> + Send + 'a>>
+    {
+        Box::pin(async move {
+            let registry = self.0.registry.lock().await;
+            Ok(registry
+                .get(key, now_ms())
+                .map_or_else(|| key.service().to_owned(), |r| r.service.clone()))
+        })
+    }
+}
+
 /// [`run`], with `attach` started beside the server once it is set up: it is
 /// handed a [`Handle`], and is waited for (after the shutdown) before this
 /// returns.
@@ -291,7 +310,10 @@ where
     let metrics = Arc::new(Metrics::new());
     // Quorums live in memory only: a restart fails the open ones.
     let quorums = Quorums::new(shutdown.clone()).with_metrics(metrics.clone());
-    let api = api.merge(crate::quorum::routes(Arc::new(quorums)));
+    let api = api.merge(crate::quorum::routes(
+        Arc::new(quorums),
+        Arc::new(Handle(state.clone())),
+    ));
     let ready = Ready::default();
     ready.set(true);
     let auth = config
@@ -502,28 +524,34 @@ fn check_agent_id(id: &str) -> Result<(), ApiError> {
 
 async fn get_key(
     State(s): State<AppState>,
+    Extension(who): Extension<Principal>,
     Path(key): Path<String>,
 ) -> Result<ApiJson<KeyRecord>, ApiError> {
     let key = Key::parse(&key)?;
-    s.registry
+    let r = s
+        .registry
         .lock()
         .await
         .get(&key, now_ms())
         .cloned()
-        .map(ApiJson)
-        .ok_or_else(|| ApiError::not_found(format!("key {key} not found")))
+        .ok_or_else(|| ApiError::not_found(format!("key {key} not found")))?;
+    kt_service::check_read(&who, &key, &r.service)?;
+    Ok(ApiJson(r))
 }
 
+/// `GET /api/v1/keys`: only the keys of services the caller's token reads.
 async fn list_keys(
     State(s): State<AppState>,
+    Extension(who): Extension<Principal>,
     Query(q): Query<ListQuery>,
 ) -> Result<ApiJson<ListResponse>, ApiError> {
     let prefix = KeyPrefix::parse(&q.prefix)?;
+    let visible = |r: &KeyRecord| who.reads(&r.service);
     let registry = s.registry.lock().await;
     let entries = if q.recursive {
-        registry.list_below(&prefix, now_ms())
+        registry.list_below(&prefix, now_ms(), &visible)
     } else {
-        registry.list(&prefix, now_ms())
+        registry.list(&prefix, now_ms(), &visible)
     };
     drop(registry);
     Ok(ApiJson(ListResponse {
@@ -656,6 +684,7 @@ async fn delete_one(s: &AppState, r: &KeyRecord) -> Result<(), ApiError> {
 /// Source leases: `POST /api/v1/keys/{key}/lease` (the only POST under `/keys`).
 async fn lease_key(
     State(s): State<AppState>,
+    Extension(who): Extension<Principal>,
     Path(path): Path<String>,
     ApiJson(req): ApiJson<LeaseRequest>,
 ) -> Result<ApiJson<SourceLease>, ApiError> {
@@ -670,6 +699,7 @@ async fn lease_key(
         .lock()
         .await
         .sources(&key, &req, store_registered, now)?;
+    kt_service::check_read(&who, &key, &sources.record.service)?;
     let id = uuid::Uuid::new_v4().simple().to_string();
     let lease = s
         .leases

@@ -34,6 +34,7 @@ impl Roles {
             role,
             name,
             services: None,
+            reads: None,
         };
         let mut tokens = vec![
             grant(roles.admin.clone(), Role::Admin, None),
