@@ -75,7 +75,7 @@ TOKEN_SECONDS = (600, 3600)
 # The containers that check callers' tokens: KT_KUBE_AUTH decides how.
 VERIFIERS = {"kt-metadata", "kt-store", AGENT}
 # The access map's vocabulary (kt_types::auth::AccessMap).
-ROLES = {"admin", "store", "agent", "workload", "pod"}
+ROLES = {"admin", "store", "agent", "workload", "pod", "metrics"}
 RULE_FIELDS = {"serviceAccount", "namespace", "role", "services", "podService", "reads"}
 # TLS (the tls and agent-tls components): the variables of a server's
 # certificate, its key and the CA its clients trust, and the file

@@ -48,7 +48,7 @@ impl Ready {
     }
 }
 
-/// Routes only admin calls (operators, Prometheus, the scenario runner).
+/// Routes only admin calls (operators, the scenario runner).
 pub const ADMIN: &[kt_types::auth::Role] = &[];
 
 /// Wraps a server's API routes with health, metrics, auth and limits.
@@ -60,7 +60,13 @@ pub fn app(
     max_in_flight: usize,
 ) -> Router {
     let metrics_route = Router::new()
-        .route("/metrics", allow(ADMIN, get(metrics::serve_metrics)))
+        .route(
+            "/metrics",
+            allow(
+                &[kt_types::auth::Role::Metrics],
+                get(metrics::serve_metrics),
+            ),
+        )
         .with_state(metrics.clone());
     // The fallback sits behind auth too: without a token, every path but health is 401.
     let protected = api

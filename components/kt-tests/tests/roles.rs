@@ -23,6 +23,8 @@ const WORKLOAD: &str = "workload-token-0123456";
 const TRAIN: &str = "workload-train-0123456";
 /// Pod pod-a: its agent and its workload in one token.
 const POD: &str = "pod-token-pod-a-012345";
+/// Prometheus.
+const METRICS: &str = "metrics-token-01234567";
 /// A workload writing `eval` that reads nothing else (`reads: []`).
 const EVAL: &str = "workload-eval-only-0123";
 /// A workload writing `eval` that also reads `train`.
@@ -37,6 +39,7 @@ fn token_of(role: Role) -> &'static str {
         Role::Agent => AGENT,
         Role::Workload => WORKLOAD,
         Role::Pod => POD,
+        Role::Metrics => METRICS,
     }
 }
 
@@ -62,6 +65,7 @@ fn auth_file(dir: &std::path::Path) -> Auth {
             grant(AGENT_C, Role::Agent, Some("pod-c")),
             grant(WORKLOAD, Role::Workload, None),
             grant(POD, Role::Pod, Some("pod-a")),
+            grant(METRICS, Role::Metrics, None),
             Grant {
                 services: Some(vec!["train".into()]),
                 ..grant(TRAIN, Role::Workload, None)
@@ -76,7 +80,7 @@ fn auth_file(dir: &std::path::Path) -> Auth {
     Auth::from_file(&path).unwrap()
 }
 
-use Role::{Agent as A, Store as S, Workload as W};
+use Role::{Agent as A, Metrics as M, Store as S, Workload as W};
 
 /// (server, method, path, roles allowed besides admin; a pod goes where
 /// an agent or a workload may).
@@ -104,7 +108,7 @@ const TABLE: &[(&str, &str, &str, &[Role])] = &[
     ("meta", "PUT", "/api/v1/quorums/g1/t1/rendezvous", &[A]),
     ("meta", "POST", "/api/v1/quorums/g1/t1/done", &[A]),
     ("meta", "POST", "/api/v1/auth/review", &[S, A]),
-    ("meta", "GET", "/metrics", &[]),
+    ("meta", "GET", "/metrics", &[M]),
     ("store", "POST", "/api/v1/puts", &[W]),
     ("store", "PUT", "/api/v1/puts/s1/batch", &[W]),
     ("store", "PUT", "/api/v1/puts/s1/files/0/chunks/0", &[W]),
@@ -121,7 +125,7 @@ const TABLE: &[(&str, &str, &str, &[Role])] = &[
         &[W],
     ),
     ("store", "DELETE", "/api/v1/reads/l1", &[W]),
-    ("store", "GET", "/metrics", &[]),
+    ("store", "GET", "/metrics", &[M]),
     ("agent", "GET", "/api/v1/trees/a/b", &[W]),
     ("agent", "POST", "/api/v1/reads/l1/batch", &[W]),
     (
@@ -132,7 +136,7 @@ const TABLE: &[(&str, &str, &str, &[Role])] = &[
     ),
     ("agent", "DELETE", "/api/v1/reads/l1", &[W]),
     ("agent", "POST", "/api/v1/tensors/sessions", &[A]),
-    ("agent", "GET", "/metrics", &[]),
+    ("agent", "GET", "/metrics", &[M]),
 ];
 
 struct Running(CancellationToken, Vec<tokio::task::JoinHandle<()>>);

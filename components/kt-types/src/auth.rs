@@ -14,6 +14,7 @@
 //! - `pod`: a workload pod and its sidecar agent, which share the pod's
 //!   ServiceAccount token (the pod is the trust boundary): what the
 //!   agent named after the pod and a workload within its services may do;
+//! - `metrics`: `/metrics` of every server and nothing else (Prometheus);
 //! - `admin`: everything (operators, the metadata server's calls to the
 //!   store, the scenario runner's probes).
 //!
@@ -42,6 +43,8 @@ pub enum Role {
     /// A workload pod with its sidecar agent (an agent named after the pod,
     /// and a workload within its services).
     Pod,
+    /// A metrics scraper: `/metrics` alone.
+    Metrics,
 }
 
 impl Role {
@@ -53,16 +56,18 @@ impl Role {
             Role::Agent => "agent",
             Role::Workload => "workload",
             Role::Pod => "pod",
+            Role::Metrics => "metrics",
         }
     }
 
     /// Every role (tests walk them).
-    pub const ALL: [Role; 5] = [
+    pub const ALL: [Role; 6] = [
         Role::Admin,
         Role::Store,
         Role::Agent,
         Role::Workload,
         Role::Pod,
+        Role::Metrics,
     ];
 
     /// Whether a route that allows `roles` lets this role through: admin

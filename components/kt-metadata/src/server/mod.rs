@@ -393,7 +393,7 @@ async fn put_key(
         Role::Agent | Role::Pod => {
             reg.locale == Locale::Local && reg.holder.as_deref().is_some_and(|h| who.is_agent(h))
         }
-        Role::Workload => false,
+        Role::Workload | Role::Metrics => false,
     };
     if !own {
         return Err(forbidden(format!(
