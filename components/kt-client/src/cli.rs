@@ -621,8 +621,46 @@ pub fn main() -> ExitCode {
                 }
             }
             let msg = msg.replace('\n', " ");
-            eprintln!("kt: error: {msg}");
+            let ca = std::env::var_os(kt_api::tls::CA_FILE);
+            eprintln!("kt: error: {msg}{}", tls_hint(&msg, ca.as_deref()));
             ExitCode::from(exit_code(&e))
         }
+    }
+}
+
+/// What to do about a server certificate kt does not trust: kt trusts the
+/// CAs of `KT_CA_FILE` (`ca`) alone, not the system's.
+fn tls_hint(msg: &str, ca: Option<&std::ffi::OsStr>) -> String {
+    let untrusted = ["UnknownIssuer", "invalid peer certificate", "certificate verify"]
+        .iter()
+        .any(|s| msg.contains(s));
+    if !untrusted {
+        return String::new();
+    }
+    match ca {
+        Some(f) => format!(
+            " (hint: the server's certificate is not signed by a CA of {}={})",
+            kt_api::tls::CA_FILE,
+            f.to_string_lossy()
+        ),
+        None => format!(
+            " (hint: set {} to the PEM file of the CA that signed the server's certificate; kt trusts no other)",
+            kt_api::tls::CA_FILE
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_untrusted_certificate_names_kt_ca_file() {
+        let e = "https://127.0.0.1:1/api/v1/keys/a: error sending request: invalid peer certificate: UnknownIssuer";
+        let h = tls_hint(e, None);
+        assert!(h.contains("set KT_CA_FILE"), "{h}");
+        let h = tls_hint(e, Some(std::ffi::OsStr::new("/etc/kt/ca.crt")));
+        assert!(h.contains("not signed by a CA of KT_CA_FILE=/etc/kt/ca.crt"), "{h}");
+        assert_eq!(tls_hint("connection refused", None), "");
     }
 }
