@@ -631,9 +631,13 @@ pub fn main() -> ExitCode {
 /// What to do about a server certificate kt does not trust: kt trusts the
 /// CAs of `KT_CA_FILE` (`ca`) alone, not the system's.
 fn tls_hint(msg: &str, ca: Option<&std::ffi::OsStr>) -> String {
-    let untrusted = ["UnknownIssuer", "invalid peer certificate", "certificate verify"]
-        .iter()
-        .any(|s| msg.contains(s));
+    let untrusted = [
+        "UnknownIssuer",
+        "invalid peer certificate",
+        "certificate verify",
+    ]
+    .iter()
+    .any(|s| msg.contains(s));
     if !untrusted {
         return String::new();
     }
@@ -660,7 +664,10 @@ mod tests {
         let h = tls_hint(e, None);
         assert!(h.contains("set KT_CA_FILE"), "{h}");
         let h = tls_hint(e, Some(std::ffi::OsStr::new("/etc/kt/ca.crt")));
-        assert!(h.contains("not signed by a CA of KT_CA_FILE=/etc/kt/ca.crt"), "{h}");
+        assert!(
+            h.contains("not signed by a CA of KT_CA_FILE=/etc/kt/ca.crt"),
+            "{h}"
+        );
         assert_eq!(tls_hint("connection refused", None), "");
     }
 }

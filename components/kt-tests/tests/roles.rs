@@ -31,6 +31,8 @@ const EVAL: &str = "workload-eval-only-0123";
 const EVAL_READS_TRAIN: &str = "workload-eval-train-012";
 /// Pod pod-e, writing `eval` and reading nothing else.
 const POD_EVAL: &str = "pod-token-pod-e-012345";
+/// Agent pod-f, registering `eval`'s local keys only.
+const AGENT_EVAL: &str = "agent-token-pod-f-0123";
 
 fn token_of(role: Role) -> &'static str {
     match role {
@@ -73,6 +75,10 @@ fn auth_file(dir: &std::path::Path) -> Auth {
             scoped(grant(EVAL, Role::Workload, None), &[]),
             scoped(grant(EVAL_READS_TRAIN, Role::Workload, None), &["train"]),
             scoped(grant(POD_EVAL, Role::Pod, Some("pod-e")), &[]),
+            Grant {
+                services: Some(vec!["eval".into()]),
+                ..grant(AGENT_EVAL, Role::Agent, Some("pod-f"))
+            },
         ],
     };
     let path = dir.join("auth.json");
@@ -645,6 +651,19 @@ async fn agents_act_as_themselves_and_workloads_within_their_services() {
         .await,
         200
     );
+    // A pod registers only its services' local keys, and takes none over
+    // by naming its own service; an agent given services likewise.
+    for (path, token, holder, service, want) in [
+        ("/api/v1/keys/train/z", POD_EVAL, "pod-e", "train", 403),
+        ("/api/v1/keys/train/y", POD_EVAL, "pod-e", "eval", 403),
+        ("/api/v1/keys/eval/z", POD_EVAL, "pod-e", "eval", 200),
+        ("/api/v1/keys/train/z", AGENT_EVAL, "pod-f", "train", 403),
+        ("/api/v1/keys/eval/w", AGENT_EVAL, "pod-f", "eval", 200),
+    ] {
+        let body = reg(Some(holder), "local", service);
+        assert_eq!(call("PUT", path, token, Some(body)).await, want, "{path}");
+    }
+    assert_eq!(call("GET", "/api/v1/keys/train/z", ADMIN, None).await, 404);
     // A workload deletes and tears down only within its services; what it
     // is refused stays.
     for (method, path, token, want) in [

@@ -202,7 +202,8 @@ pub struct Grant {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
     /// A workload token's services, which it writes (absent: every
-    /// service; refused for other roles).
+    /// service), or an agent token's, whose local keys it registers;
+    /// refused for other roles.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub services: Option<Vec<String>>,
     /// The services a workload token reads besides its own (absent: every
@@ -226,7 +227,8 @@ impl Grant {
 
 impl AuthFile {
     /// Checks every grant: token shape, unique tokens, a name for (and
-    /// only for) agents, services for workloads only.
+    /// only for) agents, services for workloads and agents, reads for
+    /// workloads.
     pub fn validate(&self) -> Result<(), String> {
         if self.tokens.is_empty() {
             return Err("the tokens file grants no token".into());
@@ -255,12 +257,18 @@ impl AuthFile {
                 (_, Some(_)) => return Err(format!("{at}: only agent tokens have a name")),
                 (_, None) => {}
             }
+            if g.services.is_some() && !matches!(g.role, Role::Workload | Role::Pod | Role::Agent) {
+                return Err(format!(
+                    "{at}: only workload and agent tokens have services"
+                ));
+            }
+            if g.reads.is_some() && !matches!(g.role, Role::Workload | Role::Pod) {
+                return Err(format!("{at}: only workload tokens have reads"));
+            }
             for (field, s) in [("services", &g.services), ("reads", &g.reads)] {
-                let Some(s) = s else { continue };
-                if !matches!(g.role, Role::Workload | Role::Pod) {
-                    return Err(format!("{at}: only workload tokens have {field}"));
+                if let Some(s) = s {
+                    check_services(s).map_err(|e| format!("{at}: {field}: {e}"))?;
                 }
-                check_services(s).map_err(|e| format!("{at}: {field}: {e}"))?;
             }
         }
         Ok(())
@@ -484,6 +492,10 @@ mod tests {
                 grant(Role::Agent, Some("pod-a"), None),
                 grant(Role::Workload, None, Some(&["train"])),
                 grant(Role::Admin, None, None),
+                Grant {
+                    token: "token-of-agent-b-0123456789".into(),
+                    ..grant(Role::Agent, Some("pod-b"), Some(&["train"]))
+                },
             ],
         };
         ok.validate().unwrap();
@@ -494,8 +506,8 @@ mod tests {
         bad(grant(Role::Agent, None, None), "names its agent");
         bad(grant(Role::Store, Some("s"), None), "only agent tokens");
         bad(
-            grant(Role::Agent, Some("pod-a"), Some(&["x"])),
-            "only workload",
+            grant(Role::Store, None, Some(&["x"])),
+            "only workload and agent",
         );
         bad(grant(Role::Agent, Some("pod a"), None), "agent id");
         let mut short = grant(Role::Admin, None, None);

@@ -411,6 +411,30 @@ async fn put_key(
     }
     let now = now_ms();
     let mut registry = s.registry.lock().await;
+    // A pod (or an agent given services) registers only its services'
+    // keys, and never takes over a key another service owns; the store's
+    // registrations were checked at the store, when the put came.
+    if who.services.is_some() && matches!(who.role, Role::Agent | Role::Pod) {
+        let service = reg
+            .options
+            .service
+            .clone()
+            .unwrap_or_else(|| key.service().to_owned());
+        if !who.serves(&service) {
+            return Err(forbidden(format!(
+                "this token may not register {key} for service {service:?} (not one of its services)"
+            )));
+        }
+        if let Some(old) = registry
+            .get_any(&key)
+            .filter(|old| !who.serves(&old.service))
+        {
+            return Err(forbidden(format!(
+                "{key} belongs to service {:?}, not one of this token's: it is left as it is",
+                old.service
+            )));
+        }
+    }
     // An agent registering a local key is alive, even before its first beat.
     let agent = match (reg.locale, &reg.holder) {
         (Locale::Local, Some(holder)) => registry.touch_agent(holder, &reg.source, None, now),
