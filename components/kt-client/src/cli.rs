@@ -111,7 +111,9 @@ enum Cmd {
         /// Time to live, e.g. 30m or 2h.
         #[arg(long, value_parser = humantime::parse_duration)]
         ttl: Option<Duration>,
-        /// Owning service (default: the key's first segment).
+        /// Owning service (default: the one service your token writes, if it
+        /// writes exactly one, as a pod's does in a cluster; else the key's
+        /// first segment).
         #[arg(long)]
         service: Option<String>,
         #[arg(short, long, default_value = "text")]

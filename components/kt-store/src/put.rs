@@ -90,7 +90,7 @@ pub async fn plan(
 ) -> Result<ApiJson<PutPlan>, ApiError> {
     let (head, encoded): (PutHeader, &[u8]) = codec::split_document(&body)
         .map_err(|e| ApiError::bad_request(format!("put request: {e}")))?;
-    let req = PutRequest {
+    let mut req = PutRequest {
         key: Key::parse(&head.key)?,
         digest: head.digest,
         options: head.options,
@@ -98,16 +98,18 @@ pub async fn plan(
     if let Some(service) = &req.options.service {
         Key::parse(service).map_err(|e| ApiError::bad_request(format!("service name: {e}")))?;
     }
-    // A workload puts only under its services (the key's first segment
-    // when the put names none, as the metadata server records it).
-    let service = req.options.service.clone().unwrap_or_else(|| {
-        req.key
-            .as_str()
-            .split('/')
-            .next()
-            .unwrap_or_default()
-            .to_owned()
-    });
+    // A put naming no service goes to the one service its token writes,
+    // if it writes one (a pod's, in a cluster), else to the key's first
+    // segment, as the metadata server records it.
+    if req.options.service.is_none() {
+        req.options.service = who.sole_service().map(str::to_owned);
+    }
+    // A workload puts only under its services.
+    let service = req
+        .options
+        .service
+        .clone()
+        .unwrap_or_else(|| req.key.service().to_owned());
     if !who.serves(&service) {
         return Err(kt_service::forbidden(format!(
             "this token may not put {} for service {service:?} (not one of its services)",

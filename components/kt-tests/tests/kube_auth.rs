@@ -178,23 +178,27 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
     // it is), and nowhere else.
     let src = dir.path().join("w.bin");
     std::fs::write(&src, b"weights").unwrap();
-    let put = |token: &'static str, key: &str| {
+    let put = |token: &'static str, key: &str, service: Option<&str>| {
         let mut cfg = kt_client::ClientConfig::new(meta_url.clone(), token);
         cfg.cache_dir = Some(dir.path().join(format!("cache-{token}")));
         cfg.agent_socket = dir.path().join("no-agent.sock");
         let client = kt_client::Client::new(cfg).unwrap();
         let (key, src) = (kt_types::Key::parse(key).unwrap(), src.clone());
+        let options = kt_types::api::PutOptions {
+            service: service.map(str::to_owned),
+            ..Default::default()
+        };
         async move {
             client
-                .put(&key, &src, Default::default(), kt_client::Progress::none())
+                .put(&key, &src, options, kt_client::Progress::none())
                 .await
                 .map(|_| ())
                 .map_err(|e| e.code())
         }
     };
-    assert_eq!(put("tok-pod-a", "train/w").await, Ok(()));
+    assert_eq!(put("tok-pod-a", "train/w", None).await, Ok(()));
     assert_eq!(
-        put("tok-pod-a", "eval/w").await,
+        put("tok-pod-a", "eval/w", Some("eval")).await,
         Err(Some(ErrorCode::Forbidden))
     );
 

@@ -318,9 +318,21 @@ async fn every_route_answers_only_the_roles_it_allows() {
     assert_eq!(put(TRAIN, "train/w", None).await, Ok(()));
     assert_eq!(put(WORKLOAD, "eval/w", None).await, Ok(()));
     assert_eq!(
-        put(TRAIN, "eval/x", None).await,
+        put(TRAIN, "eval/x", Some("eval")).await,
         Err(Some(ErrorCode::Forbidden))
     );
+    // Naming no service, a token that writes one puts into it.
+    assert_eq!(put(TRAIN, "ckpt/x", None).await, Ok(()));
+    let record: kt_types::KeyRecord = http
+        .get(format!("{meta_url}/api/v1/keys/ckpt/x"))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(record.service, "train");
     assert_eq!(
         put(TRAIN, "eval/w", Some("train")).await,
         Err(Some(ErrorCode::Forbidden)),

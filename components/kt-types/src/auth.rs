@@ -134,6 +134,16 @@ impl Principal {
                 .is_none_or(|s| s.iter().any(|x| x == service))
     }
 
+    /// The one service it writes, if it writes exactly one (not admin):
+    /// where its puts go when they name no service, instead of the key's
+    /// first segment (a pod's puts land in its pod's service).
+    pub fn sole_service(&self) -> Option<&str> {
+        match self.services.as_deref() {
+            Some([one]) if self.role != Role::Admin => Some(one),
+            _ => None,
+        }
+    }
+
     /// Whether it may read the keys of `service` (get, ls, broadcasts):
     /// every service unless it was given `reads`, then its own services
     /// and those.
@@ -537,6 +547,18 @@ mod tests {
         let a = grant(Role::Agent, Some("pod-a"), None).principal();
         assert!(a.is_agent("pod-a") && !a.is_agent("pod-b"));
         assert!(!w.is_agent("pod-a"));
+    }
+
+    #[test]
+    fn a_token_writing_one_service_puts_into_it() {
+        let one = grant(Role::Workload, None, Some(&["train"])).principal();
+        assert_eq!(one.sole_service(), Some("train"));
+        let two = grant(Role::Workload, None, Some(&["train", "eval"])).principal();
+        assert_eq!(two.sole_service(), None);
+        assert_eq!(
+            grant(Role::Workload, None, None).principal().sole_service(),
+            None
+        );
     }
 
     #[test]

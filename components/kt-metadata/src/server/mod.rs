@@ -382,7 +382,7 @@ async fn put_key(
     State(s): State<AppState>,
     Extension(who): Extension<Principal>,
     Path(key): Path<String>,
-    ApiJson(reg): ApiJson<RegisterKey>,
+    ApiJson(mut reg): ApiJson<RegisterKey>,
 ) -> Result<ApiJson<KeyRecord>, ApiError> {
     let key = Key::parse(&key)?;
     check_registration(&reg)?;
@@ -415,6 +415,10 @@ async fn put_key(
     // keys, and never takes over a key another service owns; the store's
     // registrations were checked at the store, when the put came.
     if who.services.is_some() && matches!(who.role, Role::Agent | Role::Pod) {
+        // Naming none: the one service it writes, if one (as at the store).
+        if reg.options.service.is_none() {
+            reg.options.service = who.sole_service().map(str::to_owned);
+        }
         let service = reg
             .options
             .service

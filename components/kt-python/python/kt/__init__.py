@@ -263,7 +263,8 @@ def put(key: str, src: Any, *, locale: str = "store", lifespan: str = "cluster",
     transfer is over.
 
     ``lifespan="resource"`` deletes the key when its ``service`` (default:
-    the key's first segment) is torn down; ``ttl`` (seconds, or ``"2h"``)
+    the one service the token writes, if it writes exactly one, as a pod's
+    does in a cluster; else the key's first segment) is torn down; ``ttl`` (seconds, or ``"2h"``)
     expires it.
     """
     key = _key(key)
