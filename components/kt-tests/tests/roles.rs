@@ -527,6 +527,73 @@ async fn readers_get_only_the_services_their_tokens_read() {
     .await;
     assert_ne!(status, 403, "{text}");
 
+    // A quorum getter that joined before the key was registered is checked
+    // again when the quorum closes: its putter (pod-b) gets the plan, it a
+    // 403.
+    {
+        use kt_types::tensor::{
+            BackendKind, DType, QuorumJoin, QuorumKey, QuorumRole, TensorDesc, TensorMeta,
+        };
+        let keys = vec![QuorumKey {
+            key: key("train/q"),
+            version: "v1".into(),
+            tensors: vec![TensorDesc {
+                name: "w".into(),
+                meta: TensorMeta::new(DType::F32, [4]),
+            }],
+        }];
+        let join = |agent: &str, token: &'static str, role: QuorumRole| {
+            let body = QuorumJoin {
+                agent: agent.into(),
+                ip: "127.0.0.1".into(),
+                endpoint: "127.0.0.1:1".into(),
+                backend: BackendKind::Host,
+                role,
+                window: kt_types::BroadcastWindow {
+                    world_size: Some(2),
+                    timeout_secs: Some(30.0),
+                    ..Default::default()
+                },
+                comms: Vec::new(),
+            };
+            let body = serde_json::to_value(body).unwrap();
+            call(
+                "POST",
+                format!("{meta}/api/v1/quorums/late/join"),
+                token,
+                Some(body),
+            )
+        };
+        let early = join("pod-e", POD_EVAL, QuorumRole::Get { keys: keys.clone() });
+        let putter = async {
+            // The getter is waiting in the quorum before the key exists.
+            kt_tests::wait_until("the getter's join", Duration::from_secs(10), || async {
+                let (_, text) =
+                    call("GET", format!("{meta}/api/v1/quorums/late"), ADMIN, None).await;
+                serde_json::from_str::<kt_types::tensor::QuorumInfo>(&text)
+                    .is_ok_and(|i| i.open.is_some_and(|r| r.members == ["pod-e"]))
+            })
+            .await;
+            let reg = serde_json::json!({
+                "locale": "local", "source": "http://10.0.0.2:8100", "holder": "pod-b",
+                "version": "v1", "is_dir": false, "size": 16, "files": 1, "service": "train"
+            });
+            let (status, text) = call(
+                "PUT",
+                format!("{meta}/api/v1/keys/train/q"),
+                AGENT_B,
+                Some(reg),
+            )
+            .await;
+            assert_eq!(status, 200, "{text}");
+            join("pod-b", AGENT_B, QuorumRole::Put { keys: keys.clone() }).await
+        };
+        let ((get_status, get_text), (put_status, put_text)) = tokio::join!(early, putter);
+        assert_eq!(put_status, 200, "{put_text}");
+        assert_eq!(get_status, 403, "{get_text}");
+        assert!(get_text.contains("train"), "{get_text}");
+    }
+
     // `kt ls` shows only the keys it may read; `kt get` and broadcasts
     // of another service are refused.
     let listed = |token: &'static str| {
@@ -539,9 +606,9 @@ async fn readers_get_only_the_services_their_tokens_read() {
     assert_eq!(listed(EVAL).await, ["eval/x"]);
     assert_eq!(
         listed(EVAL_READS_TRAIN).await,
-        ["eval/x", "train/local", "train/w"]
+        ["eval/x", "train/local", "train/q", "train/w"]
     );
-    assert_eq!(listed(WORKLOAD).await.len(), 3);
+    assert_eq!(listed(WORKLOAD).await.len(), 4);
     let dest = dir.path().join("got");
     let got = client(EVAL)
         .get(&key("train/w"), &dest, kt_client::Progress::none())

@@ -104,13 +104,37 @@ async fn join(
             j.ip
         )));
     }
-    // A getter receives only the keys of services its token reads.
-    if let kt_types::tensor::QuorumRole::Get { keys } = &j.role {
-        for k in keys {
-            kt_service::reads::check_owner(owners.as_ref(), &who, &k.key).await?;
+    // A getter receives only the keys of services its token reads: those
+    // registered now are checked at once; a getter may join before its
+    // putter registered, so every key is checked again once the quorum
+    // closes (its putters registered their keys before they joined). A
+    // getter refused then never learns the plan; the round fails for the
+    // others as for any member that does not take part.
+    let gets = match &j.role {
+        kt_types::tensor::QuorumRole::Get { keys } => keys.clone(),
+        kt_types::tensor::QuorumRole::Put { .. } => Vec::new(),
+    };
+    may_get(owners.as_ref(), &who, &gets, true).await?;
+    let plan = q.join(&group, j).await?;
+    may_get(owners.as_ref(), &who, &gets, false).await?;
+    Ok(ApiJson(plan))
+}
+
+/// Whether `who` reads the services of every key of `keys`; `early`: a key
+/// not registered yet passes (for now).
+async fn may_get(
+    owners: &dyn kt_service::reads::Owners,
+    who: &Principal,
+    keys: &[kt_types::tensor::QuorumKey],
+    early: bool,
+) -> Result<(), ApiError> {
+    for k in keys {
+        match kt_service::reads::check_owner(owners, who, &k.key).await {
+            Err(e) if early && e.code == kt_types::ErrorCode::NotFound => {}
+            r => r?,
         }
     }
-    Ok(ApiJson(q.join(&group, j).await?))
+    Ok(())
 }
 
 /// The caller, which must be the agent of one of `ranks` of transfer

@@ -194,10 +194,7 @@ impl Handle {
     }
 }
 
-/// The registry says which service owns a key (quorum getters' keys). A
-/// getter may join a quorum before its putter registered the key: a key
-/// not recorded yet is taken to belong to the service a put records by
-/// default (its first segment).
+/// The registry says which service owns a key (quorum getters' keys).
 impl kt_service::reads::Owners for Handle {
     fn service_of<'a>(
         &'a self,
@@ -206,9 +203,10 @@ impl kt_service::reads::Owners for Handle {
     {
         Box::pin(async move {
             let registry = self.0.registry.lock().await;
-            Ok(registry
+            registry
                 .get(key, now_ms())
-                .map_or_else(|| key.service().to_owned(), |r| r.service.clone()))
+                .map(|r| r.service.clone())
+                .ok_or_else(|| ApiError::not_found(format!("key {key} not found")))
         })
     }
 }
