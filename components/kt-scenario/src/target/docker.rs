@@ -14,6 +14,12 @@
 //! runner's user (so the bind-mounted files stay the runner's); the images'
 //! own user, 65532, is what the Kubernetes targets run.
 //!
+//! Every component has its own role, as on the process targets
+//! ([`super::roles`]): the tokens file lies in the bind-mounted work
+//! directory, the metadata server and the store read it, the store and
+//! each pod's agent present their own tokens, and every command in a pod
+//! the workload's.
+//!
 //! Every container carries the run's label; [`Target::down`] removes them
 //! and the network, and is idempotent.
 
@@ -38,7 +44,10 @@ use bollard::query_parameters::{
 };
 use futures::{StreamExt, TryStreamExt};
 
-use super::local::{Programs, READY_TIMEOUT, agent_args, make_pod_dirs, pod_env, server_args};
+use super::local::{
+    Programs, READY_TIMEOUT, agent_args, in_pod, make_pod_dirs, pod_env, server_args,
+};
+use super::roles::Roles;
 use super::wrapped::{self, Chunk, Killer};
 use super::{Component, ExecOutput, ExecRequest, Plan, PodPlan, PodProcess, Target, TargetError};
 use crate::format::Signal;
@@ -145,6 +154,12 @@ pub struct Docker {
     metadata: (String, String),
     store: (String, String),
     pods: HashMap<String, Pod>,
+    roles: Option<Roles>,
+}
+
+/// An environment as a container takes it (`K=V`).
+fn env_list(env: Vec<(String, String)>) -> Vec<String> {
+    env.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
 
 impl Docker {
@@ -415,13 +430,12 @@ impl Docker {
         })
     }
 
-    /// Where a pod's command runs and its environment (`K=V`).
+    /// Where a pod's command runs and its environment (`K=V`), with the
+    /// workload's token in place of the run's.
     fn exec_env(&self, req: &ExecRequest, pod: &Pod) -> (PathBuf, Vec<String>) {
         let dir = self.pod_dir(&req.pod);
-        let env = pod_env(req, &self.metadata.1, &dir, &pod.ip.to_string())
-            .into_iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
+        let req = in_pod(self.roles.as_ref(), req);
+        let env = env_list(pod_env(&req, &self.metadata.1, &dir, &pod.ip.to_string()));
         (dir, env)
     }
 
@@ -431,7 +445,7 @@ impl Docker {
         plan: &Plan,
         p: &PodPlan,
         images: &Images,
-        token: &[String],
+        roles: &Roles,
     ) -> Result<(), TargetError> {
         let pod = self.pod(&p.name)?;
         let url = format!("http://{}:{AGENT_PORT}", pod.ip);
@@ -454,7 +468,7 @@ impl Docker {
         let agent = self.container(
             &images.agent,
             args,
-            token.to_vec(),
+            env_list(roles.agent_env(&p.name)),
             NetworkAt::JoinOf(pod.workload.clone()),
         );
         self.create(&pod.agent, agent).await
@@ -657,14 +671,16 @@ impl Target for Docker {
             &format!("0.0.0.0:{STORE_PORT}"),
             &store_url,
         );
-        let token = vec![format!("KT_TOKEN={}", plan.token)];
+        // Every component with its own role (the tokens file is in the
+        // work directory, which every container mounts).
+        let roles = Roles::write(plan)?;
         let images = self.images()?.clone();
         self.create(
             &self.metadata.0,
             self.container(
                 &images.metadata,
                 margs,
-                token.clone(),
+                env_list(roles.metadata_env()),
                 NetworkAt::Ip(mip, "metadata".into()),
             ),
         )
@@ -674,7 +690,7 @@ impl Target for Docker {
             self.container(
                 &images.store,
                 sargs,
-                token.clone(),
+                env_list(roles.store_env()),
                 NetworkAt::Ip(sip, "store".into()),
             ),
         )
@@ -691,7 +707,7 @@ impl Target for Docker {
         let creating: Vec<_> = plan
             .pods
             .iter()
-            .map(|p| self.create_pod(plan, p, &images, &token))
+            .map(|p| self.create_pod(plan, p, &images, &roles))
             .collect();
         futures::stream::iter(creating)
             .buffer_unordered(PARALLEL)
@@ -709,6 +725,7 @@ impl Target for Docker {
             .buffer_unordered(PARALLEL)
             .try_collect::<Vec<()>>()
             .await?;
+        self.roles = Some(roles);
         Ok(())
     }
 
