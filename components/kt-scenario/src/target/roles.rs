@@ -1,14 +1,18 @@
-//! Per-component tokens of the process testbeds (local, netns): the
-//! library runs with least privilege, so every scenario proves the roles
-//! hold (`kt_types::auth`).
+//! Per-component tokens of the process and docker testbeds (local, netns,
+//! docker): the library runs with least privilege, so every scenario
+//! proves the roles hold (`kt_types::auth`).
 //!
 //! The run's token stays the admin's (the runner's probes, the metadata
 //! server's calls to the store); the store gets a `store` token, each pod's
-//! agent an `agent` token naming it, and every command in a pod a
-//! `workload` token. The servers and agents accept exactly those, from a
-//! tokens file in the run's work directory (`--auth-file`). A command the
-//! runner gives another token (a scenario testing a wrong one) keeps it.
+//! agent an `agent` token naming it, and every command in a pod its pod's
+//! `workload` token. A pod with a service writes only that service and the
+//! scenario's own (`{{scenario}}/...` keys, the scenario's name being their
+//! first segment); a pod without one writes every service. The servers and
+//! agents accept exactly those, from a tokens file in the run's work
+//! directory (`--auth-file`). A command the runner gives another token (a
+//! scenario testing a wrong one) keeps it.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 
 use kt_types::auth::{AuthFile, Grant, Role};
@@ -20,14 +24,22 @@ use super::{ExecRequest, Plan, TargetError};
 pub struct Roles {
     file: PathBuf,
     admin: String,
+    /// Each pod's workload token.
+    workloads: HashMap<String, String>,
 }
 
 impl Roles {
     /// Writes the run's tokens file (mode 0600) for `plan`'s pods.
     pub fn write(plan: &Plan) -> Result<Roles, TargetError> {
+        let admin = plan.token.clone();
         let roles = Roles {
             file: plan.work_dir.join("auth.json"),
-            admin: plan.token.clone(),
+            workloads: plan
+                .pods
+                .iter()
+                .map(|p| (p.name.clone(), format!("{admin}-workload-{}", p.name)))
+                .collect(),
+            admin,
         };
         let grant = |token: String, role, name: Option<String>| Grant {
             token,
@@ -39,9 +51,16 @@ impl Roles {
         let mut tokens = vec![
             grant(roles.admin.clone(), Role::Admin, None),
             grant(roles.store(), Role::Store, None),
-            grant(roles.workload(), Role::Workload, None),
         ];
         for p in &plan.pods {
+            let mut services = p.service.iter().cloned().collect::<Vec<_>>();
+            if !services.is_empty() && !services.contains(&plan.scenario) {
+                services.push(plan.scenario.clone());
+            }
+            tokens.push(Grant {
+                services: (!services.is_empty()).then_some(services),
+                ..grant(roles.workloads[&p.name].clone(), Role::Workload, None)
+            });
             tokens.push(grant(
                 roles.agent(&p.name),
                 Role::Agent,
@@ -60,10 +79,6 @@ impl Roles {
 
     fn store(&self) -> String {
         format!("{}-store", self.admin)
-    }
-
-    fn workload(&self) -> String {
-        format!("{}-workload", self.admin)
     }
 
     fn agent(&self, pod: &str) -> String {
@@ -92,11 +107,14 @@ impl Roles {
         self.server_env(self.agent(pod))
     }
 
-    /// `req` as a pod's command: the run's token becomes the workload's.
+    /// `req` as a pod's command: the run's token becomes the pod's
+    /// workload token.
     pub fn in_pod(&self, req: &ExecRequest) -> ExecRequest {
         let mut r = req.clone();
-        if r.token.as_deref() == Some(self.admin.as_str()) {
-            r.token = Some(self.workload());
+        if r.token.as_deref() == Some(self.admin.as_str())
+            && let Some(w) = self.workloads.get(&req.pod)
+        {
+            r.token = Some(w.clone());
         }
         r
     }
@@ -142,25 +160,34 @@ mod tests {
             chunk_size: None,
             store_link_bps: None,
             metadata_flags: vec![],
-            pods: vec![pod("a"), pod("b")],
+            pods: vec![
+                pod("a"),
+                PodPlan {
+                    service: Some("train".into()),
+                    ..pod("b")
+                },
+            ],
             python: None,
         };
         let roles = Roles::write(&plan).unwrap();
         let file: AuthFile =
             serde_json::from_slice(&std::fs::read(dir.path().join("auth.json")).unwrap()).unwrap();
-        let granted: Vec<(Role, Option<&str>)> = file
+        let granted: Vec<(Role, Option<&str>, Option<Vec<String>>)> = file
             .tokens
             .iter()
-            .map(|g| (g.role, g.name.as_deref()))
+            .map(|g| (g.role, g.name.as_deref(), g.services.clone()))
             .collect();
+        // Pod b has a service: its workload writes it and the scenario's keys.
+        let svc = |s: &[&str]| Some(s.iter().map(|x| x.to_string()).collect());
         assert_eq!(
             granted,
             [
-                (Role::Admin, None),
-                (Role::Store, None),
-                (Role::Workload, None),
-                (Role::Agent, Some("a")),
-                (Role::Agent, Some("b")),
+                (Role::Admin, None, None),
+                (Role::Store, None, None),
+                (Role::Workload, None, None),
+                (Role::Agent, Some("a"), None),
+                (Role::Workload, None, svc(&["train", "s"])),
+                (Role::Agent, Some("b"), None),
             ]
         );
         assert_eq!(
@@ -179,11 +206,11 @@ mod tests {
                 .map(|(_, v)| v)
                 .unwrap()
         };
-        assert_eq!(token_of(roles.agent_env("b")), file.tokens[4].token);
+        assert_eq!(token_of(roles.agent_env("b")), file.tokens[5].token);
         assert_eq!(token_of(roles.store_env()), file.tokens[1].token);
         assert_eq!(token_of(roles.metadata_env()), plan.token);
-        // Pod commands run as the workload, unless a scenario hands a command
-        // another token on purpose.
+        // Pod commands run as their pod's workload, unless a scenario hands
+        // a command another token on purpose.
         let req = |token: Option<&str>| ExecRequest {
             pod: "a".into(),
             program: Program::Kt,
@@ -200,5 +227,13 @@ mod tests {
             Some("wrong")
         );
         assert_eq!(roles.in_pod(&req(None)).token, None);
+        let in_b = ExecRequest {
+            pod: "b".into(),
+            ..req(Some(&plan.token))
+        };
+        assert_eq!(
+            roles.in_pod(&in_b).token.as_deref(),
+            Some(file.tokens[4].token.as_str())
+        );
     }
 }
