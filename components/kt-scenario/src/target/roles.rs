@@ -172,7 +172,8 @@ mod tests {
         let roles = Roles::write(&plan).unwrap();
         let file: AuthFile =
             serde_json::from_slice(&std::fs::read(dir.path().join("auth.json")).unwrap()).unwrap();
-        let granted: Vec<(Role, Option<&str>, Option<Vec<String>>)> = file
+        type Granted<'a> = (Role, Option<&'a str>, Option<Vec<String>>);
+        let granted: Vec<Granted> = file
             .tokens
             .iter()
             .map(|g| (g.role, g.name.as_deref(), g.services.clone()))
