@@ -2,9 +2,11 @@
 //!
 //! The token comes from Secret `kt-token` (key `token`), or where there is
 //! none (an install on Kubernetes identities) from a TokenRequest for the
-//! ServiceAccount `kt-operator`, unless one is given; the metadata server is reached at `http://kt-metadata:8081` and
-//! every server it names (the store's `http://kt-store:8082`, agents'
-//! `http://<pod IP>:8090`) through local port-forwards
+//! ServiceAccount `kt-operator`, unless one is given; the metadata server is
+//! reached at `http://kt-metadata:8081` (`https://` where `KT_CA_FILE` is
+//! set: an install with the tls component) and every server it names (the
+//! store's `http://kt-store:8082`, agents' `http://<pod IP>:8090`) through
+//! local port-forwards
 //! ([`kt_kube::portforward::Forwarder`]), plugged into the client as its
 //! [`UrlMap`].
 
@@ -46,7 +48,12 @@ impl External {
             None
         };
         let forwarder = Forwarder::new(client, namespace);
-        let metadata_url = forwarder.local_url(kt_kube::METADATA_SERVICE_URL)?;
+        // A CA to trust means the servers serve TLS (the tls component).
+        let metadata = match std::env::var_os(kt_api::tls::CA_FILE) {
+            Some(_) => kt_kube::METADATA_SERVICE_URL_TLS,
+            None => kt_kube::METADATA_SERVICE_URL,
+        };
+        let metadata_url = forwarder.local_url(metadata)?;
         tracing::debug!(namespace = forwarder.namespace(), %metadata_url, "reaching kt through port-forwards");
         Ok(External {
             forwarder,

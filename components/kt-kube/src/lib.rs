@@ -37,6 +37,9 @@ pub const OPERATOR_ACCOUNT: &str = "kt-operator";
 /// The in-cluster Services and ports of kt's servers.
 pub const METADATA_SERVICE_URL: &str = "http://kt-metadata:8081";
 
+/// The metadata server of an install with the tls component.
+pub const METADATA_SERVICE_URL_TLS: &str = "https://kt-metadata:8081";
+
 /// Where a pod's service account namespace is mounted.
 pub const SERVICE_ACCOUNT_NAMESPACE: &str =
     "/var/run/secrets/kubernetes.io/serviceaccount/namespace";

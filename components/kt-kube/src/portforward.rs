@@ -302,8 +302,11 @@ pub enum Target {
 /// Services of `namespace`; IP literals are pods.
 pub fn parse_url(url: &str, namespace: &str) -> Result<(Target, u16, String), ForwardError> {
     let bad =
-        || ForwardError::Unsupported(format!("cannot forward {url:?}: not http://host:port/…"));
-    let rest = url.strip_prefix("http://").ok_or_else(bad)?;
+        || ForwardError::Unsupported(format!("cannot forward {url:?}: not http(s)://host:port/…"));
+    let rest = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+        .ok_or_else(bad)?;
     let (authority, path) = match rest.find('/') {
         Some(i) => rest.split_at(i),
         None => (rest, ""),
@@ -367,12 +370,19 @@ impl Forwarder {
 
     /// `url` with its host and port replaced by a local listener forwarding
     /// to its target; made on first use. Must be called inside a tokio runtime.
+    /// The scheme stays: an `https://` server's certificate must name
+    /// `127.0.0.1` (the bundle's do).
     pub fn local_url(self: &Arc<Self>, url: &str) -> Result<String, ForwardError> {
         let (target, port, path) = parse_url(url, &self.namespace)?;
+        let scheme = if url.starts_with("https://") {
+            "https"
+        } else {
+            "http"
+        };
         let route = (target, port);
         let mut routes = self.routes.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(addr) = routes.get(&route) {
-            return Ok(format!("http://{addr}{path}"));
+            return Ok(format!("{scheme}://{addr}{path}"));
         }
         let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
         std_listener.set_nonblocking(true)?;
@@ -381,7 +391,7 @@ impl Forwarder {
         routes.insert(route.clone(), addr);
         tracing::debug!(%url, local = %addr, "forwarding");
         self.tasks.spawn(self.clone().accept(listener, route));
-        Ok(format!("http://{addr}{path}"))
+        Ok(format!("{scheme}://{addr}{path}"))
     }
 
     /// Stops every listener and forward.
@@ -481,8 +491,12 @@ mod tests {
             parse_url("http://[fd00::1]:8090", "kt").unwrap().0,
             Target::PodIp("fd00::1".parse().unwrap())
         );
+        assert_eq!(
+            parse_url("https://kt-store:8082/x", "kt").unwrap(),
+            (svc("kt-store"), 8082, "/x".into())
+        );
         for bad in [
-            "https://kt-store:8082",
+            "ftp://kt-store:8082",
             "http://kt-store",
             "http://a.other:1",
             "http://x:port",

@@ -215,6 +215,10 @@ async fn maps_cluster_urls_to_stable_local_listeners() {
         again,
         "one listener per target"
     );
+    // An https:// server (the tls component) keeps its scheme, on the same
+    // listener: the forward carries bytes, TLS is end to end.
+    let tls = fwd.local_url("https://kt-store:8082/x").expect("store");
+    assert_eq!(tls, format!("https{}/x", again.trim_start_matches("http")));
     let meta = fwd.local_url("http://kt-metadata:8081").expect("metadata");
     let agent = fwd.local_url("http://10.1.2.3:8090").expect("agent");
     assert_ne!(meta, again);
