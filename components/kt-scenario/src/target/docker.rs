@@ -656,6 +656,9 @@ impl Target for Docker {
         self.work = plan.work_dir.clone();
         self.user = Docker::user();
         make_pod_dirs(plan)?;
+        // A network namespace per pod (its agent joins the workload's),
+        // the metadata server's and the store's, all on one bridge.
+        super::host::raise_limits(plan.pods.len() + 2);
         let base = self.create_network().await?;
         let [a, b, _, _] = base.octets();
         let mip = Ipv4Addr::new(a, b, 0, 2);

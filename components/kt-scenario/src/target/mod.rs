@@ -14,6 +14,7 @@ use async_trait::async_trait;
 
 pub mod cluster;
 pub mod docker;
+pub mod host;
 pub mod k3d;
 pub mod kind;
 pub mod local;

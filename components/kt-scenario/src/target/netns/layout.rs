@@ -202,7 +202,7 @@ impl Network {
 
     fn build(&self) -> Result<(), TargetError> {
         let br = self.bridge();
-        raise_host_limits(self.nodes.len());
+        crate::target::host::raise_limits(self.nodes.len());
         // The root namespace's part in one `ip` process: 1000 pods would
         // otherwise cost thousands of process starts. No interface gets an
         // IPv6 address (`addrgenmode none`): the testbed is IPv4, and the
@@ -307,37 +307,6 @@ fn check_subnet_free() -> Result<(), TargetError> {
              another netns testbed (see {STATE_DIR}); the netns target runs one testbed at a time",
             line.split_whitespace().nth(1).unwrap_or("an interface")
         ))),
-    }
-}
-
-/// Raises host-wide limits that a flat network of `namespaces` ports
-/// outgrows (never lowers them, and leaves them raised: by then other users
-/// of the host may rely on the value):
-/// - the ARP table, shared by all namespaces, refuses entries beyond
-///   `gc_thresh3` (1024 by default), and each server namespace alone caches
-///   one per pod: 64 entries a namespace;
-/// - every ARP broadcast is copied to every port at once, into a per-CPU
-///   backlog of `netdev_max_backlog` (1000 by default) packets: with more
-///   ports than that, broadcasts are dropped and pods fail with "No route to
-///   host". Room for 8 broadcasts at once.
-fn raise_host_limits(namespaces: usize) {
-    let n = namespaces as u64;
-    let limits = [
-        ("net/ipv4/neigh/default/gc_thresh2", n * 32),
-        ("net/ipv4/neigh/default/gc_thresh3", n * 64),
-        ("net/core/netdev_max_backlog", n * 8),
-    ];
-    for (knob, want) in limits {
-        let path = format!("/proc/sys/{knob}");
-        let current = std::fs::read_to_string(&path)
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok());
-        if current.is_some_and(|c| c < want) {
-            match std::fs::write(&path, want.to_string()) {
-                Ok(()) => tracing::info!("raised {} to {want}", knob.replace('/', ".")),
-                Err(e) => tracing::warn!("could not raise {path} to {want}: {e}"),
-            }
-        }
     }
 }
 
