@@ -486,18 +486,8 @@ pub fn forbidden(message: impl Into<String>) -> ApiError {
 /// A read of `key`, which belongs to `service`, by `who`: 403 unless its
 /// token reads that service ([`Principal::reads`]).
 pub fn check_read(who: &Principal, key: &kt_types::Key, service: &str) -> Result<(), ApiError> {
-    if who.reads(service) {
-        return Ok(());
-    }
-    let mine: Vec<&String> = who
-        .services
-        .iter()
-        .chain(who.reads.iter())
-        .flatten()
-        .collect();
-    Err(forbidden(format!(
-        "this token may not read {key}: it belongs to service {service:?}, and the token reads only {mine:?}"
-    )))
+    who.refuses_read(key, service)
+        .map_or(Ok(()), |why| Err(forbidden(why)))
 }
 
 #[cfg(test)]

@@ -156,6 +156,23 @@ impl Principal {
             || listed(&self.services)
     }
 
+    /// Why it may not read `key`, which belongs to `service` (`None`: it
+    /// may): the message of every refused read.
+    pub fn refuses_read(&self, key: &crate::Key, service: &str) -> Option<String> {
+        if self.reads(service) {
+            return None;
+        }
+        let mine: Vec<&String> = self
+            .services
+            .iter()
+            .chain(self.reads.iter())
+            .flatten()
+            .collect();
+        Some(format!(
+            "this token may not read {key}: it belongs to service {service:?}, and the token reads only {mine:?}"
+        ))
+    }
+
     /// Whether it reads every service (nothing to look up before a read).
     pub fn reads_all(&self) -> bool {
         self.role == Role::Admin || self.reads.is_none()

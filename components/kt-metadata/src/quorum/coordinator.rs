@@ -13,7 +13,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::round::{ClosedBy, Closing, Member, QuorumError, Round, check_join, plan};
+use super::round::{Access, ClosedBy, Closing, Member, QuorumError, Round, check_join, plan};
 
 /// Most open rounds plus kept transfers; a join opening one more is 503.
 pub const MAX_OPEN: usize = 10_000;
@@ -211,7 +211,13 @@ impl Quorums {
 
     /// Joins `group`'s open round (opening one if none is); answered when
     /// the round closes. Dropping the future before leaves the round.
-    pub async fn join(&self, group: &str, join: QuorumJoin) -> Result<QuorumPlan, QuorumError> {
+    /// `access`: what the member may put and receive (see [`Access`]).
+    pub async fn join(
+        &self,
+        group: &str,
+        join: QuorumJoin,
+        access: Access,
+    ) -> Result<QuorumPlan, QuorumError> {
         let ip = check_join(group, &join)?;
         let now = Instant::now();
         let (seq, round, mut closed, deadline, closing) = {
@@ -234,7 +240,12 @@ impl Quorums {
             });
             let r = &mut o.round;
             tracing::debug!(group, agent = %join.agent, members = r.members.len() + 1, "quorum join");
-            r.members.push(Member { seq, ip, join });
+            r.members.push(Member {
+                seq,
+                ip,
+                join,
+                access,
+            });
             let (round, deadline, by) = (r.id, Instant::from_std(r.deadline), r.closes_now());
             let closed = o.closed.subscribe();
             let closing = by.and_then(|by| Some((st.take_round(group, round)?, by)));
@@ -524,7 +535,7 @@ mod tests {
         j: QuorumJoin,
     ) -> tokio::task::JoinHandle<Result<QuorumPlan, QuorumError>> {
         let (q, group) = (q.clone(), group.to_owned());
-        tokio::spawn(async move { q.join(&group, j).await })
+        tokio::spawn(async move { q.join(&group, j, Access::default()).await })
     }
 
     async fn members(q: &Quorums, group: &str, n: usize) {
@@ -550,7 +561,11 @@ mod tests {
         let g2 = spawn(&q, "grp", getter("a3", vec![key("k", 4)], &w));
         members(&q, "grp", 2).await;
         let p = q
-            .join("grp", putter("a1", vec![key("k", 4)], &w))
+            .join(
+                "grp",
+                putter("a1", vec![key("k", 4)], &w),
+                Access::default(),
+            )
             .await
             .unwrap();
         let (a, b) = (answer(g1).await.unwrap(), answer(g2).await.unwrap());
@@ -572,7 +587,11 @@ mod tests {
         );
         members(&q, "grp", 1).await;
         let p2 = q
-            .join("grp", putter("a1", vec![key("k", 4)], &w))
+            .join(
+                "grp",
+                putter("a1", vec![key("k", 4)], &w),
+                Access::default(),
+            )
             .await
             .unwrap();
         assert_eq!(answer(g).await.unwrap().plan.id, p2.plan.id);
@@ -588,7 +607,11 @@ mod tests {
         let g = spawn(&q, "ips", getter("a2", vec![key("k", 4)], &w));
         members(&q, "ips", 1).await;
         let p = q
-            .join("ips", putter("a1", vec![key("k", 4)], &w))
+            .join(
+                "ips",
+                putter("a1", vec![key("k", 4)], &w),
+                Access::default(),
+            )
             .await
             .unwrap();
         assert_eq!(p.closed_by, "ips");
@@ -597,7 +620,11 @@ mod tests {
         let w = window(Some(10), 0.2);
         let g = spawn(&q, "late", getter("a2", vec![key("k", 4)], &w));
         let p = q
-            .join("late", putter("a1", vec![key("k", 4)], &w))
+            .join(
+                "late",
+                putter("a1", vec![key("k", 4)], &w),
+                Access::default(),
+            )
             .await
             .unwrap();
         assert_eq!(p.closed_by, "timeout");
@@ -612,20 +639,24 @@ mod tests {
         let first = spawn(&q, "c", putter("a1", vec![key("k", 4)], &w));
         members(&q, "c", 1).await;
         let e = q
-            .join("c", getter("a1", vec![key("k", 4)], &w))
+            .join("c", getter("a1", vec![key("k", 4)], &w), Access::default())
             .await
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::Conflict, "{e}");
         assert!(e.to_string().contains("one rank per pod"), "{e}");
         let e = q
-            .join("c", putter("a2", vec![key("j", 1), key("k", 4)], &w))
+            .join(
+                "c",
+                putter("a2", vec![key("j", 1), key("k", 4)], &w),
+                Access::default(),
+            )
             .await
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::Conflict, "{e}");
         assert!(e.to_string().contains("already puts k"), "{e}");
         let mut nccl = getter("a3", vec![key("k", 4)], &w);
         nccl.backend = BackendKind::Nccl;
-        let e = q.join("c", nccl).await.unwrap_err();
+        let e = q.join("c", nccl, Access::default()).await.unwrap_err();
         assert_eq!(e.code(), ErrorCode::InvalidRequest, "{e}");
         assert!(e.to_string().contains("nccl"), "{e}");
         assert_eq!(q.info("c").unwrap().open.unwrap().members, ["a1"]);
@@ -638,7 +669,7 @@ mod tests {
         let g3 = spawn(&q, "c", getter("a3", vec![key("k", 4)], &w));
         members(&q, "c", 2).await;
         let p = q
-            .join("c", getter("a4", vec![key("k", 4)], &w))
+            .join("c", getter("a4", vec![key("k", 4)], &w), Access::default())
             .await
             .unwrap();
         let agents: Vec<String> = p.plan.ranks.iter().map(|r| r.agent.clone()).collect();
@@ -659,7 +690,7 @@ mod tests {
         let w = window(Some(2), 60.0);
         let g = spawn(&q, "r", getter("a2", vec![key("k", 4)], &w));
         let p = q
-            .join("r", putter("a1", vec![key("k", 4)], &w))
+            .join("r", putter("a1", vec![key("k", 4)], &w), Access::default())
             .await
             .unwrap();
         answer(g).await.unwrap();
@@ -730,7 +761,7 @@ mod tests {
         let w = window(Some(2), 60.0);
         let g = spawn(&q, "f", getter("a2", vec![key("k", 4)], &w));
         let p = q
-            .join("f", putter("a1", vec![key("k", 4)], &w))
+            .join("f", putter("a1", vec![key("k", 4)], &w), Access::default())
             .await
             .unwrap();
         answer(g).await.unwrap();

@@ -40,7 +40,11 @@
 //! - a getter wanting a key no putter brings gets 404 `not_found`; one whose
 //!   destination layout does not match the source's
 //!   ([`t::check_destination`]) gets 400 `invalid_request` naming both
-//!   sides; neither takes a rank;
+//!   sides; one whose token may not read a key it wants (the service of
+//!   each putter's key is looked up when the putter joins, and a getter
+//!   whose token reads only some services is refused a key whose service
+//!   is unknown) gets 403 `forbidden`; none of them takes a rank, so no
+//!   member ever sends it anything;
 //! - ranks: the putters ordered by their first key (rank 0 puts the
 //!   smallest), then the remaining getters ordered by agent id: the same
 //!   members make the same plan whatever order they joined in;
@@ -105,5 +109,5 @@ mod round;
 mod routes;
 
 pub use coordinator::{KEEP_CLOSED, KEEP_COMPLETE, MAX_BLOB_LEN, MAX_OPEN, Quorums};
-pub use round::{ClosedBy, MAX_TIMEOUT_SECS, QuorumError};
+pub use round::{Access, ClosedBy, MAX_TIMEOUT_SECS, QuorumError};
 pub use routes::{DEFAULT_WAIT_MS, MAX_JOIN_BODY, MAX_WAIT_MS, routes};

@@ -15,6 +15,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kt_types::auth::Principal;
 use kt_types::tensor::{
     self as t, BackendKind, Flow, Packing, QuorumJoin, QuorumKey, QuorumPlan, QuorumRole,
     QuorumRound, Rank, TransferPlan,
@@ -45,6 +46,9 @@ pub enum QuorumError {
     /// An unknown transfer or group; a wanted key no putter brings.
     #[error("{0}")]
     NotFound(String),
+    /// A getter whose token may not read a key it wants.
+    #[error("{0}")]
+    Forbidden(String),
     /// The round closed with no putter.
     #[error("{0}")]
     NoSource(String),
@@ -63,6 +67,7 @@ impl QuorumError {
             QuorumError::Invalid(_) => ErrorCode::InvalidRequest,
             QuorumError::Conflict(_) => ErrorCode::Conflict,
             QuorumError::NotFound(_) => ErrorCode::NotFound,
+            QuorumError::Forbidden(_) => ErrorCode::Forbidden,
             QuorumError::NoSource(_) => ErrorCode::NoSource,
             QuorumError::Unavailable(_) => ErrorCode::Unavailable,
             QuorumError::Internal(_) => ErrorCode::Internal,
@@ -101,6 +106,19 @@ pub(super) struct Member {
     pub(super) seq: u64,
     pub(super) ip: IpAddr,
     pub(super) join: QuorumJoin,
+    pub(super) access: Access,
+}
+
+/// Who may receive what in a round, as the join route found it (the plan
+/// is made only of members allowed to take part).
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    /// A putter's keys, each with the service owning it (`None`: not
+    /// registered when the putter joined).
+    pub owners: HashMap<Key, Option<String>>,
+    /// A getter whose token reads only some services; `None`: it reads
+    /// every one.
+    pub reader: Option<Principal>,
 }
 
 impl Member {
@@ -281,9 +299,14 @@ pub(super) fn plan(group: &str, round: &Round, by: ClosedBy, id: String) -> Clos
         .flat_map(|p| p.keys())
         .map(|k| (&k.key, k))
         .collect();
+    let owners: HashMap<&Key, Option<&str>> = putters
+        .iter()
+        .flat_map(|p| &p.access.owners)
+        .map(|(k, s)| (k, s.as_deref()))
+        .collect();
     let mut getters = Vec::new();
     for g in wanting {
-        match can_receive(group, g, &sources) {
+        match can_receive(group, g, &sources).and_then(|()| may_read(group, g, &owners)) {
             Ok(()) => getters.push(g),
             Err(e) => {
                 closing.errors.insert(g.seq, e);
@@ -386,6 +409,33 @@ fn can_receive(
         })?;
         t::check_destination(&want.key, &src.tensors, &want.tensors)
             .map_err(QuorumError::Invalid)?;
+    }
+    Ok(())
+}
+
+/// Whether getter `g`'s token reads the service of every key it wants
+/// (checked before the plan is made: a refused getter never takes a rank,
+/// so no other member ever sends it anything).
+fn may_read(
+    group: &str,
+    g: &Member,
+    owners: &HashMap<&Key, Option<&str>>,
+) -> Result<(), QuorumError> {
+    let Some(reader) = &g.access.reader else {
+        return Ok(());
+    };
+    for want in g.keys() {
+        let why = match owners.get(&want.key).copied().flatten() {
+            Some(service) => reader.refuses_read(&want.key, service),
+            None => Some(format!(
+                "key {} was not registered when its putter joined quorum {group}, so its \
+                 service is unknown, and this token reads only some services",
+                want.key
+            )),
+        };
+        if let Some(why) = why {
+            return Err(QuorumError::Forbidden(why));
+        }
     }
     Ok(())
 }
@@ -551,6 +601,7 @@ mod tests {
                 seq: i as u64 + 1,
                 ip,
                 join,
+                access: Access::default(),
             });
         }
         r
@@ -585,6 +636,52 @@ mod tests {
         assert_eq!(c.answer("g", 1).unwrap().rank, 2);
         assert_eq!(c.answer("g", 4).unwrap().rank, 1);
         assert_eq!(c.answer("g", 4).unwrap().closed_by, "timeout");
+    }
+
+    /// A getter whose token reads only some services takes no rank for a
+    /// key of another service, nor for one whose service is unknown; the
+    /// round goes on without it.
+    #[test]
+    fn getters_receive_only_what_their_tokens_read() {
+        use kt_types::auth::{Principal, Role};
+        let w = window(None, 5.0);
+        let mut r = round(vec![
+            putter("a1", vec![key("train/w", 4)], &w),
+            putter("a2", vec![key("unregistered", 4)], &w),
+            getter("a3", vec![key("train/w", 4)], &w),
+            getter("a4", vec![key("train/w", 4)], &w),
+            getter("a5", vec![key("unregistered", 4)], &w),
+            getter("a6", vec![key("unregistered", 4)], &w),
+        ]);
+        let reader = |services: &[&str]| {
+            Some(Principal {
+                role: Role::Workload,
+                services: Some(services.iter().map(|s| s.to_string()).collect()),
+                reads: Some(Vec::new()),
+                ..Principal::admin()
+            })
+        };
+        let k = |s: &str| Key::parse(s).unwrap();
+        r.members[0].access.owners = HashMap::from([(k("train/w"), Some("train".into()))]);
+        r.members[1].access.owners = HashMap::from([(k("unregistered"), None)]);
+        // a3 writes and so reads train; a4 reads only eval; a5 reads only
+        // eval and wants a key of no known service; a6 reads every service.
+        r.members[2].access.reader = reader(&["train"]);
+        r.members[3].access.reader = reader(&["eval"]);
+        r.members[4].access.reader = reader(&["eval"]);
+        let c = plan("g", &r, ClosedBy::Timeout, "tid".into());
+        let p = c.plan.as_ref().unwrap();
+        let agents: Vec<&str> = p.ranks.iter().map(|r| r.agent.as_str()).collect();
+        assert_eq!(agents, ["a1", "a2", "a3", "a6"]);
+        let e = c.answer("g", 4).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Forbidden);
+        assert!(
+            e.to_string().contains("belongs to service \"train\""),
+            "{e}"
+        );
+        let e = c.answer("g", 5).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Forbidden);
+        assert!(e.to_string().contains("service is unknown"), "{e}");
     }
 
     /// NCCL rounds reuse a communicator every member keeps for exactly
@@ -752,6 +849,7 @@ mod tests {
             seq: 2,
             ip: g.ip.parse().unwrap(),
             join: g,
+            access: Access::default(),
         });
         assert_eq!(r.closes_now(), Some(ClosedBy::Ips));
         r.ips.clear();
@@ -760,6 +858,7 @@ mod tests {
             seq: 3,
             ip: "10.0.0.3".parse().unwrap(),
             join: getter("a3", vec![key("k", 4)], &w),
+            access: Access::default(),
         });
         assert_eq!(r.closes_now(), Some(ClosedBy::WorldSize));
     }

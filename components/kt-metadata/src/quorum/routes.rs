@@ -10,11 +10,13 @@ use axum::extract::{DefaultBodyLimit, Extension, Path, Query, State};
 use axum::routing::{get, post};
 use kt_service::{ApiError, ApiJson};
 use kt_types::auth::Principal;
-use kt_types::tensor::{QuorumDone, QuorumInfo, QuorumJoin, QuorumPlan, QuorumStatus, Rendezvous};
+use kt_types::tensor::{
+    QuorumDone, QuorumInfo, QuorumJoin, QuorumPlan, QuorumRole, QuorumStatus, Rendezvous,
+};
 use serde::Deserialize;
 
 use super::coordinator::Quorums;
-use super::round::QuorumError;
+use super::round::{Access, QuorumError};
 
 /// Default and longest long poll of the rendezvous and status routes.
 pub const DEFAULT_WAIT_MS: u64 = 30_000;
@@ -105,36 +107,39 @@ async fn join(
         )));
     }
     // A getter receives only the keys of services its token reads: those
-    // registered now are checked at once; a getter may join before its
-    // putter registered, so every key is checked again once the quorum
-    // closes (its putters registered their keys before they joined). A
-    // getter refused then never learns the plan; the round fails for the
-    // others as for any member that does not take part.
-    let gets = match &j.role {
-        kt_types::tensor::QuorumRole::Get { keys } => keys.clone(),
-        kt_types::tensor::QuorumRole::Put { .. } => Vec::new(),
-    };
-    may_get(owners.as_ref(), &who, &gets, true).await?;
-    let plan = q.join(&group, j).await?;
-    may_get(owners.as_ref(), &who, &gets, false).await?;
-    Ok(ApiJson(plan))
-}
-
-/// Whether `who` reads the services of every key of `keys`; `early`: a key
-/// not registered yet passes (for now).
-async fn may_get(
-    owners: &dyn kt_service::reads::Owners,
-    who: &Principal,
-    keys: &[kt_types::tensor::QuorumKey],
-    early: bool,
-) -> Result<(), ApiError> {
-    for k in keys {
-        match kt_service::reads::check_owner(owners, who, &k.key).await {
-            Err(e) if early && e.code == kt_types::ErrorCode::NotFound => {}
-            r => r?,
+    // registered now are refused at once; the round checks the rest
+    // against the owners of its putters' keys (putters register their keys
+    // before they join) before it makes its plan.
+    let access = match &j.role {
+        QuorumRole::Get { keys } => {
+            for k in keys {
+                match kt_service::reads::check_owner(owners.as_ref(), &who, &k.key).await {
+                    Err(e) if e.code == kt_types::ErrorCode::NotFound => {}
+                    r => r?,
+                }
+            }
+            Access {
+                reader: (!who.reads_all()).then(|| who.clone()),
+                ..Access::default()
+            }
         }
-    }
-    Ok(())
+        QuorumRole::Put { keys } => {
+            let mut owned = std::collections::HashMap::new();
+            for k in keys {
+                let service = match owners.service_of(&k.key).await {
+                    Ok(s) => Some(s),
+                    Err(e) if e.code == kt_types::ErrorCode::NotFound => None,
+                    Err(e) => return Err(e),
+                };
+                owned.insert(k.key.clone(), service);
+            }
+            Access {
+                owners: owned,
+                ..Access::default()
+            }
+        }
+    };
+    Ok(ApiJson(q.join(&group, j, access).await?))
 }
 
 /// The caller, which must be the agent of one of `ranks` of transfer
