@@ -528,8 +528,8 @@ async fn readers_get_only_the_services_their_tokens_read() {
     assert_ne!(status, 403, "{text}");
 
     // A quorum getter that joined before the key was registered is checked
-    // again when the quorum closes: its putter (pod-b) gets the plan, it a
-    // 403.
+    // when the quorum closes, before its plan is made: it gets 403 and no
+    // rank, and the round goes on without it (pod-b puts to pod-c).
     {
         use kt_types::tensor::{
             BackendKind, DType, QuorumJoin, QuorumKey, QuorumRole, TensorDesc, TensorMeta,
@@ -550,7 +550,7 @@ async fn readers_get_only_the_services_their_tokens_read() {
                 backend: BackendKind::Host,
                 role,
                 window: kt_types::BroadcastWindow {
-                    world_size: Some(2),
+                    world_size: Some(3),
                     timeout_secs: Some(30.0),
                     ..Default::default()
                 },
@@ -565,13 +565,14 @@ async fn readers_get_only_the_services_their_tokens_read() {
             )
         };
         let early = join("pod-e", POD_EVAL, QuorumRole::Get { keys: keys.clone() });
+        let allowed = join("pod-c", AGENT_C, QuorumRole::Get { keys: keys.clone() });
         let putter = async {
-            // The getter is waiting in the quorum before the key exists.
-            kt_tests::wait_until("the getter's join", Duration::from_secs(10), || async {
+            // The getters are waiting in the quorum before the key exists.
+            kt_tests::wait_until("the getters' joins", Duration::from_secs(10), || async {
                 let (_, text) =
                     call("GET", format!("{meta}/api/v1/quorums/late"), ADMIN, None).await;
                 serde_json::from_str::<kt_types::tensor::QuorumInfo>(&text)
-                    .is_ok_and(|i| i.open.is_some_and(|r| r.members == ["pod-e"]))
+                    .is_ok_and(|i| i.open.is_some_and(|r| r.members.len() == 2))
             })
             .await;
             let reg = serde_json::json!({
@@ -588,10 +589,15 @@ async fn readers_get_only_the_services_their_tokens_read() {
             assert_eq!(status, 200, "{text}");
             join("pod-b", AGENT_B, QuorumRole::Put { keys: keys.clone() }).await
         };
-        let ((get_status, get_text), (put_status, put_text)) = tokio::join!(early, putter);
+        let ((get_status, get_text), (c_status, c_text), (put_status, put_text)) =
+            tokio::join!(early, allowed, putter);
         assert_eq!(put_status, 200, "{put_text}");
+        assert_eq!(c_status, 200, "{c_text}");
         assert_eq!(get_status, 403, "{get_text}");
         assert!(get_text.contains("train"), "{get_text}");
+        let plan: kt_types::tensor::QuorumPlan = serde_json::from_str(&put_text).unwrap();
+        let ranks: Vec<&str> = plan.plan.ranks.iter().map(|r| r.agent.as_str()).collect();
+        assert_eq!(ranks, ["pod-b", "pod-c"], "the refused getter has no rank");
     }
 
     // `kt ls` shows only the keys it may read; `kt get` and broadcasts
@@ -604,6 +610,16 @@ async fn readers_get_only_the_services_their_tokens_read() {
         }
     };
     assert_eq!(listed(EVAL).await, ["eval/x"]);
+    // Nor do deletes tell it of another service's keys: their versions,
+    // that keys lie below a name, or their names, services and holders.
+    for path in ["train/w?version=bogus", "train", "train?recursive=true"] {
+        let (status, text) = call("DELETE", format!("{meta}/api/v1/keys/{path}"), EVAL, None).await;
+        assert_eq!(status, 404, "{path}: {text}");
+        for told in ["at version", "below", "service", "pod-"] {
+            assert!(!text.contains(told), "{path}: {text}");
+        }
+    }
+    assert_eq!(listed(WORKLOAD).await.len(), 4, "nothing was deleted");
     assert_eq!(
         listed(EVAL_READS_TRAIN).await,
         ["eval/x", "train/local", "train/q", "train/w"]

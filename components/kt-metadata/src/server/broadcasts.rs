@@ -18,7 +18,7 @@ use kt_types::api::LeaseRequest;
 use kt_types::broadcast::{GetterMessage, GroupInfo, GroupMessage, JoinRequest, Parent};
 use tokio::sync::mpsc;
 
-use super::{AppState, Inner, check_agent_id, check_url, db_err, now_ms};
+use super::{AppState, Inner, check_agent_id, check_url, db_err, now_ms, readable_sources};
 use crate::broadcast::{Events, Groups, JoinError, Joined};
 use crate::db::Batch;
 
@@ -279,19 +279,13 @@ async fn admit(
         check_agent_id(getter)?;
     }
     let now = now_ms();
-    let store_registered = s.store_url.lock().await.is_some();
     let lease_req = LeaseRequest {
         exclude: Vec::new(),
         getter: req.getter.clone(),
     };
-    let sources = s
-        .registry
-        .lock()
-        .await
-        .sources(&req.key, &lease_req, store_registered, now)?;
     // Its parents' relays trust the metadata server's word (the relay key):
     // only a getter that may read the key joins.
-    kt_service::check_read(who, &req.key, &sources.record.service)?;
+    let sources = readable_sources(s, who, &req.key, &lease_req, now).await?;
     // Rank 0: the origin, or the first live peer when the origin is gone.
     let origin = sources
         .candidates

@@ -594,12 +594,26 @@ async fn delete_key(
 ) -> Result<ApiJson<DeleteResponse>, ApiError> {
     let key = Key::parse(&key)?;
     let now = now_ms();
+    // A token that reads only some services sees no key of the others
+    // here either (as in `ls`): they are neither named nor deleted.
+    let visible = |r: &KeyRecord| who.reads(&r.service);
     let targets: Vec<KeyRecord> = {
         let reg = s.registry.lock().await;
+        let has_children = || {
+            if who.reads_all() {
+                reg.has_children(&key, now)
+            } else {
+                reg.keys_within(&KeyPrefix::from(key.clone()), now)
+                    .iter()
+                    .any(|r| r.key != key && visible(r))
+            }
+        };
         if q.recursive {
-            reg.keys_within(&KeyPrefix::from(key.clone()), now)
+            let mut within = reg.keys_within(&KeyPrefix::from(key.clone()), now);
+            within.retain(visible);
+            within
         } else {
-            match reg.get(&key, now) {
+            match reg.get(&key, now).filter(|r| visible(r)) {
                 Some(r) if q.version.as_ref().is_some_and(|v| *v != r.version) => {
                     return Err(ApiError::new(
                         ErrorCode::Conflict,
@@ -611,7 +625,7 @@ async fn delete_key(
                     ));
                 }
                 Some(r) => vec![r.clone()],
-                None if reg.has_children(&key, now) => {
+                None if has_children() => {
                     return Err(ApiError::new(
                         ErrorCode::Conflict,
                         format!(
@@ -719,13 +733,7 @@ async fn lease_key(
     };
     let key = Key::parse(key)?;
     let now = now_ms();
-    let store_registered = s.store_url.lock().await.is_some();
-    let sources = s
-        .registry
-        .lock()
-        .await
-        .sources(&key, &req, store_registered, now)?;
-    kt_service::check_read(&who, &key, &sources.record.service)?;
+    let sources = readable_sources(&s, &who, &key, &req, now).await?;
     let id = uuid::Uuid::new_v4().simple().to_string();
     let lease = s
         .leases
@@ -739,6 +747,23 @@ async fn lease_key(
         ttl_ms: s.lease_ttl_ms,
         record: sources.record,
     }))
+}
+
+/// The live sources of `key` for `who`, refused first (before anything of
+/// its sources is told) when its token may not read the key's service.
+async fn readable_sources(
+    s: &AppState,
+    who: &Principal,
+    key: &Key,
+    req: &LeaseRequest,
+    now: u64,
+) -> Result<crate::registry::Sources, ApiError> {
+    let store_registered = s.store_url.lock().await.is_some();
+    let registry = s.registry.lock().await;
+    if let Some(r) = registry.get(key, now) {
+        kt_service::check_read(who, key, &r.service)?;
+    }
+    Ok(registry.sources(key, req, store_registered, now)?)
 }
 
 fn unknown_lease(id: &str) -> ApiError {
