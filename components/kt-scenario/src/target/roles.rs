@@ -7,7 +7,8 @@
 //! agent an `agent` token naming it, and every command in a pod its pod's
 //! `workload` token. A pod with a service writes only that service and the
 //! scenario's own (`{{scenario}}/...` keys, the scenario's name being their
-//! first segment); a pod without one writes every service. The servers and
+//! first segment), and its agent registers local keys of those only; a pod
+//! without one writes every service. The servers and
 //! agents accept exactly those, from a tokens file in the run's work
 //! directory (`--auth-file`). A command the runner gives another token (a
 //! scenario testing a wrong one) keeps it.
@@ -57,15 +58,16 @@ impl Roles {
             if !services.is_empty() && !services.contains(&plan.scenario) {
                 services.push(plan.scenario.clone());
             }
+            let services = (!services.is_empty()).then_some(services);
             tokens.push(Grant {
-                services: (!services.is_empty()).then_some(services),
+                services: services.clone(),
                 ..grant(roles.workloads[&p.name].clone(), Role::Workload, None)
             });
-            tokens.push(grant(
-                roles.agent(&p.name),
-                Role::Agent,
-                Some(p.name.clone()),
-            ));
+            // Its agent registers local keys of the same services only.
+            tokens.push(Grant {
+                services,
+                ..grant(roles.agent(&p.name), Role::Agent, Some(p.name.clone()))
+            });
         }
         let file = AuthFile { tokens };
         file.validate()
@@ -188,7 +190,7 @@ mod tests {
                 (Role::Workload, None, None),
                 (Role::Agent, Some("a"), None),
                 (Role::Workload, None, svc(&["train", "s"])),
-                (Role::Agent, Some("b"), None),
+                (Role::Agent, Some("b"), svc(&["train", "s"])),
             ]
         );
         assert_eq!(
