@@ -31,7 +31,7 @@ const EVAL: &str = "workload-eval-only-0123";
 const EVAL_READS_TRAIN: &str = "workload-eval-train-012";
 /// Pod pod-e, writing `eval` and reading nothing else.
 const POD_EVAL: &str = "pod-token-pod-e-012345";
-/// Agent pod-f, registering `eval`'s local keys only.
+/// Agent pod-f, registering `eval`'s local keys only and reading nothing else.
 const AGENT_EVAL: &str = "agent-token-pod-f-0123";
 
 fn token_of(role: Role) -> &'static str {
@@ -75,10 +75,7 @@ fn auth_file(dir: &std::path::Path) -> Auth {
             scoped(grant(EVAL, Role::Workload, None), &[]),
             scoped(grant(EVAL_READS_TRAIN, Role::Workload, None), &["train"]),
             scoped(grant(POD_EVAL, Role::Pod, Some("pod-e")), &[]),
-            Grant {
-                services: Some(vec!["eval".into()]),
-                ..grant(AGENT_EVAL, Role::Agent, Some("pod-f"))
-            },
+            scoped(grant(AGENT_EVAL, Role::Agent, Some("pod-f")), &[]),
         ],
     };
     let path = dir.join("auth.json");
@@ -760,8 +757,10 @@ async fn agents_act_as_themselves_and_workloads_within_their_services() {
     }
     assert_eq!(call("GET", "/api/v1/keys/train/z", ADMIN, None).await, 404);
     // A workload deletes and tears down only within its services; what it
-    // is refused stays.
+    // is refused stays. An agent given reads reads only those.
     for (method, path, token, want) in [
+        ("GET", "/api/v1/keys/train/y", AGENT_EVAL, 403),
+        ("GET", "/api/v1/keys/eval/x", AGENT_EVAL, 200),
         ("DELETE", "/api/v1/keys/eval/x", TRAIN, 403),
         ("DELETE", "/api/v1/keys/eval?recursive=true", TRAIN, 403),
         ("DELETE", "/api/v1/services/eval", TRAIN, 403),

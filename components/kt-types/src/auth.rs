@@ -255,7 +255,7 @@ impl Grant {
 impl AuthFile {
     /// Checks every grant: token shape, unique tokens, a name for (and
     /// only for) agents, services for workloads and agents, reads for
-    /// workloads.
+    /// workloads and agents.
     pub fn validate(&self) -> Result<(), String> {
         if self.tokens.is_empty() {
             return Err("the tokens file grants no token".into());
@@ -289,8 +289,8 @@ impl AuthFile {
                     "{at}: only workload and agent tokens have services"
                 ));
             }
-            if g.reads.is_some() && !matches!(g.role, Role::Workload | Role::Pod) {
-                return Err(format!("{at}: only workload tokens have reads"));
+            if g.reads.is_some() && !matches!(g.role, Role::Workload | Role::Pod | Role::Agent) {
+                return Err(format!("{at}: only workload and agent tokens have reads"));
             }
             for (field, s) in [("services", &g.services), ("reads", &g.reads)] {
                 if let Some(s) = s {
@@ -594,11 +594,14 @@ mod tests {
         g.reads = Some(Vec::new());
         assert!(!g.principal().reads("eval"));
         assert!(Principal::admin().reads("eval") && Principal::admin().reads_all());
-        // Only workload tokens have reads; names are checked.
+        // Only workload (and agent) tokens have reads; names are checked.
         let mut bad = grant(Role::Store, None, None);
         bad.reads = Some(vec!["x".into()]);
         let e = AuthFile { tokens: vec![bad] }.validate().unwrap_err();
-        assert!(e.contains("only workload tokens have reads"), "{e}");
+        assert!(
+            e.contains("only workload and agent tokens have reads"),
+            "{e}"
+        );
         let mut bad = grant(Role::Workload, None, None);
         bad.reads = Some(vec![String::new()]);
         let e = AuthFile { tokens: vec![bad] }.validate().unwrap_err();
