@@ -101,3 +101,11 @@ async fn bench(args: Args, certs: Option<kt_bench::tls::TestPki>) -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn boolean_env_flags_take_1_0_yes_no_on_off() {
+        kt_service::cli::assert_boolish_env_flags::<super::Args>();
+    }
+}

@@ -56,7 +56,7 @@ struct KubeArgs {
     /// Reach kt from outside the cluster through the Kubernetes API's
     /// port-forward (token from Secret kt-token unless KT_TOKEN or
     /// --token-file is given; --metadata-url is not used).
-    #[arg(long = "kube", global = true, env = "KT_KUBE")]
+    #[arg(long = "kube", global = true, env = "KT_KUBE", value_parser = clap::builder::BoolishValueParser::new())]
     enabled: bool,
     /// Kubeconfig file (default: $KUBECONFIG, then ~/.kube/config).
     #[arg(long, global = true)]
@@ -659,6 +659,11 @@ fn tls_hint(msg: &str, ca: Option<&std::ffi::OsStr>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn boolean_env_flags_take_1_0_yes_no_on_off() {
+        kt_service::cli::assert_boolish_env_flags::<Cli>();
+    }
 
     #[test]
     fn an_untrusted_certificate_names_kt_ca_file() {

@@ -28,7 +28,7 @@ struct Args {
     /// Watch the namespace's pods and workloads labelled kt.dev/service: evict
     /// the agents of pods that are gone, tear down services whose last
     /// workload and pod are gone.
-    #[arg(long, env = "KT_KUBE_WATCH")]
+    #[arg(long, env = "KT_KUBE_WATCH", value_parser = clap::builder::BoolishValueParser::new())]
     kube_watch: bool,
     /// Namespace to watch (default: this pod's service-account namespace).
     #[arg(long, env = "KT_NAMESPACE")]
@@ -124,4 +124,12 @@ async fn serve(
         );
     }
     Ok(kt_metadata::run(listener, config, shutdown).await?)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn boolean_env_flags_take_1_0_yes_no_on_off() {
+        kt_service::cli::assert_boolish_env_flags::<super::Args>();
+    }
 }

@@ -105,7 +105,7 @@ enum Cmd {
         #[arg(long)]
         dry_run: bool,
         /// kind/k3d: keep a cluster this run created (one that existed is kept anyway).
-        #[arg(long, env = "KT_KEEP_CLUSTER")]
+        #[arg(long, env = "KT_KEEP_CLUSTER", value_parser = clap::builder::BoolishValueParser::new())]
         keep_cluster: bool,
     },
     /// The chaos soak: a seeded workload of puts, gets and broadcasts while
@@ -551,5 +551,13 @@ fn chaos(args: ChaosArgs) -> anyhow::Result<ExitCode> {
             work_dir.join("logs").display()
         );
         Ok(ExitCode::from(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn boolean_env_flags_take_1_0_yes_no_on_off() {
+        kt_service::cli::assert_boolish_env_flags::<super::Cli>();
     }
 }

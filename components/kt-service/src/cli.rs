@@ -27,7 +27,7 @@ pub struct ServerArgs {
     /// with its access map; the store and agents ask the metadata server.
     /// The token above is then only this server's own credential, read
     /// again as the kubelet rotates it.
-    #[arg(long, env = "KT_KUBE_AUTH")]
+    #[arg(long, env = "KT_KUBE_AUTH", value_parser = clap::builder::BoolishValueParser::new())]
     pub kube_auth: bool,
     /// Serve HTTPS with this PEM certificate chain (with --tls-key; read
     /// again as it is renewed). Clients trust the CAs of KT_CA_FILE.
@@ -136,5 +136,113 @@ pub fn default_agent_socket() -> std::path::PathBuf {
     match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
         Some(d) => std::path::PathBuf::from(d).join("kt").join("agent.sock"),
         None => std::path::PathBuf::from(format!("/tmp/kt-{}", uid())).join("agent.sock"),
+    }
+}
+
+/// The values every boolean flag's environment variable accepts (DESIGN:
+/// contracts): `KT_KUBE=1` must mean what `--kube` means.
+pub const BOOLISH: [&str; 8] = ["1", "0", "true", "false", "yes", "no", "on", "off"];
+
+/// Every boolean argument of `cmd` and its subcommands that reads an
+/// environment variable but refuses one of [`BOOLISH`] (clap's default
+/// parser for a `bool` takes only `true`/`false`), as `command --flag
+/// (ENV): refuses "1", ...`. Each binary's tests assert this is empty; the
+/// fix is `value_parser = clap::builder::BoolishValueParser::new()`.
+pub fn unboolish_env_flags(cmd: &clap::Command) -> Vec<String> {
+    let mut found = Vec::new();
+    walk_unboolish(cmd, cmd.get_name(), &mut found);
+    found
+}
+
+/// Panics naming every flag [`unboolish_env_flags`] finds in `C`'s command:
+/// the one-line test each binary runs on its arguments.
+pub fn assert_boolish_env_flags<C: clap::CommandFactory>() {
+    let found = unboolish_env_flags(&C::command());
+    assert!(
+        found.is_empty(),
+        "boolean flags whose env var refuses 1/0/yes/no/on/off (add value_parser = clap::builder::BoolishValueParser::new()):\n{}",
+        found.join("\n")
+    );
+}
+
+fn walk_unboolish(cmd: &clap::Command, path: &str, found: &mut Vec<String>) {
+    for arg in cmd.get_arguments() {
+        let (Some(env), parser) = (arg.get_env(), arg.get_value_parser()) else {
+            continue;
+        };
+        if parser.type_id() != clap::builder::ValueParser::bool().type_id() {
+            continue;
+        }
+        let accepted: Vec<String> = parser
+            .possible_values()
+            .into_iter()
+            .flatten()
+            .flat_map(|v| {
+                v.get_name_and_aliases()
+                    .map(str::to_owned)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let refused: Vec<&str> = BOOLISH
+            .into_iter()
+            .filter(|v| !accepted.iter().any(|a| a.eq_ignore_ascii_case(v)))
+            .collect();
+        if !refused.is_empty() {
+            found.push(format!(
+                "{path} --{} ({}): refuses {refused:?}",
+                arg.get_long().unwrap_or(arg.get_id().as_str()),
+                env.to_string_lossy()
+            ));
+        }
+    }
+    for sub in cmd.get_subcommands() {
+        walk_unboolish(sub, &format!("{path} {}", sub.get_name()), found);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Plain {
+        #[arg(long, env = "KT_TEST_PLAIN")]
+        plain: bool,
+        #[arg(long, env = "KT_TEST_BOOLISH", value_parser = clap::builder::BoolishValueParser::new())]
+        boolish: bool,
+        #[arg(long)]
+        no_env: bool,
+        #[command(subcommand)]
+        sub: Option<Sub>,
+    }
+
+    #[derive(Debug, clap::Subcommand)]
+    enum Sub {
+        Run {
+            #[arg(long, env = "KT_TEST_NESTED")]
+            nested: bool,
+        },
+    }
+
+    #[test]
+    fn the_walk_finds_strict_bool_env_flags_in_subcommands_too() {
+        let found = unboolish_env_flags(&<Plain as clap::CommandFactory>::command());
+        assert_eq!(found.len(), 2, "{found:#?}");
+        assert!(found[0].contains("--plain (KT_TEST_PLAIN)"), "{found:#?}");
+        assert!(found[0].contains("\"1\""), "{found:#?}");
+        assert!(
+            found[1].contains(" run --nested (KT_TEST_NESTED)"),
+            "{found:#?}"
+        );
+    }
+
+    #[test]
+    fn server_args_take_boolish_values() {
+        #[derive(Debug, clap::Parser)]
+        struct Server {
+            #[command(flatten)]
+            server: ServerArgs,
+        }
+        assert_boolish_env_flags::<Server>();
     }
 }

@@ -41,3 +41,11 @@ async fn main() -> anyhow::Result<()> {
     kt_store::run(listener, config, shutdown).await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn boolean_env_flags_take_1_0_yes_no_on_off() {
+        kt_service::cli::assert_boolish_env_flags::<super::Args>();
+    }
+}

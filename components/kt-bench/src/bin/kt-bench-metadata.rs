@@ -159,3 +159,11 @@ async fn main() -> ExitCode {
         ExitCode::FAILURE
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn boolean_env_flags_take_1_0_yes_no_on_off() {
+        kt_service::cli::assert_boolish_env_flags::<super::Args>();
+    }
+}
