@@ -148,7 +148,8 @@ impl Agent {
             Ok(m)
         })
         .await?;
-        let version = kt_sync::manifest_digest(&manifest).to_hex();
+        let digest = kt_sync::manifest_digest(&manifest);
+        let version = digest.to_hex();
         let reg = RegisterKey {
             locale: Locale::Local,
             source: self.url.clone(),
@@ -158,6 +159,7 @@ impl Agent {
             size: manifest.total_bytes(),
             files: manifest.file_count(),
             tensors: None,
+            digest: Some(digest),
             options: options.clone(),
             only_if: None,
         };

@@ -1,6 +1,7 @@
 //! The heartbeat: every `interval`, and at once after any export change,
 //! `POST /agents` announces every export and published tensor registration;
-//! keys the answer lists in `drop` stop being served.
+//! keys the answer lists in `drop` stop being served, and the capability
+//! keys it lists are those getters' capabilities are checked against.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,7 +42,7 @@ pub struct Identity {
 /// serving meanwhile.
 pub async fn heartbeat_loop(
     client: Arc<MetadataClient>,
-    who: Identity,
+    (who, capabilities): (Identity, Arc<kt_service::capability::Verifier>),
     exports: Arc<Exports>,
     tensors: Arc<Tensors>,
     stats: Arc<BeatStats>,
@@ -71,6 +72,7 @@ pub async fn heartbeat_loop(
                     failing = false;
                 }
                 stats.ok.fetch_add(1, Ordering::Relaxed);
+                capabilities.set_keys(&reply.capability_keys);
                 interval =
                     Duration::from_millis(reply.interval_ms).clamp(MIN_INTERVAL, MAX_INTERVAL);
                 drop_keys(&exports, &tensors, &beat, &announced, &reply.drop, &stats).await;

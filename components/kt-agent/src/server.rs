@@ -122,12 +122,18 @@ pub fn start(
         "agent starting"
     );
     let ready = Ready::default();
+    // Getters show capabilities the metadata server signed, never their
+    // tokens; the keys to check them come with every heartbeat reply.
+    let capabilities = Arc::new(kt_service::capability::Verifier::new(cfg.id.clone()));
     let app = kt_service::app(
         reads
             .routes()
             .merge(crate::tensors::routes(tensors.clone()))
             .layer(DefaultBodyLimit::max(cfg.max_request_bytes)),
-        cfg.auth.clone().unwrap_or_else(|| cfg.token.clone().into()),
+        cfg.auth
+            .clone()
+            .unwrap_or_else(|| cfg.token.clone().into())
+            .with_capabilities(capabilities.clone()),
         metrics.clone(),
         ready.clone(),
         cfg.max_in_flight,
@@ -139,7 +145,7 @@ pub fn start(
     };
     let beat = tokio::spawn(heartbeat_loop(
         metadata,
-        who,
+        (who, capabilities),
         exports.clone(),
         tensors.clone(),
         heartbeats.clone(),
@@ -271,6 +277,7 @@ mod tests {
             interval_ms: 20,
             ttl_ms: 1000,
             drop: std::mem::take(&mut *f.drop.lock().unwrap()),
+            capability_keys: Vec::new(),
         }))
     }
 
@@ -291,6 +298,7 @@ mod tests {
             size: reg.size,
             files: reg.files,
             tensors: reg.tensors,
+            digest: reg.digest,
             lifespan: Lifespan::Cluster,
             service: "s".into(),
             expires_at_ms: None,

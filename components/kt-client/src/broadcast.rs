@@ -77,6 +77,9 @@ struct Membership {
     group: String,
     rank: u32,
     version: String,
+    /// The digest the version's manifest has (from the key's record):
+    /// a manifest from any parent is used only if it hashes to this.
+    digest: Option<kt_types::Hash>,
     parent: u32,
     done: bool,
     served_by: Option<String>,
@@ -178,15 +181,16 @@ impl Session {
                 }
             }
         };
-        let (group, rank, version, parent, secret) = match first {
+        let (group, rank, version, parent, secret, digest) = match first {
             GroupMessage::Assigned {
                 group,
                 rank,
                 version,
                 parent,
                 secret,
+                digest,
                 ..
-            } => (group, rank, version, parent, secret),
+            } => (group, rank, version, parent, secret, digest),
             GroupMessage::Error { code, message } => {
                 return Err(ClientError::Api {
                     status: code.http_status(),
@@ -201,6 +205,7 @@ impl Session {
             group,
             rank,
             version,
+            digest,
             parent: parent.rank,
             done: false,
             served_by: None,
@@ -446,7 +451,7 @@ impl Client {
             .fetch_tree(
                 key,
                 dest,
-                &membership.version,
+                (&membership.version, membership.digest.as_ref()),
                 parent,
                 &mut session,
                 &relay,
@@ -509,7 +514,7 @@ impl Client {
         &self,
         key: &Key,
         dest: &Path,
-        version: &str,
+        version: (&str, Option<&kt_types::Hash>),
         mut parent: Parent,
         session: &mut Session,
         relay: &Relay,
@@ -531,16 +536,20 @@ impl Client {
                 } else {
                     self.cfg.stall.max(STALL + RELAY_GRACE)
                 };
-                let attempt = self.fetch_from(
-                    (&parent.url, parent.key.as_deref()),
-                    version,
-                    key,
-                    dest,
-                    &mut dl,
-                    Some(&relay.board),
-                    progress,
-                    stall,
-                );
+                let shown = crate::transfer::shown_to(&parent.id, parent.key.as_deref());
+                let attempt = async {
+                    self.fetch_from(
+                        (&parent.url, shown?),
+                        version,
+                        key,
+                        dest,
+                        &mut dl,
+                        Some(&relay.board),
+                        progress,
+                        stall,
+                    )
+                    .await
+                };
                 tokio::pin!(attempt);
                 loop {
                     if !connected {

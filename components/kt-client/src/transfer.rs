@@ -17,7 +17,7 @@ use kt_types::api::{
     SourceLease, TransferStats,
 };
 use kt_types::codec;
-use kt_types::{Key, KeyPrefix, KeyRecord, Manifest, paths};
+use kt_types::{Hash, Key, KeyPrefix, KeyRecord, Manifest, paths};
 
 use crate::agent::AgentConn;
 use crate::api::Client;
@@ -100,6 +100,23 @@ enum Job {
         offset: u64,
         len: u64,
     },
+}
+
+/// What a getter shows the source `id` instead of its token: `key` (a
+/// capability, a relay's key). Only the store (`None` then) is shown the
+/// token; a peer offered without a key gets nothing and is not contacted.
+pub(crate) fn shown_to<'k>(id: &str, key: Option<&'k str>) -> Result<Option<&'k str>, ClientError> {
+    if key.is_none() && id != STORE_HOLDER {
+        let code = kt_types::ErrorCode::Forbidden;
+        return Err(ClientError::Api {
+            status: code.http_status(),
+            code,
+            message: format!(
+                "source {id} was offered without a capability: a peer is never shown this client's token"
+            ),
+        });
+    }
+    Ok(key)
 }
 
 impl Client {
@@ -480,18 +497,22 @@ impl Client {
             }
             let before = Download::mark(&dl);
             let renewal = AbortOnDrop(self.keep_lease(&lease));
-            let result = self
-                .fetch_from(
-                    (&lease.source.url, None),
-                    &lease.source.version,
-                    key,
-                    dest,
-                    &mut dl,
-                    None,
-                    &progress,
-                    self.cfg.stall,
-                )
-                .await;
+            let result = match shown_to(&lease.source.id, lease.capability.as_deref()) {
+                Ok(credential) => {
+                    self.fetch_from(
+                        (&lease.source.url, credential),
+                        (&lease.source.version, lease.record.digest.as_ref()),
+                        key,
+                        dest,
+                        &mut dl,
+                        None,
+                        &progress,
+                        self.cfg.stall,
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            };
             drop(renewal);
             if before.advanced(&dl) {
                 failures.progressed();
@@ -781,11 +802,17 @@ impl Client {
     /// One attempt at one source: opens `key` there (it must serve
     /// `version`), plans `dl` from its manifest on first use, fetches what
     /// `dl` still misses, and releases the read.
+    ///
+    /// `source_key` is what the source is shown instead of this client's
+    /// token (a relay's key, a capability); only the store, given `None`,
+    /// is shown the token. Where `digest` is known (the key's record), the
+    /// source's manifest is used only if it hashes to it: a source serving
+    /// anything but the published version fails, permanently.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn fetch_from(
         &self,
         (source, source_key): (&str, Option<&str>),
-        version: &str,
+        (version, digest): (&str, Option<&Hash>),
         key: &Key,
         dest: &Path,
         dl: &mut Option<Download>,
@@ -809,6 +836,21 @@ impl Client {
                 .timeout(self.cfg.stall)
                 .ok()
         };
+        if let Some(want) = digest {
+            let got = kt_sync::manifest_digest(&read.manifest);
+            if got != *want {
+                let _ = release().await;
+                let code = kt_types::ErrorCode::HashMismatch;
+                return Err(ClientError::Api {
+                    status: code.http_status(),
+                    code,
+                    message: format!(
+                        "{} serves a manifest of {key} that is not the published one (digest {got}, published {want}): nothing of it was used",
+                        src.base()
+                    ),
+                });
+            }
+        }
         let same = match dl {
             Some(d) => d.read.version == read.version && d.manifest() == &read.manifest,
             None => read.version == version,

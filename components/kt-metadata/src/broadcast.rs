@@ -528,6 +528,7 @@ impl Joined {
             version: self.version.clone(),
             fanout: self.fanout,
             parent: self.parent.clone(),
+            digest: None,
             secret: self.secret.clone(),
         }
     }
@@ -623,6 +624,12 @@ impl Groups {
 
     pub fn get(&self, id: &str) -> Option<&Group> {
         self.groups.get(id)
+    }
+
+    /// The agent of the member at `rank` of group `id` (the getter's own
+    /// agent id, as it joined): who serves its copy once it is done.
+    pub fn agent_of(&self, id: &str, rank: u32) -> Option<String> {
+        self.groups.get(id)?.members.get(&rank)?.getter.clone()
     }
 
     pub fn info(&self, id: &str, now_ms: u64) -> Option<GroupInfo> {
@@ -1410,6 +1417,7 @@ mod tests {
                 version: "v1".into(),
                 fanout: 2,
                 parent: js[5].parent.clone(),
+                digest: None,
                 secret: gs.get("run-1").unwrap().secret_of(6),
             }
         );

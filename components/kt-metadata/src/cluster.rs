@@ -262,6 +262,7 @@ mod tests {
                 "files": 1,
                 "lifespan": "resource",
                 "service": "train",
+                "digest": "0000000000000000000000000000000000000000000000000000000000000000",
             })),
         )
         .await;

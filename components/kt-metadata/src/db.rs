@@ -220,6 +220,7 @@ mod tests {
             size: 1,
             files: 1,
             tensors: None,
+            digest: Some(kt_types::Hash([7; 32])),
             lifespan: Lifespan::Resource,
             service: "a".into(),
             expires_at_ms: Some(5),

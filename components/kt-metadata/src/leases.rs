@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use kt_types::api::LeaseInfo;
+use kt_types::auth::Principal;
 use kt_types::{Key, Source};
 
 /// A source a getter may be handed.
@@ -24,6 +25,8 @@ pub struct Lease {
     pub key: Key,
     pub source: Source,
     pub expires_at_ms: u64,
+    /// Who took it: only they (or an admin) report its source failed.
+    pub getter: Principal,
 }
 
 impl Lease {
@@ -81,7 +84,7 @@ impl Leases {
     pub fn grant(
         &mut self,
         id: String,
-        key: Key,
+        (key, getter): (Key, Principal),
         candidates: &[Candidate],
         now_ms: u64,
         ttl_ms: u64,
@@ -92,6 +95,7 @@ impl Leases {
             key,
             source,
             expires_at_ms: now_ms.saturating_add(ttl_ms),
+            getter,
         };
         // An id is never reused; should one be, the old lease is replaced, not leaked.
         self.release(&id, now_ms);
@@ -109,6 +113,12 @@ impl Leases {
         lease.expires_at_ms = now_ms.saturating_add(ttl_ms);
         self.by_expiry.insert((lease.expires_at_ms, id.to_owned()));
         Some(lease.clone())
+    }
+
+    /// An unexpired lease.
+    pub fn get(&mut self, id: &str, now_ms: u64) -> Option<&Lease> {
+        self.expire(now_ms);
+        self.by_id.get(id)
     }
 
     /// Ends an unexpired lease, returning it.
@@ -166,10 +176,16 @@ mod tests {
     ) -> Vec<String> {
         (0..n)
             .map(|i| {
-                l.grant(format!("{prefix}-{i}"), key(), cands, now, 1_000)
-                    .unwrap()
-                    .source
-                    .id
+                l.grant(
+                    format!("{prefix}-{i}"),
+                    (key(), Principal::admin()),
+                    cands,
+                    now,
+                    1_000,
+                )
+                .unwrap()
+                .source
+                .id
             })
             .collect()
     }

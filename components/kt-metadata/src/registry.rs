@@ -41,7 +41,8 @@ struct Agent {
 /// What a heartbeat changed.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Beat {
-    /// Served keys without a live record, or whose current version is another.
+    /// Served keys without a live record, whose current version is another,
+    /// or that the agent may not read.
     pub drop: Vec<Key>,
     /// Records whose peers or origin URL changed (to persist).
     pub changed: Vec<KeyRecord>,
@@ -194,8 +195,10 @@ impl Registry {
     pub fn record_for(&self, key: Key, reg: RegisterKey, now_ms: u64) -> KeyRecord {
         let existing = self.keys.get(&key);
         let created_at_ms = existing.map(|r| r.created_at_ms).unwrap_or(now_ms);
+        // Peers hold the version's manifest: one that changed under the
+        // same version id (a damaged re-registration) keeps none.
         let peers = existing
-            .filter(|r| r.version == reg.version)
+            .filter(|r| r.version == reg.version && r.digest == reg.digest)
             .map(|r| r.peers.clone())
             .unwrap_or_default();
         let service = reg
@@ -213,6 +216,7 @@ impl Registry {
             size: reg.size,
             files: reg.files,
             tensors: reg.tensors,
+            digest: reg.digest,
             lifespan: reg.options.lifespan,
             service,
             expires_at_ms: reg
@@ -475,6 +479,19 @@ impl Registry {
     /// is that key's origin), stops being a peer of keys it no longer lists,
     /// and is told to drop listed keys that are gone or at another version.
     pub fn heartbeat(&mut self, hb: AgentHeartbeat, now_ms: u64) -> Beat {
+        self.heartbeat_reading(hb, now_ms, |_, _| true)
+    }
+
+    /// [`Registry::heartbeat`] of an agent whose token reads only the
+    /// services `may_read(key, service)` allows: it is a peer only of
+    /// those keys (the others come back in [`Beat::drop`]); it stays the
+    /// origin of what it holds.
+    pub fn heartbeat_reading(
+        &mut self,
+        hb: AgentHeartbeat,
+        now_ms: u64,
+        may_read: impl Fn(&Key, &str) -> bool,
+    ) -> Beat {
         if self.retired.contains(&hb.id) {
             // Torn down: serve nothing, be no source.
             return Beat {
@@ -496,6 +513,10 @@ impl Registry {
                 drop.insert(served.key);
                 continue;
             };
+            if r.holder != hb.id && !may_read(&served.key, &r.service) {
+                drop.insert(served.key);
+                continue;
+            }
             if r.holder == hb.id {
                 // The origin: nothing to add, but follow it if its URL moved.
                 if r.source != hb.url {
@@ -741,6 +762,7 @@ mod tests {
             size: 10,
             files: 2,
             tensors: None,
+            digest: None,
             options: PutOptions {
                 lifespan: Lifespan::Cluster,
                 ttl_secs: ttl,
@@ -1099,6 +1121,57 @@ mod tests {
         let b = r.heartbeat(beat("p1", None, &[]), 2);
         assert!(b.changed.is_empty());
         assert!(r.evict(&["p1".into(), "nobody".into()]).agents == ["p1"]);
+    }
+
+    #[test]
+    fn an_agent_is_a_peer_only_of_keys_it_may_read() {
+        let mut r = Registry::new(TTL);
+        r.upsert(k("alpha/model"), reg(None), 0);
+        r.upsert(k("beta/data"), reg(None), 0);
+        r.upsert(k("beta/mine"), local("p1", "l1", Lifespan::Cluster), 0);
+        let beta_only = |key: &Key, service: &str| {
+            assert_eq!(key.service(), service);
+            service == "beta"
+        };
+        let b = r.heartbeat_reading(
+            beat(
+                "p1",
+                Some("beta"),
+                &[
+                    ("alpha/model", "v1"),
+                    ("beta/data", "v1"),
+                    ("beta/mine", "l1"),
+                ],
+            ),
+            0,
+            beta_only,
+        );
+        assert_eq!(b.drop, [k("alpha/model")]);
+        assert!(peer_ids(&r, "alpha/model").is_empty());
+        assert_eq!(peer_ids(&r, "beta/data"), ["p1"]);
+        // Its own origin stays its own, whatever it reads.
+        let b = r.heartbeat_reading(beat("p1", None, &[("beta/mine", "l1")]), 1, |_, _| false);
+        assert!(b.drop.is_empty());
+        assert_eq!(r.get(&k("beta/mine"), 1).unwrap().holder, "p1");
+    }
+
+    #[test]
+    fn a_version_registered_again_with_another_digest_keeps_no_peers() {
+        let mut r = Registry::new(TTL);
+        let with = |d: u8| RegisterKey {
+            digest: Some(kt_types::Hash([d; 32])),
+            ..reg(None)
+        };
+        r.upsert(k("s/a"), with(1), 0);
+        r.heartbeat(beat("p1", None, &[("s/a", "v1")]), 0);
+        r.upsert(k("s/a"), with(1), 1);
+        assert_eq!(peer_ids(&r, "s/a"), ["p1"]);
+        r.upsert(k("s/a"), with(2), 2);
+        assert!(peer_ids(&r, "s/a").is_empty());
+        assert_eq!(
+            r.get(&k("s/a"), 2).unwrap().digest,
+            Some(kt_types::Hash([2; 32]))
+        );
     }
 
     #[test]

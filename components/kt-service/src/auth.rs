@@ -97,6 +97,8 @@ impl Token {
 pub struct Auth {
     grants: Arc<Vec<(Token, Principal)>>,
     review: Option<Arc<Review>>,
+    /// A peer source's check of capabilities ([`crate::capability`]).
+    capabilities: Option<Arc<crate::capability::Verifier>>,
 }
 
 impl std::fmt::Debug for Auth {
@@ -119,6 +121,7 @@ impl From<Token> for Auth {
         Auth {
             grants: Arc::new(vec![(t, Principal::admin())]),
             review: None,
+            capabilities: None,
         }
     }
 }
@@ -172,7 +175,15 @@ impl Auth {
         Ok(Auth {
             grants: Arc::new(grants),
             review: None,
+            capabilities: None,
         })
+    }
+
+    /// Capabilities ([`crate::capability`]) checked by `verifier` are
+    /// accepted too: each reads one key's version here.
+    pub fn with_capabilities(mut self, verifier: Arc<crate::capability::Verifier>) -> Auth {
+        self.capabilities = Some(verifier);
+        self
     }
 
     /// `token` as `who` too.
@@ -186,6 +197,7 @@ impl Auth {
         Auth {
             grants: Arc::new(Vec::new()),
             review: None,
+            capabilities: None,
         }
     }
 
@@ -226,6 +238,19 @@ impl Auth {
 
     /// [`Auth::resolve`], and how much longer the answer holds.
     pub async fn resolve_for(&self, presented: &str) -> Result<(Verdict, Duration), ApiError> {
+        if presented.starts_with(kt_types::auth::Capability::PREFIX) {
+            let Some(v) = &self.capabilities else {
+                let why = "a capability is accepted only by the source it was minted for";
+                return Ok((Verdict::Refused(why.into()), NEGATIVE_TTL));
+            };
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
+            return Ok(match v.verify(presented, now) {
+                Ok(cap) => (Verdict::Known(cap.principal()), Duration::ZERO),
+                Err(why) => (Verdict::Refused(why), NEGATIVE_TTL),
+            });
+        }
         if let Some(p) = self.granted(presented) {
             return Ok((Verdict::Known(p), STATIC_TTL));
         }

@@ -5,6 +5,8 @@
 //! - [`ApiError`]: the one `ErrorCode -> HTTP status` mapping and JSON error body;
 //! - [`ApiJson`]: a JSON extractor whose rejections are [`ApiError`]s;
 //! - [`auth`]: bearer-token middleware (everything but `/healthz` and `/readyz`);
+//! - [`capability`]: single-key read capabilities the metadata server signs
+//!   and peer sources check (no bearer token goes to a peer);
 //! - [`metrics`]: Prometheus counters every server exposes on `/metrics`;
 //! - [`reads`]: the read half of the sync protocol (read leases, batch streams,
 //!   ranges) over any [`reads::ReadSource`]: the store and node agents;
@@ -13,6 +15,7 @@
 //!   they are renewed.
 
 pub mod auth;
+pub mod capability;
 pub mod cli;
 pub mod error;
 pub mod metrics;

@@ -126,6 +126,11 @@ pub async fn check_owner(
     if who.reads_all() {
         return Ok(());
     }
+    if who.scope.is_some() {
+        // A capability: the metadata server checked the read when it
+        // minted it; it reads its one key only.
+        return crate::check_read(who, key, "");
+    }
     let service = owners.service_of(key).await?;
     crate::check_read(who, key, &service)
 }
@@ -275,7 +280,25 @@ impl<S: ReadSource> Reads<S> {
     /// Opens `key` and a lease on it: the read manifest document
     /// ([`kt_types::api::ReadManifest`]) a getter starts from.
     pub async fn open_lease(&self, key: &Key) -> Result<Vec<u8>, ApiError> {
+        self.open_lease_of(key, None).await
+    }
+
+    /// [`Reads::open_lease`], only if the key is at `version` here (when
+    /// given: a capability's); `conflict` otherwise.
+    pub async fn open_lease_of(
+        &self,
+        key: &Key,
+        version: Option<&str>,
+    ) -> Result<Vec<u8>, ApiError> {
         let opened = self.source.open(key).await?;
+        if let Some(v) = version.filter(|v| *v != opened.version) {
+            let held = opened.version.clone();
+            self.source.close(&opened).await;
+            return Err(ApiError::new(
+                kt_types::ErrorCode::Conflict,
+                format!("{key} is at version {held} here, the capability reads {v}"),
+            ));
+        }
         let id = uuid::Uuid::new_v4().simple().to_string();
         let header = ReadHeader {
             version: opened.version.clone(),
@@ -343,7 +366,8 @@ async fn open<S: ReadSource>(
 ) -> Result<Response, ApiError> {
     let key = Key::parse(&key)?;
     check_owner(r.owners.as_ref(), &who, &key).await?;
-    let doc = r.open_lease(&key).await?;
+    let version = who.scope.as_ref().map(|s| s.version.as_str());
+    let doc = r.open_lease_of(&key, version).await?;
     Ok((
         [(CONTENT_TYPE, kt_types::codec::DOCUMENT_CONTENT_TYPE)],
         doc,

@@ -117,24 +117,7 @@ pub async fn plan(
         )));
     }
     // Nor replace a key another service owns (a put would hand it over).
-    if who.services.is_some() && who.role != kt_types::auth::Role::Admin {
-        match s.registrar.record(&req.key).await {
-            Ok(r) if !who.serves(&r.service) => {
-                return Err(kt_service::forbidden(format!(
-                    "{} belongs to service {:?}, not one of this token's: it is left as it is",
-                    req.key, r.service
-                )));
-            }
-            Ok(_) => {}
-            Err(e) if e.code() == kt_types::ErrorCode::NotFound => {}
-            Err(e) => {
-                return Err(ApiError::new(
-                    kt_types::ErrorCode::Unavailable,
-                    format!("checking who owns {}: {e}", req.key),
-                ));
-            }
-        }
-    }
+    refuse_foreign_owner(&s, &who, &req.key).await?;
     let key = req.key.clone();
     let state = s.keys.state(&key);
     let st = state.lock().await;
@@ -529,11 +512,41 @@ async fn receive_chunk(
     }
 }
 
+/// Refuses `who` (limited to some services) a put of `key` when another
+/// service owns it: by the metadata server's record, or by this store's
+/// current version of it. Checked when a put is planned and again, under
+/// the key's lock, when it is committed: a key another service put
+/// meanwhile is not taken over.
+async fn refuse_foreign_owner(
+    s: &Shared,
+    who: &kt_types::auth::Principal,
+    key: &Key,
+) -> Result<(), ApiError> {
+    if who.services.is_none() || who.role == kt_types::auth::Role::Admin {
+        return Ok(());
+    }
+    let foreign = |service: &str| {
+        kt_service::forbidden(format!(
+            "{key} belongs to service {service:?}, not one of this token's: it is left as it is"
+        ))
+    };
+    match s.registrar.record(key).await {
+        Ok(r) if !who.serves(&r.service) => Err(foreign(&r.service)),
+        Ok(_) => Ok(()),
+        Err(e) if e.code() == kt_types::ErrorCode::NotFound => Ok(()),
+        Err(e) => Err(ApiError::new(
+            kt_types::ErrorCode::Unavailable,
+            format!("checking who owns {key}: {e}"),
+        )),
+    }
+}
+
 /// Finishes the staged tree, writes its description and switches `current` to
-/// it. Returns the superseded versions that no reader holds.
+/// it (the committer, `who`, must still be allowed to: checked under the
+/// key's lock). Returns the superseded versions that no reader holds.
 async fn publish(
     s: &Shared,
-    sess: &Arc<PutSession>,
+    (sess, who): (&Arc<PutSession>, &kt_types::auth::Principal),
     published: &Published,
 ) -> Result<(Vec<String>, Locked), ApiError> {
     {
@@ -555,6 +568,19 @@ async fn publish(
     }
     let state = s.keys.state(&sess.key);
     let mut st = state.lock_owned().await;
+    // Another put may have published the key since this one was planned:
+    // its owner decides, now, under the lock every publish takes.
+    if let Some(cur) = &st.current {
+        let owner = cur.meta.options.service.as_deref();
+        let owner = owner.unwrap_or_else(|| sess.key.service());
+        if who.services.is_some() && !who.serves(owner) {
+            return Err(kt_service::forbidden(format!(
+                "{} was put by service {owner:?} since this upload began: it is left as it is",
+                sess.key
+            )));
+        }
+    }
+    refuse_foreign_owner(s, who, &sess.key).await?;
     let dir = sess.dir.clone();
     let version = sess.version.clone();
     let previous = blocking(move || dir.publish(&version)).await?;
@@ -572,6 +598,7 @@ type Locked = tokio::sync::OwnedMutexGuard<crate::keys::KeyState>;
 /// `POST /api/v1/puts/{session}/commit`: verifies completeness and publishes atomically.
 pub async fn commit(
     State(s): State<AppState>,
+    axum::extract::Extension(who): axum::extract::Extension<kt_types::auth::Principal>,
     Path(id): Path<String>,
 ) -> Result<ApiJson<CommitResponse>, ApiError> {
     let sess = s
@@ -618,7 +645,7 @@ pub async fn commit(
     };
     // The key stays locked until the metadata server has the record, so records
     // of one key arrive in the order their versions were published.
-    let (collectable, _key_lock) = match publish(&s, &sess, &published).await {
+    let (collectable, _key_lock) = match publish(&s, (&sess, &who), &published).await {
         Ok(c) => c,
         Err(e) => {
             // Not published: the staging version must not outlive the session.

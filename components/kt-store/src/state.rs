@@ -33,7 +33,9 @@ pub struct Config {
     /// Files larger than this are moved in chunks of this size (power of two).
     pub chunk_size: u64,
     pub max_in_flight: usize,
-    /// Largest JSON request (put plans carry whole manifests).
+    /// Largest request body held in memory (a put plan carries the whole
+    /// manifest: 64 MiB is a tree of about 600,000 files), and what all
+    /// bodies held at once may add up to ([`kt_service::BodyBudget`]).
     pub max_request_bytes: usize,
     pub limits: ManifestLimits,
     /// Idle read leases and upload sessions are dropped after these.
@@ -58,7 +60,7 @@ impl Config {
             tls: None,
             chunk_size: kt_sync::defaults::CHUNK_SIZE,
             max_in_flight: 512,
-            max_request_bytes: 256 << 20,
+            max_request_bytes: 64 << 20,
             limits: ManifestLimits::default(),
             lease_ttl: Duration::from_secs(300),
             session_ttl: Duration::from_secs(600),
@@ -93,6 +95,8 @@ impl Shared {
             size: m.total_bytes(),
             files: m.file_count(),
             tensors: None,
+            // Of the manifest this store serves for the version.
+            digest: Some(p.digest),
             options: p.meta.options.clone(),
             only_if: None,
         }

@@ -61,7 +61,7 @@ fn open_new(path: &Path, mode: u32) -> Result<File, SyncError> {
         .create(true)
         .truncate(true)
         .custom_flags(libc::O_NOFOLLOW)
-        .mode(mode & 0o7777)
+        .mode(kt_types::manifest::safe_mode(mode))
         .open(path)
         .at(path)
 }
@@ -70,10 +70,15 @@ fn open_new(path: &Path, mode: u32) -> Result<File, SyncError> {
 /// (saves a syscall per file when the umask does not strip the entry's bits).
 fn set_meta(file: &File, path: &Path, e: &Entry, created_with_mode: bool) -> Result<(), SyncError> {
     if !created_with_mode || umask().is_none_or(|u| e.mode & u != 0) {
-        file.set_permissions(fs::Permissions::from_mode(e.mode))
-            .at(path)?;
+        file.set_permissions(perms(e)).at(path)?;
     }
     filetime::set_file_handle_times(file, None, Some(mtime_of(e))).at(path)
+}
+
+/// The permissions `e` is written with: its mode without setuid and setgid
+/// ([`kt_types::manifest::safe_mode`]), whatever a source's manifest says.
+fn perms(e: &Entry) -> fs::Permissions {
+    fs::Permissions::from_mode(kt_types::manifest::safe_mode(e.mode))
 }
 
 /// Removes whatever is at `path` (directories recursively); nothing there is fine.
@@ -255,7 +260,7 @@ pub fn finish_tree(root: &Path, m: &Manifest) -> Result<(), SyncError> {
     }
     for e in m.entries.iter().rev().filter(|e| e.kind == EntryKind::Dir) {
         let p = root.join(&e.path);
-        fs::set_permissions(&p, fs::Permissions::from_mode(e.mode)).at(&p)?;
+        fs::set_permissions(&p, perms(e)).at(&p)?;
         filetime::set_file_mtime(&p, mtime_of(e)).at(&p)?;
     }
     Ok(())
@@ -366,7 +371,7 @@ fn in_use(path: &Path) -> bool {
 
 /// Brings an existing file's mode and mtime in line with `e`.
 pub fn fix_metadata(path: &Path, e: &Entry) -> Result<(), SyncError> {
-    fs::set_permissions(path, fs::Permissions::from_mode(e.mode)).at(path)?;
+    fs::set_permissions(path, perms(e)).at(path)?;
     filetime::set_file_mtime(path, mtime_of(e)).at(path)
 }
 

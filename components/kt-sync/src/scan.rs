@@ -311,7 +311,7 @@ fn found(abs: &Path, path: String, md: &fs::Metadata) -> Result<Option<Found>, S
             mode: if kind == EntryKind::Symlink {
                 0o777
             } else {
-                md.permissions().mode() & 0o7777
+                kt_types::manifest::safe_mode(md.permissions().mode())
             },
             mtime: md.mtime(),
             mtime_nsec: md.mtime_nsec().clamp(0, 999_999_999) as u32,

@@ -250,7 +250,7 @@ async fn fake_member(c: &Cluster, k: &str, group: &str, relay_url: String) -> Ws
         fanout: Some(1),
         window_ms: Some(30_000),
         relay_url,
-        relay_key: None,
+        relay_key: Some("relay-key-of-the-stuck-member".into()),
         getter: None,
         rejoin: None,
     });

@@ -81,6 +81,7 @@ impl Meta {
             size: 3,
             files: 1,
             tensors: None,
+            digest: Some(kt_types::Hash([9; 32])),
             options: PutOptions::default(),
             only_if: None,
         };
@@ -161,7 +162,9 @@ impl Getter {
                 .await
                 .expect("a message from the metadata server in time");
             match frame {
-                Some(Ok(Message::Text(text))) => return Some(serde_json::from_str(&text).unwrap()),
+                Some(Ok(Message::Text(text))) => {
+                    return Some(unsealed(serde_json::from_str(&text).unwrap()));
+                }
                 Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
                 Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return None,
                 Some(Ok(other)) => panic!("unexpected frame {other:?}"),
@@ -178,6 +181,7 @@ impl Getter {
                 fanout,
                 parent,
                 secret,
+                ..
             }) => Assigned {
                 group,
                 rank,
@@ -214,9 +218,66 @@ fn join_req(group: Option<&str>, fanout: Option<u32>, i: u32) -> JoinRequest {
         fanout,
         window_ms: None,
         relay_url: relay_url(i),
-        relay_key: None,
+        relay_key: Some(relay_key(i)),
         getter: Some(format!("getter-{i}")),
         rejoin: None,
+    }
+}
+
+/// What getter `i`'s relay accepts besides its own token.
+fn relay_key(i: u32) -> String {
+    format!("relay-key-of-getter-{i:04}")
+}
+
+/// `msg` with its parent's key checked and taken off (the comparisons
+/// below are of the tree): the origin (an agent) comes with a capability,
+/// a relay with the relay's key; no parent comes without one.
+fn unsealed(msg: GroupMessage) -> GroupMessage {
+    let strip = |p: Parent| {
+        let key = p
+            .key
+            .clone()
+            .expect("every parent comes with what to show it");
+        if p.rank == 0 {
+            assert!(key.starts_with("kt-cap."), "{key}");
+        } else {
+            assert_eq!(key, relay_key(p.rank), "the relay's own key");
+        }
+        Parent { key: None, ..p }
+    };
+    match msg {
+        GroupMessage::Parent { parent } => GroupMessage::Parent {
+            parent: strip(parent),
+        },
+        GroupMessage::Assigned {
+            group,
+            rank,
+            version,
+            fanout,
+            parent,
+            digest,
+            secret,
+        } => {
+            assert_eq!(
+                digest,
+                Some(kt_types::Hash([9; 32])),
+                "the registered digest"
+            );
+            GroupMessage::Assigned {
+                group,
+                rank,
+                version,
+                fanout,
+                parent: if parent.url.is_empty() {
+                    parent
+                } else {
+                    strip(parent)
+                },
+                digest,
+                secret,
+            }
+        }
+        other => other,
     }
 }
 
@@ -316,6 +377,14 @@ async fn members_get_ranks_parents_replacements_and_releases() {
         .await;
     let msg = other.refused(ErrorCode::Conflict).await;
     assert!(msg.contains("fanout 2, not 3"), "{msg}");
+    // A member without a relay key would have its children's tokens sent
+    // to its relay: refused.
+    let mut keyless = meta.connect().await;
+    let mut req = join_req(Some("run-1"), Some(2), 8);
+    req.relay_key = None;
+    keyless.send(&GetterMessage::Join(req)).await;
+    let msg = keyless.refused(ErrorCode::InvalidRequest).await;
+    assert!(msg.contains("relay_key"), "{msg}");
     let mut bad = meta.connect().await;
     bad.ws
         .send(Message::Text("{not json".into()))

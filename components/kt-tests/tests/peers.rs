@@ -133,6 +133,7 @@ impl Api {
             size: 3,
             files: 1,
             tensors: None,
+            digest: Some(kt_types::Hash([9; 32])),
             options: PutOptions {
                 lifespan,
                 ..PutOptions::default()
@@ -457,6 +458,7 @@ async fn heartbeats_tell_agents_what_to_drop_and_local_deletes_skip_the_store() 
         size: 1,
         files: 1,
         tensors: None,
+        digest: Some(kt_types::Hash([9; 32])),
         options: PutOptions::default(),
         only_if: None,
     };
@@ -478,6 +480,19 @@ async fn heartbeats_tell_agents_what_to_drop_and_local_deletes_skip_the_store() 
         ErrorCode::InvalidRequest,
     )
     .await;
+    // Files without the digest of their manifest: nothing to check a
+    // getter's manifest against, refused.
+    bad.holder = None;
+    bad.digest = None;
+    let msg = api
+        .err(
+            Method::PUT,
+            "keys/app/bad",
+            Some(json!(bad)),
+            ErrorCode::InvalidRequest,
+        )
+        .await;
+    assert!(msg.contains("digest"), "{msg}");
     m.stop().await;
 }
 
@@ -635,6 +650,8 @@ fn late_store_registration(c: &Cluster, version: &str) -> RegisterKey {
         size: 1,
         files: 1,
         tensors: None,
+        // Never read from: what matters is whether it is admitted.
+        digest: Some(kt_types::Hash([9; 32])),
         options: PutOptions::default(),
         only_if: Some(RegisterIf::AbsentOrHeld),
     }

@@ -574,7 +574,8 @@ async fn readers_get_only_the_services_their_tokens_read() {
             .await;
             let reg = serde_json::json!({
                 "locale": "local", "source": "http://10.0.0.2:8100", "holder": "pod-b",
-                "version": "v1", "is_dir": false, "size": 16, "files": 1, "service": "train"
+                "version": "v1", "is_dir": false, "size": 16, "files": 1, "service": "train",
+                "digest": "0000000000000000000000000000000000000000000000000000000000000000"
             });
             let (status, text) = call(
                 "PUT",
@@ -710,7 +711,8 @@ async fn agents_act_as_themselves_and_workloads_within_their_services() {
     let reg = |holder: Option<&str>, locale: &str, service: &str| {
         serde_json::json!({
             "locale": locale, "source": "http://10.0.0.1:8100", "holder": holder,
-            "version": "v1", "is_dir": false, "size": 1, "files": 1, "service": service
+            "version": "v1", "is_dir": false, "size": 1, "files": 1, "service": service,
+            "digest": "0000000000000000000000000000000000000000000000000000000000000000"
         })
     };
     for (token, body) in [

@@ -113,6 +113,12 @@ pub struct RegisterKey {
     /// GPU data: the key's tensors (the record keeps this summary).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensors: Option<crate::tensor::TensorSummary>,
+    /// Filesystem data: the digest of the version's manifest (blake3 of its
+    /// binary encoding, [`crate::codec::to_bytes`]), as its publisher holds
+    /// it. Required unless `tensors` is set: the record carries it, and
+    /// every getter checks the manifest any source sends against it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<crate::Hash>,
     /// The put's lifecycle options, flattened: `lifespan`, `ttl_secs` and
     /// `service` sit at the top level of the object.
     #[serde(flatten)]
@@ -436,6 +442,12 @@ pub struct SourceLease {
     pub ttl_ms: u64,
     /// The key's current record.
     pub record: KeyRecord,
+    /// What to present to a peer source (an agent) instead of a bearer
+    /// token: a capability to read this key's version there and nothing
+    /// else, short-lived ([`crate::auth::Capability`]). Absent when the
+    /// source is the store, which is shown the getter's own token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capability: Option<String>,
 }
 
 /// The body of `POST /api/v1/leases/{id}/failed`: the leased source failed
@@ -519,10 +531,15 @@ pub struct HeartbeatReply {
     /// Milliseconds of silence after which the agent stops being a source
     /// and is evicted.
     pub ttl_ms: u64,
-    /// Served keys the agent should drop: deleted, or superseded by a newer
-    /// version.
+    /// Served keys the agent should drop: deleted, superseded by a newer
+    /// version, or not the agent's to serve (its token may not read them).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub drop: Vec<Key>,
+    /// The public keys capabilities are signed with
+    /// ([`crate::auth::Capability`]; Ed25519, base64url without padding),
+    /// newest first: the agent accepts a capability signed by any of them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub capability_keys: Vec<String>,
 }
 
 /// A node agent as the metadata server knows it.

@@ -111,6 +111,60 @@ pub struct Principal {
     /// advertises (agent, sources) must be on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ip: Option<IpAddr>,
+    /// Set for the bearer of a [`Capability`]: it reads this key's version
+    /// at the source the capability names, and nothing else.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scope: Option<Scope>,
+}
+
+/// What a [`Capability`] lets its bearer read.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scope {
+    /// The one key.
+    pub key: crate::Key,
+    /// The one version of it.
+    pub version: String,
+}
+
+/// What a getter presents to a peer source (a node agent) instead of a
+/// bearer token: minted by the metadata server with a source lease, bound
+/// to one key's version, one source and one getter, expiring soon, and
+/// signed (Ed25519) so that the source checks it without calling back
+/// (`kt_service::capability`). On the wire: `kt-cap.` + base64url(JSON of
+/// this) + `.` + base64url(signature), without padding.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Capability {
+    /// The key and version it reads.
+    #[serde(flatten)]
+    pub scope: Scope,
+    /// The source it is valid at: the agent id.
+    pub source: String,
+    /// Who it was minted for (the getter's agent id or role), for logs.
+    pub getter: String,
+    /// Unix milliseconds after which it is refused.
+    pub expires_ms: u64,
+    /// Which signing key signed it (the first 8 bytes of the blake3 of the
+    /// public key, hex).
+    pub kid: String,
+}
+
+impl Capability {
+    /// The prefix of a capability on the wire (no bearer token has it).
+    pub const PREFIX: &'static str = "kt-cap.";
+
+    /// The principal its bearer is: a workload reading its scope only.
+    pub fn principal(&self) -> Principal {
+        Principal {
+            role: Role::Workload,
+            name: None,
+            services: Some(Vec::new()),
+            reads: Some(Vec::new()),
+            ip: None,
+            scope: Some(self.scope.clone()),
+        }
+    }
 }
 
 impl Principal {
@@ -122,6 +176,7 @@ impl Principal {
             services: None,
             reads: None,
             ip: None,
+            scope: None,
         }
     }
 
@@ -159,6 +214,10 @@ impl Principal {
     /// Why it may not read `key`, which belongs to `service` (`None`: it
     /// may): the message of every refused read.
     pub fn refuses_read(&self, key: &crate::Key, service: &str) -> Option<String> {
+        if let Some(scope) = &self.scope {
+            return (scope.key != *key)
+                .then(|| format!("this capability reads {} only, not {key}", scope.key));
+        }
         if self.reads(service) {
             return None;
         }
@@ -175,7 +234,7 @@ impl Principal {
 
     /// Whether it reads every service (nothing to look up before a read).
     pub fn reads_all(&self) -> bool {
-        self.role == Role::Admin || self.reads.is_none()
+        self.role == Role::Admin || (self.reads.is_none() && self.scope.is_none())
     }
 
     /// Whether it is agent `id` (or an admin): an agent token naming it,
@@ -248,6 +307,7 @@ impl Grant {
             services: self.services.clone(),
             reads: self.reads.clone(),
             ip: None,
+            scope: None,
         }
     }
 }
@@ -443,6 +503,7 @@ impl AccessMap {
             services: None,
             reads: rule.reads.clone(),
             ip: None,
+            scope: None,
         };
         if matches!(rule.role, Role::Agent | Role::Pod) {
             let pod = who.pod.as_ref().ok_or_else(|| {

@@ -152,8 +152,8 @@ pub struct JoinRequest {
     pub relay_url: String,
     /// What its relay accepts as a bearer token besides the getter's own
     /// (16 to 128 printable characters): handed to the children it serves
-    /// ([`Parent::key`]), whose own tokens (other pods' ServiceAccount
-    /// tokens) a relay cannot check.
+    /// ([`Parent::key`]), who present it and never their own tokens.
+    /// Required with a `relay_url`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub relay_key: Option<String>,
     /// This getter's node agent id, when it has one (for the tree's listing).
@@ -198,8 +198,10 @@ pub struct Parent {
     pub url: String,
     /// `store`, an agent id, or `rank-N` for a relay.
     pub id: String,
-    /// The bearer token to present to a relay ([`JoinRequest::relay_key`]);
-    /// `None`: the getter's own.
+    /// What to present to this parent: a relay's key
+    /// ([`JoinRequest::relay_key`]) or a capability for an agent
+    /// ([`crate::auth::Capability`]). `None` only for the store, which is
+    /// shown the getter's own token: no bearer token goes to a peer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key: Option<String>,
 }
@@ -221,6 +223,11 @@ pub enum GroupMessage {
         fanout: u32,
         /// Where to fetch from.
         parent: Parent,
+        /// The digest of the version's manifest, from the key's record
+        /// ([`crate::model::KeyRecord::digest`]): a manifest from any parent
+        /// is used only if it hashes to this.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        digest: Option<crate::Hash>,
         /// This member's secret (hex): a rejoin of its rank must present it
         /// ([`Rejoin::secret`]). Absent in groups made by an older server.
         #[serde(default, skip_serializing_if = "Option::is_none")]

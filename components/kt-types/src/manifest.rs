@@ -49,6 +49,17 @@ impl<'de> Deserialize<'de> for Hash {
     }
 }
 
+/// The mode bits kt stores and restores: permissions and the sticky bit.
+/// Setuid and setgid never travel: a put does not record them and a get
+/// does not set them, so a getter running as root never writes a
+/// set-id file with another service's contents.
+pub const MODE_BITS: u32 = 0o1777;
+
+/// `mode` as kt stores and restores it ([`MODE_BITS`]).
+pub fn safe_mode(mode: u32) -> u32 {
+    mode & MODE_BITS
+}
+
 /// What an [`Entry`] is. On the wire: `file`, `dir` or `symlink` in JSON;
 /// 0, 1 or 2 in the binary encoding ([`crate::codec`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

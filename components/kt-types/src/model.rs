@@ -179,6 +179,12 @@ pub struct KeyRecord {
     /// its holder's agent from the producing process's memory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensors: Option<crate::tensor::TensorSummary>,
+    /// The digest of the version's manifest, as its publisher registered it
+    /// ([`crate::api::RegisterKey::digest`]): a getter uses a manifest from
+    /// any source only if it hashes to this. Absent for GPU data and for
+    /// records written before digests were kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<crate::Hash>,
     /// How long the key lives (from the put's options).
     pub lifespan: Lifespan,
     /// The owning service (the key's first segment unless set explicitly).

@@ -311,6 +311,7 @@ impl Tensors {
                 device,
                 dtypes,
             }),
+            digest: None,
             options: req.options.clone(),
             only_if: None,
         };

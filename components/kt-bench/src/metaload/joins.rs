@@ -403,7 +403,8 @@ pub async fn run(opts: &JoinOptions) -> anyhow::Result<JoinOutcome> {
             fanout: Some(opts.fanout),
             window_ms: Some(WINDOW_MS),
             relay_url: format!("http://{}-getter-{i}.invalid:8085", plan.service()),
-            relay_key: None,
+            // Never presented: nobody fetches from these relays.
+            relay_key: Some(format!("relay-key-of-getter-{i:08}")),
             getter: None,
             rejoin: None,
         });

@@ -131,6 +131,17 @@ async fn join(
                     Err(e) if e.code == kt_types::ErrorCode::NotFound => None,
                     Err(e) => return Err(e),
                 };
+                // A putter sends the key's data to every getter: it must
+                // write the key's service (a registered key's, else the
+                // first segment's), or it could stand in for the key's
+                // real holder and lock it out.
+                let owner = service.as_deref().unwrap_or_else(|| k.key.service());
+                if !who.serves(owner) {
+                    return Err(kt_service::forbidden(format!(
+                        "this token may not put {} into a quorum: it belongs to service {owner:?}, not one of this token's",
+                        k.key
+                    )));
+                }
                 owned.insert(k.key.clone(), service);
             }
             Access {

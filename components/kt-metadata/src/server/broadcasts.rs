@@ -143,6 +143,14 @@ struct Membership {
     group: String,
     rank: u32,
     session: u64,
+    /// The group's key and version, and the version's manifest digest
+    /// (from the key's record): what every parent handed to this member
+    /// is checked against, and what its capabilities read.
+    key: kt_types::Key,
+    version: String,
+    digest: Option<kt_types::Hash>,
+    /// Who the member is, for the capabilities minted for it.
+    getter: String,
 }
 
 /// Why a member's session ended.
@@ -262,12 +270,20 @@ async fn admit(
     tx: mpsc::UnboundedSender<GroupMessage>,
 ) -> Result<Membership, ApiError> {
     check_url("relay_url", &req.relay_url)?;
-    if let Some(k) = &req.relay_key
-        && (k.len() < 16 || k.len() > 128 || !k.bytes().all(|b| b.is_ascii_graphic()))
-    {
-        return Err(ApiError::bad_request(
-            "relay_key is 16 to 128 printable characters without spaces",
-        ));
+    // Children present the relay key to their parent, never their own
+    // tokens: a member without one would have them sent its way.
+    match &req.relay_key {
+        None => {
+            return Err(ApiError::bad_request(
+                "a broadcast member needs a relay_key: its children present it, not their tokens",
+            ));
+        }
+        Some(k) if k.len() < 16 || k.len() > 128 || !k.bytes().all(|b| b.is_ascii_graphic()) => {
+            return Err(ApiError::bad_request(
+                "relay_key is 16 to 128 printable characters without spaces",
+            ));
+        }
+        Some(_) => {}
     }
     if !who.may_advertise(&req.relay_url) {
         return Err(kt_service::forbidden(format!(
@@ -359,10 +375,21 @@ async fn admit(
             }
         });
     }
+    let digest = (sources.record.version == joined.version)
+        .then_some(sources.record.digest)
+        .flatten();
     Ok(Membership {
         group: joined.group,
         rank: joined.rank,
         session: joined.session,
+        key: req.key.clone(),
+        version: joined.version,
+        digest,
+        getter: req
+            .getter
+            .clone()
+            .or_else(|| who.name.clone())
+            .unwrap_or_else(|| "workload".into()),
     })
 }
 
@@ -389,7 +416,7 @@ async fn serve_member(
                     return SessionEnd::Refused;
                 };
                 let last = matches!(msg, GroupMessage::Error { .. });
-                if send_message(socket, &msg).await.is_err() {
+                if send_message(socket, &seal(s, m, msg)).await.is_err() {
                     return SessionEnd::Closed;
                 }
                 if last {
@@ -426,6 +453,54 @@ async fn serve_member(
                 }
             }
         }
+    }
+}
+
+/// `msg` as `m` gets it: its parent's capability (for a parent that is an
+/// agent: a relay's key is already set, the store takes the member's
+/// token) and, in `Assigned`, the digest its manifests must have.
+fn seal(s: &Inner, m: &Membership, msg: GroupMessage) -> GroupMessage {
+    let sealed = |mut p: Parent| {
+        if p.key.is_none() && p.id != kt_types::STORE_HOLDER && !p.url.is_empty() {
+            // The origin is named by its agent id; a finished member is
+            // served by its own agent, the one it joined with.
+            let agent = match p.rank {
+                0 => Some(p.id.clone()),
+                r => lock_broadcasts(s).groups.agent_of(&m.group, r),
+            };
+            if let Some(id) = agent {
+                let source = kt_types::Source {
+                    id,
+                    url: p.url.clone(),
+                    version: m.version.clone(),
+                };
+                p.key = s.capability_for(&m.key, &source, Some(&m.getter), now_ms());
+            }
+        }
+        p
+    };
+    match msg {
+        GroupMessage::Assigned {
+            group,
+            rank,
+            version,
+            fanout,
+            parent,
+            digest: _,
+            secret,
+        } => GroupMessage::Assigned {
+            group,
+            rank,
+            version,
+            fanout,
+            parent: sealed(parent),
+            digest: m.digest,
+            secret,
+        },
+        GroupMessage::Parent { parent } => GroupMessage::Parent {
+            parent: sealed(parent),
+        },
+        other => other,
     }
 }
 

@@ -117,6 +117,9 @@ struct Inner {
     heartbeat_interval_ms: u64,
     agent_ttl_ms: u64,
     lease_ttl_ms: u64,
+    /// Signs the capabilities getters show peer sources
+    /// ([`kt_service::capability`]).
+    signer: kt_service::capability::Signer,
     /// Dropped last, after the database closed: tells [`run`] it may return.
     _closed: oneshot::Sender<()>,
 }
@@ -246,6 +249,8 @@ where
         .timeout(Duration::from_secs(60))
         .build()
         .map_err(|e| MetadataError::Client(e.to_string()))?;
+    let signer = kt_service::capability::Signer::load_or_create(&config.state_dir, now_ms())
+        .map_err(|e| MetadataError::Config(e.to_string()))?;
     let (closed_tx, closed) = oneshot::channel();
     let state: AppState = Arc::new(Inner {
         registry: Mutex::new(registry),
@@ -259,6 +264,7 @@ where
         heartbeat_interval_ms: millis(config.heartbeat_interval),
         agent_ttl_ms,
         lease_ttl_ms: millis(config.lease_ttl),
+        signer,
         _closed: closed_tx,
     });
     // Every route declares who may call it (admin always may; see
@@ -498,6 +504,13 @@ async fn drop_store_copy(s: &Inner, store_url: &str, key: &Key, version: Option<
 /// A store key is held by the store; a local key by the agent named in `holder`.
 fn check_registration(reg: &RegisterKey) -> Result<(), ApiError> {
     check_service(reg.options.service.as_deref())?;
+    if reg.tensors.is_none() && reg.digest.is_none() {
+        // Integrity is anchored here: a record without it could not tell
+        // a getter which manifest is the published one.
+        return Err(ApiError::bad_request(
+            "a filesystem key's registration needs `digest`, the blake3 of its manifest's encoding",
+        ));
+    }
     check_url("source", &reg.source)?;
     match (reg.locale, reg.holder.as_deref()) {
         (Locale::Store, None | Some(STORE_HOLDER)) => Ok(()),
@@ -739,14 +752,44 @@ async fn lease_key(
         .leases
         .lock()
         .await
-        .grant(id, key, &sources.candidates, now, s.lease_ttl_ms)
+        .grant(
+            id,
+            (key, who.clone()),
+            &sources.candidates,
+            now,
+            s.lease_ttl_ms,
+        )
         .ok_or_else(|| ApiError::internal("a key with sources yielded no lease"))?;
+    let getter = req.getter.as_deref().or(who.name.as_deref());
+    let capability = s.capability_for(&lease.key, &lease.source, getter, now);
     Ok(ApiJson(SourceLease {
         lease: lease.id,
         source: lease.source,
         ttl_ms: s.lease_ttl_ms,
         record: sources.record,
+        capability,
     }))
+}
+
+impl Inner {
+    /// What a getter shows `source` to read `key` there: a capability for
+    /// an agent; nothing for the store, which is shown the getter's token.
+    fn capability_for(
+        &self,
+        key: &Key,
+        source: &kt_types::Source,
+        getter: Option<&str>,
+        now: u64,
+    ) -> Option<String> {
+        (source.id != STORE_HOLDER).then(|| {
+            let scope = kt_types::auth::Scope {
+                key: key.clone(),
+                version: source.version.clone(),
+            };
+            self.signer
+                .mint(scope, &source.id, getter.unwrap_or("workload"), now)
+        })
+    }
 }
 
 /// The live sources of `key` for `who`, refused first (before anything of
@@ -796,29 +839,44 @@ async fn release_lease(
 /// origin is only released: the getter excludes it from its next request.
 async fn lease_failed(
     State(s): State<AppState>,
+    Extension(who): Extension<Principal>,
     Path(id): Path<String>,
     ApiJson(failure): ApiJson<SourceFailure>,
 ) -> Result<StatusCode, ApiError> {
-    let released = s.leases.lock().await.release(&id, now_ms());
+    let released = {
+        let mut leases = s.leases.lock().await;
+        match leases.get(&id, now_ms()) {
+            Some(l) if l.getter != who && who.role != Role::Admin => {
+                return Err(forbidden(format!(
+                    "lease {id} is another getter's: only the getter it was granted to reports its source"
+                )));
+            }
+            Some(_) => leases.release(&id, now_ms()),
+            None => None,
+        }
+    };
     // A lease this server no longer knows (it restarted, or the lease
-    // expired) is reported by key and source instead.
-    let (key, source, url) = match (released, failure.key, failure.source) {
-        (Some(l), _, _) => (l.key, l.source.id, l.source.url),
+    // expired) is reported by key and source instead; nobody can tell
+    // whose it was, so it drops no peer (an admin's report aside).
+    let (key, source, url, known) = match (released, failure.key, failure.source) {
+        (Some(l), _, _) => (l.key, l.source.id, l.source.url, true),
         (None, Some(key), Some(source)) => {
             check_agent_or_store(&source)?;
-            (key, source, String::new())
+            (key, source, String::new(), who.role == Role::Admin)
         }
         (None, _, _) => return Err(unknown_lease(&id)),
     };
+    // The reason is the getter's text: bounded, and logged escaped.
+    let reason: String = failure.reason.chars().take(MAX_REASON).collect();
     tracing::warn!(
         %key,
         %source,
         %url,
-        reason = %failure.reason,
+        reason = ?reason,
         transient = failure.transient,
         "a source failed a getter"
     );
-    if failure.transient {
+    if failure.transient || !known {
         return Ok(StatusCode::NO_CONTENT);
     }
     let mut registry = s.registry.lock().await;
@@ -828,6 +886,9 @@ async fn lease_failed(
     }
     Ok(StatusCode::NO_CONTENT)
 }
+
+/// The most of a failure report's reason that is logged, in characters.
+const MAX_REASON: usize = 512;
 
 /// A source id in a failure report: the store or an agent id.
 fn check_agent_or_store(id: &str) -> Result<(), ApiError> {
@@ -865,7 +926,11 @@ async fn heartbeat(
     check_service(hb.service.as_deref())?;
     let id = hb.id.clone();
     let mut registry = s.registry.lock().await;
-    let beat = registry.heartbeat(hb, now_ms());
+    // An agent is a peer only of what its token may read: a copy of
+    // another service's key it claims to serve is dropped.
+    let beat = registry.heartbeat_reading(hb, now_ms(), |key, service| {
+        who.refuses_read(key, service).is_none()
+    });
     if let Some(a) = &beat.agent {
         tracing::info!(agent = %a.id, url = %a.url, service = ?a.service, "agent announced");
     }
@@ -884,6 +949,7 @@ async fn heartbeat(
         interval_ms: s.heartbeat_interval_ms,
         ttl_ms: s.agent_ttl_ms,
         drop: beat.drop,
+        capability_keys: s.signer.public_keys(),
     }))
 }
 
