@@ -93,16 +93,84 @@ fn from_rejection(r: JsonRejection) -> ApiError {
     }
 }
 
-/// A whole request body, with rejections (too large, cut) mapped to [`ApiError`].
-#[derive(Debug, Clone, Default)]
-pub struct ApiBytes(pub axum::body::Bytes);
+/// A whole request body, with rejections (too large, cut) mapped to
+/// [`ApiError`], and its share of the server's [`BodyBudget`] (when the
+/// route has one), held as long as the bytes are.
+#[derive(Debug, Default)]
+pub struct ApiBytes(pub axum::body::Bytes, pub Option<BodyPermit>);
+
+/// How many bytes of request bodies a server holds in memory at once
+/// ([`ApiBytes`]), whatever the number of requests: a route layer
+/// (`.layer(Extension(BodyBudget::new(n)))`). A body is admitted when its
+/// `Content-Length` fits (waiting up to [`BodyBudget::WAIT`] for others to
+/// finish, then `unavailable`); one larger than the whole budget, or
+/// without a length, is `payload_too_large` at once.
+#[derive(Debug, Clone)]
+pub struct BodyBudget {
+    kib: std::sync::Arc<tokio::sync::Semaphore>,
+    bytes: u64,
+}
+
+/// A body's share of a [`BodyBudget`], given back when dropped.
+#[derive(Debug)]
+pub struct BodyPermit(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
+
+impl BodyBudget {
+    /// How long a body waits for the budget before `unavailable`.
+    pub const WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+    pub fn new(bytes: u64) -> BodyBudget {
+        let kib = usize::try_from(bytes.div_ceil(1024))
+            .unwrap_or(usize::MAX)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        BodyBudget {
+            kib: std::sync::Arc::new(tokio::sync::Semaphore::new(kib)),
+            bytes,
+        }
+    }
+
+    async fn admit(&self, len: Option<u64>) -> Result<BodyPermit, ApiError> {
+        let too_large = |what: String| ApiError::new(ErrorCode::PayloadTooLarge, what);
+        let len = len.ok_or_else(|| {
+            too_large("a request body of this kind needs a Content-Length".into())
+        })?;
+        if len > self.bytes {
+            return Err(too_large(format!(
+                "a request body of {len} bytes: this server holds at most {} bytes of bodies in memory",
+                self.bytes
+            )));
+        }
+        let kib = u32::try_from(len.div_ceil(1024)).unwrap_or(u32::MAX);
+        match tokio::time::timeout(Self::WAIT, self.kib.clone().acquire_many_owned(kib)).await {
+            Ok(Ok(p)) => Ok(BodyPermit(p)),
+            _ => Err(ApiError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "busy: other request bodies fill this server's {} bytes for them; try again",
+                    self.bytes
+                ),
+            )),
+        }
+    }
+}
 
 impl<S: Send + Sync> FromRequest<S> for ApiBytes {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let permit = match req.extensions().get::<BodyBudget>() {
+            Some(budget) => {
+                let len = req
+                    .headers()
+                    .get(axum::http::header::CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok());
+                Some(budget.clone().admit(len).await?)
+            }
+            None => None,
+        };
         match axum::body::Bytes::from_request(req, state).await {
-            Ok(b) => Ok(ApiBytes(b)),
+            Ok(b) => Ok(ApiBytes(b, permit)),
             Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => {
                 Err(ApiError::new(ErrorCode::PayloadTooLarge, r.body_text()))
             }

@@ -23,6 +23,7 @@ pub mod reads;
 pub mod telemetry;
 pub mod tls;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -30,11 +31,12 @@ use axum::Router;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
+use futures::StreamExt;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use auth::{Auth, Token, allow, check_read, forbidden, only};
-pub use error::{ApiBytes, ApiError, ApiJson};
+pub use error::{ApiBytes, ApiError, ApiJson, BodyBudget, BodyPermit};
 pub use metrics::Metrics;
 pub use reads::{blocking, sync_err};
 
@@ -54,13 +56,31 @@ impl Ready {
 /// Routes only admin calls (operators, the scenario runner).
 pub const ADMIN: &[kt_types::auth::Role] = &[];
 
-/// Wraps a server's API routes with health, metrics, auth and limits.
+/// How long a request body may send nothing before the request fails (a
+/// client that opens a body and stalls holds a request slot until then).
+pub const BODY_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Wraps a server's API routes with health, metrics, auth and limits: at
+/// most `max_in_flight` API requests at once (more wait), each body idle
+/// for at most [`BODY_IDLE`]. `/healthz` and `/readyz` are outside the
+/// limit: a server busy with slow or many requests still answers them.
 pub fn app(
     api: Router,
     auth: impl Into<Auth>,
     metrics: Arc<Metrics>,
     ready: Ready,
     max_in_flight: usize,
+) -> Router {
+    app_with(api, auth, metrics, ready, (max_in_flight, BODY_IDLE))
+}
+
+/// [`app`] with the body idle timeout given (tests).
+pub fn app_with(
+    api: Router,
+    auth: impl Into<Auth>,
+    metrics: Arc<Metrics>,
+    ready: Ready,
+    (max_in_flight, body_idle): (usize, std::time::Duration),
 ) -> Router {
     let metrics_route = Router::new()
         .route(
@@ -78,6 +98,13 @@ pub fn app(
         .layer(axum::middleware::from_fn_with_state(
             auth.into(),
             auth::require_token,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            body_idle,
+            idle_bodies_fail,
+        ))
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+            max_in_flight.max(1),
         ));
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
@@ -88,9 +115,66 @@ pub fn app(
             metrics,
             metrics::count_requests,
         ))
-        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
-            max_in_flight.max(1),
-        ))
+}
+
+/// Makes the request's body fail once it has sent nothing for `idle`: the
+/// handler reading it gets an error and the request's slot is freed.
+async fn idle_bodies_fail(
+    State(idle): State<std::time::Duration>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let (parts, body) = req.into_parts();
+    let body = IdleBody {
+        frames: body.into_data_stream(),
+        idle,
+        last: tokio::time::Instant::now(),
+        timer: Box::pin(tokio::time::sleep(idle)),
+    };
+    next.run(axum::extract::Request::from_parts(
+        parts,
+        axum::body::Body::from_stream(body),
+    ))
+    .await
+}
+
+/// A body's data that fails after `idle` without a frame. The timer is
+/// moved on only when it fires (not per frame): a fast upload pays one
+/// clock read per frame.
+struct IdleBody {
+    frames: axum::body::BodyDataStream,
+    idle: std::time::Duration,
+    last: tokio::time::Instant,
+    timer: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl futures::Stream for IdleBody {
+    type Item = Result<bytes::Bytes, axum::Error>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        if let Poll::Ready(frame) = self.frames.poll_next_unpin(cx) {
+            self.last = tokio::time::Instant::now();
+            return Poll::Ready(frame);
+        }
+        loop {
+            if self.timer.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let deadline = self.last + self.idle;
+            if tokio::time::Instant::now() >= deadline {
+                let secs = self.idle.as_secs_f64();
+                return Poll::Ready(Some(Err(axum::Error::new(format!(
+                    "the request body sent nothing for {secs:.0} s"
+                )))));
+            }
+            // Frames came since the timer was set: wait from the last one.
+            self.timer.as_mut().reset(deadline);
+        }
+    }
 }
 
 async fn readyz(State(ready): State<Ready>) -> (StatusCode, &'static str) {
@@ -150,5 +234,139 @@ where
             tracing::warn!(?drain, "in-flight requests did not finish in time; aborting them");
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// Two slots, bodies idle for at most 300 ms: both slots taken by
+    /// uploads that stall after three bytes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stalled_bodies_neither_block_health_nor_hold_their_slots() {
+        let api = Router::new().route(
+            "/api/v1/echo",
+            axum::routing::post(|body: bytes::Bytes| async move { body.len().to_string() }),
+        );
+        let ready = Ready::default();
+        ready.set(true);
+        let app = app_with(
+            api,
+            Token::new("t").unwrap(),
+            Arc::new(Metrics::new()),
+            ready,
+            (2, Duration::from_millis(300)),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve(listener, app, stop.clone(), Duration::from_secs(1)));
+        let mut stalled = Vec::new();
+        for _ in 0..2 {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(
+                b"POST /api/v1/echo HTTP/1.1\r\nhost: x\r\nauthorization: Bearer t\r\ncontent-length: 100\r\n\r\nabc",
+            )
+            .await
+            .unwrap();
+            stalled.push(s);
+        }
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()
+            .unwrap();
+        let health = http
+            .get(format!("http://{addr}/healthz"))
+            .send()
+            .await
+            .expect("/healthz answers while every API slot is taken");
+        assert_eq!(health.status(), 200);
+        // The stalled bodies fail, which frees their slots for the next call.
+        let echoed = http
+            .post(format!("http://{addr}/api/v1/echo"))
+            .bearer_auth("t")
+            .body("hello")
+            .send()
+            .await
+            .expect("an API call once the stalled bodies have failed");
+        assert_eq!(echoed.text().await.unwrap(), "5");
+        for mut s in stalled {
+            let mut answer = vec![0u8; 64];
+            let n = tokio::time::timeout(Duration::from_secs(20), s.read(&mut answer))
+                .await
+                .expect("the stalled upload is answered")
+                .unwrap();
+            let head = String::from_utf8_lossy(&answer[..n]).to_string();
+            assert!(head.starts_with("HTTP/1.1 4"), "{head}");
+        }
+        stop.cancel();
+        server.await.unwrap().unwrap();
+    }
+
+    /// A budget of 1 MiB for buffered bodies: one body of 800 KiB at a time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn buffered_bodies_share_one_budget() {
+        let api = Router::new()
+            .route(
+                "/api/v1/plan",
+                axum::routing::post(|ApiBytes(body, _held): ApiBytes| async move {
+                    body.len().to_string()
+                }),
+            )
+            .layer(axum::Extension(BodyBudget::new(1 << 20)))
+            .layer(axum::extract::DefaultBodyLimit::max(4 << 20));
+        let app = app_with(
+            api,
+            Token::new("t").unwrap(),
+            Arc::new(Metrics::new()),
+            Ready::default(),
+            (16, Duration::from_millis(500)),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve(listener, app, stop.clone(), Duration::from_secs(1)));
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()
+            .unwrap();
+        let post = |body: Vec<u8>| {
+            http.post(format!("http://{addr}/api/v1/plan"))
+                .bearer_auth("t")
+                .body(body)
+                .send()
+        };
+        // Larger than the whole budget: refused at once, before a byte of
+        // it is read.
+        let mut large = tokio::net::TcpStream::connect(addr).await.unwrap();
+        large
+            .write_all(b"POST /api/v1/plan HTTP/1.1\r\nhost: x\r\nauthorization: Bearer t\r\ncontent-length: 2097152\r\n\r\n")
+            .await
+            .unwrap();
+        let mut answer = vec![0u8; 4096];
+        let n = large.read(&mut answer).await.unwrap();
+        let answer = String::from_utf8_lossy(&answer[..n]).to_string();
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert!(answer.contains("1048576"), "{answer}");
+        // One stalled 800 KiB body holds the budget: the next waits for it
+        // to fail (idle), then goes through.
+        let mut stalled = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stalled
+            .write_all(b"POST /api/v1/plan HTTP/1.1\r\nhost: x\r\nauthorization: Bearer t\r\ncontent-length: 819200\r\n\r\nabc")
+            .await
+            .unwrap();
+        let mut answer = vec![0u8; 64];
+        let next = post(vec![1; 800 << 10]);
+        let (next, read) = tokio::join!(next, stalled.read(&mut answer));
+        let n = read.unwrap();
+        assert!(String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 4"));
+        assert_eq!(next.unwrap().text().await.unwrap(), (800 << 10).to_string());
+        stop.cancel();
+        server.await.unwrap().unwrap();
     }
 }

@@ -86,7 +86,8 @@ fn stage_from_base(
 pub async fn plan(
     State(s): State<AppState>,
     axum::extract::Extension(who): axum::extract::Extension<kt_types::auth::Principal>,
-    ApiBytes(body): ApiBytes,
+    // The manifest document, held against the store's body budget.
+    ApiBytes(body, _budget): ApiBytes,
 ) -> Result<ApiJson<PutPlan>, ApiError> {
     let (head, encoded): (PutHeader, &[u8]) = codec::split_document(&body)
         .map_err(|e| ApiError::bad_request(format!("put request: {e}")))?;

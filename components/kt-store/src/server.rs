@@ -131,6 +131,11 @@ fn routes(state: AppState) -> Router {
         // GET /api/v1/trees/{key} and /api/v1/reads/...
         .merge(state.reads.routes())
         .layer(DefaultBodyLimit::max(json_limit))
+        // Put plans (the manifest document) are buffered: together, at
+        // most one largest body's worth, however many come at once.
+        .layer(axum::Extension(kt_service::BodyBudget::new(
+            json_limit as u64,
+        )))
 }
 
 async fn serve(
