@@ -406,7 +406,12 @@ async fn batch<S: ReadSource>(
         items = kt_sync::task::blocking(move || {
             let mut checked = HashSet::new();
             for item in &items {
-                confined(&files, &item.path, &item.entry_path, &mut checked)?;
+                confined(
+                    &files,
+                    (&item.path, item.size),
+                    &item.entry_path,
+                    &mut checked,
+                )?;
             }
             Ok::<_, ApiError>(items)
         })
@@ -436,14 +441,20 @@ async fn range<S: ReadSource>(
     let entry_path = e.path.clone();
     let files = l.opened.files.clone();
     let check = l.opened.check_links;
+    let size = e.size;
     let file = kt_sync::task::blocking(move || {
         if check {
             // No link on the way or at the end, a regular file: whatever
             // the files' owner swapped in since the export.
             let root = files.root();
             let rel = path.strip_prefix(root).unwrap_or(&path);
-            kt_sync::beneath::open_file_beneath(root, rel)
-                .map_err(|e| changed(&entry_path, &e.to_string()))
+            let file = kt_sync::beneath::open_file_beneath(root, rel)
+                .map_err(|e| changed(&entry_path, &e.to_string()))?;
+            let now = file
+                .metadata()
+                .map_err(|e| changed(&entry_path, &e.to_string()))?;
+            same_size(&entry_path, now.len(), size)?;
+            Ok(file)
         } else {
             File::open(&path).map_err(|e| sync_err(SyncError::io(&path, e)))
         }
@@ -472,12 +483,27 @@ async fn release<S: ReadSource>(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// The file of `entry_path` is no longer what was exported.
+/// The file of `entry_path` is no longer what was exported: a permanent
+/// answer (`conflict`), logged here, where the owner of the files can act.
 fn changed(entry_path: &str, why: &str) -> ApiError {
+    tracing::warn!(file = %entry_path, why, "an exported file changed since it was put: getters are refused it until it is put again");
     ApiError::new(
         ErrorCode::Conflict,
-        format!("{entry_path:?} cannot be served: {why} (the exported files changed)"),
+        format!(
+            "{entry_path:?} cannot be served: {why} (the exported files changed since the put: put the key again)"
+        ),
     )
+}
+
+/// `changed` unless the file still has the size it was exported with.
+fn same_size(entry_path: &str, now: u64, exported: u64) -> Result<(), ApiError> {
+    if now == exported {
+        return Ok(());
+    }
+    Err(changed(
+        entry_path,
+        &format!("it is {now} bytes now, {exported} when it was put"),
+    ))
 }
 
 /// Checks that `path` is reached through real directories only, from the
@@ -485,7 +511,7 @@ fn changed(entry_path: &str, why: &str) -> ApiError {
 /// `checked` remembers directories already found good.
 fn confined(
     files: &Files,
-    path: &Path,
+    (path, size): (&Path, u64),
     entry_path: &str,
     checked: &mut HashSet<PathBuf>,
 ) -> Result<(), ApiError> {
@@ -505,7 +531,7 @@ fn confined(
         }
     }
     match std::fs::symlink_metadata(path) {
-        Ok(md) if md.is_file() => Ok(()),
+        Ok(md) if md.is_file() => same_size(entry_path, md.len(), size),
         Ok(_) => Err(changed(entry_path, "not a regular file")),
         Err(e) => Err(changed(entry_path, &e.to_string())),
     }

@@ -527,3 +527,31 @@ fn walk_sizes(dir: &Path) -> u64 {
         })
         .sum()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_key_whose_file_changed_size_fails_at_once_and_clearly() {
+    let c = Cluster::start().await;
+    let agent = c.start_agent("pod-producer").await;
+    let file = c.dir.path().join("weights.bin");
+    fs::write(&file, bytes(3, 5000)).unwrap();
+    let reply = export_local(&agent, "team/grown", &file).await;
+    assert!(matches!(reply, ControlReply::Exported { .. }), "{reply:?}");
+    // The producer writes on after the zero-copy put.
+    fs::write(&file, bytes(3, 6000)).unwrap();
+    // A permanent answer, not a transient one retried to the deadline.
+    let got = tokio::time::timeout(
+        Duration::from_secs(60),
+        c.client().get(
+            &key("team/grown"),
+            &c.dir.path().join("got.bin"),
+            Progress::none(),
+        ),
+    )
+    .await
+    .expect("the get fails well before its deadline");
+    let e = got.expect_err("the changed file is refused").to_string();
+    assert!(e.contains("changed since the put"), "{e}");
+    assert!(e.contains("6000 bytes now, 5000 when it was put"), "{e}");
+    agent.stop().await;
+    c.stop().await;
+}
