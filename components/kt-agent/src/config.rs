@@ -29,6 +29,10 @@ pub struct Config {
     pub socket: PathBuf,
     /// Where exports are persisted (and scan caches of local exports kept).
     pub state_dir: PathBuf,
+    /// Exports must lie below one of these (`--export-root`); empty:
+    /// anywhere but the system's places and the agent's own
+    /// ([`crate::exportable`]).
+    pub export_roots: Vec<PathBuf>,
     /// Large files are fetched from this agent in ranges of this size.
     pub chunk_size: u64,
     pub max_in_flight: usize,
@@ -70,6 +74,7 @@ impl Config {
             auth: None,
             tls: None,
             state_dir: default_state_dir(&socket),
+            export_roots: Vec::new(),
             socket,
             chunk_size: kt_sync::defaults::CHUNK_SIZE,
             max_in_flight: 512,

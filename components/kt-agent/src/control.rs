@@ -40,6 +40,19 @@ pub struct Agent {
     /// Held from registration to export of a local put.
     pub local_puts: tokio::sync::Mutex<()>,
     pub tensors: Arc<Tensors>,
+    /// Where exports may be.
+    pub exportable: crate::exportable::Exportable,
+}
+
+impl Agent {
+    /// `path`, canonical, if it may be exported.
+    async fn exportable(&self, path: &str) -> Result<PathBuf, ApiError> {
+        let root = canonical(path).await?;
+        match self.exportable.refuses(&root) {
+            Some(why) => Err(kt_service::forbidden(why)),
+            None => Ok(root),
+        }
+    }
 }
 
 /// The other end of a control connection.
@@ -132,7 +145,7 @@ impl Agent {
         path: &str,
         options: PutOptions,
     ) -> Result<ControlReply, ApiError> {
-        let root = canonical(path).await?;
+        let root = self.exportable(path).await?;
         let cache_path = self.exports.scan_cache(&key);
         let limits = self.limits;
         let scan_root = root.clone();
@@ -204,7 +217,7 @@ impl Agent {
             )));
         }
         manifest.validate(&self.limits)?;
-        let root = canonical(path).await?;
+        let root = self.exportable(path).await?;
         let want_dir = manifest.root == RootKind::Dir;
         let check = root.clone();
         let kind_ok = kt_service::blocking(move || {
@@ -394,6 +407,27 @@ pub fn bind(path: &Path) -> Result<(UnixListener, SocketFile), SocketError> {
             id: (md.dev(), md.ino()),
         },
     ))
+}
+
+/// The agent's state directory: made 0700 when missing, narrowed to 0700
+/// when it is this user's. One that is not (the root of a volume mounted
+/// for it) is left as it is: what the agent writes there goes into
+/// subdirectories it makes 0700 ([`crate::exports::Exports::open`]).
+pub fn private_dir(dir: &Path, uid: u32) -> Result<(), SocketError> {
+    let io = |source| SocketError::Io {
+        path: dir.to_owned(),
+        source,
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(io)?;
+    let md = std::fs::symlink_metadata(dir).map_err(io)?;
+    if md.is_dir() && md.uid() == uid && md.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+    }
+    Ok(())
 }
 
 /// Makes `dir` a directory of `uid`'s that only it may write to, whoever

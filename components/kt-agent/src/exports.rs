@@ -120,7 +120,15 @@ impl Exports {
         let dir = state_dir.join("exports");
         let cache_dir = state_dir.join("cache");
         for d in [&dir, &cache_dir] {
-            std::fs::create_dir_all(d).map_err(io(d))?;
+            use std::os::unix::fs::DirBuilderExt;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(d)
+                .map_err(io(d))?;
+            // Made by an older agent with the umask's bits: the agent's alone now.
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700)).map_err(io(d))?;
         }
         let mut map = HashMap::new();
         for dent in std::fs::read_dir(&dir).map_err(io(&dir))? {
@@ -245,7 +253,16 @@ fn store(path: &Path, e: &Export) -> Result<(), ExportError> {
     };
     let doc = kt_types::codec::encode_document(&header, &e.manifest);
     let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+    let mut f = {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io(&tmp))?
+    };
     f.write_all(&doc).map_err(io(&tmp))?;
     f.sync_all().map_err(io(&tmp))?;
     drop(f);

@@ -11,6 +11,8 @@
 //!   drops what the metadata server says is gone;
 //! - [`tensors`]: GPU data — tensor registrations by process, point-to-point
 //!   sessions between agents, quorum transfers (host or NCCL backend);
+//! - [`exportable`]: which paths may be exported (below the export roots,
+//!   never the system's places nor the agent's own state);
 //! - [`config`]: configuration and its defaults (socket, state dir, id, URL).
 //!
 //! Start one in-process with [`start`] (or [`run`]) on a bound listener.
@@ -19,11 +21,15 @@
 //! else; it serves the file entries of exported manifests only, never through
 //! a symlink and never outside an export's path. The agent never writes to,
 //! or deletes, exported files. A local export is served from the user's files
-//! as they are: if they change after the export, getters' blake3 checks fail
-//! and they fail over to another source (export again to publish the change).
+//! as they are: if they change after the export, getters are refused them
+//! (a changed size is a conflict, changed content fails their blake3 checks)
+//! and fail over to another source (export again to publish the change).
+//! The state directory is the agent's alone (0700, its files 0600), made
+//! safe before anything is written in it.
 
 pub mod config;
 pub mod control;
+pub mod exportable;
 pub mod exports;
 pub mod heartbeat;
 pub mod metadata;

@@ -34,6 +34,12 @@ struct Args {
     /// Where exports are persisted (default: beside the socket, <socket>.state).
     #[arg(long, env = "KT_AGENT_STATE_DIR")]
     state_dir: Option<PathBuf>,
+    /// Directories whose files the pod's workloads may put with
+    /// --locale local and serve as copies (comma-separated; default:
+    /// anywhere but /etc, /proc, /sys, /dev, /boot, the secrets mounts and
+    /// the agent's own state).
+    #[arg(long = "export-root", env = "KT_EXPORT_ROOTS", value_delimiter = ',')]
+    export_roots: Vec<PathBuf>,
     #[command(flatten)]
     server: kt_service::cli::ServerArgs,
     /// Shared-memory directory of host-backend tensors (the applications of
@@ -72,6 +78,7 @@ async fn main() -> anyhow::Result<()> {
     if let Some(dir) = args.state_dir {
         config.state_dir = dir;
     }
+    config.export_roots = args.export_roots;
     config.advertise_url = args.advertise_url;
     config.pod_ip = args.pod_ip;
     // The sidecar takes it from the pod's label: an unlabelled pod gives "".

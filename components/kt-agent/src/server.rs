@@ -74,12 +74,21 @@ pub fn start(
         cfg.pod_ip.as_deref(),
         cfg.tls.is_some(),
     );
+    // The socket's directory, then the state directory, are made this
+    // agent's alone before anything is written in either.
+    let (control_listener, socket_file) = control::bind(&cfg.socket)?;
+    control::private_dir(&cfg.state_dir, kt_service::cli::uid())?;
     let exports = Arc::new(Exports::open(&cfg.state_dir, cfg.chunk_size, &cfg.limits)?);
     let metadata = Arc::new(
         MetadataClient::new(&cfg.metadata_url, cfg.token.clone(), cfg.metadata_timeout)
             .map_err(AgentError::Config)?,
     );
-    let (control_listener, socket_file) = control::bind(&cfg.socket)?;
+    let own: Vec<&std::path::Path> = [Some(cfg.state_dir.as_path()), cfg.socket.parent()]
+        .into_iter()
+        .flatten()
+        .filter(|p| !p.as_os_str().is_empty())
+        .collect();
+    let exportable = crate::exportable::Exportable::new(&cfg.export_roots, &own);
     let metrics = Arc::new(Metrics::new());
     let reads = Reads::new(
         exports.clone(),
@@ -111,6 +120,7 @@ pub fn start(
         metadata: metadata.clone(),
         limits: cfg.limits,
         local_puts: Default::default(),
+        exportable,
         tensors: tensors.clone(),
     });
     tracing::info!(

@@ -311,6 +311,15 @@ pub struct Agent {
 impl Cluster {
     /// Starts a node agent named `id` that beats to this cluster's metadata server.
     pub async fn start_agent(&self, id: &str) -> Agent {
+        self.start_agent_with(id, |_| {}).await
+    }
+
+    /// [`Cluster::start_agent`], its configuration adjusted by `tune`.
+    pub async fn start_agent_with(
+        &self,
+        id: &str,
+        tune: impl FnOnce(&mut kt_agent::Config),
+    ) -> Agent {
         let run = self.dir.path().join(format!("agent-{id}"));
         let mut cfg = kt_agent::Config::new(
             id,
@@ -322,6 +331,7 @@ impl Cluster {
         // containers of a pod do), apart from the host's /dev/shm.
         cfg.shm_dir = self.shm_dir();
         cfg.tensor_timeout = Duration::from_secs(20);
+        tune(&mut cfg);
         let (server, url, exports) = start_agent_at(&cfg, "127.0.0.1:0").await;
         Agent {
             id: id.to_owned(),

@@ -555,3 +555,47 @@ async fn a_local_key_whose_file_changed_size_fails_at_once_and_clearly() {
     agent.stop().await;
     c.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_exports_neither_system_files_nor_its_own_state_nor_outside_its_roots() {
+    use std::os::unix::fs::PermissionsExt;
+    let c = Cluster::start().await;
+    let data = c.dir.path().join("data");
+    tree(&data.join("model"));
+    let elsewhere = c.dir.path().join("elsewhere");
+    tree(&elsewhere);
+    let agent = c
+        .start_agent_with("pod-roots", |cfg| cfg.export_roots = vec![data.clone()])
+        .await;
+    let state = agent.config.state_dir.clone();
+    for (path, why) in [
+        (Path::new("/etc/passwd"), "never serves"),
+        (state.as_path(), "never serves"),
+        (elsewhere.as_path(), "outside this agent's export roots"),
+    ] {
+        for reply in [
+            export_local(&agent, "team/x", path).await,
+            export_copy(&agent, "team/x", "v1", path, fingerprint(&data)).await,
+        ] {
+            let ControlReply::Error { code, message } = &reply else {
+                panic!("{}: {reply:?}", path.display())
+            };
+            assert_eq!(*code, ErrorCode::Forbidden, "{message}");
+            assert!(message.contains(why), "{message}");
+        }
+    }
+    assert!(stat(&c, "team/x").await.is_none(), "nothing registered");
+    // Below a root: served. The state is the agent's alone.
+    let reply = export_local(&agent, "team/model", &data.join("model")).await;
+    assert!(matches!(reply, ControlReply::Exported { .. }), "{reply:?}");
+    let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&state), 0o700);
+    for sub in ["exports", "cache"] {
+        assert_eq!(mode(&state.join(sub)), 0o700, "{sub}");
+    }
+    for f in fs::read_dir(state.join("exports")).unwrap() {
+        assert_eq!(mode(&f.unwrap().path()), 0o600);
+    }
+    agent.stop().await;
+    c.stop().await;
+}

@@ -158,7 +158,17 @@ impl Tensors {
         let tmp = self.state_file.with_extension("json.tmp");
         let res = serde_json::to_vec(&list)
             .map_err(std::io::Error::other)
-            .and_then(|b| std::fs::write(&tmp, b))
+            .and_then(|b| {
+                use std::io::Write;
+                use std::os::unix::fs::OpenOptionsExt;
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .open(&tmp)?
+                    .write_all(&b)
+            })
             .and_then(|()| std::fs::rename(&tmp, &self.state_file));
         if let Err(e) = res {
             tracing::warn!(file = %self.state_file.display(), error = %e, "could not save tensor registrations");
