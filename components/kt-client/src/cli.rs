@@ -584,7 +584,12 @@ fn exit_code(e: &anyhow::Error) -> u8 {
         ) => 2,
         Some(ErrorCode::NotFound) => 3,
         Some(ErrorCode::Unauthorized | ErrorCode::Forbidden) => 4,
-        Some(ErrorCode::NoStore | ErrorCode::NoSource | ErrorCode::Unavailable) => 5,
+        Some(
+            ErrorCode::NoStore
+            | ErrorCode::NoSource
+            | ErrorCode::Unavailable
+            | ErrorCode::InsufficientStorage,
+        ) => 5,
         _ => 1,
     }
 }

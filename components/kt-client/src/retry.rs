@@ -36,7 +36,8 @@ impl ClientError {
             // `no_source` is an answer about the data (nothing serves the
             // key), not a server away.
             ClientError::Api { status, code, .. } => {
-                *code != ErrorCode::NoSource
+                // A full store stays full until someone frees room.
+                !matches!(code, ErrorCode::NoSource | ErrorCode::InsufficientStorage)
                     && (*status >= 500
                         || matches!(
                             code,

@@ -14,7 +14,12 @@ fn class_of(code: Option<ErrorCode>) -> &'static str {
         Some(ErrorCode::NotFound) => "NotFound",
         // `.code` says which: a bad token, or a role that may not.
         Some(ErrorCode::Unauthorized | ErrorCode::Forbidden) => "Unauthorized",
-        Some(ErrorCode::NoStore | ErrorCode::NoSource | ErrorCode::Unavailable) => "Unavailable",
+        Some(
+            ErrorCode::NoStore
+            | ErrorCode::NoSource
+            | ErrorCode::Unavailable
+            | ErrorCode::InsufficientStorage,
+        ) => "Unavailable",
         Some(
             ErrorCode::InvalidKey
             | ErrorCode::InvalidManifest

@@ -160,6 +160,12 @@ pub fn sync_err(e: SyncError) -> ApiError {
             ErrorCode::InvalidManifest
         }
         SyncError::NotFound { .. } => ErrorCode::NotFound,
+        SyncError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull => {
+            return ApiError::new(
+                ErrorCode::InsufficientStorage,
+                format!("store full: {e} (free room, or put less)"),
+            );
+        }
         SyncError::Io { .. } | SyncError::BadChunkSize(_) => ErrorCode::Internal,
     };
     ApiError::new(code, e.to_string())
@@ -542,6 +548,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_full_disk_is_a_final_answer_naming_it() {
+        let full = SyncError::io(
+            Path::new("/data/keys/k/v-1/f"),
+            std::io::Error::from(std::io::ErrorKind::StorageFull),
+        );
+        let e = sync_err(full);
+        assert_eq!(e.code, ErrorCode::InsufficientStorage);
+        assert_eq!(e.code.http_status(), 507);
+        assert!(e.message.starts_with("store full: "), "{}", e.message);
+        let other = sync_err(SyncError::io(
+            Path::new("/x"),
+            std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+        ));
+        assert_eq!(other.code, ErrorCode::Internal);
+    }
+
+    #[test]
     fn files_resolve_entries() {
         let e = Entry {
             path: "a/b.txt".into(),
@@ -576,14 +599,30 @@ mod tests {
         std::os::unix::fs::symlink(outside.join("secret"), root.join("d/s")).unwrap();
         let files = Files::Under(root.clone());
         let mut seen = HashSet::new();
-        assert!(confined(&files, &root.join("d/f"), "d/f", &mut seen).is_ok());
+        let f = root.join("d/f");
+        assert!(confined(&files, (&f, 2), "d/f", &mut seen).is_ok());
         for rel in ["l/secret", "d/s", "d/missing"] {
-            let err = confined(&files, &root.join(rel), rel, &mut seen).unwrap_err();
+            let err = confined(&files, (&root.join(rel), 2), rel, &mut seen).unwrap_err();
             assert_eq!(err.code, ErrorCode::Conflict, "{rel}: {err}");
         }
-        let single = Files::Single(root.join("d/f"));
-        assert!(confined(&single, &root.join("d/f"), "f", &mut HashSet::new()).is_ok());
+        // Grown since it was exported: refused, saying so.
+        let err = confined(&files, (&f, 1), "d/f", &mut seen).unwrap_err();
+        assert_eq!(err.code, ErrorCode::Conflict);
+        assert!(
+            err.message.contains("2 bytes now, 1 when it was put"),
+            "{err}"
+        );
+        let single = Files::Single(f.clone());
+        assert!(confined(&single, (&f, 2), "f", &mut HashSet::new()).is_ok());
         let via_link = Files::Single(root.join("l/secret"));
-        assert!(confined(&via_link, &root.join("l/secret"), "f", &mut HashSet::new()).is_err());
+        assert!(
+            confined(
+                &via_link,
+                (&root.join("l/secret"), 2),
+                "f",
+                &mut HashSet::new()
+            )
+            .is_err()
+        );
     }
 }

@@ -24,6 +24,10 @@ struct Args {
     /// Chunk size for large files, in bytes (a power of two).
     #[arg(long, env = "KT_CHUNK_SIZE", default_value_t = kt_sync::defaults::CHUNK_SIZE)]
     chunk_size: u64,
+    /// Bytes of the data volume no put may take (default: 2% of it, at
+    /// most 1 GiB): a put that would is refused at once as `store full`.
+    #[arg(long, env = "KT_STORE_RESERVE")]
+    reserve: Option<u64>,
 }
 
 #[tokio::main]
@@ -36,6 +40,7 @@ async fn main() -> anyhow::Result<()> {
     config.auth = auth;
     config.advertise_url = args.advertise_url;
     config.chunk_size = args.chunk_size;
+    config.reserve = args.reserve;
     config.max_in_flight = args.server.max_connections;
     config.tls = args.server.tls()?;
     kt_store::run(listener, config, shutdown).await?;

@@ -221,6 +221,21 @@ pub async fn plan(
         })
         .await?
     };
+    // Room for what is to come, or a final answer now (not a transfer that
+    // dies of ENOSPC at its end and starts over until its deadline).
+    let room = {
+        let data_dir = s.cfg.data_dir.clone();
+        blocking(move || free_space(&data_dir)).await?
+    };
+    let wants: u64 = left
+        .needed
+        .iter()
+        .map(|&i| manifest.entries[i as usize].size)
+        .sum();
+    if let Err(e) = room_for(&s, room, wants, left.needed.len() as u64) {
+        drop_staging(&key, &dir, version, st.current.is_some()).await;
+        return Err(e);
+    }
     drop(st);
 
     if left.kept > 0 {
@@ -313,6 +328,60 @@ pub async fn plan(
         need_manifest: false,
         have,
     }))
+}
+
+/// What each file costs on disk besides its bytes (a block, an inode, the
+/// staging's directory entries), counted when a put asks for room.
+const PER_FILE: u64 = 4096;
+
+/// Bytes free to this process on the data directory's file system, and
+/// its size.
+fn free_space(dir: &std::path::Path) -> Result<(u64, u64), SyncError> {
+    let v = rustix::fs::statvfs(dir).map_err(|e| SyncError::io(dir, e.into()))?;
+    Ok((
+        v.f_bavail.saturating_mul(v.f_frsize),
+        v.f_blocks.saturating_mul(v.f_frsize),
+    ))
+}
+
+/// Refuses a put that needs `bytes` in `files` new files when the data
+/// directory's free room, less what uploads in progress were promised and
+/// the reserve ([`crate::Config::reserve`]), cannot take it.
+fn room_for(s: &Shared, (free, total): (u64, u64), bytes: u64, files: u64) -> Result<(), ApiError> {
+    let promised: u64 = s
+        .puts
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .values()
+        .map(|p| p.bytes_needed)
+        .sum();
+    let reserve = s.cfg.reserve.unwrap_or((total / 50).min(1 << 30));
+    let needs = bytes.saturating_add(files.saturating_mul(PER_FILE));
+    let usable = free.saturating_sub(reserve).saturating_sub(promised);
+    if needs <= usable {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        ErrorCode::InsufficientStorage,
+        format!(
+            "store full: this put needs {}, {} is free ({} kept in reserve, {} promised to uploads in progress)",
+            iec(needs),
+            iec(free),
+            iec(reserve),
+            iec(promised)
+        ),
+    ))
+}
+
+/// `n` bytes for people: `52428800 bytes (50.0 MiB)`.
+fn iec(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let (mut v, mut u) = (n as f64, 0);
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{n} bytes ({v:.1} {})", UNITS[u])
 }
 
 /// `PUT /api/v1/puts/{session}/batch`: a frame stream of small files.
@@ -678,12 +747,29 @@ pub async fn commit(
 async fn discard(s: &Shared, sess: Arc<PutSession>) {
     let state = s.keys.state(&sess.key);
     let st = state.lock().await;
-    remove_versions(&sess.dir, vec![sess.version.clone()]).await;
-    if st.current.is_none() {
+    drop_staging(
+        &sess.key,
+        &sess.dir,
+        sess.version.clone(),
+        st.current.is_some(),
+    )
+    .await;
+}
+
+/// Removes the staging `version` of `key` (its state locked by the caller);
+/// a key never `published` loses its directory too.
+async fn drop_staging(
+    key: &Key,
+    dir: &kt_sync::publish::VersionedDir,
+    version: String,
+    published: bool,
+) {
+    remove_versions(dir, vec![version]).await;
+    if !published {
         // Only when no other upload is staging in it (its `v-*` would remain).
-        let dir = sess.dir.clone();
+        let dir = dir.clone();
         if let Err(e) = blocking(move || dir.remove_if_unused()).await {
-            tracing::warn!(key = %sess.key, error = %e, "could not remove an unpublished key's directory");
+            tracing::warn!(%key, error = %e, "could not remove an unpublished key's directory");
         }
     }
 }

@@ -43,6 +43,9 @@ pub struct Config {
     pub session_ttl: Duration,
     /// How long in-flight requests may finish after shutdown is requested.
     pub drain: Duration,
+    /// Bytes of the data volume no put may take; `None`: 2% of it, at most
+    /// 1 GiB.
+    pub reserve: Option<u64>,
 }
 
 impl Config {
@@ -64,6 +67,7 @@ impl Config {
             limits: ManifestLimits::default(),
             lease_ttl: Duration::from_secs(300),
             session_ttl: Duration::from_secs(600),
+            reserve: None,
             drain: Duration::from_secs(10),
         }
     }

@@ -616,3 +616,36 @@ async fn a_quorum_putter_must_write_the_keys_service() {
         .unwrap();
     assert_eq!(info.status(), 404, "no round was opened");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_store_is_a_final_clear_answer() {
+    // Everything the data volume has is kept in reserve: no put fits.
+    let c = kt_tests::Cluster::start_with(|cfg| cfg.reserve = Some(u64::MAX / 4)).await;
+    let src = c.dir.path().join("w.bin");
+    std::fs::write(&src, vec![5u8; 10 << 10]).unwrap();
+    let before = kt_tests::listing(&c.store_data());
+    let put = tokio::time::timeout(
+        Duration::from_secs(60),
+        c.client().put(
+            &key("ml/w"),
+            &src,
+            Default::default(),
+            kt_client::Progress::none(),
+        ),
+    )
+    .await
+    .expect("refused at once, not retried to the deadline");
+    let e = put.expect_err("the store is full");
+    assert_eq!(
+        e.code(),
+        Some(kt_types::ErrorCode::InsufficientStorage),
+        "{e}"
+    );
+    let msg = e.to_string();
+    assert!(msg.contains("store full: this put needs"), "{msg}");
+    assert!(msg.contains("is free"), "{msg}");
+    // Nothing staged is left behind, nothing registered.
+    assert_eq!(kt_tests::listing(&c.store_data()), before);
+    assert!(c.client().stat(&key("ml/w")).await.is_err());
+    c.stop().await;
+}

@@ -29,6 +29,10 @@ pub enum ErrorCode {
     Conflict,
     /// A body or message is larger than its limit (413).
     PayloadTooLarge,
+    /// The store has no room for what the request would write (507): a
+    /// final answer, not retried; the message says how much is needed and
+    /// how much is free.
+    InsufficientStorage,
     /// Received content does not hash to what its manifest says (400).
     HashMismatch,
     /// A body ended before it was complete (400).
@@ -58,6 +62,7 @@ impl ErrorCode {
             ErrorCode::NotFound => 404,
             ErrorCode::Conflict => 409,
             ErrorCode::PayloadTooLarge => 413,
+            ErrorCode::InsufficientStorage => 507,
             ErrorCode::NoStore | ErrorCode::NoSource | ErrorCode::Unavailable => 503,
             ErrorCode::Internal => 500,
         }
@@ -73,6 +78,7 @@ impl ErrorCode {
             404 => ErrorCode::NotFound,
             409 => ErrorCode::Conflict,
             413 => ErrorCode::PayloadTooLarge,
+            507 => ErrorCode::InsufficientStorage,
             502..=504 => ErrorCode::Unavailable,
             _ => ErrorCode::Internal,
         }
@@ -89,6 +95,7 @@ impl ErrorCode {
             ErrorCode::NotFound => "not_found",
             ErrorCode::Conflict => "conflict",
             ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::InsufficientStorage => "insufficient_storage",
             ErrorCode::HashMismatch => "hash_mismatch",
             ErrorCode::Truncated => "truncated",
             ErrorCode::NoStore => "no_store",
