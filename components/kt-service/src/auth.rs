@@ -430,10 +430,23 @@ pub fn review_routes(auth: Auth) -> axum::Router {
 
 async fn answer_review(
     State(auth): State<Auth>,
+    axum::Extension(asker): axum::Extension<Principal>,
     crate::ApiJson(q): crate::ApiJson<kt_types::auth::TokenQuery>,
 ) -> Result<crate::ApiJson<kt_types::auth::TokenAnswer>, ApiError> {
     let (verdict, ttl) = auth.resolve_for(&q.token).await?;
     let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+    // An agent is shown agents' and pods' tokens (tensor sessions),
+    // Prometheus's and operators'; getters show it capabilities. Who a
+    // workload's or the store's token is, it is not told.
+    let verdict = match verdict {
+        Verdict::Known(p)
+            if matches!(asker.role, Role::Agent | Role::Pod)
+                && matches!(p.role, Role::Workload | Role::Store) =>
+        {
+            Verdict::Refused("not a token an agent is shown".into())
+        }
+        v => v,
+    };
     Ok(crate::ApiJson(match verdict {
         Verdict::Known(p) => kt_types::auth::TokenAnswer {
             principal: Some(p),

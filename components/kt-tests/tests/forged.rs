@@ -649,3 +649,33 @@ async fn a_full_store_is_a_final_clear_answer() {
     assert!(c.client().stat(&key("ml/w")).await.is_err());
     c.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_is_not_told_who_a_workloads_token_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start(dir.path()).await;
+    let http = reqwest::Client::new();
+    let review = |asker: &'static str, token: &'static str| {
+        let r = http
+            .post(format!("{}/api/v1/auth/review", s.meta))
+            .bearer_auth(asker)
+            .json(&serde_json::json!({ "token": token }))
+            .send();
+        async move {
+            let r = r.await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.json::<kt_types::auth::TokenAnswer>().await.unwrap()
+        }
+    };
+    // The store is shown workloads' tokens: it is told.
+    let a = review(STORE, ALPHA).await;
+    assert_eq!(a.principal.map(|p| p.role), Some(Role::Workload));
+    // An agent is shown agents' tokens (tensor sessions), not workloads'.
+    let a = review(BETA_AGENT, ROGUE_AGENT).await;
+    assert_eq!(a.principal.map(|p| p.role), Some(Role::Agent));
+    for token in [ALPHA, STORE] {
+        let a = review(BETA_AGENT, token).await;
+        assert_eq!(a.principal, None, "{token}");
+        assert!(a.reason.is_some());
+    }
+}
