@@ -91,8 +91,17 @@ impl ServerArgs {
 pub const LISTEN_BACKLOG: u32 = 4096;
 
 /// Binds `addr` (address reuse on, as servers restart on their port) with a
-/// [`LISTEN_BACKLOG`]-deep queue. Needs a runtime.
+/// [`LISTEN_BACKLOG`]-deep queue. Needs a runtime. `0.0.0.0` listens on
+/// both families (`[::]`, not IPv6-only: an IPv6 or dual-stack cluster's
+/// pods reach it too), falling back to IPv4 alone where the host has no
+/// IPv6.
 pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    if addr.ip() == std::net::IpAddr::from([0, 0, 0, 0]) {
+        match listen_dual_stack(addr.port()) {
+            Ok(l) => return Ok(l),
+            Err(e) => tracing::debug!(error = %e, "no IPv6 here: listening on IPv4 only"),
+        }
+    }
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?
     } else {
@@ -101,6 +110,18 @@ pub fn listen(addr: SocketAddr) -> std::io::Result<TcpListener> {
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(LISTEN_BACKLOG)
+}
+
+fn listen_dual_stack(port: u16) -> std::io::Result<TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::IPV6, Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_only_v6(false)?;
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    let any = SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port));
+    socket.bind(&any.into())?;
+    socket.listen(LISTEN_BACKLOG as i32)?;
+    TcpListener::from_std(socket.into())
 }
 
 /// Binds `addr` and returns the listener with a shutdown token that SIGTERM and
@@ -234,6 +255,28 @@ mod tests {
             found[1].contains(" run --nested (KT_TEST_NESTED)"),
             "{found:#?}"
         );
+    }
+
+    #[tokio::test]
+    async fn the_unspecified_ipv4_address_listens_on_both_families() {
+        let l = listen("0.0.0.0:0".parse().unwrap()).unwrap();
+        let port = l.local_addr().unwrap().port();
+        let accept = tokio::spawn(async move {
+            for _ in 0..2 {
+                l.accept().await.unwrap();
+            }
+        });
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .expect("IPv4");
+        // Where the host has IPv6 (loopback ::1), over IPv6 too.
+        let v6 = tokio::net::TcpStream::connect(("::1", port)).await;
+        if v6.is_err() {
+            tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap();
+        }
+        accept.await.unwrap();
     }
 
     #[test]
