@@ -814,6 +814,14 @@ class Checker:
                 self.fail(where, "no-crds",
                           "a CRD: kt's bundles use custom resources (opt-in), but their CRDs "
                           "are the operator's to install and upgrade, never kt's")
+            if tpl is not None and path.parent.name == "examples" and AGENT in {
+                    c.get("name") for c in containers(tpl.get("spec") or {})}:
+                ns = dig(d, "metadata", "namespace")
+                if ns in (None, "", "default"):
+                    self.fail(where, "workload-namespace",
+                              f"a workload with the agent sidecar in namespace {ns or 'default'!r}: "
+                              "kt-metadata does not resolve there, and the access map and "
+                              "policies name kt's namespace (set `namespace:` in the kustomization)")
             if tpl is not None:
                 spec = tpl.get("spec") or {}
                 kt_pod = is_kt(d)
