@@ -847,6 +847,12 @@ class Checker:
                                       f"with the workspace version {self.version}")
             if kind == "StatefulSet":
                 self.statefulset(where, d, services)
+            if (kind in WORKLOAD_KINDS and dig(d, "metadata", "name") == "kt-store"
+                    and (replicas(d) or 1) > 1):
+                self.fail(where, "store-replicas",
+                          f"{replicas(d)} store replicas behind one Service: each holds its "
+                          "own keys, so a read lands on a store that may not have the key "
+                          "(kt runs one store per install)")
             if kind == "ServiceMonitor":
                 for ep in dig(d, "spec", "endpoints") or []:
                     cred = dig(ep, "authorization", "credentials") or {}
