@@ -27,6 +27,10 @@ pub struct Config {
     pub tls: Option<kt_service::tls::Tls>,
     /// The control socket (created mode 0600; a stale one is replaced).
     pub socket: PathBuf,
+    /// Give the socket (0660) and its directory (0750) to this group: the
+    /// workloads of the pod reach the agent as members of it, whatever
+    /// their uid ([`crate::control::bind`]). `None`: the agent's user alone.
+    pub socket_group: Option<u32>,
     /// Where exports are persisted (and scan caches of local exports kept).
     pub state_dir: PathBuf,
     /// Exports must lie below one of these (`--export-root`); empty:
@@ -75,6 +79,7 @@ impl Config {
             tls: None,
             state_dir: default_state_dir(&socket),
             export_roots: Vec::new(),
+            socket_group: None,
             socket,
             chunk_size: kt_sync::defaults::CHUNK_SIZE,
             max_in_flight: 512,

@@ -367,6 +367,17 @@ pub enum SocketError {
         mode: u32,
         me: u32,
     },
+    #[error(
+        "control socket {}: cannot give it to group {gid} ({source}): the agent must be a member \
+         (the pod's fsGroup, or a supplemental group)",
+        path.display()
+    )]
+    Group {
+        path: PathBuf,
+        gid: u32,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("control socket {}: {source}", path.display())]
     Io {
         path: PathBuf,
@@ -377,14 +388,28 @@ pub enum SocketError {
 
 /// Binds the control socket at `path` (mode 0600; its directory is made
 /// this user's alone first, [`socket_dir`]). A stale socket (nobody
-/// listening) is replaced; a live one is an error.
-pub fn bind(path: &Path) -> Result<(UnixListener, SocketFile), SocketError> {
+/// listening) is replaced; a live one is an error. With `group` (a gid the
+/// agent is a member of: the pod's `fsGroup`), the directory is 0750 and
+/// the socket 0660 in that group, so workloads running as other users of
+/// the group reach the agent (and the agent may run as a user of its own).
+pub fn bind(path: &Path, group: Option<u32>) -> Result<(UnixListener, SocketFile), SocketError> {
     let io = |source| SocketError::Io {
         path: path.to_owned(),
         source,
     };
+    let shared = |p: &Path, mode: u32| -> Result<(), SocketError> {
+        let Some(gid) = group else { return Ok(()) };
+        let failed = |source: std::io::Error| SocketError::Group {
+            path: p.to_owned(),
+            gid,
+            source,
+        };
+        std::os::unix::fs::chown(p, None, Some(gid)).map_err(failed)?;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(failed)
+    };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         socket_dir(dir, kt_service::cli::uid())?;
+        shared(dir, 0o750)?;
     }
     match std::fs::symlink_metadata(path) {
         Ok(md) if md.file_type().is_socket() => {
@@ -399,6 +424,7 @@ pub fn bind(path: &Path) -> Result<(UnixListener, SocketFile), SocketError> {
     }
     let listener = UnixListener::bind(path).map_err(io)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(io)?;
+    shared(path, 0o660)?;
     let md = std::fs::symlink_metadata(path).map_err(io)?;
     Ok((
         listener,
@@ -715,6 +741,24 @@ mod tests {
 
     fn mode(p: &Path) -> u32 {
         std::fs::symlink_metadata(p).unwrap().mode() & 0o7777
+    }
+
+    #[tokio::test]
+    async fn a_socket_group_opens_the_socket_to_the_group_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("run");
+        // The group this process creates files with: one it is a member of.
+        let probe = tmp.path().join("probe");
+        std::fs::write(&probe, b"").unwrap();
+        let gid = std::fs::metadata(&probe).unwrap().gid();
+        let (_l, _f) = bind(&dir.join("agent.sock"), Some(gid)).unwrap();
+        assert_eq!(mode(&dir), 0o750);
+        assert_eq!(mode(&dir.join("agent.sock")), 0o660);
+        assert_eq!(std::fs::metadata(dir.join("agent.sock")).unwrap().gid(), gid);
+        // Without one: the agent's user alone.
+        let (_l, _f) = bind(&tmp.path().join("own/agent.sock"), None).unwrap();
+        assert_eq!(mode(&tmp.path().join("own")), 0o700);
+        assert_eq!(mode(&tmp.path().join("own/agent.sock")), 0o600);
     }
 
     #[test]

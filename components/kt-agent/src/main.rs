@@ -31,6 +31,11 @@ struct Args {
     /// Control socket (default: $XDG_RUNTIME_DIR/kt/agent.sock, else /tmp/kt-<uid>/agent.sock).
     #[arg(long, env = "KT_AGENT_SOCKET")]
     socket: Option<PathBuf>,
+    /// Give the control socket (0660) and its directory (0750) to this gid,
+    /// e.g. the pod's fsGroup: workloads of another uid in that group reach
+    /// the agent (default: the agent's user alone, socket 0600).
+    #[arg(long, env = "KT_AGENT_SOCKET_GROUP")]
+    socket_group: Option<u32>,
     /// Where exports are persisted (default: beside the socket, <socket>.state).
     #[arg(long, env = "KT_AGENT_STATE_DIR")]
     state_dir: Option<PathBuf>,
@@ -79,6 +84,7 @@ async fn main() -> anyhow::Result<()> {
         config.state_dir = dir;
     }
     config.export_roots = args.export_roots;
+    config.socket_group = args.socket_group;
     config.advertise_url = args.advertise_url;
     config.pod_ip = args.pod_ip;
     // The sidecar takes it from the pod's label: an unlabelled pod gives "".

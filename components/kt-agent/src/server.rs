@@ -76,7 +76,7 @@ pub fn start(
     );
     // The socket's directory, then the state directory, are made this
     // agent's alone before anything is written in either.
-    let (control_listener, socket_file) = control::bind(&cfg.socket)?;
+    let (control_listener, socket_file) = control::bind(&cfg.socket, cfg.socket_group)?;
     control::private_dir(&cfg.state_dir, kt_service::cli::uid())?;
     let exports = Arc::new(Exports::open(&cfg.state_dir, cfg.chunk_size, &cfg.limits)?);
     let metadata = Arc::new(
