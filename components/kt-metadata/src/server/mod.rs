@@ -443,6 +443,15 @@ async fn put_key(
             )));
         }
     }
+    // Checked once the caller is known to be allowed (a refused caller
+    // learns nothing of what its registration lacks). Integrity is anchored
+    // here: a record without it could not tell a getter which manifest is
+    // the published one.
+    if reg.tensors.is_none() && reg.digest.is_none() {
+        return Err(ApiError::bad_request(
+            "a filesystem key's registration needs `digest`, the blake3 of its manifest's encoding",
+        ));
+    }
     // An agent registering a local key is alive, even before its first beat.
     let agent = match (reg.locale, &reg.holder) {
         (Locale::Local, Some(holder)) => registry.touch_agent(holder, &reg.source, None, now),
@@ -504,13 +513,6 @@ async fn drop_store_copy(s: &Inner, store_url: &str, key: &Key, version: Option<
 /// A store key is held by the store; a local key by the agent named in `holder`.
 fn check_registration(reg: &RegisterKey) -> Result<(), ApiError> {
     check_service(reg.options.service.as_deref())?;
-    if reg.tensors.is_none() && reg.digest.is_none() {
-        // Integrity is anchored here: a record without it could not tell
-        // a getter which manifest is the published one.
-        return Err(ApiError::bad_request(
-            "a filesystem key's registration needs `digest`, the blake3 of its manifest's encoding",
-        ));
-    }
     check_url("source", &reg.source)?;
     match (reg.locale, reg.holder.as_deref()) {
         (Locale::Store, None | Some(STORE_HOLDER)) => Ok(()),
