@@ -31,7 +31,7 @@ pub struct Exportable {
 
 impl Exportable {
     /// `roots` (`--export-root`; empty: anywhere), never the system's
-    /// places nor `own` (the agent's state and socket directories).
+    /// places nor `own` (the agent's state directory).
     /// Roots that do not exist are left out, with a warning.
     pub fn new(roots: &[PathBuf], own: &[&Path]) -> Exportable {
         let canonical = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());

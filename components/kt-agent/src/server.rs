@@ -83,12 +83,9 @@ pub fn start(
         MetadataClient::new(&cfg.metadata_url, cfg.token.clone(), cfg.metadata_timeout)
             .map_err(AgentError::Config)?,
     );
-    let own: Vec<&std::path::Path> = [Some(cfg.state_dir.as_path()), cfg.socket.parent()]
-        .into_iter()
-        .flatten()
-        .filter(|p| !p.as_os_str().is_empty())
-        .collect();
-    let exportable = crate::exportable::Exportable::new(&cfg.export_roots, &own);
+    // Its state, never served (the socket's directory may be the pod's
+    // home, where the workload's data is: the socket itself is no file).
+    let exportable = crate::exportable::Exportable::new(&cfg.export_roots, &[&cfg.state_dir]);
     let metrics = Arc::new(Metrics::new());
     let reads = Reads::new(
         exports.clone(),
