@@ -40,8 +40,9 @@ const TIME_KEYS: &[&str] = &[
     "call_seconds",
     "duration_ms",
 ];
-/// Object keys whose values are opaque ids minted per run.
-const ID_KEYS: &[&str] = &["version", "session"];
+/// Object keys whose values are opaque ids minted per run (and digests,
+/// which depend on the data generated's modes and times).
+const ID_KEYS: &[&str] = &["version", "session", "digest"];
 
 impl Redactor {
     /// `literals` are replaced first (longest first), e.g. the work dir → `[tmp]`.
