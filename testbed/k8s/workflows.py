@@ -15,6 +15,9 @@ import yaml
 
 USES = re.compile(r"^\s*(?:-\s+)?uses:\s*(\S+)(.*)$")
 PINNED = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
+# The values of a boolean flag that mean true to the runner (clap's
+# BoolishValueParser, case-insensitive).
+KEEP = {"1", "true", "t", "yes", "y", "on"}
 
 
 def check(path):
@@ -45,7 +48,11 @@ def check(path):
                               "download into a shell")
     env = doc.get("env") or {}
     if re.search(r"TARGET=(kind|k3d)", text):
-        if env.get("KT_KEEP_CLUSTER") != "1":
+        # The runner reads KT_KEEP_CLUSTER as a boolean (1/true/yes/on keep);
+        # testbed/ci/rehearse.py checks that the runner built here accepts
+        # the value the workflow sets.
+        keep = str(env.get("KT_KEEP_CLUSTER")).lower()  # YAML's true/1 unquoted too
+        if keep not in KEEP:
             errors.append(f"{path}: a cluster workflow must keep its cluster (KT_KEEP_CLUSTER: "
                           "\"1\") so the failure dump sees it, and delete it in a last step")
         if "cluster delete" not in text and "delete cluster" not in text:

@@ -78,7 +78,8 @@ pub trait Flavor: Send + Sync + fmt::Debug {
 pub mod env {
     /// An existing cluster to use (and keep), or the name to create.
     pub const CLUSTER: &str = "KT_CLUSTER";
-    /// `1`: keep a cluster this run created.
+    /// Keep a cluster this run created (`--keep-cluster`'s variable:
+    /// 1/0/true/false/yes/no/on/off).
     pub const KEEP_CLUSTER: &str = "KT_KEEP_CLUSTER";
     /// The images' tag (default: the git revision, as `make images` tags).
     pub const IMAGE_TAG: &str = "KT_IMAGE_TAG";
@@ -142,8 +143,9 @@ impl ClusterConfig {
         let set = |k: &str| var(k).filter(|v| !v.is_empty());
         ClusterConfig {
             cluster: set(env::CLUSTER).unwrap_or_else(|| DEFAULT_CLUSTER.to_owned()),
-            keep_cluster: keep_cluster
-                || set(env::KEEP_CLUSTER).is_some_and(|v| v != "0" && v != "false"),
+            // `--keep-cluster` reads KT_KEEP_CLUSTER (clap, boolish): one
+            // reading of it, so `off` and `no` mean what they say.
+            keep_cluster,
             image_tag: set(env::IMAGE_TAG),
             repo: repo.to_owned(),
             kustomize: repo.join(set(env::KUSTOMIZE_DIR).unwrap_or_else(|| "kustomize".into())),
