@@ -11,7 +11,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker kind k3d
 
-.PHONY: all build release python python-test bench-python chaos images images-gpu manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl bench-recovery fuzz clean
+.PHONY: all build release python python-test bench-python chaos images images-gpu manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl bench-recovery probe-bounded fuzz clean
 
 all: build
 
@@ -119,6 +119,12 @@ images: release
 ## (libnccl.so.2 from the nvidia-nccl-cu12 wheel on PyPI; KT_NCCL_WHEEL pins it).
 images-gpu: release
 	KT_IMAGE_GPU=1 testbed/images/build.sh $(TARGET_DIR)/release
+
+## probe-bounded: the servers' bounds measured on loopback (release
+## binaries): /healthz latency under 600 unfinished put bodies, and the
+## store's RSS under 4 concurrent large put plans (PROBE_ARGS=--slow N --size MiB).
+probe-bounded: release
+	python3 testbed/probes/bounded.py $(TARGET_DIR)/release $(PROBE_ARGS)
 
 ## bench: criterion benches of the sync engine (scan, hash, diff, chunk roots).
 bench:
