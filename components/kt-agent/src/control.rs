@@ -754,7 +754,10 @@ mod tests {
         let (_l, _f) = bind(&dir.join("agent.sock"), Some(gid)).unwrap();
         assert_eq!(mode(&dir), 0o750);
         assert_eq!(mode(&dir.join("agent.sock")), 0o660);
-        assert_eq!(std::fs::metadata(dir.join("agent.sock")).unwrap().gid(), gid);
+        assert_eq!(
+            std::fs::metadata(dir.join("agent.sock")).unwrap().gid(),
+            gid
+        );
         // Without one: the agent's user alone.
         let (_l, _f) = bind(&tmp.path().join("own/agent.sock"), None).unwrap();
         assert_eq!(mode(&tmp.path().join("own")), 0o700);

@@ -40,9 +40,12 @@ const TIME_KEYS: &[&str] = &[
     "call_seconds",
     "duration_ms",
 ];
-/// Object keys whose values are opaque ids minted per run (and digests,
-/// which depend on the data generated's modes and times).
-const ID_KEYS: &[&str] = &["version", "session", "digest"];
+/// Object keys whose values are opaque ids minted per run.
+const ID_KEYS: &[&str] = &["version", "session"];
+/// Beside a `version` (a key's record), an id too: the manifest's digest,
+/// which depends on the generated files' modes and times. (A recorded
+/// transfer's `digest`, of the data itself, stays as it is.)
+const RECORD_ID_KEYS: &[&str] = &["digest"];
 
 impl Redactor {
     /// `literals` are replaced first (longest first), e.g. the work dir → `[tmp]`.
@@ -92,10 +95,11 @@ impl Redactor {
             Value::Object(o) => Value::Object(
                 o.iter()
                     .map(|(k, x)| {
+                        let id_key = ID_KEYS.contains(&k.as_str())
+                            || (RECORD_ID_KEYS.contains(&k.as_str()) && o.contains_key("version"));
                         let red = if TIME_KEYS.contains(&k.as_str()) && !x.is_null() {
                             Value::String("[time]".into())
-                        } else if let (true, Some(id)) = (ID_KEYS.contains(&k.as_str()), x.as_str())
-                        {
+                        } else if let (true, Some(id)) = (id_key, x.as_str()) {
                             Value::String(self.id(id))
                         } else {
                             self.value(x)
@@ -325,8 +329,10 @@ mod tests {
             "created_at_ms": 1700000000000u64,
             "expires_at_ms": null,
             "version": "v-8f3a",
+            "digest": "c0ffee",
             "files": 12,
             "msg": "timed out after 10s at 10.1.2.3",
+            "recorded": { "digest": "d47a", "bytes": 4 },
         });
         let out = r.value(&v);
         assert_eq!(
@@ -337,9 +343,12 @@ mod tests {
                 "path": "[work]/pods/a/out",
                 "created_at_ms": "[time]",
                 "expires_at_ms": null,
-                "version": "[id1]",
+                "version": "[id2]",
+                "digest": "[id1]",
                 "files": 12,
                 "msg": "timed out after [duration] at [addr]",
+                // A transfer's digest of its data is no record's: kept.
+                "recorded": { "digest": "d47a", "bytes": 4 },
             })
         );
     }

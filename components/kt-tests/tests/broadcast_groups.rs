@@ -232,53 +232,34 @@ fn relay_key(i: u32) -> String {
 /// `msg` with its parent's key checked and taken off (the comparisons
 /// below are of the tree): the origin (an agent) comes with a capability,
 /// a relay with the relay's key; no parent comes without one.
-fn unsealed(msg: GroupMessage) -> GroupMessage {
-    let strip = |p: Parent| {
+fn unsealed(mut msg: GroupMessage) -> GroupMessage {
+    let strip = |p: &mut Parent| {
+        if p.url.is_empty() {
+            return; // a parent that has not rejoined yet: nothing to show it
+        }
         let key = p
             .key
-            .clone()
+            .take()
             .expect("every parent comes with what to show it");
         if p.rank == 0 {
             assert!(key.starts_with("kt-cap."), "{key}");
         } else {
             assert_eq!(key, relay_key(p.rank), "the relay's own key");
         }
-        Parent { key: None, ..p }
     };
-    match msg {
-        GroupMessage::Parent { parent } => GroupMessage::Parent {
-            parent: strip(parent),
-        },
-        GroupMessage::Assigned {
-            group,
-            rank,
-            version,
-            fanout,
-            parent,
-            digest,
-            secret,
-        } => {
+    match &mut msg {
+        GroupMessage::Parent { parent } => strip(parent),
+        GroupMessage::Assigned { parent, digest, .. } => {
             assert_eq!(
-                digest,
+                *digest,
                 Some(kt_types::Hash([9; 32])),
                 "the registered digest"
             );
-            GroupMessage::Assigned {
-                group,
-                rank,
-                version,
-                fanout,
-                parent: if parent.url.is_empty() {
-                    parent
-                } else {
-                    strip(parent)
-                },
-                digest,
-                secret,
-            }
+            strip(parent);
         }
-        other => other,
+        GroupMessage::Release | GroupMessage::Error { .. } => {}
     }
+    msg
 }
 
 fn origin() -> Parent {

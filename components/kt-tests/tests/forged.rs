@@ -106,6 +106,32 @@ fn client(s: &Servers, dir: &std::path::Path, token: &str) -> kt_client::Client 
     kt_client::Client::new(cfg).unwrap()
 }
 
+/// `src` put under `k` by `c`, into the store.
+async fn put(c: &kt_client::Client, k: &str, src: &std::path::Path) -> kt_client::PutSummary {
+    c.put(
+        &key(k),
+        src,
+        Default::default(),
+        kt_client::Progress::none(),
+    )
+    .await
+    .unwrap()
+}
+
+/// The store's URL, as it registered.
+async fn store_url(s: &Servers) -> String {
+    reqwest::Client::new()
+        .get(format!("{}/api/v1/store", s.meta))
+        .bearer_auth(ADMIN)
+        .send()
+        .await
+        .unwrap()
+        .json::<kt_types::api::StoreLocation>()
+        .await
+        .unwrap()
+        .url
+}
+
 fn key(k: &str) -> Key {
     Key::parse(k).unwrap()
 }
@@ -264,15 +290,7 @@ async fn put_model(s: &Servers, dir: &std::path::Path) -> (String, std::path::Pa
     std::fs::create_dir_all(&src).unwrap();
     std::fs::write(src.join("weights.bin"), vec![7u8; 300 << 10]).unwrap();
     std::fs::write(src.join("config.json"), b"{\"layers\": 2}").unwrap();
-    let put = client(s, dir, ALPHA)
-        .put(
-            &key("alpha/model"),
-            &src,
-            Default::default(),
-            kt_client::Progress::none(),
-        )
-        .await
-        .unwrap();
+    let put = put(&client(s, dir, ALPHA), "alpha/model", &src).await;
     let record = put.record.expect("the store registered the put");
     assert!(
         record.digest.is_some(),
@@ -285,16 +303,7 @@ async fn forged_peer_is_caught(forgery: Forgery) {
     let dir = tempfile::tempdir().unwrap();
     let s = start(dir.path()).await;
     let (version, src) = put_model(&s, dir.path()).await;
-    let store = reqwest::Client::new()
-        .get(format!("{}/api/v1/store", s.meta))
-        .bearer_auth(ADMIN)
-        .send()
-        .await
-        .unwrap()
-        .json::<kt_types::api::StoreLocation>()
-        .await
-        .unwrap()
-        .url;
+    let store = store_url(&s).await;
     let genuine = reqwest::Client::new()
         .get(format!("{store}/api/v1/trees/alpha/model"))
         .bearer_auth(ADMIN)
@@ -457,15 +466,7 @@ async fn setuid_and_setgid_bits_never_travel() {
     std::fs::write(&src, b"#!/bin/sh\necho hi\n").unwrap();
     std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o6755)).unwrap();
     let alpha = client(&s, dir.path(), ALPHA);
-    alpha
-        .put(
-            &key("alpha/tool"),
-            &src,
-            Default::default(),
-            kt_client::Progress::none(),
-        )
-        .await
-        .unwrap();
+    put(&alpha, "alpha/tool", &src).await;
     let dest = dir.path().join("got-tool");
     alpha
         .get(&key("alpha/tool"), &dest, kt_client::Progress::none())
@@ -479,15 +480,7 @@ async fn setuid_and_setgid_bits_never_travel() {
 async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
     let dir = tempfile::tempdir().unwrap();
     let s = start(dir.path()).await;
-    let store: kt_types::api::StoreLocation = reqwest::Client::new()
-        .get(format!("{}/api/v1/store", s.meta))
-        .bearer_auth(ADMIN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let store = store_url(&s).await;
     let http = reqwest::Client::new();
     // beta plans alpha/race (absent, so its own service may have it) and
     // uploads its file, but does not commit yet.
@@ -511,7 +504,7 @@ async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
         &encoded,
     );
     let plan: kt_types::api::PutPlan = http
-        .post(format!("{}/api/v1/puts", store.url))
+        .post(format!("{}/api/v1/puts", store))
         .bearer_auth(BETA)
         .body(doc)
         .send()
@@ -535,7 +528,7 @@ async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
             .await
             .unwrap();
     let sent = http
-        .put(format!("{}/api/v1/puts/{session}/batch", store.url))
+        .put(format!("{}/api/v1/puts/{session}/batch", store))
         .bearer_auth(BETA)
         .body(frames.concat())
         .send()
@@ -547,19 +540,11 @@ async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
     let src = dir.path().join("alpha.txt");
     std::fs::write(&src, b"alpha's bytes").unwrap();
     let alpha = client(&s, dir.path(), ALPHA);
-    alpha
-        .put(
-            &key("alpha/race"),
-            &src,
-            Default::default(),
-            kt_client::Progress::none(),
-        )
-        .await
-        .unwrap();
+    put(&alpha, "alpha/race", &src).await;
 
     // beta's commit comes too late: refused, and alpha's key is as alpha put it.
     let commit = http
-        .post(format!("{}/api/v1/puts/{session}/commit", store.url))
+        .post(format!("{}/api/v1/puts/{session}/commit", store))
         .bearer_auth(BETA)
         .send()
         .await

@@ -459,8 +459,8 @@ async fn serve_member(
 /// `msg` as `m` gets it: its parent's capability (for a parent that is an
 /// agent: a relay's key is already set, the store takes the member's
 /// token) and, in `Assigned`, the digest its manifests must have.
-fn seal(s: &Inner, m: &Membership, msg: GroupMessage) -> GroupMessage {
-    let sealed = |mut p: Parent| {
+fn seal(s: &Inner, m: &Membership, mut msg: GroupMessage) -> GroupMessage {
+    let seal_parent = |p: &mut Parent| {
         if p.key.is_none() && p.id != kt_types::STORE_HOLDER && !p.url.is_empty() {
             // The origin is named by its agent id; a finished member is
             // served by its own agent, the one it joined with.
@@ -477,31 +477,16 @@ fn seal(s: &Inner, m: &Membership, msg: GroupMessage) -> GroupMessage {
                 p.key = s.capability_for(&m.key, &source, Some(&m.getter), now_ms());
             }
         }
-        p
     };
-    match msg {
-        GroupMessage::Assigned {
-            group,
-            rank,
-            version,
-            fanout,
-            parent,
-            digest: _,
-            secret,
-        } => GroupMessage::Assigned {
-            group,
-            rank,
-            version,
-            fanout,
-            parent: sealed(parent),
-            digest: m.digest,
-            secret,
-        },
-        GroupMessage::Parent { parent } => GroupMessage::Parent {
-            parent: sealed(parent),
-        },
-        other => other,
+    match &mut msg {
+        GroupMessage::Assigned { parent, digest, .. } => {
+            seal_parent(parent);
+            *digest = m.digest;
+        }
+        GroupMessage::Parent { parent } => seal_parent(parent),
+        GroupMessage::Release | GroupMessage::Error { .. } => {}
     }
+    msg
 }
 
 /// A report of the member: `Done` or `ParentFailed`.
