@@ -154,23 +154,48 @@ impl BodyBudget {
     }
 }
 
+/// The body of `req`, `len` bytes (its admitted `Content-Length`), read
+/// into one buffer of that size: the bytes are held once, not as frames
+/// and again as their concatenation.
+async fn read_exactly(req: Request, len: usize) -> Result<axum::body::Bytes, ApiError> {
+    use futures::StreamExt;
+    let mut buf = bytes::BytesMut::with_capacity(len);
+    let mut frames = req.into_body().into_data_stream();
+    while let Some(frame) = frames.next().await {
+        let frame = frame.map_err(|e| ApiError::new(ErrorCode::Truncated, e.to_string()))?;
+        if buf.len() + frame.len() > len {
+            return Err(ApiError::new(
+                ErrorCode::PayloadTooLarge,
+                format!("the body is longer than its Content-Length ({len})"),
+            ));
+        }
+        buf.extend_from_slice(&frame);
+    }
+    if buf.len() < len {
+        return Err(ApiError::new(
+            ErrorCode::Truncated,
+            format!("the body ended after {} of {len} bytes", buf.len()),
+        ));
+    }
+    Ok(buf.freeze())
+}
+
 impl<S: Send + Sync> FromRequest<S> for ApiBytes {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let permit = match req.extensions().get::<BodyBudget>() {
-            Some(budget) => {
-                let len = req
-                    .headers()
-                    .get(axum::http::header::CONTENT_LENGTH)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse::<u64>().ok());
-                Some(budget.clone().admit(len).await?)
-            }
-            None => None,
-        };
+        if let Some(budget) = req.extensions().get::<BodyBudget>().cloned() {
+            let len = req
+                .headers()
+                .get(axum::http::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<u64>().ok());
+            let permit = budget.admit(len).await?;
+            let len = len.unwrap_or_default() as usize;
+            return Ok(ApiBytes(read_exactly(req, len).await?, Some(permit)));
+        }
         match axum::body::Bytes::from_request(req, state).await {
-            Ok(b) => Ok(ApiBytes(b, permit)),
+            Ok(b) => Ok(ApiBytes(b, None)),
             Err(r) if r.status() == StatusCode::PAYLOAD_TOO_LARGE => {
                 Err(ApiError::new(ErrorCode::PayloadTooLarge, r.body_text()))
             }
