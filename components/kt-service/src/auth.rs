@@ -246,10 +246,14 @@ impl Auth {
             let now = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64);
-            return Ok(match v.verify(presented, now) {
-                Ok(cap) => (Verdict::Known(cap.principal()), Duration::ZERO),
-                Err(why) => (Verdict::Refused(why), NEGATIVE_TTL),
-            });
+            return match v.verify(presented, now) {
+                Ok(cap) => Ok((Verdict::Known(cap.principal()), Duration::ZERO)),
+                // Not the caller's fault, and soon mended: 503, retried.
+                Err(e @ crate::capability::Refused::UnknownKey(_)) => {
+                    Err(ApiError::new(ErrorCode::Unavailable, e.to_string()))
+                }
+                Err(e) => Ok((Verdict::Refused(e.to_string()), NEGATIVE_TTL)),
+            };
         }
         if let Some(p) = self.granted(presented) {
             return Ok((Verdict::Known(p), STATIC_TTL));

@@ -261,6 +261,39 @@ fn save(path: &Path, keys: &[Key]) -> Result<(), CapabilityError> {
     std::fs::rename(&tmp, path).map_err(io)
 }
 
+/// Why a capability is not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// Signed by a key this source has not been given yet (it has just
+    /// started, or the metadata server made a new key since its last
+    /// heartbeat): worth trying again in a moment.
+    #[error(
+        "capability signed by key {0}, which this agent has not been given yet (it learns the keys with its heartbeats)"
+    )]
+    UnknownKey(String),
+    /// Malformed, forged, for another source, or expired: final.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// [`Verifier::check`]'s failures; `?` turns the texts into `Invalid`.
+enum Check {
+    UnknownKey(String),
+    Invalid(String),
+}
+
+impl From<String> for Check {
+    fn from(why: String) -> Check {
+        Check::Invalid(why)
+    }
+}
+
+impl From<&str> for Check {
+    fn from(why: &str) -> Check {
+        Check::Invalid(why.to_owned())
+    }
+}
+
 /// A source's check of the capabilities it is shown: signed by a key the
 /// metadata server published, made for this source, not expired.
 #[derive(Debug)]
@@ -291,17 +324,15 @@ impl Verifier {
         *self.keys.write().unwrap_or_else(|p| p.into_inner()) = keys;
     }
 
-    /// Whether any key is trusted yet.
-    pub fn has_keys(&self) -> bool {
-        !self
-            .keys
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty()
+    /// The capability `presented` is, checked; why not, otherwise.
+    pub fn verify(&self, presented: &str, now_ms: u64) -> Result<Capability, Refused> {
+        self.check(presented, now_ms).map_err(|e| match e {
+            Check::UnknownKey(kid) => Refused::UnknownKey(kid),
+            Check::Invalid(why) => Refused::Invalid(why),
+        })
     }
 
-    /// The capability `presented` is, checked; why not, otherwise.
-    pub fn verify(&self, presented: &str, now_ms: u64) -> Result<Capability, String> {
+    fn check(&self, presented: &str, now_ms: u64) -> Result<Capability, Check> {
         if presented.len() > MAX_LEN {
             return Err("capability too long".into());
         }
@@ -320,12 +351,7 @@ impl Verifier {
             keys.iter()
                 .find(|(kid, _)| *kid == cap.kid)
                 .map(|(_, k)| k.clone())
-                .ok_or_else(|| {
-                    format!(
-                        "capability signed by key {} which the metadata server has not published to this agent",
-                        cap.kid
-                    )
-                })?
+                .ok_or_else(|| Check::UnknownKey(cap.kid.clone()))?
         };
         UnparsedPublicKey::new(&ED25519, &public)
             .verify(payload.as_bytes(), &sig)
@@ -334,10 +360,11 @@ impl Verifier {
             return Err(format!(
                 "capability is for source {:?}, not {:?}",
                 cap.source, self.source
-            ));
+            )
+            .into());
         }
         if now_ms > cap.expires_ms + CLOCK_SKEW.as_millis() as u64 {
-            return Err("capability expired".into());
+            return Err(Check::Invalid("capability expired".into()));
         }
         Ok(cap)
     }
@@ -359,7 +386,12 @@ mod tests {
         let signer = Signer::ephemeral(1_000).unwrap();
         let cap = signer.mint(scope("alpha/model"), "pod-a", "pod-g", 1_000);
         let v = Verifier::new("pod-a");
-        assert!(v.verify(&cap, 1_000).unwrap_err().contains("not published"));
+        assert!(
+            v.verify(&cap, 1_000)
+                .unwrap_err()
+                .to_string()
+                .contains("not been given")
+        );
         v.set_keys(&signer.public_keys());
         let got = v.verify(&cap, 2_000).unwrap();
         assert_eq!(got.scope, scope("alpha/model"));
@@ -367,9 +399,46 @@ mod tests {
         // Another source, or past its life (and the skew allowed).
         let e = Verifier::new("pod-b");
         e.set_keys(&signer.public_keys());
-        assert!(e.verify(&cap, 2_000).unwrap_err().contains("source"));
+        assert!(
+            e.verify(&cap, 2_000)
+                .unwrap_err()
+                .to_string()
+                .contains("source")
+        );
         let late = 1_000 + (LIFETIME + CLOCK_SKEW).as_millis() as u64 + 1;
-        assert!(v.verify(&cap, late).unwrap_err().contains("expired"));
+        assert!(
+            v.verify(&cap, late)
+                .unwrap_err()
+                .to_string()
+                .contains("expired")
+        );
+    }
+
+    #[tokio::test]
+    async fn an_agent_not_given_the_key_yet_answers_try_again_not_refused() {
+        let signer = Signer::ephemeral(0).unwrap();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        let cap = signer.mint(scope("alpha/model"), "pod-a", "g", now);
+        let v = std::sync::Arc::new(Verifier::new("pod-a"));
+        assert!(matches!(v.verify(&cap, now), Err(Refused::UnknownKey(_))));
+        let auth = crate::Auth::none().with_capabilities(v.clone());
+        let e = auth.resolve(&cap).await.unwrap_err();
+        assert_eq!(e.code, kt_types::ErrorCode::Unavailable, "{e}");
+        v.set_keys(&signer.public_keys());
+        let who = match auth.resolve(&cap).await.unwrap() {
+            crate::auth::Verdict::Known(p) => p,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(who.scope, Some(scope("alpha/model")));
+        // Another agent's capability is refused, not "try again".
+        let other = signer.mint(scope("alpha/model"), "pod-b", "g", now);
+        assert!(matches!(
+            auth.resolve(&other).await,
+            Ok(crate::auth::Verdict::Refused(_))
+        ));
     }
 
     #[test]
@@ -395,12 +464,18 @@ mod tests {
         assert!(
             v.verify(&forged, 0)
                 .unwrap_err()
+                .to_string()
                 .contains("does not verify")
         );
         // Signed by a key the metadata server never published.
         let other = Signer::ephemeral(0).unwrap();
         let foreign = other.mint(scope("alpha/model"), "pod-a", "g", 0);
-        assert!(v.verify(&foreign, 0).unwrap_err().contains("not published"));
+        assert!(
+            v.verify(&foreign, 0)
+                .unwrap_err()
+                .to_string()
+                .contains("not been given")
+        );
         for junk in [
             "",
             "kt-cap.",
