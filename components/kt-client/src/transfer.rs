@@ -836,21 +836,6 @@ impl Client {
                 .timeout(self.cfg.stall)
                 .ok()
         };
-        if let Some(want) = digest {
-            let got = kt_sync::manifest_digest(&read.manifest);
-            if got != *want {
-                let _ = release().await;
-                let code = kt_types::ErrorCode::HashMismatch;
-                return Err(ClientError::Api {
-                    status: code.http_status(),
-                    code,
-                    message: format!(
-                        "{} serves a manifest of {key} that is not the published one (digest {got}, published {want}): nothing of it was used",
-                        src.base()
-                    ),
-                });
-            }
-        }
         let same = match dl {
             Some(d) => d.read.version == read.version && d.manifest() == &read.manifest,
             None => read.version == version,
@@ -866,6 +851,23 @@ impl Client {
                     read.version
                 ),
             });
+        }
+        // The version asked for: its manifest must be the published one
+        // (a source that moved on to another version answered above).
+        if let Some(want) = digest {
+            let got = kt_sync::manifest_digest(&read.manifest);
+            if got != *want {
+                let _ = release().await;
+                let code = kt_types::ErrorCode::HashMismatch;
+                return Err(ClientError::Api {
+                    status: code.http_status(),
+                    code,
+                    message: format!(
+                        "{} serves a manifest of {key} that is not the published one (digest {got}, published {want}): nothing of it was used",
+                        src.base()
+                    ),
+                });
+            }
         }
         if dl.is_none() {
             let planned = Download::plan(self, read, dest, board.cloned()).await;
