@@ -276,21 +276,16 @@ pub enum Refused {
     Invalid(String),
 }
 
-/// [`Verifier::check`]'s failures; `?` turns the texts into `Invalid`.
-enum Check {
-    UnknownKey(String),
-    Invalid(String),
-}
-
-impl From<String> for Check {
-    fn from(why: String) -> Check {
-        Check::Invalid(why)
+// Texts of failures `?` turns into `Invalid`.
+impl From<String> for Refused {
+    fn from(why: String) -> Refused {
+        Refused::Invalid(why)
     }
 }
 
-impl From<&str> for Check {
-    fn from(why: &str) -> Check {
-        Check::Invalid(why.to_owned())
+impl From<&str> for Refused {
+    fn from(why: &str) -> Refused {
+        Refused::Invalid(why.to_owned())
     }
 }
 
@@ -326,13 +321,6 @@ impl Verifier {
 
     /// The capability `presented` is, checked; why not, otherwise.
     pub fn verify(&self, presented: &str, now_ms: u64) -> Result<Capability, Refused> {
-        self.check(presented, now_ms).map_err(|e| match e {
-            Check::UnknownKey(kid) => Refused::UnknownKey(kid),
-            Check::Invalid(why) => Refused::Invalid(why),
-        })
-    }
-
-    fn check(&self, presented: &str, now_ms: u64) -> Result<Capability, Check> {
         if presented.len() > MAX_LEN {
             return Err("capability too long".into());
         }
@@ -351,7 +339,7 @@ impl Verifier {
             keys.iter()
                 .find(|(kid, _)| *kid == cap.kid)
                 .map(|(_, k)| k.clone())
-                .ok_or_else(|| Check::UnknownKey(cap.kid.clone()))?
+                .ok_or_else(|| Refused::UnknownKey(cap.kid.clone()))?
         };
         UnparsedPublicKey::new(&ED25519, &public)
             .verify(payload.as_bytes(), &sig)
@@ -364,7 +352,7 @@ impl Verifier {
             .into());
         }
         if now_ms > cap.expires_ms + CLOCK_SKEW.as_millis() as u64 {
-            return Err(Check::Invalid("capability expired".into()));
+            return Err("capability expired".into());
         }
         Ok(cap)
     }
