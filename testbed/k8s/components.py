@@ -1,6 +1,7 @@
 """Generates the kustomization.yaml of the components that inject into
-users' workloads: agent-sidecar, agent-identity, agent-tls and gpu (`make manifests`
-runs it; `make manifests-check` fails when the committed files differ).
+users' workloads: agent-sidecar, agent-identity, agent-tls, gpu and
+gpu-dra (`make manifests` runs it; `make manifests-check` fails when the
+committed files differ).
 
 Why generated: kustomize can only select a workload by kind, and a
 replacement or patch that names no kind also hits a labelled Service or
@@ -9,8 +10,8 @@ apply). So every injected field is copied once per workload kind, each with
 its own path to the pod spec (a CronJob's is under jobTemplate): about a
 hundred near-identical entries that nobody should write or review by hand.
 What is injected lives in the components' template files (sidecar.yaml,
-identity.yaml, tls.yaml, gpu.yaml); this script only says where each piece
-goes.
+identity.yaml, tls.yaml, gpu.yaml, gpu-dra.yaml); this script only says
+where each piece goes.
 
 usage: python3 testbed/k8s/components.py [--check]   (stdlib only)
 """
@@ -33,24 +34,50 @@ KINDS = [
 SELECTOR = "kt.dev/agent=sidecar"
 
 
-def replacement(template, source, target, comment):
+def replacement(template, source, target, comment, create=True, of="spec"):
     """A replacement copying `source` (a field path of the template) into
-    `target` (a path below the pod spec) of every labelled workload kind,
-    creating what is missing."""
-    out = [f"  # {comment}", "  - source:", "      kind: Deployment",
-           f"      name: {template}", f"      fieldPath: {source}", "    targets:"]
+    `target` (a path below the pod spec, or with of="metadata" below the
+    pod template's metadata) of every labelled workload kind, creating what
+    is missing (create=False: a target without the field fails the
+    build)."""
+    out = [("  # " + line).rstrip() for line in comment.strip("\n").splitlines()]
+    out += ["  - source:", "      kind: Deployment",
+            f"      name: {template}", f"      fieldPath: {source}", "    targets:"]
     for group, kind, pod in KINDS:
+        base = pod if of == "spec" else pod[:-len(".spec")] + "." + of
         out += [
             "      - select:",
             f"          group: {group}",
             f"          kind: {kind}",
             f"          labelSelector: {SELECTOR}",
             "        fieldPaths:",
-            f"          - {pod}.{target}",
-            "        options:",
-            "          create: true",
+            f"          - {base}.{target}",
         ]
+        if create:
+            out += ["        options:", "          create: true"]
     return out
+
+
+AGENT_RESTART = "initContainers.[name=kt-agent].restartPolicy"
+
+
+def require_agent(template, component):
+    """The first replacement of a component that edits agent-sidecar's
+    agent: it copies the template's restartPolicy (Always) onto the agent
+    WITHOUT creating it, so a labelled workload that has no agent yet (the
+    component listed before agent-sidecar in one kustomization) fails the
+    build. Otherwise the component's own replacements would create a
+    placeholder `kt-agent` that agent-sidecar then replaces whole, silently
+    undoing them (the static token instead of the pod's identity, no GPU
+    image, http:// URLs)."""
+    return replacement(
+        template, f"spec.template.spec.{AGENT_RESTART}", AGENT_RESTART,
+        f"""First: the agent must be there already (agent-sidecar listed before
+{component}). Not created: listed before agent-sidecar, {component}
+fails the build with `unable to find field
+"...initContainers.[name=kt-agent].restartPolicy" in replacement target`
+instead of editing a placeholder that agent-sidecar would replace.""",
+        create=False)
 
 
 def json_patches(path_in_pod, value):
@@ -171,16 +198,22 @@ def agent_sidecar():
 GPU_DOC = f"""
 GPU pods for workloads with the kt agent (labelled `kt.dev/agent:
 sidecar`; the same kinds as agent-sidecar: {KINDS_TEXT}):
-runtimeClassName nvidia, a toleration of the nvidia.com/gpu taint, and GPU
-access and NCCL for the agent sidecar (its image becomes kt-agent-gpu; see
-gpu.yaml). List it AFTER agent-sidecar.
+a toleration of the nvidia.com/gpu taint and, for the agent sidecar, the
+image with NCCL (kt-agent-gpu; see gpu.yaml). List it AFTER agent-sidecar
+(and agent-identity): listed before it, the build fails.
 The workload's own container still requests its GPUs (resources.limits
-nvidia.com/gpu), which is what puts the pod on a GPU node: no node selector
-is added (GPU feature discovery's labels are not assumed).
-Assumes: the NVIDIA driver and container toolkit on the GPU nodes, a
-RuntimeClass `nvidia` (the GPU operator or k3s create it) and the NVIDIA
-device plugin. Like agent-sidecar it emits no resource, so it may be listed
-at several levels of one build.
+nvidia.com/gpu, or a DRA claim), which is what puts the pod on a GPU node:
+no node selector is added (GPU feature discovery's labels are not assumed).
+The agent gets GPUs only as Kubernetes allocates them, never by
+NVIDIA_VISIBLE_DEVICES (which would bypass the allocation and show it every
+GPU of the node): with the device plugin alone it sees none (a GPU is
+allocated to one container), so CUDA tensors are not moved by kt there;
+with DRA, the component gpu-dra gives it the workload's claim.
+No runtimeClassName: where the NVIDIA runtime is not the node's default
+(k3s, a GPU Operator install told not to make it the default) add
+`runtimeClassName: nvidia` with a patch of your own; GKE has no such
+RuntimeClass and needs none. Like agent-sidecar it emits no resource, so
+it may be listed at several levels of one build.
 """
 
 GPU_TEMPLATE = "kt-gpu-template"
@@ -189,15 +222,14 @@ GPU_TEMPLATE = "kt-gpu-template"
 def gpu():
     t = GPU_TEMPLATE
     lines = component_head("gpu.yaml", GPU_DOC)
-    lines += replacement(t, "spec.template.spec.runtimeClassName", "runtimeClassName",
-                         "The nvidia runtime for the pod.")
+    lines += require_agent(t, "gpu")
     lines += replacement(t, "spec.template.spec.tolerations.[key=nvidia.com/gpu]",
                          "tolerations.[key=nvidia.com/gpu]",
                          "GPU nodes' taint.")
     lines += replacement(t, "spec.template.spec.initContainers.[name=kt-agent].image",
                          "initContainers.[name=kt-agent].image",
                          "The agent sidecar: the image with NCCL.")
-    for e in ["NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES"]:
+    for e in ["NVIDIA_DRIVER_CAPABILITIES"]:
         lines += replacement(
             t, f"spec.template.spec.initContainers.[name=kt-agent].env.[name={e}]",
             f"initContainers.[name=kt-agent].env.[name={e}]",
@@ -206,9 +238,47 @@ def gpu():
     return "\n".join(lines) + "\n"
 
 
+GPU_DRA_DOC = f"""
+GPUs shared by the workload and its agent through Dynamic Resource
+Allocation (resource.k8s.io; Kubernetes >= 1.34 and a DRA driver for the
+GPUs, e.g. NVIDIA's): the pods of every {KINDS_TEXT}
+labelled `kt.dev/agent: sidecar` get the claim `gpu`, made from YOUR
+ResourceClaimTemplate `kt-gpu` (see gpu-dra.yaml), and both the agent
+sidecar and the workload's first container use it, so the agent sees
+exactly the workload's GPUs and opens its CUDA memory (IPC). The device
+plugin cannot do that: it gives a GPU to one container only. Drop the
+workload's nvidia.com/gpu limit: the claim is its GPUs.
+List it AFTER agent-sidecar and gpu (listed before agent-sidecar, the
+build fails), and again wherever agent-sidecar is listed again. Like
+agent-sidecar it emits no resource, so it may be listed at several levels
+of one build.
+"""
+
+GPU_DRA_TEMPLATE = "kt-gpu-dra-template"
+
+
+def gpu_dra():
+    t = GPU_DRA_TEMPLATE
+    lines = component_head("gpu-dra.yaml", GPU_DRA_DOC)
+    lines += require_agent(t, "gpu-dra")
+    lines += replacement(t, "spec.template.spec.resourceClaims.[name=gpu]",
+                         "resourceClaims.[name=gpu]",
+                         "The pod's claim `gpu`, from the ResourceClaimTemplate kt-gpu.")
+    lines += replacement(
+        t, "spec.template.spec.initContainers.[name=kt-agent].resources.claims.[name=gpu]",
+        "initContainers.[name=kt-agent].resources.claims.[name=gpu]",
+        "The agent sidecar: the claim's GPUs.")
+    lines += replacement(
+        t, "spec.template.spec.containers.[name=workload].resources.claims.[name=gpu]",
+        "containers.0.resources.claims.[name=gpu]",
+        "The workload's first container: the same GPUs.")
+    lines += drop_template(t)
+    return "\n".join(lines) + "\n"
+
+
 IDENTITY_DOC = f"""
-For installs with kube-identity (the production overlay): the agents of
-every {KINDS_TEXT}
+For installs with kube-identity (the production and gpu overlays): the
+agents of every {KINDS_TEXT}
 labelled `kt.dev/agent: sidecar` (the kinds agent-sidecar injects into)
 present their pod's ServiceAccount token instead of the static kt-token
 Secret, which such an install does not have: the pod volume `kt-token`
@@ -217,11 +287,14 @@ by the kubelet), and the agent gets KT_KUBE_AUTH=true (it asks the
 metadata server who a caller's token is).
 kt's access map (kube-identity's access.yaml) says what the pod's
 ServiceAccount may do; see identity.yaml.
-List it AFTER agent-sidecar, and again wherever agent-sidecar is listed
-again (a later agent-sidecar puts the Secret volume back). Like
-agent-sidecar it emits no resource, so it may be listed at several levels
-of one build. Leave it out over the overlays that keep the static token
-(kind, k3d, gpu).
+The pod template gets the annotation `kt.dev/identity: serviceaccount`,
+which nothing resets: testbed/k8s/policy.py (rule identity-order) refuses
+a pod so marked whose agent lost KT_KUBE_AUTH or the projected token.
+List it AFTER agent-sidecar (listed before it, the build fails), and again
+wherever agent-sidecar is listed again (a later agent-sidecar puts the
+Secret volume back). Like agent-sidecar it emits no resource, so it may be
+listed at several levels of one build. Leave it out over the testbeds
+that keep the static token (kind, k3d).
 """
 
 IDENTITY_TEMPLATE = "kt-agent-identity-template"
@@ -230,6 +303,11 @@ IDENTITY_TEMPLATE = "kt-agent-identity-template"
 def agent_identity():
     t = IDENTITY_TEMPLATE
     lines = component_head("identity.yaml", IDENTITY_DOC)
+    lines += require_agent(t, "agent-identity")
+    lines += replacement(t, "spec.template.metadata.annotations.[kt.dev/identity]",
+                         "annotations.[kt.dev/identity]",
+                         "The pod template: which token its kt uses (policy.py checks it).",
+                         of="metadata")
     lines += replacement(t, "spec.template.spec.volumes.[name=kt-token]",
                          "volumes.[name=kt-token]",
                          "Pod volume kt-token: the pod's projected ServiceAccount token.")
@@ -258,9 +336,9 @@ traffic (peer-to-peer gets, broadcast trees; tensor traffic, raw TCP or
 NCCL, has no TLS anyway) stays plaintext on the pod network until kt
 verifies agent certificates by pod name: restrict it meanwhile with a
 NetworkPolicy (the agent-networkpolicy component). See tls.yaml.
-List it AFTER agent-sidecar, and again wherever agent-sidecar is listed
-again (a later agent-sidecar replaces the agent and puts the http:// URLs
-back).
+List it AFTER agent-sidecar (listed before it, the build fails), and
+again wherever agent-sidecar is listed again (a later agent-sidecar
+replaces the agent and puts the http:// URLs back).
 Like agent-sidecar it emits no resource, so it may be listed at several
 levels of one build. Leave it out over installs without the tls component.
 """
@@ -276,6 +354,7 @@ def agent_tls():
     agent = "spec.template.spec.initContainers.[name=kt-agent]"
     workload = "spec.template.spec.containers.[name=workload]"
     lines = component_head("tls.yaml", TLS_DOC)
+    lines += require_agent(t, "agent-tls")
     lines += replacement(t, "spec.template.spec.volumes.[name=kt-tls]",
                          "volumes.[name=kt-tls]",
                          "Pod volume kt-tls: the CA's certificate (ca.crt), from the csi-driver.")
@@ -302,6 +381,7 @@ FILES = {
     COMPONENTS / "agent-identity" / "kustomization.yaml": agent_identity,
     COMPONENTS / "agent-tls" / "kustomization.yaml": agent_tls,
     COMPONENTS / "gpu" / "kustomization.yaml": gpu,
+    COMPONENTS / "gpu-dra" / "kustomization.yaml": gpu_dra,
 }
 
 

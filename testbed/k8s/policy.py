@@ -31,6 +31,37 @@ agents and the broadcast relays in the workloads' `kt` serve plain HTTP
 either way: peers reach them by pod IP, which no certificate of theirs can
 name (the csi-driver cannot put the pod's IP in it), so one that served
 TLS would be refused by every peer.
+
+The static token is admin everywhere: outside the kind and k3d testbeds
+(their overlays, and the scenario plans over them) no workload pod mounts
+the kt-token Secret; only kt's own servers may, in an install that keeps
+it. A pod that agent-identity marked (kt.dev/identity: serviceaccount)
+keeps its agent's KT_KUBE_AUTH and projected token: an agent-sidecar
+listed after it would silently put the static token back.
+
+One install per namespace, several per cluster: a cluster-scoped object
+(ClusterRole, ClusterRoleBinding, ...) is named after its install's
+namespace (`<name>-<namespace>`), so two installs never share one. Every
+object of an install is labelled app.kubernetes.io/part-of=kt and with its
+instance (the metadata server's), so one selector finds the whole of it;
+so is every object of kt's (or named kt-*) in a bundle over an install.
+
+Storage is chosen, not defaulted by accident: every claim of kt's in a
+bundle that installs kt (not the base, which leaves it to the overlays)
+names a storageClassName or carries the annotation
+kt.dev/storage-class: cluster-default (the cluster's default class is
+meant; a cluster without one leaves the claim Pending).
+
+GPUs come from Kubernetes' allocation only: no container sets
+NVIDIA_VISIBLE_DEVICES (the NVIDIA toolkit would hand it GPUs past the
+device plugin, every GPU of the node), and every resources.claims entry
+names a claim of its pod.
+
+testbed/k8s/cases/<name>/ are rendered test cases: those with a file
+`expect-policy` are negative cases, whose every line `Kind/name rule`
+names a violation that must be reported (and is then not an error);
+anything else reported there still is. (Those with `expect-render-error`
+must fail to render: render.sh checks them.)
 """
 
 import argparse
@@ -40,7 +71,13 @@ import sys
 
 import yaml
 
+HERE = pathlib.Path(__file__).resolve().parent
+
 INSTALLS = {"base", "kind", "k3d", "gpu", "production"}
+# The testbeds: installs (and the scenario plans over them, by instance)
+# that keep the static admin token for their workloads.
+TESTBEDS = {"kind", "k3d"}
+TESTBED_INSTANCES = {"kt-" + t for t in TESTBEDS}
 # What a user installs as is: nothing there may cut their traffic or need an
 # operator they may not have.
 DEFAULT_INSTALLS = {"base", "gpu", "production"}
@@ -53,6 +90,26 @@ WORKLOAD_KINDS = {
     "CronJob": ("spec", "jobTemplate", "spec", "template"),
 }
 RECOMMENDED = ["name", "instance", "version", "component", "part-of", "managed-by"]
+PART_OF = "app.kubernetes.io/part-of"
+INSTANCE = "app.kubernetes.io/instance"
+# Kinds that belong to no namespace: one object of a name per cluster.
+CLUSTER_SCOPED = {
+    "Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+    "StorageClass", "VolumeAttributesClass", "PriorityClass", "RuntimeClass",
+    "IngressClass", "PersistentVolume", "CSIDriver", "DeviceClass",
+    "ValidatingWebhookConfiguration", "MutatingWebhookConfiguration",
+    "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+    "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding", "APIService",
+    "ClusterIssuer", "PodSecurityPolicy",
+}
+# The annotation agent-identity puts on a pod template (and agent-sidecar
+# never resets): the pod's kt presents its ServiceAccount's token.
+IDENTITY_ANNOTATION = "kt.dev/identity"
+# The annotation of a claim that means the cluster's default StorageClass.
+STORAGE_MARKER = "kt.dev/storage-class"
+STORAGE_DEFAULT = "cluster-default"
+# NVIDIA_VISIBLE_DEVICES values that give a container no GPU.
+NO_GPUS = {"", "void", "none"}
 # Labels the bundle's transformers set: they change with the overlay or the
 # version, so they must never reach a StatefulSet's volumeClaimTemplates.
 TRANSFORMED = {"app.kubernetes.io/instance", "app.kubernetes.io/version",
@@ -246,7 +303,39 @@ class Checker:
         self.errors = []
 
     def fail(self, where, rule, msg):
-        self.errors.append(f"{where}: {msg} [{rule}]")
+        self.errors.append((where, rule, msg))
+
+    def report(self):
+        return [f"{where}: {msg} [{rule}]" for where, rule, msg in self.errors]
+
+    def expect(self, path, start):
+        """A negative case (testbed/k8s/cases/<name>/expect-policy): each
+        expected violation must be among those reported for the file since
+        `start`, and is then no error; an expectation that did not fire is
+        one."""
+        spec = HERE / "cases" / path.stem / "expect-policy"
+        if path.parent.name != "cases" or not spec.is_file():
+            return
+        want = set()
+        for line in spec.read_text().splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                obj, _, rule = line.rpartition(" ")
+                want.add((obj.strip(), rule))
+        got = self.errors[start:]
+        keep, seen = [], set()
+        for e in got:
+            key = (e[0].split(": ", 1)[1] if ": " in e[0] else "", e[1])
+            if key in want:
+                seen.add(key)
+            else:
+                keep.append(e)
+        for obj, rule in sorted(want - seen):
+            keep.append((f"{path}: {obj}", "negative-case",
+                         f"expected a violation of [{rule}] here "
+                         f"({spec.relative_to(HERE.parent.parent)}), none was reported: the "
+                         "rule no longer guards what this case breaks"))
+        self.errors[start:] = keep
 
     # --- rules over every pod template -----------------------------------
 
@@ -326,6 +415,77 @@ class Checker:
                 self.fail(where, "pod-security",
                           f"container {name} does not meet Pod Security restricted: "
                           + ", ".join(problems))
+
+    def gpus(self, where, spec):
+        """GPUs only as Kubernetes allocates them: no NVIDIA_VISIBLE_DEVICES
+        (under the NVIDIA toolkit, a container that sets it gets those
+        GPUs, `all` of the node's, past the device plugin and whatever other
+        pods were given); a container's DRA claims are its pod's."""
+        for c in containers(spec):
+            env = env_of(c)
+            if "NVIDIA_VISIBLE_DEVICES" in env and (
+                    env["NVIDIA_VISIBLE_DEVICES"] or "").strip().lower() not in NO_GPUS:
+                self.fail(where, "gpu-devices",
+                          f"container {c.get('name')} sets NVIDIA_VISIBLE_DEVICES="
+                          f"{env['NVIDIA_VISIBLE_DEVICES']}: the NVIDIA toolkit hands it those GPUs "
+                          "past the device plugin (with `all`, every GPU of the node, other pods' "
+                          "included); request nvidia.com/gpu, or share a DRA claim (gpu-dra)")
+        claims = {rc.get("name") for rc in spec.get("resourceClaims") or []}
+        for c in containers(spec):
+            for rc in dig(c, "resources", "claims") or []:
+                if rc.get("name") not in claims:
+                    self.fail(where, "resource-claims",
+                              f"container {c.get('name')} uses the claim {rc.get('name')!r}, which "
+                              "is not among the pod's resourceClaims: the API server refuses the pod")
+        # gpu-dra's claim (`gpu`) is the agent's as much as the workload's:
+        # an agent without it was replaced by an agent-sidecar listed later.
+        agent = next((c for c in containers(spec) if c.get("name") == AGENT), None)
+        if agent is not None and "gpu" in claims and "gpu" not in {
+                rc.get("name") for rc in dig(agent, "resources", "claims") or []}:
+            self.fail(where, "resource-claims",
+                      f"the pod has gpu-dra's claim `gpu`, but {AGENT} does not use it, so it sees "
+                      "no GPU: agent-sidecar was listed after gpu-dra (list gpu-dra again after "
+                      "it)")
+
+    def identity_order(self, where, tpl, spec):
+        """A pod agent-identity marked still has what agent-identity gave
+        it: a later agent-sidecar (listed after it, here or in a
+        kustomization over this one) replaces the agent and the kt-token
+        volume, silently putting the static token back."""
+        mark = dig(tpl, "metadata", "annotations", IDENTITY_ANNOTATION)
+        if mark is None:
+            return
+        if mark != "serviceaccount":
+            self.fail(where, "identity-order",
+                      f"{IDENTITY_ANNOTATION}: {mark!r} is not `serviceaccount`")
+            return
+        agent = next((c for c in containers(spec) if c.get("name") == AGENT), None)
+        vol = next((v for v in spec.get("volumes") or [] if v.get("name") == "kt-token"), {})
+        projected = any(src.get("serviceAccountToken")
+                        for src in dig(vol, "projected", "sources") or [])
+        lost = []
+        if agent is None:
+            lost.append(f"no {AGENT}")
+        elif not kube_auth(agent):
+            lost.append(f"{AGENT} without KT_KUBE_AUTH=true")
+        if not projected:
+            lost.append("a kt-token volume that is no projected ServiceAccount token")
+        if lost:
+            self.fail(where, "identity-order",
+                      f"marked {IDENTITY_ANNOTATION}: serviceaccount by agent-identity, but has "
+                      + " and ".join(lost) + ": agent-sidecar was listed after agent-identity "
+                      "(here or in a kustomization over this one) and put the static token back; "
+                      "list agent-identity again after it")
+
+    def static_workload(self, where, spec):
+        """The static token is admin: outside the testbeds no workload has it."""
+        for what, name in secret_refs(spec):
+            if name == TOKEN_SECRET:
+                self.fail(where, "static-token-workload",
+                          f"{what} refers to the Secret {TOKEN_SECRET}, the static token, which is "
+                          "admin (any key, any service, teardowns): outside the kind/k3d testbeds "
+                          "a workload presents its pod's ServiceAccount token (install with "
+                          "kube-identity, list agent-identity after agent-sidecar)")
 
     # --- identity: the static token or kube identity ---------------------
 
@@ -795,6 +955,10 @@ class Checker:
                  and dig(d, "metadata", "name") == "kt-metadata"]
         kube_bundle = any(kube_auth(c) for d in metas
                           for c in containers(dig(pod_template(d), "spec") or {}))
+        meta_instance = labels(metas[0]).get(INSTANCE) if metas else None
+        # The testbeds keep the static (admin) token for their workloads.
+        testbed = ((install and stem in TESTBEDS) or meta_instance in TESTBED_INSTANCES
+                   or (case and not metas))
 
         for d in docs:
             where = f"{path}: {ident(d)}"
@@ -828,6 +992,11 @@ class Checker:
                 self.sidecar(where, spec)
                 self.volumes(where, spec, kt_pod)
                 self.tokens(where, spec, kube_bundle)
+                self.identity_order(where, tpl, spec)
+                self.gpus(where, spec)
+                server = kt_pod and dig(d, "metadata", "name") in KT_SERVERS
+                if not testbed and not kube_bundle and not server:
+                    self.static_workload(where, spec)
                 self.tls(where, spec, configmaps)
                 if not case:
                     self.restricted(where, spec)
@@ -912,6 +1081,12 @@ class Checker:
             for d in metas:
                 if any(kube_auth(c) for c in containers(dig(pod_template(d), "spec") or {})):
                     self.metadata_identity(path, docs, d, store_sa)
+        self.install_labels(path, docs, install, testbed, bool(metas), meta_instance)
+        self.cluster_names(path, docs, metas)
+        # Every bundle that installs kt, but the base (which leaves the
+        # choice to the overlays) and the testbeds (their classes are known).
+        if metas and not testbed and not (install and stem == "base"):
+            self.storage(path, docs)
         if install:
             self.namespace(path, docs)
             if stem == "gpu":
@@ -924,7 +1099,8 @@ class Checker:
 
     def recommended(self, where, d, stem):
         lab = labels(d)
-        want = [k for k in RECOMMENDED if not (k == "instance" and stem == "base")]
+        # part-of and instance: install_labels.
+        want = [k for k in RECOMMENDED if k not in ("instance", "part-of")]
         if d.get("kind") == "Namespace":
             want = [k for k in want if k != "component"]
         missing = [k for k in want if f"app.kubernetes.io/{k}" not in lab]
@@ -935,6 +1111,89 @@ class Checker:
         if v is not None and v != self.version:
             self.fail(where, "version",
                       f"app.kubernetes.io/version is {v}, the workspace is {self.version}")
+
+    def install_labels(self, path, docs, install, testbed, has_meta, meta_instance):
+        """Every object of an install, and every object of kt's in a bundle
+        over one, has part-of=kt and the install's instance: what the
+        README's uninstall selects, and what tells two installs apart."""
+        # In the bundles of this repository (installs, examples, test
+        # cases), an object named like kt's is kt's; a bundle of someone
+        # else's (the scenario runner's) may name its own kt-*.
+        shipped = install or path.parent.name in ("examples", "cases")
+        for d in docs:
+            name = dig(d, "metadata", "name") or ""
+            ours = install or is_kt(d) or (
+                shipped and has_meta and not testbed
+                and (name == "kt" or name.startswith("kt-")))
+            if not ours:
+                continue
+            where = f"{path}: {ident(d)}"
+            lab = labels(d)
+            if lab.get(PART_OF) != "kt":
+                self.fail(where, "install-labels",
+                          f"not labelled {PART_OF}=kt: the selectors that find an install (the "
+                          "README's uninstall) miss it (a component's object: label it in its "
+                          "file)")
+                continue
+            inst = lab.get(INSTANCE)
+            if not inst:
+                self.fail(where, "install-labels",
+                          f"no {INSTANCE}: it belongs to no install (components that add objects "
+                          "list install-labels, which copies kt-metadata's)")
+            elif meta_instance and inst != meta_instance:
+                self.fail(where, "install-labels",
+                          f"{INSTANCE} is {inst}, the install's (kt-metadata's) {meta_instance}")
+
+    def cluster_names(self, path, docs, metas):
+        """A cluster-scoped object's name ends in its install's namespace:
+        there is one object of a name per cluster, and an install in another
+        namespace that kept the name would take this one's over (and
+        deleting either install would delete it for both)."""
+        nss = [d for d in docs if d.get("kind") == "Namespace"]
+        ns = (dig(nss[0], "metadata", "name") if len(nss) == 1
+              else dig(metas[0], "metadata", "namespace") if metas else None)
+        if not ns:
+            return
+        for d in docs:
+            if d.get("kind") in CLUSTER_SCOPED and d.get("kind") != "Namespace":
+                name = dig(d, "metadata", "name") or ""
+                if not name.endswith("-" + ns):
+                    self.fail(f"{path}: {ident(d)}", "cluster-name",
+                              f"cluster-scoped, but its name does not end in -{ns} (the "
+                              "install's namespace): an install in another namespace would "
+                              "share it (apply moves it to that install, delete removes it "
+                              "from both); name it <name>-<namespace> (the overlays' "
+                              "`replacements:` do)")
+
+    def storage(self, path, docs):
+        """Every claim of kt's names its StorageClass, or says that the
+        cluster's default is meant: without a default class (EKS since 1.30,
+        many bare-metal clusters) a claim with neither stays Pending."""
+        claims = []
+        for d in docs:
+            if not is_kt(d):
+                continue
+            if d.get("kind") == "PersistentVolumeClaim":
+                claims.append((f"{path}: {ident(d)}", d))
+            elif d.get("kind") == "StatefulSet":
+                for t in dig(d, "spec", "volumeClaimTemplates") or []:
+                    claims.append((f"{path}: {ident(d)}", t))
+        for where, c in claims:
+            at = f"claim {dig(c, 'metadata', 'name')}"
+            cls = dig(c, "spec", "storageClassName")
+            mark = dig(c, "metadata", "annotations", STORAGE_MARKER)
+            if mark is not None and mark != STORAGE_DEFAULT:
+                self.fail(where, "storage-class",
+                          f"{at}: {STORAGE_MARKER}: {mark!r} is not {STORAGE_DEFAULT!r}")
+            if cls == "":
+                self.fail(where, "storage-class",
+                          f"{at}: storageClassName \"\" is no class at all: the claim binds only "
+                          "a PersistentVolume created by hand, never a provisioned one")
+            elif cls is None and mark != STORAGE_DEFAULT:
+                self.fail(where, "storage-class",
+                          f"{at} names no storageClassName and lacks {STORAGE_MARKER}: "
+                          f"{STORAGE_DEFAULT}: choose (a cluster without a default StorageClass "
+                          "leaves it Pending)")
 
     def statefulset(self, where, d, services):
         name = dig(d, "spec", "serviceName")
@@ -982,15 +1241,7 @@ class Checker:
         if path.stem == "base":
             return
         for d in docs:
-            if d.get("kind") == "ClusterRoleBinding" and any(
-                    s.get("kind") == "ServiceAccount" and s.get("namespace") == name
-                    for s in d.get("subjects") or []):
-                if not dig(d, "metadata", "name").endswith("-" + name):
-                    self.fail(f"{path}: {ident(d)}", "cluster-name",
-                              f"binds a ServiceAccount of {name!r} but its name does not end "
-                              f"in -{name}: an install in another namespace would take it over "
-                              "(one install per namespace)")
-            if d.get("kind") in ("Namespace", "ClusterRole", "ClusterRoleBinding"):
+            if d.get("kind") in CLUSTER_SCOPED:
                 continue
             got = dig(d, "metadata", "namespace")
             if got != name:
@@ -1006,8 +1257,10 @@ def main(argv):
     c = Checker(args.version)
     for f in args.files:
         docs = [d for d in yaml.safe_load_all(f.read_text()) if d]
+        start = len(c.errors)
         c.check_file(f, docs)
-    for e in c.errors:
+        c.expect(f, start)
+    for e in c.report():
         print(e, file=sys.stderr)
     print(f"policy.py: {len(args.files)} file(s), {len(c.errors)} violation(s)")
     return 1 if c.errors else 0

@@ -6,7 +6,12 @@
 # check.sh renders into a temporary directory and compares.
 #
 #   bash testbed/k8s/render.sh [OUT_DIR]     # default: manifests
-#   KT_RENDER_CASES=DIR: also render testbed/k8s/cases/* into DIR (check.sh)
+#   KT_RENDER_CASES=DIR: also render testbed/k8s/cases/* into DIR (check.sh);
+#     a case with a file `expect-render-error` must fail to render, with an
+#     error that contains every line of that file (a kustomization that kt's
+#     components refuse: nothing is written for it); a case with
+#     `expect-policy` renders as usual, and policy.py checks that it breaks
+#     the rules that file names
 #
 # Uses `kubectl kustomize` (kustomize built into kubectl), or $KUSTOMIZE
 # (e.g. KUSTOMIZE="kustomize build") when set. Output is deterministic for
@@ -57,6 +62,20 @@ done
 if [ -n "${KT_RENDER_CASES:-}" ]; then
   for dir in testbed/k8s/cases/*/; do
     name=$(basename "$dir")
+    if [ -f "$dir/expect-render-error" ]; then
+      if got=$("${build[@]}" "testbed/k8s/cases/$name" 2>&1 >/dev/null); then
+        echo "render.sh: testbed/k8s/cases/$name rendered, but must fail (see its expect-render-error)" >&2
+        exit 1
+      fi
+      while IFS= read -r want; do
+        if [ -n "$want" ] && [[ $got != *"$want"* ]]; then
+          echo "render.sh: testbed/k8s/cases/$name failed to render as it must, but without: $want" >&2
+          echo "$got" >&2
+          exit 1
+        fi
+      done <"$dir/expect-render-error"
+      continue
+    fi
     render "testbed/k8s/cases/$name" "$KT_RENDER_CASES/$name.yaml"
   done
 fi
