@@ -27,6 +27,8 @@ Only the standard library: the shims run it with the pyenv interpreter,
 but it must not need PyYAML.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -110,6 +112,70 @@ class Ctx:
         d.mkdir(exist_ok=True)
         return Path(tempfile.mkdtemp(dir=d))
 
+    @contextlib.contextmanager
+    def locked(self, name, where=None):
+        """An exclusive lock on `name` (steps run stand-ins in parallel:
+        `kubectl exec ... &`)."""
+        d = Path(where or self.state)
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / f".{name}.lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    # -- what the workflow's jobs share (rehearse.py: workflow_state) --------
+    def wf(self):
+        d = Path(self.cfg.get("workflow_state") or self.state / "workflow")
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def registry(self):
+        p = self.wf() / "registry.json"
+        return json.loads(p.read_text()) if p.exists() else {"repos": {}}
+
+    def set_registry(self, reg):
+        (self.wf() / "registry.json").write_text(json.dumps(reg, indent=1))
+
+
+def yaml_docs(ctx, text):
+    """The YAML documents of `text` as JSON values, parsed by the
+    rehearsal's own interpreter (it has PyYAML; this file must not need
+    it): (docs, None) or (None, why)."""
+    code = ("import json, sys, yaml\n"
+            "json.dump([d for d in yaml.safe_load_all(sys.stdin) if d], sys.stdout)")
+    r = subprocess.run([ctx.cfg["python"], "-c", code], input=text, capture_output=True, text=True)
+    if r.returncode:
+        lines = r.stderr.strip().splitlines()
+        return None, lines[-1] if lines else "unreadable YAML"
+    return json.loads(r.stdout), None
+
+
+# ELF e_machine values and the platforms they run on.
+ELF_MACHINES = {0x3E: "linux/amd64", 0xB7: "linux/arm64"}
+
+
+def elf_platform(path):
+    """The platform an ELF file is for (None: not an ELF file we know)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return None
+    if len(head) < 20 or head[:4] != b"\x7fELF":
+        return None
+    return ELF_MACHINES.get(int.from_bytes(head[18:20], "little"))
+
+
+def elf_stub(ctx, path, platform="linux/amd64"):
+    """A real ELF file (a copy of `true`) marked for `platform`."""
+    shutil.copy(ctx.cfg["real"]["true"], path)
+    machine = next(m for m, p in ELF_MACHINES.items() if p == platform)
+    with open(path, "r+b") as f:
+        f.seek(18)
+        f.write(machine.to_bytes(2, "little"))
+
 
 def opt(args, *names, default=None):
     """The value of `--name X` or `--name=X` in args (the last one wins)."""
@@ -172,7 +238,22 @@ def kind(ctx):
             config = opt(a, "--config")
             if config and not Path(config).is_file():
                 return ctx.error(f"create cluster --config {config}: no such file")
+            if name in ctx.clusters("kind"):
+                print(f'ERROR: failed to create cluster: node(s) already exist for a cluster with the '
+                      f'name "{name}"', file=sys.stderr)
+                return 1
             ctx.set_clusters("kind", ctx.clusters("kind") + [name])
+            text = Path(config).read_text() if config else ""
+            planes = max(1, len(re.findall(r"role:\s*control-plane", text)))
+            workers = len(re.findall(r"role:\s*worker", text))
+            nodes = ctx._load("kind-nodes.json", {})
+            nodes[name] = [f"{name}-control-plane" + (str(i + 1) if i else "") for i in range(planes)] + \
+                [f"{name}-worker" + (str(i + 1) if i else "") for i in range(workers)]
+            ctx._save("kind-nodes.json", nodes)
+            images = ctx._load("kind-images.json", {})
+            m = re.search(r"image:\s*(\S+)", text)
+            images[name] = opt(a, "--image") or (m.group(1) if m else "kindest/node:v1.32.2")
+            ctx._save("kind-images.json", images)
             if kc := opt(a, "--kubeconfig"):
                 Path(kc).parent.mkdir(parents=True, exist_ok=True)
                 Path(kc).write_text(kubeconfig_text("kind", name))
@@ -189,7 +270,10 @@ def kind(ctx):
             print(kubeconfig_text("kind", name), end="")
         case ["get", "nodes"]:
             if name in ctx.clusters("kind"):
-                print(f"{name}-control-plane")
+                for n in ctx._load("kind-nodes.json", {}).get(name, [f"{name}-control-plane"]):
+                    print(n)
+            else:
+                print(f'No kind nodes found for cluster "{name}".', file=sys.stderr)
         case ["load", "docker-image"] | ["load", "image-archive"]:
             if name not in ctx.clusters("kind"):
                 return missing_cluster(ctx, "kind", name, f"ERROR: unknown cluster \"{name}\"")
@@ -271,11 +355,23 @@ def k3d(ctx):
 # -- kubectl ----------------------------------------------------------------
 KUBECTL_VALUE_FLAGS = {"--kubeconfig", "--context", "-n", "--namespace", "-o", "--output", "-l",
                        "--selector", "--sort-by", "-f", "--filename", "-c", "--container",
-                       "--timeout", "--for", "--field-selector", "--server", "--tail", "-k"}
+                       "--timeout", "--for", "--field-selector", "--server", "--tail", "-k",
+                       "--kustomize", "--field-manager", "--audience", "--duration"}
+# `kubectl rollout status` / `wait` / `exec`: the kinds named TYPE/NAME.
+KUBE_KINDS = {"deploy": "Deployment", "deployment": "Deployment", "deployments": "Deployment",
+              "sts": "StatefulSet", "statefulset": "StatefulSet", "statefulsets": "StatefulSet",
+              "ds": "DaemonSet", "daemonset": "DaemonSet", "daemonsets": "DaemonSet",
+              "job": "Job", "jobs": "Job", "cronjob": "CronJob", "cronjobs": "CronJob",
+              "pod": "Pod", "pods": "Pod", "po": "Pod", "svc": "Service", "service": "Service",
+              "ns": "Namespace", "namespace": "Namespace", "pvc": "PersistentVolumeClaim",
+              "serviceaccount": "ServiceAccount", "sa": "ServiceAccount"}
+BUILTIN_NAMESPACES = {"default", "kube-system", "kube-public", "kube-node-lease", "local-path-storage"}
 
 
 def kubectl(ctx):
     a = ctx.args
+    if "--" in a:  # exec's command: not kubectl's flags
+        a = a[:a.index("--")]
     words = positionals(a, KUBECTL_VALUE_FLAGS)
     verb = words[0] if words else ""
     if verb == "version" or a == ["--version"]:
@@ -307,6 +403,15 @@ def kubectl(ctx):
         return 1
     node = f"{cluster}-control-plane"
     what = words[1] if len(words) > 1 else ""
+    ns = opt(a, "-n", "--namespace") or "default"
+    if verb == "apply":
+        return kubectl_apply(ctx, cluster, ns)
+    if verb in ("rollout", "wait"):
+        return kubectl_wait(ctx, cluster, ns, verb, words)
+    if verb == "exec":
+        return kubectl_exec(ctx, cluster, ns)
+    if verb == "get" and what in ("pods", "pod", "po") and opt(a, "-l", "--selector"):
+        return kubectl_get_pods(ctx, cluster, ns, opt(a, "-l", "--selector"))
     if verb == "get" and "-o" in a and opt(a, "-o", "--output") == "name":
         print(f"{what.rstrip('s')}/rehearsal")
     elif verb == "get" and what == "events":
@@ -316,14 +421,312 @@ def kubectl(ctx):
         print("NAMESPACE   NAME          READY   STATUS    RESTARTS   AGE   IP           NODE")
         print(f"kt-ci       kt-store-0    1/1     Running   0          1m    10.244.0.5   {node}")
     elif verb == "get" and what in ("nodes", "node", "no"):
-        print(f"NAME   STATUS   ROLES           AGE   VERSION\n{node}   Ready    control-plane   2m    v1.32.2")
+        m = re.search(r":(v\d+\.\d+\.\d+)", ctx._load("kind-images.json", {}).get(cluster, ""))
+        version = m.group(1) if m else "v1.32.2"
+        print("NAME   STATUS   ROLES           AGE   VERSION")
+        for n in ctx._load("kind-nodes.json", {}).get(cluster, [node]):
+            print(f"{n}   Ready    {'control-plane' if 'control-plane' in n else '<none>'}   2m    {version}")
     elif verb == "describe":
         print(f"Name:               {node}\nRoles:              control-plane\nConditions:\n  Ready   True")
-    elif verb in ("apply", "create"):
+    elif verb == "create":
         print("rehearsal/object configured")
     elif verb == "delete":
         print("rehearsal/object deleted")
     return 0
+
+
+# What was applied to each cluster (objects), and the pods `get pods` named.
+def k8s_state(ctx):
+    return ctx._load("k8s.json", {})
+
+
+def k8s_objects(ctx, cluster):
+    return k8s_state(ctx).get(cluster, {}).get("objects", [])
+
+
+def _containers(spec):
+    sc = spec or {}
+    out = []
+    for key in ("initContainers", "containers"):
+        for c in sc.get(key) or []:
+            out.append({"name": c.get("name"), "image": c.get("image", ""),
+                        "init": key == "initContainers",
+                        "readOnlyRoot": bool((c.get("securityContext") or {}).get("readOnlyRootFilesystem")),
+                        "mounts": [{"path": m.get("mountPath"), "readOnly": bool(m.get("readOnly"))}
+                                   for m in c.get("volumeMounts") or []]})
+    return out
+
+
+def _template(d):
+    spec = d.get("spec") or {}
+    if d.get("kind") == "CronJob":
+        return ((spec.get("jobTemplate") or {}).get("spec") or {}).get("template") or {}
+    if d.get("kind") == "Pod":
+        return d
+    return spec.get("template") or {}
+
+
+def kubectl_apply(ctx, cluster, ns):
+    """`kubectl apply [--server-side] -f FILE... | -k DIR`: the files exist
+    (a kustomization renders, with the real kubectl); what they hold is
+    remembered, and must go into a namespace that exists."""
+    a = ctx.args
+    texts = []
+    for f in multi(a, "-f", "--filename"):
+        if "://" in f:
+            return no_network(ctx)
+        if f == "-":
+            texts.append((f, sys.stdin.read()))
+        elif not Path(f).is_file():
+            print(f'error: the path "{f}" does not exist', file=sys.stderr)
+            return ctx.error(f"apply -f {f}: no such file")
+        else:
+            texts.append((f, Path(f).read_text()))
+    for k in multi(a, "-k", "--kustomize"):
+        real = ctx.cfg["real"].get("kubectl")
+        if not real:
+            return ctx.error("`kubectl apply -k` needs a real kubectl on this machine to render")
+        r = subprocess.run([real, "kustomize", k], capture_output=True, text=True)
+        if r.returncode:
+            sys.stderr.write(r.stderr)
+            return ctx.error(f"apply -k {k}: kustomize cannot render it: "
+                             f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        texts.append((k, r.stdout))
+    if not texts:
+        return ctx.error("apply: no -f or -k")
+    state = k8s_state(ctx)
+    mine = state.setdefault(cluster, {"objects": [], "pods": {}})
+    known_ns = BUILTIN_NAMESPACES | {o["name"] for o in mine["objects"] if o["kind"] == "Namespace"}
+    for src, text in texts:
+        docs, why = yaml_docs(ctx, text)
+        if docs is None:
+            return ctx.error(f"apply {src}: not YAML: {why}")
+        known_ns |= {d.get("metadata", {}).get("name") for d in docs if d.get("kind") == "Namespace"}
+        for d in docs:
+            md = d.get("metadata") or {}
+            kind = d.get("kind")
+            cluster_scoped = kind in ("Namespace", "ClusterRole", "ClusterRoleBinding",
+                                      "CustomResourceDefinition", "StorageClass")
+            o_ns = None if cluster_scoped else (md.get("namespace") or ns)
+            if o_ns and o_ns not in known_ns:
+                print(f'Error from server (NotFound): namespaces "{o_ns}" not found', file=sys.stderr)
+                return ctx.error(f"apply {src}: {kind}/{md.get('name')} goes into namespace {o_ns}, "
+                                 "which does not exist (apply the install first?)")
+            tpl = _template(d)
+            obj = {"kind": kind, "name": md.get("name"), "namespace": o_ns,
+                   "labels": md.get("labels") or {},
+                   "podLabels": (tpl.get("metadata") or {}).get("labels") or {},
+                   "replicas": (d.get("spec") or {}).get("replicas", 1),
+                   "containers": _containers(tpl.get("spec"))}
+            mine["objects"] = [x for x in mine["objects"]
+                               if (x["kind"], x["name"], x["namespace"]) != (kind, obj["name"], o_ns)]
+            mine["objects"].append(obj)
+            print(f"{kind.lower()}/{obj['name']} serverside-applied")
+    ctx._save("k8s.json", state)
+    return 0
+
+
+def _find(ctx, cluster, ns, kind, name):
+    return next((o for o in k8s_objects(ctx, cluster)
+                 if o["kind"] == kind and o["name"] == name and o["namespace"] == ns), None)
+
+
+def kubectl_wait(ctx, cluster, ns, verb, words):
+    """`kubectl rollout status TYPE/NAME` and `kubectl wait --for=... TYPE/NAME`
+    (or `pods -l ...`): the object was applied."""
+    a = ctx.args
+    if verb == "rollout":
+        if len(words) < 3 or words[1] not in ("status", "restart", "history", "undo"):
+            return ctx.unknown()
+        targets = words[2:]
+    else:
+        if not opt(a, "--for"):
+            return ctx.error("wait: --for is required")
+        targets = words[1:]
+        if targets and targets[0] in ("pods", "pod", "po") and opt(a, "-l", "--selector"):
+            print("pod condition met")
+            return 0
+    if not targets:
+        return ctx.error(f"{verb}: no resource named")
+    for t in targets:
+        if "/" not in t:
+            return ctx.unknown()
+        typ, name = t.split("/", 1)
+        kind = KUBE_KINDS.get(typ.lower().split(".")[0])
+        if kind is None:
+            return ctx.unknown()
+        if _find(ctx, cluster, ns, kind, name) is None:
+            print(f'Error from server (NotFound): {typ.lower()}s "{name}" not found', file=sys.stderr)
+            return ctx.error(f"{verb} {t} -n {ns}: nothing of that kind and name was applied to "
+                             f"namespace {ns} of cluster {cluster}")
+        if verb == "rollout" and words[1] == "status":
+            print(f'{kind.lower()} "{name}" successfully rolled out')
+        else:
+            print(f"{kind.lower()}/{name} condition met")
+    return 0
+
+
+def _selects(selector, labels):
+    for term in [x.strip() for x in selector.split(",") if x.strip()]:
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            if labels.get(k) == v:
+                return False
+        elif "=" in term:
+            k, v = term.split("==" if "==" in term else "=", 1)
+            if labels.get(k.strip()) != v.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def kubectl_get_pods(ctx, cluster, ns, selector):
+    """`kubectl get pods -l SELECTOR [-o name|jsonpath=...]`: the pods of the
+    applied workloads whose pod template matches, named as their
+    controllers name them (and remembered for exec)."""
+    a = ctx.args
+    state = k8s_state(ctx)
+    mine = state.setdefault(cluster, {"objects": [], "pods": {}})
+    pods = []
+    for o in mine["objects"]:
+        if o["namespace"] != ns or o["kind"] not in ("Deployment", "StatefulSet", "Job", "Pod",
+                                                     "DaemonSet") or not _selects(selector, o["podLabels"]):
+            continue
+        h = hashlib.sha256(f"{cluster}/{ns}/{o['name']}".encode()).hexdigest()
+        n = int(o.get("replicas") or 1)
+        if o["kind"] == "Deployment":
+            names = [f"{o['name']}-{h[:10]}-{h[10 + 5 * i:15 + 5 * i]}" for i in range(n)]
+        elif o["kind"] == "StatefulSet":
+            names = [f"{o['name']}-{i}" for i in range(n)]
+        elif o["kind"] == "Pod":
+            names = [o["name"]]
+        else:
+            names = [f"{o['name']}-{h[:5]}"]
+        for name in names:
+            mine["pods"][name] = {"namespace": ns, "owner": o["name"], "labels": o["podLabels"],
+                                  "containers": o["containers"]}
+        pods += names
+    ctx._save("k8s.json", state)
+    out = opt(a, "-o", "--output")
+    if out is None or out == "wide":
+        if not pods:
+            print(f"No resources found in {ns} namespace.", file=sys.stderr)
+            return 0
+        print("NAME   READY   STATUS    RESTARTS   AGE")
+        for n in pods:
+            print(f"{n}   2/2     Running   0          1m")
+    elif out == "name":
+        for n in pods:
+            print(f"pod/{n}")
+    elif re.fullmatch(r"jsonpath=\{\.items\[\*\]\.metadata\.name\}", out):
+        print(" ".join(pods), end="")
+    elif re.fullmatch(r"jsonpath=\{range \.items\[\*\]\}\{\.metadata\.name\}\{\\?\\n\}\{end\}", out):
+        print("".join(n + "\n" for n in pods), end="")
+    else:
+        return ctx.unknown()
+    return 0
+
+
+class PodFs:
+    """A pod's filesystem as one container sees it: its paths under a
+    directory of the rehearsal; writable only below its writable mounts
+    when its root filesystem is read-only."""
+
+    def __init__(self, ctx, cluster, pod, container):
+        self.root = ctx.state / "pods" / cluster / pod
+        self.container = container
+        for m in container["mounts"]:
+            self.path(m["path"]).mkdir(parents=True, exist_ok=True)
+
+    def path(self, p):
+        return self.root / str(p).lstrip("/")
+
+    def writable(self, p):
+        p = "/" + str(p).strip("/")
+        mounts = sorted(self.container["mounts"], key=lambda m: len(m["path"]), reverse=True)
+        m = next((m for m in mounts
+                  if p == m["path"].rstrip("/") or p.startswith(m["path"].rstrip("/") + "/")), None)
+        if m is not None:
+            return not m["readOnly"]
+        return not self.container["readOnlyRoot"]
+
+
+def kubectl_exec(ctx, cluster, ns):
+    """`kubectl exec [-i] POD [-c CONTAINER] -- CMD...`: a pod `get pods`
+    named, a container of it; CMD in an emulated filesystem of the pod:
+    `mkdir -p`, `tar -C DIR -cf - ...` / `tar -C DIR -xf -` (the real tar,
+    stdin/stdout passed through, a read-only root filesystem refusing
+    writes), `sha256sum`, `cat`, and `kt` (the kt stand-in, in the pod: its
+    namespace, its service's rights) where the image is kt's client."""
+    a = ctx.args
+    if "--" not in a:
+        return ctx.error("exec without `--` before the command (kubectl refuses it)")
+    cmd = a[a.index("--") + 1:]
+    words = positionals(a[:a.index("--")], KUBECTL_VALUE_FLAGS)
+    if len(words) < 2:
+        return ctx.error("exec: no pod")
+    pod_name = words[1]
+    if "/" in pod_name:
+        return ctx.unknown()
+    pod = k8s_state(ctx).get(cluster, {}).get("pods", {}).get(pod_name)
+    if pod is None or pod["namespace"] != ns:
+        print(f'Error from server (NotFound): pods "{pod_name}" not found', file=sys.stderr)
+        return ctx.error(f"exec {pod_name} -n {ns}: no such pod (pods are named by an earlier "
+                         "`kubectl get pods -l ...`)")
+    cname = opt(a[:a.index("--")], "-c", "--container")
+    main = [c for c in pod["containers"] if not c["init"]]
+    c = next((c for c in pod["containers"] if c["name"] == cname), None) if cname else (main or [None])[0]
+    if c is None:
+        print(f'error: container {cname} not found in pod {pod_name}', file=sys.stderr)
+        return ctx.error(f"exec {pod_name} -c {cname}: the pod's containers are "
+                         f"{', '.join(x['name'] for x in pod['containers'])}")
+    fs = PodFs(ctx, cluster, pod_name, c)
+    if not cmd:
+        return ctx.error("exec: no command")
+    prog = cmd[0]
+    if prog == "mkdir":
+        for d in [x for x in cmd[1:] if not x.startswith("-")]:
+            if not fs.writable(d):
+                print(f"mkdir: can't create directory '{d}': Read-only file system", file=sys.stderr)
+                return 1
+            fs.path(d).mkdir(parents=True, exist_ok=True)
+        return 0
+    if prog == "tar":
+        d = opt(cmd, "-C", "--directory") or "/"
+        if not fs.path(d).is_dir():
+            print(f"tar: can't change directory to '{d}': No such file or directory", file=sys.stderr)
+            return 1
+        flags = "".join(x.lstrip("-") for x in cmd[1:] if x.startswith("-") and x not in ("-C",))
+        if "x" in flags and not fs.writable(d):
+            print(f"tar: can't open '{d}/...': Read-only file system", file=sys.stderr)
+            return 1
+        real = [x if i == 0 or cmd[i - 1] != "-C" else str(fs.path(x)) for i, x in enumerate(cmd)]
+        r = subprocess.run(real, stdin=sys.stdin, stdout=sys.stdout, stderr=sys.stderr)
+        return r.returncode
+    if prog in ("sha256sum", "cat"):
+        paths = [x for x in cmd[1:] if not x.startswith("-")]
+        for x in paths:
+            if not fs.path(x).is_file():
+                print(f"{prog}: can't open '{x}': No such file or directory", file=sys.stderr)
+                return 1
+        r = subprocess.run([prog, *[str(fs.path(x)) for x in paths]], capture_output=True, text=True)
+        out = r.stdout
+        for x in paths:
+            out = out.replace(str(fs.path(x)), x)
+        sys.stdout.write(out)
+        return r.returncode
+    if prog == "kt":
+        if "kt-client" not in c["image"]:
+            print('error: exec: "kt": executable file not found in $PATH', file=sys.stderr)
+            return ctx.error(f"exec {pod_name} -c {c['name']} -- kt: the container's image "
+                             f"({c['image']}) is not kt's client image")
+        return kt_main(ctx, cmd[1:], pod={"name": pod_name, "cluster": cluster, "namespace": ns,
+                                          "service": pod["labels"].get("kt.dev/service"), "fs": fs})
+    return ctx.unknown()
 
 
 def _kubeconfig_cluster(ctx):
@@ -372,6 +775,8 @@ def docker(ctx):
         sub = words[1] if len(words) > 1 else ""
         if sub == "build":
             return docker_build(ctx, a[a.index("build") + 1:])
+        if sub == "imagetools":
+            return docker_imagetools(ctx, a[a.index("imagetools") + 1:])
         if sub in ("version",):
             print("github.com/docker/buildx v0.21.2 rehearsal")
         elif sub not in ("create", "use", "inspect", "ls", "rm", "install", "bake"):
@@ -393,8 +798,16 @@ def docker(ctx):
         print("Login Succeeded")
     elif verb in ("push",):
         return _check_push(ctx, words[1:])
-    elif verb in ("tag", "pull", "images", "image", "save", "load", "rm", "rmi", "network",
-                  "volume", "inspect", "run", "exec", "stop", "kill", "cp", "logout"):
+    elif verb == "create":
+        return docker_create(ctx, a[a.index("create") + 1:])
+    elif verb == "cp":
+        return docker_cp(ctx, words[1:])
+    elif verb == "rm":
+        return docker_rm(ctx, a[a.index("rm") + 1:])
+    elif verb == "exec":
+        return docker_exec(ctx, a[a.index("exec") + 1:])
+    elif verb in ("tag", "pull", "images", "image", "save", "load", "rmi", "network",
+                  "volume", "inspect", "run", "stop", "kill", "logout"):
         pass
     else:
         return ctx.unknown()
@@ -403,7 +816,9 @@ def docker(ctx):
 
 def _docker_nodes(ctx):
     """Node containers of the clusters the job created, with their labels."""
-    nodes = {f"{c}-control-plane": f"io.x-k8s.kind.cluster={c}" for c in ctx.clusters("kind")}
+    kind_nodes = ctx._load("kind-nodes.json", {})
+    nodes = {n: f"io.x-k8s.kind.cluster={c}" for c in ctx.clusters("kind")
+             for n in kind_nodes.get(c, [f"{c}-control-plane"])}
     nodes.update({f"k3d-{c}-server-0": f"k3d.cluster={c}" for c in ctx.clusters("k3d")})
     return nodes
 
@@ -437,8 +852,11 @@ def _check_push(ctx, tags):
 
 def docker_build(ctx, a):
     """`docker [buildx] build`: the Dockerfile exists, every COPY/ADD source is
-    in the build context, every tag is a valid reference, and --push has a
-    login; writes --metadata-file and --iidfile as buildx does."""
+    in the build context, every tag is a valid reference, and --push (or an
+    --output that pushes) has a login; a binary copied into an image of one
+    --platform is an ELF file for that platform; writes --metadata-file and
+    --iidfile as buildx does, and what it pushes goes into the workflow's
+    registry (later jobs pull only what was pushed)."""
     ctxs = positionals(a, BUILD_VALUE_FLAGS)
     if len(ctxs) != 1:
         return ctx.error(f"build needs exactly one context argument, got {ctxs}")
@@ -454,9 +872,27 @@ def docker_build(ctx, a):
         if not IMAGE_REF.match(t):
             return ctx.error(f"invalid tag {t!r}: repository names must be lowercase, "
                              "tags [A-Za-z0-9_.-] (docker reference format)")
+    platforms = [x for v in multi(a, "--platform") for x in v.split(",") if x] or ["linux/amd64"]
+    build_args = dict(v.split("=", 1) if "=" in v else (v, os.environ.get(v, ""))
+                      for v in multi(a, "--build-arg"))
     text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    files, sources = [], hashlib.sha256()
     for line in text.splitlines():
         words = line.split()
+        if words and words[0].upper() == "FROM" and len(words) > 1:
+            image = next((w for w in words[1:] if not w.startswith("--")), "")
+            base = re.sub(r"\$\{?(\w+)\}?", lambda m: build_args.get(m.group(1)) or
+                          _arg_default(text, m.group(1)), image)
+            found = resolve_image(ctx, base)
+            if found is False:
+                return ctx.error(f"{dockerfile}: FROM {base}: not found in the registry (no earlier "
+                                 "step or job pushed it)")
+            if found:
+                missing = [pl for pl in platforms if pl not in found[2].get("platforms", [])]
+                if missing:
+                    return ctx.error(f"{dockerfile}: FROM {base} has no {', '.join(missing)} image "
+                                     f"(it has {', '.join(found[2].get('platforms', []))})")
+                files += found[2].get("files", [])
         if not words or words[0].upper() not in ("COPY", "ADD"):
             continue
         args = [w for w in words[1:] if not w.startswith("--")]
@@ -468,16 +904,354 @@ def docker_build(ctx, a):
             if not list(context.glob(src.rstrip("/"))) and not (context / src).exists():
                 return ctx.error(f"{dockerfile}: `{line.strip()}`: {src} is not in the build "
                                  f"context {context}")
-    if "--push" in a and (code := _check_push(ctx, tags)):
+            dest = args[-1]
+            files.append(dest.rstrip("/") + "/" + Path(src).name if dest.endswith("/") and
+                         (context / src).is_file() else dest)
+            for f in sorted([context / src] if (context / src).is_file()
+                            else (context / src).rglob("*") if (context / src).is_dir() else []):
+                if not f.is_file():
+                    continue
+                sources.update(f.read_bytes())
+                got = elf_platform(f)
+                wrong = [pl for pl in platforms if got and got != pl]
+                if wrong:
+                    return ctx.error(f"{dockerfile}: `{line.strip()}`: {f.relative_to(context)} is an "
+                                     f"ELF file for {got}, but the image is for {', '.join(platforms)}: "
+                                     "each platform's image needs its own binary")
+    outputs = [dict(kv.split("=", 1) for kv in o.split(",") if "=" in kv)
+               for o in multi(a, "-o", "--output")]
+    pushed = []  # (repo, tag or None)
+    if "--push" in a:
+        outputs.append({"type": "registry"})
+    for o in outputs:
+        if o.get("type") in ("registry",) or (o.get("type") == "image" and
+                                              o.get("push", "false").lower() == "true"):
+            names = [n for n in o.get("name", "").split(";") if n] or tags
+            if not names:
+                return ctx.error("a build that pushes needs a name (-t, or name= in --output)")
+            for n in names:
+                if not IMAGE_REF.match(n):
+                    return ctx.error(f"invalid name {n!r} in --output (docker reference format)")
+                if o.get("push-by-digest", "false").lower() == "true":
+                    pushed.append((ref_repo(n), None))
+                else:
+                    pushed.append((ref_repo(n), ref_tag(n)))
+    if pushed and (code := _check_push(ctx, [r for r, _ in pushed])):
         return code
-    digest = "sha256:" + hashlib.sha256("\n".join(tags + [str(dockerfile)]).encode()).hexdigest()
+    digest = "sha256:" + hashlib.sha256("\n".join(tags + [str(dockerfile), ",".join(platforms),
+                                                          json.dumps(build_args, sort_keys=True),
+                                                          sources.hexdigest()]).encode()).hexdigest()
+    if pushed:
+        reg = ctx.registry()
+        for repo, tag in pushed:
+            r = reg["repos"].setdefault(repo, {"manifests": {}, "tags": {}})
+            r["manifests"][digest] = {"platforms": platforms, "files": sorted(set(files)),
+                                      "index": False}
+            if tag:
+                r["tags"][tag] = digest
+        ctx.set_registry(reg)
     if mf := opt(a, "--metadata-file"):
         Path(mf).write_text(json.dumps({"containerimage.digest": digest,
-                                        "image.name": ",".join(tags)}, indent=2))
+                                        "image.name": ",".join(tags or [f"{r}" for r, _ in pushed])},
+                                       indent=2))
     if iid := opt(a, "--iidfile"):
         Path(iid).write_text(digest)
-    print(f"#1 rehearsal build of {dockerfile} -> {', '.join(tags) or '(untagged)'}\n#1 DONE")
+    print(f"#1 rehearsal build of {dockerfile} ({', '.join(platforms)}) -> "
+          f"{', '.join(tags) or ', '.join(r for r, _ in pushed) or '(untagged)'}\n#1 DONE")
     return 0
+
+
+def multi(args, *names):
+    """Every value of a repeatable flag (`--x V` or `--x=V`)."""
+    out = []
+    for i, x in enumerate(args):
+        for n in names:
+            if x == n and i + 1 < len(args):
+                out.append(args[i + 1])
+            elif x.startswith(n + "="):
+                out.append(x.split("=", 1)[1])
+    return out
+
+
+def _arg_default(dockerfile_text, name):
+    m = re.search(rf"^ARG\s+{name}=(\S+)", dockerfile_text, re.M)
+    return m.group(1) if m else ""
+
+
+def ref_repo(ref):
+    """repo of repo[:tag][@digest]."""
+    ref = ref.split("@", 1)[0]
+    last = ref.rsplit("/", 1)[-1]
+    return ref[: len(ref) - len(last)] + last.split(":", 1)[0]
+
+
+def ref_tag(ref):
+    base = ref.split("@", 1)[0]
+    last = base.rsplit("/", 1)[-1]
+    return last.split(":", 1)[1] if ":" in last else ("latest" if "@" not in ref else None)
+
+
+def resolve_image(ctx, ref):
+    """(repo, digest, manifest) of `ref` in the workflow's registry; None
+    when the repository is not one the workflow pushed to (a public image:
+    not rehearsed); False when it is, but nothing pushed this tag or digest."""
+    repo = ref_repo(ref)
+    r = ctx.registry()["repos"].get(repo)
+    if r is None:
+        return None
+    if "@" in ref:
+        d = ref.split("@", 1)[1]
+    else:
+        d = r["tags"].get(ref_tag(ref) or "latest")
+    if not d or d not in r["manifests"]:
+        return False
+    return repo, d, r["manifests"][d]
+
+
+def docker_imagetools(ctx, a):
+    """`docker buildx imagetools create|inspect`: create joins images the
+    workflow pushed into one index (one source that is an index already is
+    copied as it is: the same digest) under the tags given, which need a
+    login; inspect answers for what was pushed."""
+    sub = a[0] if a else ""
+    rest = a[1:]
+    words = positionals(rest, {"-t", "--tag", "--annotation", "--metadata-file", "-f", "--file",
+                               "--format", "--progress", "--platform", "-p", "--builder"})
+    if sub == "create":
+        tags = multi(rest, "-t", "--tag")
+        ann = multi(rest, "--annotation")
+        if not words:
+            return ctx.error("imagetools create: no source image")
+        found = []
+        for src in words:
+            f = resolve_image(ctx, src)
+            if not f:
+                print(f"ERROR: failed to resolve source {src}: not found", file=sys.stderr)
+                return ctx.error(f"imagetools create: source {src} was not pushed by any step of this "
+                                 "workflow (the digest of another image, or another repository?)")
+            found.append(f)
+        for t in tags:
+            if not IMAGE_REF.match(t):
+                return ctx.error(f"invalid tag {t!r}")
+        if "--dry-run" not in rest and tags and (code := _check_push(ctx, tags)):
+            return code
+        prefer_index = next((x.split("=", 1)[1].lower() for x in reversed(rest)
+                             if x.startswith("--prefer-index=")), "true")
+        if len(found) == 1 and not ann and (found[0][2].get("index") or prefer_index == "false"):
+            # One source: copied as it is (an index; or any with --prefer-index=false).
+            digest, man = found[0][1], dict(found[0][2])
+        else:
+            digest = "sha256:" + hashlib.sha256(
+                "\n".join(sorted(f[1] for f in found) + ann).encode()).hexdigest()
+            man = {"platforms": sorted({pl for f in found for pl in f[2].get("platforms", [])}),
+                   "files": sorted({x for f in found for x in f[2].get("files", [])}),
+                   "index": True, "sources": [f[1] for f in found]}
+        if "--dry-run" in rest:
+            print(json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                              "manifests": [{"digest": f[1]} for f in found]}, indent=2))
+            return 0
+        reg = ctx.registry()
+        for t in tags:
+            r = reg["repos"].setdefault(ref_repo(t), {"manifests": {}, "tags": {}})
+            for f in found:  # what the index names is copied into the repository
+                r["manifests"].setdefault(f[1], f[2])
+            r["manifests"][digest] = man
+            r["tags"][ref_tag(t)] = digest
+        ctx.set_registry(reg)
+        if mf := opt(rest, "--metadata-file"):
+            Path(mf).write_text(json.dumps({"containerimage.descriptor": {
+                "mediaType": "application/vnd.oci.image.index.v1+json", "digest": digest, "size": 1024},
+                "image.name": ",".join(tags)}, indent=2))
+        for t in tags:
+            print(f"#1 pushing {digest} to {t}\n#1 DONE", file=sys.stderr)
+        return 0
+    if sub == "inspect":
+        if len(words) != 1:
+            return ctx.error("imagetools inspect needs one image")
+        f = resolve_image(ctx, words[0])
+        if f is None:
+            return ctx.error(f"imagetools inspect {words[0]}: not an image this workflow pushed "
+                             "(the rehearsal has no network)")
+        if f is False:
+            print(f"ERROR: {words[0]}: not found", file=sys.stderr)
+            return 1
+        repo, digest, man = f
+        mt = "application/vnd.oci.image.index.v1+json" if man.get("index") else \
+            "application/vnd.oci.image.manifest.v1+json"
+        desc = {"mediaType": mt, "digest": digest, "size": 1024}
+        fmt = opt(rest, "--format")
+        if fmt is None:
+            if "--raw" in rest:
+                print(json.dumps({"schemaVersion": 2, "mediaType": mt,
+                                  "manifests": [{"digest": d} for d in man.get("sources", [])]}, indent=2))
+            else:
+                print(f"Name:      {words[0]}\nMediaType: {mt}\nDigest:    {digest}")
+        elif re.fullmatch(r"\{\{\s*json \.Manifest\s*\}\}", fmt):
+            print(json.dumps(desc))
+        elif re.fullmatch(r"\{\{\s*\.Manifest\.Digest\s*\}\}", fmt):
+            print(digest)
+        else:
+            return ctx.unknown()
+        return 0
+    return ctx.unknown()
+
+
+def docker_create(ctx, a):
+    """`docker create [--name N] [--platform P] IMAGE [CMD]`: an image the
+    workflow pushed (pulled as docker would), remembered for `docker cp`."""
+    flags = {"--name", "--platform", "--pull", "-e", "--env", "--entrypoint", "-v", "--volume",
+             "-u", "--user", "--network", "-w", "--workdir", "-l", "--label"}
+    words = positionals(a, flags)
+    if not words:
+        return ctx.error("docker create: no image")
+    image = words[0]
+    f = resolve_image(ctx, image)
+    if f is False:
+        print(f"Unable to find image '{image}' locally\nError response from daemon: manifest unknown",
+              file=sys.stderr)
+        return ctx.error(f"docker create {image}: not pushed by any step of this workflow")
+    platform = opt(a, "--platform") or "linux/amd64"
+    if f and platform not in f[2].get("platforms", []):
+        print(f"Error response from daemon: no matching manifest for {platform} in the manifest list "
+              "entries", file=sys.stderr)
+        return 1
+    if f is None:
+        ctx.warn(f"docker create {image}: an image this workflow did not push (not rehearsed)")
+    name = opt(a, "--name") or "rehearsal_" + hashlib.sha256(image.encode()).hexdigest()[:8]
+    containers = ctx._load("containers.json", {})
+    if name in containers:
+        print(f'Error response from daemon: Conflict. The container name "/{name}" is already in use',
+              file=sys.stderr)
+        return 1
+    containers[name] = {"image": image, "platform": platform, "files": f[2].get("files", []) if f else None}
+    ctx._save("containers.json", containers)
+    print(hashlib.sha256(name.encode()).hexdigest())
+    return 0
+
+
+def docker_cp(ctx, words):
+    """`docker cp CONTAINER:PATH DEST`: PATH must be a file the image's
+    Dockerfile put there; the copy of `kt` is a kt stand-in, anything else
+    an ELF stub for the container's platform."""
+    if len(words) != 2 or ":" not in words[0]:
+        return ctx.unknown()
+    name, path = words[0].split(":", 1)
+    c = ctx._load("containers.json", {}).get(name)
+    if c is None:
+        print(f"Error response from daemon: No such container: {name}", file=sys.stderr)
+        return 1
+    files = c["files"]
+    if files is not None and path not in files:
+        print(f"Error response from daemon: Could not find the file {path} in container {name}",
+              file=sys.stderr)
+        return ctx.error(f"docker cp {name}:{path}: the image ({c['image']}) has no {path} "
+                         f"(its Dockerfiles put {', '.join(files) or 'nothing'})")
+    dest = Path(words[1])
+    if dest.is_dir():
+        dest = dest / Path(path).name
+    if not dest.parent.is_dir():
+        print(f"Error response: invalid output path: directory {dest.parent} does not exist",
+              file=sys.stderr)
+        return 1
+    if Path(path).name == "kt":
+        write_shim(ctx, dest, "kt")
+    else:
+        elf_stub(ctx, dest, c["platform"])
+    return 0
+
+
+def docker_rm(ctx, a):
+    containers = ctx._load("containers.json", {})
+    code = 0
+    for n in positionals(a, set()):
+        if n in containers:
+            del containers[n]
+            print(n)
+        elif "-f" not in a and "--force" not in a:
+            print(f"Error response from daemon: No such container: {n}", file=sys.stderr)
+            code = 1
+    ctx._save("containers.json", containers)
+    return code
+
+
+def _expand_sh(script, args, env):
+    """The argv of a one-command `sh -c SCRIPT ARG0 ARGS...`: $0.. and $VAR
+    (quoted or not) replaced; None when it is more than one plain command."""
+    if re.search(r"[;&|<>`]|\$\(", script):
+        return None
+
+    def sub(m):
+        name = m.group(1) or m.group(2)
+        if name.isdigit():
+            return shlex.quote(args[int(name)]) if int(name) < len(args) else "''"
+        return shlex.quote(env.get(name, ""))
+    text = re.sub(r'"\$\{?(\w+)\}?"|\$\{?(\w+)\}?', sub, script)
+    try:
+        return shlex.split(text)
+    except ValueError:
+        return None
+
+
+def docker_exec(ctx, a):
+    """`docker exec [-i] [-e VAR] NODE CMD...` into a kind/k3d node:
+    `crictl pull` of an image (one the workflow pushed must be there, by the
+    digest named, for the node's platform), `crictl images`, and a one-command
+    `sh -c` around them."""
+    i, env = 0, {}
+    while i < len(a) and a[i].startswith("-"):
+        x = a[i]
+        if x in ("-e", "--env"):
+            kv = a[i + 1]
+            k, _, v = kv.partition("=")
+            env[k] = v if "=" in kv else os.environ.get(k, "")
+            i += 2
+        elif x in ("-u", "--user", "-w", "--workdir", "--env-file"):
+            i += 2
+        else:
+            i += 1
+    if i >= len(a):
+        return ctx.error("docker exec: no container")
+    node, cmd = a[i], a[i + 1:]
+    if node not in _docker_nodes(ctx):
+        print(f"Error response from daemon: No such container: {node}", file=sys.stderr)
+        return ctx.error(f"docker exec {node}: no such node container (the job's clusters: "
+                         f"{', '.join(_docker_nodes(ctx)) or 'none'})")
+    if cmd[:2] in (["sh", "-c"], ["bash", "-c"]) and len(cmd) > 2:
+        inner = _expand_sh(cmd[2], cmd[3:], env)
+        if inner is None:
+            return ctx.unknown()
+        cmd = inner
+    if cmd[:2] == ["crictl", "pull"]:
+        words = positionals(cmd[2:], {"--creds", "--auth", "-u", "--username", "-p", "--pod-config",
+                                      "-a", "--annotation"})
+        if len(words) != 1:
+            return ctx.error(f"crictl pull needs one image, got {words}")
+        creds = opt(cmd, "--creds")
+        if creds is not None and ":" not in creds:
+            print("crictl: invalid --creds: expected USERNAME[:PASSWORD]", file=sys.stderr)
+            return ctx.error("crictl pull --creds is empty or has no ':' (is the variable passed "
+                             "into the node with docker exec -e?)")
+        f = resolve_image(ctx, words[0])
+        if f is False:
+            print(f'E0101 failed to pull image "{words[0]}": not found', file=sys.stderr)
+            return ctx.error(f"crictl pull {words[0]}: not pushed by any job of this workflow "
+                             "(does the bundle pin the digests the build pushed?)")
+        if f and "linux/amd64" not in f[2].get("platforms", []):
+            print(f'E0101 failed to pull image "{words[0]}": no match for platform in manifest',
+                  file=sys.stderr)
+            return 1
+        if f is None:
+            ctx.warn(f"crictl pull {words[0]}: an image this workflow did not push (not rehearsed)")
+        pulled = ctx._load("node-images.json", {})
+        pulled.setdefault(node, []).append(words[0])
+        ctx._save("node-images.json", pulled)
+        print(f"Image is up to date for sha256:{hashlib.sha256(words[0].encode()).hexdigest()}")
+        return 0
+    if cmd[:2] == ["crictl", "images"]:
+        for ref in ctx._load("node-images.json", {}).get(node, []):
+            print(ref)
+        return 0
+    return ctx.unknown()
 
 
 # -- make -------------------------------------------------------------------
@@ -540,6 +1314,8 @@ def make_recipe_line(ctx, cwd, target_dir, line):
                     return ctx.error(f"tool {t} used by `{line.strip()}` (make) but never installed")
             if "kt-python/build.sh" in line:
                 make_python_venv(ctx, target_dir)
+            if "testbed/k8s/check" in line:
+                make_k8s_pyenv(ctx, target_dir)
     exe = Path(cwd, words[0])
     if exe.is_file() and target_dir.resolve() in exe.resolve().parents:
         # A binary the recipe built: our stub, which checks the call.
@@ -554,6 +1330,21 @@ def make_python_venv(ctx, target_dir):
     bin_ = target_dir / "python" / "bin"
     bin_.mkdir(parents=True, exist_ok=True)
     write_shim(ctx, bin_ / "python", "venv-python")
+
+
+def make_k8s_pyenv(ctx, target_dir):
+    """What testbed/k8s/pyenv.sh (run by check.sh) leaves: target/pyenv, whose
+    python has the pinned tools (PyYAML, jsonschema, kubernetes-validate):
+    the rehearsal's own interpreter, which lint-workflows.sh runs from that
+    venv."""
+    bin_ = target_dir / "pyenv" / "bin"
+    bin_.mkdir(parents=True, exist_ok=True)
+    write_shim(ctx, bin_ / "python", "pyenv-python")
+
+
+def pyenv_python(ctx):
+    real = ctx.cfg["python"]
+    os.execv(real, [real, *ctx.args])
 
 
 def write_shim(ctx, path, tool, extra_env=""):
@@ -738,6 +1529,298 @@ def _why(text):
     return next((x for x in lines if re.search(r"\berror\b", x, re.I)), lines[-1] if lines else "(no output)")
 
 
+# -- kt ---------------------------------------------------------------------
+# kt's CLI (components/kt-client/src/cli.rs): global flags with a value, and
+# each subcommand's.
+KT_GLOBAL_VALUE = {"--metadata-url", "--token", "--token-file", "--streams", "--deadline",
+                   "--stall-timeout", "--progress", "--kubeconfig", "--context", "--namespace"}
+KT_GLOBAL_BOOL = {"--kube"}
+KT_SUB = {
+    "put": ({"--src", "--locale", "--lifespan", "--ttl", "--service", "-o", "--output"}, set()),
+    "get": ({"--dest", "--group", "--fanout", "--timeout", "-o", "--output"},
+            {"--delete", "--no-serve", "--broadcast"}),
+    "ls": ({"-o", "--output"}, set()),
+    "teardown": (set(), set()),
+    "rm": (set(), {"-r", "--recursive"}),
+}
+KT_CHOICES = {("put", "--locale"): ("store", "local"), ("put", "--lifespan"): ("cluster", "resource"),
+              ("put", "-o"): ("text", "json"), ("get", "-o"): ("text", "json"),
+              ("ls", "-o"): ("table", "wide", "json", "yaml")}
+BOOLISH = {"1", "0", "true", "false", "t", "f", "yes", "no", "y", "n", "on", "off"}
+
+
+def kt_usage(ctx, msg):
+    """What clap says (exit 2): a call kt refuses is a glue error."""
+    print(f"error: {msg}\n\nFor more information, try '--help'.", file=sys.stderr)
+    return ctx.error(f"kt refuses `kt {shlex.join(ctx.args)}`: {msg}", 2)
+
+
+def kt_parse(ctx, args):
+    """(subcommand, {flag: value}, [positionals]) or an exit status."""
+    flags, pos, sub, i = {}, [], None, 0
+    while i < len(args):
+        x = args[i]
+        name, eq, val = x.partition("=") if x.startswith("--") else (x, "", "")
+        if x == "--version" and sub is None:
+            print("kt 0.1.0 (rehearsal stand-in)")
+            return 0
+        if x in ("-h", "--help"):
+            print("kt (rehearsal stand-in)")
+            return 0
+        takes, bools = KT_SUB.get(sub, (set(), set()))
+        if name in KT_GLOBAL_VALUE or name in takes:
+            if not eq:
+                if i + 1 >= len(args):
+                    return kt_usage(ctx, f"a value is required for '{name} <VALUE>' but none was supplied")
+                val = args[i + 1]
+                i += 1
+            flags["-o" if name == "--output" else name] = val
+        elif name in KT_GLOBAL_BOOL or name in bools:
+            flags["-r" if name == "--recursive" else name] = True
+        elif x.startswith("-") and x != "-":
+            return kt_usage(ctx, f"unexpected argument '{x}' found")
+        elif sub is None:
+            if x not in KT_SUB:
+                if x == "tensor":
+                    return ctx.unknown()
+                return kt_usage(ctx, f"unrecognized subcommand '{x}'")
+            sub = x
+        else:
+            pos.append(x)
+        i += 1
+    if sub is None:
+        return kt_usage(ctx, "'kt' requires a subcommand but one was not provided")
+    for (s_, f), choices in KT_CHOICES.items():
+        if s_ == sub and f in flags and flags[f] not in choices:
+            return kt_usage(ctx, f"invalid value '{flags[f]}' for '{f}' "
+                                 f"[possible values: {', '.join(choices)}]")
+    if sub == "get" and not flags.get("--broadcast"):
+        for f in ("--group", "--fanout", "--timeout"):
+            if f in flags:
+                return kt_usage(ctx, f"the following required arguments were not provided: --broadcast "
+                                     f"(needed by {f})")
+    need = {"put": ["--src"], "get": ["--dest"]}.get(sub, [])
+    for f in need:
+        if f not in flags:
+            return kt_usage(ctx, f"the following required arguments were not provided: {f} <"
+                                 f"{f.strip('-').upper()}>")
+    want = 0 if sub == "ls" else 1
+    if (sub == "ls" and len(pos) > 1) or (sub != "ls" and len(pos) != want):
+        return kt_usage(ctx, f"kt {sub} takes {'at most one' if sub == 'ls' else 'one'} "
+                             f"positional argument, got {pos}")
+    kube_env = os.environ.get("KT_KUBE")
+    if kube_env is not None and kube_env.lower() not in BOOLISH:
+        return kt_usage(ctx, f"invalid value '{kube_env}' for '--kube' (KT_KUBE)")
+    return sub, flags, pos
+
+
+def _key_ok(key, prefix=False):
+    k = key.strip("/")
+    if not k:
+        return prefix
+    return all(seg and seg not in (".", "..") for seg in k.split("/")) and len(k) <= 1024
+
+
+def kt_main(ctx, args, pod=None):
+    """The kt CLI against a store kept in the rehearsal (per cluster and
+    namespace): in a pod (kubectl exec) with the pod's service rights and
+    filesystem, or outside with --kube (the kubeconfig's live cluster, a
+    namespace where kt is installed). put/get/ls/rm/teardown, broadcast
+    gets with ranks handed out as getters join."""
+    got = kt_parse(ctx, args)
+    if isinstance(got, int):
+        return got
+    sub, flags, pos = got
+    kube = bool(flags.get("--kube")) or (os.environ.get("KT_KUBE", "").lower() in
+                                         ("1", "true", "t", "yes", "y", "on"))
+    if pod is not None:
+        cluster, ns = pod["cluster"], pod["namespace"]
+        if kube:
+            print("kt: --kube: no kubeconfig in the pod", file=sys.stderr)
+            return 1
+    else:
+        if not kube:
+            url = flags.get("--metadata-url") or os.environ.get("KT_METADATA_URL") or "http://127.0.0.1:8081"
+            print(f"kt: cannot reach the metadata server at {url}: connection refused "
+                  "(outside a cluster: --kube)", file=sys.stderr)
+            return 1
+        if flags.get("--kubeconfig"):
+            os.environ["KUBECONFIG"] = flags["--kubeconfig"]
+        saved, ctx.args = ctx.args, []
+        cluster = _kubeconfig_cluster(ctx)
+        ctx.args = saved
+        if cluster is None:
+            return 1
+        ns = flags.get("--namespace") or os.environ.get("KT_NAMESPACE") or "default"
+        if sub == "put" and flags.get("--locale") == "local":
+            print("kt: --kube: a --locale local put is served by the pod's node agent; run it in a pod",
+                  file=sys.stderr)
+            return 1
+        if sub == "get" and flags.get("--broadcast"):
+            print("kt: --kube: a broadcast getter serves its children from its pod; run it in a pod",
+                  file=sys.stderr)
+            return 1
+    if _find(ctx, cluster, ns, "Deployment", "kt-metadata") is None:
+        where = f"namespace {ns!r} of cluster {cluster}"
+        print(f"kt: no kt-metadata in {where} (is kt installed there?"
+              f"{' --namespace?' if pod is None else ''})", file=sys.stderr)
+        return 1
+    store = ctx.state / "kt-store" / cluster / ns
+    store.mkdir(parents=True, exist_ok=True)
+
+    def local(p):
+        return pod["fs"].path(p) if pod else Path(p)
+
+    def may_write(service):
+        if pod and service != pod["service"]:
+            print(f"kt: forbidden: this token may not write service {service!r} (its pod's service is "
+                  f"{pod['service']!r})", file=sys.stderr)
+            return False
+        return True
+
+    def summary(op, key, files, size, extra=None):
+        if flags.get("-o") == "json":
+            d = {"op": op, "key": key, "files": files, "files_sent": files, "bytes_sent": size,
+                 "bytes_skipped": 0, "unchanged": False, "seconds": 0.01, **(extra or {})}
+            print(json.dumps(d))
+        else:
+            print(f"{op} {key}: {files} of {files} files sent ({size} B), 0 B skipped as unchanged, in 0.01s")
+
+    with ctx.locked("kt", store):
+        index_path = store / "keys.json"
+        index = json.loads(index_path.read_text()) if index_path.exists() else {}
+        if sub == "put":
+            key = pos[0].strip("/")
+            if not _key_ok(key):
+                print(f"kt: invalid key {pos[0]!r}", file=sys.stderr)
+                return 1
+            service = flags.get("--service") or key.split("/")[0]
+            if not may_write(service):
+                return 1
+            src = local(flags["--src"])
+            if not src.exists():
+                print(f"kt: {flags['--src']}: No such file or directory", file=sys.stderr)
+                return 1
+            data = store / "data" / key
+            shutil.rmtree(data, ignore_errors=True)
+            data.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, data)
+                files = [f for f in data.rglob("*") if f.is_file()]
+            else:
+                shutil.copy2(src, data)
+                files = [data]
+            index[key] = {"service": service, "lifespan": flags.get("--lifespan", "cluster"),
+                          "locale": flags.get("--locale", "store"), "is_dir": src.is_dir(),
+                          "files": len(files), "size": sum(f.stat().st_size for f in files)}
+            index_path.write_text(json.dumps(index, indent=1))
+            summary("put", key, len(files), index[key]["size"])
+            return 0
+        if sub == "get":
+            key = pos[0]
+            keys = [k for k in index if k.startswith(key.strip("/") + "/")] if key.endswith("/") \
+                else ([key.strip("/")] if key.strip("/") in index else [])
+            if not keys:
+                print(f"kt: not_found: no key {key!r}", file=sys.stderr)
+                return 1
+            dest = local(flags["--dest"])
+            if pod and not pod["fs"].writable(flags["--dest"]):
+                print(f"kt: {flags['--dest']}: Read-only file system", file=sys.stderr)
+                return 1
+            extra = {"dest": flags["--dest"]}
+            if flags.get("--broadcast"):
+                bc_path = store / "broadcasts.json"
+                bcs = json.loads(bc_path.read_text()) if bc_path.exists() else {}
+                group = flags.get("--group") or f"{key}-open"
+                g = bcs.setdefault(group, {"fanout": int(flags.get("--fanout") or 50), "ranks": 0,
+                                           "key": key})
+                if g["key"] != key:
+                    print(f"kt: conflict: broadcast group {group!r} is of key {g['key']!r}", file=sys.stderr)
+                    return 1
+                g["ranks"] += 1
+                rank = g["ranks"]
+                bc_path.write_text(json.dumps(bcs, indent=1))
+                extra["broadcast"] = {"group": group, "rank": rank,
+                                      "parents": [(rank - 1) // g["fanout"]], "relayed": 0}
+            total_files, total_size = 0, 0
+            for k in keys:
+                src = store / "data" / k
+                below = k[len(key.strip("/")) + 1:] if key.endswith("/") else ""
+                if index[k]["is_dir"]:
+                    target = dest / below if below else dest
+                    if flags.get("--delete"):
+                        shutil.rmtree(target, ignore_errors=True)
+                    shutil.copytree(src, target, dirs_exist_ok=True)
+                else:
+                    target = dest / below if below else (dest / Path(k).name if dest.is_dir() else dest)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(src, target)
+                total_files += index[k]["files"]
+                total_size += index[k]["size"]
+            summary("get", key, total_files, total_size, extra)
+            return 0
+        if sub == "ls":
+            prefix = (pos[0] if pos else "").strip("/")
+            below = {}
+            for k in sorted(index):
+                if prefix and not k.startswith(prefix + "/"):
+                    continue
+                rest = k[len(prefix) + 1:] if prefix else k
+                seg = rest.split("/")[0]
+                full = f"{prefix}/{seg}" if prefix else seg
+                e = below.setdefault(seg, {"name": seg, "key": full, "has_children": False})
+                if rest == seg:
+                    r = index[k]
+                    e["record"] = {"key": k, "locale": r["locale"], "lifespan": r["lifespan"],
+                                   "size": r["size"], "files": r["files"], "is_dir": r["is_dir"]}
+                else:
+                    e["has_children"] = True
+            entries = list(below.values())
+            if flags.get("-o") == "json":
+                print(json.dumps(entries))
+            elif flags.get("-o") == "yaml":
+                for e in entries:
+                    print(f"- name: {e['name']}\n  key: {e['key']}")
+            else:
+                print("NAME  TYPE  LOCALE  SIZE  LIFESPAN")
+                for e in entries:
+                    r = e.get("record")
+                    if r:
+                        print(f"{e['name']}  {'dir' if r['is_dir'] else 'file'}  {r['locale']}  "
+                              f"{r['size']} B  {r['lifespan']}")
+                    if e["has_children"]:
+                        print(f"{e['name']}/  prefix")
+            return 0
+        if sub == "rm":
+            key = pos[0].strip("/")
+            if not may_write(key.split("/")[0]):
+                return 1
+            gone = [k for k in index if k == key or (flags.get("-r") and k.startswith(key + "/"))]
+            if not gone:
+                print(f"kt: not_found: no key {key!r}", file=sys.stderr)
+                return 1
+            for k in gone:
+                del index[k]
+                shutil.rmtree(store / "data" / k, ignore_errors=True)
+                (store / "data" / k).unlink(missing_ok=True)
+            index_path.write_text(json.dumps(index, indent=1))
+            print(f"deleted {len(gone)} key(s)")
+            return 0
+        if sub == "teardown":
+            service = pos[0]
+            if not may_write(service):
+                return 1
+            gone = [k for k, r in index.items() if r["service"] == service and r["lifespan"] == "resource"]
+            for k in gone:
+                del index[k]
+                shutil.rmtree(store / "data" / k, ignore_errors=True)
+                (store / "data" / k).unlink(missing_ok=True)
+            index_path.write_text(json.dumps(index, indent=1))
+            print(f"teardown {service}: {len(gone)} key(s) deleted")
+            return 0
+    return ctx.unknown()
+
+
 # -- cargo, rustup ----------------------------------------------------------
 CARGO_VALUE_FLAGS = {"-p", "--package", "--bin", "--test", "--example", "--bench", "-j", "--jobs",
                      "--features", "-F", "--target", "--target-dir", "--manifest-path", "--profile",
@@ -799,37 +1882,130 @@ def cargo_check(ctx, a, cwd, quiet):
         if not any(b in pkgs[p]["bins"] for p in scope):
             return ctx.error(f"cargo {shlex.join(a)}: no binary {b!r} in "
                              f"{', '.join(chosen) or 'the workspace'}", 101)
+    target = opt(cli, "--target") or os.environ.get("CARGO_BUILD_TARGET")
+    if target and target != HOST_TRIPLE and sub not in ("fmt", "metadata", "tree", "update", "fetch",
+                                                        "clean"):
+        if (code := cross_check(ctx, target)):
+            return code
     if sub in ("build", "b", "test", "t", "run", "r"):
         profile = "release" if "--release" in cli else "debug"
-        out = cwd / os.environ.get("CARGO_TARGET_DIR", "target") / profile
+        out = cwd / os.environ.get("CARGO_TARGET_DIR", "target")
+        out = (out / target if target else out) / profile
         out.mkdir(parents=True, exist_ok=True)
         for p in scope:
             for b in (bins if bins else pkgs[p]["bins"]):
                 if b in pkgs[p]["bins"]:
-                    stub_binary(ctx, out / b)
+                    stub_binary(ctx, out / b, target)
     if not quiet and sub in ("test", "t"):
         print("running 1 test\ntest rehearsal ... ok\n\n"
               "test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out")
     return 0
 
 
-def stub_binary(ctx, path):
+def stub_binary(ctx, path, target=None):
     """A stand-in for a binary cargo would build: kt-scenario checks its
     calls (kt_scenario above); the others are copies of `true` (real ELF
-    files, so that strip and ldd work on them)."""
-    if path.name == "kt-scenario":
+    files, so that strip and ldd work on them), marked in their ELF header
+    for the --target's machine (aarch64: the host's strip refuses them, as
+    it refuses a real one)."""
+    if path.name == "kt-scenario" and not target:
         write_shim(ctx, path, "kt-scenario")
+    elif target and target.startswith("aarch64-"):
+        elf_stub(ctx, path, "linux/arm64")
     else:
         shutil.copy(ctx.cfg["real"]["true"], path)
 
 
+HOST_TRIPLE = "x86_64-unknown-linux-gnu"
+# What `rustup target add` accepts (a subset of `rustup target list`).
+RUST_TARGETS = {HOST_TRIPLE, "aarch64-unknown-linux-gnu", "aarch64-unknown-linux-musl",
+                "x86_64-unknown-linux-musl", "armv7-unknown-linux-gnueabihf",
+                "x86_64-apple-darwin", "aarch64-apple-darwin", "x86_64-pc-windows-msvc",
+                "wasm32-unknown-unknown"}
+
+
+def rust_targets(ctx):
+    p = ctx.state / "rust-targets"
+    return {HOST_TRIPLE} | (set(p.read_text().split()) if p.exists() else set())
+
+
+def cross_check(ctx, target):
+    """A cross build needs the target's standard library (rustup target add,
+    or the toolchain action's `targets:`), a linker for it
+    (CARGO_TARGET_<TRIPLE>_LINKER, on PATH: cargo links with the host's
+    `cc` otherwise, which fails), and a C compiler for it (the workspace's
+    ring and blake3 compile C: CC_<triple>, else cc-rs's default
+    <gnu-triple>-gcc)."""
+    if target not in rust_targets(ctx):
+        print(f"error[E0463]: can't find crate for `core`\n  = note: the `{target}` target may not be "
+              "installed", file=sys.stderr)
+        return ctx.error(f"cargo --target {target}: the target is not installed (`rustup target add "
+                         f"{target}`, or the toolchain action's `targets:`)", 101)
+    var = "CARGO_TARGET_" + target.upper().replace("-", "_") + "_LINKER"
+    linker = os.environ.get(var)
+    if not linker:
+        print("error: linking with `cc` failed: exit status: 1\n  = note: /usr/bin/ld: file in wrong "
+              "format", file=sys.stderr)
+        return ctx.error(f"cargo --target {target}: no {var}: cargo would link with the host's cc", 101)
+    if not shutil.which(linker):
+        return ctx.error(f"cargo --target {target}: {var}={linker} is not on PATH (is the cross "
+                         "toolchain installed?)", 101)
+    gnu = target.replace("-unknown-", "-")
+    cc = os.environ.get("CC_" + target.replace("-", "_")) or os.environ.get("CC_" + target) or f"{gnu}-gcc"
+    if not shutil.which(cc):
+        print(f"error: failed to run custom build command for `ring v0.17`\n  failed to find tool "
+              f"\"{cc}\": No such file or directory", file=sys.stderr)
+        return ctx.error(f"cargo --target {target}: no C compiler {cc} for it on PATH (ring and "
+                         "blake3 compile C)", 101)
+    return 0
+
+
 def rustup(ctx):
-    sub = ctx.args[0] if ctx.args else ""
+    a = ctx.args
+    sub = a[0] if a else ""
     if sub in ("--version", "-V"):
         print("rustup 1.28.2 (rehearsal stand-in)")
+    elif a[:2] == ["target", "add"]:
+        for t in positionals(a[2:], {"--toolchain"}):
+            if t not in RUST_TARGETS:
+                print(f"error: toolchain 'stable-{HOST_TRIPLE}' does not support target '{t}'",
+                      file=sys.stderr)
+                return ctx.error(f"rustup target add {t}: no such target", 1)
+            with open(ctx.state / "rust-targets", "a") as f:
+                f.write(t + "\n")
+            print(f"info: downloading component 'rust-std' for '{t}'")
+    elif a[:2] == ["target", "list"]:
+        for t in sorted(rust_targets(ctx) if "--installed" in a else RUST_TARGETS):
+            print(t)
     elif sub not in ("component", "toolchain", "default", "target", "show", "override", "which",
                      "update", "run", "set"):
         return ctx.unknown()
+    return 0
+
+
+def cross_gcc(ctx):
+    """aarch64-linux-gnu-gcc/-ar (apt-get install gcc-aarch64-linux-gnu)."""
+    return 0
+
+
+def cross_strip(ctx):
+    """aarch64-linux-gnu-strip: an aarch64 ELF file in, a copy out (`-o OUT
+    IN`, or in place); anything else is a format it does not recognise."""
+    a = ctx.args
+    ins = positionals(a, {"-o", "-R", "-K", "-N", "--remove-section", "--keep-symbol"})
+    out = opt(a, "-o")
+    if len(ins) != 1 or (not out and not ins):
+        return ctx.unknown()
+    src = Path(ins[0])
+    if not src.is_file():
+        print(f"aarch64-linux-gnu-strip: '{src}': No such file", file=sys.stderr)
+        return 1
+    if elf_platform(src) != "linux/arm64":
+        print(f"aarch64-linux-gnu-strip: Unable to recognise the format of the input file `{src}'",
+              file=sys.stderr)
+        return 1
+    if out:
+        shutil.copy(src, out)
     return 0
 
 
@@ -897,12 +2073,27 @@ def sudo(ctx):
     os.execve(exe, a, env)
 
 
+# Packages whose tools the workflows use: apt-get install puts stand-ins
+# for them on PATH (the rehearsal's stand-in directory, as /usr/bin).
+APT_TOOLS = {
+    "gcc-aarch64-linux-gnu": {"aarch64-linux-gnu-gcc": "cross-gcc", "aarch64-linux-gnu-ar": "cross-gcc",
+                              "aarch64-linux-gnu-strip": "cross-strip"},
+    "binutils-aarch64-linux-gnu": {"aarch64-linux-gnu-ar": "cross-gcc",
+                                   "aarch64-linux-gnu-strip": "cross-strip"},
+}
+
+
 def apt_get(ctx):
     a = ctx.args
     if os.environ.get("REHEARSE_ROOT") != "1" and any(x in a for x in ("install", "update", "remove")):
         print("E: Could not open lock file /var/lib/dpkg/lock-frontend - open (13: Permission denied)",
               file=sys.stderr)
         return ctx.error(f"apt-get {shlex.join(a)} as the runner user: it needs sudo", 100)
+    if "install" in a:
+        standins = ctx.state.parent / "standins"
+        for pkg in positionals(a[a.index("install") + 1:], {"-o", "-t", "--target-release"}):
+            for tool, standin in APT_TOOLS.get(pkg.split("=")[0], {}).items():
+                write_shim(ctx, standins / tool, standin)
     return 0
 
 
@@ -1013,6 +2204,8 @@ TOOLS = {
     "python3": python3, "venv-python": venv_python, "sudo": sudo, "apt-get": apt_get,
     "id": id_, "ip": ip, "nvidia-smi": nvidia_smi, "gh": gh, "kt-scenario": kt_scenario,
     "install-tools": install_tools, "cargo-installed": cargo_installed, "not-found": not_found,
+    "kt": lambda ctx: kt_main(ctx, ctx.args), "cross-strip": cross_strip, "cross-gcc": cross_gcc,
+    "pyenv-python": pyenv_python,
 }
 
 
