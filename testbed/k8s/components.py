@@ -1,7 +1,8 @@
 """Generates the kustomization.yaml of the components that inject into
 users' workloads: agent-sidecar, agent-identity, agent-tls, gpu and
-gpu-dra (`make manifests` runs it; `make manifests-check` fails when the
-committed files differ).
+gpu-dra, and the admission webhook's injection template
+(sidecar-injector's template.yaml and agent-image.env) (`make manifests`
+runs it; `make manifests-check` fails when the committed files differ).
 
 Why generated: kustomize can only select a workload by kind, and a
 replacement or patch that names no kind also hits a labelled Service or
@@ -13,11 +14,22 @@ What is injected lives in the components' template files (sidecar.yaml,
 identity.yaml, tls.yaml, gpu.yaml, gpu-dra.yaml); this script only says
 where each piece goes.
 
+The webhook (sidecar-injector) injects what agent-sidecar then
+agent-identity inject, from no definition of its own: its template is
+kustomize's rendering of those two components over a placeholder workload
+(see injector_template), so both paths give a pod the same agent. That
+needs kustomize: `kubectl kustomize`, or $KUSTOMIZE as render.sh takes it
+(the committed files come from the pinned version, KUSTOMIZE_VERSION).
+
 usage: python3 testbed/k8s/components.py [--check]   (stdlib only)
 """
 
+import os
 import pathlib
+import shlex
+import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPONENTS = ROOT / "kustomize" / "components"
@@ -376,6 +388,98 @@ def agent_tls():
     return "\n".join(lines) + "\n"
 
 
+INJECTOR = COMPONENTS / "sidecar-injector"
+INJECTOR_TEMPLATE = "kt-sidecar-injector-template"
+# The placeholder workload of the template: labelled for the components,
+# with one container (`workload`, standing for the pod's) and nothing else,
+# so everything its pod template has is what they inject.
+INJECTOR_WORKLOAD = f"""apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {INJECTOR_TEMPLATE}
+  labels:
+    kt.dev/agent: sidecar
+spec:
+  template:
+    spec:
+      containers:
+        - name: workload
+"""
+AGENT_IMAGE_LINE = "    image: "
+
+
+def kustomize_build(path):
+    """kustomize's rendering of the kustomization at `path` (as render.sh
+    runs it)."""
+    env = os.environ.get("KUSTOMIZE")
+    cmd = (shlex.split(env) if env else ["kubectl", "kustomize"]) + [str(path)]
+    try:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    except FileNotFoundError:
+        sys.exit("components.py: kubectl not found (the injector's template is rendered with its "
+                 "built-in kustomize): install kubectl, or set KUSTOMIZE='kustomize build'")
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"components.py: rendering the injector's template failed:\n{e.stderr}")
+    return out.stdout
+
+
+def injector_rendered():
+    """agent-sidecar then agent-identity over the placeholder workload, as
+    kustomize renders them (the order users list them in)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rel = lambda c: os.path.relpath(COMPONENTS / c, tmp)  # noqa: E731
+        pathlib.Path(tmp, "workload.yaml").write_text(INJECTOR_WORKLOAD)
+        pathlib.Path(tmp, "kustomization.yaml").write_text(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\n"
+            "kind: Kustomization\n"
+            "resources:\n  - workload.yaml\n"
+            f"components:\n  - {rel('agent-sidecar')}\n  - {rel('agent-identity')}\n")
+        return kustomize_build(tmp)
+
+
+INJECTOR_DOC = """
+The pod template that agent-sidecar, then agent-identity, make of a
+workload with one container (`workload`), as kustomize renders them: what
+the sidecar-injector webhook (kt-metadata's --inject-template) adds to a
+pod labelled `kt.dev/agent: sidecar`. Its annotations, its init container
+kt-agent (after the pod's own), its volumes and shareProcessNamespace go
+to the pod; the env and volumeMounts of `workload` to the pod's first
+container (or the one the annotation kubectl.kubernetes.io/default-container
+names); whatever the pod already has of the same name is kept. The agent's
+image is not here but in agent-image.env (the ConfigMap's key agent-image,
+KT_INJECT_AGENT_IMAGE), where an `images:` entry for kt-agent pins it like
+every other image (see kustomizeconfig.yaml). The sources are
+agent-sidecar's sidecar.yaml and agent-identity's identity.yaml; change
+them, not this.
+"""
+
+
+def injector_files():
+    """template.yaml (the pod template of the rendering, without the agent's
+    image) and agent-image.env (that image)."""
+    text = injector_rendered()
+    lines = text.splitlines()
+    # kustomize sorts keys: the pod template is the last key of the last
+    # key (spec.template), indented by four.
+    starts = [i for i, line in enumerate(lines) if line == "  template:"]
+    if len(starts) != 1 or any(line and not line.startswith("    ")
+                               for line in lines[starts[0] + 1:]):
+        sys.exit("components.py: the injector's template is not a Deployment whose last field "
+                 f"is spec.template:\n{text}")
+    pod = [line[4:] for line in lines[starts[0] + 1:]]
+    images = [i for i, line in enumerate(pod) if line.startswith(AGENT_IMAGE_LINE)]
+    if len(images) != 1:
+        sys.exit("components.py: the injector's template has not exactly one image (the "
+                 f"agent's):\n{text}")
+    image = pod.pop(images[0])[len(AGENT_IMAGE_LINE):]
+    head = [f"# Generated by {ME}; do not edit (make manifests).", "#"]
+    template = "\n".join(head + comment_block(INJECTOR_DOC) + pod) + "\n"
+    env = "\n".join(head[:1] + [
+        "# The agent image of the injected sidecar (the image of sidecar.yaml's kt-agent).",
+        f"agent-image={image}"]) + "\n"
+    return {INJECTOR / "template.yaml": template, INJECTOR / "agent-image.env": env}
+
+
 FILES = {
     COMPONENTS / "agent-sidecar" / "kustomization.yaml": agent_sidecar,
     COMPONENTS / "agent-identity" / "kustomization.yaml": agent_identity,
@@ -390,8 +494,9 @@ def main(argv):
     if argv[1:] and not check:
         sys.exit(__doc__)
     stale = []
-    for path, make in FILES.items():
-        text = make()
+    outputs = {path: make() for path, make in FILES.items()}
+    outputs.update(injector_files())
+    for path, text in outputs.items():
         if check:
             if not path.exists() or path.read_text() != text:
                 stale.append(path.relative_to(ROOT))

@@ -52,6 +52,17 @@ names a storageClassName or carries the annotation
 kt.dev/storage-class: cluster-default (the cluster's default class is
 meant; a cluster without one leaves the claim Pending).
 
+The sidecar injector (the sidecar-injector component: a mutating
+admission webhook served by kt-metadata) fails closed or open by an
+explicit failurePolicy, sends only pods labelled kt.dev/agent: sidecar
+(never kt's own servers', which it would hold up) of the install's
+namespace (never kube-system), reaches a listener of kt-metadata's that
+serves cert-manager's certificate for the name the API server calls, with
+the CA cert-manager injects, through the NetworkPolicies; and what it
+injects (the template of its ConfigMap) passes the rules of a labelled
+pod: a native sidecar, the install's way of presenting tokens, its
+version's image, and no https:// server it cannot reach.
+
 GPUs come from Kubernetes' allocation only: no container sets
 NVIDIA_VISIBLE_DEVICES (the NVIDIA toolkit would hand it GPUs past the
 device plugin, every GPU of the node), and every resources.claims entry
@@ -290,6 +301,11 @@ def secret_refs(spec):
             if name:
                 out.append((f"container {c.get('name')} envFrom", name))
     return out
+
+
+def path_of(where):
+    """The file of a violation's `where` (`file: Kind/name`)."""
+    return where.split(": ", 1)[0]
 
 
 def rule_matches(rule, sa, ns, home):
@@ -938,6 +954,257 @@ class Checker:
                                   f"endpoint {ep.get('port')} scrapes http://, which the "
                                   "servers with TLS refuse")
 
+    # --- the sidecar injector (admission webhook) -------------------------
+
+    def webhooks(self, path, docs, metas, pods, configmaps, kube_bundle):
+        """kt's mutating webhooks (sidecar-injector): explicit failure
+        policy, the pods it may touch, how the API server reaches and trusts
+        it, and what it injects."""
+        hooks = [d for d in docs if d.get("kind") == "MutatingWebhookConfiguration"
+                 and (is_kt(d) or (dig(d, "metadata", "name") or "").startswith("kt-"))]
+        if not hooks:
+            return
+        meta = metas[0] if metas else None
+        ns = dig(meta or {}, "metadata", "namespace")
+        spec = dig(pod_template(meta), "spec") or {} if meta else {}
+        c = next((c for c in spec.get("containers") or [] if c.get("name") == "kt-metadata"), {})
+        env = env_with(c, configmaps)
+        meta_labels = dig(pod_template(meta), "metadata", "labels") or {} if meta else {}
+        services = {dig(d, "metadata", "name"): d for d in docs if d.get("kind") == "Service"}
+        certs = {(dig(d, "metadata", "namespace"), dig(d, "metadata", "name")): d
+                 for d in docs if d.get("kind") == "Certificate"
+                 and d.get("apiVersion", "").startswith("cert-manager.io/")}
+        for d in hooks:
+            where = f"{path}: {ident(d)}"
+            if meta is None:
+                self.fail(where, "webhook-service",
+                          "no kt-metadata in the bundle to serve it (list sidecar-injector where "
+                          "kt is installed)")
+                continue
+            for w in d.get("webhooks") or []:
+                at = f"webhook {w.get('name')}"
+                self.webhook_selection(where, at, w, ns, pods)
+                if w.get("failurePolicy") not in ("Fail", "Ignore"):
+                    self.fail(where, "webhook-failure-policy",
+                              f"{at}: failurePolicy is not set to Fail or Ignore: whether a "
+                              "labelled pod is created without its agent when kt-metadata cannot "
+                              "answer is a choice to write down (Fail: refused; Ignore: admitted "
+                              "without it)")
+                if w.get("sideEffects") not in ("None", "NoneOnDryRun"):
+                    self.fail(where, "webhook-protocol",
+                              f"{at}: sideEffects {w.get('sideEffects')!r}: the injection has none "
+                              "(None), and dry runs fail on a webhook that says otherwise")
+                if "v1" not in (w.get("admissionReviewVersions") or []):
+                    self.fail(where, "webhook-protocol",
+                              f"{at}: admissionReviewVersions lacks v1, the only one kt-metadata "
+                              "answers")
+                secs = w.get("timeoutSeconds", 10)
+                if not (isinstance(secs, int) and 1 <= secs <= 10):
+                    self.fail(where, "webhook-protocol",
+                              f"{at}: timeoutSeconds {secs}: each labelled pod's creation waits "
+                              "that long while kt-metadata is down (1..10)")
+                self.webhook_endpoint(where, at, d, w, ns, c, env, meta_labels, services,
+                                      certs, spec, docs)
+        self.webhook_template(path, c, spec, configmaps, kube_bundle, env)
+
+    def webhook_selection(self, where, at, w, ns, pods):
+        """Only pods labelled for the agent, never kt's own servers' (with
+        failurePolicy Fail, a kt-metadata that needed itself to start never
+        would), in the install's namespace only (where the injected agent
+        reaches kt-metadata and the access map admits it), never
+        kube-system."""
+        sel = w.get("objectSelector")
+        if dig(sel or {}, "matchLabels", "kt.dev/agent") != "sidecar":
+            self.fail(where, "webhook-selector",
+                      f"{at}: objectSelector does not ask for matchLabels kt.dev/agent: sidecar: "
+                      "it would inject into pods that did not ask for the agent")
+        for d, lab in pods:
+            # No objectSelector selects every pod.
+            if dig(d, "metadata", "name") in KT_SERVERS and is_kt(d) and selects(
+                    {} if sel is None else sel, lab):
+                self.fail(where, "webhook-selector",
+                          f"{at}: its objectSelector selects the pods of {ident(d)}: kt's own "
+                          "server would wait for the webhook it serves")
+        nsel = w.get("namespaceSelector")
+        if not nsel:
+            self.fail(where, "webhook-namespace",
+                      f"{at}: no namespaceSelector: it would inject in every namespace, "
+                      "kube-system included, where kt-metadata does not resolve")
+            return
+        name = lambda n: {"kubernetes.io/metadata.name": n}  # noqa: E731
+        for other in ("kube-system", "kube-public", "kube-node-lease"):
+            if selects(nsel, name(other)):
+                self.fail(where, "webhook-namespace",
+                          f"{at}: its namespaceSelector selects {other}")
+        if ns and not selects(nsel, name(ns)):
+            self.fail(where, "webhook-namespace",
+                      f"{at}: its namespaceSelector does not select the install's namespace "
+                      f"{ns!r}, where workloads with the agent go")
+        # The names it may select: those its kubernetes.io/metadata.name
+        # constraints (matchLabels, In) allow; None: any name.
+        names = None
+        key = "kubernetes.io/metadata.name"
+        if key in (nsel.get("matchLabels") or {}):
+            names = {nsel["matchLabels"][key]}
+        for e in nsel.get("matchExpressions") or []:
+            if e.get("key") == key and e.get("operator") == "In":
+                vals = set(e.get("values") or [])
+                names = vals if names is None else names & vals
+        if ns and (names is None or names - {ns}):
+            self.fail(where, "webhook-namespace",
+                      f"{at}: its namespaceSelector selects namespaces other than {ns!r}: the "
+                      "injected agent reaches kt-metadata by its short name, and kt's access map "
+                      "and policies admit the install's namespace")
+
+    def webhook_endpoint(self, where, at, d, w, ns, c, env, meta_labels, services, certs,
+                         spec, docs):
+        """The API server reaches kt-metadata's webhook listener through its
+        Service and the NetworkPolicies, and trusts the certificate it
+        serves."""
+        svc_ref = dig(w, "clientConfig", "service")
+        if not svc_ref:
+            self.fail(where, "webhook-service", f"{at}: no clientConfig.service")
+            return
+        if svc_ref.get("namespace") != ns:
+            self.fail(where, "webhook-service",
+                      f"{at}: calls a Service in namespace {svc_ref.get('namespace')!r}, the "
+                      f"install's is {ns!r}")
+        if svc_ref.get("path") != "/mutate":
+            self.fail(where, "webhook-service",
+                      f"{at}: path {svc_ref.get('path')!r}: kt-metadata answers on /mutate")
+        svc = services.get(svc_ref.get("name"))
+        port = None
+        if svc is None or not selects({"matchLabels": dig(svc, "spec", "selector") or {}},
+                                      meta_labels):
+            self.fail(where, "webhook-service",
+                      f"{at}: the Service {svc_ref.get('name')} is not in the bundle or does not "
+                      "select kt-metadata")
+        else:
+            want = svc_ref.get("port", 443)
+            sp = next((p for p in dig(svc, "spec", "ports") or [] if p.get("port") == want), None)
+            target = (sp or {}).get("targetPort", want)
+            cp = next((p for p in c.get("ports") or []
+                       if p.get("name") == target or p.get("containerPort") == target), None)
+            port = (cp or {}).get("containerPort")
+            listen = env.get("KT_WEBHOOK_LISTEN") or ""
+            if port is None or not listen.endswith(f":{port}"):
+                self.fail(where, "webhook-service",
+                          f"{at}: port {want} of Service {svc_ref.get('name')} leads to "
+                          f"{target!r}, which is not kt-metadata's webhook listener "
+                          f"(KT_WEBHOOK_LISTEN {listen or 'unset'})")
+        # TLS: cert-manager injects the CA of the Certificate it names; that
+        # certificate names <service>.<namespace>.svc, and kt-metadata
+        # serves its Secret.
+        ref = dig(d, "metadata", "annotations", "cert-manager.io/inject-ca-from") or ""
+        cns, _, cname = ref.partition("/")
+        cert = certs.get((cns, cname))
+        if cert is None or cns != ns:
+            self.fail(where, "webhook-ca",
+                      f"cert-manager.io/inject-ca-from {ref!r} names no Certificate of the bundle "
+                      f"in {ns!r}: nothing puts a CA the API server trusts in the caBundle")
+        else:
+            host = f"{svc_ref.get('name')}.{ns}.svc"
+            if host not in (dig(cert, "spec", "dnsNames") or []):
+                self.fail(where, "webhook-ca",
+                          f"Certificate {cname} does not name {host}, which the API server "
+                          "calls: it refuses the certificate")
+            for var, file in (("KT_WEBHOOK_TLS_CERT", "tls.crt"), ("KT_WEBHOOK_TLS_KEY", "tls.key")):
+                p = env.get(var)
+                vol, rel = mount_of(c, spec, p) if p else (None, None)
+                m = mount_entry(c, p) if p else None
+                secret = dig(vol or {}, "secret", "secretName")
+                if secret != dig(cert, "spec", "secretName") or rel != file \
+                        or not (m or {}).get("readOnly"):
+                    self.fail(where, "webhook-ca",
+                              f"kt-metadata's {var} ({p or 'unset'}) is not {file} of the Secret "
+                              f"{dig(cert, 'spec', 'secretName')} (Certificate {cname}), mounted "
+                              "read-only: it would not serve the certificate whose CA is injected")
+        if port is None:
+            return
+        for np in docs:
+            if np.get("kind") != "NetworkPolicy" or "Ingress" not in (
+                    dig(np, "spec", "policyTypes") or ["Ingress"]):
+                continue
+            if not selects(dig(np, "spec", "podSelector") or {}, meta_labels):
+                continue
+            if not any(not r.get("from") and any(
+                    p.get("port") in (port, next((q.get("name") for q in c.get("ports") or []
+                                                   if q.get("containerPort") == port), None))
+                    for p in r.get("ports") or [{"port": port}])
+                       for r in dig(np, "spec", "ingress") or []):
+                self.fail(f"{path_of(where)}: {ident(np)}", "webhook-network",
+                          f"selects kt-metadata but admits no traffic from outside the namespace "
+                          f"to its webhook port {port}: the API server (no pod of the namespace) "
+                          "could not call the webhook")
+
+    def webhook_template(self, path, c, spec, configmaps, kube_bundle, env):
+        """What the injector injects: the ConfigMap's template (as
+        kt-metadata reads it, with its KT_INJECT_AGENT_IMAGE) is a pod that
+        passes the rules of a labelled pod of this bundle."""
+        where = f"{path}: Deployment/kt-metadata"
+        tpath = env.get("KT_INJECT_TEMPLATE")
+        vol, rel = mount_of(c, spec, tpath) if tpath else (None, None)
+        cm_name = dig(vol or {}, "configMap", "name")
+        items = dig(vol or {}, "configMap", "items")
+        key = next((i.get("key") for i in items if i.get("path") == rel), None) if items else rel
+        text = (configmaps.get(cm_name) or {}).get(key) if cm_name and key else None
+        if text is None:
+            self.fail(where, "webhook-template",
+                      f"KT_INJECT_TEMPLATE {tpath or 'unset'} is no key of a ConfigMap of the "
+                      "bundle that kt-metadata mounts: it would not start")
+            return
+        # Named without the generator's hash suffix (stable in expect-policy).
+        where = f"{path}: ConfigMap/{re.sub(r'-[0-9a-z]{10}$', '', cm_name)}"
+        try:
+            tpl = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            self.fail(where, "webhook-template", f"{key} is not YAML: {e}")
+            return
+        image = None
+        for e in c.get("env") or []:
+            if e.get("name") == "KT_INJECT_AGENT_IMAGE":
+                ref = dig(e, "valueFrom", "configMapKeyRef") or {}
+                image = e.get("value") or (configmaps.get(ref.get("name")) or {}).get(
+                    ref.get("key"))
+        pod_spec = dict(tpl.get("spec") or {})
+        inits = [dict(i) for i in pod_spec.get("initContainers") or []]
+        agent = next((i for i in inits if i.get("name") == AGENT), None)
+        if agent is None:
+            self.fail(where, "webhook-template", f"{key} has no {AGENT} init container")
+            return
+        image = image or agent.get("image")
+        agent["image"] = image
+        pod_spec["initContainers"] = inits
+        if not image:
+            self.fail(where, "webhook-template",
+                      f"neither {key} nor KT_INJECT_AGENT_IMAGE names the agent's image")
+        elif "@sha256:" not in image and not image.endswith(":" + self.version):
+            self.fail(where, "version",
+                      f"the injected agent's image {image} is neither pinned by digest nor "
+                      f"tagged with the workspace version {self.version}")
+        # The rules of a labelled pod, on the template as injected (its
+        # container `workload` standing for the pod's; the pod's own
+        # securityContext is the pod's affair).
+        self.sidecar(where, pod_spec)
+        self.volumes(where, pod_spec, False)
+        self.tokens(where, pod_spec, kube_bundle)
+        self.identity_order(where, tpl, pod_spec)
+        self.gpus(where, pod_spec)
+        self.restricted(where, {**pod_spec, "containers": []})
+        if not kube_bundle:
+            self.fail(where, "webhook-template",
+                      "the injected agent presents the pod's ServiceAccount token "
+                      "(agent-identity), which this install, without kube-identity, does not "
+                      "review")
+        if env.get("KT_TLS_CERT"):
+            for x in containers(pod_spec):
+                u = env_of(x).get("KT_METADATA_URL") or ""
+                if u.startswith("http://"):
+                    self.fail(where, "tls-mode",
+                              f"the injected container {x.get('name')} calls {u}, but the "
+                              "metadata server serves HTTPS (the tls component): the injector "
+                              "supports installs without tls; list agent-tls for such workloads")
+
     # --- rules over a whole file -----------------------------------------
 
     def check_file(self, path, docs):
@@ -1063,6 +1330,7 @@ class Checker:
             if d.get("kind") == "PodDisruptionBudget":
                 self.pdb(f"{path}: {ident(d)}", d, pods)
         self.tls_bundle(path, docs, pods, configmaps)
+        self.webhooks(path, docs, metas, pods, configmaps, kube_bundle)
         if metas:
             # One way of checking tokens per install: a verifier in the other
             # mode refuses every caller.

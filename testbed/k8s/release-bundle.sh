@@ -97,11 +97,13 @@ for dir in kustomize/overlays/*/; do
   echo "release-bundle.sh: $dest ($(grep -c '^kind:' "$dest") objects)"
 done
 # Workloads get the agent from the agent-sidecar component (at the release's
-# tag; GPU workloads get kt-agent-gpu from the gpu component); this
-# `images:` stanza pins them (and the client image) by digest too.
+# tag; GPU workloads get kt-agent-gpu from the gpu component), or from the
+# sidecar-injector webhook (its ConfigMap's agent-image, an image field to
+# kustomize); this `images:` stanza pins them (and the client image) by
+# digest too.
 [ -n "${digest[kt-agent-gpu]:-}" ] || die "$digests: no digest for kt-agent-gpu"
 {
-  echo "# kt $version: add under a kustomization that lists the agent-sidecar component"
+  echo "# kt $version: add under a kustomization that lists the agent-sidecar component (or sidecar-injector)"
   echo "images:"
   for c in kt-agent kt-agent-gpu kt-client; do
     echo "  - name: $bundle_repo/$c"

@@ -6,6 +6,10 @@
 //!   [`SERVICE_LABEL`], with a backoff, feeding [`state`].
 //! - [`review`]: who a bearer token is (TokenReview, and the pod it is
 //!   bound to), for the metadata server's `--kube-auth`.
+//! - [`inject`]: the sidecar injection of the admission webhook, as JSON
+//!   Patch operations on a pod, from the template the kustomize components
+//!   render (pure); [`admission`]: the AdmissionReview v1 around it (pure;
+//!   kt-metadata serves it, `--webhook-listen`).
 //! - [`portforward`]: `kt` outside the cluster: kubeconfig, the token Secret,
 //!   Ready pods behind a Service, local listeners over the API server's
 //!   port-forward.
@@ -13,6 +17,8 @@
 //! Invariant: no kt server or client crate here; the metadata server and the
 //! CLI plug these in at their edges.
 
+pub mod admission;
+pub mod inject;
 #[cfg(feature = "mock")]
 pub mod mock;
 pub mod portforward;

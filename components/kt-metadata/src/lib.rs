@@ -11,7 +11,10 @@
 //! [`server`] is the HTTP API around them (and the WebSocket of broadcast
 //! members); `cluster` (feature `kube`) applies the namespace watch's
 //! decisions (evictions, teardowns) through a [`Handle`]; `kube_auth`
-//! (feature `kube`) reviews ServiceAccount tokens (`--kube-auth`).
+//! (feature `kube`) reviews ServiceAccount tokens (`--kube-auth`);
+//! `webhook` (feature `kube`) is the sidecar injector, an admission webhook
+//! on a listener of its own (`--webhook-listen`) that gives labelled pods
+//! the kt agent (the injection is `kt_kube::inject`, pure).
 //!
 //! Invariant: a mutation is committed to the database before it is answered,
 //! so a restart loses nothing that a client was told happened. Quorums are
@@ -28,5 +31,7 @@ pub mod leases;
 pub mod quorum;
 pub mod registry;
 pub mod server;
+#[cfg(feature = "kube")]
+pub mod webhook;
 
 pub use server::{Config, Handle, MetadataError, run, run_with};

@@ -40,6 +40,26 @@ struct Args {
     /// With --kube-auth: the audience tokens must be made for.
     #[arg(long, env = "KT_TOKEN_AUDIENCE", default_value = "kt")]
     token_audience: String,
+    /// Serve the sidecar injector, an admission webhook (POST /mutate), on
+    /// this address: HTTPS with --webhook-tls-cert and --webhook-tls-key,
+    /// injecting --inject-template into the pods the API server sends.
+    #[arg(long, env = "KT_WEBHOOK_LISTEN")]
+    webhook_listen: Option<SocketAddr>,
+    /// The webhook's PEM certificate chain (read again as it is renewed).
+    #[arg(long, env = "KT_WEBHOOK_TLS_CERT")]
+    webhook_tls_cert: Option<PathBuf>,
+    /// The PEM private key of --webhook-tls-cert.
+    #[arg(long, env = "KT_WEBHOOK_TLS_KEY")]
+    webhook_tls_key: Option<PathBuf>,
+    /// What the webhook injects: the pod template the agent-sidecar and
+    /// agent-identity components render (the sidecar-injector component's
+    /// template.yaml).
+    #[arg(long, env = "KT_INJECT_TEMPLATE")]
+    inject_template: Option<PathBuf>,
+    /// The injected agent's image (the template carries none, so that
+    /// kustomize's `images:` pins it in the ConfigMap).
+    #[arg(long, env = "KT_INJECT_AGENT_IMAGE")]
+    inject_agent_image: Option<String>,
 }
 
 #[tokio::main]
@@ -57,9 +77,10 @@ async fn main() -> anyhow::Result<()> {
     serve(&args, listener, config, shutdown).await
 }
 
-/// Runs the server, with the namespace watch (`--kube-watch`) and
-/// ServiceAccount tokens (`--kube-auth`) when asked: both on one
-/// Kubernetes client and namespace.
+/// Runs the server, with the namespace watch (`--kube-watch`),
+/// ServiceAccount tokens (`--kube-auth`) and the sidecar injector
+/// (`--webhook-listen`) when asked: the first two on one Kubernetes client
+/// and namespace.
 #[cfg(feature = "kube")]
 async fn serve(
     args: &Args,
@@ -68,44 +89,72 @@ async fn serve(
     shutdown: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
     use anyhow::Context;
-    if !args.kube_watch && !args.server.kube_auth {
-        return Ok(kt_metadata::run(listener, config, shutdown).await?);
+    let webhook = kt_metadata::webhook::WebhookArgs {
+        listen: args.webhook_listen,
+        tls_cert: args.webhook_tls_cert.clone(),
+        tls_key: args.webhook_tls_key.clone(),
+        template: args.inject_template.clone(),
+        agent_image: args.inject_agent_image.clone(),
     }
-    let namespace = args
-        .namespace
-        .clone()
-        .or_else(kt_kube::in_cluster_namespace)
-        .context(
-            "--kube-watch and --kube-auth need a namespace: set KT_NAMESPACE or run in a pod",
+    .load()
+    .map_err(anyhow::Error::msg)?;
+    let webhook = match webhook {
+        Some((addr, hook)) => Some((
+            kt_service::cli::listen(addr).with_context(|| format!("binding {addr}"))?,
+            hook,
+        )),
+        None => None,
+    };
+    let mut watch = None;
+    if args.kube_watch || args.server.kube_auth {
+        let namespace = args
+            .namespace
+            .clone()
+            .or_else(kt_kube::in_cluster_namespace)
+            .context(
+                "--kube-watch and --kube-auth need a namespace: set KT_NAMESPACE or run in a pod",
+            )?;
+        // Only the configuration can fail here; API errors are retried (the
+        // watch) or answered 503 (token reviews).
+        let client = kube::Client::try_default().await.context(
+            "--kube-watch, --kube-auth: no Kubernetes configuration (in-cluster or kubeconfig)",
         )?;
-    // Only the configuration can fail here; API errors are retried (the
-    // watch) or answered 503 (token reviews).
-    let client = kube::Client::try_default().await.context(
-        "--kube-watch, --kube-auth: no Kubernetes configuration (in-cluster or kubeconfig)",
-    )?;
-    if args.server.kube_auth {
-        let path = args
-            .access_map
-            .as_deref()
-            .context("--kube-auth needs --access-map (KT_ACCESS_MAP): who may do what")?;
-        let map = kt_metadata::kube_auth::load_access_map(path).map_err(anyhow::Error::msg)?;
-        let reviewer = kt_metadata::kube_auth::KubeReviewer::new(
-            client.clone(),
-            &args.token_audience,
-            &namespace,
-            map,
-        );
-        config.auth = Some(kt_service::Auth::asking(
-            config.auth.take(),
-            std::sync::Arc::new(reviewer),
-        ));
+        if args.server.kube_auth {
+            let path = args
+                .access_map
+                .as_deref()
+                .context("--kube-auth needs --access-map (KT_ACCESS_MAP): who may do what")?;
+            let map = kt_metadata::kube_auth::load_access_map(path).map_err(anyhow::Error::msg)?;
+            let reviewer = kt_metadata::kube_auth::KubeReviewer::new(
+                client.clone(),
+                &args.token_audience,
+                &namespace,
+                map,
+            );
+            config.auth = Some(kt_service::Auth::asking(
+                config.auth.take(),
+                std::sync::Arc::new(reviewer),
+            ));
+        }
+        if args.kube_watch {
+            watch = Some((client, kt_kube::watch::WatchConfig::new(namespace)));
+        }
     }
-    if !args.kube_watch {
+    if watch.is_none() && webhook.is_none() {
         return Ok(kt_metadata::run(listener, config, shutdown).await?);
     }
-    let cfg = kt_kube::watch::WatchConfig::new(namespace);
-    kt_metadata::run_with(listener, config, shutdown, move |handle| {
-        kt_metadata::cluster::watch(handle, client, cfg)
+    kt_metadata::run_with(listener, config, shutdown, move |handle| async move {
+        let watch = async {
+            if let Some((client, cfg)) = watch {
+                kt_metadata::cluster::watch(handle.clone(), client, cfg).await;
+            }
+        };
+        let hook = async {
+            if let Some((listener, hook)) = webhook {
+                hook.serve_beside(listener, handle.clone()).await;
+            }
+        };
+        tokio::join!(watch, hook);
     })
     .await?;
     Ok(())
@@ -118,9 +167,10 @@ async fn serve(
     config: kt_metadata::Config,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
-    if args.kube_watch || args.server.kube_auth {
+    if args.kube_watch || args.server.kube_auth || args.webhook_listen.is_some() {
         anyhow::bail!(
-            "--kube-watch, --kube-auth: this kt-metadata was built without the `kube` feature"
+            "--kube-watch, --kube-auth, --webhook-listen: this kt-metadata was built without the \
+             `kube` feature"
         );
     }
     Ok(kt_metadata::run(listener, config, shutdown).await?)

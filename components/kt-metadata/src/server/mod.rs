@@ -120,6 +120,8 @@ struct Inner {
     /// Signs the capabilities getters show peer sources
     /// ([`kt_service::capability`]).
     signer: kt_service::capability::Signer,
+    /// The server's counters (`/metrics`), which tasks beside it share.
+    metrics: Arc<Metrics>,
     /// Dropped last, after the database closed: tells [`run`] it may return.
     _closed: oneshot::Sender<()>,
 }
@@ -175,6 +177,12 @@ impl Handle {
     /// Cancelled when the server stops: the task must end then.
     pub fn shutdown(&self) -> CancellationToken {
         self.0.shutdown.clone()
+    }
+
+    /// The server's counters: what a task beside it serves is counted
+    /// on the server's `/metrics`.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.0.metrics.clone()
     }
 
     /// The registry's live agents.
@@ -252,6 +260,7 @@ where
     let signer = kt_service::capability::Signer::load_or_create(&config.state_dir, now_ms())
         .map_err(|e| MetadataError::Config(e.to_string()))?;
     let (closed_tx, closed) = oneshot::channel();
+    let metrics = Arc::new(Metrics::new());
     let state: AppState = Arc::new(Inner {
         registry: Mutex::new(registry),
         leases: Mutex::new(Leases::default()),
@@ -265,6 +274,7 @@ where
         agent_ttl_ms,
         lease_ttl_ms: millis(config.lease_ttl),
         signer,
+        metrics: metrics.clone(),
         _closed: closed_tx,
     });
     // Every route declares who may call it (admin always may; see
@@ -311,7 +321,6 @@ where
             allow(ADMIN, get(get_broadcast)),
         )
         .with_state(state.clone());
-    let metrics = Arc::new(Metrics::new());
     // Quorums live in memory only: a restart fails the open ones.
     let quorums = Quorums::new(shutdown.clone()).with_metrics(metrics.clone());
     let api = api.merge(crate::quorum::routes(
