@@ -10,6 +10,7 @@ use kt_scenario::report::terminal;
 use kt_scenario::runner::{Options, Runner};
 use kt_scenario::snapshot::{Mode, Snapshots, quiet_snapshot_panics};
 use kt_scenario::target::Target;
+use kt_scenario::target::bundle::Bundle;
 use kt_scenario::target::cluster::{self, Cluster, Flavor, Session, shell::Real};
 use kt_scenario::target::docker::Docker;
 use kt_scenario::target::k3d::K3d;
@@ -35,6 +36,10 @@ enum TargetKind {
     Netns,
     /// Containers from kt's images on a network of their own (make images).
     Docker,
+    /// The production install's pods (kubectl kustomize of
+    /// overlays/production) run as a kubelet would on the Docker engine,
+    /// with a scripted Kubernetes API (make images; root).
+    Bundle,
     /// Real pods in a kind cluster from kustomize/overlays/kind (make images).
     Kind,
     /// Real pods in a k3d cluster from kustomize/overlays/k3d (make images).
@@ -400,6 +405,7 @@ fn real_main(cli: Cli) -> anyhow::Result<ExitCode> {
                     TargetKind::Local => Box::new(Local::new()),
                     TargetKind::Netns => Box::new(Netns::new()),
                     TargetKind::Docker => Box::new(Docker::new()),
+                    TargetKind::Bundle => Box::new(Bundle::new()),
                     TargetKind::Kind | TargetKind::K3d => {
                         unreachable!("cluster targets have a session")
                     }

@@ -24,7 +24,7 @@ use serde_json::Value;
 /// Rewrites run-specific values into stable placeholders.
 #[derive(Debug)]
 pub struct Redactor {
-    literal: Vec<(String, &'static str)>,
+    literal: Vec<(String, String)>,
     patterns: Vec<(Regex, &'static str)>,
     /// Opaque ids in order of first appearance: `[id1]`, `[id2]`, ... so a
     /// snapshot still shows whether two versions are the same or differ.
@@ -50,6 +50,16 @@ const RECORD_ID_KEYS: &[&str] = &["digest"];
 impl Redactor {
     /// `literals` are replaced first (longest first), e.g. the work dir → `[tmp]`.
     pub fn new(literals: Vec<(String, &'static str)>) -> Redactor {
+        Redactor::with(
+            literals
+                .into_iter()
+                .map(|(l, w)| (l, w.to_owned()))
+                .collect(),
+        )
+    }
+
+    /// As [`Redactor::new`], with owned replacements (a target's aliases).
+    pub fn with(literals: Vec<(String, String)>) -> Redactor {
         let mut literal = literals;
         literal.retain(|(s, _)| !s.is_empty());
         literal.sort_by_key(|(s, _)| std::cmp::Reverse(s.len()));
@@ -80,7 +90,7 @@ impl Redactor {
     pub fn string(&self, s: &str) -> String {
         let mut out = s.to_owned();
         for (lit, with) in &self.literal {
-            out = out.replace(lit.as_str(), with);
+            out = out.replace(lit.as_str(), with.as_str());
         }
         for (re, with) in &self.patterns {
             out = re.replace_all(&out, *with).into_owned();

@@ -38,6 +38,13 @@ fn layout() -> (tempfile::TempDir, ClusterConfig) {
     let tmp = tempfile::tempdir().unwrap();
     let repo = tmp.path().join("repo");
     std::fs::create_dir_all(repo.join("kustomize/overlays/kind")).unwrap();
+    let identity = repo.join("kustomize/components/kube-identity");
+    std::fs::create_dir_all(&identity).unwrap();
+    std::fs::write(
+        identity.join("access.yaml"),
+        "rules:\n  - serviceAccount: kt-operator\n    role: admin\n  - serviceAccount: \"*\"\n    role: pod\n",
+    )
+    .unwrap();
     let vars = |k: &str| (k == "KT_IMAGE_TAG").then(|| TAG.to_owned());
     let cfg = ClusterConfig::from_env(vars, &repo, &tmp.path().join("work"), false);
     (tmp, cfg)
@@ -127,7 +134,11 @@ async fn a_failed_rollout_dumps_logs_and_events_then_deletes_the_namespace_and_t
     assert!(position(&cmds, "docker image inspect") < create && create < load);
     let apply = position(&cmds, &format!("-n {ns} apply -f"));
     assert!(position(&cmds, &format!("create namespace {ns}")) < apply);
-    assert!(position(&cmds, "create secret generic kt-token --from-file=token=") < apply);
+    // Kubernetes identities: no token Secret, the pods' own tokens.
+    assert!(
+        !cmds.iter().any(|c| c.contains("create secret")),
+        "{cmds:?}"
+    );
     let failed = position(&cmds, "rollout status statefulset/getter-1");
     assert!(position(&cmds, "rollout status deployment/kt-metadata") < failed);
     // Nothing after the failed rollout but the dump and the teardown.
@@ -184,8 +195,15 @@ async fn up(
     (session, t, plan)
 }
 
+/// The token `kubectl create token kt-operator` prints in these tests.
+const OPERATOR_TOKEN: &str = "eyJ.operator.sig";
+
 fn forwarding(rec: Recorder) -> Recorder {
-    rec.prints(
+    rec.answer(
+        "create token kt-operator --audience kt",
+        Output::ok(&format!("{OPERATOR_TOKEN}\n")),
+    )
+    .prints(
         "svc/kt-metadata",
         &["Forwarding from 127.0.0.1:43081 -> 8081"],
     )
@@ -241,8 +259,48 @@ async fn an_existing_cluster_is_used_and_kept() {
         "{pods}"
     );
     assert_eq!(pods.matches("kt.dev/agent: sidecar").count(), 3, "{pods}");
-    let token = plan.work_dir.join("deploy/token");
-    assert_eq!(std::fs::read_to_string(&token).unwrap(), "tok");
+    // The production path's identities: agent-identity after the sidecar,
+    // a ServiceAccount and an access-map rule per pod, no token file, and
+    // the runner acting as the operator once the install is up.
+    assert!(
+        k.contains("- ../../../repo/kustomize/components/agent-identity"),
+        "{k}"
+    );
+    assert!(
+        k.contains("behavior: replace") && k.contains("access.yaml"),
+        "{k}"
+    );
+    assert!(k.contains("kt-metadata-tokenreview-kt"), "{k}");
+    assert_eq!(pods.matches("kind: ServiceAccount").count(), 3, "{pods}");
+    let access = std::fs::read_to_string(plan.work_dir.join("deploy/access.yaml")).unwrap();
+    let map: serde_json::Value = serde_yaml_ng::from_str(&access).unwrap();
+    let rules = map["rules"].as_array().unwrap();
+    let accounts: Vec<&str> = rules
+        .iter()
+        .map(|r| r["serviceAccount"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        accounts,
+        [
+            "kt-operator",
+            "scenario-app",
+            "scenario-getter-0",
+            "scenario-getter-1",
+            "*"
+        ],
+        "{access}"
+    );
+    // A pod with a service writes it and the scenario's keys; one without
+    // writes every service (as the process targets' tokens).
+    assert_eq!(rules[1]["services"], serde_json::json!(["train", "tiny"]));
+    assert!(rules[2].get("services").is_none(), "{access}");
+    assert!(!plan.work_dir.join("deploy/token").exists());
+    let token = position(
+        &cmds,
+        "create token kt-operator --audience kt --duration 24h",
+    );
+    assert!(position(&cmds, "rollout status statefulset/getter-1") < token);
+    assert_eq!(t.operator_token().as_deref(), Some(OPERATOR_TOKEN));
 
     t.down().await.unwrap();
     let n = rec.commands().len();
@@ -302,6 +360,21 @@ async fn steps_exec_in_the_workload_container_with_only_the_requests_token() {
         last.ends_with(
             "exec app-0 -c workload -- env -u KT_TOKEN -u KT_TOKEN_FILE sh -c -c 'ls | wc -l'"
         ),
+        "{last}"
+    );
+    // The runner's own token: the command keeps the pod's identity.
+    t.exec(ExecRequest {
+        pod: "app".into(),
+        program: Program::Kt,
+        args: vec!["ls".into()],
+        env: vec![],
+        token: Some(OPERATOR_TOKEN.into()),
+    })
+    .await
+    .unwrap();
+    let last = rec.commands().pop().unwrap();
+    assert!(
+        last.ends_with("exec app-0 -c workload -- env -u KT_TOKEN kt ls"),
         "{last}"
     );
     assert!(
@@ -386,7 +459,17 @@ async fn an_agent_is_signalled_from_its_pod_and_waited_for_until_the_kubelet_res
         "polled until the count moved:\n{}",
         cmds.join("\n")
     );
-    let signal = position(&cmds, "exec app-0 -c workload -- sh -c");
+    // An ephemeral container as the agent's user signals it (the workload
+    // runs as another user).
+    let signal = position(&cmds, "debug app-0 --image=ghcr.io/kt-dev/kt-client:");
+    for part in [
+        "--target=kt-agent",
+        "--profile=restricted",
+        "--custom=",
+        "--container=kt-signal-0",
+    ] {
+        assert!(cmds[signal].contains(part), "{part} in {}", cmds[signal]);
+    }
     assert!(cmds[signal].contains("kt-agent") && cmds[signal].ends_with("signal-agent TERM"));
     assert!(
         cmds.last()
@@ -448,11 +531,11 @@ async fn pods_readiness_and_agent_metrics_come_from_inside_the_cluster() {
         last.contains("exec getter-0-0 -c workload -- sh -c"),
         "{last}"
     );
+    assert!(last.contains("Authorization: Bearer $2"), "{last}");
     assert!(
-        last.contains("Authorization: Bearer $(cat \"$KT_TOKEN_FILE\")"),
+        last.ends_with(&format!("agent-metrics 8090 {OPERATOR_TOKEN}")),
         "{last}"
     );
-    assert!(last.ends_with("agent-metrics 8090"), "{last}");
     assert!(
         t.metrics(&Component::Store).await.is_err(),
         "servers have their URL"

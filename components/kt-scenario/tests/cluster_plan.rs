@@ -21,6 +21,15 @@ fn plan(flavor: Box<dyn Flavor>, scenario: &str) -> String {
     // The repository and the work root side by side in one temp dir, so the
     // relative paths of the kustomization are the same on every machine.
     let vars = |k: &str| (k == "KT_IMAGE_TAG").then(|| "0123456789ab".to_owned());
+    // kube-identity's access map, which the plan extends (a fixture: the
+    // real one's comments and rules are not the plan's business).
+    let identity = tmp.path().join("repo/kustomize/components/kube-identity");
+    std::fs::create_dir_all(&identity).unwrap();
+    std::fs::write(
+        identity.join("access.yaml"),
+        "rules:\n  - serviceAccount: kt-operator\n    role: admin\n  - serviceAccount: \"*\"\n    role: pod\n    podService: true\n    reads: []\n",
+    )
+    .unwrap();
     let cfg = ClusterConfig::from_env(
         vars,
         &tmp.path().join("repo"),

@@ -311,6 +311,9 @@ impl Runner {
                 Ok(()) if self.cancel.is_cancelled() => failure = Some("interrupted".into()),
                 Ok(()) => {
                     let timeout = l.scenario.timeout.unwrap_or(SCENARIO_TIMEOUT);
+                    // A cluster's install takes Kubernetes identities: the
+                    // runner is its operator then.
+                    let token = target.operator_token().unwrap_or(token);
                     let s = Scn::new(self, l, &*target, pods, data, token, &work);
                     s.set_deadline(Instant::now() + timeout);
                     let body = async {
@@ -387,7 +390,7 @@ impl Runner {
                     "kept the testbed of {} up: metadata {}  token {}  work {}; Ctrl-C tears it down",
                     l.name,
                     target.metadata_url(),
-                    plan.token,
+                    target.operator_token().unwrap_or_else(|| plan.token.clone()),
                     work.display()
                 ));
                 let _ = tokio::signal::ctrl_c().await;
@@ -576,11 +579,13 @@ impl<'a> Scn<'a> {
         let mut cfg = ClientConfig::new(target.metadata_url(), token.clone());
         cfg.timeout = HTTP_TIMEOUT * 6;
         let client = Client::new(cfg).ok();
-        let redactor = Redactor::new(vec![
-            (work.display().to_string(), "[work]"),
-            (runner.run_id.clone(), "[run]"),
-            (token.clone(), "[token]"),
-        ]);
+        let mut literals = vec![
+            (work.display().to_string(), "[work]".to_owned()),
+            (runner.run_id.clone(), "[run]".to_owned()),
+            (token.clone(), "[token]".to_owned()),
+        ];
+        literals.extend(target.aliases());
+        let redactor = Redactor::with(literals);
         Scn {
             runner,
             loaded,

@@ -61,11 +61,11 @@ const GRACE: Duration = Duration::from_secs(10);
 /// Containers created or started at once.
 const PARALLEL: usize = 8;
 /// The label every container and network of a run carries.
-const RUN_LABEL: &str = "kt.dev/testbed-run";
+pub const RUN_LABEL: &str = "kt.dev/testbed-run";
 /// Marks a container in another's network namespace (a pod's agent): removed
 /// before the namespace's owner, or the engine may keep a stale endpoint that
 /// blocks removing the network.
-const SIDECAR_LABEL: &str = "kt.dev/sidecar";
+pub const SIDECAR_LABEL: &str = "kt.dev/sidecar";
 
 /// The four images a run uses.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -268,51 +268,12 @@ impl Docker {
             .map_err(|e| TargetError::Failed(format!("creating container {name}: {e}")))
     }
 
-    /// Creates the run's network on the first free /16 of 10.210-10.249.
+    /// Creates the run's network ([`create_network`]).
     async fn create_network(&mut self) -> Result<Ipv4Addr, TargetError> {
-        let api = self.api()?.clone();
         let name = self.name("net");
-        let used: Vec<String> = api
-            .list_networks(Some(ListNetworksOptionsBuilder::new().build()))
-            .await
-            .map_err(|e| TargetError::Failed(format!("listing docker networks: {e}")))?
-            .into_iter()
-            .flat_map(|n| n.ipam.and_then(|i| i.config).unwrap_or_default())
-            .filter_map(|c| c.subnet)
-            .collect();
-        let mut last = String::new();
-        for second in 210..250u8 {
-            let base = Ipv4Addr::new(10, second, 0, 0);
-            if used.iter().any(|s| overlaps(s, base)) {
-                continue;
-            }
-            let req = NetworkCreateRequest {
-                name: name.clone(),
-                driver: Some("bridge".into()),
-                ipam: Some(Ipam {
-                    config: Some(vec![IpamConfig {
-                        subnet: Some(format!("{base}/16")),
-                        gateway: Some(Ipv4Addr::new(10, second, 0, 1).to_string()),
-                        ..Default::default()
-                    }]),
-                    ..Default::default()
-                }),
-                labels: Some(self.labels()),
-                ..Default::default()
-            };
-            match api.create_network(req).await {
-                Ok(_) => {
-                    self.network = Some(name);
-                    return Ok(base);
-                }
-                // Taken by something docker did not list (a host route, a
-                // network created meanwhile): try the next.
-                Err(e) => last = e.to_string(),
-            }
-        }
-        Err(TargetError::Failed(format!(
-            "no free /16 for the testbed network in 10.210.0.0-10.249.0.0 (last error: {last})"
-        )))
+        let base = create_network(self.api()?, &name, self.labels()).await?;
+        self.network = Some(name);
+        Ok(base)
     }
 
     /// Starts a container and waits until `url` answers, or the container
@@ -346,13 +307,7 @@ impl Docker {
     }
 
     async fn running(&self, name: &str) -> Result<bool, TargetError> {
-        let state = self
-            .api()?
-            .inspect_container(name, None)
-            .await
-            .map_err(|e| TargetError::Failed(format!("inspecting {name}: {e}")))?
-            .state;
-        Ok(state.and_then(|s| s.running).unwrap_or(false))
+        running(self.api()?, name).await
     }
 
     async fn logs(&self, name: &str, tail: Option<usize>) -> Result<String, TargetError> {
@@ -375,47 +330,9 @@ impl Docker {
             .unwrap_or_else(|e| e.to_string())
     }
 
-    /// Signals a container and waits for it to exit: TERM gets [`GRACE`],
-    /// then KILL. STOP and CONT pause and unpause it.
+    /// Signals a container and waits for it to exit ([`stop_container`]).
     async fn stop(&self, name: &str, signal: Signal) -> Result<(), TargetError> {
-        let api = self.api()?;
-        let res = match signal {
-            Signal::TERM => {
-                let opts = StopContainerOptionsBuilder::new()
-                    .signal("SIGTERM")
-                    .t(GRACE.as_secs() as i32)
-                    .build();
-                api.stop_container(name, Some(opts)).await
-            }
-            Signal::KILL => {
-                let opts = KillContainerOptionsBuilder::new().signal("SIGKILL").build();
-                api.kill_container(name, Some(opts)).await
-            }
-            // Frozen with the cgroup freezer (as SIGSTOP, but for every
-            // process of the container), thawed again; nothing exits.
-            Signal::STOP => {
-                return api
-                    .pause_container(name)
-                    .await
-                    .map_err(|e| TargetError::Failed(format!("pausing {name}: {e}")));
-            }
-            Signal::CONT => return unpause(api, name).await,
-        };
-        match res {
-            Ok(()) => {}
-            // Not running (304, or 409 for kill): already what was asked.
-            Err(bollard::errors::Error::DockerResponseServerError { status_code, .. })
-                if status_code == 304 || status_code == 409 => {}
-            Err(e) => return Err(TargetError::Failed(format!("stopping {name}: {e}"))),
-        }
-        let deadline = Instant::now() + GRACE * 2;
-        while self.running(name).await? {
-            if Instant::now() >= deadline {
-                return Err(TargetError::Failed(format!("{name} did not stop")));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        Ok(())
+        stop_container(self.api()?, name, signal, GRACE).await
     }
 
     fn component(&self, c: &Component) -> Result<Vec<String>, TargetError> {
@@ -497,12 +414,157 @@ enum NetworkAt {
     JoinOf(String),
 }
 
+/// Where a command runs in a container, and as whom.
+#[derive(Debug, Clone)]
+pub struct InContainer<'a> {
+    pub container: &'a str,
+    /// None: the container's own user.
+    pub user: Option<String>,
+    /// `K=V`.
+    pub env: Vec<String>,
+    pub dir: String,
+    /// What errors call it (`pod getter-1`).
+    pub what: String,
+}
+
+impl InContainer<'_> {
+    fn config(&self, cmd: Vec<String>) -> ExecConfig {
+        ExecConfig {
+            attach_stdout: Some(true),
+            attach_stderr: Some(true),
+            cmd: Some(cmd),
+            env: Some(self.env.clone()),
+            user: self.user.clone(),
+            working_dir: Some(self.dir.clone()),
+            ..Default::default()
+        }
+    }
+}
+
+/// Runs `cmd` in a container and waits for it: its status (128 + 9 when
+/// the container died under it), stdout and stderr.
+pub async fn exec_in(
+    api: &Api,
+    at: &InContainer<'_>,
+    cmd: Vec<String>,
+) -> Result<ExecOutput, TargetError> {
+    let failed =
+        |e: bollard::errors::Error| TargetError::Failed(format!("exec in {}: {e}", at.what));
+    let started = Instant::now();
+    let exec = api
+        .create_exec(at.container, at.config(cmd))
+        .await
+        .map_err(failed)?
+        .id;
+    let mut stdout = Vec::new();
+    let mut stderr = Vec::new();
+    match api.start_exec(&exec, None).await.map_err(failed)? {
+        StartExecResults::Attached { mut output, .. } => {
+            // The container stopping ends the command; its stream may stay
+            // open after (a container in another's pid namespace).
+            let gone = container_gone(api, at.container);
+            tokio::pin!(gone);
+            loop {
+                let chunk = tokio::select! {
+                    chunk = output.next() => chunk,
+                    () = &mut gone => break,
+                };
+                match chunk {
+                    Some(Ok(LogOutput::StdOut { message })) => stdout.extend_from_slice(&message),
+                    Some(Ok(LogOutput::StdErr { message })) => stderr.extend_from_slice(&message),
+                    Some(Ok(_)) => {}
+                    // The pod died under the command: its status says so.
+                    Some(Err(_)) | None => break,
+                }
+            }
+        }
+        StartExecResults::Detached => {}
+    }
+    let duration = started.elapsed();
+    // The streams may close a moment before docker records the exit.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let inspect = loop {
+        let inspect = api.inspect_exec(&exec).await.map_err(failed)?;
+        if inspect.exit_code.is_some()
+            || inspect.running != Some(true)
+            || Instant::now() >= deadline
+        {
+            break inspect;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    // A pod killed under the command: docker has no exit code for it.
+    let status = match inspect.exit_code {
+        Some(code) => i32::try_from(code).unwrap_or(i32::MAX),
+        None => 128 + libc::SIGKILL,
+    };
+    Ok(ExecOutput {
+        status,
+        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&stderr).into_owned(),
+        duration,
+    })
+}
+
+/// Starts `cmd` in a container and returns at once ([`Target::spawn`]).
+pub async fn spawn_in(
+    api: &Api,
+    at: &InContainer<'_>,
+    cmd: Vec<String>,
+) -> Result<Box<dyn PodProcess>, TargetError> {
+    let failed = |e: bollard::errors::Error| {
+        TargetError::Failed(format!("starting a command in {}: {e}", at.what))
+    };
+    let exec = api
+        .create_exec(at.container, at.config(wrapped::wrap(cmd, false)))
+        .await
+        .map_err(failed)?
+        .id;
+    let output = match api.start_exec(&exec, None).await.map_err(failed)? {
+        StartExecResults::Attached { output, .. } => output,
+        StartExecResults::Detached => {
+            return Err(TargetError::Failed(format!(
+                "starting a command in {}: docker detached it",
+                at.what
+            )));
+        }
+    };
+    // The pod dying under the command ends the stream with an error, or
+    // (a container in another's pid namespace) leaves it open: its
+    // container stopping ends it too.
+    let chunks = output
+        .take_until(Box::pin(container_gone(api, at.container)))
+        .take_while(|c| futures::future::ready(c.is_ok()))
+        .filter_map(|c| {
+            futures::future::ready(match c {
+                Ok(LogOutput::StdOut { message }) => Some(Chunk::Stdout(message.to_vec())),
+                Ok(LogOutput::StdErr { message }) => Some(Chunk::Stderr(message.to_vec())),
+                _ => None,
+            })
+        })
+        .boxed();
+    let (api, container, user) = (api.clone(), at.container.to_owned(), at.user.clone());
+    let killer: Killer = std::sync::Arc::new(move |signal, pid| {
+        let (api, container, user) = (api.clone(), container.clone(), user.clone());
+        Box::pin(async move {
+            exec_to_end(
+                &api,
+                &container,
+                user.as_deref(),
+                wrapped::kill_argv(signal, pid),
+            )
+            .await
+        })
+    });
+    Ok(Box::new(wrapped::start(chunks, killer, false)))
+}
+
 /// Runs `cmd` in `container` and waits for it (a `kill` for a spawned
 /// command); Err unless it exits 0.
-async fn exec_to_end(
+pub async fn exec_to_end(
     api: &Api,
     container: &str,
-    user: &str,
+    user: Option<&str>,
     cmd: Vec<String>,
 ) -> Result<(), TargetError> {
     let failed = |e: bollard::errors::Error| {
@@ -515,7 +577,7 @@ async fn exec_to_end(
                 attach_stdout: Some(true),
                 attach_stderr: Some(true),
                 cmd: Some(cmd.clone()),
-                user: Some(user.to_owned()),
+                user: user.map(str::to_owned),
                 ..Default::default()
             },
         )
@@ -541,8 +603,161 @@ async fn exec_to_end(
     }
 }
 
+/// Creates a bridge network named `name` on the first free /16 of
+/// 10.210-10.249 (gateway .0.1), and returns its base address.
+pub async fn create_network(
+    api: &Api,
+    name: &str,
+    labels: HashMap<String, String>,
+) -> Result<Ipv4Addr, TargetError> {
+    let used: Vec<String> = api
+        .list_networks(Some(ListNetworksOptionsBuilder::new().build()))
+        .await
+        .map_err(|e| TargetError::Failed(format!("listing docker networks: {e}")))?
+        .into_iter()
+        .flat_map(|n| n.ipam.and_then(|i| i.config).unwrap_or_default())
+        .filter_map(|c| c.subnet)
+        .collect();
+    let mut last = String::new();
+    for second in 210..250u8 {
+        let base = Ipv4Addr::new(10, second, 0, 0);
+        if used.iter().any(|s| overlaps(s, base)) {
+            continue;
+        }
+        let req = NetworkCreateRequest {
+            name: name.to_owned(),
+            driver: Some("bridge".into()),
+            ipam: Some(Ipam {
+                config: Some(vec![IpamConfig {
+                    subnet: Some(format!("{base}/16")),
+                    gateway: Some(Ipv4Addr::new(10, second, 0, 1).to_string()),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            labels: Some(labels.clone()),
+            ..Default::default()
+        };
+        match api.create_network(req).await {
+            Ok(_) => return Ok(base),
+            // Taken by something docker did not list (a host route, a
+            // network created meanwhile): try the next.
+            Err(e) => last = e.to_string(),
+        }
+    }
+    Err(TargetError::Failed(format!(
+        "no free /16 for the testbed network in 10.210.0.0-10.249.0.0 (last error: {last})"
+    )))
+}
+
+/// Resolves once a container is no longer running (or cannot be asked).
+pub fn container_gone(
+    api: &Api,
+    name: &str,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let (api, name) = (api.clone(), name.to_owned());
+    async move {
+        while let Ok(true) = running(&api, &name).await {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+/// Whether a container is running.
+pub async fn running(api: &Api, name: &str) -> Result<bool, TargetError> {
+    let state = api
+        .inspect_container(name, None)
+        .await
+        .map_err(|e| TargetError::Failed(format!("inspecting {name}: {e}")))?
+        .state;
+    Ok(state.and_then(|s| s.running).unwrap_or(false))
+}
+
+/// Signals a container and waits for it to exit: TERM gets `grace`, then
+/// KILL. STOP and CONT pause and unpause it.
+pub async fn stop_container(
+    api: &Api,
+    name: &str,
+    signal: Signal,
+    grace: Duration,
+) -> Result<(), TargetError> {
+    let res = match signal {
+        Signal::TERM => {
+            let opts = StopContainerOptionsBuilder::new()
+                .signal("SIGTERM")
+                .t(i32::try_from(grace.as_secs()).unwrap_or(i32::MAX))
+                .build();
+            api.stop_container(name, Some(opts)).await
+        }
+        Signal::KILL => {
+            let opts = KillContainerOptionsBuilder::new().signal("SIGKILL").build();
+            api.kill_container(name, Some(opts)).await
+        }
+        // Frozen with the cgroup freezer (as SIGSTOP, but for every
+        // process of the container), thawed again; nothing exits.
+        Signal::STOP => {
+            return api
+                .pause_container(name)
+                .await
+                .map_err(|e| TargetError::Failed(format!("pausing {name}: {e}")));
+        }
+        Signal::CONT => return unpause(api, name).await,
+    };
+    match res {
+        Ok(()) => {}
+        // Not running (304, or 409 for kill): already what was asked.
+        Err(bollard::errors::Error::DockerResponseServerError { status_code, .. })
+            if status_code == 304 || status_code == 409 => {}
+        Err(e) => return Err(TargetError::Failed(format!("stopping {name}: {e}"))),
+    }
+    let deadline = Instant::now() + grace * 2;
+    while running(api, name).await? {
+        if Instant::now() >= deadline {
+            return Err(TargetError::Failed(format!("{name} did not stop")));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// Removes every container of a run (labelled [`RUN_LABEL`] = `run`):
+/// those in another's namespaces ([`SIDECAR_LABEL`]) first. Everything is
+/// tried; the first failure is reported.
+pub async fn remove_run_containers(api: &Api, run: &str) -> Result<(), TargetError> {
+    let filters = HashMap::from([("label".to_owned(), vec![format!("{RUN_LABEL}={run}")])]);
+    let containers = api
+        .list_containers(Some(
+            ListContainersOptionsBuilder::new()
+                .all(true)
+                .filters(&filters)
+                .build(),
+        ))
+        .await
+        .map_err(|e| TargetError::Failed(format!("listing the run's containers: {e}")))?;
+    let (sidecars, owners): (Vec<_>, Vec<_>) = containers.into_iter().partition(|c| {
+        c.labels
+            .as_ref()
+            .is_some_and(|l| l.contains_key(SIDECAR_LABEL))
+    });
+    let mut removed = Vec::new();
+    for batch in [sidecars, owners] {
+        let ids = batch.into_iter().filter_map(|c| c.id);
+        let removing: Vec<_> = ids.map(|id| remove_container(api, id)).collect();
+        removed.extend(
+            futures::stream::iter(removing)
+                .buffer_unordered(PARALLEL)
+                .collect::<Vec<_>>()
+                .await,
+        );
+    }
+    removed
+        .into_iter()
+        .find_map(Result::err)
+        .map_or(Ok(()), Err)
+}
+
 /// Removes a container, running or not; one already gone is fine.
-async fn remove_container(api: &Api, id: String) -> Result<(), TargetError> {
+pub async fn remove_container(api: &Api, id: String) -> Result<(), TargetError> {
     let opts = RemoveContainerOptionsBuilder::new()
         .force(true)
         .v(true)
@@ -557,7 +772,7 @@ async fn remove_container(api: &Api, id: String) -> Result<(), TargetError> {
 }
 
 /// `s` as a part of a container name: `[a-z0-9-]`.
-fn docker_name(s: &str) -> String {
+pub fn docker_name(s: &str) -> String {
     s.chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() {
@@ -583,7 +798,7 @@ fn overlaps(subnet: &str, base: Ipv4Addr) -> bool {
 }
 
 /// The address of the `i`th pod on the run's /16 at `base`: x.x.1.2, ...
-fn pod_ip(base: Ipv4Addr, i: usize) -> Ipv4Addr {
+pub fn pod_ip(base: Ipv4Addr, i: usize) -> Ipv4Addr {
     let [a, b, _, _] = base.octets();
     let n = u32::try_from(i).unwrap_or(u32::MAX);
     Ipv4Addr::new(a, b, 1 + (n / 250) as u8, 2 + (n % 250) as u8)
@@ -591,7 +806,7 @@ fn pod_ip(base: Ipv4Addr, i: usize) -> Ipv4Addr {
 
 /// Can this machine run the docker target? Asked once per process: the
 /// engine must answer and the run's images must be there.
-fn probe() -> Option<String> {
+pub fn probe() -> Option<String> {
     static PROBED: OnceLock<Option<String>> = OnceLock::new();
     PROBED
         .get_or_init(|| {
@@ -628,7 +843,7 @@ fn probe() -> Option<String> {
         .clone()
 }
 
-async fn connect() -> Result<Api, String> {
+pub async fn connect() -> Result<Api, String> {
     let api = Api::connect_with_local_defaults()
         .map_err(|e| format!("docker target: cannot connect to the Docker engine: {e}"))?;
     // The engine may speak an older API than bollard's default.
@@ -754,121 +969,27 @@ impl Target for Docker {
     async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError> {
         let pod = self.pod(&req.pod)?.clone();
         let (dir, env) = self.exec_env(&req, &pod);
-        let api = self.api()?;
-        let started = Instant::now();
-        let exec = api
-            .create_exec(
-                &pod.workload,
-                ExecConfig {
-                    attach_stdout: Some(true),
-                    attach_stderr: Some(true),
-                    cmd: Some(Programs::in_image().argv(&req)?),
-                    env: Some(env),
-                    user: Some(self.user.clone()),
-                    working_dir: Some(dir.display().to_string()),
-                    ..Default::default()
-                },
-            )
-            .await
-            .map_err(|e| TargetError::Failed(format!("exec in pod {}: {e}", req.pod)))?
-            .id;
-        let mut stdout = Vec::new();
-        let mut stderr = Vec::new();
-        match api.start_exec(&exec, None).await {
-            Ok(StartExecResults::Attached { mut output, .. }) => {
-                while let Some(chunk) = output.next().await {
-                    match chunk {
-                        Ok(LogOutput::StdOut { message }) => stdout.extend_from_slice(&message),
-                        Ok(LogOutput::StdErr { message }) => stderr.extend_from_slice(&message),
-                        Ok(_) => {}
-                        // The pod died under the command: its status says so.
-                        Err(_) => break,
-                    }
-                }
-            }
-            Ok(StartExecResults::Detached) => {}
-            Err(e) => return Err(TargetError::Failed(format!("exec in pod {}: {e}", req.pod))),
-        }
-        let duration = started.elapsed();
-        // The streams may close a moment before docker records the exit.
-        let deadline = Instant::now() + Duration::from_secs(2);
-        let inspect = loop {
-            let inspect = api
-                .inspect_exec(&exec)
-                .await
-                .map_err(|e| TargetError::Failed(format!("exec in pod {}: {e}", req.pod)))?;
-            if inspect.exit_code.is_some()
-                || inspect.running != Some(true)
-                || Instant::now() >= deadline
-            {
-                break inspect;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+        let run = InContainer {
+            container: &pod.workload,
+            user: Some(self.user.clone()),
+            env,
+            dir: dir.display().to_string(),
+            what: format!("pod {}", req.pod),
         };
-        // A pod killed under the command: docker has no exit code for it.
-        let status = match inspect.exit_code {
-            Some(code) => i32::try_from(code).unwrap_or(i32::MAX),
-            None => 128 + libc::SIGKILL,
-        };
-        Ok(ExecOutput {
-            status,
-            stdout: String::from_utf8_lossy(&stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&stderr).into_owned(),
-            duration,
-        })
+        exec_in(self.api()?, &run, Programs::in_image().argv(&req)?).await
     }
 
     async fn spawn(&self, req: ExecRequest) -> Result<Box<dyn PodProcess>, TargetError> {
         let pod = self.pod(&req.pod)?.clone();
         let (dir, env) = self.exec_env(&req, &pod);
-        let api = self.api()?.clone();
-        let failed = |e: bollard::errors::Error| {
-            TargetError::Failed(format!("starting a command in pod {}: {e}", req.pod))
+        let run = InContainer {
+            container: &pod.workload,
+            user: Some(self.user.clone()),
+            env,
+            dir: dir.display().to_string(),
+            what: format!("pod {}", req.pod),
         };
-        let exec = api
-            .create_exec(
-                &pod.workload,
-                ExecConfig {
-                    attach_stdout: Some(true),
-                    attach_stderr: Some(true),
-                    cmd: Some(wrapped::wrap(Programs::in_image().argv(&req)?, false)),
-                    env: Some(env),
-                    user: Some(self.user.clone()),
-                    working_dir: Some(dir.display().to_string()),
-                    ..Default::default()
-                },
-            )
-            .await
-            .map_err(failed)?
-            .id;
-        let output = match api.start_exec(&exec, None).await.map_err(failed)? {
-            StartExecResults::Attached { output, .. } => output,
-            StartExecResults::Detached => {
-                return Err(TargetError::Failed(format!(
-                    "starting a command in pod {}: docker detached it",
-                    req.pod
-                )));
-            }
-        };
-        // The pod dying under the command ends the stream with an error.
-        let chunks = output
-            .take_while(|c| futures::future::ready(c.is_ok()))
-            .filter_map(|c| {
-                futures::future::ready(match c {
-                    Ok(LogOutput::StdOut { message }) => Some(Chunk::Stdout(message.to_vec())),
-                    Ok(LogOutput::StdErr { message }) => Some(Chunk::Stderr(message.to_vec())),
-                    _ => None,
-                })
-            })
-            .boxed();
-        let (container, user) = (pod.workload.clone(), self.user.clone());
-        let killer: Killer = std::sync::Arc::new(move |signal, pid| {
-            let (api, container, user) = (api.clone(), container.clone(), user.clone());
-            Box::pin(async move {
-                exec_to_end(&api, &container, &user, wrapped::kill_argv(signal, pid)).await
-            })
-        });
-        Ok(Box::new(wrapped::start(chunks, killer, false)))
+        spawn_in(self.api()?, &run, Programs::in_image().argv(&req)?).await
     }
 
     async fn pod_ip(&self, pod: &str) -> Result<String, TargetError> {
@@ -932,38 +1053,7 @@ impl Target for Docker {
         let Some(api) = self.api.clone() else {
             return Ok(());
         };
-        let filters = HashMap::from([(
-            "label".to_owned(),
-            vec![format!("{RUN_LABEL}={}", self.run)],
-        )]);
-        let containers = api
-            .list_containers(Some(
-                ListContainersOptionsBuilder::new()
-                    .all(true)
-                    .filters(&filters)
-                    .build(),
-            ))
-            .await
-            .map_err(|e| TargetError::Failed(format!("listing the run's containers: {e}")))?;
-        // Sidecars first, then the containers whose namespaces they shared.
-        let (sidecars, owners): (Vec<_>, Vec<_>) = containers.into_iter().partition(|c| {
-            c.labels
-                .as_ref()
-                .is_some_and(|l| l.contains_key(SIDECAR_LABEL))
-        });
-        let mut removed = Vec::new();
-        for batch in [sidecars, owners] {
-            let ids = batch.into_iter().filter_map(|c| c.id);
-            let removing: Vec<_> = ids.map(|id| remove_container(&api, id)).collect();
-            removed.extend(
-                futures::stream::iter(removing)
-                    .buffer_unordered(PARALLEL)
-                    .collect::<Vec<_>>()
-                    .await,
-            );
-        }
-        // Everything is tried; the first failure is reported.
-        let mut first_error = removed.into_iter().find_map(Result::err);
+        let mut first_error = remove_run_containers(&api, &self.run).await.err();
         if let Some(net) = self.network.take() {
             match api.remove_network(&net).await {
                 Ok(())
@@ -983,7 +1073,7 @@ impl Target for Docker {
 
 /// Thaws a paused container; one that is not paused is no error (as
 /// SIGCONT to a running process).
-async fn unpause(api: &bollard::Docker, name: &str) -> Result<(), TargetError> {
+pub async fn unpause(api: &bollard::Docker, name: &str) -> Result<(), TargetError> {
     match api.unpause_container(name).await {
         Err(bollard::errors::Error::DockerResponseServerError { message, .. })
             if message.contains("is not paused") =>

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+pub mod bundle;
 pub mod cluster;
 pub mod docker;
 pub mod host;
@@ -171,6 +172,23 @@ pub trait Target: Send + Sync {
     /// Starts the metadata server, the store and the pods, and returns once
     /// every server answers `/readyz`.
     async fn up(&mut self, plan: &Plan) -> Result<(), TargetError>;
+
+    /// The token the runner acts with from `up` on, where the target
+    /// issued one (a cluster's operator token, from `kubectl create token`:
+    /// its install takes Kubernetes identities); None: the plan's. A pod
+    /// command given it runs with the pod's own identity instead.
+    fn operator_token(&self) -> Option<String> {
+        None
+    }
+
+    /// Names this target gives what scenarios name otherwise, as
+    /// (target's, scenario's) pairs the snapshots record the scenario's
+    /// way: on a cluster's identities an agent is named after its pod
+    /// (`getter-0-0`, the scenario's `getter-0`), and servers advertise
+    /// their Service names (`kt-store:8082`, an address elsewhere).
+    fn aliases(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
 
     /// The metadata server's URL as the runner reaches it.
     fn metadata_url(&self) -> String;

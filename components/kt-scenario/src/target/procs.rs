@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 use super::{ExecOutput, PodProcess, TargetError};
 use crate::format::Signal;
 
-fn sig(s: Signal) -> Sig {
+pub fn sig(s: Signal) -> Sig {
     match s {
         Signal::KILL => Sig::KILL,
         Signal::TERM => Sig::TERM,

@@ -20,13 +20,14 @@
 //!   gone, so it stays down like a dead server until `start` scales it back
 //!   to one and waits for the rollout and the pod's readiness. A restarted
 //!   scenario pod comes back with an empty `/work`, as a real pod would.
-//! - A pod's agent alone is signalled from its workload container (the pod
-//!   shares one pid namespace; both run as uid 65532), and the kubelet
+//! - A pod's agent alone is signalled from an ephemeral container (`kubectl
+//!   debug`, as the agent's uid 65532: the workload runs as 10001 and may
+//!   not; the pod shares one pid namespace), and the kubelet
 //!   restarts it at once: `kill_agent` waits until its restart count moved
 //!   ([`Target::keeps_killed_agents_down`] is false, so scenarios that
 //!   expect a killed agent to stay down are skipped). A pod's readiness is
 //!   its `Ready` condition (the agent's probes included); its agent's
-//!   `/metrics` are read inside the pod (busybox `wget` with the pod's
+//!   `/metrics` are read inside the pod (busybox `wget` with the operator's
 //!   token), since a port-forward per pod would not scale to hundreds.
 //! - Generated data sets are packed on the host and unpacked into the pods
 //!   that put them ([`Target::stage_data`]); what a getter wrote is packed in
@@ -111,9 +112,19 @@ done
 [ -n "$pids" ] || { echo "no kt-agent process is visible here (is shareProcessNamespace on?)" >&2; exit 1; }
 kill -s "$1" $pids"#;
 
-/// Prints the agent's `/metrics` from inside its pod, with the token the
-/// pod mounts (the scenario's).
-const AGENT_METRICS: &str = r#"wget -q -O - --header "Authorization: Bearer $(cat "$KT_TOKEN_FILE")" "http://127.0.0.1:$1/metrics""#;
+/// The ephemeral container that signals a pod's agent runs as the
+/// agent's user (`kubectl debug --custom`).
+const SIGNALLER: &str = r#"{"securityContext": {"runAsUser": 65532, "runAsGroup": 65532}}"#;
+
+/// Prints the agent's `/metrics` from inside its pod (`$1`: the port),
+/// with the operator's token (`$2`): a pod's own may not read metrics.
+const AGENT_METRICS: &str =
+    r#"wget -q -O - --header "Authorization: Bearer $2" "http://127.0.0.1:$1/metrics""#;
+/// The ServiceAccount the install's access map makes admin for operators
+/// (`kt --kube` asks a token for it).
+const OPERATOR: &str = "kt-operator";
+/// How long the run's operator token lives.
+const OPERATOR_TOKEN_TTL: &str = "24h";
 
 /// Settings of a run's cluster.
 #[derive(Debug, Clone)]
@@ -156,10 +167,12 @@ impl ClusterConfig {
         }
     }
 
+    /// The overlay of `flavor` with the scenario's pods on the production
+    /// path's identities: agent-sidecar, then agent-identity.
     fn sources(&self, flavor: &str) -> Sources {
         Sources {
             overlay: self.kustomize.join("overlays").join(flavor),
-            sidecar: self.kustomize.join("components").join("agent-sidecar"),
+            ..Sources::production(&self.kustomize)
         }
     }
 
@@ -175,6 +188,34 @@ impl ClusterConfig {
     fn kubeconfig(&self) -> PathBuf {
         self.state_dir.join(format!("{}.kubeconfig", self.cluster))
     }
+}
+
+/// The command line of an exec request inside a pod's workload container.
+/// The pod's environment has what every command needs (KT_METADATA_URL
+/// and KT_AGENT_SOCKET from the sidecar component, KT_PROGRESS, HOME).
+/// The request's token replaces the pod's own (KT_TOKEN, KT_TOKEN_FILE),
+/// except where it is `identity`'s: then the command keeps the pod's own
+/// identity (its projected token, on the production path).
+pub fn in_pod_argv(req: &ExecRequest, identity: Option<&str>) -> Vec<String> {
+    let keep = identity.is_some() && req.token.as_deref() == identity;
+    let mut argv: Vec<String> = vec!["env".into(), "-u".into(), "KT_TOKEN".into()];
+    if !keep {
+        argv.extend(["-u".into(), "KT_TOKEN_FILE".into()]);
+        if let Some(t) = &req.token {
+            argv.push(format!("KT_TOKEN={t}"));
+        }
+    }
+    argv.extend(req.env.iter().map(|(k, v)| format!("{k}={v}")));
+    match req.program {
+        Program::Kt => argv.push("kt".into()),
+        Program::Shell => argv.extend(["sh".into(), "-c".into()]),
+        // The client image has no Python: `runs_python` is false and no
+        // scenario with a python step gets here; an image that adds one
+        // has it on its PATH.
+        Program::Python => argv.push("python3".into()),
+    }
+    argv.extend(req.args.iter().cloned());
+    argv
 }
 
 /// The tag of the images to deploy: `KT_IMAGE_TAG`, else the git revision
@@ -377,6 +418,13 @@ pub struct Cluster {
     pods: Vec<String>,
     urls: HashMap<Component, String>,
     forwards: tokio::sync::Mutex<HashMap<Component, Forward>>,
+    /// The token the runner acts with: the operator's, from `kubectl create
+    /// token` once the install is up.
+    operator: Option<String>,
+    /// The images' tag.
+    tag: String,
+    /// Ephemeral containers made so far (each signal needs a new name).
+    signals: std::sync::atomic::AtomicUsize,
 }
 
 impl fmt::Debug for Cluster {
@@ -416,6 +464,9 @@ impl Cluster {
             pods: Vec::new(),
             urls: HashMap::new(),
             forwards: tokio::sync::Mutex::new(HashMap::new()),
+            operator: None,
+            tag: String::new(),
+            signals: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 
@@ -577,23 +628,29 @@ impl Cluster {
         let dir = self.deploy_dir();
         std::fs::create_dir_all(&dir)
             .map_err(TargetError::io(format!("creating {}", dir.display())))?;
-        let src = self.session.cfg.sources(self.session.flavor.name());
+        let cfg = &self.session.cfg;
+        let src = cfg.sources(self.session.flavor.name());
+        let base_access = cfg.kustomize.join("components/kube-identity/access.yaml");
+        let base = std::fs::read_to_string(&base_access).map_err(TargetError::io(format!(
+            "reading {}",
+            base_access.display()
+        )))?;
         let files = [
             (
                 "kustomization.yaml",
                 manifests::kustomization(plan, ns, tag, &dir, &src),
             ),
-            ("pods.yaml", manifests::pods(plan)),
+            ("pods.yaml", manifests::pods(plan, src.identities)),
+            (
+                "access.yaml",
+                manifests::access_map(plan, &base).map_err(TargetError::Failed)?,
+            ),
         ];
         for (name, text) in files {
             std::fs::write(dir.join(name), text)
                 .map_err(TargetError::io(format!("writing {name}")))?;
         }
-        let token = dir.join("token");
-        std::fs::write(&token, &plan.token).map_err(TargetError::io("writing the token"))?;
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600))
-            .map_err(TargetError::io("protecting the token"))
+        Ok(())
     }
 
     /// `kubectl exec` in a pod's workload container.
@@ -608,30 +665,6 @@ impl Cluster {
             WORKLOAD.into(),
             "--".into(),
         ])
-    }
-
-    /// The command line of an exec request inside the workload container.
-    /// The pod's environment has what every command needs (KT_METADATA_URL
-    /// and KT_AGENT_SOCKET from the sidecar component, KT_PROGRESS, HOME);
-    /// the token is the request's alone.
-    fn in_pod_argv(req: &ExecRequest) -> Vec<String> {
-        let mut argv: Vec<String> = ["env", "-u", "KT_TOKEN", "-u", "KT_TOKEN_FILE"]
-            .map(str::to_owned)
-            .to_vec();
-        if let Some(t) = &req.token {
-            argv.push(format!("KT_TOKEN={t}"));
-        }
-        argv.extend(req.env.iter().map(|(k, v)| format!("{k}={v}")));
-        match req.program {
-            Program::Kt => argv.push("kt".into()),
-            Program::Shell => argv.extend(["sh".into(), "-c".into()]),
-            // The client image has no Python: `runs_python` is false and no
-            // scenario with a python step gets here; an image that adds one
-            // has it on its PATH.
-            Program::Python => argv.push("python3".into()),
-        }
-        argv.extend(req.args.iter().cloned());
-        argv
     }
 
     /// The pod-side path of `rel`, a path relative to the pod's root.
@@ -664,6 +697,7 @@ impl Target for Cluster {
         self.work = plan.work_dir.clone();
         self.pods = plan.pods.iter().map(|p| p.name.clone()).collect();
         let tag = self.session.ensure().await?;
+        self.tag.clone_from(&tag);
         super::local::make_pod_dirs(plan)?;
         let ns = manifests::namespace(&plan.run_id, &plan.scenario);
         self.write_manifests(plan, &ns, &tag)?;
@@ -680,14 +714,6 @@ impl Target for Cluster {
             ns.clone(),
             format!("{}={}", manifests::MANAGED_BY.0, manifests::MANAGED_BY.1),
             format!("kt.dev/run={}", plan.run_id),
-        ]))
-        .await?;
-        self.run(self.kubectl().args([
-            "create".to_owned(),
-            "secret".to_owned(),
-            "generic".to_owned(),
-            manifests::TOKEN_SECRET.to_owned(),
-            format!("--from-file=token={}", dir.join("token").display()),
         ]))
         .await?;
         let rendered = dir.join("rendered.yaml");
@@ -710,11 +736,34 @@ impl Target for Cluster {
         for w in &workloads {
             self.rollout(w).await?;
         }
+        // The runner is an operator: what `kubectl create token kt-operator
+        // --audience kt` hands out (`kt --kube` asks the same).
+        let token = self
+            .run(self.kubectl().args([
+                "create",
+                "token",
+                OPERATOR,
+                "--audience",
+                "kt",
+                "--duration",
+                OPERATOR_TOKEN_TTL,
+            ]))
+            .await
+            .map_err(|e| TargetError::Failed(format!("a token for {OPERATOR}: {e}")))?;
+        self.operator = Some(token.stdout.trim().to_owned());
         for c in [Component::Metadata, Component::Store] {
             let url = self.forward(&c, 0).await?;
             self.urls.insert(c, url);
         }
         Ok(())
+    }
+
+    fn operator_token(&self) -> Option<String> {
+        self.operator.clone()
+    }
+
+    fn aliases(&self) -> Vec<(String, String)> {
+        manifests::aliases(&self.pods)
     }
 
     fn metadata_url(&self) -> String {
@@ -819,7 +868,7 @@ impl Target for Cluster {
         }
         let cmd = self
             .exec_cmd(&req.pod, false)
-            .args(Cluster::in_pod_argv(&req));
+            .args(in_pod_argv(&req, self.operator.as_deref()));
         let started = Instant::now();
         let out = self.shell.run(&cmd).await?;
         Ok(ExecOutput {
@@ -836,9 +885,10 @@ impl Target for Cluster {
         if !self.pods.contains(&req.pod) {
             return Err(TargetError::Failed(format!("no pod named {}", req.pod)));
         }
-        let cmd = self
-            .exec_cmd(&req.pod, false)
-            .args(wrapped::wrap(Cluster::in_pod_argv(&req), true));
+        let cmd = self.exec_cmd(&req.pod, false).args(wrapped::wrap(
+            in_pod_argv(&req, self.operator.as_deref()),
+            true,
+        ));
         let background = self.shell.spawn(&cmd).await?;
         let chunks = futures::stream::unfold(background, |mut b| async move {
             let line = b.line().await?;
@@ -884,7 +934,26 @@ impl Target for Cluster {
             return Err(TargetError::Failed(format!("no pod named {pod}")));
         }
         let before = self.agent_restarts(pod).await?;
-        self.run(self.exec_cmd(pod, false).args([
+        // The workload runs as a user of its own and may not signal the
+        // agent: an ephemeral container as the agent's user does (what an
+        // operator would do with `kubectl debug`).
+        let custom = self.deploy_dir().join("signal-agent.json");
+        std::fs::write(&custom, SIGNALLER)
+            .map_err(TargetError::io(format!("writing {}", custom.display())))?;
+        let n = self
+            .signals
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let image = format!("{}:{}", manifests::IMAGES[3], self.tag);
+        self.run(self.kubectl().args([
+            "debug".to_owned(),
+            manifests::pod_name(pod),
+            format!("--image={image}"),
+            format!("--target={AGENT_CONTAINER}"),
+            "--profile=restricted".to_owned(),
+            format!("--custom={}", custom.display()),
+            format!("--container=kt-signal-{n}"),
+            "--attach=false".to_owned(),
+            "--".to_owned(),
             "sh".to_owned(),
             "-c".to_owned(),
             SIGNAL_AGENT.to_owned(),
@@ -944,6 +1013,7 @@ impl Target for Cluster {
             AGENT_METRICS.to_owned(),
             "agent-metrics".to_owned(),
             AGENT_PORT.to_string(),
+            self.operator.clone().unwrap_or_default(),
         ]))
         .await
         .map(|o| o.stdout)
@@ -1195,7 +1265,12 @@ pub async fn dry_run(
     let r = session.finish().await;
     section("end of the run", r, &mut out);
     let dir = plan.work_dir.join("deploy");
-    for f in ["kustomization.yaml", "pods.yaml", "rendered.yaml"] {
+    for f in [
+        "kustomization.yaml",
+        "pods.yaml",
+        "access.yaml",
+        "rendered.yaml",
+    ] {
         let text = std::fs::read_to_string(dir.join(f)).unwrap_or_default();
         if !text.is_empty() {
             out.push_str(&format!("## {}\n{text}\n", dir.join(f).display()));

@@ -1,0 +1,592 @@
+//! The `bundle` target: the production install, as operators apply it,
+//! run as pods on this machine's Docker engine.
+//!
+//! Per scenario it renders, with `kubectl kustomize`, what a user of the
+//! production install renders: `kustomize/overlays/production` (kube
+//! identities, the access map, TokenReview, the servers' own
+//! ServiceAccounts and RBAC), plus the scenario's pods as StatefulSets
+//! labelled for the agent sidecar with the agent-sidecar and
+//! agent-identity components listed after each other as
+//! `kustomize/examples/trainer` does ([`manifests`]), images pinned to the
+//! run's tag, and the access map extended by one rule per scenario pod
+//! (each runs as a ServiceAccount of its own). Then [`kubelet`] runs every
+//! pod of the rendered install as a kubelet would, and [`api`] plays the
+//! Kubernetes API its components talk to: TokenReview, pod lookups and the
+//! namespace watch, behind the install's own RBAC. Nothing of the bundle is
+//! changed for the testbed: a defect of the install (a wrong argument, a
+//! missing RBAC rule, a socket the workload's user cannot open, a probe
+//! that never passes) fails the scenario here as it would fail a first
+//! install.
+//!
+//! The runner's own token is the operator's (`kubectl create token
+//! kt-operator --audience kt`, which the scripted API accepts for it);
+//! commands in a pod run with the pod's own projected token, unless a step
+//! gives another. Servers and agents are reached at their pods' addresses
+//! (this host routes to the run's bridge). What is not emulated is listed
+//! in [`kubelet`]'s documentation and ARCHITECTURE.md.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::{StreamExt, TryStreamExt};
+
+use super::cluster::in_pod_argv;
+use super::cluster::manifests::{self, AGENT_CONTAINER, AGENT_PORT, POD_ROOT, Sources, WORKLOAD};
+use super::docker::{self, Images};
+use super::{Component, ExecOutput, ExecRequest, Plan, PodProcess, Target, TargetError};
+use crate::format::Signal;
+
+pub mod api;
+pub mod install;
+pub mod kubelet;
+
+use api::ScriptedApi;
+use install::{Install, Subject};
+use kubelet::{Kubelet, PodRun};
+
+/// The metadata server's and the store's workloads and ports in the
+/// bundle (the deployment contract's names).
+const METADATA_OWNER: &str = "Deployment/kt-metadata";
+const STORE_OWNER: &str = "StatefulSet/kt-store";
+const METADATA_PORT: u16 = 8081;
+const STORE_PORT: u16 = 8082;
+/// The ServiceAccount the access map makes admin for operators.
+const OPERATOR: &str = "kt-operator";
+/// Pods started at once.
+const PARALLEL: usize = 8;
+
+fn failed(s: impl Into<String>) -> TargetError {
+    TargetError::Failed(s.into())
+}
+
+#[derive(Debug, Default)]
+pub struct Bundle {
+    kubelet: Option<Arc<Kubelet>>,
+    kube: Option<Arc<ScriptedApi>>,
+    network: Option<String>,
+    run: String,
+    /// The scenario's work dir (data sets are generated below it).
+    scenario_dir: PathBuf,
+    /// Below it, the target's own files.
+    work: PathBuf,
+    token: String,
+    metadata: Option<Arc<PodRun>>,
+    store: Option<Arc<PodRun>>,
+    /// Scenario pods by their scenario name (`getter-1`).
+    pods: BTreeMap<String, Arc<PodRun>>,
+    /// Every pod, for logs.
+    all: Vec<Arc<PodRun>>,
+}
+
+/// Can this machine run the bundle target? The docker target's checks
+/// (an engine, the run's images), `kubectl` (it renders the install), and
+/// root: volumes get the owners and modes a kubelet gives them.
+fn probe() -> Option<String> {
+    static PROBED: OnceLock<Option<String>> = OnceLock::new();
+    PROBED
+        .get_or_init(|| {
+            if !rustix::process::geteuid().is_root() {
+                return Some(
+                    "the bundle target runs as root: it gives volumes the owners a kubelet gives them (fsGroup)".into(),
+                );
+            }
+            let kubectl = std::process::Command::new("kubectl")
+                .args(["version", "--client"])
+                .output();
+            if !kubectl.is_ok_and(|o| o.status.success()) {
+                return Some("the bundle target renders the install with `kubectl kustomize`: kubectl is not installed".into());
+            }
+            docker::probe()
+        })
+        .clone()
+}
+
+impl Bundle {
+    pub fn new() -> Bundle {
+        Bundle::default()
+    }
+
+    fn kubelet(&self) -> Result<&Arc<Kubelet>, TargetError> {
+        self.kubelet
+            .as_ref()
+            .ok_or_else(|| failed("the bundle testbed is not up"))
+    }
+
+    fn pod(&self, name: &str) -> Result<&Arc<PodRun>, TargetError> {
+        self.pods
+            .get(name)
+            .ok_or_else(|| failed(format!("no pod named {name}")))
+    }
+
+    fn component(&self, c: &Component) -> Result<&Arc<PodRun>, TargetError> {
+        match c {
+            Component::Metadata => self
+                .metadata
+                .as_ref()
+                .ok_or_else(|| failed("no metadata server")),
+            Component::Store => self.store.as_ref().ok_or_else(|| failed("no store")),
+            Component::Pod(p) => self.pod(p),
+        }
+    }
+
+    /// Fails with the liveness faults recorded so far, if any.
+    fn healthy(&self) -> Result<(), TargetError> {
+        let faults = self.kubelet()?.faults();
+        if faults.is_empty() {
+            Ok(())
+        } else {
+            Err(failed(faults.join("\n")))
+        }
+    }
+
+    /// Renders the production install with the scenario's pods.
+    async fn render(&self, plan: &Plan, repo: &Path, tag: &str) -> Result<String, TargetError> {
+        let dir = self.work.join("deploy");
+        std::fs::create_dir_all(&dir)
+            .map_err(TargetError::io(format!("creating {}", dir.display())))?;
+        let kustomize = repo.join("kustomize");
+        let src = Sources::production(&kustomize);
+        let ns = manifests::namespace(&plan.run_id, &plan.scenario);
+        let base_access = kustomize.join("components/kube-identity/access.yaml");
+        let base = std::fs::read_to_string(&base_access).map_err(TargetError::io(format!(
+            "reading {}",
+            base_access.display()
+        )))?;
+        let files = [
+            (
+                "kustomization.yaml",
+                manifests::kustomization(plan, &ns, tag, &dir, &src),
+            ),
+            ("pods.yaml", manifests::pods(plan, true)),
+            (
+                "access.yaml",
+                manifests::access_map(plan, &base).map_err(failed)?,
+            ),
+        ];
+        for (name, text) in files {
+            std::fs::write(dir.join(name), text)
+                .map_err(TargetError::io(format!("writing {name}")))?;
+        }
+        let out = tokio::process::Command::new("kubectl")
+            .arg("kustomize")
+            .arg(&dir)
+            .output()
+            .await
+            .map_err(TargetError::io("running kubectl kustomize"))?;
+        if !out.status.success() {
+            return Err(failed(format!(
+                "kubectl kustomize {}: {}",
+                dir.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let rendered = self.work.join("install.yaml");
+        std::fs::write(&rendered, &text).map_err(TargetError::io("writing install.yaml"))?;
+        Ok(text)
+    }
+
+    async fn up_inner(&mut self, plan: &Plan) -> Result<(), TargetError> {
+        let engine = docker::connect().await.map_err(TargetError::Unavailable)?;
+        let images = Images::of_run().map_err(TargetError::Unavailable)?;
+        let tag = images
+            .metadata
+            .rsplit_once(':')
+            .map(|(_, t)| t.to_owned())
+            .ok_or_else(|| failed(format!("image {} has no tag", images.metadata)))?;
+        self.run = format!("{}-{}", plan.run_id, docker::docker_name(&plan.scenario));
+        self.scenario_dir = plan.work_dir.clone();
+        self.work = plan.work_dir.join("bundle");
+        self.token = plan.token.clone();
+        let repo = std::env::current_dir().map_err(TargetError::io("the working directory"))?;
+        let text = self.render(plan, &repo, &tag).await?;
+        let install = Arc::new(Install::parse(&text).map_err(|e| failed(e.0))?);
+        for (kind, why) in &install.skipped {
+            tracing::info!(kind = %kind, "bundle target: {why}");
+        }
+
+        let network = format!("kt-{}-net", self.run);
+        let labels = std::collections::HashMap::from([
+            (docker::RUN_LABEL.to_owned(), self.run.clone()),
+            ("kt.dev/testbed".to_owned(), "bundle".to_owned()),
+        ]);
+        let base = docker::create_network(&engine, &network, labels).await?;
+        self.network = Some(network.clone());
+        let [a, b, _, _] = base.octets();
+        let gateway = Ipv4Addr::new(a, b, 0, 1);
+        let kube = Arc::new(
+            ScriptedApi::start(
+                IpAddr::V4(gateway),
+                &self.work.join("kube-api"),
+                install.rbac.clone(),
+            )
+            .await
+            .map_err(|e| failed(e.to_string()))?,
+        );
+        self.kube = Some(kube.clone());
+        let ns = manifests::namespace(&plan.run_id, &plan.scenario);
+        // The runner is the operator: `kubectl create token kt-operator
+        // --audience kt` hands out a token like this one.
+        kube.accept(
+            &plan.token,
+            Subject {
+                namespace: ns.clone(),
+                name: OPERATOR.into(),
+            },
+            &["kt"],
+            Duration::from_secs(24 * 3600),
+        );
+        for (resource, meta) in &install.workloads {
+            kube.set_workload(resource, meta.clone());
+        }
+        let kubelet = Arc::new(Kubelet::new(
+            engine,
+            self.run.clone(),
+            network,
+            self.work.clone(),
+            kube.clone(),
+            install.clone(),
+            images.client.clone(),
+        ));
+        self.kubelet = Some(kubelet.clone());
+
+        // Servers first, then the scenario's pods, each at an address of
+        // its own.
+        let mut order: Vec<_> = install.pods.clone();
+        order.sort_by_key(|p| match p.owner.as_str() {
+            METADATA_OWNER => 0,
+            STORE_OWNER => 1,
+            _ => 2,
+        });
+        let addrs: Vec<(String, Ipv4Addr)> = order
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.clone(), docker::pod_ip(base, i)))
+            .collect();
+        kubelet.assign(&addrs);
+        for (p, (_, ip)) in order.iter().zip(&addrs) {
+            kube.set_pod(pod_object(p, *ip, &kubelet.node));
+        }
+        let creating: Vec<_> = order
+            .into_iter()
+            .zip(addrs)
+            .map(|(p, (_, ip))| {
+                let k = kubelet.clone();
+                async move { k.create(p, ip).await.map(Arc::new) }
+            })
+            .collect();
+        let made: Vec<Arc<PodRun>> = futures::stream::iter(creating)
+            .buffered(PARALLEL)
+            .try_collect()
+            .await?;
+        self.all = made.clone();
+        let by_owner = |owner: &str| made.iter().find(|p| p.inst.owner == owner).cloned();
+        self.metadata = by_owner(METADATA_OWNER);
+        self.store = by_owner(STORE_OWNER);
+        if self.metadata.is_none() || self.store.is_none() {
+            return Err(failed(format!(
+                "the rendered install has no {METADATA_OWNER} or no {STORE_OWNER}"
+            )));
+        }
+        for p in &plan.pods {
+            let owner = format!("StatefulSet/{}", p.name);
+            let run = by_owner(&owner)
+                .ok_or_else(|| failed(format!("the rendered install has no {owner}")))?;
+            if run.container(WORKLOAD).is_none() || run.container(AGENT_CONTAINER).is_none() {
+                return Err(failed(format!(
+                    "pod {} has no {WORKLOAD} container or no {AGENT_CONTAINER} sidecar: is agent-sidecar listed?",
+                    run.inst.name
+                )));
+            }
+            self.pods.insert(p.name.clone(), run);
+        }
+        for server in [&self.metadata, &self.store].into_iter().flatten() {
+            kubelet.start(server).await?;
+        }
+        let rest: Vec<Arc<PodRun>> = made
+            .iter()
+            .filter(|p| p.inst.owner != METADATA_OWNER && p.inst.owner != STORE_OWNER)
+            .cloned()
+            .collect();
+        let starting: Vec<_> = rest
+            .into_iter()
+            .map(|p| {
+                let k = kubelet.clone();
+                async move { k.start(&p).await }
+            })
+            .collect();
+        futures::stream::iter(starting)
+            .buffer_unordered(PARALLEL)
+            .try_collect::<Vec<()>>()
+            .await?;
+        Ok(())
+    }
+}
+
+/// The Pod object the scripted API serves for a running pod.
+fn pod_object(p: &install::PodInstance, ip: Ipv4Addr, node: &str) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": p.name,
+            "namespace": p.namespace,
+            "uid": p.uid,
+            "labels": p.labels,
+            "annotations": p.annotations,
+            "resourceVersion": "1",
+        },
+        "spec": {
+            "serviceAccountName": p.spec.service_account_name.clone().unwrap_or_else(|| "default".into()),
+            "nodeName": node,
+            "containers": [],
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": ip.to_string(),
+            "podIPs": [{ "ip": ip.to_string() }],
+        },
+    })
+}
+
+/// Removes the run's engine volumes (tmpfs emptyDirs).
+async fn remove_volumes(api: &bollard::Docker, run: &str) -> Result<(), TargetError> {
+    let filters = std::collections::HashMap::from([(
+        "label".to_owned(),
+        vec![format!("{}={run}", docker::RUN_LABEL)],
+    )]);
+    let volumes = api
+        .list_volumes(Some(
+            bollard::query_parameters::ListVolumesOptionsBuilder::new()
+                .filters(&filters)
+                .build(),
+        ))
+        .await
+        .map_err(|e| failed(format!("listing the run's volumes: {e}")))?
+        .volumes
+        .unwrap_or_default();
+    let mut first = None;
+    for v in volumes {
+        if let Err(e) = api
+            .remove_volume(
+                &v.name,
+                None::<bollard::query_parameters::RemoveVolumeOptions>,
+            )
+            .await
+        {
+            first.get_or_insert(failed(format!("removing volume {}: {e}", v.name)));
+        }
+    }
+    first.map_or(Ok(()), Err)
+}
+
+/// Copies `from` (a file or a directory tree) to `to` with its modes and
+/// modification times (what a manifest records: every pod putting a data
+/// set publishes the same digest, as on the targets that share files).
+fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    let meta = std::fs::symlink_metadata(from)?;
+    if meta.is_dir() {
+        std::fs::create_dir_all(to)?;
+        for entry in std::fs::read_dir(from)? {
+            let entry = entry?;
+            copy_tree(&entry.path(), &to.join(entry.file_name()))?;
+        }
+        std::fs::set_permissions(to, meta.permissions())?;
+    } else if meta.file_type().is_symlink() {
+        let _ = std::fs::remove_file(to);
+        return std::os::unix::fs::symlink(std::fs::read_link(from)?, to);
+    } else {
+        if let Some(parent) = to.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::copy(from, to)?;
+    }
+    filetime::set_file_mtime(to, filetime::FileTime::from_last_modification_time(&meta))
+}
+
+#[async_trait]
+impl Target for Bundle {
+    fn name(&self) -> &'static str {
+        "bundle"
+    }
+
+    fn unavailable(&self) -> Option<String> {
+        probe()
+    }
+
+    async fn up(&mut self, plan: &Plan) -> Result<(), TargetError> {
+        self.up_inner(plan).await
+    }
+
+    fn aliases(&self) -> Vec<(String, String)> {
+        manifests::aliases(&self.pods.keys().cloned().collect::<Vec<_>>())
+    }
+
+    fn metadata_url(&self) -> String {
+        self.metadata
+            .as_ref()
+            .map(|p| format!("http://{}:{METADATA_PORT}", p.ip))
+            .unwrap_or_default()
+    }
+
+    fn component_url(&self, c: &Component) -> Option<String> {
+        let (pod, port) = match c {
+            Component::Metadata => (self.metadata.as_ref()?, METADATA_PORT),
+            Component::Store => (self.store.as_ref()?, STORE_PORT),
+            Component::Pod(p) => (self.pods.get(p)?, AGENT_PORT),
+        };
+        Some(format!("http://{}:{port}", pod.ip))
+    }
+
+    fn pod_dir(&self, pod: &str) -> PathBuf {
+        self.pods
+            .get(pod)
+            .and_then(|p| p.host_path(WORKLOAD, POD_ROOT))
+            .unwrap_or_else(|| self.work.join("pods").join(pod).join("missing-pod-root"))
+    }
+
+    fn data_path(&self, pod: &str, host: &Path) -> Result<String, TargetError> {
+        let rel = host.strip_prefix(&self.scenario_dir).map_err(|_| {
+            failed(format!(
+                "{} is not below the scenario's work dir, so pod {pod} cannot see it",
+                host.display()
+            ))
+        })?;
+        Ok(Path::new(POD_ROOT).join(rel).display().to_string())
+    }
+
+    async fn stage_data(&self, uses: &[(String, PathBuf)]) -> Result<(), TargetError> {
+        for (pod, host) in uses {
+            let rel = host
+                .strip_prefix(&self.scenario_dir)
+                .map_err(|_| failed(format!("{} is not below the work dir", host.display())))?;
+            let to = self.pod_dir(pod).join(rel);
+            copy_tree(host, &to).map_err(TargetError::io(format!(
+                "copying {} into pod {pod}",
+                host.display()
+            )))?;
+        }
+        Ok(())
+    }
+
+    async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError> {
+        self.healthy()?;
+        let pod = self.pod(&req.pod)?;
+        let c = pod
+            .container(WORKLOAD)
+            .ok_or_else(|| failed("no workload container"))?;
+        let mut at = Kubelet::in_container(c, format!("pod {}", req.pod));
+        at.dir = POD_ROOT.into();
+        docker::exec_in(
+            &self.kubelet()?.docker,
+            &at,
+            in_pod_argv(&req, Some(&self.token)),
+        )
+        .await
+    }
+
+    async fn spawn(&self, req: ExecRequest) -> Result<Box<dyn PodProcess>, TargetError> {
+        self.healthy()?;
+        let pod = self.pod(&req.pod)?;
+        let c = pod
+            .container(WORKLOAD)
+            .ok_or_else(|| failed("no workload container"))?;
+        let mut at = Kubelet::in_container(c, format!("pod {}", req.pod));
+        at.dir = POD_ROOT.into();
+        docker::spawn_in(
+            &self.kubelet()?.docker,
+            &at,
+            in_pod_argv(&req, Some(&self.token)),
+        )
+        .await
+    }
+
+    async fn pod_ip(&self, pod: &str) -> Result<String, TargetError> {
+        Ok(self.pod(pod)?.ip.to_string())
+    }
+
+    async fn kill_agent(&self, pod: &str, signal: Signal) -> Result<(), TargetError> {
+        let pod = self.pod(pod)?;
+        self.kubelet()?.stop_one(pod, AGENT_CONTAINER, signal).await
+    }
+
+    fn freezes(&self) -> bool {
+        true
+    }
+
+    async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
+        let pod = self.component(c)?;
+        self.kubelet()?.stop(pod, signal).await
+    }
+
+    async fn start(&self, c: &Component) -> Result<(), TargetError> {
+        let pod = self.component(c)?;
+        self.kubelet()?.start(pod).await
+    }
+
+    async fn collect_logs(&self, dir: &Path) -> Result<(), TargetError> {
+        std::fs::create_dir_all(dir)
+            .map_err(TargetError::io(format!("creating {}", dir.display())))?;
+        let kubelet = self.kubelet()?;
+        for pod in &self.all {
+            for c in &pod.containers {
+                let log = kubelet.log(&c.docker, None).await;
+                let path = dir.join(format!("{}-{}.log", pod.inst.name, c.name));
+                std::fs::write(&path, log)
+                    .map_err(TargetError::io(format!("writing {}", path.display())))?;
+            }
+        }
+        let rendered = self.work.join("install.yaml");
+        if rendered.exists() {
+            std::fs::copy(&rendered, dir.join("install.yaml"))
+                .map_err(TargetError::io("copying install.yaml"))?;
+        }
+        if let Some(kube) = &self.kube {
+            let path = dir.join("kube-api.log");
+            std::fs::write(&path, kube.log().join("\n"))
+                .map_err(TargetError::io(format!("writing {}", path.display())))?;
+        }
+        Ok(())
+    }
+
+    async fn down(&mut self) -> Result<(), TargetError> {
+        let Some(kubelet) = self.kubelet.take() else {
+            return Ok(());
+        };
+        let api = kubelet.docker.clone();
+        // A pod whose creation was cut short by another's failure may
+        // still be made after the first sweep, and the engine may hold an
+        // endpoint a moment after its container went: sweep until the
+        // volumes and the network go.
+        let network = self.network.take();
+        let mut first = None;
+        for attempt in 0..3 {
+            let containers = docker::remove_run_containers(&api, &self.run).await;
+            let volumes = remove_volumes(&api, &self.run).await;
+            let net = match &network {
+                None => Ok(()),
+                Some(net) => match api.remove_network(net).await {
+                    Ok(())
+                    | Err(bollard::errors::Error::DockerResponseServerError {
+                        status_code: 404,
+                        ..
+                    }) => Ok(()),
+                    Err(e) => Err(failed(format!("removing network {net}: {e}"))),
+                },
+            };
+            first = containers.err().or(volumes.err()).or(net.err());
+            if first.is_none() || attempt == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        self.kube = None;
+        self.pods.clear();
+        self.all.clear();
+        first.map_or(Ok(()), Err)
+    }
+}
