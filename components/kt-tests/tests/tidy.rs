@@ -157,7 +157,9 @@ fn layering(members: &BTreeMap<String, Member>) -> Vec<String> {
     // Heavy dependencies stay in the crates that need them.
     for (dep, homes) in [
         ("kube", &["kt-kube", "kt-metadata"][..]),
-        ("k8s-openapi", &["kt-kube"][..]),
+        // kt-scenario's bundle target reads the rendered install's pod
+        // specs (the same build of it as kt-kube's: no extra compile).
+        ("k8s-openapi", &["kt-kube", "kt-scenario"][..]),
         ("bollard", &["kt-scenario"][..]),
         ("criterion", &["kt-bench"][..]),
         ("cudarc", &["kt-tensor"][..]),
