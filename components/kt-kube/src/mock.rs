@@ -252,3 +252,23 @@ pub fn status(code: u16, message: &str) -> Reply {
         }),
     )
 }
+
+/// The workspace's root: tests compare against its committed manifests.
+pub fn repo_root() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// A file of the workspace, by its path from the root (panics if absent:
+/// for tests).
+pub fn repo_file(rel: &str) -> String {
+    std::fs::read_to_string(repo_root().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// The YAML documents of a workspace file, as JSON values.
+pub fn repo_docs(rel: &str) -> Vec<Value> {
+    let text = repo_file(rel);
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap_or_else(|e| panic!("{rel}: {e}")))
+        .filter(|v: &Value| !v.is_null())
+        .collect()
+}

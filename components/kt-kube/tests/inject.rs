@@ -6,26 +6,10 @@
 //! components (`make manifests` regenerates the template and the
 //! rendering; `make manifests-check` fails when either drifts).
 
-use std::path::{Path, PathBuf};
-
 use kt_kube::inject::{PatchOp, Template, patch};
 use serde_json::{Value, json};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn read(rel: &str) -> String {
-    std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
-}
-
-fn docs(rel: &str) -> Vec<Value> {
-    let text = read(rel);
-    serde_yaml_ng::Deserializer::from_str(&text)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .filter(|v: &Value| !v.is_null())
-        .collect()
-}
+use kt_kube::mock::{repo_docs as docs, repo_file as read};
 
 /// The committed template with the agent image of agent-image.env, as the
 /// bundle gives kt-metadata both.

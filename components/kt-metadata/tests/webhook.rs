@@ -7,7 +7,7 @@
 //! agent-identity (`manifests/examples/trainer.yaml`).
 #![cfg(feature = "kube")]
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use base64::Engine;
@@ -18,21 +18,7 @@ use kt_service::tls::Tls;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn read(rel: &str) -> String {
-    std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
-}
-
-fn docs(rel: &str) -> Vec<Value> {
-    let text = read(rel);
-    serde_yaml_ng::Deserializer::from_str(&text)
-        .map(|d| serde::Deserialize::deserialize(d).unwrap())
-        .filter(|v: &Value| !v.is_null())
-        .collect()
-}
+use kt_kube::mock::{repo_docs as docs, repo_file as read, repo_root as root};
 
 const TEMPLATE: &str = "kustomize/components/sidecar-injector/template.yaml";
 

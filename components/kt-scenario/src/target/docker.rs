@@ -347,6 +347,20 @@ impl Docker {
         })
     }
 
+    /// Where a pod's command runs: its workload container, as the runner's
+    /// user, in the pod's directory, with the pod's environment.
+    fn in_workload(&self, req: &ExecRequest) -> Result<InContainer, TargetError> {
+        let pod = self.pod(&req.pod)?;
+        let (dir, env) = self.exec_env(req, pod);
+        Ok(InContainer {
+            container: pod.workload.clone(),
+            user: Some(self.user.clone()),
+            env,
+            dir: dir.display().to_string(),
+            what: format!("pod {}", req.pod),
+        })
+    }
+
     /// Where a pod's command runs and its environment (`K=V`), with the
     /// workload's token in place of the run's.
     fn exec_env(&self, req: &ExecRequest, pod: &Pod) -> (PathBuf, Vec<String>) {
@@ -416,8 +430,8 @@ enum NetworkAt {
 
 /// Where a command runs in a container, and as whom.
 #[derive(Debug, Clone)]
-pub struct InContainer<'a> {
-    pub container: &'a str,
+pub struct InContainer {
+    pub container: String,
     /// None: the container's own user.
     pub user: Option<String>,
     /// `K=V`.
@@ -427,7 +441,7 @@ pub struct InContainer<'a> {
     pub what: String,
 }
 
-impl InContainer<'_> {
+impl InContainer {
     fn config(&self, cmd: Vec<String>) -> ExecConfig {
         ExecConfig {
             attach_stdout: Some(true),
@@ -445,14 +459,14 @@ impl InContainer<'_> {
 /// the container died under it), stdout and stderr.
 pub async fn exec_in(
     api: &Api,
-    at: &InContainer<'_>,
+    at: &InContainer,
     cmd: Vec<String>,
 ) -> Result<ExecOutput, TargetError> {
     let failed =
         |e: bollard::errors::Error| TargetError::Failed(format!("exec in {}: {e}", at.what));
     let started = Instant::now();
     let exec = api
-        .create_exec(at.container, at.config(cmd))
+        .create_exec(&at.container, at.config(cmd))
         .await
         .map_err(failed)?
         .id;
@@ -462,7 +476,7 @@ pub async fn exec_in(
         StartExecResults::Attached { mut output, .. } => {
             // The container stopping ends the command; its stream may stay
             // open after (a container in another's pid namespace).
-            let gone = container_gone(api, at.container);
+            let gone = container_gone(api, &at.container);
             tokio::pin!(gone);
             loop {
                 let chunk = tokio::select! {
@@ -509,14 +523,14 @@ pub async fn exec_in(
 /// Starts `cmd` in a container and returns at once ([`Target::spawn`]).
 pub async fn spawn_in(
     api: &Api,
-    at: &InContainer<'_>,
+    at: &InContainer,
     cmd: Vec<String>,
 ) -> Result<Box<dyn PodProcess>, TargetError> {
     let failed = |e: bollard::errors::Error| {
         TargetError::Failed(format!("starting a command in {}: {e}", at.what))
     };
     let exec = api
-        .create_exec(at.container, at.config(wrapped::wrap(cmd, false)))
+        .create_exec(&at.container, at.config(wrapped::wrap(cmd, false)))
         .await
         .map_err(failed)?
         .id;
@@ -533,7 +547,7 @@ pub async fn spawn_in(
     // (a container in another's pid namespace) leaves it open: its
     // container stopping ends it too.
     let chunks = output
-        .take_until(Box::pin(container_gone(api, at.container)))
+        .take_until(Box::pin(container_gone(api, &at.container)))
         .take_while(|c| futures::future::ready(c.is_ok()))
         .filter_map(|c| {
             futures::future::ready(match c {
@@ -543,7 +557,7 @@ pub async fn spawn_in(
             })
         })
         .boxed();
-    let (api, container, user) = (api.clone(), at.container.to_owned(), at.user.clone());
+    let (api, container, user) = (api.clone(), at.container.clone(), at.user.clone());
     let killer: Killer = std::sync::Arc::new(move |signal, pid| {
         let (api, container, user) = (api.clone(), container.clone(), user.clone());
         Box::pin(async move {
@@ -967,29 +981,13 @@ impl Target for Docker {
     }
 
     async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError> {
-        let pod = self.pod(&req.pod)?.clone();
-        let (dir, env) = self.exec_env(&req, &pod);
-        let run = InContainer {
-            container: &pod.workload,
-            user: Some(self.user.clone()),
-            env,
-            dir: dir.display().to_string(),
-            what: format!("pod {}", req.pod),
-        };
-        exec_in(self.api()?, &run, Programs::in_image().argv(&req)?).await
+        let at = self.in_workload(&req)?;
+        exec_in(self.api()?, &at, Programs::in_image().argv(&req)?).await
     }
 
     async fn spawn(&self, req: ExecRequest) -> Result<Box<dyn PodProcess>, TargetError> {
-        let pod = self.pod(&req.pod)?.clone();
-        let (dir, env) = self.exec_env(&req, &pod);
-        let run = InContainer {
-            container: &pod.workload,
-            user: Some(self.user.clone()),
-            env,
-            dir: dir.display().to_string(),
-            what: format!("pod {}", req.pod),
-        };
-        spawn_in(self.api()?, &run, Programs::in_image().argv(&req)?).await
+        let at = self.in_workload(&req)?;
+        spawn_in(self.api()?, &at, Programs::in_image().argv(&req)?).await
     }
 
     async fn pod_ip(&self, pod: &str) -> Result<String, TargetError> {

@@ -623,29 +623,7 @@ mod tests {
     use super::*;
 
     fn rbac() -> Rbac {
-        let yaml = r#"
-apiVersion: rbac.authorization.k8s.io/v1
-kind: Role
-metadata: { name: r, namespace: kt }
-rules: [{ apiGroups: [""], resources: [pods], verbs: [get, list, watch] }]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: RoleBinding
-metadata: { name: r, namespace: kt }
-roleRef: { apiGroup: rbac.authorization.k8s.io, kind: Role, name: r }
-subjects: [{ kind: ServiceAccount, name: md }]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRole
-metadata: { name: tr }
-rules: [{ apiGroups: [authentication.k8s.io], resources: [tokenreviews], verbs: [create] }]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
-metadata: { name: tr }
-roleRef: { apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: tr }
-subjects: [{ kind: ServiceAccount, name: md, namespace: kt }]
-"#;
+        let yaml = super::super::install::tests::RBAC;
         super::super::install::Install::parse(yaml).unwrap().rbac
     }
 

@@ -745,7 +745,7 @@ impl Rbac {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     const INSTALL: &str = r#"
@@ -916,9 +916,9 @@ spec: {}
         assert_eq!(expand("$(B)", &env), "$(B)");
     }
 
-    #[test]
-    fn rbac_decides_as_the_authorizer() {
-        let yaml = r#"
+    /// A Role reading pods and a ClusterRole creating TokenReviews, both
+    /// bound to the ServiceAccount `md` of namespace `kt`.
+    pub const RBAC: &str = r#"
 apiVersion: rbac.authorization.k8s.io/v1
 kind: Role
 metadata: { name: r, namespace: kt }
@@ -941,6 +941,10 @@ metadata: { name: tr }
 roleRef: { apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: tr }
 subjects: [{ kind: ServiceAccount, name: md, namespace: kt }]
 "#;
+
+    #[test]
+    fn rbac_decides_as_the_authorizer() {
+        let yaml = RBAC;
         let rbac = Install::parse(yaml).unwrap().rbac;
         let md = Subject {
             namespace: "kt".into(),

@@ -278,6 +278,31 @@ fn make_dir(path: &Path, mode: u32, gid: Option<u32>) -> Result<(), TargetError>
         .map_err(TargetError::io(format!("chmod {}", path.display())))
 }
 
+/// A downward API volume's (or projection's) files: each item's field.
+fn write_downward(
+    items: &[k8s_openapi::api::core::v1::DownwardAPIVolumeFile],
+    dir: &Path,
+    mode: u32,
+    gid: Option<u32>,
+    d: &Downward<'_>,
+    who: &str,
+) -> Result<(), TargetError> {
+    for i in items {
+        let f = i
+            .field_ref
+            .as_ref()
+            .ok_or_else(|| failed(format!("{who}: only fieldRef items are emulated")))?;
+        let value = field(&f.field_path, d).map_err(|e| failed(format!("{who}: {e}")))?;
+        write_file(
+            &dir.join(&i.path),
+            value.as_bytes(),
+            mode_of(i.mode, mode),
+            gid,
+        )?;
+    }
+    Ok(())
+}
+
 fn mode_of(m: Option<i32>, default: u32) -> u32 {
     m.and_then(|m| u32::try_from(m).ok()).unwrap_or(default) & 0o7777
 }
@@ -515,19 +540,8 @@ impl Kubelet {
                             write_file(&dir.join("ca.crt"), &ca, mode, fs_group)?;
                         }
                     } else if let Some(da) = &src.downward_api {
-                        for i in da.items.iter().flatten() {
-                            let f = i.field_ref.as_ref().ok_or_else(|| {
-                                failed(format!("{who}: only fieldRef items are emulated"))
-                            })?;
-                            let value = field(&f.field_path, &d)
-                                .map_err(|e| failed(format!("{who}: {e}")))?;
-                            write_file(
-                                &dir.join(&i.path),
-                                value.as_bytes(),
-                                mode_of(i.mode, mode),
-                                fs_group,
-                            )?;
-                        }
+                        let items = da.items.as_deref().unwrap_or_default();
+                        write_downward(items, &dir, mode, fs_group, &d, &who)?;
                     } else if let Some(cm) = &src.config_map {
                         let c = self
                             .install
@@ -562,19 +576,8 @@ impl Kubelet {
                 }
             } else if let Some(da) = &v.downward_api {
                 let mode = mode_of(da.default_mode, 0o644);
-                for i in da.items.iter().flatten() {
-                    let f = i.field_ref.as_ref().ok_or_else(|| {
-                        failed(format!("{who}: only fieldRef items are emulated"))
-                    })?;
-                    let value =
-                        field(&f.field_path, &d).map_err(|e| failed(format!("{who}: {e}")))?;
-                    write_file(
-                        &dir.join(&i.path),
-                        value.as_bytes(),
-                        mode_of(i.mode, mode),
-                        fs_group,
-                    )?;
-                }
+                let items = da.items.as_deref().unwrap_or_default();
+                write_downward(items, &dir, mode, fs_group, &d, &who)?;
             } else {
                 return Err(failed(format!(
                     "{who}: this kind of volume is not emulated by the bundle target (hostPath and others need a node)"
@@ -1180,9 +1183,9 @@ impl Kubelet {
     }
 
     /// Runs a command in a container as the kubelet's `exec` probe does.
-    pub fn in_container<'a>(c: &'a Ctr, what: String) -> InContainer<'a> {
+    pub fn in_container(c: &Ctr, what: String) -> InContainer {
         InContainer {
-            container: &c.docker,
+            container: c.docker.clone(),
             user: None,
             env: Vec::new(),
             dir: c.spec.working_dir.clone().unwrap_or_else(|| "/".into()),

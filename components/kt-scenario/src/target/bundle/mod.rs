@@ -133,6 +133,19 @@ impl Bundle {
         }
     }
 
+    /// Where a step's command runs: the pod's workload container (as its
+    /// own user), in the pod's root; refused once a liveness probe failed.
+    fn in_workload(&self, req: &ExecRequest) -> Result<docker::InContainer, TargetError> {
+        self.healthy()?;
+        let c = self
+            .pod(&req.pod)?
+            .container(WORKLOAD)
+            .ok_or_else(|| failed("no workload container"))?;
+        let mut at = Kubelet::in_container(c, format!("pod {}", req.pod));
+        at.dir = POD_ROOT.into();
+        Ok(at)
+    }
+
     /// Fails with the liveness faults recorded so far, if any.
     fn healthy(&self) -> Result<(), TargetError> {
         let faults = self.kubelet()?.faults();
@@ -146,31 +159,10 @@ impl Bundle {
     /// Renders the production install with the scenario's pods.
     async fn render(&self, plan: &Plan, repo: &Path, tag: &str) -> Result<String, TargetError> {
         let dir = self.work.join("deploy");
-        std::fs::create_dir_all(&dir)
-            .map_err(TargetError::io(format!("creating {}", dir.display())))?;
         let kustomize = repo.join("kustomize");
-        let src = Sources::production(&kustomize);
         let ns = manifests::namespace(&plan.run_id, &plan.scenario);
-        let base_access = kustomize.join("components/kube-identity/access.yaml");
-        let base = std::fs::read_to_string(&base_access).map_err(TargetError::io(format!(
-            "reading {}",
-            base_access.display()
-        )))?;
-        let files = [
-            (
-                "kustomization.yaml",
-                manifests::kustomization(plan, &ns, tag, &dir, &src),
-            ),
-            ("pods.yaml", manifests::pods(plan, true)),
-            (
-                "access.yaml",
-                manifests::access_map(plan, &base).map_err(failed)?,
-            ),
-        ];
-        for (name, text) in files {
-            std::fs::write(dir.join(name), text)
-                .map_err(TargetError::io(format!("writing {name}")))?;
-        }
+        let src = Sources::production(&kustomize);
+        manifests::write_deploy(plan, &ns, tag, &dir, &src, &kustomize)?;
         let out = tokio::process::Command::new("kubectl")
             .arg("kustomize")
             .arg(&dir)
@@ -209,6 +201,9 @@ impl Bundle {
             tracing::info!(kind = %kind, "bundle target: {why}");
         }
 
+        // Hundreds of pods on one bridge outgrow the kernel's neighbour
+        // table (as on the docker target): raised for the run's size.
+        super::host::raise_limits(install.pods.len());
         let network = format!("kt-{}-net", self.run);
         let labels = std::collections::HashMap::from([
             (docker::RUN_LABEL.to_owned(), self.run.clone()),
@@ -474,35 +469,15 @@ impl Target for Bundle {
     }
 
     async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError> {
-        self.healthy()?;
-        let pod = self.pod(&req.pod)?;
-        let c = pod
-            .container(WORKLOAD)
-            .ok_or_else(|| failed("no workload container"))?;
-        let mut at = Kubelet::in_container(c, format!("pod {}", req.pod));
-        at.dir = POD_ROOT.into();
-        docker::exec_in(
-            &self.kubelet()?.docker,
-            &at,
-            in_pod_argv(&req, Some(&self.token)),
-        )
-        .await
+        let at = self.in_workload(&req)?;
+        let argv = in_pod_argv(&req, Some(&self.token));
+        docker::exec_in(&self.kubelet()?.docker, &at, argv).await
     }
 
     async fn spawn(&self, req: ExecRequest) -> Result<Box<dyn PodProcess>, TargetError> {
-        self.healthy()?;
-        let pod = self.pod(&req.pod)?;
-        let c = pod
-            .container(WORKLOAD)
-            .ok_or_else(|| failed("no workload container"))?;
-        let mut at = Kubelet::in_container(c, format!("pod {}", req.pod));
-        at.dir = POD_ROOT.into();
-        docker::spawn_in(
-            &self.kubelet()?.docker,
-            &at,
-            in_pod_argv(&req, Some(&self.token)),
-        )
-        .await
+        let at = self.in_workload(&req)?;
+        let argv = in_pod_argv(&req, Some(&self.token));
+        docker::spawn_in(&self.kubelet()?.docker, &at, argv).await
     }
 
     async fn pod_ip(&self, pod: &str) -> Result<String, TargetError> {

@@ -186,6 +186,40 @@ impl Sources {
     }
 }
 
+/// Writes the generated files of a scenario's deployment into `dir`:
+/// `kustomization.yaml`, `pods.yaml` and (on identities) `access.yaml`,
+/// which extends kube-identity's map under `kustomize`.
+pub fn write_deploy(
+    plan: &Plan,
+    ns: &str,
+    tag: &str,
+    dir: &Path,
+    src: &Sources,
+    kustomize: &Path,
+) -> Result<(), crate::target::TargetError> {
+    use crate::target::TargetError;
+    std::fs::create_dir_all(dir).map_err(TargetError::io(format!("creating {}", dir.display())))?;
+    let mut files = vec![
+        ("kustomization.yaml", kustomization(plan, ns, tag, dir, src)),
+        ("pods.yaml", pods(plan, src.identities)),
+    ];
+    if src.identities {
+        let base_access = kustomize.join("components/kube-identity/access.yaml");
+        let base = std::fs::read_to_string(&base_access).map_err(TargetError::io(format!(
+            "reading {}",
+            base_access.display()
+        )))?;
+        files.push((
+            "access.yaml",
+            access_map(plan, &base).map_err(TargetError::Failed)?,
+        ));
+    }
+    for (name, text) in files {
+        std::fs::write(dir.join(name), text).map_err(TargetError::io(format!("writing {name}")))?;
+    }
+    Ok(())
+}
+
 /// The ServiceAccount a scenario pod runs as on the production path.
 pub fn service_account(pod: &str) -> String {
     format!("scenario-{pod}")

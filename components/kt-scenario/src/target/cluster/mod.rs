@@ -625,32 +625,9 @@ impl Cluster {
 
     /// The generated files of `up`, written into the deploy dir.
     fn write_manifests(&self, plan: &Plan, ns: &str, tag: &str) -> Result<(), TargetError> {
-        let dir = self.deploy_dir();
-        std::fs::create_dir_all(&dir)
-            .map_err(TargetError::io(format!("creating {}", dir.display())))?;
         let cfg = &self.session.cfg;
         let src = cfg.sources(self.session.flavor.name());
-        let base_access = cfg.kustomize.join("components/kube-identity/access.yaml");
-        let base = std::fs::read_to_string(&base_access).map_err(TargetError::io(format!(
-            "reading {}",
-            base_access.display()
-        )))?;
-        let files = [
-            (
-                "kustomization.yaml",
-                manifests::kustomization(plan, ns, tag, &dir, &src),
-            ),
-            ("pods.yaml", manifests::pods(plan, src.identities)),
-            (
-                "access.yaml",
-                manifests::access_map(plan, &base).map_err(TargetError::Failed)?,
-            ),
-        ];
-        for (name, text) in files {
-            std::fs::write(dir.join(name), text)
-                .map_err(TargetError::io(format!("writing {name}")))?;
-        }
-        Ok(())
+        manifests::write_deploy(plan, ns, tag, &self.deploy_dir(), &src, &cfg.kustomize)
     }
 
     /// `kubectl exec` in a pod's workload container.
