@@ -724,7 +724,8 @@ pub async fn stop_container(
             if status_code == 304 || status_code == 409 => {}
         Err(e) => return Err(TargetError::Failed(format!("stopping {name}: {e}"))),
     }
-    let deadline = Instant::now() + grace * 2;
+    // A zero grace still gets the engine's time to reap the container.
+    let deadline = Instant::now() + grace * 2 + Duration::from_secs(5);
     while running(api, name).await? {
         if Instant::now() >= deadline {
             return Err(TargetError::Failed(format!("{name} did not stop")));

@@ -124,13 +124,22 @@ fn write_pki(dir: &Path, ip: IpAddr) -> Result<(), ApiError> {
         .signed_by(&key, &ca, &ca_key)
         .map_err(e("server certificate"))?;
     std::fs::create_dir_all(dir).map_err(|err| ApiError(format!("{}: {err}", dir.display())))?;
-    for (name, pem) in [
-        ("ca.crt", ca.pem()),
-        ("server.crt", cert.pem()),
-        ("server.key", key.serialize_pem()),
+    for (name, pem, mode) in [
+        ("ca.crt", ca.pem(), 0o644),
+        ("server.crt", cert.pem(), 0o644),
+        ("server.key", key.serialize_pem(), 0o600),
     ] {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
         let path = dir.join(name);
-        std::fs::write(&path, pem).map_err(|err| ApiError(format!("{}: {err}", path.display())))?;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&path)
+            .and_then(|mut f| f.write_all(pem.as_bytes()))
+            .map_err(|err| ApiError(format!("{}: {err}", path.display())))?;
     }
     Ok(())
 }
@@ -417,7 +426,6 @@ fn url_decode_pairs(q: &str) -> Vec<(String, String)> {
         let mut i = 0;
         while i < bytes.len() {
             if bytes[i] == b'%'
-                && i + 2 < bytes.len() + 1
                 && let Some(h) = bytes.get(i + 1..i + 3)
                 && let Ok(b) = u8::from_str_radix(&String::from_utf8_lossy(h), 16)
             {

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, StatefulSet};
-use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Secret, Service, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
 use serde_json::Value;
 
@@ -56,6 +56,7 @@ pub struct PodInstance {
 pub struct Install {
     pub config_maps: BTreeMap<(String, String), ConfigMap>,
     pub secrets: BTreeMap<(String, String), Secret>,
+    pub service_accounts: BTreeMap<(String, String), ServiceAccount>,
     pub services: Vec<Service>,
     pub pods: Vec<PodInstance>,
     pub rbac: Rbac,
@@ -166,7 +167,13 @@ impl Install {
                 "ClusterRole" => install.rbac.cluster_roles.push(parse(v, &what)?),
                 "RoleBinding" => install.rbac.role_bindings.push(parse(v, &what)?),
                 "ClusterRoleBinding" => install.rbac.cluster_role_bindings.push(parse(v, &what)?),
-                "Namespace" | "ServiceAccount" | "PersistentVolumeClaim" => {}
+                "ServiceAccount" => {
+                    let a: ServiceAccount = parse(v, &what)?;
+                    install
+                        .service_accounts
+                        .insert(key(&a.metadata.namespace, &a.metadata.name), a);
+                }
+                "Namespace" | "PersistentVolumeClaim" => {}
                 other => {
                     let why = NOT_EMULATED
                         .iter()
@@ -181,6 +188,32 @@ impl Install {
 
     pub fn config_map(&self, ns: &str, name: &str) -> Option<&ConfigMap> {
         self.config_maps.get(&(ns.to_owned(), name.to_owned()))
+    }
+
+    /// Whether `pod` gets its ServiceAccount's API token: its own setting,
+    /// else its account's, else yes. Err: it names an account the install
+    /// lacks (every namespace has `default`), which admission refuses.
+    pub fn automounts(&self, pod: &PodInstance) -> Result<bool, InstallError> {
+        let name = pod
+            .spec
+            .service_account_name
+            .as_deref()
+            .unwrap_or("default");
+        let account = self
+            .service_accounts
+            .get(&(pod.namespace.clone(), name.to_owned()));
+        if account.is_none() && name != "default" {
+            return Err(err(format!(
+                "pod {} runs as ServiceAccount {name}, which the install does not create: \
+                 the API server would not admit it",
+                pod.name
+            )));
+        }
+        Ok(pod
+            .spec
+            .automount_service_account_token
+            .or_else(|| account.and_then(|a| a.automount_service_account_token))
+            .unwrap_or(true))
     }
 
     pub fn secret(&self, ns: &str, name: &str) -> Option<&Secret> {
@@ -439,6 +472,21 @@ pub fn expand(s: &str, env: &[(String, String)]) -> String {
 
 fn string_data(data: Option<&BTreeMap<String, String>>, key: &str) -> Option<String> {
     data.and_then(|d| d.get(key)).cloned()
+}
+
+/// A Secret's entries: `data`, and `stringData` (which the API server
+/// merges into it).
+pub fn secret_entries(s: &Secret) -> Vec<(String, Vec<u8>)> {
+    let mut out: BTreeMap<String, Vec<u8>> = s
+        .data
+        .iter()
+        .flatten()
+        .map(|(k, v)| (k.clone(), v.0.clone()))
+        .collect();
+    for (k, v) in s.string_data.iter().flatten() {
+        out.insert(k.clone(), v.clone().into_bytes());
+    }
+    out.into_iter().collect()
 }
 
 fn secret_value(s: &Secret, key: &str) -> Option<String> {

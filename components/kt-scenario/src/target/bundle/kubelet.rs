@@ -56,7 +56,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::api::{API_AUDIENCE, ScriptedApi};
 use super::install::{
-    Downward, Install, PodInstance, Subject, environment, expand, field, named_port,
+    Downward, Install, PodInstance, Subject, environment, expand, field, named_port, secret_entries,
 };
 use crate::format::Signal;
 use crate::target::TargetError;
@@ -109,6 +109,13 @@ pub struct PodRun {
 }
 
 impl PodRun {
+    /// Ends its liveness probes (a pod stopped, or the run torn down).
+    pub fn stop_monitors(&self) {
+        if let Some(m) = lock(&self.monitors).take() {
+            m.cancel();
+        }
+    }
+
     pub fn container(&self, name: &str) -> Option<&Ctr> {
         self.containers.iter().find(|c| c.name == name)
     }
@@ -255,7 +262,26 @@ pub fn image_uid(user: &str) -> Option<i64> {
     u.parse().ok()
 }
 
+/// `rel` below `dir`, as the API server validates a volume's item paths,
+/// keys and subPaths: relative, without `..`. (Here such a path would be
+/// one on this host.)
+fn below(dir: &Path, rel: &str) -> Result<PathBuf, TargetError> {
+    let p = Path::new(rel);
+    let escapes = p.is_absolute()
+        || p.components()
+            .any(|c| matches!(c, std::path::Component::ParentDir));
+    if escapes {
+        return Err(failed(format!(
+            "path {rel:?} leaves its volume: the API server refuses it"
+        )));
+    }
+    Ok(dir.join(p))
+}
+
+/// Writes a volume's file as the kubelet does: root's, the fsGroup's with
+/// group read (the kubelet's mask for read-only volumes), in `mode`.
 fn write_file(path: &Path, data: &[u8], mode: u32, gid: Option<u32>) -> Result<(), TargetError> {
+    let mode = if gid.is_some() { mode | 0o440 } else { mode };
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)
             .map_err(TargetError::io(format!("creating {}", parent.display())))?;
@@ -294,7 +320,7 @@ fn write_downward(
             .ok_or_else(|| failed(format!("{who}: only fieldRef items are emulated")))?;
         let value = field(&f.field_path, d).map_err(|e| failed(format!("{who}: {e}")))?;
         write_file(
-            &dir.join(&i.path),
+            &below(dir, &i.path)?,
             value.as_bytes(),
             mode_of(i.mode, mode),
             gid,
@@ -397,7 +423,7 @@ impl Kubelet {
 
     /// Makes a pod's volumes and containers (none started).
     pub async fn create(&self, inst: PodInstance, ip: Ipv4Addr) -> Result<PodRun, TargetError> {
-        let pod_dir = self.dir.join("pods").join(&inst.name);
+        let pod_dir = below(&self.dir.join("pods"), &inst.name)?;
         let spec = &inst.spec;
         let fs_group = spec
             .security_context
@@ -417,7 +443,7 @@ impl Kubelet {
         let mut engine_volumes: BTreeMap<String, String> = BTreeMap::new();
         let mut read_only: BTreeMap<String, bool> = BTreeMap::new();
         let mut volumes = spec.volumes.clone().unwrap_or_default();
-        let automount = spec.automount_service_account_token != Some(false);
+        let automount = self.install.automounts(&inst).map_err(|e| failed(e.0))?;
         if automount {
             volumes.push(serde_json::from_value(serde_json::json!({
                 "name": "kube-api-access",
@@ -428,7 +454,7 @@ impl Kubelet {
             })).map_err(|e| failed(e.to_string()))?);
         }
         for v in &volumes {
-            let dir = pod_dir.join("volumes").join(&v.name);
+            let dir = below(&pod_dir.join("volumes"), &v.name)?;
             let who = format!("pod {} volume {}", inst.name, v.name);
             if let Some(e) = &v.empty_dir {
                 if e.medium.as_deref() == Some("Memory") {
@@ -463,7 +489,7 @@ impl Kubelet {
                 continue;
             }
             if let Some(pvc) = &v.persistent_volume_claim {
-                let claim = self.dir.join("claims").join(&pvc.claim_name);
+                let claim = below(&self.dir.join("claims"), &pvc.claim_name)?;
                 make_dir(
                     &claim,
                     if fs_group.is_some() { 0o2775 } else { 0o777 },
@@ -490,7 +516,7 @@ impl Kubelet {
                             let value = data.get(&k).ok_or_else(|| {
                                 failed(format!("{who}: ConfigMap {} has no key {k}", cm.name))
                             })?;
-                            write_file(&dir.join(path), value.as_bytes(), m, fs_group)?;
+                            write_file(&below(&dir, &path)?, value.as_bytes(), m, fs_group)?;
                         }
                     }
                     None if cm.optional == Some(true) => {}
@@ -506,8 +532,8 @@ impl Kubelet {
                 let name = s.secret_name.clone().unwrap_or_default();
                 match self.install.secret(&inst.namespace, &name) {
                     Some(secret) => {
-                        for (k, b) in secret.data.clone().unwrap_or_default() {
-                            write_file(&dir.join(&k), &b.0, mode, fs_group)?;
+                        for (k, b) in secret_entries(secret) {
+                            write_file(&below(&dir, &k)?, &b, mode, fs_group)?;
                         }
                     }
                     None if s.optional == Some(true) => {}
@@ -533,7 +559,7 @@ impl Kubelet {
                             Some((&inst.name, &inst.uid)),
                             ttl,
                         );
-                        write_file(&dir.join(&t.path), token.as_bytes(), mode, fs_group)?;
+                        write_file(&below(&dir, &t.path)?, token.as_bytes(), mode, fs_group)?;
                         if v.name == "kube-api-access" {
                             let ca = std::fs::read(self.kube.ca_path())
                                 .map_err(TargetError::io("reading the API's CA"))?;
@@ -553,7 +579,7 @@ impl Kubelet {
                                 ))
                             })?;
                         for (k, val) in c.data.clone().unwrap_or_default() {
-                            write_file(&dir.join(&k), val.as_bytes(), mode, fs_group)?;
+                            write_file(&below(&dir, &k)?, val.as_bytes(), mode, fs_group)?;
                         }
                     } else if let Some(s) = &src.secret {
                         let sec =
@@ -565,8 +591,8 @@ impl Kubelet {
                                         s.name
                                     ))
                                 })?;
-                        for (k, b) in sec.data.clone().unwrap_or_default() {
-                            write_file(&dir.join(&k), &b.0, mode, fs_group)?;
+                        for (k, b) in secret_entries(sec) {
+                            write_file(&below(&dir, &k)?, &b, mode, fs_group)?;
                         }
                     } else {
                         return Err(failed(format!(
@@ -768,7 +794,8 @@ impl Kubelet {
         for m in c.volume_mounts.iter().flatten() {
             let ro = m.read_only == Some(true) || read_only.get(&m.name).copied().unwrap_or(false);
             let mount = if let Some(dir) = dirs.get(&m.name) {
-                let src = dir.join(m.sub_path.as_deref().unwrap_or_default());
+                let src = below(dir, m.sub_path.as_deref().unwrap_or_default())
+                    .map_err(|e| e.to_string())?;
                 if m.sub_path.is_some() {
                     std::fs::create_dir_all(&src).map_err(|e| format!("{}: {e}", src.display()))?;
                 }
@@ -842,6 +869,9 @@ impl Kubelet {
         if let Some(old) = lock(&pod.monitors).replace(token.clone()) {
             old.cancel();
         }
+        // What its probes said before it was stopped is history.
+        let mine = format!("pod {} ", pod.inst.name);
+        lock(&self.faults).retain(|f| !f.starts_with(&mine));
         for c in &pod.containers {
             if docker::running(&self.docker, &c.docker).await? {
                 continue;
@@ -967,6 +997,9 @@ impl Kubelet {
             p.initial_delay_seconds.unwrap_or(0).max(0) as u64,
         ))
         .await;
+        // The kubelet gives a startup probe `period × failureThreshold`;
+        // the testbed probes more often within that same time.
+        let allowed = Instant::now() + period * u32::try_from(threshold).unwrap_or(u32::MAX);
         let mut failures = 0;
         loop {
             if !docker::running(&self.docker, &c.docker).await? {
@@ -978,7 +1011,8 @@ impl Kubelet {
                 Ok(()) => return Ok(()),
                 Err(e) => {
                     failures += 1;
-                    if failures >= threshold || Instant::now() >= deadline {
+                    let now = Instant::now();
+                    if now >= allowed || now >= deadline {
                         return Err(self
                             .dead(
                                 pod,
@@ -1081,10 +1115,8 @@ impl Kubelet {
     /// order, as the kubelet terminates a pod); its sandbox, address and
     /// volumes stay. STOP and CONT freeze and thaw them.
     pub async fn stop(&self, pod: &PodRun, signal: Signal) -> Result<(), TargetError> {
-        if matches!(signal, Signal::TERM | Signal::KILL)
-            && let Some(m) = lock(&pod.monitors).take()
-        {
-            m.cancel();
+        if signal != Signal::CONT {
+            pod.stop_monitors();
         }
         let grace = Duration::from_secs(
             pod.inst
@@ -1118,9 +1150,6 @@ impl Kubelet {
         } else {
             Vec::new()
         };
-        for pid in &pids {
-            let _ = rustix::process::kill_process(*pid, crate::target::procs::sig(signal));
-        }
         let id = match pids.is_empty() {
             true => None,
             false => self
@@ -1130,15 +1159,20 @@ impl Kubelet {
                 .ok()
                 .and_then(|i| i.id),
         };
-        docker::stop_container(&self.docker, &c.docker, signal, grace).await?;
-        for pid in pids {
-            // Only a process still in the container's cgroup: its pid is
-            // nobody else's yet. (ESRCH: gone with the container.)
+        // Only a process in the container's cgroup: the engine's pids are
+        // this host's only when the runner shares its pid namespace, and a
+        // pid may have been reused. (ESRCH: gone with the container.)
+        let theirs = |pid: rustix::process::Pid| {
             let cgroup = std::fs::read_to_string(format!("/proc/{}/cgroup", pid.as_raw_nonzero()))
                 .unwrap_or_default();
-            if id.as_deref().is_some_and(|id| cgroup.contains(id)) {
-                let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-            }
+            id.as_deref().is_some_and(|id| cgroup.contains(id))
+        };
+        for pid in pids.iter().copied().filter(|p| theirs(*p)) {
+            let _ = rustix::process::kill_process(pid, crate::target::procs::sig(signal));
+        }
+        docker::stop_container(&self.docker, &c.docker, signal, grace).await?;
+        for pid in pids.into_iter().filter(|p| theirs(*p)) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
         }
         Ok(())
     }
@@ -1172,6 +1206,10 @@ impl Kubelet {
         let c = pod
             .container(name)
             .ok_or_else(|| failed(format!("pod {} has no container {name}", pod.inst.name)))?;
+        // Stopped or frozen on purpose: its probes stop until `start`.
+        if signal != Signal::CONT {
+            pod.stop_monitors();
+        }
         let grace = Duration::from_secs(
             pod.inst
                 .spec

@@ -65,6 +65,7 @@ fn failed(s: impl Into<String>) -> TargetError {
 
 #[derive(Debug, Default)]
 pub struct Bundle {
+    engine: Option<bollard::Docker>,
     kubelet: Option<Arc<Kubelet>>,
     kube: Option<Arc<ScriptedApi>>,
     network: Option<String>,
@@ -184,6 +185,8 @@ impl Bundle {
 
     async fn up_inner(&mut self, plan: &Plan) -> Result<(), TargetError> {
         let engine = docker::connect().await.map_err(TargetError::Unavailable)?;
+        // Kept from here: `down` removes whatever a failed `up` made.
+        self.engine = Some(engine.clone());
         let images = Images::of_run().map_err(TargetError::Unavailable)?;
         let tag = images
             .metadata
@@ -193,6 +196,14 @@ impl Bundle {
         self.run = format!("{}-{}", plan.run_id, docker::docker_name(&plan.scenario));
         self.scenario_dir = plan.work_dir.clone();
         self.work = plan.work_dir.join("bundle");
+        // Tokens, keys and pods' volumes live below: the runner's alone
+        // (the engine bind-mounts them regardless).
+        std::fs::create_dir_all(&self.work)
+            .and_then(|()| {
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(&self.work, std::fs::Permissions::from_mode(0o700))
+            })
+            .map_err(TargetError::io(format!("creating {}", self.work.display())))?;
         self.token = plan.token.clone();
         let repo = std::env::current_dir().map_err(TargetError::io("the working directory"))?;
         let text = self.render(plan, &repo, &tag).await?;
@@ -382,24 +393,27 @@ async fn remove_volumes(api: &bollard::Docker, run: &str) -> Result<(), TargetEr
 /// Copies `from` (a file or a directory tree) to `to` with its modes and
 /// modification times (what a manifest records: every pod putting a data
 /// set publishes the same digest, as on the targets that share files).
-fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+fn copy_tree(from: &Path, to: &Path, owner: (Option<u32>, Option<u32>)) -> std::io::Result<()> {
     let meta = std::fs::symlink_metadata(from)?;
     if meta.is_dir() {
         std::fs::create_dir_all(to)?;
         for entry in std::fs::read_dir(from)? {
             let entry = entry?;
-            copy_tree(&entry.path(), &to.join(entry.file_name()))?;
+            copy_tree(&entry.path(), &to.join(entry.file_name()), owner)?;
         }
         std::fs::set_permissions(to, meta.permissions())?;
     } else if meta.file_type().is_symlink() {
         let _ = std::fs::remove_file(to);
-        return std::os::unix::fs::symlink(std::fs::read_link(from)?, to);
+        std::os::unix::fs::symlink(std::fs::read_link(from)?, to)?;
+        return std::os::unix::fs::lchown(to, owner.0, owner.1);
     } else {
         if let Some(parent) = to.parent() {
             std::fs::create_dir_all(parent)?;
         }
         std::fs::copy(from, to)?;
     }
+    // The workload's own files, as if it had unpacked them itself.
+    std::os::unix::fs::lchown(to, owner.0, owner.1)?;
     filetime::set_file_mtime(to, filetime::FileTime::from_last_modification_time(&meta))
 }
 
@@ -460,7 +474,16 @@ impl Target for Bundle {
                 .strip_prefix(&self.scenario_dir)
                 .map_err(|_| failed(format!("{} is not below the work dir", host.display())))?;
             let to = self.pod_dir(pod).join(rel);
-            copy_tree(host, &to).map_err(TargetError::io(format!(
+            let run = self.pod(pod)?;
+            let who = run.container(WORKLOAD).map(|c| {
+                kubelet::identity(
+                    run.inst.spec.security_context.as_ref(),
+                    c.spec.security_context.as_ref(),
+                )
+            });
+            let id = |v: Option<i64>| v.and_then(|v| u32::try_from(v).ok());
+            let owner = who.map_or((None, None), |w| (id(w.uid), id(w.gid)));
+            copy_tree(host, &to, owner).map_err(TargetError::io(format!(
                 "copying {} into pod {pod}",
                 host.display()
             )))?;
@@ -529,10 +552,13 @@ impl Target for Bundle {
     }
 
     async fn down(&mut self) -> Result<(), TargetError> {
-        let Some(kubelet) = self.kubelet.take() else {
+        let Some(api) = self.engine.take() else {
             return Ok(());
         };
-        let api = kubelet.docker.clone();
+        self.kubelet = None;
+        for pod in &self.all {
+            pod.stop_monitors();
+        }
         // A pod whose creation was cut short by another's failure may
         // still be made after the first sweep, and the engine may hold an
         // endpoint a moment after its container went: sweep until the

@@ -21,8 +21,8 @@
 //!   to one and waits for the rollout and the pod's readiness. A restarted
 //!   scenario pod comes back with an empty `/work`, as a real pod would.
 //! - A pod's agent alone is signalled from an ephemeral container (`kubectl
-//!   debug`, as the agent's uid 65532: the workload runs as 10001 and may
-//!   not; the pod shares one pid namespace), and the kubelet
+//!   debug`, as the agent's uid 65532: a workload of another uid, as the
+//!   examples run, may not; the pod shares one pid namespace), and the kubelet
 //!   restarts it at once: `kill_agent` waits until its restart count moved
 //!   ([`Target::keeps_killed_agents_down`] is false, so scenarios that
 //!   expect a killed agent to stay down are skipped). A pod's readiness is
@@ -911,9 +911,9 @@ impl Target for Cluster {
             return Err(TargetError::Failed(format!("no pod named {pod}")));
         }
         let before = self.agent_restarts(pod).await?;
-        // The workload runs as a user of its own and may not signal the
-        // agent: an ephemeral container as the agent's user does (what an
-        // operator would do with `kubectl debug`).
+        // A workload of its own user may not signal the agent: an
+        // ephemeral container as the agent's user does (what an operator
+        // would do with `kubectl debug`).
         let custom = self.deploy_dir().join("signal-agent.json");
         std::fs::write(&custom, SIGNALLER)
             .map_err(TargetError::io(format!("writing {}", custom.display())))?;
