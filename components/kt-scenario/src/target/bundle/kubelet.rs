@@ -109,6 +109,16 @@ pub struct PodRun {
 }
 
 impl PodRun {
+    /// How long its containers get between TERM and KILL.
+    pub fn grace(&self) -> Duration {
+        let secs = self
+            .inst
+            .spec
+            .termination_grace_period_seconds
+            .unwrap_or(30);
+        Duration::from_secs(u64::try_from(secs).unwrap_or(0))
+    }
+
     /// Ends its liveness probes (a pod stopped, or the run torn down).
     pub fn stop_monitors(&self) {
         if let Some(m) = lock(&self.monitors).take() {
@@ -1118,13 +1128,7 @@ impl Kubelet {
         if signal != Signal::CONT {
             pod.stop_monitors();
         }
-        let grace = Duration::from_secs(
-            pod.inst
-                .spec
-                .termination_grace_period_seconds
-                .unwrap_or(30)
-                .max(0) as u64,
-        );
+        let grace = pod.grace();
         for c in pod.containers.iter().rev().filter(|c| c.role != Role::Init) {
             self.stop_container(pod, c, signal, grace).await?;
         }
@@ -1210,13 +1214,7 @@ impl Kubelet {
         if signal != Signal::CONT {
             pod.stop_monitors();
         }
-        let grace = Duration::from_secs(
-            pod.inst
-                .spec
-                .termination_grace_period_seconds
-                .unwrap_or(30)
-                .max(0) as u64,
-        );
+        let grace = pod.grace();
         self.stop_container(pod, c, signal, grace).await
     }
 
