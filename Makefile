@@ -99,9 +99,14 @@ lint-workflows:
 python:
 	bash components/kt-python/build.sh >/dev/null
 
-## python-test: the package's pytest suite against real servers on loopback
-## (the debug binaries `unit` builds).
+## python-test: mypy --strict over the package and the reference's examples
+## (with the test module and harness that run them), then the package's
+## pytest suite against real servers on loopback (the debug binaries `unit`
+## builds).
 python-test: python
+	cd components/kt-python && MYPYPATH=python $(abspath $(TARGET_DIR))/python/bin/python -m mypy \
+		--strict --cache-dir $(abspath $(TARGET_DIR))/mypy-cache \
+		python/kt tests/examples.py tests/test_reference.py tests/loopback.py tests/kubeapi.py
 	$(CARGO) build -q --bins -p kt-metadata -p kt-store -p kt-agent
 	KT_BIN_DIR=$(TARGET_DIR)/debug $(TARGET_DIR)/python/bin/python -m pytest -q -rs components/kt-python/tests
 

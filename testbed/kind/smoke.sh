@@ -33,14 +33,14 @@
 #               with the bundle's images.yaml; rollout status of
 #               deploy/trainer (two pods); the Job trainer-eval completes
 #  5. put/get   a data set put from one trainer pod, got in the other, and
-#               compared byte for byte; a second key put with --lifespan
-#               resource
+#               compared byte for byte (put with --lifespan cluster); a
+#               second key put with no lifespan (resource: trainer's base path)
 #  6. broadcast both trainer pods get the key as one broadcast group with
 #               fanout 1 (ranks 1 and 2: rank 2 fetches from rank 1)
 #  7. outside   kt --kube put from outside the cluster, got in a pod; kt
 #               --kube get of the key the pod put
 #  8. teardown  kt teardown trainer, in a pod: the resource key is gone, the
-#               cluster keys stay (kt --kube ls)
+#               lifespan=cluster keys under trainer/ stay (kt --kube ls)
 #  9. cleanup   kind delete cluster (unless --keep-cluster)
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -153,8 +153,8 @@ seq 1 20000 >"$work/data/shards/numbers.txt"
 echo "kt smoke test $(date -u +%FT%TZ)" >"$work/data/shards/README"
 k exec "$a" -c trainer -- mkdir -p /work/smoke
 tar -C "$work/data" -cf - . | k exec -i "$a" -c trainer -- tar -C /work/smoke -xf -
-k exec "$a" -c trainer -- kt put trainer/smoke/data --src /work/smoke
-k exec "$a" -c trainer -- kt put trainer/smoke/scratch --src /work/smoke --lifespan resource
+k exec "$a" -c trainer -- kt put trainer/smoke/data --src /work/smoke --lifespan cluster
+k exec "$a" -c trainer -- kt put trainer/smoke/scratch --src /work/smoke
 k exec "$b" -c trainer -- kt get trainer/smoke/data --dest /var/lib/kt/data/smoke
 fetch "$b" /var/lib/kt/data/smoke "$work/got-get"
 same "get in $b" "$work/got-get"
@@ -177,7 +177,7 @@ same "broadcast in $a" "$work/got-broadcast-a"
 same "broadcast in $b" "$work/got-broadcast-b"
 
 step 7 "outside: kt --kube (port-forward through the API server)"
-kt --kube --namespace "$ns" put trainer/smoke/outside --src "$work/data"
+kt --kube --namespace "$ns" put trainer/smoke/outside --src "$work/data" --lifespan cluster
 k exec "$b" -c trainer -- kt get trainer/smoke/outside --dest /var/lib/kt/data/outside
 fetch "$b" /var/lib/kt/data/outside "$work/got-outside-in-pod"
 same "kt --kube put, get in $b" "$work/got-outside-in-pod"

@@ -58,6 +58,10 @@ pub struct Config {
     /// Ports host-backend tensor listeners try first (`KT_TENSOR_PORT`);
     /// empty: any free port.
     pub tensor_ports: Vec<u16>,
+    /// End the agent once it has had no control client, local put or
+    /// tensor for this long (`--exit-when-idle`; an agent `kt` starts on
+    /// demand). `None`: it runs until stopped.
+    pub exit_when_idle: Option<Duration>,
 }
 
 impl Config {
@@ -92,6 +96,7 @@ impl Config {
             shm_dir: kt_tensor::shm::shm_dir(),
             tensor_timeout: Duration::from_secs(60),
             tensor_ports: Vec::new(),
+            exit_when_idle: None,
         }
     }
 }

@@ -7,6 +7,7 @@
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use kt_service::ApiError;
 use kt_sync::{ScanCache, SyncError};
@@ -42,9 +43,22 @@ pub struct Agent {
     pub tensors: Arc<Tensors>,
     /// Where exports may be.
     pub exportable: crate::exportable::Exportable,
+    /// The shared-memory directory of host tensors, named in every hello.
+    pub shm_dir: PathBuf,
+    /// Control connections open now.
+    pub clients: std::sync::atomic::AtomicUsize,
 }
 
 impl Agent {
+    /// Nothing needs this agent now: no client is connected, no local put
+    /// is served from here (its origin), no tensor is registered.
+    /// Downloaded copies do not count: other sources hold them.
+    pub fn idle(&self) -> bool {
+        self.clients.load(std::sync::atomic::Ordering::Relaxed) == 0
+            && !self.exports.all().iter().any(|e| e.origin)
+            && self.tensors.registrations().is_empty()
+    }
+
     /// `path`, canonical, if it may be exported.
     async fn exportable(&self, path: &str) -> Result<PathBuf, ApiError> {
         let root = canonical(path).await?;
@@ -134,6 +148,7 @@ impl Agent {
             agent: self.id.clone(),
             url: self.url.clone(),
             keepalive,
+            shm_dir: Some(self.shm_dir.display().to_string()),
         }
     }
 
@@ -615,10 +630,54 @@ async fn keep_alive(
     }
 }
 
+/// Ends the agent (cancels `shutdown`) once it has been [`Agent::idle`]
+/// for `grace` without a break (`--exit-when-idle`: an agent a client
+/// started on demand ends with its last client).
+pub async fn exit_when_idle(agent: Arc<Agent>, grace: Duration, shutdown: CancellationToken) {
+    let tick = (grace / 4).clamp(Duration::from_millis(20), Duration::from_secs(1));
+    let mut idle_since: Option<tokio::time::Instant> = None;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(tick) => {}
+        }
+        if !agent.idle() {
+            idle_since = None;
+            continue;
+        }
+        let since = *idle_since.get_or_insert_with(tokio::time::Instant::now);
+        if since.elapsed() >= grace {
+            tracing::info!(
+                grace = %humantime::format_duration(grace),
+                "no client, local put or tensor for the idle grace: the agent ends (--exit-when-idle)"
+            );
+            shutdown.cancel();
+            return;
+        }
+    }
+}
+
+/// Counts an open control connection while alive.
+struct Connected<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> Connected<'a> {
+    fn new(n: &'a std::sync::atomic::AtomicUsize) -> Self {
+        n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Connected(n)
+    }
+}
+
+impl Drop for Connected<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// One client: hello first, then requests answered in order.
 async fn connection(stream: UnixStream, agent: Arc<Agent>, shutdown: CancellationToken) {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(1);
+    let _connected = Connected::new(&agent.clients);
     let conn = NEXT.fetch_add(1, Ordering::Relaxed);
     let pid = stream.peer_cred().ok().and_then(|c| c.pid());
     agent.tensors.connection_opened(conn);

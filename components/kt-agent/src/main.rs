@@ -58,6 +58,11 @@ struct Args {
     /// 0: any), the ports the bundle's NetworkPolicy opens.
     #[arg(long, env = "KT_TENSOR_PORT", default_value = kt_types::env::DEFAULT_TENSOR_PORTS)]
     tensor_port: String,
+    /// End once no control client, local put or tensor has needed the
+    /// agent for this long, e.g. 30s (`kt` starts agents on demand so);
+    /// absent: run until stopped.
+    #[arg(long, env = "KT_AGENT_EXIT_WHEN_IDLE", value_parser = humantime::parse_duration)]
+    exit_when_idle: Option<std::time::Duration>,
     /// Range size for large files, in bytes (a power of two).
     #[arg(long, env = "KT_CHUNK_SIZE", default_value_t = kt_sync::defaults::CHUNK_SIZE)]
     chunk_size: u64,
@@ -101,6 +106,7 @@ async fn main() -> anyhow::Result<()> {
     )
     .map_err(anyhow::Error::msg)?;
     config.max_in_flight = args.server.max_connections;
+    config.exit_when_idle = args.exit_when_idle;
     kt_agent::run(listener, config, shutdown).await?;
     Ok(())
 }

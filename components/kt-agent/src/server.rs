@@ -119,6 +119,11 @@ pub fn start(
         local_puts: Default::default(),
         exportable,
         tensors: tensors.clone(),
+        shm_dir: cfg
+            .shm_dir
+            .canonicalize()
+            .unwrap_or_else(|_| cfg.shm_dir.clone()),
+        clients: Default::default(),
     });
     tracing::info!(
         id = %cfg.id,
@@ -159,6 +164,13 @@ pub fn start(
         cfg.heartbeat,
         shutdown.clone(),
     ));
+    let idle = cfg.exit_when_idle.map(|grace| {
+        tokio::spawn(control::exit_when_idle(
+            agent.clone(),
+            grace,
+            shutdown.clone(),
+        ))
+    });
     let control = tokio::spawn(control::serve(control_listener, agent, shutdown.clone()));
     let sweeper = tokio::spawn(sweep(reads.clone(), shutdown.clone()));
     let reaper = tokio::spawn(reap_loop(tensors.clone(), shutdown.clone()));
@@ -169,6 +181,9 @@ pub fn start(
         let served = kt_service::serve_tls(listener, app, stop.clone(), drain, tls.as_ref()).await;
         stop.cancel();
         let _ = tokio::join!(beat, control, sweeper, reaper);
+        if let Some(idle) = idle {
+            let _ = idle.await;
+        }
         reads.release_all().await;
         drop(socket_file);
         tracing::info!("agent stopped");
@@ -307,6 +322,7 @@ mod tests {
             tensors: reg.tensors,
             digest: reg.digest,
             lifespan: Lifespan::Cluster,
+            lifespan_by_rule: false,
             service: "s".into(),
             expires_at_ms: None,
             created_at_ms: 1,
@@ -417,7 +433,14 @@ mod tests {
                     version: CONTROL_VERSION,
                     agent: "pod-a".into(),
                     url: a.url.clone(),
-                    keepalive: false
+                    keepalive: false,
+                    shm_dir: Some(
+                        kt_tensor::shm::shm_dir()
+                            .canonicalize()
+                            .unwrap()
+                            .display()
+                            .to_string()
+                    ),
                 })
             );
             clients.push(s);

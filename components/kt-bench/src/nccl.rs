@@ -204,6 +204,7 @@ fn plan(specs: &[Spec], packing: Packing) -> TransferPlan {
             .map(|r| Rank {
                 rank: r,
                 agent: format!("bench-{r}"),
+                member: String::new(),
                 ip: "127.0.0.1".into(),
                 endpoint: "127.0.0.1".into(),
             })

@@ -44,6 +44,9 @@ pub struct AgentConn {
     /// The agent's id (its pod's name) and the URL peers fetch from.
     pub id: String,
     pub url: String,
+    /// The agent's shared-memory directory, as it named it (older agents
+    /// do not: `None`).
+    pub shm_dir: Option<PathBuf>,
 }
 
 fn local(msg: impl Into<String>) -> ClientError {
@@ -94,6 +97,7 @@ impl AgentConn {
             broken: None,
             id: String::new(),
             url: String::new(),
+            shm_dir: None,
         };
         let hello = conn.request(&ControlRequest::Hello {
             version: CONTROL_VERSION,
@@ -111,10 +115,20 @@ impl AgentConn {
                 agent,
                 url,
                 keepalive,
+                shm_dir,
             } if version == CONTROL_VERSION => {
                 conn.id = agent;
                 conn.url = url;
                 conn.keepalive = keepalive;
+                conn.shm_dir = shm_dir.map(PathBuf::from);
+                if let Some(dir) = &conn.shm_dir {
+                    // Host tensors this process lends go where the agent
+                    // takes them, shared with its socket's group.
+                    kt_tensor::shm::use_agent(kt_tensor::shm::Sharing {
+                        dir: dir.clone(),
+                        group: socket_group(socket),
+                    });
+                }
                 Ok(Some(conn))
             }
             ControlReply::Hello { version, .. } => Err(local(format!(
@@ -233,6 +247,25 @@ impl AgentConn {
     }
 }
 
+/// The agent's shared-memory directory, asked of the agent listening at
+/// `socket` (its hello names it): `None` when no agent listens there. An
+/// agent too old to name it gets `KT_SHM_DIR` (default `/dev/shm`), which
+/// must then match its own. Connecting records the directory for this
+/// process's host tensors too ([`kt_tensor::shm::lend_dir`]).
+pub async fn shared_memory_dir(socket: &Path) -> Result<Option<PathBuf>, ClientError> {
+    Ok(AgentConn::connect(socket)
+        .await?
+        .map(|c| c.shm_dir.unwrap_or_else(kt_tensor::shm::shm_dir)))
+}
+
+/// The group the agent shares its socket with (see
+/// [`kt_tensor::shm::socket_group`]).
+fn socket_group(socket: &Path) -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(socket).ok()?;
+    kt_tensor::shm::socket_group(md.mode(), md.gid())
+}
+
 /// The uid owning the socket's directory (the agent's), when it can be seen.
 fn socket_owner(socket: &Path) -> Option<String> {
     use std::os::unix::fs::MetadataExt;
@@ -248,14 +281,94 @@ fn agent_log(socket: &Path) -> PathBuf {
     socket.with_extension("log")
 }
 
-/// Starts `kt-agent` (beside this binary, else on PATH) detached, in its own
-/// process group, logging next to its socket.
+/// The agent binary's name.
+const AGENT_BIN: &str = "kt-agent";
+/// How long an agent started on demand stays once nothing needs it.
+const IDLE_GRACE: &str = "30s";
+
+/// Where to look for `kt-agent`, in order: `$KT_AGENT_BIN`, beside this
+/// executable, then each directory of `$PATH`.
+fn agent_candidates(
+    explicit: Option<PathBuf>,
+    exe: Option<PathBuf>,
+    path: Option<std::ffi::OsString>,
+) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = explicit.into_iter().collect();
+    if let Some(dir) = exe.as_deref().and_then(Path::parent) {
+        out.push(dir.join(AGENT_BIN));
+    }
+    if let Some(p) = path {
+        out.extend(
+            std::env::split_paths(&p)
+                .filter(|d| !d.as_os_str().is_empty())
+                .map(|d| d.join(AGENT_BIN)),
+        );
+    }
+    out
+}
+
+/// The first of `candidates` that is an executable file, or an error that
+/// names every place looked at.
+fn find_agent(candidates: &[PathBuf], socket: &Path) -> Result<PathBuf, ClientError> {
+    use std::os::unix::fs::PermissionsExt;
+    let runnable = |p: &&PathBuf| {
+        std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    candidates.iter().find(runnable).cloned().ok_or_else(|| {
+        let tried: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
+        away(format!(
+            "no node agent listens at {} and none can be started: {AGENT_BIN} was not found \
+             (looked for {}); install {AGENT_BIN} beside kt or on PATH, set KT_AGENT_BIN, \
+             or run the agent as a sidecar",
+            socket.display(),
+            if tried.is_empty() {
+                "nowhere: no KT_AGENT_BIN, executable path or PATH".to_owned()
+            } else {
+                tried.join(", ")
+            }
+        ))
+    })
+}
+
+/// The address an agent started on demand listens on: the pod's IP
+/// (`KT_POD_IP`, else `POD_IP`) on the agent's port, else loopback on any
+/// free port. Never every interface.
+fn listen_addr(pod_ip: Option<&str>) -> String {
+    match pod_ip
+        .map(str::trim)
+        .and_then(|p| p.parse::<std::net::IpAddr>().ok())
+    {
+        Some(ip) => std::net::SocketAddr::new(ip, 8090).to_string(),
+        None => "127.0.0.1:0".to_owned(),
+    }
+}
+
+/// `KT_AGENT_STAY`, a boolean (1/0, true/false, yes/no, on/off): an agent
+/// started on demand runs until stopped instead of ending when idle.
+fn stay() -> bool {
+    std::env::var("KT_AGENT_STAY").is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on"
+        )
+    })
+}
+
+/// Starts `kt-agent` ([`agent_candidates`]) detached, in its own process
+/// group, logging next to its socket; it listens on the pod's IP or
+/// loopback ([`listen_addr`]) and ends once idle for [`IDLE_GRACE`]
+/// (`--exit-when-idle`) unless `KT_AGENT_STAY` says it stays
+/// (`KT_AGENT_LISTEN`, `KT_AGENT_EXIT_WHEN_IDLE` set in the environment
+/// stand instead).
 fn start_agent(socket: &Path, metadata_url: &str, token: &str) -> Result<(), ClientError> {
-    let exe = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(|d| d.join("kt-agent")))
-        .filter(|p| p.is_file())
-        .unwrap_or_else(|| PathBuf::from("kt-agent"));
+    let candidates = agent_candidates(
+        std::env::var_os("KT_AGENT_BIN")
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from),
+        std::env::current_exe().ok(),
+        std::env::var_os("PATH"),
+    );
+    let exe = find_agent(&candidates, socket)?;
     if let Some(dir) = socket.parent() {
         std::fs::create_dir_all(dir)
             .map_err(|e| local(format!("creating {}: {e}", dir.display())))?;
@@ -269,8 +382,11 @@ fn start_agent(socket: &Path, metadata_url: &str, token: &str) -> Result<(), Cli
     let err = log
         .try_clone()
         .map_err(|e| local(format!("{}: {e}", log_path.display())))?;
-    std::process::Command::new(&exe)
-        .arg("--socket")
+    let pod_ip = std::env::var("KT_POD_IP")
+        .ok()
+        .or_else(|| std::env::var("POD_IP").ok());
+    let mut cmd = std::process::Command::new(&exe);
+    cmd.arg("--socket")
         .arg(socket)
         .arg("--metadata-url")
         .arg(metadata_url)
@@ -278,15 +394,22 @@ fn start_agent(socket: &Path, metadata_url: &str, token: &str) -> Result<(), Cli
         .stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(err)
-        .process_group(0)
-        .spawn()
-        .map_err(|e| {
-            away(format!(
-                "no node agent at {}, and starting {} failed: {e}",
-                socket.display(),
-                exe.display()
-            ))
-        })?;
+        .process_group(0);
+    // What the environment sets for the agent stands.
+    let set = |var: &str| std::env::var_os(var).is_some_and(|v| !v.is_empty());
+    if !set("KT_AGENT_LISTEN") {
+        cmd.arg("--listen").arg(listen_addr(pod_ip.as_deref()));
+    }
+    if !stay() && !set("KT_AGENT_EXIT_WHEN_IDLE") {
+        cmd.arg("--exit-when-idle").arg(IDLE_GRACE);
+    }
+    cmd.spawn().map_err(|e| {
+        away(format!(
+            "no node agent at {}, and starting {} failed: {e}",
+            socket.display(),
+            exe.display()
+        ))
+    })?;
     Ok(())
 }
 
@@ -318,6 +441,7 @@ mod tests {
                     agent: "pod-a".into(),
                     url: "http://10.0.0.1:8090".into(),
                     keepalive: false,
+                    shm_dir: None,
                 },
                 ControlReply::Error {
                     code: kt_types::ErrorCode::InvalidRequest,
@@ -381,6 +505,7 @@ mod tests {
                     agent: "pod-a".into(),
                     url: "http://10.0.0.1:8090".into(),
                     keepalive: true,
+                    shm_dir: Some("/dev/shm/kt".into()),
                 },
             )),
             None,
@@ -400,6 +525,7 @@ mod tests {
         fake(&path, script).await;
         let mut c = AgentConn::connect(&path).await.unwrap().unwrap();
         assert!(c.keepalive);
+        assert_eq!(c.shm_dir, Some(PathBuf::from("/dev/shm/kt")));
         c.silence = Duration::from_millis(300);
         let t = Instant::now();
         let r = c.request(&ControlRequest::Status).await.unwrap();
@@ -413,6 +539,50 @@ mod tests {
         let e = c.request(&ControlRequest::Status).await.unwrap_err();
         assert!(e.to_string().contains("broke earlier"), "{e}");
         assert!(t.elapsed() < Duration::from_millis(300));
+    }
+
+    #[test]
+    fn the_agent_binary_is_looked_for_in_named_places() {
+        let dir = tempfile::tempdir().unwrap();
+        let bin = dir.path().join("bin");
+        std::fs::create_dir(&bin).unwrap();
+        let c = agent_candidates(
+            Some("/opt/kt/kt-agent".into()),
+            Some("/usr/lib/python3/kt/python3".into()),
+            Some(std::env::join_paths([bin.clone(), "/usr/bin".into()]).unwrap()),
+        );
+        assert_eq!(
+            c,
+            vec![
+                PathBuf::from("/opt/kt/kt-agent"),
+                PathBuf::from("/usr/lib/python3/kt/kt-agent"),
+                bin.join("kt-agent"),
+                PathBuf::from("/usr/bin/kt-agent"),
+            ]
+        );
+        let e = find_agent(&c, Path::new("/run/kt/agent.sock")).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("none can be started"), "{msg}");
+        assert!(msg.contains("/usr/lib/python3/kt/kt-agent"), "{msg}");
+        assert!(
+            msg.contains(&bin.join("kt-agent").display().to_string()),
+            "{msg}"
+        );
+        // A file that is not executable does not count; an executable does.
+        use std::os::unix::fs::PermissionsExt;
+        let found = bin.join("kt-agent");
+        std::fs::write(&found, "#!/bin/sh\n").unwrap();
+        assert!(find_agent(&c, Path::new("/s")).is_err());
+        std::fs::set_permissions(&found, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(find_agent(&c, Path::new("/s")).unwrap(), found);
+    }
+
+    #[test]
+    fn an_agent_started_on_demand_listens_on_the_pod_ip_or_loopback() {
+        assert_eq!(listen_addr(Some("10.1.2.3")), "10.1.2.3:8090");
+        assert_eq!(listen_addr(Some("fd00::7")), "[fd00::7]:8090");
+        assert_eq!(listen_addr(None), "127.0.0.1:0");
+        assert_eq!(listen_addr(Some("not-an-ip")), "127.0.0.1:0");
     }
 
     #[tokio::test]

@@ -28,16 +28,32 @@ pub struct ClientConfig {
     /// (every getter becomes a source). Needs a running agent; one is
     /// started on demand inside a pod (`KT_POD_IP` set).
     pub serve_copies: bool,
+    /// The HTTP client's limit on any one request (long polls, a whole
+    /// chunk); the waits below end calls long before.
     pub timeout: Duration,
+    /// How long a call may go on failing to reach the metadata server
+    /// before it has answered once (refused, no route, DNS, no answer),
+    /// counted from the call's start; also the limit of one TCP connect
+    /// (`--connect-timeout`, `KT_CONNECT_TIMEOUT`). See [`crate::deadline`].
+    pub connect_timeout: Duration,
     /// How long a transfer keeps trying while its sources fail transiently
     /// (a store restarting, a peer unreachable), counted from its last
-    /// progress (`--deadline`, `KT_DEADLINE`).
+    /// progress (`--deadline`, `KT_DEADLINE`). A transfer that moves is
+    /// never cut by it.
     pub deadline: Duration,
+    /// A limit on each whole call (put, get, ls, rm, stat), whatever it is
+    /// doing; `None`: none beyond the waits above. Set for one call with
+    /// [`Client::with_timeout`] (Python's `timeout=`).
+    pub call_timeout: Option<Duration>,
     /// How long a data request may go without receiving a byte before its
     /// source counts as stalled (`--stall-timeout`, `KT_STALL_TIMEOUT`).
     pub stall: Duration,
 }
 
+/// Default of [`ClientConfig::connect_timeout`]: a stopped metadata server
+/// fails a call within about twice this (a connect already under way when it
+/// runs out is let finish), well within 10 s.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(4);
 /// Default of [`ClientConfig::deadline`].
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
 /// Default of [`ClientConfig::stall`].
@@ -54,7 +70,9 @@ impl ClientConfig {
             agent_socket: crate::agent::default_socket(),
             serve_copies: true,
             timeout: Duration::from_secs(3600),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             deadline: DEFAULT_DEADLINE,
+            call_timeout: None,
             stall: DEFAULT_STALL,
         }
     }
@@ -90,7 +108,7 @@ impl Client {
         let http = kt_api::tls::http_builder()
             .map_err(|e| ClientError::Local(e.to_string()))?
             .timeout(cfg.timeout)
-            .connect_timeout(Duration::from_secs(10))
+            .connect_timeout(cfg.connect_timeout.max(Duration::from_millis(100)))
             .pool_max_idle_per_host(cfg.streams.max(1) * 2)
             .build()
             .map_err(|e| ClientError::Local(format!("http client: {e}")))?;
@@ -116,6 +134,38 @@ impl Client {
 
     pub fn config(&self) -> &ClientConfig {
         &self.cfg
+    }
+
+    /// This client with [`ClientConfig::call_timeout`] set to `limit` (the
+    /// same connection pool): a per-call `timeout` that overrides the
+    /// configured one, e.g. `client.with_timeout(Some(d)).get(..)`.
+    pub fn with_timeout(&self, limit: Option<Duration>) -> Client {
+        let mut c = self.clone();
+        c.cfg.call_timeout = limit;
+        c
+    }
+
+    /// `call` tracked as one call (`what`: "ls of a/"): its phase named and
+    /// its whole run bounded by [`ClientConfig::call_timeout`].
+    pub(crate) async fn call<T>(
+        &self,
+        what: impl FnOnce() -> String,
+        call: impl std::future::Future<Output = Result<T, ClientError>>,
+    ) -> Result<T, ClientError> {
+        // Boxed: a call's future is large, and wrapping it must not make
+        // the caller's (a whole test, a Python call) larger still.
+        crate::deadline::track(self.cfg.call_timeout, what, Box::pin(call)).await
+    }
+
+    /// A metadata request `call` makes, tried until the metadata server
+    /// first answers within [`ClientConfig::connect_timeout`] (see
+    /// [`crate::deadline`]).
+    pub(crate) async fn first_contact<T, F, Fut>(&self, call: F) -> Result<T, ClientError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, ClientError>>,
+    {
+        crate::deadline::first_contact(&self.cfg.metadata_url, self.cfg.connect_timeout, call).await
     }
 
     /// `url` through the [`UrlMap`], if any; a URL it cannot map is an
@@ -148,46 +198,93 @@ impl Client {
 
     /// The store's URL, as registered with the metadata server.
     pub async fn store_url(&self) -> Result<String, ClientError> {
-        let loc: StoreLocation = self.meta.get(&paths::store()).fetch().await?;
+        let loc: StoreLocation = self
+            .meta
+            .get(&paths::store())
+            .timeout(self.cfg.stall)
+            .fetch()
+            .await?;
         let url = self.map_url(loc.url.trim_end_matches('/'))?;
         Ok(url.trim_end_matches('/').to_owned())
     }
 
     pub async fn stat(&self, key: &Key) -> Result<KeyRecord, ClientError> {
-        Ok(self.meta.get(&paths::key(key)).fetch().await?)
+        self.call(|| format!("stat of {key}"), async {
+            self.first_contact(|| async {
+                Ok(self
+                    .meta
+                    .get(&paths::key(key))
+                    .timeout(self.cfg.stall)
+                    .fetch()
+                    .await?)
+            })
+            .await
+        })
+        .await
     }
 
     pub async fn ls(&self, prefix: &KeyPrefix) -> Result<ListResponse, ClientError> {
-        Ok(self
-            .meta
-            .get(&paths::keys())
-            .query(&[("prefix", prefix.as_str())])
-            .fetch()
-            .await?)
+        self.list(prefix, false).await
     }
 
     /// Every key strictly below `prefix`, at any depth (each entry named by
     /// its path below the prefix).
     pub async fn ls_below(&self, prefix: &KeyPrefix) -> Result<ListResponse, ClientError> {
-        Ok(self
-            .meta
-            .get(&paths::keys())
-            .query(&[("prefix", prefix.as_str()), ("recursive", "true")])
-            .fetch()
-            .await?)
+        self.list(prefix, true).await
+    }
+
+    async fn list(&self, prefix: &KeyPrefix, recursive: bool) -> Result<ListResponse, ClientError> {
+        let mut query = vec![("prefix", prefix.as_str())];
+        if recursive {
+            query.push(("recursive", "true"));
+        }
+        self.call(|| format!("ls of {prefix}"), async {
+            self.first_contact(|| async {
+                Ok(self
+                    .meta
+                    .get(&paths::keys())
+                    .query(&query)
+                    .timeout(self.cfg.stall)
+                    .fetch()
+                    .await?)
+            })
+            .await
+        })
+        .await
     }
 
     /// Deletes a service's `resource` keys and evicts its pods as sources.
     pub async fn teardown(&self, service: &str) -> Result<TeardownResponse, ClientError> {
-        Ok(self.meta.delete(&paths::service(service)).fetch().await?)
+        // Work in proportion to the service's keys: answered within the
+        // deadline, not the stall timeout.
+        self.call(|| format!("teardown of {service}"), async {
+            self.first_contact(|| async {
+                Ok(self
+                    .meta
+                    .delete(&paths::service(service))
+                    .timeout(self.cfg.deadline)
+                    .fetch()
+                    .await?)
+            })
+            .await
+        })
+        .await
     }
 
     pub async fn rm(&self, key: &Key, recursive: bool) -> Result<DeleteResponse, ClientError> {
-        Ok(self
-            .meta
-            .delete(&paths::key(key))
-            .query(&[("recursive", if recursive { "true" } else { "false" })])
-            .fetch()
-            .await?)
+        let recursive = if recursive { "true" } else { "false" };
+        self.call(|| format!("rm of {key}"), async {
+            self.first_contact(|| async {
+                Ok(self
+                    .meta
+                    .delete(&paths::key(key))
+                    .query(&[("recursive", recursive)])
+                    .timeout(self.cfg.deadline)
+                    .fetch()
+                    .await?)
+            })
+            .await
+        })
+        .await
     }
 }

@@ -156,31 +156,33 @@ impl Session {
     }
 
     /// Joins, and hands the connection to a background task. A metadata
-    /// server that cannot be reached or drops the connection before it
-    /// answers (it is restarting) is tried again with backoff, within the
-    /// transfer's deadline; its answers (a refusal) are final.
+    /// server that cannot be reached, does not answer within the stall
+    /// timeout or drops the connection before it answers is tried again
+    /// with backoff within the connect timeout ([`crate::deadline`]); its
+    /// answers (a refusal) are final.
     async fn join(
         client: &Client,
         request: JoinRequest,
     ) -> Result<(Session, Membership, Parent), ClientError> {
-        let started = Instant::now();
-        let mut backoff = kt_api::Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut contact = crate::deadline::FirstContact::new(
+            &client.cfg.metadata_url,
+            client.cfg.connect_timeout,
+        );
         let (ws, first) = loop {
-            match Self::first_answer(client, &request).await {
-                Ok(got) => break got,
-                Err(e) if started.elapsed() < client.cfg.deadline => {
-                    let wait = backoff.next_delay();
-                    tracing::warn!(error = %e, wait_ms = wait.as_millis() as u64, "joining the broadcast group failed; trying again");
-                    tokio::time::sleep(wait).await;
-                }
-                Err(e) => {
-                    return Err(lost(format!(
-                        "{e} (tried for {:.1}s; --deadline or KT_DEADLINE)",
-                        started.elapsed().as_secs_f64()
-                    )));
+            let answer =
+                tokio::time::timeout(client.cfg.stall, Self::first_answer(client, &request)).await;
+            match answer {
+                Ok(Ok(got)) => break got,
+                Ok(Err(e)) => contact.unanswered(e).await?,
+                Err(_) => {
+                    let stall = humantime::format_duration(client.cfg.stall);
+                    contact
+                        .unanswered(lost(format!("no answer to the join within {stall}")))
+                        .await?
                 }
             }
         };
+        crate::deadline::enter(crate::deadline::Phase::Transferring);
         let (group, rank, version, parent, secret, digest) = match first {
             GroupMessage::Assigned {
                 group,
@@ -411,6 +413,20 @@ impl Client {
     /// Gets `key` into `dest` as one member of a broadcast (see the module
     /// documentation).
     pub async fn get_broadcast(
+        &self,
+        key: &Key,
+        dest: &Path,
+        options: &BroadcastOptions,
+        progress: Progress,
+    ) -> Result<BroadcastSummary, ClientError> {
+        self.call(
+            || format!("broadcast get of {key}"),
+            self.get_broadcast_inner(key, dest, options, progress),
+        )
+        .await
+    }
+
+    async fn get_broadcast_inner(
         &self,
         key: &Key,
         dest: &Path,

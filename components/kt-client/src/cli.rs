@@ -32,9 +32,14 @@ struct Cli {
     /// Parallel streams per transfer.
     #[arg(long, global = true, env = "KT_STREAMS", default_value_t = 4)]
     streams: usize,
+    /// How long a call may go on failing to reach the metadata server
+    /// before it first answers (refused, no route, DNS, no answer), e.g. 4s:
+    /// a stopped server fails a call within about twice this.
+    #[arg(long, global = true, env = "KT_CONNECT_TIMEOUT", default_value = "4s", value_parser = humantime::parse_duration)]
+    connect_timeout: Duration,
     /// How long a transfer keeps trying while its sources fail transiently
     /// (a store restarting, a peer unreachable), counted from its last
-    /// progress, e.g. 5m.
+    /// progress, e.g. 5m. A transfer that moves is never cut by it.
     #[arg(long, global = true, env = "KT_DEADLINE", default_value = "5m", value_parser = humantime::parse_duration)]
     deadline: Duration,
     /// How long a data request may receive nothing before its source
@@ -105,9 +110,11 @@ enum Cmd {
         /// its node agent, which is started if none runs).
         #[arg(long, default_value = "store")]
         locale: Locale,
-        /// cluster (kept until deleted) or resource (deleted with its service).
-        #[arg(long, default_value = "cluster")]
-        lifespan: Lifespan,
+        /// cluster (kept until deleted) or resource (deleted with its service,
+        /// or stale once its holder pod ends). Absent: resource under a
+        /// service's base path and for locale=local, else cluster.
+        #[arg(long)]
+        lifespan: Option<Lifespan>,
         /// Time to live, e.g. 30m or 2h.
         #[arg(long, value_parser = humantime::parse_duration)]
         ttl: Option<Duration>,
@@ -123,9 +130,11 @@ enum Cmd {
     /// below it, each into DEST/<its path below KEY>.
     Get {
         key: String,
-        /// Destination: a directory for tree keys; a file path or a directory for file keys.
+        /// Destination: a directory for tree keys; a file path or a directory
+        /// for file keys (default: ./<KEY's last segment>; for a KEY ending
+        /// in `/`, the current directory).
         #[arg(long)]
-        dest: PathBuf,
+        dest: Option<PathBuf>,
         /// Mirror: afterwards DEST holds exactly the key's tree (files the
         /// key does not name are removed). Default: additive.
         #[arg(long)]
@@ -197,12 +206,15 @@ fn when(ms: u64) -> String {
     humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
 }
 
-/// Where a key's data lives, for people: `store`, or `local@<pod>`.
-fn location(r: &kt_types::KeyRecord) -> String {
-    match r.locale {
-        Locale::Store => "store".into(),
-        Locale::Local => format!("local@{}", r.holder),
+/// Where `kt get KEY` puts what it fetches without `--dest`: a prefix
+/// (`team/run/`) into the current directory, a key into `./<its last
+/// segment>`, as the reference's `kt.get(key, dest=".")`.
+fn default_dest(key: &str) -> PathBuf {
+    if is_prefix(key) {
+        return PathBuf::from(".");
     }
+    let last = key.trim_end_matches('/').rsplit('/').next().unwrap_or(key);
+    PathBuf::from(".").join(last)
 }
 
 fn print_table(entries: &[ListEntry], wide: bool) {
@@ -223,7 +235,7 @@ fn print_table(entries: &[ListEntry], wide: bool) {
                     (None, false) => "file",
                 }
                 .into(),
-                location(r),
+                r.locale_label(),
                 human(r.size),
                 format!("{:?}", r.lifespan).to_lowercase(),
                 r.expires_at_ms.map(when).unwrap_or_else(|| "-".into()),
@@ -352,6 +364,7 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
     let mut cfg = ClientConfig::new(&metadata_url, token);
     cfg.token_file = cli.token_file.clone().filter(|_| url_map.is_none());
     cfg.streams = cli.streams.max(1);
+    cfg.connect_timeout = cli.connect_timeout.max(Duration::from_millis(100));
     cfg.deadline = cli.deadline;
     cfg.stall = cli.stall_timeout.max(Duration::from_millis(100));
     // Outside the cluster there is no agent to serve copies to other pods.
@@ -412,6 +425,7 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
             timeout,
             output,
         } => {
+            let dest = dest.unwrap_or_else(|| default_dest(&key));
             let client = if no_serve {
                 let mut cfg = client.config().clone();
                 cfg.serve_copies = false;
@@ -664,10 +678,25 @@ fn tls_hint(msg: &str, ca: Option<&std::ffi::OsStr>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn boolean_env_flags_take_1_0_yes_no_on_off() {
         kt_service::cli::assert_boolish_env_flags::<Cli>();
+    }
+
+    #[test]
+    fn get_without_dest_writes_to_the_keys_last_segment() {
+        let d = |k: &str| default_dest(k);
+        assert_eq!(
+            d("/my_train_svc/train_profile"),
+            Path::new("./train_profile")
+        );
+        assert_eq!(d("a"), Path::new("./a"));
+        assert_eq!(d("/data_proc_svc/train/"), Path::new("."));
+        // Parsed as the CLI gets it: no --dest needed.
+        let cli = Cli::try_parse_from(["kt", "get", "/my_train_svc/train_profile"]).unwrap();
+        assert!(matches!(cli.cmd, Cmd::Get { dest: None, .. }));
     }
 
     #[test]

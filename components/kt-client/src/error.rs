@@ -27,6 +27,15 @@ pub enum ClientError {
     Agent(String),
     #[error("{0}")]
     Local(String),
+    /// A bounded wait of the call ran out: the metadata server not reached
+    /// within the connect timeout, or the call's own timeout
+    /// ([`crate::deadline`]). `unavailable`; `phase` says what the call was
+    /// doing.
+    #[error("{message}")]
+    Timeout {
+        phase: crate::deadline::Phase,
+        message: String,
+    },
 }
 
 impl From<kt_sync::task::WorkerLost> for ClientError {
@@ -72,7 +81,18 @@ impl ClientError {
                     | kt_sync::SyncError::NotFound { .. }
                     | kt_sync::SyncError::NonUtf8 { .. }
             ),
-            ClientError::Key(_) | ClientError::Agent(_) | ClientError::Local(_) => false,
+            ClientError::Key(_)
+            | ClientError::Agent(_)
+            | ClientError::Local(_)
+            | ClientError::Timeout { .. } => false,
+        }
+    }
+
+    /// The phase a call was in when one of its waits ran out.
+    pub fn timed_out_in(&self) -> Option<crate::deadline::Phase> {
+        match self {
+            ClientError::Timeout { phase, .. } => Some(*phase),
+            _ => None,
         }
     }
 
@@ -89,7 +109,7 @@ impl ClientError {
         match self {
             ClientError::Api { code, .. } => Some(*code),
             ClientError::Key(_) => Some(ErrorCode::InvalidKey),
-            ClientError::Agent(_) => Some(ErrorCode::Unavailable),
+            ClientError::Agent(_) | ClientError::Timeout { .. } => Some(ErrorCode::Unavailable),
             _ => None,
         }
     }

@@ -8,13 +8,25 @@
 //! store's `http://kt-store:8082`, agents' `http://<pod IP>:8090`) through
 //! local port-forwards
 //! ([`kt_kube::portforward::Forwarder`]), plugged into the client as its
-//! [`UrlMap`].
+//! [`UrlMap`]. The CLI's `--kube` and the Python package's
+//! `kt.configure(kube=True)` both reach kt this way.
 
 use std::sync::Arc;
 
-use anyhow::Context;
-use kt_client::UrlMap;
-use kt_kube::portforward::{self, Forwarder, KubeOptions};
+pub use kt_kube::portforward::KubeOptions;
+use kt_kube::portforward::{self, ForwardError, Forwarder};
+
+use crate::UrlMap;
+
+/// Why kt could not be reached through the Kubernetes API.
+#[derive(Debug, thiserror::Error)]
+pub enum ExternalError {
+    /// No token was given and none could be had from the cluster.
+    #[error("no token given (KT_TOKEN, --token-file): getting one from the cluster: {0}")]
+    Token(#[source] ForwardError),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+}
 
 /// The forwards of one `kt` run.
 #[derive(Debug)]
@@ -37,12 +49,12 @@ impl UrlMap for ForwardMap {
 
 impl External {
     /// Connects to the cluster of `opts`; reads the token Secret when `read_token`.
-    pub async fn connect(opts: &KubeOptions, read_token: bool) -> anyhow::Result<Self> {
+    pub async fn connect(opts: &KubeOptions, read_token: bool) -> Result<Self, ExternalError> {
         let (client, namespace) = portforward::connect(opts).await?;
         let token = if read_token {
             let t = portforward::cluster_token(&client, &namespace)
                 .await
-                .context("no token given (KT_TOKEN, --token-file): getting one from the cluster")?;
+                .map_err(ExternalError::Token)?;
             Some(t)
         } else {
             None

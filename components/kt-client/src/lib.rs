@@ -7,8 +7,11 @@
 pub mod agent;
 pub mod api;
 pub mod broadcast;
+pub mod deadline;
 mod download;
 pub mod error;
+#[cfg(feature = "kube")]
+pub mod external;
 mod local;
 pub mod progress;
 pub mod relay;
@@ -19,6 +22,7 @@ pub mod tensor;
 pub mod transfer;
 
 pub use api::{Client, ClientConfig, UrlMap};
+pub use deadline::Phase;
 pub use error::ClientError;
 pub use progress::Progress;
 pub use stall::bytes_received;

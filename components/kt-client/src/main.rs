@@ -2,7 +2,7 @@
 
 mod cli;
 #[cfg(feature = "kube")]
-mod external;
+use kt_client::external;
 mod tensor_cli;
 
 fn main() -> std::process::ExitCode {

@@ -51,7 +51,8 @@ impl ClientError {
             ClientError::Manifest(_)
             | ClientError::Key(_)
             | ClientError::Agent(_)
-            | ClientError::Local(_) => false,
+            | ClientError::Local(_)
+            | ClientError::Timeout { .. } => false,
         }
     }
 
@@ -240,6 +241,9 @@ impl Failures {
     /// The error a transfer ends with when it gives up.
     pub fn give_up(&self, what: &str, last: &str) -> ClientError {
         let waited = self.waited();
+        let phase = crate::deadline::current()
+            .map(|p| format!(" while {p}"))
+            .unwrap_or_default();
         let deadline = if waited >= self.deadline {
             format!(
                 "no progress for {:.1}s (deadline {}; --deadline or KT_DEADLINE)",
@@ -262,7 +266,7 @@ impl Failures {
         ClientError::Api {
             status: 503,
             code: ErrorCode::NoSource,
-            message: format!("{what} failed: {deadline}{failed}{last}"),
+            message: format!("{what} failed{phase}: {deadline}{failed}{last}"),
         }
     }
 }

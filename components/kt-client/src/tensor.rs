@@ -33,8 +33,8 @@ use kt_types::agent::{ControlReply, ControlRequest};
 use kt_types::api::PutOptions;
 use kt_types::model::BroadcastWindow;
 use kt_types::tensor::{
-    DType, Device, GetTensors, MemHandle, Packing, PutTensors, TensorEntry, TensorGet, TensorMeta,
-    TensorRegistration, TensorStats, TensorsPut,
+    DType, Device, FromPutters, GetTensors, MemHandle, Packing, PutTensors, ReduceOp, TensorEntry,
+    TensorGet, TensorMeta, TensorRegistration, TensorStats, TensorsPut,
 };
 
 use crate::ClientError;
@@ -109,8 +109,9 @@ impl Lend for Borrowed {
     }
 }
 
-/// A CPU tensor in a shared-memory file of `KT_SHM_DIR` (default
-/// `/dev/shm`), removed when dropped.
+/// A CPU tensor in a shared-memory file of the agent's shared-memory
+/// directory (as this process's agent named it when connected, else
+/// `KT_SHM_DIR`, default `/dev/shm`), removed when dropped.
 #[derive(Debug)]
 pub struct HostTensor {
     meta: TensorMeta,
@@ -122,9 +123,10 @@ fn local(e: impl std::fmt::Display) -> ClientError {
 }
 
 impl HostTensor {
-    /// A zero-filled tensor in the shared-memory directory.
+    /// A zero-filled tensor in the shared-memory directory
+    /// ([`kt_tensor::shm::lend_dir`]).
     pub fn zeros(dtype: DType, shape: &[u64]) -> Result<Self, ClientError> {
-        Self::zeros_in(&kt_tensor::shm::shm_dir(), dtype, shape)
+        Self::zeros_in(&kt_tensor::shm::lend_dir(), dtype, shape)
     }
 
     pub fn zeros_in(dir: &Path, dtype: DType, shape: &[u64]) -> Result<Self, ClientError> {
@@ -286,6 +288,12 @@ pub struct TensorOptions {
     /// mappings open after the get (until this process ends), for loops
     /// that get into the same memory again ([`GetTensors::keep_mapped`]).
     pub keep_mapped: bool,
+    /// Quorum membership: a label telling this caller apart from other
+    /// callers of the same process ([`PutTensors::member`]), for a process
+    /// that drives several GPUs from threads, each its own rank. `None`:
+    /// the process is one member (a second join of it to an open round is
+    /// refused).
+    pub member: Option<String>,
 }
 
 /// A control connection to the pod's agent for GPU data. Keep it for the
@@ -332,6 +340,7 @@ impl TensorClient {
             tensors,
             options: opts.put.clone(),
             broadcast: opts.broadcast.clone(),
+            member: opts.member.clone(),
         });
         match self.conn.request(&req).await? {
             ControlReply::TensorsPut(p) => Ok(p),
@@ -394,19 +403,103 @@ impl TensorClient {
         self.get(gets, opts).await
     }
 
+    /// Every putter's tensors of `key` in a quorum (`opts.broadcast` is
+    /// needed) where several putters put it: `dests[i]` receives the
+    /// putter of the i-th lowest rank, and the key must have exactly
+    /// `dests.len()` putters. [`TensorStats::sources`] says which rank and
+    /// pod each came from.
+    pub async fn get_all<T: Lend>(
+        &mut self,
+        key: &Key,
+        dests: &mut [StateDict<T>],
+        opts: &TensorOptions,
+    ) -> Result<TensorStats, ClientError> {
+        let count = u32::try_from(dests.len()).unwrap_or(u32::MAX);
+        let sets = dests.iter().map(StateDict::entries).collect();
+        self.get_from(key, sets, FromPutters::All { count }, opts)
+            .await
+    }
+
+    /// The tensors of some putters of `key` in a quorum, by their rank in
+    /// the plan (putters take the first ranks, ordered by their first key,
+    /// then pod, then process): each `(rank, dest)` receives that rank's.
+    pub async fn get_by_rank<T: Lend>(
+        &mut self,
+        key: &Key,
+        dests: &mut [(u32, StateDict<T>)],
+        opts: &TensorOptions,
+    ) -> Result<TensorStats, ClientError> {
+        let ranks = dests.iter().map(|(r, _)| *r).collect();
+        let sets = dests.iter().map(|(_, sd)| sd.entries()).collect();
+        self.get_from(key, sets, FromPutters::ByRank { ranks }, opts)
+            .await
+    }
+
+    /// The reduction (`op`) of every putter's tensors of `key` in a quorum,
+    /// into `dest` ([`ReduceOp`] says which dtypes each takes).
+    pub async fn get_reduced<T: Lend>(
+        &mut self,
+        key: &Key,
+        dest: &mut StateDict<T>,
+        op: ReduceOp,
+        opts: &TensorOptions,
+    ) -> Result<TensorStats, ClientError> {
+        let sets = vec![dest.entries()];
+        self.get_from(key, sets, FromPutters::Reduce { op }, opts)
+            .await
+    }
+
+    /// A quorum get of `key` from several putters (`from`) into `sets`
+    /// (what the other `get_*` of several putters lend): one set per putter
+    /// asked for, or one for a reduction.
+    pub async fn get_from(
+        &mut self,
+        key: &Key,
+        sets: Vec<Vec<TensorEntry>>,
+        from: FromPutters,
+        opts: &TensorOptions,
+    ) -> Result<TensorStats, ClientError> {
+        let mut sets = sets.into_iter();
+        let dest = sets
+            .next()
+            .ok_or_else(|| local(format!("{key}: no destination to receive into")))?;
+        let get = TensorGet {
+            key: key.clone(),
+            dest,
+            from: Some(from),
+            more: sets.collect(),
+        };
+        self.request_get(vec![get], opts).await
+    }
+
     async fn get(
         &mut self,
         gets: Vec<(Key, Vec<TensorEntry>)>,
         opts: &TensorOptions,
     ) -> Result<TensorStats, ClientError> {
+        let gets = gets
+            .into_iter()
+            .map(|(key, dest)| TensorGet {
+                key,
+                dest,
+                from: None,
+                more: Vec::new(),
+            })
+            .collect();
+        self.request_get(gets, opts).await
+    }
+
+    async fn request_get(
+        &mut self,
+        gets: Vec<TensorGet>,
+        opts: &TensorOptions,
+    ) -> Result<TensorStats, ClientError> {
         let req = ControlRequest::GetTensors(GetTensors {
-            gets: gets
-                .into_iter()
-                .map(|(key, dest)| TensorGet { key, dest })
-                .collect(),
+            gets,
             broadcast: opts.broadcast.clone(),
             packing: opts.packing,
             keep_mapped: opts.keep_mapped,
+            member: opts.member.clone(),
         });
         match self.conn.request(&req).await? {
             ControlReply::TensorsGot { stats } => Ok(stats),

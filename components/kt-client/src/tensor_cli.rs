@@ -9,7 +9,9 @@ use clap::Subcommand;
 use kt_client::tensor::{HostTensor, Lend, StateDict, TensorClient, TensorOptions, layout};
 use kt_types::api::PutOptions;
 use kt_types::model::BroadcastWindow;
-use kt_types::tensor::{DEFAULT_BUCKET_BYTES, DEFAULT_GPU_FANOUT, Device, Packing, TensorMeta};
+use kt_types::tensor::{
+    self as tensor, DEFAULT_BUCKET_BYTES, DEFAULT_GPU_FANOUT, Device, Packing, ReduceOp, TensorMeta,
+};
 use kt_types::{Key, Lifespan};
 use serde_json::json;
 
@@ -38,7 +40,8 @@ pub struct WindowArgs {
     /// Quorum group id (default: one per key).
     #[arg(long, requires = "broadcast")]
     group: Option<String>,
-    /// Close the quorum when this many pods (putters and getters) joined.
+    /// Close the quorum when this many members (processes putting or
+    /// getting) joined.
     #[arg(long, requires = "broadcast")]
     world_size: Option<u32>,
     /// Close the quorum this long after its first join, e.g. 30s.
@@ -79,8 +82,10 @@ pub enum TensorCmd {
         /// Contents are generated from this seed and each tensor's name.
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        #[arg(long, default_value = "cluster")]
-        lifespan: Lifespan,
+        /// cluster or resource; absent: the metadata server's rule (GPU data
+        /// is zero-copy: resource).
+        #[arg(long)]
+        lifespan: Option<Lifespan>,
         #[arg(long, value_parser = humantime::parse_duration)]
         ttl: Option<Duration>,
         #[arg(long)]
@@ -111,6 +116,26 @@ pub enum TensorCmd {
         /// Point to point: one transfer per tensor instead of packed buckets.
         #[arg(long)]
         no_pack: bool,
+        /// A key several putters put in the quorum: receive every putter's
+        /// tensors, N sets of LAYOUT in putter-rank order (`--seed`: one,
+        /// or one per putter in rank order). One KEY only.
+        #[arg(
+            long,
+            value_name = "N",
+            requires = "broadcast",
+            conflicts_with = "reduce"
+        )]
+        all: Option<u32>,
+        /// A key several putters put in the quorum: receive their `sum` or
+        /// `mean` (floats; a sum of integers wraps around; bool refused).
+        /// One KEY only; nothing to verify against a seed.
+        #[arg(
+            long,
+            value_name = "OP",
+            requires = "broadcast",
+            conflicts_with = "seed"
+        )]
+        reduce: Option<ReduceOp>,
         /// Pack bucket size in bytes (suffixes KiB, MiB, GiB).
         #[arg(long, value_parser = kt_client::size::parse)]
         bucket: Option<u64>,
@@ -237,6 +262,7 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                 broadcast: window.window(bucket),
                 packing: None,
                 keep_mapped: false,
+                member: None,
             };
             let put = if sd.len() == 1 && sd.iter().next().is_some_and(|(n, _)| n.is_empty()) {
                 let (_, t) = sd.iter().next().context("one tensor")?;
@@ -292,16 +318,27 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
             seed,
             window,
             no_pack,
+            all,
+            reduce,
             bucket,
             output,
         } => {
-            let keys = keys
+            let mut keys = keys
                 .iter()
                 .map(|k| Key::parse(k))
                 .collect::<Result<Vec<_>, _>>()?;
+            let from_many = all.is_some() || reduce.is_some();
+            if from_many && keys.len() != 1 {
+                anyhow::bail!("--all and --reduce receive one key, got {}", keys.len());
+            }
+            if let Some(n) = all {
+                // One set per putter, each verified as a key's.
+                keys = vec![keys[0].clone(); n as usize];
+            }
             if !(seed.is_empty() || seed.len() == 1 || seed.len() == keys.len()) {
                 anyhow::bail!(
-                    "--seed: give one seed, or one per key ({} keys)",
+                    "--seed: give one seed, or one per {} ({})",
+                    if all.is_some() { "putter" } else { "key" },
                     keys.len()
                 );
             }
@@ -319,14 +356,19 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                 packing: Some(packing),
                 // This process's memory goes away with it.
                 keep_mapped: false,
+                member: None,
             };
             // The whole request as this process waits for it (the agent's
             // `seconds` count its data movement alone).
             let started = std::time::Instant::now();
-            let stats = {
-                let mut gets: Vec<(Key, &mut StateDict<AnyTensor>)> =
-                    keys.iter().cloned().zip(sets.iter_mut()).collect();
-                kt.get_many(&mut gets, &opts).await?
+            let stats = match (all, reduce) {
+                (Some(_), _) => kt.get_all(&keys[0], &mut sets, &opts).await?,
+                (_, Some(op)) => kt.get_reduced(&keys[0], &mut sets[0], op, &opts).await?,
+                _ => {
+                    let mut gets: Vec<(Key, &mut StateDict<AnyTensor>)> =
+                        keys.iter().cloned().zip(sets.iter_mut()).collect();
+                    kt.get_many(&mut gets, &opts).await?
+                }
             };
             let call_seconds = started.elapsed().as_secs_f64();
             let mut hasher = blake3::Hasher::new();
@@ -353,7 +395,14 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                 packing.pack
             };
             let backend = stats.backend.map(|b| b.to_string()).unwrap_or_default();
-            let names: Vec<String> = keys.iter().map(Key::to_string).collect();
+            let mut names: Vec<String> = keys.iter().map(Key::to_string).collect();
+            names.dedup();
+            let sources: Vec<String> = stats
+                .sources
+                .iter()
+                .filter(|_| from_many)
+                .map(|s| format!("{} ({})", s.rank, tensor::member_label(&s.agent, &s.member)))
+                .collect();
             match output {
                 SummaryFormat::Text => {
                     let mut line = format!(
@@ -370,6 +419,12 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                     if stats.reused {
                         line.push_str(" (communicator reused)");
                     }
+                    if let Some(op) = reduce {
+                        line.push_str(&format!(" {op} of"));
+                    }
+                    if !sources.is_empty() {
+                        line.push_str(&format!(" from ranks {}", sources.join(", ")));
+                    }
                     println!("{line}");
                 }
                 SummaryFormat::Json => println!(
@@ -385,6 +440,8 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                         "rank": stats.rank,
                         "world": stats.world,
                         "reused": stats.reused,
+                        "reduce": reduce.map(|r| r.as_str()),
+                        "sources": stats.sources,
                         "seconds": stats.seconds,
                         "call_seconds": call_seconds,
                         "digest": digest,

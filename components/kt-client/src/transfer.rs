@@ -21,6 +21,7 @@ use kt_types::{Hash, Key, KeyPrefix, KeyRecord, Manifest, paths};
 
 use crate::agent::AgentConn;
 use crate::api::Client;
+use crate::deadline::{FirstContact, Phase};
 use crate::download::{Download, Serving};
 use crate::error::ClientError;
 use crate::local::{KEEP_BUDGET, balance, blocking, scan_cached};
@@ -128,7 +129,31 @@ impl Client {
         options: PutOptions,
         progress: Progress,
     ) -> Result<PutSummary, ClientError> {
+        self.call(
+            || format!("put of {key}"),
+            self.put_inner(key, src, options, progress),
+        )
+        .await
+    }
+
+    async fn put_inner(
+        &self,
+        key: &Key,
+        src: &Path,
+        options: PutOptions,
+        progress: Progress,
+    ) -> Result<PutSummary, ClientError> {
         let started = Instant::now();
+        // The metadata server first, before a scan that may take long: a
+        // stopped one fails the put in seconds.
+        let mut store_url = match self.first_contact(|| self.store_url()).await {
+            Ok(url) => Some(url),
+            // Reached, and it answered (no store yet, say): the put's own
+            // retries below deal with the answer.
+            Err(e) if crate::deadline::answered(&e) => None,
+            Err(e) => return Err(e),
+        };
+        crate::deadline::enter(Phase::Transferring);
         let (manifest, mut kept) = scan_cached(self, src, KEEP_BUDGET).await?;
         tracing::debug!(
             ms = started.elapsed().as_millis() as u64,
@@ -150,7 +175,15 @@ impl Client {
             let mut stage = PutStage::Started;
             let attempt = self
                 .put_attempt(
-                    &req, src, &manifest, &encoded, &mut kept, &progress, started, &mut stage,
+                    store_url.take(),
+                    &req,
+                    src,
+                    &manifest,
+                    &encoded,
+                    &mut kept,
+                    &progress,
+                    started,
+                    &mut stage,
                 )
                 .await;
             committed_before |= stage == PutStage::Committing;
@@ -187,11 +220,13 @@ impl Client {
         }
     }
 
-    /// One try at a put: plan a session with the store, upload what it
-    /// needs, commit; `stage` tells how far it got.
+    /// One try at a put: plan a session with the store (at `store_url`,
+    /// else where the metadata server says), upload what it needs, commit;
+    /// `stage` tells how far it got.
     #[allow(clippy::too_many_arguments)]
     async fn put_attempt(
         &self,
+        store_url: Option<String>,
         req: &PutRequest,
         src: &Path,
         manifest: &Manifest,
@@ -203,7 +238,12 @@ impl Client {
     ) -> Result<PutSummary, ClientError> {
         let total = manifest.total_bytes();
         let files = manifest.file_count();
-        let store = self.meta.at(&self.store_url().await?);
+        let store_url = match store_url {
+            Some(u) => u,
+            None => self.store_url().await?,
+        };
+        crate::deadline::enter(Phase::Transferring);
+        let store = self.meta.at(&store_url);
         let plan_put = |doc: Vec<u8>| {
             let call = store.post(&paths::puts()).header(
                 reqwest::header::CONTENT_TYPE,
@@ -263,6 +303,7 @@ impl Client {
         };
         tracing::debug!(ms = started.elapsed().as_millis() as u64, "put: uploaded");
         *stage = PutStage::Committing;
+        crate::deadline::enter(Phase::Committing);
         // Staging a plan and finishing a commit take the store time in
         // proportion to the tree (links, modes, a registration): their
         // answers are waited for up to the deadline, not the stall timeout.
@@ -432,7 +473,56 @@ impl Client {
         opts: &GetOptions,
         progress: Progress,
     ) -> Result<GetSummary, ClientError> {
+        let got = self
+            .call(
+                || format!("get of {key}"),
+                self.get_inner(key, dest, opts, progress),
+            )
+            .await;
+        match got {
+            Err(e) if e.code() == Some(kt_types::ErrorCode::NotFound) => {
+                Err(self.hint_prefix(key, e).await)
+            }
+            r => r,
+        }
+    }
+
+    /// A get of a missing `key` that has keys below it: the error `e`
+    /// says to ask for `key/` (one small listing, bounded like any call).
+    async fn hint_prefix(&self, key: &Key, e: ClientError) -> ClientError {
+        let ClientError::Api {
+            status, message, ..
+        } = &e
+        else {
+            return e;
+        };
+        let Ok(prefix) = KeyPrefix::parse(key.as_str()) else {
+            return e;
+        };
+        let below = tokio::time::timeout(self.cfg.stall, self.ls(&prefix)).await;
+        match below {
+            Ok(Ok(l)) if l.entries.iter().any(|e| e.key != key.as_str()) => ClientError::Api {
+                status: *status,
+                code: kt_types::ErrorCode::NotFound,
+                message: format!("{message}; keys lie below it: did you mean `{key}/`?"),
+            },
+            _ => e,
+        }
+    }
+
+    async fn get_inner(
+        &self,
+        key: &Key,
+        dest: &Path,
+        opts: &GetOptions,
+        progress: Progress,
+    ) -> Result<GetSummary, ClientError> {
         let started = Instant::now();
+        // Counted from the call's start: a frozen agent does not add to it.
+        let mut contact = Some(FirstContact::new(
+            &self.cfg.metadata_url,
+            self.cfg.connect_timeout,
+        ));
         let mut agent = self.agent_if_serving().await;
         let getter = agent.as_ref().map(|a| a.id.clone());
         let mut failures = Failures::new(self.cfg.deadline);
@@ -443,11 +533,31 @@ impl Client {
         // Files placed for a version the key moved past mid-get.
         let mut stale: Vec<PathBuf> = Vec::new();
         loop {
+            if contact.is_none() {
+                crate::deadline::enter(Phase::WaitingForSource);
+            }
             let exclude = failures.exclude();
-            let lease = match self.lease(key, &exclude, getter.clone()).await {
+            let lease = self.lease(key, &exclude, getter.clone()).await;
+            if lease.as_ref().is_err_and(crate::deadline::answered) {
+                // It answered: the metadata server is reached.
+                contact = None;
+            }
+            let lease = match lease {
                 Ok(l) => {
                     meta_backoff.reset();
+                    contact = None;
                     l
+                }
+                // The metadata server never answered yet in this call: tried
+                // again within the connect timeout only.
+                Err(e) if e.is_transient() && contact.is_some() => {
+                    if let Some(c) = contact.as_mut()
+                        && let Err(e) = c.failed(e).await
+                    {
+                        progress.finish();
+                        return Err(e);
+                    }
+                    continue;
                 }
                 // Every source failed us for now: wait for a transient one.
                 Err(e) if e.code() == Some(kt_types::ErrorCode::NoSource) && failures.any() => {
@@ -495,6 +605,7 @@ impl Client {
             {
                 stale.extend(old.placed_files());
             }
+            crate::deadline::enter(Phase::Transferring);
             let before = Download::mark(&dl);
             let renewal = AbortOnDrop(self.keep_lease(&lease));
             let result = match shown_to(&lease.source.id, lease.capability.as_deref()) {
@@ -590,6 +701,19 @@ impl Client {
     /// into memory, not files). What was fetched stays when another key
     /// fails; the error then names every key that failed.
     pub async fn get_prefix(
+        &self,
+        prefix: &KeyPrefix,
+        dest: &Path,
+        opts: &GetOptions,
+    ) -> Result<PrefixSummary, ClientError> {
+        self.call(
+            || format!("get of {prefix}/"),
+            self.get_prefix_inner(prefix, dest, opts),
+        )
+        .await
+    }
+
+    async fn get_prefix_inner(
         &self,
         prefix: &KeyPrefix,
         dest: &Path,
@@ -762,12 +886,37 @@ impl Client {
         src: &Path,
         options: PutOptions,
     ) -> Result<PutSummary, ClientError> {
+        self.call(
+            || format!("put of {key}"),
+            self.put_local_inner(key, src, options),
+        )
+        .await
+    }
+
+    async fn put_local_inner(
+        &self,
+        key: &Key,
+        src: &Path,
+        options: PutOptions,
+    ) -> Result<PutSummary, ClientError> {
         let started = Instant::now();
         let path = std::path::absolute(src)
             .map_err(|e| ClientError::Local(format!("{}: {e}", src.display())))?;
         if !path.exists() {
             return Err(ClientError::Sync(SyncError::NotFound { path }));
         }
+        // The agent registers the key there: a stopped metadata server
+        // fails the put in seconds, before an agent is started for it.
+        self.first_contact(|| async {
+            Ok(self
+                .meta
+                .get("/healthz")
+                .timeout(self.cfg.stall)
+                .ok()
+                .await?)
+        })
+        .await?;
+        crate::deadline::enter(Phase::WaitingForAgent);
         let mut agent = AgentConn::connect_or_start(
             &self.cfg.agent_socket,
             &self.cfg.metadata_url,

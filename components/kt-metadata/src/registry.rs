@@ -7,11 +7,20 @@
 //! An agent is live while its last heartbeat is younger than the agent TTL;
 //! only live agents are offered as sources, and stale ones are evicted by
 //! [`Registry::evict_stale`].
+//!
+//! Ownership and lifespans follow the base path: a key whose first segment
+//! names a service the registry knows ([`Registry::know_services`]: one an
+//! agent announced, a token acted within, a put claimed for its own base
+//! path, or the tokens file grants) belongs to that service. A put that
+//! names no lifespan gets `resource` there and for zero-copy data,
+//! `cluster` elsewhere; a zero-copy `resource` key whose holder is gone and
+//! that no live peer holds is stale ([`Registry::is_stale`]): neither
+//! listed nor served.
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use kt_types::api::{AgentHeartbeat, AgentInfo, LeaseRequest, ListEntry, RegisterIf, RegisterKey};
-use kt_types::{Key, KeyPrefix, KeyRecord, Lifespan, STORE_HOLDER, Source};
+use kt_types::{Key, KeyPrefix, KeyRecord, Lifespan, Locale, STORE_HOLDER, Source};
 
 use crate::leases::Candidate;
 
@@ -29,6 +38,10 @@ pub enum SourceError {
         "key {0} holds tensors, served from its producer's memory: receive it with get_tensor (kt tensor get), not as files"
     )]
     Tensors(Key),
+    #[error(
+        "key {key} is stale: its holder pod {holder} is gone and no live peer holds it (zero-copy data of lifespan resource; put it with lifespan=cluster to keep it listed)"
+    )]
+    Stale { key: Key, holder: String },
 }
 
 #[derive(Debug, Clone)]
@@ -79,6 +92,9 @@ pub struct Registry {
     /// registration ([`RegisterIf::AbsentOrHeld`]) does not bring them back.
     /// In memory, at most [`MAX_TOMBSTONES`].
     tombstones: BTreeMap<Key, u64>,
+    /// Services known to exist: a key under one's base path is its own.
+    /// Persisted; never forgotten (a torn-down service keeps its name).
+    services: BTreeSet<String>,
 }
 
 /// How long a deleted key refuses conditional registrations.
@@ -113,6 +129,7 @@ impl Registry {
             agent_ttl_ms,
             retired: BTreeSet::new(),
             tombstones: BTreeMap::new(),
+            services: BTreeSet::new(),
         }
     }
 
@@ -123,9 +140,11 @@ impl Registry {
         agent_ttl_ms: u64,
         records: impl IntoIterator<Item = KeyRecord>,
         agents: impl IntoIterator<Item = AgentInfo>,
+        services: impl IntoIterator<Item = String>,
         now_ms: u64,
     ) -> Self {
         let mut r = Self::new(agent_ttl_ms);
+        r.services.extend(services);
         for mut info in agents {
             info.last_seen_ms = now_ms;
             r.agents.insert(
@@ -201,11 +220,20 @@ impl Registry {
             .filter(|r| r.version == reg.version && r.digest == reg.digest)
             .map(|r| r.peers.clone())
             .unwrap_or_default();
-        let service = reg
-            .options
-            .service
+        // Under a service's base path the key is that service's, whatever
+        // the put said; elsewhere the put's service, else the first segment.
+        let base = self.base_owner(&key).map(str::to_owned);
+        let service = base
             .clone()
+            .or_else(|| reg.options.service.clone())
             .unwrap_or_else(|| key.service().to_owned());
+        let lifespan = reg.options.lifespan.unwrap_or({
+            if base.is_some() || reg.locale == Locale::Local {
+                Lifespan::Resource
+            } else {
+                Lifespan::Cluster
+            }
+        });
         let mut record = KeyRecord {
             locale: reg.locale,
             source: reg.source,
@@ -217,7 +245,8 @@ impl Registry {
             files: reg.files,
             tensors: reg.tensors,
             digest: reg.digest,
-            lifespan: reg.options.lifespan,
+            lifespan,
+            lifespan_by_rule: reg.options.lifespan.is_none(),
             service,
             expires_at_ms: reg
                 .options
@@ -231,9 +260,70 @@ impl Registry {
         record
     }
 
-    /// A live (unexpired) record.
+    /// A live record: unexpired, and not stale ([`Registry::is_stale`]).
     pub fn get(&self, key: &Key, now_ms: u64) -> Option<&KeyRecord> {
+        self.get_unexpired(key, now_ms)
+            .filter(|r| !self.is_stale(r, now_ms))
+    }
+
+    /// The live record of `key`, or why there is none to serve.
+    pub fn served(&self, key: &Key, now_ms: u64) -> Result<&KeyRecord, SourceError> {
+        match self.get_unexpired(key, now_ms) {
+            None => Err(SourceError::UnknownKey(key.clone())),
+            Some(r) if self.is_stale(r, now_ms) => Err(SourceError::Stale {
+                key: key.clone(),
+                holder: r.holder.clone(),
+            }),
+            Some(r) => Ok(r),
+        }
+    }
+
+    /// An unexpired record, stale or not (what `rm` deletes).
+    pub fn get_unexpired(&self, key: &Key, now_ms: u64) -> Option<&KeyRecord> {
         self.keys.get(key).filter(|r| !is_expired(r, now_ms))
+    }
+
+    /// True for zero-copy data of lifespan `resource` whose holder (the
+    /// producer pod's agent) is not live and that no live peer holds:
+    /// nobody serves it, so it is neither listed nor handed out. It comes
+    /// back if its holder beats again; its service's teardown deletes it.
+    pub fn is_stale(&self, r: &KeyRecord, now_ms: u64) -> bool {
+        r.holder != STORE_HOLDER
+            && r.lifespan == Lifespan::Resource
+            && !self.is_live(&r.holder, now_ms)
+            && !r.peers.iter().any(|p| self.is_live(&p.id, now_ms))
+    }
+
+    /// Adds services to the known ones; those that were not known yet (to
+    /// persist).
+    pub fn know_services<'a>(&mut self, names: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+        names
+            .into_iter()
+            .filter(|n| self.services.insert((*n).to_owned()))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// Whether `name` is a known service.
+    pub fn is_service(&self, name: &str) -> bool {
+        self.services.contains(name)
+    }
+
+    /// The service whose base path holds `key`: its first segment, when
+    /// that names a known service.
+    pub fn base_owner<'a>(&self, key: &'a Key) -> Option<&'a str> {
+        Some(key.service()).filter(|s| self.is_service(s))
+    }
+
+    /// Who may write `key` besides admin: the service whose base path holds
+    /// it (`true`), else the service of its unexpired record (`false`).
+    pub fn owner(&self, key: &Key, now_ms: u64) -> Option<(String, bool)> {
+        match self.base_owner(key) {
+            Some(s) => Some((s.to_owned(), true)),
+            None => self
+                .get_unexpired(key, now_ms)
+                .map(|r| (r.service.clone(), false)),
+        }
     }
 
     /// A record, expired or not.
@@ -318,7 +408,7 @@ impl Registry {
         visible: &dyn Fn(&KeyRecord) -> bool,
     ) -> Vec<KeyRecord> {
         let mut keys = self.keys_within(prefix, now_ms);
-        keys.retain(|r| visible(r));
+        keys.retain(|r| visible(r) && !self.is_stale(r, now_ms));
         keys
     }
 
@@ -636,9 +726,7 @@ impl Registry {
         store_registered: bool,
         now_ms: u64,
     ) -> Result<Sources, SourceError> {
-        let record = self
-            .get(key, now_ms)
-            .ok_or_else(|| SourceError::UnknownKey(key.clone()))?;
+        let record = self.served(key, now_ms)?;
         if record.tensors.is_some() {
             return Err(SourceError::Tensors(key.clone()));
         }
@@ -723,20 +811,26 @@ impl Registry {
         })
     }
 
-    /// What tearing down `service` removes: its `resource` keys (expired or
-    /// not) and its agents, by id.
+    /// What tearing down `service` removes (expired or not): its
+    /// `resource` keys, every key under its base path (`service/...`) but
+    /// those put with an explicit `lifespan=cluster`, and the `resource`
+    /// keys its agents hold (zero-copy data); and its agents, by id.
     pub fn teardown_plan(&self, service: &str) -> (Vec<KeyRecord>, Vec<String>) {
-        let keys = self
-            .keys
-            .values()
-            .filter(|r| r.service == service && r.lifespan == Lifespan::Resource)
-            .cloned()
-            .collect();
-        let agents = self
+        let agents: Vec<String> = self
             .agents
             .values()
             .filter(|a| a.info.service.as_deref() == Some(service))
             .map(|a| a.info.id.clone())
+            .collect();
+        let keys = self
+            .keys
+            .values()
+            .filter(|r| {
+                let resource = r.lifespan == Lifespan::Resource;
+                (resource && (r.service == service || agents.contains(&r.holder)))
+                    || (r.key.service() == service && (resource || r.lifespan_by_rule))
+            })
+            .cloned()
             .collect();
         (keys, agents)
     }
@@ -764,7 +858,7 @@ mod tests {
             tensors: None,
             digest: None,
             options: PutOptions {
-                lifespan: Lifespan::Cluster,
+                lifespan: Some(Lifespan::Cluster),
                 ttl_secs: ttl,
                 service: None,
             },
@@ -881,7 +975,7 @@ mod tests {
             source: format!("http://{holder}"),
             version: version.into(),
             options: PutOptions {
-                lifespan,
+                lifespan: Some(lifespan),
                 ..PutOptions::default()
             },
             ..reg(None)
@@ -1179,7 +1273,7 @@ mod tests {
         let mut r = Registry::new(TTL);
         let resource = |holder: Option<&str>| RegisterKey {
             options: PutOptions {
-                lifespan: Lifespan::Resource,
+                lifespan: Some(Lifespan::Resource),
                 ..PutOptions::default()
             },
             ..match holder {
@@ -1210,7 +1304,7 @@ mod tests {
         r.heartbeat(beat("p2", None, &[("s/a", "v1")]), 0);
         let records: Vec<KeyRecord> = r.keys_within(&KeyPrefix::root(), 0);
         let agents: Vec<AgentInfo> = r.agents(0).into_iter().filter(|a| a.id == "p1").collect();
-        let restored = Registry::restore(TTL, records, agents, 50_000);
+        let restored = Registry::restore(TTL, records, agents, Vec::new(), 50_000);
         assert_eq!(peer_ids(&restored, "s/a"), ["p1"]);
         assert!(restored.is_live("p1", 50_999));
         assert!(!restored.is_live("p1", 51_000));
@@ -1270,5 +1364,121 @@ mod tests {
             1,
             "only the newest is under an hour old"
         );
+    }
+
+    /// A registration naming no lifespan (and `service`, if given).
+    fn by_rule(service: Option<&str>) -> RegisterKey {
+        let mut r = reg(None);
+        r.options.lifespan = None;
+        r.options.service = service.map(Into::into);
+        r
+    }
+
+    #[test]
+    fn the_rule_gives_base_paths_and_zero_copy_data_resource_and_the_rest_cluster() {
+        let mut r = Registry::new(TTL);
+        assert_eq!(r.know_services(["svc", "svc"]), ["svc"]);
+        assert!(r.know_services(["svc"]).is_empty());
+        let rec = |r: &mut Registry, key: &str, reg: RegisterKey| {
+            let got = r.upsert(k(key), reg, 0);
+            (got.lifespan, got.lifespan_by_rule, got.service)
+        };
+        let resource = |s: &str| (Lifespan::Resource, true, s.to_owned());
+        assert_eq!(rec(&mut r, "svc/keep", by_rule(None)), resource("svc"));
+        // Under a service's base path the key is that service's, whatever
+        // the put said.
+        assert_eq!(
+            rec(&mut r, "svc/named", by_rule(Some("other"))),
+            resource("svc")
+        );
+        assert_eq!(
+            rec(&mut r, "models/final", by_rule(None)),
+            (Lifespan::Cluster, true, "models".to_owned())
+        );
+        assert_eq!(
+            rec(&mut r, "models/mine", by_rule(Some("other"))),
+            (Lifespan::Cluster, true, "other".to_owned())
+        );
+        let mut zero_copy = local("p1", "v1", Lifespan::Cluster);
+        zero_copy.options.lifespan = None;
+        assert_eq!(rec(&mut r, "models/local", zero_copy), resource("models"));
+        // An explicit lifespan is kept as said.
+        assert_eq!(
+            rec(&mut r, "svc/final", reg(None)),
+            (Lifespan::Cluster, false, "svc".to_owned())
+        );
+        assert_eq!(r.owner(&k("svc/x"), 0), Some(("svc".to_owned(), true)));
+        assert_eq!(
+            r.owner(&k("models/mine"), 0),
+            Some(("other".to_owned(), false))
+        );
+        assert_eq!(r.owner(&k("nobody/x"), 0), None);
+    }
+
+    #[test]
+    fn zero_copy_resource_keys_are_stale_while_their_holder_is_gone() {
+        let mut r = Registry::new(TTL);
+        r.heartbeat(beat("p1", Some("svc"), &[]), 0);
+        r.upsert(k("m/temp"), local("p1", "v1", Lifespan::Resource), 0);
+        r.upsert(k("m/pinned"), local("p1", "v1", Lifespan::Cluster), 0);
+        let listed = |r: &Registry, now| -> Vec<String> {
+            r.list(&KeyPrefix::parse("m").unwrap(), now, &|_| true)
+                .into_iter()
+                .map(|e| e.key)
+                .collect()
+        };
+        assert_eq!(listed(&r, 1), ["m/pinned", "m/temp"]);
+        // p1 falls silent: its resource key is neither listed nor served,
+        // but `rm` still finds it; the cluster one stays listed.
+        let late = TTL + 1;
+        assert!(r.get(&k("m/temp"), late).is_none());
+        assert!(r.get_unexpired(&k("m/temp"), late).is_some());
+        assert_eq!(listed(&r, late), ["m/pinned"]);
+        let req = LeaseRequest::default();
+        let stale = r.sources(&k("m/temp"), &req, true, late).unwrap_err();
+        assert!(
+            matches!(&stale, SourceError::Stale { holder, .. } if holder == "p1"),
+            "{stale}"
+        );
+        r.evict_stale(late);
+        assert_eq!(listed(&r, late), ["m/pinned"]);
+        // It beats again: its data is served again.
+        r.heartbeat(beat("p1", Some("svc"), &[("m/temp", "v1")]), late);
+        assert_eq!(listed(&r, late), ["m/pinned", "m/temp"]);
+        // A live peer holding it keeps it served after its holder is gone.
+        r.heartbeat(beat("p2", None, &[("m/temp", "v1")]), late + TTL);
+        let later = late + TTL + 1;
+        assert!(!r.is_live("p1", later));
+        assert_eq!(listed(&r, later), ["m/pinned", "m/temp"]);
+        assert_eq!(
+            r.sources(&k("m/temp"), &req, true, later)
+                .unwrap()
+                .candidates[0]
+                .source
+                .id,
+            "p2"
+        );
+    }
+
+    #[test]
+    fn teardown_takes_the_base_path_but_explicit_cluster_keys_and_the_pods_zero_copy_data() {
+        let mut r = Registry::new(TTL);
+        r.heartbeat(beat("p1", Some("svc"), &[]), 0);
+        // Put before `svc` was known: the rule chose cluster, but the key
+        // lies under svc's base path.
+        r.upsert(k("svc/early"), by_rule(None), 0);
+        r.know_services(["svc"]);
+        r.upsert(k("svc/keep"), by_rule(None), 0);
+        r.upsert(k("svc/final"), reg(None), 0);
+        let mut elsewhere = local("p1", "v1", Lifespan::Cluster);
+        elsewhere.options.lifespan = None;
+        r.upsert(k("models/zero-copy"), elsewhere, 0);
+        r.upsert(k("models/final"), by_rule(None), 0);
+        let (keys, agents) = r.teardown_plan("svc");
+        assert_eq!(
+            keys_of(&keys),
+            ["models/zero-copy", "svc/early", "svc/keep"]
+        );
+        assert_eq!(agents, ["p1"]);
     }
 }

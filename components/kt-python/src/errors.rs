@@ -1,7 +1,9 @@
 //! kt's errors as Python exceptions: the classes of `kt.errors`
-//! (`KtError` and its subclasses `NotFound`, `Unauthorized`,
-//! `Unavailable`, `InvalidInput`, `Conflict`), each carrying the server's
-//! code and message as `.code` and `.message`.
+//! (`KtError` and its subclasses `NotFound`, `Unauthorized`, `Forbidden`,
+//! `Unavailable`, `Timeout`, `InvalidInput`, `Conflict`, `FileExists`),
+//! each carrying the server's code and message as `.code` and `.message`.
+//! Messages the servers and kt-client word for the CLI (its flags and
+//! commands) are put in Python's words here ([`python_words`]).
 
 use kt_client::ClientError;
 use kt_types::ErrorCode;
@@ -12,8 +14,8 @@ use pyo3::prelude::*;
 fn class_of(code: Option<ErrorCode>) -> &'static str {
     match code {
         Some(ErrorCode::NotFound) => "NotFound",
-        // `.code` says which: a bad token, or a role that may not.
-        Some(ErrorCode::Unauthorized | ErrorCode::Forbidden) => "Unauthorized",
+        Some(ErrorCode::Unauthorized) => "Unauthorized",
+        Some(ErrorCode::Forbidden) => "Forbidden",
         Some(
             ErrorCode::NoStore
             | ErrorCode::NoSource
@@ -31,8 +33,71 @@ fn class_of(code: Option<ErrorCode>) -> &'static str {
     }
 }
 
+/// The CLI's words in messages of the servers and kt-client, and what a
+/// Python caller writes instead.
+const CLI_WORDS: &[(&str, &str)] = &[
+    (
+        "delete recursively (-r)",
+        "delete recursively (recursive=True)",
+    ),
+    (
+        "receive it with get_tensor (kt tensor get)",
+        "receive it with kt.get(key, dest=<tensor or state dict>)",
+    ),
+    (
+        "get it with kt tensor get",
+        "get it with kt.get(key, dest=<tensors>)",
+    ),
+    (
+        "(`kt get` fetches it)",
+        "(kt.get(key, dest=<path>) fetches it)",
+    ),
+    (
+        "--deadline or KT_DEADLINE",
+        "kt.configure(deadline=...) or KT_DEADLINE",
+    ),
+    (
+        "--connect-timeout or KT_CONNECT_TIMEOUT",
+        "KT_CONNECT_TIMEOUT",
+    ),
+    (
+        "(KT_TOKEN, --token-file)",
+        "(token=, token_file=, KT_TOKEN or KT_TOKEN_FILE)",
+    ),
+];
+
+/// `message` in a Python caller's words.
+fn python_words(message: String) -> String {
+    CLI_WORDS.iter().fold(message, |m, (cli, py)| {
+        if m.contains(cli) {
+            m.replace(cli, py)
+        } else {
+            m
+        }
+    })
+}
+
+/// Whether `e` is, or was caused by, an OS error "File exists" (kt-client
+/// words some destination errors as text: then its errno's text).
+fn file_exists(e: &(dyn std::error::Error + 'static)) -> bool {
+    if e.to_string().contains("(os error 17)") {
+        return true;
+    }
+    let mut at = Some(e);
+    while let Some(e) = at {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::AlreadyExists)
+        {
+            return true;
+        }
+        at = e.source();
+    }
+    false
+}
+
 /// A `kt.errors` exception of `class` with `code` and `message`.
 fn raise(class: &str, code: Option<ErrorCode>, message: String) -> PyErr {
+    let message = python_words(message);
     Python::attach(|py| {
         let made = py
             .import("kt.errors")
@@ -58,7 +123,14 @@ pub fn to_py(e: ClientError) -> PyErr {
         }
         _ => code,
     };
-    raise(class_of(code), code, e.to_string())
+    let class = match &e {
+        // A bounded wait of the call ran out (its `timeout=`, or the
+        // metadata server not reached in time).
+        ClientError::Timeout { .. } => "Timeout",
+        _ if code.is_none() && file_exists(&e) => "FileExists",
+        _ => class_of(code),
+    };
+    raise(class, code, e.to_string())
 }
 
 /// Sync errors that are the caller's input: a source that is not there.
@@ -85,4 +157,10 @@ pub fn unauthorized(message: impl Into<String>) -> PyErr {
         Some(ErrorCode::Unauthorized),
         message.into(),
     )
+}
+
+/// `kt.errors.Unavailable` (code `unavailable`).
+#[cfg(feature = "kube")]
+pub fn unavailable(message: impl Into<String>) -> PyErr {
+    raise("Unavailable", Some(ErrorCode::Unavailable), message.into())
 }

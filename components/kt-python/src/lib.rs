@@ -17,13 +17,15 @@ use kt_client::broadcast::BroadcastOptions;
 use kt_client::tensor::{Borrowed, StateDict, TensorClient, TensorOptions};
 use kt_client::{Client, ClientConfig, ClientError, GetOptions, Progress};
 use kt_types::api::PutOptions;
-use kt_types::tensor::{Device, MemHandle, Packing, TensorMeta};
+use kt_types::tensor::{Device, MemHandle, Packing, ReduceOp, TensorMeta};
 use kt_types::{Key, KeyPrefix, Lifespan, Locale};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 mod errors;
+mod progress;
+mod pylog;
 mod settings;
 
 use errors::{invalid, to_py};
@@ -41,6 +43,12 @@ struct Ctx {
     rt: tokio::runtime::Runtime,
     client: Client,
     settings: Settings,
+    /// With `kube`: the port-forwards kt is reached through (they end with
+    /// the runtime).
+    #[cfg(feature = "kube")]
+    _external: Option<kt_client::external::External>,
+    /// The agent's shared-memory directory, once asked.
+    shm_dir: std::sync::OnceLock<PathBuf>,
     tensors: tokio::sync::Mutex<Option<TensorClient>>,
     /// Agent connections left by an interrupted tensor call: a reply may
     /// still be on its way, so they take no more requests, but they stay
@@ -65,8 +73,36 @@ impl Ctx {
             .enable_all()
             .build()
             .map_err(|e| PyRuntimeError::new_err(format!("kt: starting its runtime: {e}")))?;
-        let mut cfg = ClientConfig::new(&settings.metadata_url, &settings.token);
-        cfg.token_file = settings.token_file.clone();
+        #[cfg(feature = "kube")]
+        let external = settings
+            .kube
+            .as_ref()
+            .map(|k| connect_kube(&rt, k, settings.token.is_empty()))
+            .transpose()?;
+        #[cfg(not(feature = "kube"))]
+        if settings.kube.is_some() {
+            return Err(invalid(
+                "kube: this kt package was built without the `kube` feature",
+            ));
+        }
+        #[cfg(feature = "kube")]
+        let (metadata_url, token) = match &external {
+            Some(x) => (
+                x.metadata_url.clone(),
+                x.token.clone().unwrap_or_else(|| settings.token.clone()),
+            ),
+            None => (settings.metadata_url.clone(), settings.token.clone()),
+        };
+        #[cfg(not(feature = "kube"))]
+        let (metadata_url, token) = (settings.metadata_url.clone(), settings.token.clone());
+        let mut cfg = ClientConfig::new(&metadata_url, token);
+        // As `kt --kube`: the token is not read again from its file, and
+        // no agent serves copies outside the cluster.
+        cfg.token_file = settings
+            .token_file
+            .clone()
+            .filter(|_| settings.kube.is_none());
+        cfg.serve_copies = settings.kube.is_none();
         cfg.agent_socket = settings.agent_socket.clone();
         if let Some(n) = settings.streams {
             cfg.streams = n;
@@ -77,12 +113,23 @@ impl Ctx {
         if let Some(d) = settings.stall {
             cfg.stall = d.max(std::time::Duration::from_millis(100));
         }
+        if let Some(d) = settings.connect {
+            cfg.connect_timeout = d.max(std::time::Duration::from_millis(100));
+        }
         let client = Client::new(cfg).map_err(to_py)?;
+        #[cfg(feature = "kube")]
+        let client = match &external {
+            Some(x) => client.with_url_map(x.url_map()),
+            None => client,
+        };
         Ok(Ctx {
             pid: std::process::id(),
             rt,
             client,
             settings,
+            #[cfg(feature = "kube")]
+            _external: external,
+            shm_dir: std::sync::OnceLock::new(),
             tensors: tokio::sync::Mutex::new(None),
             retired: Mutex::new(Vec::new()),
         })
@@ -93,6 +140,36 @@ impl Ctx {
         !locked(&self.retired).is_empty()
             || self.tensors.try_lock().map_or(true, |conn| conn.is_some())
     }
+}
+
+/// Reaches the cluster of `kube` as `kt --kube` does (kt-client's
+/// [`kt_client::external::External`]), without the GIL while it connects.
+#[cfg(feature = "kube")]
+fn connect_kube(
+    rt: &tokio::runtime::Runtime,
+    kube: &settings::Kube,
+    read_token: bool,
+) -> PyResult<kt_client::external::External> {
+    let opts = kt_client::external::KubeOptions {
+        kubeconfig: kube.kubeconfig.clone(),
+        context: kube.context.clone(),
+        namespace: kube.namespace.clone(),
+    };
+    Python::attach(|py| {
+        py.detach(|| rt.block_on(kt_client::external::External::connect(&opts, read_token)))
+    })
+    .map_err(|e| errors::unavailable(format!("kube: {e}")))
+}
+
+/// What cannot be done from outside the cluster (`kube=True`), as `kt
+/// --kube` refuses it: what a pod's agent serves or moves.
+fn refuse_outside(c: &Ctx, what: &str) -> PyResult<()> {
+    if c.settings.kube.is_some() {
+        return Err(invalid(format!(
+            "{what} needs this pod's node agent: run it in a pod, not through kube=True"
+        )));
+    }
+    Ok(())
 }
 
 /// Takes the context out of `slot` for replacing. One a forked child
@@ -112,17 +189,25 @@ fn take_for_replacing(slot: &mut Option<Arc<Ctx>>) -> Option<Arc<Ctx>> {
 /// The process's context, made from the environment on first use (and
 /// afresh in a forked child).
 fn ctx() -> PyResult<Arc<Ctx>> {
-    let mut slot = locked(&CTX);
-    let settings = match slot.as_ref() {
+    let settings = match locked(&CTX).as_ref() {
         Some(c) if c.pid == std::process::id() => return Ok(c.clone()),
         // Forked: the parent's settings, afresh.
         Some(c) => c.settings.clone(),
         None => Settings::from_env(Default::default())?,
     };
+    // Made without the lock: with `kube` it waits for the cluster without
+    // the GIL, which another thread waiting for the lock would hold.
+    let made = Arc::new(Ctx::new(settings)?);
+    let mut slot = locked(&CTX);
+    if let Some(c) = slot.as_ref().filter(|c| c.pid == std::process::id()) {
+        // Another thread made one meanwhile: ours ends off this thread.
+        let c = c.clone();
+        drop(std::thread::spawn(move || drop(made)));
+        return Ok(c);
+    }
     take_for_replacing(&mut slot);
-    let c = Arc::new(Ctx::new(settings)?);
-    *slot = Some(c.clone());
-    Ok(c)
+    *slot = Some(made.clone());
+    Ok(made)
 }
 
 /// Runs `fut` on kt's runtime without the GIL, looking for signals every
@@ -135,15 +220,85 @@ fn run<T: Send + 'static>(
     ctx: &Ctx,
     fut: impl Future<Output = Result<T, ClientError>> + Send + 'static,
 ) -> PyResult<T> {
+    run_call(py, ctx, &Call::default(), fut)
+}
+
+/// A call of the Python API: its name (for the debug log of its timing),
+/// its `timeout=` (kt-client bounds the whole call by it,
+/// [`Client::with_timeout`], and says which phase ran out) and its
+/// `progress=` callable (one that raises aborts the call as Ctrl-C does,
+/// and its exception is raised).
+#[derive(Default)]
+struct Call {
+    name: String,
+    timeout: Option<Duration>,
+    progress: Option<Arc<progress::Callback>>,
+}
+
+impl Call {
+    fn new(name: String, timeout: Option<f64>, progress: Option<Py<PyAny>>) -> PyResult<Call> {
+        let timeout = timeout
+            .map(|t| {
+                Duration::try_from_secs_f64(t)
+                    .ok()
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| invalid(format!("timeout: seconds > 0, not {t}")))
+            })
+            .transpose()?;
+        Ok(Call {
+            name,
+            timeout,
+            progress: progress.map(progress::Callback::new),
+        })
+    }
+
+    /// The client for this call (the context's, with its timeout).
+    fn client(&self, c: &Ctx) -> Client {
+        c.client.with_timeout(self.timeout)
+    }
+
+    /// The sink for kt-client: the callable, else the terminal bar when
+    /// `bar`.
+    fn sink(&self, bar: bool) -> Progress {
+        match &self.progress {
+            Some(cb) => cb.progress(),
+            None => Progress::terminal_bar(bar),
+        }
+    }
+}
+
+/// [`run`] for a call of the Python API (see [`Call`]).
+fn run_call<T: Send + 'static>(
+    py: Python<'_>,
+    ctx: &Ctx,
+    call: &Call,
+    fut: impl Future<Output = Result<T, ClientError>> + Send + 'static,
+) -> PyResult<T> {
+    pylog::refresh(py);
+    let started = std::time::Instant::now();
     let mut task = ctx.rt.spawn(fut);
+    let stop = |task: &mut tokio::task::JoinHandle<Result<T, ClientError>>| {
+        task.abort();
+        // Aborting takes effect at the task's next await.
+        let _ = py.detach(|| ctx.rt.block_on(task));
+    };
     loop {
         let waited = py.detach(|| {
             ctx.rt.block_on(async {
                 tokio::time::timeout(Duration::from_millis(100), &mut task).await
             })
         });
+        if let Some(e) = call.progress.as_ref().and_then(|cb| cb.failure()) {
+            if !task.is_finished() {
+                stop(&mut task);
+            }
+            return Err(e);
+        }
         match waited {
-            Ok(Ok(result)) => return result.map_err(to_py),
+            Ok(Ok(result)) => {
+                tracing::debug!(call = %call.name, seconds = started.elapsed().as_secs_f64(), ok = result.is_ok(), "done");
+                return result.map_err(to_py);
+            }
             Ok(Err(joined)) => {
                 return Err(PyRuntimeError::new_err(format!(
                     "kt: the transfer failed: {joined}"
@@ -151,9 +306,7 @@ fn run<T: Send + 'static>(
             }
             Err(_) => {
                 if let Err(e) = py.check_signals() {
-                    task.abort();
-                    // Aborting takes effect at the task's next await.
-                    let _ = py.detach(|| ctx.rt.block_on(&mut task));
+                    stop(&mut task);
                     return Err(e);
                 }
             }
@@ -163,24 +316,45 @@ fn run<T: Send + 'static>(
 
 /// Sets how this process reaches kt; arguments left out come from the same
 /// environment variables as the CLI's (`KT_METADATA_URL`, `KT_TOKEN` or
-/// `KT_TOKEN_FILE`, `KT_AGENT_SOCKET`, `KT_STREAMS`). A later call
-/// replaces the earlier settings (tensors already lent stay registered
-/// through the old agent connection while this process lives).
+/// `KT_TOKEN_FILE`, `KT_AGENT_SOCKET`, `KT_STREAMS`, `KT_DEADLINE`,
+/// `KT_KUBE` with `KT_KUBE_CONTEXT` and `KT_NAMESPACE`). `kube`: through the
+/// Kubernetes API's port-forward, as `kt --kube`. A later call replaces the
+/// earlier settings (tensors already lent stay registered through the old
+/// agent connection while this process lives).
 #[pyfunction]
-#[pyo3(signature = (metadata_url=None, token=None, token_file=None, agent_socket=None, streams=None))]
+#[pyo3(signature = (metadata_url=None, token=None, token_file=None, agent_socket=None, streams=None, deadline=None, kube=None, kubeconfig=None, context=None, namespace=None))]
+#[allow(clippy::too_many_arguments)]
 fn configure(
     metadata_url: Option<String>,
     token: Option<String>,
     token_file: Option<PathBuf>,
     agent_socket: Option<PathBuf>,
     streams: Option<usize>,
+    deadline: Option<f64>,
+    kube: Option<bool>,
+    kubeconfig: Option<PathBuf>,
+    context: Option<String>,
+    namespace: Option<String>,
 ) -> PyResult<()> {
+    let deadline = deadline
+        .map(|d| {
+            Duration::try_from_secs_f64(d)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .ok_or_else(|| invalid(format!("deadline: seconds > 0, not {d}")))
+        })
+        .transpose()?;
     let given = settings::Given {
         metadata_url,
         token,
         token_file,
         agent_socket,
         streams,
+        deadline,
+        kube,
+        kubeconfig,
+        context,
+        namespace,
     };
     let c = Arc::new(Ctx::new(Settings::from_env(given)?)?);
     let old = {
@@ -202,29 +376,39 @@ fn configure(
     Ok(())
 }
 
-/// The settings in use: metadata URL, agent socket, streams, shared-memory
-/// directory (never the token).
+/// The settings in use (never the token): `(metadata_url, agent_socket,
+/// streams, deadline seconds, kube, shm_dir)`; with `kube`, the metadata
+/// URL is the port-forward's.
+type SettingsTuple = (String, String, usize, f64, bool, String);
+
 #[pyfunction(name = "settings")]
-fn current_settings(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+fn current_settings(py: Python<'_>) -> PyResult<SettingsTuple> {
     let c = ctx()?;
-    let d = PyDict::new(py);
-    d.set_item("metadata_url", &c.settings.metadata_url)?;
-    d.set_item(
-        "agent_socket",
+    let shm = shm_dir_of(py, &c)?;
+    let cfg = c.client.config();
+    Ok((
+        cfg.metadata_url.clone(),
         c.settings.agent_socket.display().to_string(),
-    )?;
-    d.set_item("streams", c.client.config().streams)?;
-    d.set_item("shm_dir", shm_dir())?;
-    Ok(d)
+        cfg.streams,
+        cfg.deadline.as_secs_f64(),
+        c.settings.kube.is_some(),
+        shm,
+    ))
 }
 
 fn parse_key(what: &str, key: &str) -> PyResult<Key> {
     Key::parse(key).map_err(|e| invalid(format!("{what}: {e}")))
 }
 
-fn put_options(lifespan: &str, ttl: Option<&str>, service: Option<String>) -> PyResult<PutOptions> {
-    let lifespan: Lifespan = lifespan
-        .parse()
+/// The put's options; `lifespan` `None`: the metadata server's rule decides.
+fn put_options(
+    lifespan: Option<&str>,
+    ttl: Option<&str>,
+    service: Option<String>,
+) -> PyResult<PutOptions> {
+    let lifespan = lifespan
+        .map(|l| l.parse::<Lifespan>())
+        .transpose()
         .map_err(|e| invalid(format!("lifespan: {e}")))?;
     let ttl_secs = ttl
         .map(|t| {
@@ -240,229 +424,296 @@ fn put_options(lifespan: &str, ttl: Option<&str>, service: Option<String>) -> Py
     })
 }
 
-fn transfer_dict<'py>(
-    py: Python<'py>,
-    key: &str,
-    files: u64,
-    stats: &kt_types::api::TransferStats,
-    seconds: f64,
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("key", key)?;
-    d.set_item("files", files)?;
-    d.set_item("bytes_sent", stats.bytes_sent)?;
-    d.set_item("bytes_skipped", stats.bytes_skipped)?;
-    d.set_item("files_sent", stats.files_sent)?;
-    d.set_item("seconds", seconds)?;
-    Ok(d)
+/// What a put of files did, as `kt.PutResult` takes it: `(key, files,
+/// bytes_sent, bytes_skipped, unchanged, locale, version, seconds)`.
+type PutTuple = (
+    String,
+    u64,
+    u64,
+    u64,
+    bool,
+    &'static str,
+    Option<String>,
+    f64,
+);
+
+/// What a get of files did, as `kt.GetResult` takes it: `(key, dest, files,
+/// bytes_sent, bytes_skipped, seconds, group, rank, parents, relayed)`.
+type GetTuple = (
+    String,
+    String,
+    u64,
+    u64,
+    u64,
+    f64,
+    Option<String>,
+    Option<u32>,
+    Vec<u32>,
+    Option<u64>,
+);
+
+fn got(key: &str, s: &kt_client::GetSummary) -> GetTuple {
+    (
+        key.to_owned(),
+        s.dest.display().to_string(),
+        s.files,
+        s.stats.bytes_sent,
+        s.stats.bytes_skipped,
+        s.duration.as_secs_f64(),
+        None,
+        None,
+        Vec::new(),
+        None,
+    )
 }
 
-/// What a get of files did, with where it landed.
-fn got_dict<'py>(
-    py: Python<'py>,
-    key: &str,
-    s: &kt_client::GetSummary,
-) -> PyResult<Bound<'py, PyDict>> {
-    let d = transfer_dict(py, key, s.files, &s.stats, s.duration.as_secs_f64())?;
-    d.set_item("dest", s.dest.display().to_string())?;
-    Ok(d)
-}
-
-/// Puts the file or tree at `src` under `key`.
+/// Puts the file or tree at `src` under `key`. `bar`: the terminal progress
+/// bar; `progress`: a callable (see `progress.rs`), which wins over it.
 #[pyfunction]
-#[pyo3(signature = (key, src, locale, lifespan, ttl=None, service=None, progress=false))]
+#[pyo3(signature = (key, src, locale, lifespan=None, ttl=None, service=None, bar=false, progress=None, timeout=None))]
 #[allow(clippy::too_many_arguments)]
-fn put_path<'py>(
-    py: Python<'py>,
+fn put_path(
+    py: Python<'_>,
     key: &str,
     src: PathBuf,
     locale: &str,
-    lifespan: &str,
+    lifespan: Option<&str>,
     ttl: Option<&str>,
     service: Option<String>,
-    progress: bool,
-) -> PyResult<Bound<'py, PyDict>> {
+    bar: bool,
+    progress: Option<Py<PyAny>>,
+    timeout: Option<f64>,
+) -> PyResult<PutTuple> {
     let c = ctx()?;
     let key = parse_key("key", key)?;
     let locale: Locale = locale
         .parse()
         .map_err(|e| invalid(format!("locale: {e}")))?;
+    if locale == Locale::Local {
+        refuse_outside(
+            &c,
+            "a locale=\"local\" put (served by this pod's node agent)",
+        )?;
+    }
     let options = put_options(lifespan, ttl, service)?;
-    let client = c.client.clone();
+    let call = Call::new(format!("kt.put({:?})", key.as_str()), timeout, progress)?;
+    let sink = call.sink(bar);
+    let client = call.client(&c);
     let k = key.clone();
-    let s = run(py, &c, async move {
+    let s = run_call(py, &c, &call, async move {
         match locale {
-            Locale::Store => {
-                client
-                    .put(&k, &src, options, Progress::terminal_bar(progress))
-                    .await
-            }
+            Locale::Store => client.put(&k, &src, options, sink).await,
             Locale::Local => client.put_local(&k, &src, options).await,
         }
     })?;
-    let d = transfer_dict(
-        py,
-        key.as_str(),
+    Ok((
+        key.as_str().to_owned(),
         s.files,
-        &s.stats,
-        s.duration.as_secs_f64(),
-    )?;
-    d.set_item("unchanged", s.unchanged)?;
-    d.set_item(
-        "locale",
+        s.stats.bytes_sent,
+        s.stats.bytes_skipped,
+        s.unchanged,
         match locale {
             Locale::Store => "store",
             Locale::Local => "local",
         },
-    )?;
-    d.set_item("version", s.record.as_ref().map(|r| r.version.clone()))?;
-    Ok(d)
+        s.record.as_ref().map(|r| r.version.clone()),
+        s.duration.as_secs_f64(),
+    ))
 }
 
-/// What a filesystem broadcast takes of a window's JSON: no fanout lets the
-/// group's shape follow the payload's size (`kt_types::broadcast::auto_fanout`).
-#[derive(Debug, serde::Deserialize)]
-struct FileWindow {
-    group_id: Option<String>,
-    timeout_secs: Option<f64>,
-    fanout: Option<u32>,
-}
-
-/// Gets `key` into `dest`; a `key` ending in `/` gets every key below it,
-/// each into `dest/<its path below the prefix>` (a list of results).
-/// `broadcast`: the JSON of a window (group_id, timeout, fanout) to join a
-/// filesystem broadcast.
+/// Gets `key` into `dest`. `broadcast`: join a filesystem broadcast, its
+/// window `group_id`, `window_secs` (how long it accepts joins) and
+/// `fanout` (none: the group's shape follows the payload's size,
+/// `kt_types::broadcast::auto_fanout`).
 #[pyfunction]
-#[pyo3(signature = (key, dest, delete=false, broadcast=None, progress=false))]
-fn get_path<'py>(
-    py: Python<'py>,
+#[pyo3(signature = (key, dest, delete=false, bar=false, progress=None, timeout=None, broadcast=false, group_id=None, window_secs=None, fanout=None))]
+#[allow(clippy::too_many_arguments)]
+fn get_path(
+    py: Python<'_>,
     key: &str,
     dest: PathBuf,
     delete: bool,
-    broadcast: Option<&str>,
-    progress: bool,
-) -> PyResult<Bound<'py, PyAny>> {
+    bar: bool,
+    progress: Option<Py<PyAny>>,
+    timeout: Option<f64>,
+    broadcast: bool,
+    group_id: Option<String>,
+    window_secs: Option<f64>,
+    fanout: Option<u32>,
+) -> PyResult<GetTuple> {
     let c = ctx()?;
-    let client = c.client.clone();
-    if key.trim().ends_with('/') && !key.trim().trim_matches('/').is_empty() {
-        if broadcast.is_some() {
-            return Err(invalid(format!(
-                "broadcast: a broadcast gets one key, not every key below {key}"
-            )));
-        }
-        let prefix = KeyPrefix::parse(key).map_err(|e| invalid(format!("key: {e}")))?;
-        let got = run(py, &c, async move {
+    let key = parse_key("key", key)?;
+    let call = Call::new(format!("kt.get({:?})", key.as_str()), timeout, progress)?;
+    let sink = call.sink(bar);
+    let client = call.client(&c);
+    let k = key.clone();
+    if !broadcast {
+        let s = run_call(py, &c, &call, async move {
             client
-                .get_prefix(&prefix, &dest, &GetOptions { delete })
+                .get_with(&k, &dest, &GetOptions { delete }, sink)
                 .await
         })?;
-        let out = PyList::empty(py);
-        for (k, s) in &got.gets {
-            out.append(got_dict(py, k.as_str(), s)?)?;
-        }
-        return Ok(out.into_any());
+        return Ok(got(key.as_str(), &s));
     }
-    let key = parse_key("key", key)?;
-    let k = key.clone();
-    let d = match broadcast {
-        None => {
-            let s = run(py, &c, async move {
-                client
-                    .get_with(
-                        &k,
-                        &dest,
-                        &GetOptions { delete },
-                        Progress::terminal_bar(progress),
-                    )
-                    .await
-            })?;
-            got_dict(py, key.as_str(), &s)?
-        }
-        Some(json) => {
-            let w: FileWindow =
-                serde_json::from_str(json).map_err(|e| invalid(format!("broadcast: {e}")))?;
-            if w.fanout == Some(0) {
-                return Err(invalid("broadcast.fanout: at least 1, not 0".to_owned()));
-            }
-            let options = BroadcastOptions {
-                group: w.group_id.clone(),
-                fanout: w.fanout,
-                window: w.timeout_secs.map(Duration::from_secs_f64),
-                delete,
-            };
-            let b = run(py, &c, async move {
-                client
-                    .get_broadcast(&k, &dest, &options, Progress::terminal_bar(progress))
-                    .await
-            })?;
-            let d = got_dict(py, key.as_str(), &b.get)?;
-            d.set_item("group", &b.group)?;
-            d.set_item("rank", b.rank)?;
-            d.set_item("parents", b.parents.clone())?;
-            d.set_item("relayed", b.relayed)?;
-            d
-        }
+    refuse_outside(
+        &c,
+        "a broadcast get (its getters serve each other from their pods)",
+    )?;
+    if fanout == Some(0) {
+        return Err(invalid("broadcast.fanout: at least 1, not 0"));
+    }
+    let window = window_secs
+        .map(|t| {
+            Duration::try_from_secs_f64(t)
+                .map_err(|_| invalid(format!("broadcast.timeout: seconds > 0, not {t}")))
+        })
+        .transpose()?;
+    let options = BroadcastOptions {
+        group: group_id,
+        fanout,
+        window,
+        delete,
     };
-    Ok(d.into_any())
+    let b = run_call(py, &c, &call, async move {
+        client.get_broadcast(&k, &dest, &options, sink).await
+    })?;
+    let mut t = got(key.as_str(), &b.get);
+    (t.6, t.7, t.8, t.9) = (Some(b.group), Some(b.rank), b.parents, Some(b.relayed));
+    Ok(t)
 }
 
-/// The names directly below `prefix`, each a dict (name, key,
-/// has_children, and the key's record as JSON when it is a key).
+/// Gets every key below `prefix`, each into `dest/<its path below the
+/// prefix>`, a few at once.
 #[pyfunction]
-#[pyo3(signature = (prefix=""))]
-fn ls<'py>(py: Python<'py>, prefix: &str) -> PyResult<Bound<'py, PyList>> {
+#[pyo3(signature = (prefix, dest, delete=false, timeout=None))]
+fn get_prefix(
+    py: Python<'_>,
+    prefix: &str,
+    dest: PathBuf,
+    delete: bool,
+    timeout: Option<f64>,
+) -> PyResult<Vec<GetTuple>> {
     let c = ctx()?;
+    let prefix = KeyPrefix::parse(prefix).map_err(|e| invalid(format!("key: {e}")))?;
+    let call = Call::new(format!("kt.get({:?})", format!("{prefix}/")), timeout, None)?;
+    let client = call.client(&c);
+    let got_all = run_call(py, &c, &call, async move {
+        client
+            .get_prefix(&prefix, &dest, &GetOptions { delete })
+            .await
+    })?;
+    Ok(got_all
+        .gets
+        .iter()
+        .map(|(k, s)| got(k.as_str(), s))
+        .collect())
+}
+
+/// A key's record as `kt.Item` takes it: `(locale, holder, is_dir, size,
+/// files, version, lifespan, service, created_ms, updated_ms, expires_ms,
+/// tensors)`; `locale` is `store` or the pod holding a zero-copy key, as
+/// the reference's `ls` says it ([`kt_types::KeyRecord::locale_label`]).
+type RecordTuple = (
+    String,
+    String,
+    bool,
+    u64,
+    u64,
+    String,
+    &'static str,
+    String,
+    u64,
+    u64,
+    Option<u64>,
+    bool,
+);
+
+/// A name of a listing: `(name, key, has_children, record)`, the record
+/// when the name is a key itself.
+type EntryTuple = (String, String, bool, Option<RecordTuple>);
+
+/// The names directly below `prefix`.
+#[pyfunction]
+#[pyo3(signature = (prefix="", timeout=None))]
+fn ls(py: Python<'_>, prefix: &str, timeout: Option<f64>) -> PyResult<Vec<EntryTuple>> {
+    let c = ctx()?;
+    let call = Call::new(format!("kt.ls({prefix:?})"), timeout, None)?;
     let prefix = KeyPrefix::parse(prefix).map_err(|e| invalid(format!("prefix: {e}")))?;
-    let client = c.client.clone();
-    let list = run(py, &c, async move { client.ls(&prefix).await })?;
-    let out = PyList::empty(py);
-    for e in list.entries {
-        let d = PyDict::new(py);
-        d.set_item("name", &e.name)?;
-        d.set_item("key", &e.key)?;
-        d.set_item("has_children", e.has_children)?;
-        let record = e
-            .record
-            .as_ref()
-            .map(serde_json::to_string)
-            .transpose()
-            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-        d.set_item("record", record)?;
-        out.append(d)?;
-    }
-    Ok(out)
+    let client = call.client(&c);
+    let list = run_call(py, &c, &call, async move { client.ls(&prefix).await })?;
+    Ok(list
+        .entries
+        .into_iter()
+        .map(|e| {
+            let record = e.record.map(|r| {
+                (
+                    r.locale_label(),
+                    r.holder,
+                    r.is_dir,
+                    r.size,
+                    r.files,
+                    r.version,
+                    match r.lifespan {
+                        Lifespan::Cluster => "cluster",
+                        Lifespan::Resource => "resource",
+                    },
+                    r.service,
+                    r.created_at_ms,
+                    r.updated_at_ms,
+                    r.expires_at_ms,
+                    r.tensors.is_some(),
+                )
+            });
+            (e.name, e.key, e.has_children, record)
+        })
+        .collect())
 }
 
 /// Deletes `key` (with `recursive`, everything below it too); the keys
 /// deleted.
 #[pyfunction]
-#[pyo3(signature = (key, recursive=false))]
-fn rm(py: Python<'_>, key: &str, recursive: bool) -> PyResult<Vec<String>> {
+#[pyo3(signature = (key, recursive=false, timeout=None))]
+fn rm(py: Python<'_>, key: &str, recursive: bool, timeout: Option<f64>) -> PyResult<Vec<String>> {
     let c = ctx()?;
     let key = parse_key("key", key)?;
-    let client = c.client.clone();
-    let r = run(py, &c, async move { client.rm(&key, recursive).await })?;
+    let call = Call::new(format!("kt.rm({:?})", key.as_str()), timeout, None)?;
+    let client = call.client(&c);
+    let r = run_call(
+        py,
+        &c,
+        &call,
+        async move { client.rm(&key, recursive).await },
+    )?;
     Ok(r.deleted.iter().map(|k| k.to_string()).collect())
 }
 
 /// Tears `service` down: its `resource` keys go and its pods stop being
-/// sources. What went: `{"deleted": [...], "evicted": [...]}`.
+/// sources. What went: `(deleted keys, evicted agents)`.
 #[pyfunction]
-fn teardown<'py>(py: Python<'py>, service: &str) -> PyResult<Bound<'py, PyDict>> {
+#[pyo3(signature = (service, timeout=None))]
+fn teardown(
+    py: Python<'_>,
+    service: &str,
+    timeout: Option<f64>,
+) -> PyResult<(Vec<String>, Vec<String>)> {
     let c = ctx()?;
     if service.trim().is_empty() {
         return Err(invalid("service: empty"));
     }
-    let client = c.client.clone();
+    let call = Call::new(format!("kt.teardown({service:?})"), timeout, None)?;
+    let client = call.client(&c);
     let s = service.to_owned();
-    let r = run(py, &c, async move { client.teardown(&s).await })?;
-    let d = PyDict::new(py);
-    d.set_item(
-        "deleted",
-        r.deleted.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
-    )?;
-    d.set_item("evicted", r.evicted.clone())?;
-    Ok(d)
+    let r = run_call(py, &c, &call, async move { client.teardown(&s).await })?;
+    Ok((
+        r.deleted.iter().map(|k| k.to_string()).collect(),
+        r.evicted.clone(),
+    ))
+}
+
+/// Whether this process reaches kt from outside the cluster (`kube`).
+#[pyfunction]
+fn outside() -> PyResult<bool> {
+    Ok(ctx()?.settings.kube.is_some())
 }
 
 /// One tensor as the Python half describes it: `(name, dtype, shape,
@@ -535,6 +786,7 @@ fn tensor_options(
             ..Packing::default()
         }),
         keep_mapped: false,
+        member: None,
     })
 }
 
@@ -605,18 +857,29 @@ fn stats_dict<'py>(
     d.set_item("backend", s.backend.map(|b| b.to_string()))?;
     d.set_item("rank", s.rank)?;
     d.set_item("world", s.world)?;
+    // Which putter (rank, pod, process) each received set came from.
+    let sources = PyList::empty(py);
+    for src in &s.sources {
+        let e = PyDict::new(py);
+        e.set_item("key", src.key.as_str())?;
+        e.set_item("rank", src.rank)?;
+        e.set_item("agent", &src.agent)?;
+        e.set_item("member", &src.member)?;
+        sources.append(e)?;
+    }
+    d.set_item("sources", sources)?;
     Ok(d)
 }
 
 /// Lends `tensors` to this pod's agent under `key`: registered while this
 /// process lives (with a broadcast: answered when the transfer is over).
 #[pyfunction]
-#[pyo3(signature = (key, tensors, lifespan, ttl=None, service=None, broadcast=None))]
+#[pyo3(signature = (key, tensors, lifespan=None, ttl=None, service=None, broadcast=None))]
 fn put_tensors<'py>(
     py: Python<'py>,
     key: &str,
     tensors: Vec<Described>,
-    lifespan: &str,
+    lifespan: Option<&str>,
     ttl: Option<&str>,
     service: Option<String>,
     broadcast: Option<&str>,
@@ -651,40 +914,129 @@ fn put_tensors<'py>(
 
 /// Receives `key` into `tensors` (same names, order, dtypes and shapes),
 /// through this pod's agent, in place.
+///
+/// A key several putters put in a quorum (`broadcast` needed): `reduce`
+/// (`"sum"` or `"mean"`) receives their reduction into `tensors`; `many`
+/// receives each putter's into its own destination, `tensors` then being
+/// `(rank, described)` pairs (`_tensors.lend_many`): `"list"`, one set per
+/// putter in putter-rank order (the rank is the list index), or
+/// `"by_rank"`, the sets of those putter ranks.
 #[pyfunction]
-#[pyo3(signature = (key, tensors, broadcast=None, packed=None, keep_mapped=false))]
+#[pyo3(signature = (key, tensors, broadcast=None, packed=None, keep_mapped=false, reduce=None, many=None))]
+#[allow(clippy::too_many_arguments)]
 fn get_tensors<'py>(
     py: Python<'py>,
     key: &str,
-    tensors: Vec<Described>,
+    tensors: &Bound<'py, PyAny>,
     broadcast: Option<&str>,
     packed: Option<bool>,
     keep_mapped: bool,
+    reduce: Option<&str>,
+    many: Option<&str>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let c = ctx()?;
     let key = parse_key("key", key)?;
     let mut opts = tensor_options(PutOptions::default(), broadcast, packed)?;
     opts.keep_mapped = keep_mapped;
-    let lent: Vec<(String, Borrowed)> = tensors.iter().map(borrowed).collect::<PyResult<_>>()?;
-    let single = lent.len() == 1 && lent[0].0.is_empty();
+    let reduce: Option<ReduceOp> = reduce
+        .map(|r| {
+            r.parse()
+                .map_err(|e: String| invalid(format!("reduce: {e}")))
+        })
+        .transpose()?;
+    let dest = match many {
+        None => {
+            let lent = described_set(&tensors.extract::<Vec<Described>>()?)?;
+            match reduce {
+                Some(op) => Dest::Reduced(op, lent.into_iter().collect()),
+                None => Dest::One(lent),
+            }
+        }
+        Some(m @ ("list" | "by_rank")) => {
+            if reduce.is_some() {
+                return Err(invalid(
+                    "reduce: a reduction goes into one destination, not a list or dict of them",
+                ));
+            }
+            let sets = described_sets(&tensors.extract::<Vec<(u32, Described)>>()?)?;
+            if m == "list" {
+                Dest::All(sets.into_iter().map(|(_, sd)| sd).collect())
+            } else {
+                Dest::ByRank(sets)
+            }
+        }
+        Some(other) => {
+            return Err(invalid(format!(
+                "many: {other:?} is not one of \"list\", \"by_rank\""
+            )));
+        }
+    };
     let c2 = c.clone();
     let stats = run(py, &c, async move {
-        on_agent(&c2, async |client| {
-            if single {
-                let mut t = lent
-                    .into_iter()
-                    .next()
-                    .map(|(_, b)| b)
-                    .ok_or_else(|| ClientError::Local("no destination".into()))?;
-                client.get_tensor(&key, &mut t, &opts).await
-            } else {
-                let mut sd: StateDict<Borrowed> = lent.into_iter().collect();
-                client.get_state_dict(&key, &mut sd, &opts).await
+        on_agent(&c2, async |client| match dest {
+            Dest::One(lent) => {
+                if lent.len() == 1 && lent[0].0.is_empty() {
+                    let mut t = lent
+                        .into_iter()
+                        .next()
+                        .map(|(_, b)| b)
+                        .ok_or_else(|| ClientError::Local("no destination".into()))?;
+                    client.get_tensor(&key, &mut t, &opts).await
+                } else {
+                    let mut sd: StateDict<Borrowed> = lent.into_iter().collect();
+                    client.get_state_dict(&key, &mut sd, &opts).await
+                }
             }
+            Dest::Reduced(op, mut sd) => client.get_reduced(&key, &mut sd, op, &opts).await,
+            Dest::All(mut sets) => client.get_all(&key, &mut sets, &opts).await,
+            Dest::ByRank(mut sets) => client.get_by_rank(&key, &mut sets, &opts).await,
         })
         .await
     })?;
     stats_dict(py, &stats)
+}
+
+/// Where a get of tensors goes.
+enum Dest {
+    /// One set from the key's one putter.
+    One(Vec<(String, Borrowed)>),
+    /// The reduction of every putter's.
+    Reduced(ReduceOp, StateDict<Borrowed>),
+    /// Every putter's, in putter-rank order.
+    All(Vec<StateDict<Borrowed>>),
+    /// Those of these putter ranks.
+    ByRank(Vec<(u32, StateDict<Borrowed>)>),
+}
+
+fn described_set(d: &[Described]) -> PyResult<Vec<(String, Borrowed)>> {
+    d.iter().map(borrowed).collect()
+}
+
+/// `(rank, described)` entries grouped into one set per rank, in the order
+/// the ranks first appear (`_tensors.lend_many` lists each set's entries
+/// together).
+fn described_sets(d: &[(u32, Described)]) -> PyResult<Vec<(u32, StateDict<Borrowed>)>> {
+    let mut sets: Vec<(u32, StateDict<Borrowed>)> = Vec::new();
+    for (rank, entry) in d {
+        let (name, b) = borrowed(entry)?;
+        match sets.last_mut() {
+            Some((r, sd)) if r == rank => sd.push(name, b),
+            _ => {
+                if sets.iter().any(|(r, _)| r == rank) {
+                    return Err(invalid(format!(
+                        "dest: the entries of rank {rank} are not listed together"
+                    )));
+                }
+                let mut sd = StateDict::new();
+                sd.push(name, b);
+                sets.push((*rank, sd));
+            }
+        }
+    }
+    if sets.is_empty() {
+        return Err(invalid("dest: no destination (one per putter)"));
+    }
+    Ok(sets)
 }
 
 /// Drops this process's registration of `key` (and the key).
@@ -698,11 +1050,33 @@ fn drop_tensors(py: Python<'_>, key: &str) -> PyResult<()> {
     })
 }
 
-/// The shared-memory directory the agent maps CPU tensors from
-/// (`KT_SHM_DIR`, default `/dev/shm`).
+/// The shared-memory directory the agent maps CPU tensors from: the one
+/// its hello names, asked once per settings; where no agent listens (or
+/// with `kube`), `KT_SHM_DIR` (default `/dev/shm`), asked again next time.
+fn shm_dir_of(py: Python<'_>, c: &Ctx) -> PyResult<String> {
+    if let Some(dir) = c.shm_dir.get() {
+        return Ok(dir.display().to_string());
+    }
+    let asked = if c.settings.kube.is_some() {
+        None
+    } else {
+        let socket = c.settings.agent_socket.clone();
+        run(py, c, async move {
+            kt_client::agent::shared_memory_dir(&socket).await
+        })?
+    };
+    Ok(match asked {
+        Some(dir) => c.shm_dir.get_or_init(|| dir).display().to_string(),
+        None => kt_tensor::shm::shm_dir().display().to_string(),
+    })
+}
+
+/// The shared-memory directory the agent maps CPU tensors from (see
+/// `shm_dir_of`).
 #[pyfunction]
-fn shm_dir() -> String {
-    kt_tensor::shm::shm_dir().display().to_string()
+fn shm_dir(py: Python<'_>) -> PyResult<String> {
+    let c = ctx()?;
+    shm_dir_of(py, &c)
 }
 
 /// The dtypes kt moves, by kt's name, with their sizes in bytes.
@@ -716,10 +1090,13 @@ fn dtypes() -> BTreeMap<String, u64> {
 
 #[pymodule]
 fn _kt(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    pylog::install();
     m.add_function(wrap_pyfunction!(configure, m)?)?;
     m.add_function(wrap_pyfunction!(current_settings, m)?)?;
     m.add_function(wrap_pyfunction!(put_path, m)?)?;
     m.add_function(wrap_pyfunction!(get_path, m)?)?;
+    m.add_function(wrap_pyfunction!(get_prefix, m)?)?;
+    m.add_function(wrap_pyfunction!(outside, m)?)?;
     m.add_function(wrap_pyfunction!(ls, m)?)?;
     m.add_function(wrap_pyfunction!(rm, m)?)?;
     m.add_function(wrap_pyfunction!(teardown, m)?)?;

@@ -18,14 +18,16 @@ import sys
 import textwrap
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, TypeVar
+
+T = TypeVar("T")
 
 REPO = pathlib.Path(__file__).resolve().parents[3]
 BIN = pathlib.Path(os.environ.get("KT_BIN_DIR") or REPO / "target" / "debug")
 READY_TIMEOUT = 30.0
 
 
-def _wait_for(what: str, check, timeout: float = READY_TIMEOUT):
+def _wait_for(what: str, check: Callable[[], Optional[T]], timeout: float = READY_TIMEOUT) -> T:
     """Polls ``check`` until it returns something truthy."""
     deadline = time.monotonic() + timeout
     while True:
@@ -39,7 +41,7 @@ def _wait_for(what: str, check, timeout: float = READY_TIMEOUT):
 
 @dataclass
 class Server:
-    proc: subprocess.Popen
+    proc: "subprocess.Popen[bytes]"
     log: pathlib.Path
     url: str = ""
 
@@ -99,6 +101,8 @@ class Testbed:
     each pod's directory; a benchmark puts them on tmpfs, as /dev/shm is in
     a real pod)."""
 
+    __test__ = False  # not a test class of pytest's
+
     def __init__(self, root: pathlib.Path, shm_root: Optional[pathlib.Path] = None) -> None:
         self.root = root
         self.shm_root = shm_root
@@ -122,19 +126,19 @@ class Testbed:
         # The store registers itself: wait until the metadata server knows it.
         import urllib.request
 
-        def store_known() -> bool:
+        def store_known() -> Optional[bool]:
             req = urllib.request.Request(f"{self.metadata.url}/api/v1/store",
                                          headers={"Authorization": f"Bearer {self.token}"})
             try:
                 with urllib.request.urlopen(req, timeout=2) as r:
-                    return r.status == 200
+                    return bool(r.status == 200)
             except OSError:
                 return False
 
         _wait_for("the store's registration", store_known)
 
-    def pod(self, name: str) -> Pod:
-        """The pod ``name``, its agent started on first use."""
+    def pod(self, name: str, service: str = "tests") -> Pod:
+        """The pod ``name`` of ``service``, its agent started on first use."""
         if name in self.pods:
             return self.pods[name]
         ip = f"127.0.0.{len(self.pods) + 2}"
@@ -146,7 +150,7 @@ class Testbed:
                        ["--listen", f"{ip}:0", "--id", name, "--metadata-url", self.metadata.url,
                         "--socket", str(d / "agent.sock"), "--state-dir", str(d / ".kt-agent"),
                         "--shm-dir", str(shm), "--tensor-port", "0",
-                        "--service", "tests"],
+                        "--service", service],
                        # A host of its own to NCCL, as on the scenario targets:
                        # NCCL refuses two ranks of one communicator on one GPU
                        # of one host, and these pods share the machine's GPUs.
@@ -171,16 +175,20 @@ class Testbed:
 
 
 def in_pod(testbed: Testbed, pod: Pod, code: str, *, timeout: float = 120,
-           background: bool = False):
-    """Runs Python ``code`` in a child process of ``pod``. With
+           background: bool = False, cwd: Optional[pathlib.Path] = None) -> Any:
+    """Runs Python ``code`` in a child process of ``pod`` (from ``cwd``,
+    default this process's; this directory's modules importable). With
     ``background`` the process is returned running (it reads lines from
     stdin to carry on), else waited for and its completed result returned."""
-    env = {**os.environ, **testbed.env(pod)}
+    here = str(pathlib.Path(__file__).resolve().parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, **testbed.env(pod), "PYTHONPATH": path}
     argv = [sys.executable, "-c", textwrap.dedent(code)]
     if background:
         return subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+                                stderr=subprocess.PIPE, text=True, cwd=cwd)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)
 
 
 def unique(name: str) -> str:

@@ -67,7 +67,10 @@ def test_ls_items_say_what_they_are(testbed, pod_a, kt_in, tmp_path):
     assert (w.key, w.locale, w.size, w.is_directory) == (f"{prefix}/weights", "store", 5, False)
     assert isinstance(w.modified, datetime.datetime)
     assert w.modified.tzinfo is not None
-    assert w.record["lifespan"] == "resource"
+    assert (w.is_key, w.lifespan, w.service, w.holder, w.files) == (True, "resource", "tests",
+                                                                     "store", 1)
+    assert w.created is not None and w.created <= w.modified and w.expires is None
+    assert not w.tensors and w.version
     v1 = kt.ls(f"{prefix}/models")
     assert [(i.name, i.is_directory) for i in v1] == [("v1", True)]
 
@@ -86,7 +89,8 @@ def test_rm_and_teardown(testbed, pod_a, kt_in, tmp_path):
     service = unique("svc").replace("/", "-")
     kt.put(f"{prefix}/tmp", src=tmp_path / "t", lifespan="resource", service=service)
     gone = kt.teardown(service)
-    assert gone["deleted"] == [f"{prefix}/tmp"]
+    assert isinstance(gone, kt.TeardownResult)
+    assert gone.deleted == [f"{prefix}/tmp"]
     with pytest.raises(kt.NotFound):
         kt.get(f"{prefix}/tmp", dest=tmp_path / "none")
 
@@ -106,8 +110,10 @@ def test_a_prefix_get_fetches_shards_of_four_producers(testbed, kt_in, run_in, t
         assert r.returncode == 0, r.stderr
     kt = kt_in(testbed.pod("trainer"))
     got = kt.get(f"/{prefix}/", dest=tmp_path / "train")
-    assert isinstance(got, list)
-    assert [g.key for g in got] == [f"{prefix}/shard-{i}" for i in range(4)]
+    assert isinstance(got, kt.GetResult)
+    assert [g.key for g in got.gets] == [f"{prefix}/shard-{i}" for i in range(4)]
+    assert got.files == 4 and got.bytes_sent == sum(g.bytes_sent for g in got.gets) == 4000
+    assert got.gets[2].dest == str(tmp_path / "train/shard-2")
     for i in range(4):
         assert (tmp_path / f"train/shard-{i}/data.parquet").read_bytes() == bytes([i]) * 1000
     with pytest.raises(kt.NotFound):
@@ -148,7 +154,7 @@ def test_a_local_put_is_served_peer_to_peer_to_another_pod(testbed, kt_in, run_i
     assert got.bytes_sent == 70000
     assert (tmp_path / "features/sub/f.bin").read_bytes() == b"x" * 70000
     rec = [i for i in kt.ls(key.rsplit("/", 1)[0]) if i.key == key][0]
-    assert rec.locale == "local"
+    assert rec.locale == rec.holder == "producer"  # the pod, as the reference's ls says
 
 
 def test_a_file_broadcast_places_every_getter_in_one_tree(testbed, kt_in, run_in, tmp_path):

@@ -131,7 +131,7 @@ def test_lent_memory_is_kept_until_its_key_is_deleted(testbed, run_in):
             kt.get(b, dest=dest)
             os._exit(0 if names == ["b"] and (dest == 1).all() else 3)
         assert os.waitpid(pid, 0)[1] == 0
-        assert kt.teardown("{service}")["deleted"] == [b]
+        assert kt.teardown("{service}").deleted == [b]
         assert kt._held == {{}}
         print("ok")
     """)
@@ -268,3 +268,54 @@ def test_a_cuda_quorum_across_processes_on_a_gpu(testbed, run_in):
         assert p.returncode == 0, err
         ranks.append(json.loads(out)["rank"])
     assert sorted(ranks) == [0, 1, 2]
+
+
+def test_two_pods_of_four_processes_put_one_key_and_getters_take_all_or_a_sum(testbed, run_in):
+    """The reference's multi-party broadcast: 8 putters of one key (2 pods x
+    4 processes, each its own rank) and getters in a third pod asking for
+    every putter's tensor (a list, in putter-rank order; a dict by rank) or
+    their sum, in one quorum. Each putter's tensor is its pid plus 0..15."""
+    key = unique("gradients")
+    group = unique("sync").replace("/", "-")
+    window = f'kt.BroadcastWindow(group_id="{group}", world_size=11, timeout=60)'
+    putters = []
+    for pod in ("mp-a", "mp-b"):
+        for _ in range(4):
+            putters.append(run_in(testbed, testbed.pod(pod), f"""
+                import json, os, numpy as np, kt
+                src = np.arange(16, dtype=np.float64) + os.getpid()
+                r = kt.put("{key}", src=src, broadcast={window})
+                print(json.dumps({{"pid": os.getpid(), "rank": r.rank, "world": r.world}}))
+            """, background=True))
+    gets = {
+        "all": "dest = [np.zeros(16) for _ in range(8)]\n"
+               f"r = kt.get('{key}', dest=dest, broadcast={window})\n"
+               "out = [float(d[0]) for d in dest]",
+        "some": "dest = {1: np.zeros(16), 6: np.zeros(16)}\n"
+                f"r = kt.get('{key}', dest=dest, broadcast={window})\n"
+                "out = {str(k): float(v[0]) for k, v in dest.items()}",
+        "sum": "dest = np.zeros(16)\n"
+               f"r = kt.get('{key}', dest=dest, broadcast={window}, reduce='sum')\n"
+               "out = [float(x) for x in dest]",
+    }
+    getters = {name: run_in(testbed, testbed.pod("mp-get"),
+                            "import json, numpy as np, kt\n" + body
+                            + "\nprint(json.dumps({'out': out, 'world': r.world}))\n",
+                            background=True)
+               for name, body in gets.items()}
+    pids = {}
+    for p in putters:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        r = json.loads(out)
+        assert r["world"] == 11
+        pids[r["rank"]] = r["pid"]
+    assert sorted(pids) == list(range(8))
+    got = {}
+    for name, p in getters.items():
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        got[name] = json.loads(out)["out"]
+    assert got["all"] == [float(pids[r]) for r in range(8)]
+    assert got["some"] == {"1": float(pids[1]), "6": float(pids[6])}
+    assert got["sum"] == [float(i * 8 + sum(pids.values())) for i in range(16)]

@@ -192,6 +192,16 @@ impl Auth {
         self
     }
 
+    /// Every service a static grant writes (the tokens file's `services`).
+    pub fn services(&self) -> std::collections::BTreeSet<String> {
+        self.grants
+            .iter()
+            .filter_map(|(_, p)| p.services.as_ref())
+            .flatten()
+            .cloned()
+            .collect()
+    }
+
     /// No static grant: every token goes to the reviewer.
     pub fn none() -> Auth {
         Auth {

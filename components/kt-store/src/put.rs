@@ -583,26 +583,38 @@ async fn receive_chunk(
 }
 
 /// Refuses `who` (limited to some services) a put of `key` when another
-/// service owns it: by the metadata server's record, or by this store's
-/// current version of it. Checked when a put is planned and again, under
-/// the key's lock, when it is committed: a key another service put
-/// meanwhile is not taken over.
+/// service owns it, as the metadata server says: the service whose base
+/// path holds it (only that service writes there), else its record's. A
+/// token always puts under its own services' base paths. Checked when a
+/// put is planned and again, under the key's lock, when it is committed:
+/// a key another service put meanwhile is not taken over.
 async fn refuse_foreign_owner(
     s: &Shared,
     who: &kt_types::auth::Principal,
     key: &Key,
 ) -> Result<(), ApiError> {
-    if who.services.is_none() || who.role == kt_types::auth::Role::Admin {
+    if who.services.is_none()
+        || who.role == kt_types::auth::Role::Admin
+        || who.serves(key.service())
+    {
         return Ok(());
     }
-    let foreign = |service: &str| {
-        kt_service::forbidden(format!(
-            "{key} belongs to service {service:?}, not one of this token's: it is left as it is"
-        ))
+    let foreign = |service: &str, base_path: bool| {
+        kt_service::forbidden(if base_path {
+            format!(
+                "{key} is under the base path of service {service:?}: only {service:?} (or admin) writes there; nothing was changed"
+            )
+        } else {
+            format!(
+                "{key} belongs to service {service:?}, not one of this token's: it is left as it is"
+            )
+        })
     };
-    match s.registrar.record(key).await {
-        Ok(r) if !who.serves(&r.service) => Err(foreign(&r.service)),
-        Ok(_) => Ok(()),
+    match s.registrar.owner(key).await {
+        Ok(o) => match o.service {
+            Some(owner) if !who.serves(&owner) => Err(foreign(&owner, o.base_path)),
+            _ => Ok(()),
+        },
         Err(e) if e.code() == kt_types::ErrorCode::NotFound => Ok(()),
         Err(e) => Err(ApiError::new(
             kt_types::ErrorCode::Unavailable,
@@ -639,11 +651,12 @@ async fn publish(
     let state = s.keys.state(&sess.key);
     let mut st = state.lock_owned().await;
     // Another put may have published the key since this one was planned:
-    // its owner decides, now, under the lock every publish takes.
+    // its owner decides, now, under the lock every publish takes (a key
+    // under the putter's own base path is its own, whoever put it).
     if let Some(cur) = &st.current {
         let owner = cur.meta.options.service.as_deref();
         let owner = owner.unwrap_or_else(|| sess.key.service());
-        if who.services.is_some() && !who.serves(owner) {
+        if who.services.is_some() && !who.serves(owner) && !who.serves(sess.key.service()) {
             return Err(kt_service::forbidden(format!(
                 "{} was put by service {owner:?} since this upload began: it is left as it is",
                 sess.key

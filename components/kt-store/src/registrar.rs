@@ -98,6 +98,11 @@ impl Registrar {
         self.meta.get(&paths::key(key)).fetch().await
     }
 
+    /// Which service may write `key`, as the metadata server has it.
+    pub async fn owner(&self, key: &Key) -> Result<kt_types::api::KeyOwner, CallError> {
+        self.meta.get(&paths::owner(key)).fetch().await
+    }
+
     /// Keys whose registration failed, to retry.
     pub async fn pending(&self) -> Vec<Key> {
         self.pending.lock().await.iter().cloned().collect()

@@ -9,23 +9,45 @@
 //! bucket is one broadcast; two staging buffers alternate so the root fills
 //! bucket k+1 while bucket k is on the wire, and a receiver empties bucket
 //! k-1 into its tensors while bucket k arrives.
+//!
+//! A key several putters put is one flow per putter ([`Lent::many`]): a
+//! receiver takes each into its own destination set (by flow order or by
+//! the putter's rank), or into scratch memory it reduces
+//! ([`crate::reduce`]) and writes into its destination after the last.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
 use kt_types::Key;
-use kt_types::tensor::{Device, Flow, TensorStats, TransferPlan};
+use kt_types::tensor::{Device, Flow, ReduceOp, TensorSource, TensorStats, TransferPlan};
 
 use crate::pack::{self, Bucket};
+use crate::reduce::Accumulator;
 use crate::transport::{Backend, Comm, Region, TransportError};
 
 /// The memory this rank moves: per key, the mapped regions of its tensors
 /// in set order (the source's where it roots a flow, the destination's where
-/// it receives one).
+/// it receives one); `many` says how a key several putters put is received.
 #[derive(Debug)]
 pub struct Lent {
     pub device: Device,
     pub keys: HashMap<Key, Vec<Box<dyn Region>>>,
+    /// Keys received from several roots (one flow per putter).
+    pub many: HashMap<Key, Many>,
+}
+
+/// How a receiver takes a key several putters put.
+#[derive(Debug)]
+pub enum Many {
+    /// One destination set per flow of the key this rank receives, in plan
+    /// order (putter rank ascending); none in `keys`.
+    Each(Vec<Vec<Box<dyn Region>>>),
+    /// The destination set of each putter rank; none in `keys`.
+    ByRank(Vec<(u32, Vec<Box<dyn Region>>)>),
+    /// Every flow is received into scratch memory beside the destination
+    /// and reduced; the result goes into the key's set in `keys` after the
+    /// last flow.
+    Reduce(ReduceOp),
 }
 
 impl Lent {
@@ -33,6 +55,7 @@ impl Lent {
         Lent {
             device,
             keys: HashMap::new(),
+            many: HashMap::new(),
         }
     }
 
@@ -40,12 +63,24 @@ impl Lent {
     /// CUDA handle is mapped on the GPU its UUID names, which the agent may
     /// number differently from the application), else `device`.
     pub fn memory_device(&self) -> Device {
+        let each = self.many.values().find_map(|m| match m {
+            Many::Each(sets) => sets.iter().find_map(|s| s.first()),
+            Many::ByRank(sets) => sets.iter().find_map(|(_, s)| s.first()),
+            Many::Reduce(_) => None,
+        });
         self.keys
             .values()
             .find_map(|v| v.first())
+            .or(each)
             .map(|r| r.device())
             .unwrap_or(self.device)
     }
+}
+
+/// A key being reduced: scratch memory each flow arrives in, and the sum.
+struct Reducing {
+    scratch: Vec<Box<dyn Region>>,
+    acc: Accumulator,
 }
 
 /// Runs every flow this rank takes part in.
@@ -63,16 +98,38 @@ pub fn run(
         world: Some(comm.world()),
         ..TensorStats::default()
     };
+    let mut reducing = prepare_many(backend, plan, me, lent)?;
     let mut staging = Staging::for_plan(backend, &*comm, plan, lent)?;
+    // Flows of each `Many::Each` key received so far.
+    let mut received: HashMap<&Key, usize> = HashMap::new();
     for flow in &plan.flows {
         let group = flow.group();
         if !group.contains(&me) {
             continue;
         }
-        let regions = lent.keys.get_mut(&flow.key).ok_or_else(|| {
+        let receiving = flow.root != me;
+        let many = if receiving {
+            lent.many.get_mut(&flow.key)
+        } else {
+            None
+        };
+        let regions = match many {
+            Some(Many::Each(sets)) => {
+                let i = received.entry(&flow.key).or_default();
+                *i += 1;
+                sets.get_mut(*i - 1)
+            }
+            Some(Many::ByRank(sets)) => sets
+                .iter_mut()
+                .find(|(r, _)| *r == flow.root)
+                .map(|(_, s)| s),
+            Some(Many::Reduce(_)) => reducing.get_mut(&flow.key).map(|r| &mut r.scratch),
+            None => lent.keys.get_mut(&flow.key),
+        };
+        let regions = regions.ok_or_else(|| {
             TransportError::Invalid(format!(
-                "rank {me} takes part in the flow of {} but lent no memory for it",
-                flow.key
+                "rank {me} takes part in the flow of {} from rank {} but lent no memory for it",
+                flow.key, flow.root
             ))
         })?;
         check_regions(flow, regions)?;
@@ -99,9 +156,102 @@ pub fn run(
         }
         stats.tensors += flow.tensors.len() as u64;
         stats.bytes += regions.iter().map(|r| r.len()).sum::<u64>();
+        if let Some(r) = reducing.get_mut(&flow.key).filter(|_| receiving) {
+            for (i, s) in r.scratch.iter().enumerate() {
+                let mut bytes = vec![0; s.len() as usize];
+                backend.read(&**s, 0, &mut bytes)?;
+                r.acc.add(i, &bytes)?;
+            }
+            r.acc.end_set();
+        }
+        if receiving {
+            let from = &plan.ranks[flow.root as usize];
+            stats.sources.push(TensorSource {
+                key: flow.key.clone(),
+                rank: flow.root,
+                agent: from.agent.clone(),
+                member: from.member.clone(),
+            });
+        }
+    }
+    for (key, r) in reducing {
+        if r.acc.count() == 0 {
+            return Err(TransportError::Invalid(format!(
+                "rank {me} asked for a reduction of {key}, and no putter's tensors came"
+            )));
+        }
+        let dest = lent.keys.get_mut(&key).ok_or_else(|| {
+            TransportError::Invalid(format!("{key}: no destination for its reduction"))
+        })?;
+        for (d, bytes) in dest.iter_mut().zip(r.acc.finish()) {
+            backend.write(&mut **d, 0, &bytes)?;
+        }
     }
     stats.seconds = started.elapsed().as_secs_f64();
     Ok(stats)
+}
+
+/// Checks what this rank lent for keys of several putters against the
+/// plan (before anything moves), and allocates the scratch memory of each
+/// reduction beside the destination.
+fn prepare_many(
+    backend: &dyn Backend,
+    plan: &TransferPlan,
+    me: u32,
+    lent: &Lent,
+) -> Result<HashMap<Key, Reducing>, TransportError> {
+    let mut reducing = HashMap::new();
+    for (key, many) in &lent.many {
+        let flows: Vec<&Flow> = plan
+            .flows
+            .iter()
+            .filter(|f| &f.key == key && f.receivers.contains(&me))
+            .collect();
+        match many {
+            Many::Each(sets) if sets.len() != flows.len() => {
+                return Err(TransportError::Invalid(format!(
+                    "{key}: {} destination sets lent for {} putters",
+                    sets.len(),
+                    flows.len()
+                )));
+            }
+            Many::ByRank(sets) => {
+                if let Some((r, _)) = sets
+                    .iter()
+                    .find(|(r, _)| !flows.iter().any(|f| f.root == *r))
+                {
+                    return Err(TransportError::Invalid(format!(
+                        "{key}: rank {r} sends this rank nothing in transfer {}",
+                        plan.id
+                    )));
+                }
+            }
+            Many::Reduce(op) => {
+                let Some(first) = flows.first() else {
+                    continue;
+                };
+                let acc = Accumulator::new(*op, &first.tensors)
+                    .map_err(|e| TransportError::Invalid(format!("{key}: {e}")))?;
+                let device = lent
+                    .keys
+                    .get(key)
+                    .and_then(|v| v.first())
+                    .map(|r| r.device())
+                    .unwrap_or(lent.device);
+                let scratch = first
+                    .tensors
+                    .iter()
+                    .map(|t| {
+                        let len = t.meta.nbytes().map_err(TransportError::Invalid)?;
+                        backend.alloc(device, len)
+                    })
+                    .collect::<Result<_, _>>()?;
+                reducing.insert(key.clone(), Reducing { scratch, acc });
+            }
+            Many::Each(_) => {}
+        }
+    }
+    Ok(reducing)
 }
 
 /// How one rank's transfer gets its communicator.
@@ -716,6 +866,87 @@ mod tests {
         // Staging is allocated once per plan, not per flow (#19): ranks 1
         // and 2 each take part in two packed flows.
         assert_eq!(allocs, vec![2, 2, 2]);
+    }
+
+    /// Three putters of one key (ranks 0..3, a flow each) and three
+    /// receivers: every putter's into its own set, two by rank, and the
+    /// sum; packed and not. Each putter's i32 elements are `100 r + i`.
+    fn several_putters(packing: Packing) {
+        let key = Key::parse("sync/g").unwrap();
+        let desc = TensorDesc {
+            name: String::new(),
+            meta: TensorMeta::new(DType::I32, [64]),
+        };
+        let configure = |plan: &mut TransferPlan| {
+            plan.packing = packing;
+            plan.flows = (0..3)
+                .map(|root| Flow {
+                    key: key.clone(),
+                    version: "1".into(),
+                    root,
+                    receivers: if root == 1 { vec![3, 4, 5] } else { vec![3, 5] },
+                    tensors: vec![desc.clone()],
+                })
+                .collect();
+            plan.validate().unwrap();
+        };
+        let values =
+            |r: i32| -> Vec<u8> { (0..64).flat_map(|i| (100 * r + i).to_le_bytes()).collect() };
+        let zero = || -> Vec<Box<dyn Region>> { vec![Box::new(HostBuf(vec![0; 256]))] };
+        let got = on_every_rank(
+            6,
+            configure,
+            Duration::from_secs(20),
+            |r, b, plan, mut c| {
+                let mut lent = Lent::new(Device::Cpu);
+                match r {
+                    0..=2 => {
+                        lent.keys
+                            .insert(key.clone(), vec![Box::new(HostBuf(values(r as i32)))]);
+                    }
+                    3 => {
+                        lent.many
+                            .insert(key.clone(), Many::Each((0..3).map(|_| zero()).collect()));
+                    }
+                    4 => {
+                        lent.many
+                            .insert(key.clone(), Many::ByRank(vec![(1, zero())]));
+                    }
+                    _ => {
+                        lent.keys.insert(key.clone(), zero());
+                        lent.many.insert(key.clone(), Many::Reduce(ReduceOp::Sum));
+                    }
+                }
+                let stats = run(b, &mut *c, plan, &mut lent).unwrap();
+                let host = |regions: &[Box<dyn Region>]| regions[0].host().unwrap().to_vec();
+                let got: Vec<Vec<u8>> = match lent.many.remove(&key) {
+                    Some(Many::Each(sets)) => sets.iter().map(|s| host(s)).collect(),
+                    Some(Many::ByRank(sets)) => sets.iter().map(|(_, s)| host(s)).collect(),
+                    _ => vec![host(&lent.keys[&key])],
+                };
+                let from: Vec<u32> = stats.sources.iter().map(|s| s.rank).collect();
+                (got, from)
+            },
+        );
+        assert_eq!(got[3].0, vec![values(0), values(1), values(2)]);
+        assert_eq!(got[3].1, [0, 1, 2]);
+        assert_eq!(got[4].0, vec![values(1)]);
+        assert_eq!(got[4].1, [1]);
+        let sum: Vec<u8> = (0..64i32)
+            .flat_map(|i| (300 + 3 * i).to_le_bytes())
+            .collect();
+        assert_eq!(got[5].0, vec![sum]);
+        // A putter receives nothing.
+        assert!(got[0].1.is_empty());
+    }
+
+    #[test]
+    fn receivers_of_several_putters_take_each_one_some_or_the_sum() {
+        several_putters(Packing::default());
+        several_putters(Packing {
+            pack: true,
+            bucket_bytes: 1 << 20,
+        });
     }
 
     /// Flows `a: 0 -> {1}` then `b: 0 -> {1, 2}`: rank 2 is in `b` only,

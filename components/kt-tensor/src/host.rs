@@ -773,6 +773,7 @@ pub(crate) mod tests {
                 .map(|r| Rank {
                     rank: r,
                     agent: format!("pod-{r}"),
+                    member: String::new(),
                     ip: "127.0.0.1".into(),
                     endpoint: eps[r as usize].clone(),
                 })

@@ -18,6 +18,7 @@ pub mod engine;
 pub mod hold;
 pub mod host;
 pub mod pack;
+pub mod reduce;
 pub mod shm;
 pub mod transport;
 

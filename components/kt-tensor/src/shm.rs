@@ -8,6 +8,14 @@
 //!
 //! The agent maps only regular files inside its shared-memory directory,
 //! never through a symlink, and only ranges inside the file.
+//!
+//! The application and its agent may run as different users (a workload as
+//! 10001, the agent as 65532) sharing a group: the agent's control socket's
+//! (`KT_AGENT_SOCKET_GROUP`, the pod's fsGroup). A client learns the
+//! agent's directory and that group when it connects ([`use_agent`]); the
+//! files it then creates are given to the group, mode 0660 (the agent maps
+//! them read-write), and otherwise stay its user's alone (0600). Other
+//! users never get access.
 #![allow(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
@@ -25,6 +33,65 @@ pub fn shm_dir() -> PathBuf {
         .filter(|p| !p.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/dev/shm"))
+}
+
+/// How this process shares the memory it lends with its agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sharing {
+    /// The agent's shared-memory directory (named in its hello).
+    pub dir: PathBuf,
+    /// The group new files are given (mode 0660); `None`: the user alone (0600).
+    pub group: Option<u32>,
+}
+
+static AGENT: std::sync::RwLock<Option<Sharing>> = std::sync::RwLock::new(None);
+
+/// Records how this process's agent takes lent memory (set by the client
+/// when it connects to the agent): [`lend_dir`] and [`ShmFile::create`]
+/// follow it from then on.
+pub fn use_agent(sharing: Sharing) {
+    if let Ok(mut a) = AGENT.write() {
+        *a = Some(sharing);
+    }
+}
+
+fn agent_sharing() -> Option<Sharing> {
+    AGENT.read().ok().and_then(|a| a.clone())
+}
+
+/// Where this process creates the host tensors it lends: the directory
+/// its agent named, else [`shm_dir`].
+pub fn lend_dir() -> PathBuf {
+    agent_sharing().map_or_else(shm_dir, |s| s.dir)
+}
+
+/// The group to share memory with an agent whose control socket has
+/// `mode` and group `gid`: that group when the socket is open to it (read
+/// and write: its members are the agent's clients), else none.
+pub fn socket_group(mode: u32, gid: u32) -> Option<u32> {
+    (mode & 0o060 == 0o060).then_some(gid)
+}
+
+/// The mode of a new shared-memory file given to `group` (or to none).
+pub fn file_mode(group: Option<u32>) -> u32 {
+    if group.is_some() { 0o660 } else { 0o600 }
+}
+
+/// Gives `file` (created 0600) to `group`, mode 0660; on a failure (this
+/// user not in the group) it stays 0600, which an agent of the same user
+/// still maps.
+fn share(file: &File, path: &Path, group: Option<u32>) {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let Some(gid) = group else { return };
+    // A setgid directory (an fsGroup volume) already gave it the group.
+    let has = file.metadata().map(|m| m.gid() == gid).unwrap_or(false);
+    if !has && let Err(e) = std::os::unix::fs::fchown(file, None, Some(gid)) {
+        tracing::warn!(path = %path.display(), gid, error = %e, "shared memory stays this user's alone (0600): an agent of another uid cannot map it");
+        return;
+    }
+    if let Err(e) = file.set_permissions(std::fs::Permissions::from_mode(file_mode(group))) {
+        tracing::warn!(path = %path.display(), error = %e, "shared memory stays 0600");
+    }
 }
 
 /// A mapped range of a shared-memory file.
@@ -115,10 +182,13 @@ impl ShmRegion {
             )));
         }
         let file = open_beneath(&dir, rel).map_err(|e| {
-            TransportError::io(
-                format!("opening shared memory {path:?} (symlinks are not followed)"),
-                e,
-            )
+            let why = if e.kind() == std::io::ErrorKind::PermissionDenied {
+                " (symlinks are not followed; the agent must be able to read and write it: \
+                 create it as kt does, given to the agent's socket group, mode 0660)"
+            } else {
+                " (symlinks are not followed)"
+            };
+            TransportError::io(format!("opening shared memory {path:?}{why}"), e)
         })?;
         let md = file
             .metadata()
@@ -279,8 +349,15 @@ impl std::fmt::Debug for ShmFile {
 impl ShmFile {
     /// A zero-filled file of `len` bytes, its pages allocated here
     /// (`posix_fallocate`), so they count against the application's memory
-    /// and not its agent's, which only maps them.
+    /// and not its agent's, which only maps them. Shared with the group of
+    /// this process's agent ([`use_agent`]), else this user's alone.
     pub fn create(dir: &Path, len: u64) -> Result<Self, TransportError> {
+        Self::create_shared(dir, len, agent_sharing().and_then(|s| s.group))
+    }
+
+    /// [`ShmFile::create`], given to `group` (mode 0660) or to this user
+    /// alone (0600).
+    pub fn create_shared(dir: &Path, len: u64, group: Option<u32>) -> Result<Self, TransportError> {
         use std::sync::atomic::{AtomicU64, Ordering};
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let dir = dir.canonicalize().map_err(|e| {
@@ -304,6 +381,7 @@ impl ShmFile {
             .map_err(|e| {
                 TransportError::io(format!("creating shared memory {}", path.display()), e)
             })?;
+        share(&file, &path, group);
         let sized = allocate(&file, len)
             .map_err(|e| TransportError::io(format!("sizing shared memory {}", path.display()), e));
         let region = sized.and_then(|()| ShmRegion::map(file, &path, 0, len, false));
@@ -355,6 +433,63 @@ impl Drop for ShmFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_is_shared_with_the_agents_group_only() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        // A socket open to its group names that group; a private one none.
+        assert_eq!(socket_group(0o140660, 2000), Some(2000));
+        assert_eq!(socket_group(0o140600, 2000), None);
+        assert_eq!(socket_group(0o140640, 2000), None);
+        assert_eq!(file_mode(Some(2000)), 0o660);
+        assert_eq!(file_mode(None), 0o600);
+        let dir = tempfile::tempdir().unwrap();
+        let mine = std::fs::metadata(dir.path()).unwrap().gid();
+        let private = ShmFile::create_shared(dir.path(), 10, None).unwrap();
+        let md = std::fs::metadata(private.path()).unwrap();
+        assert_eq!(md.permissions().mode() & 0o777, 0o600);
+        let shared = ShmFile::create_shared(dir.path(), 10, Some(mine)).unwrap();
+        let md = std::fs::metadata(shared.path()).unwrap();
+        assert_eq!(
+            md.permissions().mode() & 0o777,
+            0o660,
+            "never open to others"
+        );
+        assert_eq!(md.gid(), mine);
+    }
+
+    /// As root: an agent of another uid, in the group, maps what an
+    /// application shared with the group, and not what it kept private.
+    #[test]
+    fn another_uid_in_the_group_maps_shared_memory() {
+        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::process::CommandExt;
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: switching to another uid needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+        let (agent_uid, group) = (65532, 4242);
+        let shared = ShmFile::create_shared(dir.path(), 10, Some(group)).unwrap();
+        let private = ShmFile::create_shared(dir.path(), 10, None).unwrap();
+        let opens = |f: &ShmFile| {
+            // What the agent does: open it read-write.
+            std::process::Command::new("sh")
+                .arg("-c")
+                .arg(r#"exec 3<>"$0""#)
+                .arg(f.path())
+                .uid(agent_uid)
+                .gid(group)
+                .stderr(std::process::Stdio::null())
+                .status()
+                .unwrap()
+                .success()
+        };
+        assert!(opens(&shared), "the agent's group maps shared memory");
+        assert!(!opens(&private), "private memory stays private");
+    }
 
     #[test]
     fn an_agent_sees_what_the_application_writes() {

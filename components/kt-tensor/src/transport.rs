@@ -183,6 +183,38 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         len: u64,
     ) -> Result<(), TransportError>;
 
+    /// Reads `out.len()` bytes of `src` at `off` into host memory (a
+    /// reduction on receive reads what arrived). By default through
+    /// [`Region::host`]; a device backend copies from the device.
+    fn read(&self, src: &dyn Region, off: u64, out: &mut [u8]) -> Result<(), TransportError> {
+        let bytes = src.host().ok_or_else(|| {
+            TransportError::Unsupported(format!(
+                "the {} backend cannot read memory on {}",
+                self.kind(),
+                src.device()
+            ))
+        })?;
+        let at = host_range(bytes.len(), off, out.len())?;
+        out.copy_from_slice(&bytes[at]);
+        Ok(())
+    }
+
+    /// Writes `bytes` into `dst` at `off` (a reduction's result). By
+    /// default through [`Region::host_mut`]; a device backend copies to
+    /// the device.
+    fn write(&self, dst: &mut dyn Region, off: u64, bytes: &[u8]) -> Result<(), TransportError> {
+        let device = dst.device();
+        let out = dst.host_mut().ok_or_else(|| {
+            TransportError::Unsupported(format!(
+                "the {} backend cannot write memory on {device}",
+                self.kind()
+            ))
+        })?;
+        let at = host_range(out.len(), off, bytes.len())?;
+        out[at].copy_from_slice(bytes);
+        Ok(())
+    }
+
     /// Opens this rank's endpoint for transfer `id` on the pod's address `ip`.
     fn endpoint(&self, id: &str, ip: &str) -> Result<Box<dyn Endpoint>, TransportError>;
 
@@ -211,6 +243,20 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
         device: Device,
         timeout: Duration,
     ) -> Result<Box<dyn Comm>, TransportError>;
+}
+
+/// Bytes `off..off + len` of a buffer of `size` bytes, or why they are
+/// not in it.
+fn host_range(size: usize, off: u64, len: usize) -> Result<std::ops::Range<usize>, TransportError> {
+    usize::try_from(off)
+        .ok()
+        .and_then(|o| Some(o..o.checked_add(len)?))
+        .filter(|r| r.end <= size)
+        .ok_or_else(|| {
+            TransportError::Invalid(format!(
+                "bytes {off}..+{len} are outside a region of {size} bytes"
+            ))
+        })
 }
 
 /// Point-to-point messages of one byte, for transports whose operations

@@ -58,6 +58,8 @@ pub struct Cluster {
     store: Option<Server>,
     pub store_metrics: std::sync::Arc<kt_service::Metrics>,
     pub store_config: kt_store::Config,
+    /// The tokens the metadata server accepts besides [`TOKEN`] (admin).
+    meta_auth: Option<kt_service::Auth>,
 }
 
 async fn bind(addr: &str) -> TcpListener {
@@ -71,14 +73,31 @@ impl Cluster {
 
     /// Starts both servers; `tune` adjusts the store's configuration.
     pub async fn start_with(tune: impl FnOnce(&mut kt_store::Config)) -> Cluster {
+        Self::start_authed(None, tune).await
+    }
+
+    /// [`Cluster::start_with`], both servers also accepting the tokens of
+    /// `auth` (a tokens file's grants); [`TOKEN`] stays admin, and the
+    /// servers' own credential.
+    pub async fn start_authed(
+        auth: Option<kt_service::Auth>,
+        tune: impl FnOnce(&mut kt_store::Config),
+    ) -> Cluster {
+        let auth = auth.map(|a| {
+            a.with_grant(
+                Token::new(TOKEN).expect("token"),
+                kt_types::auth::Principal::admin(),
+            )
+        });
         let dir = tempfile::tempdir().expect("tempdir");
-        let meta = start_meta(dir.path(), "127.0.0.1:0").await;
+        let meta = start_meta(dir.path(), "127.0.0.1:0", auth.as_ref()).await;
         let mut cfg = kt_store::Config::new(
             dir.path().join("store"),
             format!("http://{}", meta.addr),
             Token::new(TOKEN).expect("token"),
         );
         cfg.chunk_size = CHUNK;
+        cfg.auth.clone_from(&auth);
         tune(&mut cfg);
         let (store, metrics) = start_store(&cfg, "127.0.0.1:0").await;
         let c = Cluster {
@@ -87,6 +106,7 @@ impl Cluster {
             store: Some(store),
             store_metrics: metrics,
             store_config: cfg,
+            meta_auth: auth,
         };
         c.wait_ready().await;
         c
@@ -173,7 +193,8 @@ impl Cluster {
         let old = self.meta.take().expect("metadata running");
         let addr = old.addr;
         old.stop().await;
-        self.meta = Some(start_meta(self.dir.path(), &addr.to_string()).await);
+        self.meta =
+            Some(start_meta(self.dir.path(), &addr.to_string(), self.meta_auth.as_ref()).await);
     }
 
     /// Restarts the metadata server with an empty state directory.
@@ -182,7 +203,8 @@ impl Cluster {
         let addr = old.addr;
         old.stop().await;
         std::fs::remove_dir_all(self.dir.path().join("meta")).expect("wipe metadata state");
-        self.meta = Some(start_meta(self.dir.path(), &addr.to_string()).await);
+        self.meta =
+            Some(start_meta(self.dir.path(), &addr.to_string(), self.meta_auth.as_ref()).await);
     }
 
     pub async fn stop(mut self) {
@@ -205,12 +227,13 @@ fn uuid_like() -> String {
     )
 }
 
-async fn start_meta(dir: &Path, addr: &str) -> Server {
+async fn start_meta(dir: &Path, addr: &str, auth: Option<&kt_service::Auth>) -> Server {
     let listener = bind(addr).await;
     let addr = listener.local_addr().expect("addr");
     let shutdown = CancellationToken::new();
     let mut cfg = kt_metadata::Config::new(dir.join("meta"), Token::new(TOKEN).expect("token"));
     cfg.sweep_interval = Duration::from_millis(200);
+    cfg.auth = auth.cloned();
     let s = shutdown.clone();
     let task = tokio::spawn(async move {
         kt_metadata::run(listener, cfg, s)

@@ -101,6 +101,7 @@ async fn control_socket_says_hello_and_refuses_other_versions() {
             agent: "pod-hello".into(),
             url: agent.url.clone(),
             keepalive: false,
+            shm_dir: Some(c.shm_dir().canonicalize().unwrap().display().to_string()),
         })
     );
     let st = s.ask(&ControlRequest::Status).await;

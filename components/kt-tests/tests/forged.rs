@@ -482,8 +482,9 @@ async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
     let s = start(dir.path()).await;
     let store = store_url(&s).await;
     let http = reqwest::Client::new();
-    // beta plans alpha/race (absent, so its own service may have it) and
-    // uploads its file, but does not commit yet.
+    // beta plans shared/race (absent, and under no service's base path,
+    // so its own service may have it) and uploads its file, but does not
+    // commit yet.
     let data = b"beta's bytes".to_vec();
     let manifest = Manifest {
         root: kt_types::RootKind::Dir,
@@ -500,7 +501,7 @@ async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
     };
     let encoded = kt_types::codec::to_bytes(&manifest);
     let doc = kt_types::codec::document_with(
-        &serde_json::json!({ "key": "alpha/race", "digest": kt_sync::digest_of_encoded(&encoded) }),
+        &serde_json::json!({ "key": "shared/race", "digest": kt_sync::digest_of_encoded(&encoded) }),
         &encoded,
     );
     let plan: kt_types::api::PutPlan = http
@@ -536,11 +537,11 @@ async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
         .unwrap();
     assert!(sent.status().is_success(), "{}", sent.status());
 
-    // Meanwhile alpha puts its own key.
+    // Meanwhile alpha puts the key, which becomes alpha's.
     let src = dir.path().join("alpha.txt");
     std::fs::write(&src, b"alpha's bytes").unwrap();
     let alpha = client(&s, dir.path(), ALPHA);
-    put(&alpha, "alpha/race", &src).await;
+    put(&alpha, "shared/race", &src).await;
 
     // beta's commit comes too late: refused, and alpha's key is as alpha put it.
     let commit = http
@@ -558,7 +559,7 @@ async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
     );
     let got = dir.path().join("got.txt");
     alpha
-        .get(&key("alpha/race"), &got, kt_client::Progress::none())
+        .get(&key("shared/race"), &got, kt_client::Progress::none())
         .await
         .unwrap();
     assert_eq!(std::fs::read(&got).unwrap(), b"alpha's bytes");

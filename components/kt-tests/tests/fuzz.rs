@@ -372,10 +372,13 @@ fn json_seeds() -> Vec<Vec<u8>> {
             gets: vec![t::TensorGet {
                 key: key.clone(),
                 dest: vec![entry.clone()],
+                from: None,
+                more: Vec::new(),
             }],
             broadcast: None,
             packing: None,
             keep_mapped: true,
+            member: None,
         })
         .unwrap(),
         br#"{"agent":"pod-1","ip":"10.0.0.1","endpoint":"10.0.0.1:1","backend":"nccl","role":"get","keys":[{"key":"k","version":"","tensors":[{"name":"w","dtype":"f32","shape":[4,4]}]}],"window":{"world_size":2,"fanout":2},"comms":[{"id":"t1","members":["pod-0","pod-1"]}]}"#.to_vec(),

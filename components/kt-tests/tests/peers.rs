@@ -135,7 +135,7 @@ impl Api {
             tensors: None,
             digest: Some(kt_types::Hash([9; 32])),
             options: PutOptions {
-                lifespan,
+                lifespan: Some(lifespan),
                 ..PutOptions::default()
             },
             only_if: None,
@@ -244,7 +244,7 @@ async fn put_store(c: &Cluster, k: &str, lifespan: Lifespan) -> String {
     let src = c.dir.path().join(format!("src-{}", k.replace('/', "_")));
     kt_tests::write_files(&src, &[("f", k.as_bytes())]);
     let opts = PutOptions {
-        lifespan,
+        lifespan: Some(lifespan),
         ..PutOptions::default()
     };
     c.client()

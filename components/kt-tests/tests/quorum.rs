@@ -182,6 +182,7 @@ fn refused<T: std::fmt::Debug>(a: Answer<T>, status: u16, code: ErrorCode, what:
 
 fn key(k: &str, len: u64) -> QuorumKey {
     QuorumKey {
+        from: None,
         key: Key::parse(k).unwrap(),
         version: format!("v-{k}"),
         tensors: vec![TensorDesc {
@@ -204,6 +205,7 @@ fn window(world: Option<u32>, secs: f64) -> BroadcastWindow {
 fn member(agent: &str, role: QuorumRole, w: &BroadcastWindow) -> QuorumJoin {
     let n: u32 = agent[1..].parse().unwrap();
     QuorumJoin {
+        member: String::new(),
         agent: agent.into(),
         ip: format!("10.0.0.{n}"),
         endpoint: format!("10.0.0.{n}:8100"),
@@ -373,23 +375,24 @@ async fn conflicting_joins_are_refused_and_change_nothing() {
     let w = window(Some(2), 60.0);
     let first = m.join("cf", &putter("a1", vec![key("k", 4)], &w));
     m.wait_members("cf", &["a1"]).await;
-    // The same agent again, even as a getter: one rank per pod.
+    // The same member (pod and process) again, even as a getter: one rank
+    // per process.
     let again = m.join("cf", &getter("a1", vec![key("k", 4)], &w));
     refused(
         answer(again).await,
         409,
         ErrorCode::Conflict,
-        "one rank per pod",
+        "one rank per process",
     );
-    // Another putter of the same key.
-    let twice = m.join("cf", &putter("a2", vec![key("j", 4), key("k", 4)], &w));
+    // Another putter of the same key, with another layout.
+    let twice = m.join("cf", &putter("a2", vec![key("j", 4), key("k", 5)], &w));
     let msg = refused(
         answer(twice).await,
-        409,
-        ErrorCode::Conflict,
-        "already puts k",
+        400,
+        ErrorCode::InvalidRequest,
+        "a1 already puts it",
     );
-    assert!(msg.contains("a1"), "{msg}");
+    assert!(msg.contains("f32[4]") && msg.contains("f32[5]"), "{msg}");
     // A member on another backend.
     let mut nccl = getter("a3", vec![key("k", 4)], &w);
     nccl.backend = BackendKind::Nccl;

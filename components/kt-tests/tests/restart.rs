@@ -15,7 +15,7 @@ async fn restarts_lose_nothing() {
     let client = c.client();
     let k = Key::parse("keep/tree").unwrap();
     let opts = PutOptions {
-        lifespan: Lifespan::Resource,
+        lifespan: Some(Lifespan::Resource),
         ttl_secs: Some(3600),
         service: Some("trainer".into()),
     };

@@ -94,6 +94,7 @@ const TABLE: &[(&str, &str, &str, &[Role])] = &[
     ("meta", "GET", "/api/v1/keys/a/b", &[W, A, S]),
     ("meta", "PUT", "/api/v1/keys/a/b", &[S, A]),
     ("meta", "DELETE", "/api/v1/keys/a/b", &[W, A]),
+    ("meta", "GET", "/api/v1/owners/a/b", &[S]),
     ("meta", "POST", "/api/v1/keys/a/b", &[W]),
     ("meta", "GET", "/api/v1/leases", &[]),
     ("meta", "PUT", "/api/v1/leases/l1", &[W]),
@@ -532,6 +533,7 @@ async fn readers_get_only_the_services_their_tokens_read() {
             BackendKind, DType, QuorumJoin, QuorumKey, QuorumRole, TensorDesc, TensorMeta,
         };
         let keys = vec![QuorumKey {
+            from: None,
             key: key("train/q"),
             version: "v1".into(),
             tensors: vec![TensorDesc {
@@ -541,6 +543,7 @@ async fn readers_get_only_the_services_their_tokens_read() {
         }];
         let join = |agent: &str, token: &'static str, role: QuorumRole| {
             let body = QuorumJoin {
+                member: String::new(),
                 agent: agent.into(),
                 ip: "127.0.0.1".into(),
                 endpoint: "127.0.0.1:1".into(),
@@ -806,6 +809,7 @@ async fn quorum_transfers_answer_only_their_members() {
         ..kt_types::BroadcastWindow::default()
     };
     let keys = vec![QuorumKey {
+        from: None,
         key: kt_types::Key::parse("q/w").unwrap(),
         version: "v1".into(),
         tensors: vec![TensorDesc {
@@ -815,6 +819,7 @@ async fn quorum_transfers_answer_only_their_members() {
     }];
     let join = |agent: &str, token: &'static str, role: QuorumRole, n: u8| {
         let body = QuorumJoin {
+            member: String::new(),
             agent: agent.into(),
             ip: format!("10.0.0.{n}"),
             endpoint: format!("10.0.0.{n}:8100"),

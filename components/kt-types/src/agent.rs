@@ -23,6 +23,10 @@
 //! [`KEEPALIVE`] while a request runs (an export scan can take minutes),
 //! so it can tell a busy agent from a frozen one by silence alone. Both
 //! fields default to false: either side may be older.
+//!
+//! Shared memory: an agent names its shared-memory directory in its hello
+//! (`shm_dir`; absent from older agents), so a client creates the host
+//! tensors it lends there without `KT_SHM_DIR` having to match.
 
 use serde::{Deserialize, Serialize};
 
@@ -140,6 +144,11 @@ pub enum ControlReply {
         /// This agent sends [`ControlReply::Working`] on this connection.
         #[serde(default, skip_serializing_if = "is_false")]
         keepalive: bool,
+        /// The agent's shared-memory directory (canonical): host tensors
+        /// lent to it must be files in it. Absent from older agents (then
+        /// `KT_SHM_DIR`, default `/dev/shm`, must match theirs).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shm_dir: Option<String>,
     },
     /// Not an answer: the request is still running (every [`KEEPALIVE`],
     /// on connections that asked for it). The answer follows.
@@ -250,6 +259,7 @@ mod tests {
             r,
             ControlReply::Hello {
                 keepalive: false,
+                shm_dir: None,
                 ..
             }
         ));

@@ -76,15 +76,35 @@ pub struct StoreLocation {
 /// Lifecycle options of a put, carried into the key record.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PutOptions {
-    /// How long the key lives; `cluster` when absent.
-    #[serde(default)]
-    pub lifespan: Lifespan,
+    /// How long the key lives; absent: by the rule of
+    /// [`crate::model::Lifespan`] (the metadata server decides: `resource`
+    /// under a service's base path and for zero-copy puts, else `cluster`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifespan: Option<Lifespan>,
     /// Time to live in seconds; `None` keeps the key until deleted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttl_secs: Option<u64>,
     /// Owning service; defaults to the key's first segment.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service: Option<String>,
+}
+
+/// The answer to `GET /api/v1/owners/{key}` (the store's alone): which
+/// service may write a key, asked before the store takes a put from a
+/// token limited to some services.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyOwner {
+    /// The key asked about.
+    pub key: Key,
+    /// The service whose base path holds the key (its first segment names
+    /// a service the metadata server knows), else the service of the key's
+    /// record; `None`: neither (anyone who may put may put it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    /// True when `service` owns the key by its base path: only that
+    /// service's identities (or admin) write there.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub base_path: bool,
 }
 
 /// Sent to the metadata server when a version is published: by the store,

@@ -29,13 +29,20 @@ impl std::str::FromStr for Locale {
 }
 
 /// How long a key lives.
+///
+/// A put that names none gets one by the rule (the metadata server
+/// decides, [`KeyRecord::lifespan_by_rule`]): `resource` for a key under a
+/// service's base path (its first segment names a service the metadata
+/// server knows) and for a zero-copy (`locale=local`) put; `cluster`
+/// otherwise.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Lifespan {
-    /// Kept until deleted (or its TTL passes).
+    /// Kept until deleted (or its TTL passes), whoever is torn down.
     #[default]
     Cluster,
-    /// Deleted when the owning service is torn down.
+    /// Deleted when its service is torn down; zero-copy data is also
+    /// stale (neither listed nor served) while its holder pod is gone.
     Resource,
 }
 
@@ -185,9 +192,19 @@ pub struct KeyRecord {
     /// records written before digests were kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<crate::Hash>,
-    /// How long the key lives (from the put's options).
+    /// How long the key lives: as the put said, or by the rule
+    /// ([`Lifespan`]) when it said nothing.
     pub lifespan: Lifespan,
-    /// The owning service (the key's first segment unless set explicitly).
+    /// True when the put named no lifespan and the rule chose `lifespan`:
+    /// tearing down the service whose base path holds the key deletes it
+    /// whatever the rule chose. Absent (false) in records written before
+    /// the rule, which keep the lifespan they were put with.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub lifespan_by_rule: bool,
+    /// The owning service: the one whose base path holds the key (its
+    /// first segment names a service the metadata server knows), else the
+    /// put's service (the putter's own, if it writes one), else the key's
+    /// first segment.
     pub service: String,
     /// Unix milliseconds after which the key expires.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -200,9 +217,35 @@ pub struct KeyRecord {
     pub updated_at_ms: u64,
 }
 
+impl KeyRecord {
+    /// Where the data lives, as the reference's `ls` names it: `store`, or
+    /// the pod holding a zero-copy key (its holder's agent id).
+    pub fn locale_label(&self) -> String {
+        match self.locale {
+            Locale::Store => STORE_HOLDER.to_owned(),
+            Locale::Local => self.holder.clone(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_locale_label_names_the_pod_of_zero_copy_keys() {
+        let record = |locale: &str, holder: &str| -> KeyRecord {
+            serde_json::from_value(serde_json::json!({
+                "key": "svc/k", "locale": locale, "source": "http://x", "holder": holder,
+                "version": "v1", "is_dir": false, "size": 1, "files": 1,
+                "lifespan": "cluster", "service": "svc",
+                "created_at_ms": 1, "updated_at_ms": 1,
+            }))
+            .unwrap()
+        };
+        assert_eq!(record("store", "store").locale_label(), "store");
+        assert_eq!(record("local", "trainer-0").locale_label(), "trainer-0");
+    }
 
     #[test]
     fn agent_ids_are_pod_names_but_never_the_store() {

@@ -51,6 +51,11 @@ pub fn key(key: &Key) -> String {
     api(&format!("keys/{key}"))
 }
 
+/// `GET`: which service may write a key ([`crate::api::KeyOwner`]).
+pub fn owner(key: &Key) -> String {
+    api(&format!("owners/{key}"))
+}
+
 /// `DELETE` of one version of a key only.
 pub fn key_version(key: &Key, version: &str) -> String {
     format!("{}?version={}", self::key(key), encode(version))

@@ -10,8 +10,10 @@
 //! (`/api/v1/quorums/...`, the types below).
 //!
 //! Every transfer, point-to-point or broadcast, is a [`TransferPlan`]: ranks
-//! (one per pod), and flows (a source rank sends one key's tensors to some
-//! receiver ranks). Backends (one per [`BackendKind`]) implement one
+//! (one per process taking part: several processes of a pod each take their
+//! own, sharing their pod's agent), and flows (a source rank sends one key's
+//! tensors to some receiver ranks; a key several putters put is a flow per
+//! putter). Backends (one per [`BackendKind`]) implement one
 //! collective, a broadcast within a subset of ranks; `pack` turns a set's
 //! tensors into a few large buffers (one dtype each, bounded buckets)
 //! instead of one collective per tensor.
@@ -558,10 +560,200 @@ pub struct Rank {
     pub rank: u32,
     /// The member's agent id (its pod's name).
     pub agent: String,
+    /// The member's process within its pod ([`QuorumJoin::member`]); empty
+    /// for a point-to-point session's ranks.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub member: String,
     /// The pod's IP (what `ips` in a window names).
     pub ip: String,
     /// Backend address of the member (host: its data listener `ip:port`).
     pub endpoint: String,
+}
+
+impl Rank {
+    /// `agent`, or `agent/member` for a member process: how communicators
+    /// list their ranks ([`HeldComm::members`]) and errors name a member.
+    pub fn label(&self) -> String {
+        member_label(&self.agent, &self.member)
+    }
+}
+
+/// `agent`, or `agent/member` when `member` is not empty.
+pub fn member_label(agent: &str, member: &str) -> String {
+    if member.is_empty() {
+        agent.to_owned()
+    } else {
+        format!("{agent}/{member}")
+    }
+}
+
+/// Longest member id ([`QuorumJoin::member`]).
+pub const MAX_MEMBER_LEN: usize = 128;
+
+/// Why `m` is not a valid member id (1 to [`MAX_MEMBER_LEN`] bytes of
+/// ASCII letters, digits, `.`, `_`, `-`), if it is not.
+pub fn member_id_problem(m: &str) -> Option<String> {
+    let ok = !m.is_empty()
+        && m.len() <= MAX_MEMBER_LEN
+        && m.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    (!ok).then(|| {
+        format!(
+            "member id {m:?} must be 1 to {MAX_MEMBER_LEN} ASCII letters, digits, '.', '_' or '-'"
+        )
+    })
+}
+
+/// A reduction a quorum getter asks for over every putter's tensors of a
+/// key ([`FromPutters::Reduce`]), computed by the getter's agent as the
+/// tensors arrive, in putter-rank order (so the result is deterministic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceOp {
+    /// Element-wise sum. Floats accumulate in `f64` (`f16`, `bf16` and
+    /// `f32` too) and are rounded once at the end; integers wrap around in
+    /// their own width, as PyTorch's integer sum does.
+    Sum,
+    /// The sum divided by the number of putters; floats only.
+    Mean,
+}
+
+impl ReduceOp {
+    /// The name on the wire (`sum`, `mean`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Mean => "mean",
+        }
+    }
+
+    /// Whether tensors of `dtype` can be reduced so, or why not.
+    pub fn check(self, dtype: DType) -> Result<(), String> {
+        match (self, dtype) {
+            (_, DType::Bool) => Err(format!(
+                "a {self} of bool tensors is not defined (their sum is not a bool);                  put them as u8 or an integer type to count, or ask for every putter's tensor"
+            )),
+            (_, DType::F8e4m3 | DType::F8e5m2) => Err(format!(
+                "a {self} of {dtype} tensors is not supported (8-bit floats would round every                  partial sum); put them as f16, bf16 or f32, or ask for every putter's tensor"
+            )),
+            (ReduceOp::Mean, DType::I64 | DType::I32 | DType::I16 | DType::I8 | DType::U8) => {
+                Err(format!(
+                    "a mean of {dtype} tensors is not defined (it is not an integer; PyTorch                  refuses it too): ask for the sum and divide, or put floats"
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for ReduceOp {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "sum" => Ok(ReduceOp::Sum),
+            "mean" => Ok(ReduceOp::Mean),
+            other => Err(format!("unknown reduction {other:?} (sum, mean)")),
+        }
+    }
+}
+
+/// How a quorum getter receives a key that several putters put (each
+/// putter's tensors are a flow of their own, rooted at its rank).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum FromPutters {
+    /// One tensor set per putter, by putter rank ascending: `count` sets,
+    /// exactly as many as the key has putters.
+    All {
+        /// Destination sets; the key's putters must be this many.
+        count: u32,
+    },
+    /// The tensor sets of these putter ranks (plan ranks; ascending, each
+    /// once, each a putter of the key).
+    ByRank {
+        /// The putters' ranks.
+        ranks: Vec<u32>,
+    },
+    /// One tensor set: every putter's, reduced on receive.
+    Reduce {
+        /// The reduction.
+        op: ReduceOp,
+    },
+}
+
+impl FromPutters {
+    /// Destination sets this asks for.
+    pub fn sets(&self) -> usize {
+        match self {
+            FromPutters::All { count } => *count as usize,
+            FromPutters::ByRank { ranks } => ranks.len(),
+            FromPutters::Reduce { .. } => 1,
+        }
+    }
+
+    /// Checks it against the getter's destination layout: counts within
+    /// bounds, ranks ascending and distinct, a reduction defined for every
+    /// dtype.
+    pub fn check(&self, key: &Key, layout: &[TensorDesc]) -> Result<(), String> {
+        match self {
+            FromPutters::All { count } => {
+                if *count == 0 || *count as usize > MAX_PUTTERS {
+                    return Err(format!(
+                        "{key}: asks for {count} putters' tensors (1 to {MAX_PUTTERS})"
+                    ));
+                }
+            }
+            FromPutters::ByRank { ranks } => {
+                if ranks.is_empty() || ranks.len() > MAX_PUTTERS {
+                    return Err(format!(
+                        "{key}: asks for {} ranks' tensors (1 to {MAX_PUTTERS})",
+                        ranks.len()
+                    ));
+                }
+                if ranks.windows(2).any(|w| w[0] >= w[1]) {
+                    return Err(format!(
+                        "{key}: the ranks asked for must be ascending and distinct, got {ranks:?}"
+                    ));
+                }
+            }
+            FromPutters::Reduce { op } => {
+                for d in layout {
+                    op.check(d.meta.dtype).map_err(|m| {
+                        if d.name.is_empty() {
+                            format!("{key}: {m}")
+                        } else {
+                            format!("{key} tensor {:?}: {m}", d.name)
+                        }
+                    })?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Most putters whose tensors one getter asks for, each into its own set.
+pub const MAX_PUTTERS: usize = 4096;
+
+/// Where a getter's tensors of one flow came from
+/// ([`TensorStats::sources`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSource {
+    /// The key received.
+    pub key: Key,
+    /// The putter's rank in the plan.
+    pub rank: u32,
+    /// The putter's agent (its pod).
+    pub agent: String,
+    /// The putter's process within its pod ([`Rank::member`]).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub member: String,
 }
 
 /// A coordinated transfer: who takes part, and what moves.
@@ -633,6 +825,11 @@ pub struct TensorStats {
     /// the same ranks ([`QuorumPlan::reuse`]): nothing was connected.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub reused: bool,
+    /// A quorum getter's: the putter of each flow it received, in the
+    /// order received (by key, then putter rank). Empty for a putter and
+    /// for point-to-point gets.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub sources: Vec<TensorSource>,
 }
 
 // ---- the control socket (version 2) --------------------------------------
@@ -655,6 +852,12 @@ pub struct PutTensors {
     /// gets only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub broadcast: Option<BroadcastWindow>,
+    /// A label that tells this caller's quorum membership apart from other
+    /// ones of the same process ([`QuorumJoin::member`]): for a process
+    /// that drives several GPUs from threads, each its own rank. Absent:
+    /// the process is one member.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub member: Option<String>,
 }
 
 /// `get_tensor` / `get_state_dict` into lent destination memory. Several
@@ -680,6 +883,9 @@ pub struct GetTensors {
     /// ends, so memory the caller frees is not pinned by the agent.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub keep_mapped: bool,
+    /// See [`PutTensors::member`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub member: Option<String>,
 }
 
 /// One key of a [`GetTensors`] and the memory it goes into.
@@ -688,8 +894,20 @@ pub struct TensorGet {
     /// The key to receive.
     pub key: Key,
     /// The destination tensors lent, matching the key's tensors by name,
-    /// order, dtype and shape ([`check_destination`]).
+    /// order, dtype and shape ([`check_destination`]); with `from`, the
+    /// first destination set.
     pub dest: Vec<TensorEntry>,
+    /// A quorum get of a key several putters put: every putter's tensors
+    /// (`all`: `dest` then `more`, by putter rank; `by_rank`: `dest` for
+    /// the first rank listed, `more` for the others in order) or their
+    /// reduction (`reduce`: into `dest`, `more` empty). Absent: the key has
+    /// one putter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<FromPutters>,
+    /// The destination sets after `dest` (see `from`), each of `dest`'s
+    /// layout.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub more: Vec<Vec<TensorEntry>>,
 }
 
 /// A registration as the agent's status lists it.
@@ -762,8 +980,9 @@ pub struct SessionReply {
 pub enum QuorumRole {
     /// Publishes these keys' tensors (already registered at its agent).
     Put {
-        /// 1 to 4096 keys, none twice, each with its version and layout; no
-        /// other putter of the round may put one of them.
+        /// 1 to 4096 keys, none twice, each with its version and layout;
+        /// another putter of the round may put one of them too, with the
+        /// same layout.
         keys: Vec<QuorumKey>,
     },
     /// Wants these keys, into destinations of this layout.
@@ -786,6 +1005,11 @@ pub struct QuorumKey {
     /// A putter's: the tensors it sends. A getter's: its destination's
     /// layout, checked against the source's.
     pub tensors: Vec<TensorDesc>,
+    /// A quorum getter's: how it receives a key several putters put (see
+    /// [`FromPutters`]). Absent: from the key's one putter (a key with
+    /// several putters is then refused, naming these options).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<FromPutters>,
 }
 
 /// `POST /api/v1/quorums/{group}/join`: answered when the quorum closes (on
@@ -793,8 +1017,14 @@ pub struct QuorumKey {
 /// first) with this member's place in the plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QuorumJoin {
-    /// The joining agent's id; one rank per agent in a round.
+    /// The joining agent's id (its pod).
     pub agent: String,
+    /// The process this member is within its pod (the agent names it: the
+    /// client's pid, with its label when it gave one): each process of a
+    /// pod takes a rank of its own, and one member joins a round once.
+    /// Empty: the agent's only member (older agents).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub member: String,
     /// The agent's pod IP (what the window's `ips` name).
     pub ip: String,
     /// The agent's backend endpoint (its [`Rank::endpoint`] in the plan).
@@ -803,7 +1033,8 @@ pub struct QuorumJoin {
     /// member on another one is refused.
     pub backend: BackendKind,
     /// Putter or getter, flattened: `role` and `keys` sit at the top level
-    /// of the object.
+    /// of the object. Several putters may put one key (each a flow of its
+    /// own), all with the same layout.
     #[serde(flatten)]
     pub role: QuorumRole,
     /// The window. The round's first join fixes its settings; later joins'
@@ -828,7 +1059,8 @@ pub struct HeldComm {
     /// The id of the transfer that built it (every rank of that transfer
     /// keeps it under this id).
     pub id: String,
-    /// The agents of its ranks, rank 0 first.
+    /// Its ranks' [`Rank::label`]s (`agent` or `agent/member`), rank 0
+    /// first.
     pub members: Vec<String>,
 }
 
@@ -840,7 +1072,7 @@ impl HeldComm {
                 .members
                 .iter()
                 .zip(&plan.ranks)
-                .all(|(m, r)| *m == r.agent)
+                .all(|(m, r)| *m == r.label())
     }
 }
 
@@ -921,7 +1153,8 @@ pub struct QuorumInfo {
 /// A round still open for joins.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct QuorumRound {
-    /// Agent ids of the members, in join order.
+    /// The members' labels (`agent`, or `agent/member` for a member
+    /// process), in join order.
     pub members: Vec<String>,
     /// The round's backend (from its first join).
     pub backend: BackendKind,
@@ -1052,6 +1285,7 @@ mod tests {
         let rank = |r: u32| Rank {
             rank: r,
             agent: format!("a{r}"),
+            member: String::new(),
             ip: "10.0.0.1".into(),
             endpoint: "10.0.0.1:1".into(),
         };

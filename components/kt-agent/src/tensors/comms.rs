@@ -281,6 +281,7 @@ mod tests {
                 .map(|(i, a)| Rank {
                     rank: i as u32,
                     agent: (*a).into(),
+                    member: String::new(),
                     ip: "10.0.0.1".into(),
                     endpoint: "10.0.0.1".into(),
                 })

@@ -23,7 +23,15 @@
 //!   rank and the plan when the quorum closes, exchanges the backend's
 //!   rendezvous (NCCL's unique id) through it, runs the plan and reports.
 //!   An NCCL rank keeps its communicator for the group's next round
-//!   (`comms`): the same members reuse it, with no rendezvous.
+//!   (`comms`): the same members reuse it, with no rendezvous. Each process
+//!   of the pod is a member of its own (its pid, with its label), so the
+//!   agent may run several ranks of one transfer, one per process, each on
+//!   its own thread, endpoint and (NCCL) communicator. A broadcast put of a
+//!   key another process of the pod holds (or the same process puts in a
+//!   broadcast still running) is one more putter: its memory is lent for
+//!   the transfer only, and the registration stays the holder's. A
+//!   broadcast get may ask for every putter's tensors of a key, or some by
+//!   rank, or their sum or mean (`TensorGet::from`).
 //!
 //! Every transfer runs on a blocking thread with a timeout; a failure (a
 //! peer gone, an NCCL error) is an error for the application that asked,
@@ -70,6 +78,10 @@ pub struct Tensors {
     host: Arc<HostBackend>,
     cuda: std::sync::OnceLock<Result<Arc<dyn Backend>, String>>,
     regs: Mutex<HashMap<Key, Registration>>,
+    /// Versions of registrations whose broadcast put is still running: a
+    /// broadcast put of the same key by the same process meanwhile (another
+    /// member of it) is one more putter, not a replacement.
+    broadcasting: Mutex<HashSet<String>>,
     /// Registrations of the last run whose owners did not survive it: the
     /// next reap unregisters them at the metadata server (that version).
     stale: Mutex<Vec<(Key, String)>>,
@@ -158,6 +170,7 @@ impl Tensors {
             host: Arc::new(HostBackend::new(cfg.shm_dir).with_ports(cfg.ports)),
             cuda: std::sync::OnceLock::new(),
             regs: Mutex::default(),
+            broadcasting: Mutex::default(),
             stale: Mutex::default(),
             dests: Mutex::default(),
             next_get: Default::default(),

@@ -9,15 +9,59 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use kt_service::ApiError;
-use kt_tensor::engine::Lent;
+use kt_tensor::engine::{Lent, Many};
 use kt_tensor::{Backend, Link};
 use kt_types::tensor::{
-    self as t, BackendKind, Device, Flow, GetTensors, Packing, QuorumKey, QuorumRole, Rank,
-    SessionReply, SessionRequest, TensorEntry, TensorStats, TransferPlan,
+    self as t, BackendKind, Device, Flow, FromPutters, GetTensors, Packing, QuorumKey, QuorumRole,
+    Rank, SessionReply, SessionRequest, TensorEntry, TensorGet, TensorStats, TransferPlan,
 };
 use kt_types::{ErrorCode, Key, paths};
 
 use super::{Owner, Tensors, blocking, comms, internal, locked, transport};
+
+/// Checks a get of a key from several putters (`from`, `more`): only in a
+/// quorum, as many destination sets as asked for, each of `dest`'s layout,
+/// a reduction defined for its dtypes.
+fn check_many(g: &TensorGet, broadcast: bool) -> Result<(), ApiError> {
+    let Some(from) = &g.from else {
+        if g.more.is_empty() {
+            return Ok(());
+        }
+        return Err(ApiError::bad_request(format!(
+            "{}: several destination sets need `from` (every putter's, or some by rank)",
+            g.key
+        )));
+    };
+    if !broadcast {
+        return Err(ApiError::bad_request(format!(
+            "{}: several putters' tensors (every one, by rank, or reduced) come from a quorum; \
+             give a broadcast window",
+            g.key
+        )));
+    }
+    let layout = t::describe(&g.dest);
+    from.check(&g.key, &layout).map_err(ApiError::bad_request)?;
+    if from.sets() != 1 + g.more.len() {
+        return Err(ApiError::bad_request(format!(
+            "{}: {} destination sets lent, {} asked for",
+            g.key,
+            1 + g.more.len(),
+            from.sets()
+        )));
+    }
+    for (i, set) in g.more.iter().enumerate() {
+        t::validate_entries(set).map_err(|m| {
+            ApiError::bad_request(format!("destination set {} of {}: {m}", i + 2, g.key))
+        })?;
+        t::check_destination(&g.key, &layout, &t::describe(set)).map_err(|m| {
+            ApiError::bad_request(format!(
+                "destination set {} differs from the first (every putter brings one layout): {m}",
+                i + 2
+            ))
+        })?;
+    }
+    Ok(())
+}
 
 impl Tensors {
     pub async fn get(&self, owner: &Owner, req: GetTensors) -> Result<TensorStats, ApiError> {
@@ -31,12 +75,18 @@ impl Tensors {
             }
             t::validate_entries(&g.dest)
                 .map_err(|m| ApiError::bad_request(format!("destination of {}: {m}", g.key)))?;
+            check_many(g, req.broadcast.is_some())?;
         }
         let device = req.gets[0].dest[0].device;
-        if let Some(g) = req.gets.iter().find(|g| g.dest[0].device != device) {
+        let all_dests = || {
+            req.gets
+                .iter()
+                .flat_map(|g| g.dest.iter().chain(g.more.iter().flatten()))
+        };
+        if let Some(e) = all_dests().find(|e| e.device != device) {
             return Err(ApiError::bad_request(format!(
-                "destination of {} is on {}, the first on {device}: one get moves to one device",
-                g.key, g.dest[0].device
+                "destination tensor {:?} is on {}, the first on {device}: one get moves to one device",
+                e.name, e.device
             )));
         }
         let backend = self.backend(device)?;
@@ -44,12 +94,11 @@ impl Tensors {
         // only when asked (`keep_mapped`); otherwise it is closed as the get
         // ends, however it ends (`_in_use` is dropped).
         let cuda = matches!(device, Device::Cuda(_));
-        let dests = req.gets.iter().flat_map(|g| &g.dest);
         let _in_use = if cuda && req.keep_mapped {
-            self.keep_dests(owner, dests);
+            self.keep_dests(owner, all_dests());
             None
         } else {
-            cuda.then(|| self.borrow_dests(dests))
+            cuda.then(|| self.borrow_dests(all_dests()))
         };
         if let Some(window) = &req.broadcast {
             if window.group_id.is_none() && req.gets.len() > 1 {
@@ -60,23 +109,51 @@ impl Tensors {
                     req.gets.len()
                 )));
             }
+            let member = super::quorum::member_id(owner, req.member.as_deref())?;
             let mut lent = Lent::new(device);
             let mut keys = Vec::new();
             for g in &req.gets {
-                lent.keys.insert(
-                    g.key.clone(),
-                    Self::map(backend.clone(), g.dest.clone()).await?,
-                );
+                let dest = Self::map(backend.clone(), g.dest.clone()).await?;
+                match &g.from {
+                    None => {
+                        lent.keys.insert(g.key.clone(), dest);
+                    }
+                    Some(FromPutters::Reduce { op }) => {
+                        lent.keys.insert(g.key.clone(), dest);
+                        lent.many.insert(g.key.clone(), Many::Reduce(*op));
+                    }
+                    Some(from) => {
+                        let mut sets = vec![dest];
+                        for more in &g.more {
+                            sets.push(Self::map(backend.clone(), more.clone()).await?);
+                        }
+                        let many = match from {
+                            FromPutters::ByRank { ranks } => {
+                                Many::ByRank(ranks.iter().copied().zip(sets).collect())
+                            }
+                            _ => Many::Each(sets),
+                        };
+                        lent.many.insert(g.key.clone(), many);
+                    }
+                }
                 keys.push(QuorumKey {
+                    from: g.from.clone(),
                     key: g.key.clone(),
                     version: String::new(),
                     tensors: t::describe(&g.dest),
                 });
             }
             let first = req.gets[0].key.clone();
-            return self
-                .quorum(&first, QuorumRole::Get { keys }, window, backend, lent)
-                .await;
+            // Boxed: the quorum's future is large.
+            let quorum = self.quorum(
+                &first,
+                member,
+                QuorumRole::Get { keys },
+                window,
+                backend,
+                lent,
+            );
+            return Box::pin(quorum).await;
         }
         let packing = req.packing.unwrap_or(Packing {
             pack: true,
@@ -98,6 +175,7 @@ impl Tensors {
                 )));
             }
             let want = QuorumKey {
+                from: None,
                 key: g.key.clone(),
                 version: record.version.clone(),
                 tensors: t::describe(&g.dest),
@@ -316,12 +394,14 @@ impl Tensors {
                 Rank {
                     rank: 0,
                     agent: self.id.clone(),
+                    member: String::new(),
                     ip,
                     endpoint: endpoint.address(),
                 },
                 Rank {
                     rank: 1,
                     agent: req.agent.clone(),
+                    member: String::new(),
                     ip: req.ip.clone(),
                     endpoint: req.endpoint.clone(),
                 },

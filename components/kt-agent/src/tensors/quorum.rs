@@ -22,9 +22,13 @@ use super::{Tensors, blocking, internal, transport};
 const JOIN_GRACE: Duration = Duration::from_secs(30);
 
 impl Tensors {
+    /// Joins `key`'s quorum (`window`) as `member` (see [`member_id`]),
+    /// runs the plan and reports.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn quorum(
         &self,
         key: &Key,
+        member: String,
         role: QuorumRole,
         window: &BroadcastWindow,
         backend: Arc<dyn Backend>,
@@ -44,6 +48,7 @@ impl Tensors {
         let reserved =
             (backend.kind() == BackendKind::Nccl).then(|| self.comms.reserve(&group, device));
         let join = QuorumJoin {
+            member,
             agent: self.id.clone(),
             ip,
             endpoint: endpoint.address(),
@@ -171,6 +176,29 @@ impl Tensors {
             Self::retire(&backend, self.comms.keep(group, device, plan, comm));
         }
         res.map_err(transport)
+    }
+}
+
+/// The member id of a quorum join by `owner` (see
+/// [`QuorumJoin::member`]): its pid when the agent sees it (else `c` and
+/// its control connection), then `.` and the caller's `label` when it gave
+/// one. Each process of a pod is a member of its own, so it takes a rank of
+/// its own; one process joins a round once unless it labels its joins.
+pub(super) fn member_id(owner: &super::Owner, label: Option<&str>) -> Result<String, ApiError> {
+    let base = if owner.pid != 0 {
+        owner.pid.to_string()
+    } else {
+        format!("c{}", owner.conn)
+    };
+    let id = match label {
+        None => base,
+        Some(l) => format!("{base}.{l}"),
+    };
+    match t::member_id_problem(&id) {
+        Some(why) => Err(ApiError::bad_request(format!(
+            "member label {label:?}: {why}"
+        ))),
+        None => Ok(id),
     }
 }
 

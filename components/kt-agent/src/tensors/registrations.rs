@@ -70,6 +70,21 @@ impl Owner {
     }
 }
 
+/// A registration's broadcast put in progress (see `Tensors::broadcasting`),
+/// forgotten on drop.
+struct Broadcasting<'a> {
+    tensors: &'a Tensors,
+    version: Option<String>,
+}
+
+impl Drop for Broadcasting<'_> {
+    fn drop(&mut self) {
+        if let Some(v) = &self.version {
+            locked(&self.tensors.broadcasting).remove(v);
+        }
+    }
+}
+
 /// Field 22 of `/proc/<pid>/stat` (after the command, which may hold
 /// spaces), for a process that still runs: a zombie (state `Z`, exited but
 /// not reaped) or a dead one (`X`) has none.
@@ -275,35 +290,78 @@ impl Tensors {
         // Every handle must open before anything is registered; a broadcast
         // put moves these very regions, a plain one only needed the check.
         let regions = Self::map(backend.clone(), req.tensors.clone()).await?;
-        let broadcast = req.broadcast.clone().map(|w| (w, regions));
+        let member = match &req.broadcast {
+            Some(_) => super::quorum::member_id(&owner, req.member.as_deref())?,
+            None => String::new(),
+        };
+        let mut broadcast = req.broadcast.clone().map(|w| (w, regions));
         let descs = t::describe(&req.tensors);
         let version = t::version_of(&descs, &uuid::Uuid::new_v4().to_string());
+        // Another process of this pod holds the key: a broadcast put is one
+        // more putter of it (several putters of a key each send their own
+        // tensors), its memory lent for the transfer only; the
+        // registration stays the holder's.
+        let mut contributes = None;
         {
             let mut regs = self.lock();
             let none = locked(&self.conns).clone();
-            if let Some(cur) = regs.get(&req.key)
-                && !cur.owner.same_process(&owner)
-                && cur.owner.alive(&none)
-            {
-                return Err(ApiError::new(
-                    ErrorCode::Conflict,
-                    format!(
-                        "{} is registered at this agent by another live process (pid {}); it must drop it, or exit, first",
-                        req.key, cur.owner.pid
-                    ),
-                ));
+            let busy = locked(&self.broadcasting);
+            let held = regs.get(&req.key).filter(|cur| {
+                if cur.owner.same_process(&owner) {
+                    broadcast.is_some() && busy.contains(&cur.version)
+                } else {
+                    cur.owner.alive(&none)
+                }
+            });
+            if let Some(cur) = held {
+                drop(busy);
+                if broadcast.is_none() {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "{} is registered at this agent by another live process (pid {}); it must drop it, or exit, first",
+                            req.key, cur.owner.pid
+                        ),
+                    ));
+                }
+                contributes = broadcast.take();
+            } else {
+                drop(busy);
+                regs.insert(
+                    req.key.clone(),
+                    Registration {
+                        key: req.key.clone(),
+                        version: version.clone(),
+                        owner,
+                        entries: req.tensors.clone(),
+                        published: false,
+                    },
+                );
+                self.save(&regs);
+                if broadcast.is_some() {
+                    locked(&self.broadcasting).insert(version.clone());
+                }
             }
-            regs.insert(
-                req.key.clone(),
-                Registration {
-                    key: req.key.clone(),
-                    version: version.clone(),
-                    owner,
-                    entries: req.tensors.clone(),
-                    published: false,
-                },
-            );
-            self.save(&regs);
+        }
+        // Until this put's broadcast ends, however it ends.
+        let _broadcasting = Broadcasting {
+            tensors: self,
+            version: (contributes.is_none() && broadcast.is_some()).then(|| version.clone()),
+        };
+        if let Some((window, regions)) = contributes {
+            // Not registered: what the agent opens of CUDA memory lent so
+            // is closed when the put ends, as a get's destination is.
+            let _in_use =
+                matches!(device, Device::Cuda(_)).then(|| self.borrow_dests(&req.tensors));
+            let stats = self
+                .put_in_quorum(&req.key, member, &version, descs, window, regions, backend)
+                .await?;
+            return Ok(TensorsPut {
+                key: req.key,
+                version,
+                record: None,
+                stats: Some(stats),
+            });
         }
         let mut dtypes: Vec<_> = descs.iter().map(|d| d.meta.dtype).collect();
         dtypes.sort();
@@ -353,18 +411,10 @@ impl Tensors {
         tracing::info!(key = %req.key, %version, tensors = req.tensors.len(), %device, "tensors registered");
         let stats = match broadcast {
             None => None,
-            Some((window, regions)) => {
-                let mut lent = Lent::new(device);
-                lent.keys.insert(req.key.clone(), regions);
-                let role = QuorumRole::Put {
-                    keys: vec![QuorumKey {
-                        key: req.key.clone(),
-                        version: version.clone(),
-                        tensors: descs,
-                    }],
-                };
-                Some(self.quorum(&req.key, role, &window, backend, lent).await?)
-            }
+            Some((window, regions)) => Some(
+                self.put_in_quorum(&req.key, member, &version, descs, window, regions, backend)
+                    .await?,
+            ),
         };
         Ok(TensorsPut {
             key: req.key,
@@ -372,6 +422,35 @@ impl Tensors {
             record: Some(Box::new(record)),
             stats,
         })
+    }
+
+    /// A broadcast put's part: joins the quorum as a putter of `key` with
+    /// these mapped `regions`, and moves them.
+    #[allow(clippy::too_many_arguments)]
+    async fn put_in_quorum(
+        &self,
+        key: &Key,
+        member: String,
+        version: &str,
+        descs: Vec<TensorDesc>,
+        window: kt_types::BroadcastWindow,
+        regions: Vec<Box<dyn kt_tensor::Region>>,
+        backend: Arc<dyn kt_tensor::Backend>,
+    ) -> Result<kt_types::tensor::TensorStats, ApiError> {
+        let device = regions.first().map(|r| r.device()).unwrap_or(Device::Cpu);
+        let mut lent = Lent::new(device);
+        lent.keys.insert(key.clone(), regions);
+        let role = QuorumRole::Put {
+            keys: vec![QuorumKey {
+                from: None,
+                key: key.clone(),
+                version: version.to_owned(),
+                tensors: descs,
+            }],
+        };
+        // Boxed: the quorum's future is large, and `put` awaits it in two
+        // places.
+        Box::pin(self.quorum(key, member, role, &window, backend, lent)).await
     }
 
     /// `drop_tensors`: the owner's own registration only.

@@ -643,17 +643,18 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.code(), ErrorCode::Conflict, "{e}");
-        assert!(e.to_string().contains("one rank per pod"), "{e}");
+        assert!(e.to_string().contains("one rank per process"), "{e}");
+        // Another putter of k brings k's layout, or is refused.
         let e = q
             .join(
                 "c",
-                putter("a2", vec![key("j", 1), key("k", 4)], &w),
+                putter("a2", vec![key("j", 1), key("k", 5)], &w),
                 Access::default(),
             )
             .await
             .unwrap_err();
-        assert_eq!(e.code(), ErrorCode::Conflict, "{e}");
-        assert!(e.to_string().contains("already puts k"), "{e}");
+        assert_eq!(e.code(), ErrorCode::InvalidRequest, "{e}");
+        assert!(e.to_string().contains("a1 already puts it"), "{e}");
         let mut nccl = getter("a3", vec![key("k", 4)], &w);
         nccl.backend = BackendKind::Nccl;
         let e = q.join("c", nccl, Access::default()).await.unwrap_err();

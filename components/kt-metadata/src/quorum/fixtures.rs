@@ -7,6 +7,7 @@ use kt_types::{BroadcastWindow, Key};
 
 pub(super) fn key(k: &str, len: u64) -> QuorumKey {
     QuorumKey {
+        from: None,
         key: Key::parse(k).unwrap(),
         version: format!("v-{k}"),
         tensors: vec![TensorDesc {
@@ -41,6 +42,7 @@ fn member(agent: &str, role: QuorumRole, w: &BroadcastWindow) -> QuorumJoin {
         .unwrap_or(99);
     let ip = format!("10.0.0.{n}");
     QuorumJoin {
+        member: String::new(),
         agent: agent.into(),
         endpoint: format!("{ip}:8100"),
         ip,

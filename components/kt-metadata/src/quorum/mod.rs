@@ -11,6 +11,12 @@
 //! - `POST /api/v1/quorums/{group}/join` ([`QuorumJoin`]) is long-polled: it
 //!   is answered when the group's open *round* closes, with the member's
 //!   rank and the plan ([`QuorumPlan`]), or with this member's error.
+//! - A *member* is a process of a pod: its agent's id and the member id the
+//!   agent gives it ([`QuorumJoin::member`]: the client's pid, with the
+//!   label the client gave when it gave one). Several processes of a pod
+//!   each take a rank of their own; what is per pod (the agent, its shared
+//!   memory) they share, and on NCCL each rank builds its own communicator
+//!   on its own GPU (the agent runs one transfer per rank).
 //! - A group has at most one open round. Its first join opens it and fixes
 //!   its settings from that join's window and backend (world size, timeout,
 //!   ips, fanout, pack, bucket size); the timeout runs from that first join.
@@ -18,11 +24,14 @@
 //! - Refused at once, the round unchanged: bad input (400 `invalid_request`:
 //!   group id, agent id, ips, world size under 2, timeout not in (0, 3600] s,
 //!   fanout 0, bucket under [`t::MIN_BUCKET_BYTES`], no keys, a key twice,
-//!   invalid tensor layouts, a `window.group_id` naming another group); a
-//!   member on another backend than the round's (400); an agent already in
-//!   the round (409 `conflict`: one rank per pod); a put of a key another
-//!   member of the round already puts (409); a new round beyond
-//!   [`MAX_OPEN`] open rounds plus kept transfers (503 `unavailable`).
+//!   invalid tensor layouts, a `window.group_id` naming another group, a
+//!   bad member id, a putter's key with `from`, a getter's `from` asking for
+//!   no putter, ranks not ascending, or a reduction its dtypes lack: bool,
+//!   8-bit floats, an integer mean); a member on another backend than the
+//!   round's (400); a member already in the round (409 `conflict`: one rank
+//!   per process); a putter of a key another member of the round puts with
+//!   another layout (400, naming both); a new round beyond [`MAX_OPEN`] open
+//!   rounds plus kept transfers (503 `unavailable`).
 //! - A member whose request goes away before the close (the client
 //!   disconnected: axum drops the handler's future) leaves the round; a round
 //!   whose members all left is forgotten.
@@ -37,7 +46,12 @@
 //! coordinator's lock, keeps the transfer, and only then answers the
 //! members, all with the same shared plan:
 //! - no putter: every member gets 503 `no_source`;
-//! - a getter wanting a key no putter brings gets 404 `not_found`; one whose
+//! - a getter wanting a key no putter brings gets 404 `not_found`; a plain
+//!   getter (no `from`) of a key several putters put gets 409 `conflict`
+//!   naming the putters and telling it to ask for every putter's tensors or
+//!   a reduction; one asking for every putter's (`all`) whose count is not
+//!   the key's putters', or for a rank (`by_rank`) that does not put the
+//!   key, gets 400; one whose
 //!   destination layout does not match the source's
 //!   ([`t::check_destination`]) gets 400 `invalid_request` naming both
 //!   sides; one whose token may not read a key it wants (the service of
@@ -46,12 +60,17 @@
 //!   is unknown) gets 403 `forbidden`; none of them takes a rank, so no
 //!   member ever sends it anything;
 //! - ranks: the putters ordered by their first key (rank 0 puts the
-//!   smallest), then the remaining getters ordered by agent id: the same
-//!   members make the same plan whatever order they joined in;
+//!   smallest), then pod, then member id; then the remaining getters
+//!   ordered by pod, then member id: the same members make the same plan
+//!   whatever order they joined in;
 //! - flows: for each putter, each of its keys in order: root the putter,
-//!   receivers the getters that want the key (ascending), the putter's
-//!   tensors and version; a key nobody wants makes no flow (its putter still
-//!   takes a rank);
+//!   receivers the getters that want the key from it (ascending; a
+//!   `by_rank` getter only from the ranks it named), the putter's tensors
+//!   and version; a key nobody wants makes no flow (its putter still takes
+//!   a rank). A key of several putters is so one flow per putter, in rank
+//!   order: a getter of `all` receives them into its sets in that order,
+//!   one of a reduction (`sum`, `mean`) adds them up as they arrive (in its
+//!   agent, `kt_tensor::reduce`);
 //! - no getter left: every remaining member gets 503 `unavailable`;
 //! - the plan's id is a fresh UUID; backend, fanout and packing come from the
 //!   round. A plan failing [`TransferPlan::validate`] is a bug: 500 to all.
@@ -92,6 +111,7 @@
 //! is driven by its members' own requests, so no task outlives them.
 //!
 //! [`QuorumJoin`]: kt_types::tensor::QuorumJoin
+//! [`QuorumJoin::member`]: kt_types::tensor::QuorumJoin::member
 //! [`QuorumPlan`]: kt_types::tensor::QuorumPlan
 //! [`QuorumPlan::closed_by`]: kt_types::tensor::QuorumPlan::closed_by
 //! [`t::MIN_BUCKET_BYTES`]: kt_types::tensor::MIN_BUCKET_BYTES

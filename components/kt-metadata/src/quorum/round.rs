@@ -132,8 +132,32 @@ impl Member {
         matches!(self.join.role, QuorumRole::Put { .. })
     }
 
-    fn wants(&self, key: &Key) -> bool {
-        !self.puts() && self.keys().iter().any(|k| &k.key == key)
+    /// Whether this getter wants `key` from the putter of rank `root`.
+    fn wants(&self, key: &Key, root: u32) -> bool {
+        !self.puts()
+            && self.keys().iter().any(|k| {
+                &k.key == key
+                    && match &k.from {
+                        Some(t::FromPutters::ByRank { ranks }) => ranks.contains(&root),
+                        _ => true,
+                    }
+            })
+    }
+
+    /// `agent`, or `agent/member`.
+    fn label(&self) -> String {
+        t::member_label(&self.join.agent, &self.join.member)
+    }
+
+    /// Whether `j` comes from this member's process.
+    fn same_member(&self, j: &QuorumJoin) -> bool {
+        self.join.agent == j.agent && self.join.member == j.member
+    }
+
+    /// The order of ranks among putters (by first key, then pod, then
+    /// process) and among getters (pod, then process).
+    fn order(&self) -> (&Key, &str, &str) {
+        (&self.keys()[0].key, &self.join.agent, &self.join.member)
     }
 }
 
@@ -223,24 +247,37 @@ impl Round {
                 j.backend
             )));
         }
-        if self.members.iter().any(|m| m.join.agent == j.agent) {
+        if let Some(m) = self.members.iter().find(|m| m.same_member(j)) {
             return Err(QuorumError::Conflict(format!(
-                "agent {} already joined the open round of quorum {group} (one rank per pod)",
-                j.agent
+                "{} already joined the open round of quorum {group} (one rank per process; \
+                 another process of the pod takes a rank of its own)",
+                m.label()
             )));
         }
-        if let QuorumRole::Put { keys } = &j.role
-            && let Some((k, m)) = keys.iter().find_map(|k| {
-                self.members
-                    .iter()
-                    .find(|m| m.puts() && m.keys().iter().any(|o| o.key == k.key))
-                    .map(|m| (k, m))
-            })
-        {
-            return Err(QuorumError::Conflict(format!(
-                "agent {} already puts {} in the open round of quorum {group}",
-                m.join.agent, k.key
-            )));
+        if let QuorumRole::Put { keys } = &j.role {
+            // Several putters of a key each send their own tensors: all of
+            // one layout, or no getter could take them into one destination.
+            for k in keys {
+                let other = self.members.iter().find_map(|m| {
+                    m.puts()
+                        .then(|| m.keys().iter().find(|o| o.key == k.key))
+                        .flatten()
+                        .map(|o| (m, o))
+                });
+                if let Some((m, o)) = other
+                    && let Err(why) = t::check_destination(&k.key, &o.tensors, &k.tensors)
+                {
+                    return Err(QuorumError::Invalid(format!(
+                        "{} cannot put {} in quorum {group}: {} already puts it, and every \
+                         putter of a key brings the same layout ({} is its source, this \
+                         putter the destination: {why})",
+                        t::member_label(&j.agent, &j.member),
+                        k.key,
+                        m.label(),
+                        m.label()
+                    )));
+                }
+            }
         }
         Ok(())
     }
@@ -264,7 +301,7 @@ impl Round {
     /// What `GET /api/v1/quorums/{group}` shows of it at `now`.
     pub(super) fn info(&self, now: Instant) -> QuorumRound {
         QuorumRound {
-            members: self.members.iter().map(|m| m.join.agent.clone()).collect(),
+            members: self.members.iter().map(Member::label).collect(),
             backend: self.backend,
             world_size: self.world_size,
             ips: self.ips.iter().map(IpAddr::to_string).collect(),
@@ -284,21 +321,28 @@ pub(super) fn plan(group: &str, round: &Round, by: ClosedBy, id: String) -> Clos
     };
     let (mut putters, mut wanting): (Vec<&Member>, Vec<&Member>) =
         round.members.iter().partition(|m| m.puts());
-    // Ranks do not depend on who joined first: putters by their first key
-    // (no two putters of a round share a key), getters by agent id (one rank
-    // per agent), so the same members always make the same plan.
-    putters.sort_by(|a, b| a.keys()[0].key.cmp(&b.keys()[0].key));
-    wanting.sort_by(|a, b| a.join.agent.cmp(&b.join.agent));
+    // Ranks do not depend on who joined first: putters by their first key,
+    // then pod, then process; getters by pod, then process (one rank per
+    // process), so the same members always make the same plan.
+    putters.sort_by(|a, b| a.order().cmp(&b.order()));
+    wanting.sort_by(|a, b| {
+        a.order()
+            .1
+            .cmp(b.order().1)
+            .then(a.order().2.cmp(b.order().2))
+    });
     if putters.is_empty() {
         let e = QuorumError::NoSource(format!("quorum {group} closed by {by} with no putter"));
         closing.fail_rest(&round.members, &e);
         return closing;
     }
-    let sources: HashMap<&Key, &QuorumKey> = putters
-        .iter()
-        .flat_map(|p| p.keys())
-        .map(|k| (&k.key, k))
-        .collect();
+    // Each key's putters, by rank (a putter's rank is its index).
+    let mut sources: HashMap<&Key, Vec<(u32, &Member, &QuorumKey)>> = HashMap::new();
+    for (rank, p) in putters.iter().enumerate() {
+        for k in p.keys() {
+            sources.entry(&k.key).or_default().push((rank as u32, p, k));
+        }
+    }
     let owners: HashMap<&Key, Option<&str>> = putters
         .iter()
         .flat_map(|p| &p.access.owners)
@@ -320,7 +364,7 @@ pub(super) fn plan(group: &str, round: &Round, by: ClosedBy, id: String) -> Clos
             let receivers: Vec<u32> = getters
                 .iter()
                 .enumerate()
-                .filter(|(_, g)| g.wants(&k.key))
+                .filter(|(_, g)| g.wants(&k.key, root as u32))
                 .map(|(i, _)| (first_getter + i) as u32)
                 .collect();
             if !receivers.is_empty() {
@@ -356,6 +400,7 @@ pub(super) fn plan(group: &str, round: &Round, by: ClosedBy, id: String) -> Clos
             .map(|(i, m)| Rank {
                 rank: i as u32,
                 agent: m.join.agent.clone(),
+                member: m.join.member.clone(),
                 ip: m.join.ip.clone(),
                 endpoint: m.join.endpoint.clone(),
             })
@@ -397,18 +442,61 @@ fn reusable(ranked: &[&Member], plan: &TransferPlan) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// Whether getter `g` can receive every key it wants from the round's putters.
+/// Whether getter `g` can receive every key it wants from the round's
+/// putters (`sources`: each key's, by rank): the layouts match, and a key
+/// several putters put is asked for as all of them, some by rank, or a
+/// reduction.
 fn can_receive(
     group: &str,
     g: &Member,
-    sources: &HashMap<&Key, &QuorumKey>,
+    sources: &HashMap<&Key, Vec<(u32, &Member, &QuorumKey)>>,
 ) -> Result<(), QuorumError> {
     for want in g.keys() {
-        let src = sources.get(&want.key).ok_or_else(|| {
+        let srcs = sources.get(&want.key).ok_or_else(|| {
             QuorumError::NotFound(format!("no member of quorum {group} puts key {}", want.key))
         })?;
-        t::check_destination(&want.key, &src.tensors, &want.tensors)
+        // Every putter of a key brings one layout (checked as they join).
+        t::check_destination(&want.key, &srcs[0].2.tensors, &want.tensors)
             .map_err(QuorumError::Invalid)?;
+        let putters = || {
+            let v: Vec<String> = srcs
+                .iter()
+                .map(|(r, m, _)| format!("{r} ({})", m.label()))
+                .collect();
+            v.join(", ")
+        };
+        match &want.from {
+            None if srcs.len() > 1 => {
+                return Err(QuorumError::Conflict(format!(
+                    "key {} has {} putters in quorum {group} (ranks {}): a getter of one \
+                     tensor set cannot take them all; ask for every putter's (dest a list, \
+                     or a dict by rank) or for a reduction (reduce=\"sum\" or \"mean\")",
+                    want.key,
+                    srcs.len(),
+                    putters()
+                )));
+            }
+            Some(t::FromPutters::All { count }) if *count as usize != srcs.len() => {
+                return Err(QuorumError::Invalid(format!(
+                    "key {} has {} putters in quorum {group} (ranks {}), the destination \
+                     lists {count} tensor sets",
+                    want.key,
+                    srcs.len(),
+                    putters()
+                )));
+            }
+            Some(t::FromPutters::ByRank { ranks }) => {
+                if let Some(r) = ranks.iter().find(|r| !srcs.iter().any(|(s, _, _)| s == *r)) {
+                    return Err(QuorumError::Invalid(format!(
+                        "rank {r} does not put key {} in quorum {group} (its putters are \
+                         ranks {})",
+                        want.key,
+                        putters()
+                    )));
+                }
+            }
+            _ => {}
+        }
     }
     Ok(())
 }
@@ -461,6 +549,11 @@ fn bounded_text(what: &str, s: &str, max: usize) -> Result<(), QuorumError> {
 pub(super) fn check_join(group: &str, j: &QuorumJoin) -> Result<IpAddr, QuorumError> {
     kt_types::broadcast::check_group_id(group).map_err(bad)?;
     if let Some(why) = kt_types::agent_id_problem(&j.agent) {
+        return Err(bad(why));
+    }
+    if !j.member.is_empty()
+        && let Some(why) = t::member_id_problem(&j.member)
+    {
         return Err(bad(why));
     }
     let ip =
@@ -517,7 +610,7 @@ pub(super) fn check_join(group: &str, j: &QuorumJoin) -> Result<IpAddr, QuorumEr
                 c.members.len()
             )));
         }
-        if let Some(why) = c.members.iter().find_map(|a| kt_types::agent_id_problem(a)) {
+        if let Some(why) = c.members.iter().find_map(|m| label_problem(m)) {
             return Err(bad(format!("held communicator {}: {why}", c.id)));
         }
     }
@@ -544,8 +637,29 @@ pub(super) fn check_join(group: &str, j: &QuorumJoin) -> Result<IpAddr, QuorumEr
             return Err(bad(format!("key {} is listed twice", k.key)));
         }
         check_key(k)?;
+        match (&j.role, &k.from) {
+            (QuorumRole::Put { .. }, Some(_)) => {
+                return Err(bad(format!(
+                    "{}: a putter brings one tensor set; `from` is a getter's",
+                    k.key
+                )));
+            }
+            (QuorumRole::Get { .. }, Some(from)) => from.check(&k.key, &k.tensors).map_err(bad)?,
+            _ => {}
+        }
     }
     Ok(ip)
+}
+
+/// Why a held communicator's member label (`agent` or `agent/member`) is
+/// not valid, if it is not.
+fn label_problem(label: &str) -> Option<String> {
+    let (agent, member) = label.split_once('/').unwrap_or((label, ""));
+    kt_types::agent_id_problem(agent).or_else(|| {
+        (label.contains('/'))
+            .then(|| t::member_id_problem(member))
+            .flatten()
+    })
 }
 
 fn check_key(k: &QuorumKey) -> Result<(), QuorumError> {
@@ -739,6 +853,213 @@ mod tests {
         two[1] = vec![held("c0", &ranks)];
         two[2] = vec![held("c9", &ranks), held("c0", &ranks), held("c1", &ranks)];
         assert_eq!(reuse(two, BackendKind::Nccl).as_deref(), Some("c0"));
+    }
+
+    /// `join` as process `member` of its pod.
+    fn of(member: &str, mut join: QuorumJoin) -> QuorumJoin {
+        join.member = member.into();
+        join
+    }
+
+    fn wanting(mut join: QuorumJoin, from: t::FromPutters) -> QuorumJoin {
+        if let QuorumRole::Get { keys } = &mut join.role {
+            for k in keys {
+                k.from = Some(from.clone());
+            }
+        }
+        join
+    }
+
+    /// Two pods of four processes, each putting `g`: eight ranks, putters
+    /// by pod then process whatever the join order, one flow each; getters
+    /// of every putter, some by rank, or a reduction, receive the flows
+    /// they asked for.
+    #[test]
+    fn processes_of_a_pod_take_ranks_of_their_own_and_putters_of_a_key_a_flow_each() {
+        let w = window(None, 5.0);
+        let mut joins = Vec::new();
+        for pod in ["b9", "a9"] {
+            for m in ["3", "1", "2", "0"] {
+                joins.push(of(m, putter(pod, vec![key("g", 4)], &w)));
+            }
+        }
+        joins.push(of(
+            "7",
+            wanting(
+                getter("r1", vec![key("g", 4)], &w),
+                t::FromPutters::All { count: 8 },
+            ),
+        ));
+        joins.push(of(
+            "7",
+            wanting(
+                getter("r2", vec![key("g", 4)], &w),
+                t::FromPutters::ByRank { ranks: vec![1, 6] },
+            ),
+        ));
+        joins.push(of(
+            "8",
+            wanting(
+                getter("r1", vec![key("g", 4)], &w),
+                t::FromPutters::Reduce {
+                    op: t::ReduceOp::Sum,
+                },
+            ),
+        ));
+        let shape = |joins: Vec<QuorumJoin>| {
+            let c = plan("g", &round(joins), ClosedBy::WorldSize, "t".into());
+            assert!(c.errors.is_empty(), "{:?}", c.errors);
+            let p = c.plan.expect("a plan");
+            let ranks: Vec<String> = p.ranks.iter().map(Rank::label).collect();
+            let flows: Vec<(u32, Vec<u32>)> = p
+                .flows
+                .iter()
+                .map(|f| (f.root, f.receivers.clone()))
+                .collect();
+            (ranks, flows)
+        };
+        let (ranks, flows) = shape(joins.clone());
+        assert_eq!(
+            ranks,
+            [
+                "a9/0", "a9/1", "a9/2", "a9/3", "b9/0", "b9/1", "b9/2", "b9/3", "r1/7", "r1/8",
+                "r2/7"
+            ]
+        );
+        let want: Vec<(u32, Vec<u32>)> = (0..8)
+            .map(|root| {
+                let by_rank = [1, 6].contains(&root);
+                (root, if by_rank { vec![8, 9, 10] } else { vec![8, 9] })
+            })
+            .collect();
+        assert_eq!(flows, want);
+        joins.reverse();
+        assert_eq!(shape(joins), (ranks, flows));
+    }
+
+    /// A plain getter of a key several putters put is refused, naming the
+    /// ways to ask; so is one asking for another number of putters, or a
+    /// rank that does not put the key. The others go on.
+    #[test]
+    fn getters_of_several_putters_ask_for_all_of_them_some_or_a_reduction() {
+        let w = window(None, 5.0);
+        let r = round(vec![
+            of("1", putter("a1", vec![key("g", 4)], &w)),
+            of("2", putter("a1", vec![key("g", 4)], &w)),
+            putter("a2", vec![key("h", 4)], &w),
+            getter("a3", vec![key("g", 4)], &w),
+            wanting(
+                getter("a4", vec![key("g", 4)], &w),
+                t::FromPutters::All { count: 3 },
+            ),
+            wanting(
+                getter("a5", vec![key("g", 4)], &w),
+                t::FromPutters::ByRank { ranks: vec![2] },
+            ),
+            wanting(
+                getter("a6", vec![key("g", 4)], &w),
+                t::FromPutters::All { count: 2 },
+            ),
+            // One putter: a reduction of one is its tensor.
+            wanting(
+                getter("a7", vec![key("h", 4)], &w),
+                t::FromPutters::Reduce {
+                    op: t::ReduceOp::Mean,
+                },
+            ),
+        ]);
+        let c = plan("g", &r, ClosedBy::Timeout, "t".into());
+        let e = c.answer("g", 4).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Conflict);
+        let m = e.to_string();
+        assert!(
+            m.contains("2 putters") && m.contains("0 (a1/1), 1 (a1/2)") && m.contains("reduce"),
+            "{m}"
+        );
+        let e = c.answer("g", 5).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidRequest);
+        assert!(e.to_string().contains("lists 3 tensor sets"), "{e}");
+        let e = c.answer("g", 6).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidRequest);
+        assert!(e.to_string().contains("rank 2 does not put key g"), "{e}");
+        let p = c.plan.as_ref().unwrap();
+        let ranks: Vec<String> = p.ranks.iter().map(Rank::label).collect();
+        assert_eq!(ranks, ["a1/1", "a1/2", "a2", "a6", "a7"]);
+        assert_eq!(c.answer("g", 7).unwrap().rank, 3);
+        assert_eq!(c.answer("g", 8).unwrap().rank, 4);
+    }
+
+    /// One process joins a round once; another process of the pod takes
+    /// a rank of its own; a putter of another layout than the key's first
+    /// putter is refused at once, naming both.
+    #[test]
+    fn a_process_joins_once_and_putters_of_a_key_bring_one_layout() {
+        let w = window(None, 5.0);
+        let r = round(vec![of("1", putter("a1", vec![key("g", 4)], &w))]);
+        let e = r
+            .admit("q", &of("1", getter("a1", vec![key("g", 4)], &w)))
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Conflict);
+        assert!(e.to_string().contains("a1/1 already joined"), "{e}");
+        r.admit("q", &of("2", getter("a1", vec![key("g", 4)], &w)))
+            .unwrap();
+        r.admit("q", &of("2", putter("a1", vec![key("g", 4)], &w)))
+            .unwrap();
+        let e = r
+            .admit("q", &of("2", putter("a2", vec![key("g", 5)], &w)))
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::InvalidRequest);
+        let m = e.to_string();
+        assert!(
+            m.contains("a2/2")
+                && m.contains("a1/1")
+                && m.contains("f32[4]")
+                && m.contains("f32[5]"),
+            "{m}"
+        );
+        // A putter asks for nothing; a getter's reduction must exist for
+        // its dtype; a member id is checked.
+        let mut j = putter("a1", vec![key("g", 4)], &w);
+        if let QuorumRole::Put { keys } = &mut j.role {
+            keys[0].from = Some(t::FromPutters::All { count: 2 });
+        }
+        assert!(
+            check_join("q", &j)
+                .unwrap_err()
+                .to_string()
+                .contains("getter's")
+        );
+        let mut k = key("g", 4);
+        k.tensors[0].meta.dtype = t::DType::Bool;
+        let j = wanting(
+            getter("a1", vec![k], &w),
+            t::FromPutters::Reduce {
+                op: t::ReduceOp::Sum,
+            },
+        );
+        assert!(
+            check_join("q", &j)
+                .unwrap_err()
+                .to_string()
+                .contains("bool")
+        );
+        let j = wanting(
+            getter("a1", vec![key("g", 4)], &w),
+            t::FromPutters::ByRank { ranks: vec![2, 1] },
+        );
+        assert!(
+            check_join("q", &j)
+                .unwrap_err()
+                .to_string()
+                .contains("ascending")
+        );
+        let j = of("pid/1", getter("a1", vec![key("g", 4)], &w));
+        assert!(
+            check_join("q", &j)
+                .unwrap_err()
+                .to_string()
+                .contains("member id")
+        );
     }
 
     #[test]

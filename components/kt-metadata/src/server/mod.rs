@@ -10,9 +10,9 @@ use axum::http::StatusCode;
 use axum::routing::{delete, get, post, put};
 use kt_service::{ApiError, ApiJson, Metrics, Ready, Token, forbidden};
 use kt_types::api::{
-    AgentHeartbeat, AgentList, DeleteQuery, DeleteResponse, HeartbeatReply, LeaseInfo, LeaseList,
-    LeaseRequest, ListQuery, ListResponse, RegisterKey, RegisterStore, SourceFailure, SourceLease,
-    StoreLocation, TeardownResponse,
+    AgentHeartbeat, AgentList, DeleteQuery, DeleteResponse, HeartbeatReply, KeyOwner, LeaseInfo,
+    LeaseList, LeaseRequest, ListQuery, ListResponse, RegisterKey, RegisterStore, SourceFailure,
+    SourceLease, StoreLocation, TeardownResponse,
 };
 use kt_types::auth::{Principal, Role};
 use kt_types::{ErrorCode, Key, KeyPrefix, KeyRecord, Locale, STORE_HOLDER, paths};
@@ -146,7 +146,7 @@ fn db_err(e: DbError) -> ApiError {
 impl From<SourceError> for ApiError {
     fn from(e: SourceError) -> Self {
         let code = match e {
-            SourceError::UnknownKey(_) => ErrorCode::NotFound,
+            SourceError::UnknownKey(_) | SourceError::Stale { .. } => ErrorCode::NotFound,
             SourceError::NoSource { .. } => ErrorCode::NoSource,
             SourceError::Tensors(_) => ErrorCode::InvalidRequest,
         };
@@ -244,7 +244,24 @@ where
         "registry loaded"
     );
     let agent_ttl_ms = millis(config.agent_ttl);
-    let registry = Registry::restore(agent_ttl_ms, loaded.records, loaded.agents, now_ms());
+    let mut registry = Registry::restore(
+        agent_ttl_ms,
+        loaded.records,
+        loaded.agents,
+        loaded.services,
+        now_ms(),
+    );
+    // The services the tokens file grants are known from the start.
+    let granted = config
+        .auth
+        .as_ref()
+        .map(|a| a.services())
+        .unwrap_or_default();
+    let new = registry.know_services(granted.iter().map(String::as_str));
+    db.write(&Batch {
+        put_services: new,
+        ..Batch::default()
+    })?;
     if !loaded.groups.is_empty() {
         tracing::info!(
             groups = loaded.groups.len(),
@@ -295,6 +312,7 @@ where
                 .merge(allow(&[Workload, Agent], delete(delete_key)))
                 .merge(allow(&[Workload], post(lease_key))),
         )
+        .route("/api/v1/owners/{*key}", allow(&[Store], get(key_owner)))
         .route("/api/v1/leases", allow(ADMIN, get(list_leases)))
         .route(
             "/api/v1/leases/{id}",
@@ -424,6 +442,7 @@ async fn put_key(
     }
     let now = now_ms();
     let mut registry = s.registry.lock().await;
+    let mut services = note_services(&mut registry, &who);
     // A pod (or an agent given services) registers only its services'
     // keys, and never takes over a key another service owns; the store's
     // registrations were checked at the store, when the put came.
@@ -442,15 +461,12 @@ async fn put_key(
                 "this token may not register {key} for service {service:?} (not one of its services)"
             )));
         }
-        if let Some(old) = registry
-            .get_any(&key)
-            .filter(|old| !who.serves(&old.service))
-        {
-            return Err(forbidden(format!(
-                "{key} belongs to service {:?}, not one of this token's: it is left as it is",
-                old.service
-            )));
-        }
+        check_owner(&registry, &who, &key, now)?;
+    }
+    // A put for the service its key's first segment names (the putter's
+    // own, or named explicitly) makes that service known.
+    if reg.options.service.as_deref() == Some(key.service()) {
+        services.extend(registry.know_services([key.service()]));
     }
     // Checked once the caller is known to be allowed (a refused caller
     // learns nothing of what its registration lacks). Integrity is anchored
@@ -473,6 +489,7 @@ async fn put_key(
     s.db.write(&Batch {
         put_records: vec![record.clone()],
         put_agents: agent.into_iter().collect(),
+        put_services: services,
         ..Batch::default()
     })
     .map_err(db_err)?;
@@ -491,6 +508,58 @@ async fn put_key(
         });
     }
     Ok(ApiJson(record))
+}
+
+/// Makes the services `who` acts within known (a token limited to some
+/// services names real ones); those new (to persist).
+fn note_services(registry: &mut Registry, who: &Principal) -> Vec<String> {
+    match (&who.services, who.scope.is_some()) {
+        (Some(services), false) if who.role != Role::Admin => {
+            registry.know_services(services.iter().map(String::as_str))
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// Refuses `who` (admin aside) a write of `key` owned by a service it does
+/// not write: the one whose base path holds it, else its record's. A
+/// caller always writes under its own services' base paths.
+fn check_owner(registry: &Registry, who: &Principal, key: &Key, now: u64) -> Result<(), ApiError> {
+    if who.role == Role::Admin || who.serves(key.service()) {
+        return Ok(());
+    }
+    match registry.owner(key, now) {
+        Some((owner, base)) if !who.serves(&owner) => {
+            Err(forbidden(owner_refusal(key, &owner, base)))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The message of a write refused because `owner` owns `key`.
+fn owner_refusal(key: &Key, owner: &str, base_path: bool) -> String {
+    if base_path {
+        format!(
+            "{key} is under the base path of service {owner:?}: only {owner:?} (or admin) writes there; nothing was changed"
+        )
+    } else {
+        format!("{key} belongs to service {owner:?}, not one of this token's: it is left as it is")
+    }
+}
+
+/// `GET /api/v1/owners/{key}`: which service may write `key` (the store
+/// asks before it takes a put from a token limited to some services).
+async fn key_owner(
+    State(s): State<AppState>,
+    Path(key): Path<String>,
+) -> Result<ApiJson<KeyOwner>, ApiError> {
+    let key = Key::parse(&key)?;
+    let owner = s.registry.lock().await.owner(&key, now_ms());
+    Ok(ApiJson(KeyOwner {
+        base_path: owner.as_ref().is_some_and(|(_, base)| *base),
+        service: owner.map(|(s, _)| s),
+        key,
+    }))
 }
 
 /// Deletes the store's copy of a key after another holder took the key
@@ -578,15 +647,13 @@ async fn get_key(
     Path(key): Path<String>,
 ) -> Result<ApiJson<KeyRecord>, ApiError> {
     let key = Key::parse(&key)?;
-    let r = s
-        .registry
-        .lock()
-        .await
-        .get(&key, now_ms())
-        .cloned()
-        .ok_or_else(|| ApiError::not_found(format!("key {key} not found")))?;
-    kt_service::check_read(&who, &key, &r.service)?;
-    Ok(ApiJson(r))
+    let now = now_ms();
+    let registry = s.registry.lock().await;
+    // Refused first: a key the caller may not read is not said to be stale.
+    if let Some(r) = registry.get_unexpired(&key, now) {
+        kt_service::check_read(&who, &key, &r.service)?;
+    }
+    Ok(ApiJson(registry.served(&key, now)?.clone()))
 }
 
 /// `GET /api/v1/keys`: only the keys of services the caller's token reads.
@@ -637,7 +704,7 @@ async fn delete_key(
             within.retain(visible);
             within
         } else {
-            match reg.get(&key, now).filter(|r| visible(r)) {
+            match reg.get_unexpired(&key, now).filter(|r| visible(r)) {
                 Some(r) if q.version.as_ref().is_some_and(|v| *v != r.version) => {
                     return Err(ApiError::new(
                         ErrorCode::Conflict,
@@ -664,17 +731,35 @@ async fn delete_key(
     if targets.is_empty() {
         return Err(ApiError::not_found(format!("nothing under {key}")));
     }
-    // An agent drops only keys it holds; a workload only its services'.
-    if let Some(r) = targets.iter().find(|r| match who.role {
-        Role::Admin => false,
-        Role::Agent => !who.is_agent(&r.holder),
-        Role::Pod => !who.is_agent(&r.holder) && !who.serves(&r.service),
-        _ => !who.serves(&r.service),
-    }) {
-        return Err(forbidden(format!(
-            "a {} token may not delete {} (service {:?}, held by {}): nothing was deleted",
-            who.role, r.key, r.service, r.holder
-        )));
+    // An agent drops only keys it holds; a workload only its services'
+    // (the owner of a key under a service's base path is that service).
+    {
+        let mut registry = s.registry.lock().await;
+        let new = note_services(&mut registry, &who);
+        s.db.write(&Batch {
+            put_services: new,
+            ..Batch::default()
+        })
+        .map_err(db_err)?;
+        let owner = |r: &KeyRecord| match registry.base_owner(&r.key) {
+            Some(base) => base.to_owned(),
+            None => r.service.clone(),
+        };
+        let writes = |r: &KeyRecord| who.serves(r.key.service()) || who.serves(&owner(r));
+        if let Some(r) = targets.iter().find(|r| match who.role {
+            Role::Admin => false,
+            Role::Agent => !who.is_agent(&r.holder),
+            Role::Pod => !who.is_agent(&r.holder) && !writes(r),
+            _ => !writes(r),
+        }) {
+            return Err(forbidden(format!(
+                "a {} token may not delete {} (service {:?}, held by {}): nothing was deleted",
+                who.role,
+                r.key,
+                owner(r),
+                r.holder
+            )));
+        }
     }
     let mut deleted = Vec::new();
     for r in targets {
@@ -814,7 +899,7 @@ async fn readable_sources(
 ) -> Result<crate::registry::Sources, ApiError> {
     let store_registered = s.store_url.lock().await.is_some();
     let registry = s.registry.lock().await;
-    if let Some(r) = registry.get(key, now) {
+    if let Some(r) = registry.get_unexpired(key, now) {
         kt_service::check_read(who, key, &r.service)?;
     }
     Ok(registry.sources(key, req, store_registered, now)?)
@@ -939,6 +1024,8 @@ async fn heartbeat(
     let mut registry = s.registry.lock().await;
     // An agent is a peer only of what its token may read: a copy of
     // another service's key it claims to serve is dropped.
+    let mut services = note_services(&mut registry, &who);
+    services.extend(registry.know_services(hb.service.as_deref()));
     let beat = registry.heartbeat_reading(hb, now_ms(), |key, service| {
         who.refuses_read(key, service).is_none()
     });
@@ -949,6 +1036,7 @@ async fn heartbeat(
     s.db.write(&Batch {
         put_records: beat.changed,
         put_agents: beat.agent.into_iter().collect(),
+        put_services: services,
         ..Batch::default()
     })
     .map_err(db_err)?;
@@ -982,7 +1070,9 @@ fn commit_eviction(s: &Inner, e: &Eviction, why: &str) -> Result<(), DbError> {
 }
 
 /// `DELETE /api/v1/services/{name}`: evicts the service's agents and deletes
-/// its `resource` keys. Run again after a partial failure: it is idempotent.
+/// its `resource` keys, its base path but for `lifespan=cluster` keys, and
+/// its zero-copy data ([`Registry::teardown_plan`]). Run again after a
+/// partial failure: it is idempotent.
 async fn teardown(
     State(s): State<AppState>,
     Extension(who): Extension<Principal>,
@@ -996,12 +1086,21 @@ async fn teardown(
     teardown_service(&s, &name).await.map(ApiJson)
 }
 
-/// Evicts a service's agents for good and deletes its `resource` keys.
+/// Evicts a service's agents for good and deletes what its lifespan rule
+/// ties to it ([`Registry::teardown_plan`]). The name is a service's from
+/// then on (its base path stays its own).
 async fn teardown_service(s: &AppState, name: &str) -> Result<TeardownResponse, ApiError> {
+    check_service(Some(name))?;
     // Agents first, so none is handed out as a source while keys go.
     let (targets, evicted) = {
         let mut registry = s.registry.lock().await;
         let (targets, agents) = registry.teardown_plan(name);
+        let new = registry.know_services([name]);
+        s.db.write(&Batch {
+            put_services: new,
+            ..Batch::default()
+        })
+        .map_err(db_err)?;
         let eviction = registry.retire(&agents);
         commit_eviction(s, &eviction, "service torn down").map_err(db_err)?;
         (targets, eviction.agents)

@@ -1,6 +1,6 @@
 """Shared memory the pod's node agent can map: CPU tensors are lent to it
-as files in its shared-memory directory (``KT_SHM_DIR``, default
-``/dev/shm``). :func:`empty` allocates arrays there, which kt moves with
+as files in its shared-memory directory (the one the agent names when
+asked; ``KT_SHM_DIR``, default ``/dev/shm``, where no agent answers). :func:`empty` allocates arrays there, which kt moves with
 no copy; anything else is copied into such a file first (a put) or out of
 one afterwards (a get).
 """

@@ -6,13 +6,19 @@ to tensors, in its order. Each is described to the native half as
 ``(name, dtype, shape, device, memory)``, where memory is shared memory the
 agent maps (``("shm", [path, offset, nbytes])``) or CUDA memory it opens
 by IPC handle (``("cuda", [pointer])``). Nothing here speaks to the agent.
+
+A get of a key several putters put in a quorum lends several destinations
+at once (:func:`lend_many`): a list (one per putter, in putter-rank order)
+or a dict by putter rank; each described entry then carries its set's rank
+(the list index, or the dict key) as ``(rank, described)``.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -28,7 +34,7 @@ _DTYPES = {
 }
 
 
-def _torch():
+def _torch() -> Any:
     """torch, when the caller imported it (kt never imports it itself)."""
     return sys.modules.get("torch")
 
@@ -152,7 +158,7 @@ def lend(param: str, value: Any, for_get: bool) -> Lent:
             # Not in shared memory: lent through a copy that is.
             shm = _shm_like(t, nbytes)
             if for_get:
-                out.after.append(lambda dst=t, src=shm: _copy(dst, src))
+                out.after.append(functools.partial(_copy, t, shm))
             else:
                 _copy(shm, t)
             out.keep.append(shm)
@@ -165,4 +171,47 @@ def lend(param: str, value: Any, for_get: bool) -> Lent:
         path, offset = found
         out.described.append((name, dtype, shape, "cpu",
                               ("shm", [path, str(offset), str(nbytes)])))
+    return out
+
+
+def lend_many(param: str, value: Union[Sequence[Any], Mapping[int, Any]]) -> Lent:
+    """Describes destinations for every putter's tensors of a key
+    (``value``, given as ``param``): a list or tuple of tensors or state
+    dicts, one per putter in putter-rank order, or a dict ``{rank: tensor or
+    state dict}`` by putter rank (each rank a non-negative int; they are
+    sent in ascending order). Every destination has one layout. Each
+    described entry is ``(rank, described)``: the list index, or the dict
+    key. Raises :class:`InvalidInput` before anything is sent."""
+    if isinstance(value, Mapping):
+        pairs: List[Tuple[int, Any]] = []
+        for k in value:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+                raise InvalidInput(f"{param}: a dict by rank has non-negative int keys, "
+                                   f"not {k!r}", "invalid_request")
+            pairs.append((int(k), value[k]))
+        pairs.sort(key=lambda p: p[0])
+    elif isinstance(value, (list, tuple)):
+        pairs = list(enumerate(value))
+    else:
+        raise TypeError(f"{param} must be a list of tensors or a dict {{rank: tensor}} "
+                        f"here, not {type(value).__name__}")
+    if not pairs:
+        raise InvalidInput(f"{param}: no destination (one per putter)", "invalid_request")
+    out = Lent()
+    described: List[Tuple[int, Described]] = []
+    first: Dict[str, Any] = {}
+    for rank, dest in pairs:
+        part = lend(f"{param}[{rank}]", dest, for_get=True)
+        layout = [(d[0], d[1], d[2]) for d in part.described]
+        if not first:
+            first = {"rank": rank, "layout": layout}
+        elif layout != first["layout"]:
+            raise InvalidInput(f"{param}[{rank}] has another layout than "
+                               f"{param}[{first['rank']}] (every putter of a key "
+                               "brings one layout)", "invalid_request")
+        described.extend((rank, d) for d in part.described)
+        out.keep.extend(part.keep)
+        out.after.extend(part.after)
+        out.nbytes += part.nbytes
+    out.described = described  # type: ignore[assignment]
     return out

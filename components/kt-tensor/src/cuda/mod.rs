@@ -480,6 +480,28 @@ impl Backend for CudaBackend {
         r
     }
 
+    fn read(&self, src: &dyn Region, off: u64, out: &mut [u8]) -> Result<(), TransportError> {
+        let ordinal = cuda_index(src.device(), "a read")?;
+        let from = device_range(src, off, out.len() as u64, "source")?;
+        let stream = self.take_stream(ordinal)?;
+        let r = driver::dtoh(stream.ctx(), out, from);
+        if r.is_ok() {
+            self.give_stream(ordinal, stream);
+        }
+        r
+    }
+
+    fn write(&self, dst: &mut dyn Region, off: u64, bytes: &[u8]) -> Result<(), TransportError> {
+        let ordinal = cuda_index(dst.device(), "a write")?;
+        let to = device_range(dst, off, bytes.len() as u64, "destination")?;
+        let stream = self.take_stream(ordinal)?;
+        let r = driver::htod(stream.ctx(), to, bytes);
+        if r.is_ok() {
+            self.give_stream(ordinal, stream);
+        }
+        r
+    }
+
     fn endpoint(&self, _id: &str, ip: &str) -> Result<Box<dyn Endpoint>, TransportError> {
         Ok(Box::new(CudaEndpoint::new(ip)))
     }

@@ -255,6 +255,7 @@ fn plan(world: u32) -> TransferPlan {
             .map(|r| Rank {
                 rank: r,
                 agent: format!("a{r}"),
+                member: String::new(),
                 ip: "127.0.0.1".into(),
                 endpoint: "127.0.0.1".into(),
             })
