@@ -1710,8 +1710,16 @@ def kt_main(ctx, args, pod=None):
             else:
                 shutil.copy2(src, data)
                 files = [data]
-            index[key] = {"service": service, "lifespan": flags.get("--lifespan", "cluster"),
-                          "locale": flags.get("--locale", "store"), "is_dir": src.is_dir(),
+            # kt's lifespan rule: left out, `resource` under a known
+            # service's base path (here: the calling pod's service) and for
+            # zero-copy data, else `cluster`.
+            locale = flags.get("--locale", "store")
+            by_rule = "--lifespan" not in flags
+            under_own = pod is not None and key.split("/", 1)[0] == pod["service"]
+            lifespan = flags.get("--lifespan") or (
+                "resource" if locale == "local" or under_own else "cluster")
+            index[key] = {"service": service, "lifespan": lifespan, "by_rule": by_rule,
+                          "locale": locale, "is_dir": src.is_dir(),
                           "files": len(files), "size": sum(f.stat().st_size for f in files)}
             index_path.write_text(json.dumps(index, indent=1))
             summary("put", key, len(files), index[key]["size"])
@@ -1810,7 +1818,12 @@ def kt_main(ctx, args, pod=None):
             service = pos[0]
             if not may_write(service):
                 return 1
-            gone = [k for k, r in index.items() if r["service"] == service and r["lifespan"] == "resource"]
+            # Its resource keys, and its base path but keys put with an
+            # explicit lifespan=cluster.
+            gone = [k for k, r in index.items()
+                    if (r["service"] == service and r["lifespan"] == "resource")
+                    or (k.split("/", 1)[0] == service
+                        and not (r["lifespan"] == "cluster" and not r.get("by_rule", False)))]
             for k in gone:
                 del index[k]
                 shutil.rmtree(store / "data" / k, ignore_errors=True)
