@@ -1,7 +1,7 @@
 //! Keys on disk: `data_dir/keys/<blake3(key)>/` holds a [`VersionedDir`] and a
 //! `key` file naming the key (keys are longer than file names may be).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -112,9 +112,57 @@ pub struct Keys {
     /// Staging versions of uploads a restart interrupted, kept for resuming
     /// until their time is up ([`crate::put::sweep`] removes them then).
     pub leftovers: std::sync::Mutex<Vec<Leftover>>,
+    /// Staging versions (by path) that an upload owns, from the plan that
+    /// staged or adopted it, under the key's lock, to the end of its session
+    /// (its commit included). See [`Claim`].
+    claimed: Arc<std::sync::Mutex<HashSet<PathBuf>>>,
+}
+
+/// An upload's hold on its staging version: while it lives, no other plan
+/// adopts that version (`resume::find` skips it), so no two sessions ever
+/// write one staging version, and none writes into one that another's
+/// commit is publishing (or has published). Held by the
+/// [`crate::session::PutSession`] (its last reference may be a commit
+/// still publishing); dropped, it frees the version.
+#[derive(Debug)]
+pub struct Claim {
+    set: Arc<std::sync::Mutex<HashSet<PathBuf>>>,
+    path: PathBuf,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.path);
+    }
 }
 
 impl Keys {
+    /// Claims staging version `id` of `dir` for one upload (the caller holds
+    /// the key's lock); None if an upload already holds it.
+    pub fn claim(&self, dir: &VersionedDir, id: &str) -> Option<Claim> {
+        let path = dir.version_path(id);
+        let fresh = self
+            .claimed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(path.clone());
+        fresh.then(|| Claim {
+            set: self.claimed.clone(),
+            path,
+        })
+    }
+
+    /// Whether an upload holds staging version `id` of `dir`.
+    pub fn claimed(&self, dir: &VersionedDir, id: &str) -> bool {
+        self.claimed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&dir.version_path(id))
+    }
+
     pub fn dir_of(&self, key: &Key) -> VersionedDir {
         VersionedDir::new(
             self.root
@@ -200,6 +248,7 @@ impl Keys {
             root,
             map: std::sync::Mutex::new(map),
             leftovers: std::sync::Mutex::new(leftovers),
+            claimed: Default::default(),
         })
     }
 }

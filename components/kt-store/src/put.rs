@@ -166,16 +166,15 @@ pub async fn plan(
     let base = st.current.clone();
     let key_name = key.to_string();
     let chunk_size = s.cfg.chunk_size;
-    // The same tree, uploaded before a restart cut it off: resume it.
-    let busy: Vec<String> = s
-        .puts
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .values()
-        .filter(|p| p.key == key)
-        .map(|p| p.version.clone())
-        .collect();
-    let adopt = crate::resume::find(&dir, &req.digest, &busy);
+    // The same tree, uploaded before a restart cut it off: resume it. Only
+    // a staging version no upload holds: the session that adopted or
+    // staged it holds it until it ends, through its commit, so two
+    // sessions never write one version, and none writes into a version a
+    // commit is publishing (the sessions map alone was not enough: a
+    // commit takes its session out of it before it publishes). Found and
+    // claimed under the key's lock.
+    let adopt = crate::resume::find(&dir, &req.digest, |id| s.keys.claimed(&dir, id));
+    let adopted = adopt.as_ref().and_then(|v| s.keys.claim(&dir, v));
     let digest = req.digest;
     let (version, manifest, left, log, dir) = {
         let dir = dir.clone();
@@ -184,6 +183,17 @@ pub async fn plan(
                 let staging = dir.version_path(&version);
                 let log_path = dir.chunks_path(&version);
                 let left = crate::resume::survey(&staging, &log_path, &manifest, chunk_size);
+                // What is sent again whole goes into a fresh inode, not into
+                // the one there (which might be shared: writes into it must
+                // show nowhere else). A file whose chunks are resumed had one
+                // link when surveyed. Best effort: what cannot be removed
+                // fails its write as it would have.
+                for &i in &left.needed {
+                    if !left.chunks.contains_key(&i) {
+                        let _ =
+                            std::fs::remove_file(staging.join(&manifest.entries[i as usize].path));
+                    }
+                }
                 let log = crate::resume::rewrite_log(&log_path, &left)
                     .map_err(|e| SyncError::io(&log_path, e))?;
                 crate::resume::mark(&dir, &version, &digest)?;
@@ -220,6 +230,16 @@ pub async fn plan(
             }
         })
         .await?
+    };
+    // Still under the key's lock: a fresh version is claimed before any
+    // other plan can see its marker.
+    let claim = match adopted {
+        Some(c) => c,
+        None => s.keys.claim(&dir, &version).ok_or_else(|| {
+            ApiError::internal(format!(
+                "staging version {version} is held by another upload"
+            ))
+        })?,
     };
     // Room for what is to come, or a final answer now (not a transfer that
     // dies of ENOSPC at its end and starts over until its deadline).
@@ -302,6 +322,7 @@ pub async fn plan(
         key: req.key.clone(),
         dir,
         version,
+        _claim: claim,
         meta: Arc::new(VersionMeta {
             key: req.key,
             manifest: Arc::new(manifest),
@@ -843,6 +864,7 @@ pub async fn sweep(s: &Shared, now: Instant) {
         };
         let marker = l.dir.resume_path(&l.id);
         let resumed = l.adopted()
+            || s.keys.claimed(&l.dir, &l.id)
             || s.puts
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -873,5 +895,148 @@ pub async fn interrupt_all(s: &Shared) {
         .collect();
     for sess in all {
         tracing::info!(session = %sess.id, key = %sess.key, "upload interrupted by shutdown; kept for resuming");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::Extension;
+    use kt_types::auth::Principal;
+
+    const CHUNK: u64 = 64 << 10;
+
+    /// The store's shared state over `data_dir`, as `server::start` builds
+    /// it (a metadata server that is not there: registrations fail).
+    fn shared(data_dir: &FsPath) -> AppState {
+        let token = kt_service::Token::new("t").unwrap();
+        let mut cfg = crate::Config::new(data_dir, "http://127.0.0.1:9", token.clone());
+        cfg.chunk_size = CHUNK;
+        cfg.reserve = Some(0);
+        let keys = Arc::new(crate::keys::Keys::open(data_dir, cfg.session_ttl).unwrap());
+        let registrar = Arc::new(
+            crate::registrar::Registrar::new(&cfg.metadata_url, "http://s", token).unwrap(),
+        );
+        let metrics = Arc::new(kt_service::Metrics::new());
+        let reads = kt_service::reads::Reads::new(
+            crate::versions::StoreVersions {
+                keys: keys.clone(),
+                chunk_size: CHUNK,
+            },
+            registrar.clone(),
+            metrics.clone(),
+            cfg.lease_ttl,
+        );
+        Arc::new(Shared {
+            keys,
+            puts: Default::default(),
+            reads,
+            metrics,
+            registrar,
+            url: "http://s".into(),
+            cfg,
+        })
+    }
+
+    async fn plan_of(s: &AppState, doc: &[u8]) -> (PutPlan, Arc<PutSession>) {
+        let p = plan(
+            State(s.clone()),
+            Extension(Principal::admin()),
+            ApiBytes(Bytes::copy_from_slice(doc), None),
+        )
+        .await
+        .unwrap()
+        .0;
+        let id = p.session.clone().unwrap();
+        let sess = s.puts.lock().unwrap().get(&id).cloned().unwrap();
+        (p, sess)
+    }
+
+    async fn send_chunks(s: &AppState, id: &str, index: u32, data: &[u8], chunks: u64) {
+        for n in 0..chunks {
+            let (off, len) = kt_sync::chunk::chunk_range(data.len() as u64, CHUNK, n).unwrap();
+            let body = Body::from(data[off as usize..(off + len) as usize].to_vec());
+            chunk(State(s.clone()), Path((id.to_owned(), index, n)), body)
+                .await
+                .unwrap();
+        }
+    }
+
+    /// The chaos run's violation: a store restarted in the middle of an
+    /// upload keeps its staging version for resuming; the put planned again
+    /// adopts it (nothing left to send) and commits. A second plan of the
+    /// same tree that came while that commit was publishing (its session
+    /// already out of the sessions map, the resume marker not yet removed)
+    /// adopted the same version, truncated its file and wrote it again —
+    /// into the version just published — then published it a second time.
+    /// A staging version belongs to one upload from plan to end of commit.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_staging_version_is_never_adopted_by_two_uploads() {
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("src");
+        std::fs::create_dir_all(&src).unwrap();
+        let big: Vec<u8> = (0..4 * CHUNK as u32 + 100)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        std::fs::write(src.join("large-0.bin"), &big).unwrap();
+        let m = kt_sync::scan(&src, &mut kt_sync::ScanCache::default()).unwrap();
+        let index = m
+            .entries
+            .iter()
+            .position(|e| e.path == "large-0.bin")
+            .unwrap() as u32;
+        let chunks = kt_sync::chunk::chunk_count(big.len() as u64, CHUNK);
+        let header =
+            serde_json::json!({ "key": "chaos/s2", "digest": kt_sync::manifest_digest(&m) });
+        let doc = codec::encode_document(&header, &m);
+        let data = d.path().join("store");
+
+        // A store killed after every chunk arrived, before the commit.
+        let s = shared(&data);
+        let (p, _) = plan_of(&s, &doc).await;
+        send_chunks(&s, p.session.as_deref().unwrap(), index, &big, chunks).await;
+        drop(s);
+
+        // Restarted: the put planned again resumes, with nothing to send.
+        let s = shared(&data);
+        let (a, sess_a) = plan_of(&s, &doc).await;
+        assert!(a.needed.is_empty(), "{a:?}");
+        let a_id = a.session.unwrap();
+        // Its commit begins: the session leaves the map (and stays alive
+        // while the commit publishes it).
+        s.puts.lock().unwrap().remove(&a_id).unwrap();
+        // Meanwhile the same tree is planned again (a retry, another putter).
+        let (b, sess_b) = plan_of(&s, &doc).await;
+        assert_ne!(
+            sess_b.version, sess_a.version,
+            "two uploads adopted one staging version"
+        );
+        assert_eq!(b.needed, [index], "a fresh staging version needs the file");
+        let a_version = sess_a.version.clone();
+
+        // A's commit goes on and publishes (the metadata server is not
+        // there: the record fails, the data is published).
+        s.puts.lock().unwrap().insert(a_id.clone(), sess_a);
+        let committed = commit(State(s.clone()), Extension(Principal::admin()), Path(a_id)).await;
+        assert!(committed.is_err_and(|e| e.code == ErrorCode::Unavailable));
+        let dir = s.keys.dir_of(&Key::parse("chaos/s2").unwrap());
+        assert_eq!(dir.current().unwrap().as_deref(), Some(a_version.as_str()));
+        let published = dir.version_path(&a_version).join("large-0.bin");
+        assert_eq!(std::fs::read(&published).unwrap(), big);
+
+        // B uploads everything into its own version: the published file
+        // is never written again.
+        let b_id = b.session.unwrap();
+        send_chunks(&s, &b_id, index, &big, chunks).await;
+        assert_eq!(std::fs::read(&published).unwrap(), big);
+        drop(sess_b);
+        let committed = commit(State(s.clone()), Extension(Principal::admin()), Path(b_id)).await;
+        assert!(committed.is_err_and(|e| e.code == ErrorCode::Unavailable));
+        let current = dir.current().unwrap().unwrap();
+        assert_ne!(current, a_version);
+        assert_eq!(
+            std::fs::read(dir.version_path(&current).join("large-0.bin")).unwrap(),
+            big
+        );
     }
 }

@@ -202,13 +202,15 @@ pub fn keep_until(marker: &Path, keep_for: Duration) -> Option<Instant> {
 }
 
 /// The staging version of `dir` an interrupted upload of the tree with
-/// `digest` left, if any (and none of `busy`, versions of live sessions).
-pub fn find(dir: &VersionedDir, digest: &Hash, busy: &[String]) -> Option<String> {
+/// `digest` left, if any, and none that `busy` says an upload holds (a
+/// live session, or one whose commit is publishing it:
+/// [`crate::keys::Claim`]).
+pub fn find(dir: &VersionedDir, digest: &Hash, busy: impl Fn(&str) -> bool) -> Option<String> {
     let want = digest.to_hex();
     let current = dir.current().ok().flatten();
     dir.resumable()
         .into_iter()
-        .filter(|(id, _)| !busy.contains(id) && current.as_ref() != Some(id))
+        .filter(|(id, _)| !busy(id) && current.as_ref() != Some(id))
         .find(|(_, marker)| std::fs::read_to_string(marker).is_ok_and(|d| d.trim() == want))
         .map(|(id, _)| id)
 }

@@ -12,7 +12,7 @@ use kt_sync::chunk::ChunkAssembly;
 use kt_sync::publish::VersionedDir;
 use kt_types::{Hash, Key};
 
-use crate::keys::VersionMeta;
+use crate::keys::{Claim, VersionMeta};
 
 /// Every open session by id.
 pub type Sessions = Mutex<HashMap<String, Arc<PutSession>>>;
@@ -35,6 +35,9 @@ pub struct PutSession {
     pub key: Key,
     pub(crate) dir: VersionedDir,
     pub(crate) version: String,
+    /// Its hold on `version`: no other plan adopts it while this session
+    /// (or its commit) lives.
+    pub(crate) _claim: Claim,
     pub(crate) meta: Arc<VersionMeta>,
     pub(crate) batch: Arc<HashMap<u32, Expected>>,
     pub(crate) chunked: HashMap<u32, Arc<ChunkSlot>>,
