@@ -629,3 +629,17 @@ pub async fn fetch(
     assert!(released.status().is_success(), "releasing the lease");
     Ok(read)
 }
+
+/// A progress sink counting the bytes a transfer reports done (`.0`), for
+/// tests that act once a transfer is partway.
+#[derive(Debug, Default)]
+pub struct BytesDone(pub std::sync::atomic::AtomicUsize);
+
+impl kt_client::progress::ProgressSink for BytesDone {
+    fn start(&self, _bytes: u64, _files: u64) {}
+    fn advance(&self, bytes: u64) {
+        self.0
+            .fetch_add(bytes as usize, std::sync::atomic::Ordering::SeqCst);
+    }
+    fn finish(&self) {}
+}

@@ -154,18 +154,6 @@ async fn past_its_deadline_a_get_says_what_failed_and_how_long_it_waited() {
     c.stop().await;
 }
 
-/// Counts the bytes a transfer reports done.
-#[derive(Default)]
-struct Done(AtomicUsize);
-
-impl kt_client::progress::ProgressSink for Done {
-    fn start(&self, _bytes: u64, _files: u64) {}
-    fn advance(&self, bytes: u64) {
-        self.0.fetch_add(bytes as usize, Ordering::SeqCst);
-    }
-    fn finish(&self) {}
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_put_cut_off_by_a_store_restart_sends_only_the_rest() {
     let mut c = Cluster::start().await;
@@ -173,7 +161,7 @@ async fn a_put_cut_off_by_a_store_restart_sends_only_the_rest() {
     let size = 16 << 20;
     write_files(&src, &[("big", &bytes(11, size)), ("small", b"small")]);
     let k = Key::parse("outage/resume").unwrap();
-    let done = Arc::new(Done::default());
+    let done = Arc::new(kt_tests::BytesDone::default());
     let put = {
         let (client, k, src) = (c.client(), k.clone(), src.clone());
         let progress = Progress::new(done.clone());

@@ -8,25 +8,13 @@
 //! whole path with real servers.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kt_client::Progress;
 use kt_tests::{Cluster, bytes, fingerprint, wait_until, write_files};
 use kt_types::api::PutOptions;
 use kt_types::{ErrorCode, Key};
-
-/// Counts the bytes a transfer reports done.
-#[derive(Default)]
-struct Done(AtomicUsize);
-
-impl kt_client::progress::ProgressSink for Done {
-    fn start(&self, _bytes: u64, _files: u64) {}
-    fn advance(&self, bytes: u64) {
-        self.0.fetch_add(bytes as usize, Ordering::SeqCst);
-    }
-    fn finish(&self) {}
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn puts_racing_for_a_resumed_upload_never_serve_half_written_data() {
@@ -38,7 +26,7 @@ async fn puts_racing_for_a_resumed_upload_never_serve_half_written_data() {
     let k = Key::parse("chaos/s2").unwrap();
 
     // An upload cut off by a restart, halfway.
-    let done = Arc::new(Done::default());
+    let done = Arc::new(kt_tests::BytesDone::default());
     let first = {
         let (client, k, src) = (c.client(), k.clone(), src.clone());
         let progress = Progress::new(done.clone());
