@@ -172,6 +172,35 @@ impl Cluster {
         self.start_store(addr).await;
     }
 
+    /// Starts a put of `src` under `key` and restarts the store (stopped,
+    /// then started again on its address) once `bytes` of it are uploaded;
+    /// the put's task, which carries on against the restarted store.
+    pub async fn put_cut_by_store_restart(
+        &mut self,
+        key: &kt_types::Key,
+        src: &Path,
+        bytes: usize,
+    ) -> JoinHandle<Result<kt_client::PutSummary, kt_client::ClientError>> {
+        use std::sync::atomic::Ordering;
+        let done = std::sync::Arc::new(BytesDone::default());
+        let put = {
+            let (client, key, src) = (self.client(), key.clone(), src.to_owned());
+            let progress = kt_client::Progress::new(done.clone());
+            tokio::spawn(async move {
+                client
+                    .put(&key, &src, kt_types::api::PutOptions::default(), progress)
+                    .await
+            })
+        };
+        wait_until("the put partway", Duration::from_secs(30), || {
+            let done = done.clone();
+            async move { done.0.load(Ordering::SeqCst) >= bytes }
+        })
+        .await;
+        self.restart_store().await;
+        put
+    }
+
     /// Stops the store (an outage); its address, for [`Cluster::start_store`].
     pub async fn stop_store(&mut self) -> SocketAddr {
         let old = self.store.take().expect("store running");
@@ -633,7 +662,7 @@ pub async fn fetch(
 /// A progress sink counting the bytes a transfer reports done (`.0`), for
 /// tests that act once a transfer is partway.
 #[derive(Debug, Default)]
-pub struct BytesDone(pub std::sync::atomic::AtomicUsize);
+struct BytesDone(std::sync::atomic::AtomicUsize);
 
 impl kt_client::progress::ProgressSink for BytesDone {
     fn start(&self, _bytes: u64, _files: u64) {}

@@ -161,20 +161,8 @@ async fn a_put_cut_off_by_a_store_restart_sends_only_the_rest() {
     let size = 16 << 20;
     write_files(&src, &[("big", &bytes(11, size)), ("small", b"small")]);
     let k = Key::parse("outage/resume").unwrap();
-    let done = Arc::new(kt_tests::BytesDone::default());
-    let put = {
-        let (client, k, src) = (c.client(), k.clone(), src.clone());
-        let progress = Progress::new(done.clone());
-        tokio::spawn(async move { client.put(&k, &src, PutOptions::default(), progress).await })
-    };
-    let counted = done.clone();
-    wait_until("half the file uploaded", Duration::from_secs(30), || {
-        let counted = counted.clone();
-        async move { counted.0.load(Ordering::SeqCst) >= size / 2 }
-    })
-    .await;
-    // A rolling update: stopped (TERM) and started again on its address.
-    c.restart_store().await;
+    // A rolling update halfway: stopped (TERM) and started again on its address.
+    let put = c.put_cut_by_store_restart(&k, &src, size / 2).await;
     let summary = put.await.unwrap().unwrap();
     assert!(!summary.unchanged);
     // The restarted store took the rest, not the whole file again.

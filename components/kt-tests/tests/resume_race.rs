@@ -9,10 +9,9 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use kt_client::Progress;
-use kt_tests::{Cluster, bytes, fingerprint, wait_until, write_files};
+use kt_tests::{Cluster, bytes, fingerprint, write_files};
 use kt_types::api::PutOptions;
 use kt_types::{ErrorCode, Key};
 
@@ -26,19 +25,7 @@ async fn puts_racing_for_a_resumed_upload_never_serve_half_written_data() {
     let k = Key::parse("chaos/s2").unwrap();
 
     // An upload cut off by a restart, halfway.
-    let done = Arc::new(kt_tests::BytesDone::default());
-    let first = {
-        let (client, k, src) = (c.client(), k.clone(), src.clone());
-        let progress = Progress::new(done.clone());
-        tokio::spawn(async move { client.put(&k, &src, PutOptions::default(), progress).await })
-    };
-    let counted = done.clone();
-    wait_until("half the file uploaded", Duration::from_secs(30), || {
-        let counted = counted.clone();
-        async move { counted.0.load(Ordering::SeqCst) >= size / 2 }
-    })
-    .await;
-    c.restart_store().await;
+    let first = c.put_cut_by_store_restart(&k, &src, size / 2).await;
 
     // The same tree put again from several places at once, while getters
     // read the key.
