@@ -405,13 +405,12 @@ impl PodRequests {
     }
 }
 
-/// The scenario workloads' user. The documented examples run theirs as
-/// 10001, apart from the agent's 65532; the testbeds do not yet: with
-/// another uid than the agent's, a workload's tensors fail to reach the
-/// agent (it creates their shared memory 0600 and the agent may not open
-/// it: `tensor-agent-restart` on the bundle target with 10001 here shows
-/// it). Files and the socket work across uids (the socket's group).
-pub const WORKLOAD_UID: u32 = 65532;
+/// The scenario workloads' user: 10001, as the documented examples run
+/// theirs, apart from the agent's 65532. They share the agent's group (its
+/// socket's): files, the socket and the shared memory a workload lends
+/// tensors in (group-owned 0660 when the socket is open to its group) work
+/// across the two uids.
+pub const WORKLOAD_UID: u32 = 10001;
 
 /// The workload's idle loop: it ends on TERM at once.
 const IDLE: &str = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done";
