@@ -168,6 +168,20 @@ impl Client {
         crate::deadline::first_contact(&self.cfg.metadata_url, self.cfg.connect_timeout, call).await
     }
 
+    /// A call that is one metadata request: [`Client::call`]'s bounds
+    /// around [`Client::first_contact`]'s.
+    async fn ask<T, F, Fut>(
+        &self,
+        what: impl FnOnce() -> String,
+        request: F,
+    ) -> Result<T, ClientError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, ClientError>>,
+    {
+        self.call(what, self.first_contact(request)).await
+    }
+
     /// `url` through the [`UrlMap`], if any; a URL it cannot map is an
     /// unavailable source (so a get fails over to another one).
     pub(crate) fn map_url(&self, url: &str) -> Result<String, ClientError> {
@@ -209,17 +223,17 @@ impl Client {
     }
 
     pub async fn stat(&self, key: &Key) -> Result<KeyRecord, ClientError> {
-        self.call(|| format!("stat of {key}"), async {
-            self.first_contact(|| async {
+        self.ask(
+            || format!("stat of {key}"),
+            || async {
                 Ok(self
                     .meta
                     .get(&paths::key(key))
                     .timeout(self.cfg.stall)
                     .fetch()
                     .await?)
-            })
-            .await
-        })
+            },
+        )
         .await
     }
 
@@ -238,8 +252,9 @@ impl Client {
         if recursive {
             query.push(("recursive", "true"));
         }
-        self.call(|| format!("ls of {prefix}"), async {
-            self.first_contact(|| async {
+        self.ask(
+            || format!("ls of {prefix}"),
+            || async {
                 Ok(self
                     .meta
                     .get(&paths::keys())
@@ -247,34 +262,36 @@ impl Client {
                     .timeout(self.cfg.stall)
                     .fetch()
                     .await?)
-            })
-            .await
-        })
+            },
+        )
         .await
     }
 
-    /// Deletes a service's `resource` keys and evicts its pods as sources.
+    /// Tears a service down: deletes what its lifespan covers (its base path
+    /// but explicit `cluster` keys, its `resource` keys, its pods'
+    /// zero-copy keys) and evicts its pods as sources.
     pub async fn teardown(&self, service: &str) -> Result<TeardownResponse, ClientError> {
         // Work in proportion to the service's keys: answered within the
         // deadline, not the stall timeout.
-        self.call(|| format!("teardown of {service}"), async {
-            self.first_contact(|| async {
+        self.ask(
+            || format!("teardown of {service}"),
+            || async {
                 Ok(self
                     .meta
                     .delete(&paths::service(service))
                     .timeout(self.cfg.deadline)
                     .fetch()
                     .await?)
-            })
-            .await
-        })
+            },
+        )
         .await
     }
 
     pub async fn rm(&self, key: &Key, recursive: bool) -> Result<DeleteResponse, ClientError> {
         let recursive = if recursive { "true" } else { "false" };
-        self.call(|| format!("rm of {key}"), async {
-            self.first_contact(|| async {
+        self.ask(
+            || format!("rm of {key}"),
+            || async {
                 Ok(self
                     .meta
                     .delete(&paths::key(key))
@@ -282,9 +299,8 @@ impl Client {
                     .timeout(self.cfg.deadline)
                     .fetch()
                     .await?)
-            })
-            .await
-        })
+            },
+        )
         .await
     }
 }
