@@ -10,14 +10,23 @@
 //!   Patch operations on a pod, from the template the kustomize components
 //!   render (pure); [`admission`]: the AdmissionReview v1 around it (pure;
 //!   kt-metadata serves it, `--webhook-listen`).
+//! - [`dataset`]: the `Dataset` custom resource (`datasets.kt.dev`): its
+//!   types, from which the CRD manifest is generated (the controller is
+//!   kt-dataset; `kt dataset` speaks them too).
 //! - [`portforward`]: `kt` outside the cluster: kubeconfig, the token Secret,
 //!   Ready pods behind a Service, local listeners over the API server's
 //!   port-forward.
+//!
+//! - [`apiserver`] (feature `apiserver`): an in-memory Kubernetes API
+//!   server over HTTP for tests and the testbed.
 //!
 //! Invariant: no kt server or client crate here; the metadata server and the
 //! CLI plug these in at their edges.
 
 pub mod admission;
+#[cfg(feature = "apiserver")]
+pub mod apiserver;
+pub mod dataset;
 pub mod inject;
 #[cfg(feature = "mock")]
 pub mod mock;

@@ -11,6 +11,7 @@ pub mod api;
 pub mod auth;
 pub mod broadcast;
 pub mod codec;
+pub mod dataset;
 pub mod env;
 pub mod error;
 pub mod frame;
