@@ -62,6 +62,9 @@ pub struct Config {
     /// tensor for this long (`--exit-when-idle`; an agent `kt` starts on
     /// demand). `None`: it runs until stopped.
     pub exit_when_idle: Option<Duration>,
+    /// Node-cache mode (`--node-cache`): hold datasets for the node and
+    /// serve the dataset API ([`crate::datasets`]). `None`: a pod's agent.
+    pub node_cache: Option<crate::datasets::NodeCacheConfig>,
 }
 
 impl Config {
@@ -97,6 +100,7 @@ impl Config {
             tensor_timeout: Duration::from_secs(60),
             tensor_ports: Vec::new(),
             exit_when_idle: None,
+            node_cache: None,
         }
     }
 }

@@ -13,6 +13,9 @@
 //!   sessions between agents, quorum transfers (host or NCCL backend);
 //! - [`exportable`]: which paths may be exported (below the export roots,
 //!   never the system's places nor the agent's own state);
+//! - [`datasets`]: node-cache mode (`--node-cache`): datasets held for the
+//!   node under a hostPath root, within a byte budget, seeded by the
+//!   `Dataset` controller through [`kt_types::dataset`]'s API;
 //! - [`config`]: configuration and its defaults (socket, state dir, id, URL).
 //!
 //! Start one in-process with [`start`] (or [`run`]) on a bound listener.
@@ -29,6 +32,7 @@
 
 pub mod config;
 pub mod control;
+pub mod datasets;
 pub mod exportable;
 pub mod exports;
 pub mod heartbeat;

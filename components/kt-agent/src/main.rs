@@ -66,6 +66,22 @@ struct Args {
     /// Range size for large files, in bytes (a power of two).
     #[arg(long, env = "KT_CHUNK_SIZE", default_value_t = kt_sync::defaults::CHUNK_SIZE)]
     chunk_size: u64,
+    /// Node-cache mode (a DaemonSet's agent): hold datasets for this node
+    /// below --dataset-root and serve the dataset API (admin callers only)
+    /// to the Dataset controller.
+    #[arg(long, env = "KT_NODE_CACHE", value_parser = clap::builder::BoolishValueParser::new())]
+    node_cache: bool,
+    /// The node this agent holds data for (node-cache mode; from the pod's
+    /// spec.nodeName).
+    #[arg(long, env = "KT_NODE_NAME")]
+    node_name: Option<String>,
+    /// Where datasets are kept (node-cache mode; a hostPath).
+    #[arg(long, env = "KT_DATASET_ROOT", default_value = kt_types::dataset::DEFAULT_ROOT)]
+    dataset_root: PathBuf,
+    /// The most bytes kept below --dataset-root, e.g. 100GiB (node-cache
+    /// mode; default: the filesystem's size).
+    #[arg(long, env = "KT_DATASET_BUDGET", value_parser = kt_client::size::parse)]
+    dataset_budget: Option<u64>,
 }
 
 #[tokio::main]
@@ -78,6 +94,22 @@ async fn main() -> anyhow::Result<()> {
     }
     let args = Args::parse();
     let token = args.server.init()?;
+    let node_cache = if args.node_cache {
+        let node = args
+            .node_name
+            .clone()
+            .filter(|n| !n.trim().is_empty())
+            .ok_or_else(|| {
+                anyhow::anyhow!("--node-cache needs the node's name (--node-name, KT_NODE_NAME)")
+            })?;
+        let mut nc = kt_agent::datasets::NodeCacheConfig::new(node.trim());
+        nc.root = args.dataset_root.clone();
+        nc.budget = args.dataset_budget;
+        nc.token_file = args.server.token_file.clone();
+        Some(nc)
+    } else {
+        None
+    };
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
     let socket = args.socket.unwrap_or_else(kt_agent::config::default_socket);
     let id = args.id.unwrap_or_else(kt_agent::config::default_id);
@@ -87,7 +119,11 @@ async fn main() -> anyhow::Result<()> {
     config.tls = args.server.tls()?;
     if let Some(dir) = args.state_dir {
         config.state_dir = dir;
+    } else if let Some(nc) = &node_cache {
+        // On the hostPath: its exports survive a restart with the data.
+        config.state_dir = nc.state_dir();
     }
+    config.node_cache = node_cache;
     config.export_roots = args.export_roots;
     config.socket_group = args.socket_group;
     config.advertise_url = args.advertise_url;

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, advertised};
 use crate::control::{self, Agent, SocketError};
+use crate::datasets::NodeCache;
 use crate::exports::{ExportError, Exports};
 use crate::heartbeat::{BeatStats, Identity, heartbeat_loop};
 use crate::metadata::MetadataClient;
@@ -28,6 +29,8 @@ pub enum AgentError {
     Serve(#[from] std::io::Error),
     #[error("configuration: {0}")]
     Config(String),
+    #[error("node cache: {0}")]
+    NodeCache(#[from] crate::datasets::NodeCacheError),
 }
 
 /// A running agent.
@@ -41,6 +44,8 @@ pub struct AgentHandle {
     pub exports: Arc<Exports>,
     pub heartbeats: Arc<BeatStats>,
     pub tensors: Arc<Tensors>,
+    /// The node's datasets, in node-cache mode.
+    pub datasets: Option<Arc<NodeCache>>,
     pub task: JoinHandle<Result<(), AgentError>>,
 }
 
@@ -83,9 +88,19 @@ pub fn start(
         MetadataClient::new(&cfg.metadata_url, cfg.token.clone(), cfg.metadata_timeout)
             .map_err(AgentError::Config)?,
     );
+    let datasets = match &cfg.node_cache {
+        Some(nc) => Some(node_cache(&cfg, nc, exports.clone())?),
+        None => None,
+    };
+    // A node-cache agent serves its fetched versions and nothing else
+    // (unless export roots are given).
+    let export_roots = match &cfg.node_cache {
+        Some(nc) if cfg.export_roots.is_empty() => vec![nc.versions_dir()],
+        _ => cfg.export_roots.clone(),
+    };
     // Its state, never served (the socket's directory may be the pod's
     // home, where the workload's data is: the socket itself is no file).
-    let exportable = crate::exportable::Exportable::new(&cfg.export_roots, &[&cfg.state_dir]);
+    let exportable = crate::exportable::Exportable::new(&export_roots, &[&cfg.state_dir]);
     let metrics = Arc::new(Metrics::new());
     let reads = Reads::new(
         exports.clone(),
@@ -137,11 +152,14 @@ pub fn start(
     // Getters show capabilities the metadata server signed, never their
     // tokens; the keys to check them come with every heartbeat reply.
     let capabilities = Arc::new(kt_service::capability::Verifier::new(cfg.id.clone()));
+    let mut routes = reads
+        .routes()
+        .merge(crate::tensors::routes(tensors.clone()));
+    if let Some(d) = &datasets {
+        routes = routes.merge(d.routes());
+    }
     let app = kt_service::app(
-        reads
-            .routes()
-            .merge(crate::tensors::routes(tensors.clone()))
-            .layer(DefaultBodyLimit::max(cfg.max_request_bytes)),
+        routes.layer(DefaultBodyLimit::max(cfg.max_request_bytes)),
         cfg.auth
             .clone()
             .unwrap_or_else(|| cfg.token.clone().into())
@@ -177,9 +195,13 @@ pub fn start(
     ready.set(true);
     let (drain, tls) = (cfg.drain, cfg.tls.clone());
     let stop = shutdown.clone();
+    let seeds = datasets.clone();
     let task = tokio::spawn(async move {
         let served = kt_service::serve_tls(listener, app, stop.clone(), drain, tls.as_ref()).await;
         stop.cancel();
+        if let Some(d) = seeds {
+            d.stop().await;
+        }
         let _ = tokio::join!(beat, control, sweeper, reaper);
         if let Some(idle) = idle {
             let _ = idle.await;
@@ -197,8 +219,27 @@ pub fn start(
         exports,
         heartbeats,
         tensors,
+        datasets,
         task,
     })
+}
+
+/// Node-cache mode: the datasets below the root, fetched by a client that
+/// is this agent's own (its token; its control socket, so every complete
+/// version is exported here as a downloaded copy).
+fn node_cache(
+    cfg: &Config,
+    nc: &crate::datasets::NodeCacheConfig,
+    exports: Arc<Exports>,
+) -> Result<Arc<NodeCache>, AgentError> {
+    let mut client = kt_client::ClientConfig::new(&cfg.metadata_url, cfg.token.expose());
+    client.token_file = nc.token_file.clone();
+    client.agent_socket = cfg.socket.clone();
+    client.serve_copies = true;
+    client.cache_dir = None;
+    let client = kt_client::Client::new(client)
+        .map_err(|e| AgentError::Config(format!("the seeding client: {e}")))?;
+    Ok(NodeCache::open(nc, client, exports)?)
 }
 
 /// Where tensor listeners bind: the pod IP, else the advertised URL's host
