@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds kt's four images offline (`make images`).
+# Builds kt's five images offline (`make images`).
 #
 # No image can be pulled on our CI machines, so the public bases the
 # Dockerfiles default to (distroless cc, and its :debug variant with a busybox
@@ -33,8 +33,14 @@ export DOCKER_BUILDKIT=0
 die() { echo "images: $*" >&2; exit 1; }
 command -v docker >/dev/null || die "docker is not installed"
 docker info >/dev/null 2>&1 || die "the Docker engine is not reachable (is dockerd running, may this user use it?)"
-components=(kt-metadata kt-store kt-agent kt-client)
-binary() { [ "$1" = kt-client ] && echo kt || echo "$1"; }
+components=(kt-metadata kt-store kt-agent kt-client kt-dataset)
+binary() {
+  case $1 in
+    kt-client) echo kt ;;
+    kt-dataset) echo kt-dataset-controller ;;
+    *) echo "$1" ;;
+  esac
+}
 for c in "${components[@]}"; do
   [ -x "$bin_dir/$(binary "$c")" ] || die "$bin_dir/$(binary "$c") is missing: build the release binaries first (make release)"
 done

@@ -22,6 +22,7 @@ const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Debug)]
 pub struct KtCluster {
     client: Client,
+    metadata_url: String,
     cache_dir: PathBuf,
     shutdown: CancellationToken,
     _stop_on_drop: DropGuard,
@@ -61,13 +62,14 @@ impl KtCluster {
             .task;
 
         let cache_dir = work.join("client-cache");
-        let mut cfg = ClientConfig::new(metadata_url, TOKEN);
+        let mut cfg = ClientConfig::new(metadata_url.clone(), TOKEN);
         cfg.cache_dir = Some(cache_dir.clone());
         // Transfers only: no node agent takes the copies.
         cfg.serve_copies = false;
         let client = Client::new(cfg)?;
         let cluster = KtCluster {
             client,
+            metadata_url,
             cache_dir,
             shutdown,
             _stop_on_drop: stop_on_drop,
@@ -100,6 +102,11 @@ impl KtCluster {
 
     pub fn client(&self) -> &Client {
         &self.client
+    }
+
+    /// The metadata server's URL, for clients in other processes.
+    pub fn metadata_url(&self) -> &str {
+        &self.metadata_url
     }
 
     /// Puts `src` under `key` with default options; returns the wall time of the put.

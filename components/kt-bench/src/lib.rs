@@ -17,7 +17,10 @@
 //!   unpacked, against a bare NCCL broadcast of the same bytes ([`nccl`]);
 //! - the `kt-bench-recovery` binary: a large get with the store SIGKILLed and
 //!   started again midway, against the same get undisturbed: the extra time
-//!   and the bytes fetched twice ([`recovery`]).
+//!   and the bytes fetched twice ([`recovery`]);
+//! - the `kt-bench-s3` binary: an S3 ingest (moto's server) into the store
+//!   against a plain download of the same objects, and the ingesting
+//!   process's peak RSS (`kt_dataset::ingest`; everything in the binary).
 //!
 //! The binary's pieces live here so that `main` stays a thin argument parser:
 //! [`size`] (byte sizes such as `256MiB`), [`scratch`] (a work directory removed on

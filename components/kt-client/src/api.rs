@@ -120,6 +120,13 @@ impl Client {
         })
     }
 
+    /// Where a put of `src` keeps its scan cache ([`kt_sync::ScanCache`]);
+    /// `None` without a cache directory. A writer that hashed the files it
+    /// wrote may seed it, so the put does not read them again.
+    pub fn scan_cache_path(&self, src: &std::path::Path) -> Option<PathBuf> {
+        crate::local::cache_file(self, src)
+    }
+
     /// The token to present now (read again from its file as it rotates).
     pub fn bearer(&self) -> std::sync::Arc<str> {
         self.meta.credential().value()

@@ -41,7 +41,7 @@ pub(crate) fn balance<T>(items: Vec<(u64, T)>, n: usize) -> Vec<Vec<T>> {
     groups
 }
 
-fn cache_file(client: &Client, src: &Path) -> Option<PathBuf> {
+pub(crate) fn cache_file(client: &Client, src: &Path) -> Option<PathBuf> {
     let dir = client.cfg.cache_dir.as_ref()?;
     let abs = std::path::absolute(src).ok()?;
     let id = blake3::hash(abs.as_os_str().as_encoded_bytes()).to_hex();

@@ -81,6 +81,14 @@ impl Metrics {
         }
     }
 
+    /// The shared metrics and a server's own: `register` adds them to the
+    /// same registry (names get the `kt_` prefix), encoded on `/metrics`.
+    pub fn with(register: impl FnOnce(&mut Registry)) -> Self {
+        let mut m = Self::new();
+        register(&mut m.registry);
+        m
+    }
+
     pub fn add_bytes_in(&self, n: u64) {
         self.bytes_in.inc_by(n);
     }

@@ -72,6 +72,16 @@ impl ScanCache {
         fs::rename(&tmp, path).at(path)
     }
 
+    /// Records `hash` as the content hash of the file at manifest path
+    /// `rel`, as it is now (`md`: its metadata, read after its last write
+    /// and rename). A writer that hashed a file while writing it (an S3
+    /// ingest) spares the next scan from reading it again; a later change to
+    /// the file changes its stamp, and the scan hashes it afresh.
+    pub fn insert(&mut self, rel: &str, md: &fs::Metadata, hash: Hash) {
+        self.entries.insert(rel.to_owned(), (Stamp::of(md), hash));
+        self.dirty = true;
+    }
+
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -364,6 +374,27 @@ mod tests {
         let changed = scan(r, &mut cache).unwrap();
         assert_eq!(cache.hashed, 1);
         assert_ne!(changed.entries[2].hash, m.entries[2].hash);
+    }
+
+    #[test]
+    fn an_inserted_hash_is_trusted_until_the_file_changes() {
+        let d = tempfile::tempdir().unwrap();
+        let r = d.path();
+        fs::write(r.join("f"), b"written by an ingest").unwrap();
+        let mut cache = ScanCache::default();
+        // A hash the scan would never compute: proof that it did not read.
+        let seeded = Hash([7; 32]);
+        cache.insert("f", &fs::metadata(r.join("f")).unwrap(), seeded);
+        let m = scan(r, &mut cache).unwrap();
+        assert_eq!(cache.hashed, 0);
+        assert_eq!(m.entries[0].hash, Some(seeded));
+        fs::write(r.join("f"), b"written by someone else").unwrap();
+        let m = scan(r, &mut cache).unwrap();
+        assert_eq!(cache.hashed, 1);
+        assert_eq!(
+            m.entries[0].hash,
+            Some(Hash(*blake3::hash(b"written by someone else").as_bytes()))
+        );
     }
 
     #[test]

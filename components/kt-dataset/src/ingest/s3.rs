@@ -1,0 +1,726 @@
+//! Ingesting an S3-compatible bucket prefix into a kt key.
+//!
+//! An ingest lists the prefix, compares the listing with the record the
+//! previous ingest left in the staging directory ([`super::plan`]),
+//! removes staged files of objects gone, downloads only new and changed
+//! objects, then puts the staging tree into the key with
+//! [`kt_client::Client::put`] (incremental: only changed files move to the
+//! store; published atomically), lifespan `cluster`.
+//!
+//! Staging directory layout (`staging/`):
+//! - `tree/`: the dataset as files, exactly the objects listed (the put's
+//!   source);
+//! - `parts/`: objects being downloaded, one `.part` file each;
+//! - `record.json`: object name → size, ETag, last-modified, blake3 and the
+//!   staged file's stamp; written atomically (temp file + rename) at most
+//!   every [`S3Config::record_every`] while downloading and once at the end.
+//!
+//! Invariants:
+//! - memory is bounded whatever the objects' sizes: each object's body is
+//!   streamed (never buffered whole) through a bounded channel to a
+//!   blocking writer with a fixed buffer, at most `concurrency` at a time;
+//! - a file enters `tree/` only verified (its size, and its MD5 when the
+//!   ETag is a plain MD5) and by a rename, so `tree/` never holds a partial
+//!   object under a final name;
+//! - nothing is written outside the staging directory: object names pass
+//!   [`kt_types::manifest::check_rel_path`] first ([`super::plan`]);
+//! - resumable: a restart re-lists and skips every object the record says
+//!   is complete (and whose staged file still has the recorded stamp).
+//!   Leftover `.part` files are discarded, not resumed with a ranged GET:
+//!   a part's MD5 and blake3 would have to be recomputed from disk anyway,
+//!   and at most `concurrency` objects are lost;
+//! - the blake3 of each file, computed while it was written, seeds the
+//!   put's scan cache ([`kt_client::Client::scan_cache_path`]), so the put
+//!   neither reads nor hashes the files again (nor keeps their contents in
+//!   memory). Without a client cache directory the put hashes them itself.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+use kt_client::{Client, Progress};
+use kt_types::api::PutOptions;
+use kt_types::{Hash, Key, Lifespan};
+use md5::Digest;
+use object_store::aws::{AmazonS3, AmazonS3Builder};
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectMeta, ObjectStore};
+
+use super::plan::{self, Listed, PlanError, Record, Recorded};
+use crate::crd::{IngestStatus, S3Source};
+
+/// Objects downloaded at once by default.
+pub const DEFAULT_CONCURRENCY: usize = 8;
+/// Default of [`S3Config::record_every`].
+pub const RECORD_EVERY: Duration = Duration::from_millis(500);
+/// Each writer's file buffer.
+const WRITE_BUFFER: usize = 1 << 20;
+/// Body chunks queued between a download and its writer.
+const QUEUED_CHUNKS: usize = 16;
+
+/// Credentials for the source (from the Dataset's `credentialsSecret`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct S3Credentials {
+    pub access_key_id: String,
+    pub secret_access_key: String,
+    pub session_token: Option<String>,
+}
+
+impl std::fmt::Debug for S3Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Credentials")
+            .field("access_key_id", &self.access_key_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where to read and how.
+#[derive(Debug, Clone)]
+pub struct S3Config {
+    pub bucket: String,
+    /// Objects below this prefix (`a/b` means `a/b/...`); empty: all.
+    pub prefix: String,
+    /// `http(s)://host:port`; `None`: AWS's endpoint for the region.
+    pub endpoint: Option<String>,
+    /// `us-east-1` when `None`.
+    pub region: Option<String>,
+    /// `None`: anonymous (unsigned) requests.
+    pub credentials: Option<S3Credentials>,
+    /// Objects downloaded at once.
+    pub concurrency: usize,
+    /// The longest the record of completed downloads may lag behind them
+    /// (what a crash makes the next ingest fetch again); zero: written
+    /// after every object.
+    pub record_every: Duration,
+}
+
+impl S3Config {
+    /// The configuration of a Dataset's S3 source, with the credentials the
+    /// caller read from its Secret.
+    pub fn from_source(src: &S3Source, credentials: Option<S3Credentials>) -> Self {
+        S3Config {
+            bucket: src.bucket.clone(),
+            prefix: src.prefix.clone(),
+            endpoint: src.endpoint.clone(),
+            region: src.region.clone(),
+            credentials,
+            concurrency: DEFAULT_CONCURRENCY,
+            record_every: RECORD_EVERY,
+        }
+    }
+
+    /// `s3://bucket/prefix`.
+    pub fn describe(&self) -> String {
+        format!("s3://{}/{}", self.bucket, self.prefix.trim_matches('/'))
+    }
+
+    fn store(&self) -> Result<AmazonS3, IngestError> {
+        let mut b = AmazonS3Builder::new()
+            .with_bucket_name(&self.bucket)
+            .with_region(self.region.as_deref().unwrap_or("us-east-1"));
+        if let Some(ep) = &self.endpoint {
+            // A custom endpoint (MinIO, moto, Ceph…) is addressed by path.
+            b = b
+                .with_endpoint(ep)
+                .with_allow_http(ep.starts_with("http://"))
+                .with_virtual_hosted_style_request(false);
+        }
+        b = match &self.credentials {
+            Some(c) => {
+                let b = b
+                    .with_access_key_id(&c.access_key_id)
+                    .with_secret_access_key(&c.secret_access_key);
+                match &c.session_token {
+                    Some(t) => b.with_token(t),
+                    None => b,
+                }
+            }
+            None => b.with_skip_signature(true),
+        };
+        b.build().map_err(|e| IngestError::Config(e.to_string()))
+    }
+
+    fn prefix_path(&self) -> Result<Option<ObjectPath>, IngestError> {
+        let p = self.prefix.trim_matches('/');
+        if p.is_empty() {
+            return Ok(None);
+        }
+        ObjectPath::parse(p)
+            .map(Some)
+            .map_err(|e| IngestError::Config(format!("prefix {:?}: {e}", self.prefix)))
+    }
+}
+
+/// Why an ingest failed.
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    #[error("S3 source configuration: {0}")]
+    Config(String),
+    /// Listing failed: `reason` is the S3 error's code and message
+    /// (`NoSuchBucket: …`, `InvalidAccessKeyId: …`) when the server sent
+    /// one, else the client's error.
+    #[error("listing {source_url}: {reason}")]
+    List {
+        source_url: String,
+        reason: String,
+        #[source]
+        error: object_store::Error,
+    },
+    /// An object whose name is not a safe relative path, or names that
+    /// cannot coexist as files.
+    #[error("{0}")]
+    Plan(#[from] PlanError),
+    /// An object name the S3 client itself rejects (`..`, empty segments).
+    #[error("object {name:?} cannot be ingested: {reason}")]
+    BadName { name: String, reason: String },
+    #[error("object {key:?}: {message}")]
+    Object { key: String, message: String },
+    #[error("staging {}: {error}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        error: io::Error,
+    },
+    #[error("putting {source_url} into {key}: {error}")]
+    Put {
+        source_url: String,
+        key: Key,
+        #[source]
+        error: kt_client::ClientError,
+    },
+}
+
+fn io_at(path: &Path) -> impl FnOnce(io::Error) -> IngestError + '_ {
+    move |error| IngestError::Io {
+        path: path.to_owned(),
+        error,
+    }
+}
+
+/// What an ingest reports as it goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IngestEvent {
+    /// The source was listed and compared with the record.
+    Planned {
+        objects: u64,
+        bytes: u64,
+        fetch: u64,
+        fetch_bytes: u64,
+        remove: u64,
+    },
+    /// One object was downloaded and verified.
+    Fetched { name: String, bytes: u64 },
+    /// The downloads are done; the put starts.
+    Putting,
+}
+
+/// The progress callback.
+pub type OnProgress = Arc<dyn Fn(&IngestEvent) + Send + Sync>;
+
+/// What an ingest did.
+#[derive(Debug, Clone)]
+pub struct IngestReport {
+    /// Objects (files) in the dataset.
+    pub objects: u64,
+    /// Bytes in the dataset.
+    pub bytes: u64,
+    /// Objects downloaded (new or changed, or not complete in staging).
+    pub changed: u64,
+    /// Bytes downloaded.
+    pub fetched_bytes: u64,
+    /// Objects gone from the source since the previous ingest.
+    pub removed: u64,
+    /// Empty "folder marker" objects skipped.
+    pub markers: u64,
+    /// The key's version after the put.
+    pub version: String,
+    /// What the put did (`stats.bytes_sent`: what reached the store).
+    pub put: kt_client::PutSummary,
+    /// For the Dataset's status.
+    pub status: IngestStatus,
+}
+
+/// The staging directory's parts.
+#[derive(Debug, Clone)]
+struct Staging {
+    tree: PathBuf,
+    parts: PathBuf,
+    record: PathBuf,
+}
+
+impl Staging {
+    fn new(root: &Path) -> Self {
+        Staging {
+            tree: root.join("tree"),
+            parts: root.join("parts"),
+            record: root.join("record.json"),
+        }
+    }
+
+    fn load_record(&self, source: &str) -> Record {
+        fs::read(&self.record)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Record>(&b).ok())
+            .filter(|r| r.source == source)
+            .unwrap_or_else(|| Record {
+                source: source.to_owned(),
+                ..Record::default()
+            })
+    }
+
+    fn save_record(&self, record: &Record) -> Result<(), IngestError> {
+        let tmp = self.record.with_extension("json.tmp");
+        let body = serde_json::to_vec(record).map_err(|e| IngestError::Io {
+            path: self.record.clone(),
+            error: io::Error::other(e),
+        })?;
+        fs::write(&tmp, body).map_err(io_at(&tmp))?;
+        fs::rename(&tmp, &self.record).map_err(io_at(&self.record))
+    }
+}
+
+/// Ingests every object below `cfg.prefix` into `key`, staging under
+/// `staging` (kept between ingests: it is what makes the next one move
+/// only what changed).
+pub async fn ingest(
+    client: &Client,
+    key: &Key,
+    cfg: &S3Config,
+    staging: &Path,
+    progress: Option<OnProgress>,
+) -> Result<IngestReport, IngestError> {
+    let note = |e: IngestEvent| {
+        if let Some(p) = &progress {
+            p(&e);
+        }
+    };
+    let source_url = cfg.describe();
+    let store = Arc::new(cfg.store()?);
+    let st = Staging::new(staging);
+    for d in [&st.tree, &st.parts] {
+        fs::create_dir_all(d).map_err(io_at(d))?;
+    }
+    // Leftover parts of an interrupted ingest are discarded.
+    clear_dir(&st.parts)?;
+    let listed_at = now_rfc3339();
+    let listing = list(&store, cfg).await?;
+    let mut record = st.load_record(&source_url);
+    let tree = st.tree.clone();
+    let plan = plan::plan(listing, &record, |name, r| {
+        stamp_matches(&tree.join(name), r)
+    })?;
+    note(IngestEvent::Planned {
+        objects: plan.objects(),
+        bytes: plan.bytes(),
+        fetch: plan.fetch.len() as u64,
+        fetch_bytes: plan.fetch_bytes(),
+        remove: plan.remove.len() as u64,
+    });
+    // Gone objects first, so a new object may take a removed one's place
+    // as a directory.
+    for name in &plan.remove {
+        record.objects.remove(name);
+    }
+    for l in &plan.fetch {
+        record.objects.remove(&l.name);
+    }
+    st.save_record(&record)?;
+    sweep(&st.tree, &plan)?;
+
+    let mut fetched_bytes = 0;
+    let mut last_save = Instant::now();
+    let mut downloads = futures::stream::iter(plan.fetch.iter().enumerate().map(|(i, l)| {
+        let store = store.clone();
+        let part = st.parts.join(format!("{i}.part"));
+        let dest = st.tree.join(&l.name);
+        async move { fetch_object(&store, l, &part, &dest, true).await }
+    }))
+    .buffer_unordered(cfg.concurrency.max(1));
+    let mut failed = None;
+    while let Some(done) = downloads.next().await {
+        match done {
+            Ok((l, rec)) => {
+                fetched_bytes += l.size;
+                note(IngestEvent::Fetched {
+                    name: l.name.clone(),
+                    bytes: l.size,
+                });
+                record.objects.insert(l.name.clone(), rec);
+                if last_save.elapsed() >= cfg.record_every {
+                    st.save_record(&record)?;
+                    last_save = Instant::now();
+                }
+            }
+            Err(e) => {
+                failed = Some(e);
+                break;
+            }
+        }
+    }
+    drop(downloads);
+    // What completed is kept, failure or not: a retry skips it.
+    st.save_record(&record)?;
+    if let Some(e) = failed {
+        clear_dir(&st.parts)?;
+        return Err(e);
+    }
+    seed_scan_cache(client, &st.tree, &record).await;
+
+    note(IngestEvent::Putting);
+    let options = PutOptions {
+        lifespan: Some(Lifespan::Cluster),
+        ..PutOptions::default()
+    };
+    let put_err = |error| IngestError::Put {
+        source_url: source_url.clone(),
+        key: key.clone(),
+        error,
+    };
+    let put = client
+        .put(key, &st.tree, options, Progress::none())
+        .await
+        .map_err(put_err)?;
+    let version = match &put.record {
+        Some(r) => r.version.clone(),
+        None => client.stat(key).await.map_err(put_err)?.version,
+    };
+    let status = IngestStatus {
+        objects: plan.objects(),
+        bytes: plan.bytes(),
+        changed: plan.fetch.len() as u64,
+        removed: plan.remove.len() as u64,
+        last_listed: Some(listed_at),
+    };
+    Ok(IngestReport {
+        objects: status.objects,
+        bytes: status.bytes,
+        changed: status.changed,
+        fetched_bytes,
+        removed: status.removed,
+        markers: plan.markers,
+        version,
+        put,
+        status,
+    })
+}
+
+/// What a plain download did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DownloadReport {
+    pub objects: u64,
+    pub bytes: u64,
+}
+
+/// Downloads every object below the prefix into `dest` as files, with the
+/// same client, concurrency and streaming writer as [`ingest`] but no
+/// hashing, record or put: the baseline an ingest is measured against.
+pub async fn download(cfg: &S3Config, dest: &Path) -> Result<DownloadReport, IngestError> {
+    let store = Arc::new(cfg.store()?);
+    let listing = list(&store, cfg).await?;
+    let plan = plan::plan(listing, &Record::default(), |_, _| false)?;
+    let parts = dest.join(".parts");
+    fs::create_dir_all(&parts).map_err(io_at(&parts))?;
+    futures::stream::iter(plan.fetch.iter().enumerate().map(|(i, l)| {
+        let store = store.clone();
+        let part = parts.join(format!("{i}.part"));
+        let file = dest.join(&l.name);
+        async move { fetch_object(&store, l, &part, &file, false).await }
+    }))
+    .buffer_unordered(cfg.concurrency.max(1))
+    .try_for_each(|_| async { Ok(()) })
+    .await?;
+    fs::remove_dir(&parts).map_err(io_at(&parts))?;
+    Ok(DownloadReport {
+        objects: plan.objects(),
+        bytes: plan.bytes(),
+    })
+}
+
+async fn list(store: &AmazonS3, cfg: &S3Config) -> Result<Vec<Listed>, IngestError> {
+    let prefix = cfg.prefix_path()?;
+    let metas: Vec<ObjectMeta> =
+        store
+            .list(prefix.as_ref())
+            .try_collect()
+            .await
+            .map_err(|error| match error {
+                object_store::Error::InvalidPath { source } => {
+                    let name = match &source {
+                        object_store::path::Error::EmptySegment { path }
+                        | object_store::path::Error::BadSegment { path, .. } => path.clone(),
+                        _ => String::new(),
+                    };
+                    IngestError::BadName {
+                        name,
+                        reason: source.to_string(),
+                    }
+                }
+                error => IngestError::List {
+                    source_url: cfg.describe(),
+                    reason: s3_reason(&error),
+                    error,
+                },
+            })?;
+    let strip = prefix.map(|p| format!("{p}/")).unwrap_or_default();
+    Ok(metas
+        .into_iter()
+        .map(|m| {
+            let key = m.location.to_string();
+            Listed {
+                name: key.strip_prefix(&strip).unwrap_or(&key).to_owned(),
+                key,
+                size: m.size,
+                e_tag: m.e_tag,
+                last_modified: m.last_modified.to_rfc3339(),
+            }
+        })
+        .collect())
+}
+
+/// Downloads one object to `part`, verifies it, renames it to `dest`.
+/// With `hash`, computes its MD5 (checked against a plain-MD5 ETag) and
+/// blake3 while writing, and returns its record.
+async fn fetch_object<'a>(
+    store: &AmazonS3,
+    l: &'a Listed,
+    part: &Path,
+    dest: &Path,
+    hash: bool,
+) -> Result<(&'a Listed, Recorded), IngestError> {
+    let object_err = |message: String| IngestError::Object {
+        key: l.key.clone(),
+        message,
+    };
+    let location = ObjectPath::parse(&l.key).map_err(|e| object_err(e.to_string()))?;
+    let got = store
+        .get(&location)
+        .await
+        .map_err(|e| object_err(format!("GET: {}", s3_reason(&e))))?;
+    let mut body = got.into_stream();
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(QUEUED_CHUNKS);
+    let part_owned = part.to_owned();
+    let writer = tokio::task::spawn_blocking(move || write_part(&part_owned, rx, hash));
+    let mut stream_err = None;
+    while let Some(chunk) = body.next().await {
+        match chunk {
+            // A writer that stopped says why below.
+            Ok(c) => {
+                if tx.send(c).await.is_err() {
+                    break;
+                }
+            }
+            Err(e) => {
+                stream_err = Some(e);
+                break;
+            }
+        }
+    }
+    drop(tx);
+    let written = writer
+        .await
+        .map_err(|e| object_err(format!("writer: {e}")))?
+        .map_err(io_at(part));
+    if let Some(e) = stream_err {
+        let _ = fs::remove_file(part);
+        return Err(object_err(format!("reading the body: {e}")));
+    }
+    let (n, md5, b3) = written?;
+    let bad = |m: String| {
+        let _ = fs::remove_file(part);
+        Err(object_err(m))
+    };
+    if n != l.size {
+        return bad(format!("{n} bytes received, {} listed", l.size));
+    }
+    if let (Some(want), Some(got)) = (l.e_tag.as_deref().and_then(plan::plain_md5), md5)
+        && want != got
+    {
+        return bad("content does not match its ETag (MD5)".to_owned());
+    }
+    if let Some(dir) = dest.parent() {
+        fs::create_dir_all(dir).map_err(io_at(dir))?;
+    }
+    fs::rename(part, dest).map_err(io_at(dest))?;
+    // The stamp after the rename (it changes the file's ctime).
+    let md = fs::metadata(dest).map_err(io_at(dest))?;
+    Ok((
+        l,
+        Recorded {
+            size: l.size,
+            e_tag: l.e_tag.clone(),
+            last_modified: l.last_modified.clone(),
+            blake3: b3.map(|h| h.to_hex().to_string()).unwrap_or_default(),
+            ino: md.ino(),
+            mtime: md.mtime(),
+            mtime_nsec: md.mtime_nsec(),
+            ctime: md.ctime(),
+            ctime_nsec: md.ctime_nsec(),
+        },
+    ))
+}
+
+type Written = (u64, Option<[u8; 16]>, Option<blake3::Hash>);
+
+/// Writes what `rx` brings to `path` (created afresh), hashing on the way.
+fn write_part(
+    path: &Path,
+    mut rx: tokio::sync::mpsc::Receiver<Bytes>,
+    hash: bool,
+) -> io::Result<Written> {
+    let mut out = io::BufWriter::with_capacity(WRITE_BUFFER, fs::File::create(path)?);
+    let mut md5 = hash.then(md5::Md5::new);
+    let mut b3 = hash.then(blake3::Hasher::new);
+    let mut n = 0u64;
+    while let Some(chunk) = rx.blocking_recv() {
+        if let Some(h) = md5.as_mut() {
+            h.update(&chunk);
+        }
+        if let Some(h) = b3.as_mut() {
+            h.update(&chunk);
+        }
+        out.write_all(&chunk)?;
+        n += chunk.len() as u64;
+    }
+    out.flush()?;
+    Ok((
+        n,
+        md5.map(|h| h.finalize().into()),
+        b3.map(|h| h.finalize()),
+    ))
+}
+
+/// Whether the staged file is the one the record describes, untouched.
+fn stamp_matches(path: &Path, r: &Recorded) -> bool {
+    fs::symlink_metadata(path).is_ok_and(|md| {
+        md.is_file()
+            && md.len() == r.size
+            && md.ino() == r.ino
+            && md.mtime() == r.mtime
+            && md.mtime_nsec() == r.mtime_nsec
+            && md.ctime() == r.ctime
+            && md.ctime_nsec() == r.ctime_nsec
+    })
+}
+
+/// Makes `tree` hold nothing but the kept objects: removes files of
+/// objects gone or to be fetched again, and anything else (a crash's
+/// leftovers, directories no longer needed).
+fn sweep(tree: &Path, plan: &plan::Plan) -> Result<(), IngestError> {
+    let keep: std::collections::BTreeSet<&str> =
+        plan.keep.iter().map(|l| l.name.as_str()).collect();
+    sweep_dir(tree, "", &keep).map(|_| ())
+}
+
+/// Returns whether `dir` still holds anything.
+fn sweep_dir(
+    dir: &Path,
+    rel: &str,
+    keep: &std::collections::BTreeSet<&str>,
+) -> Result<bool, IngestError> {
+    let mut left = false;
+    for dent in fs::read_dir(dir).map_err(io_at(dir))? {
+        let dent = dent.map_err(io_at(dir))?;
+        let path = dent.path();
+        let name = dent.file_name();
+        let Some(name) = name.to_str() else {
+            fs::remove_file(&path).map_err(io_at(&path))?;
+            continue;
+        };
+        let sub = if rel.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{rel}/{name}")
+        };
+        let ft = dent.file_type().map_err(io_at(&path))?;
+        if ft.is_dir() {
+            if sweep_dir(&path, &sub, keep)? {
+                left = true;
+            } else {
+                fs::remove_dir(&path).map_err(io_at(&path))?;
+            }
+        } else if keep.contains(sub.as_str()) && ft.is_file() {
+            left = true;
+        } else {
+            fs::remove_file(&path).map_err(io_at(&path))?;
+        }
+    }
+    Ok(left)
+}
+
+fn clear_dir(dir: &Path) -> Result<(), IngestError> {
+    for dent in fs::read_dir(dir).map_err(io_at(dir))? {
+        let path = dent.map_err(io_at(dir))?.path();
+        if path.is_dir() {
+            fs::remove_dir_all(&path).map_err(io_at(&path))?;
+        } else {
+            fs::remove_file(&path).map_err(io_at(&path))?;
+        }
+    }
+    Ok(())
+}
+
+/// Seeds the put's scan cache with the recorded hashes of the staged files
+/// whose stamps still match. Best effort: a cache not written only costs
+/// the put a re-hash.
+async fn seed_scan_cache(client: &Client, tree: &Path, record: &Record) {
+    let Some(cache_path) = client.scan_cache_path(tree) else {
+        return;
+    };
+    let tree = tree.to_owned();
+    let hashes: BTreeMap<String, Recorded> = record.objects.clone();
+    let seeded = tokio::task::spawn_blocking(move || {
+        let mut cache = kt_sync::ScanCache::load(&cache_path);
+        for (name, r) in &hashes {
+            let path = tree.join(name);
+            let Ok(md) = fs::symlink_metadata(&path) else {
+                continue;
+            };
+            let Ok(hash) = blake3::Hash::from_hex(&r.blake3) else {
+                continue;
+            };
+            if stamp_matches(&path, r) {
+                cache.insert(name, &md, Hash(*hash.as_bytes()));
+            }
+        }
+        cache.save(&cache_path)
+    })
+    .await;
+    match seeded {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "ingest: scan cache not seeded"),
+        Err(e) => tracing::debug!(error = %e, "ingest: scan cache not seeded"),
+    }
+}
+
+/// An S3 error in one line: `Code: Message (HTTP status)` from the error
+/// document the server sent, else the client's whole error.
+fn s3_reason(e: &object_store::Error) -> String {
+    let text = e.to_string();
+    let tag = |name: &str| {
+        let open = format!("<{name}>");
+        let start = text.find(&open)? + open.len();
+        let len = text[start..].find(&format!("</{name}>"))?;
+        Some(text[start..start + len].trim().to_owned())
+    };
+    let status = text
+        .find("status code: ")
+        .map(|i| &text[i + "status code: ".len()..])
+        .and_then(|t| t.split(':').next())
+        .map(|s| format!(" (HTTP {})", s.trim()))
+        .unwrap_or_default();
+    match (tag("Code"), tag("Message")) {
+        (Some(code), Some(message)) => format!("{code}: {message}{status}"),
+        (Some(code), None) => format!("{code}{status}"),
+        _ => text,
+    }
+}
+
+fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}

@@ -1,0 +1,322 @@
+//! S3 ingest against a real S3-compatible server (moto's server mode, a
+//! child process) and real metadata and store servers in process.
+//!
+//! Without moto these tests fail under `CI=true` and skip elsewhere,
+//! printing why (`bash testbed/s3/moto.sh` installs it; `make test` does).
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use kt_client::{Client, Progress};
+use kt_dataset::ingest::moto::Moto;
+use kt_dataset::ingest::plan::Record;
+use kt_dataset::ingest::{IngestError, IngestEvent, S3Config, S3Credentials, ingest};
+use kt_tests::{Cluster, bytes, fingerprint};
+use kt_types::Key;
+
+const BUCKET: &str = "datasets";
+
+/// moto, or `None` (the test skips) when it is not installed and this is
+/// not CI.
+async fn moto(checking_credentials: bool) -> Option<Moto> {
+    let started = if checking_credentials {
+        Moto::start_checking_credentials().await
+    } else {
+        Moto::start().await
+    };
+    match started {
+        Ok(m) => Some(m),
+        Err(e) if matches!(std::env::var("CI").as_deref(), Ok("true" | "1")) => {
+            panic!("CI=true and the S3 test server cannot start: {e}")
+        }
+        Err(e) => {
+            eprintln!("skipping: the S3 test server cannot start: {e}");
+            None
+        }
+    }
+}
+
+fn config(moto: &Moto, prefix: &str) -> S3Config {
+    S3Config {
+        bucket: BUCKET.to_owned(),
+        prefix: prefix.to_owned(),
+        endpoint: Some(moto.endpoint().to_owned()),
+        region: None,
+        credentials: Some(S3Credentials {
+            access_key_id: "test".to_owned(),
+            secret_access_key: "test".to_owned(),
+            session_token: None,
+        }),
+        concurrency: 4,
+        record_every: Duration::ZERO,
+    }
+}
+
+/// The objects `data/obj-i` (some nested), with distinct contents.
+fn objects(n: usize) -> Vec<(String, Vec<u8>)> {
+    (0..n)
+        .map(|i| {
+            let name = if i % 3 == 0 {
+                format!("sub/dir/obj-{i}")
+            } else {
+                format!("obj-{i}")
+            };
+            (name, bytes(i as u64 + 1, 1000 + i * 3571))
+        })
+        .collect()
+}
+
+async fn fill(moto: &Moto, prefix: &str, objects: &[(String, Vec<u8>)]) {
+    moto.create_bucket(BUCKET).await.expect("bucket");
+    for (name, body) in objects {
+        moto.put_object(BUCKET, &format!("{prefix}/{name}"), body.clone())
+            .await
+            .expect("put object");
+    }
+}
+
+/// Gets `key` into a fresh directory and checks it holds exactly `want`,
+/// byte for byte.
+async fn assert_key_holds(client: &Client, key: &Key, dir: &Path, want: &[(String, Vec<u8>)]) {
+    let dest = dir.join(format!("get-{}", uuid_like()));
+    client.get(key, &dest, Progress::none()).await.expect("get");
+    let got = fingerprint(&dest);
+    let mut files: Vec<&str> = got
+        .entries
+        .iter()
+        .filter(|e| e.kind == kt_types::EntryKind::File)
+        .map(|e| e.path.as_str())
+        .collect();
+    files.sort_unstable();
+    let mut names: Vec<&str> = want.iter().map(|(n, _)| n.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(files, names);
+    for (name, body) in want {
+        assert_eq!(
+            &std::fs::read(dest.join(name)).expect("read"),
+            body,
+            "{name}"
+        );
+    }
+}
+
+fn uuid_like() -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    N.fetch_add(1, Ordering::Relaxed).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ingests_then_moves_only_what_changed_and_drops_what_is_gone() {
+    let Some(moto) = moto(false).await else {
+        return;
+    };
+    let cluster = Cluster::start().await;
+    let client = cluster.client();
+    let mut want = objects(12);
+    fill(&moto, "data", &want).await;
+    // Outside the prefix: never ingested.
+    moto.put_object(BUCKET, "other/x", b"no".to_vec())
+        .await
+        .expect("put");
+    // A folder marker (an empty object named like a directory).
+    moto.put_object(BUCKET, "data/sub/", Vec::new())
+        .await
+        .expect("put");
+    let key = Key::parse("datasets/ns/ds").expect("key");
+    let staging = cluster.dir.path().join("staging");
+    let events = Arc::new(AtomicUsize::new(0));
+    let counted = events.clone();
+    let progress: kt_dataset::ingest::OnProgress = Arc::new(move |e: &IngestEvent| {
+        if matches!(e, IngestEvent::Fetched { .. }) {
+            counted.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let cfg = config(&moto, "data");
+
+    let first = ingest(&client, &key, &cfg, &staging, Some(progress.clone()))
+        .await
+        .expect("first ingest");
+    let total: u64 = want.iter().map(|(_, b)| b.len() as u64).sum();
+    assert_eq!((first.objects, first.bytes), (12, total));
+    assert_eq!(
+        (first.changed, first.removed, first.fetched_bytes),
+        (12, 0, total)
+    );
+    assert_eq!(first.markers, 1);
+    assert_eq!(events.load(Ordering::Relaxed), 12);
+    assert_eq!(first.status.objects, 12);
+    assert!(first.status.last_listed.is_some());
+    let stat = client.stat(&key).await.expect("stat");
+    assert_eq!(stat.version, first.version);
+    assert_eq!(stat.lifespan, kt_types::Lifespan::Cluster);
+    assert_key_holds(&client, &key, cluster.dir.path(), &want).await;
+
+    // One object changes: only it is fetched, and only its bytes reach
+    // the store.
+    want[4].1 = bytes(99, 5000);
+    moto.put_object(BUCKET, &format!("data/{}", want[4].0), want[4].1.clone())
+        .await
+        .expect("put");
+    let second = ingest(&client, &key, &cfg, &staging, Some(progress.clone()))
+        .await
+        .expect("second ingest");
+    assert_eq!((second.changed, second.removed), (1, 0));
+    assert_eq!(second.fetched_bytes, 5000);
+    assert_eq!(second.put.stats.files_sent, 1);
+    assert_eq!(second.put.stats.bytes_sent, 5000);
+    assert_ne!(second.version, first.version);
+    assert_key_holds(&client, &key, cluster.dir.path(), &want).await;
+
+    // One object is deleted: it disappears from the key.
+    let gone = want.remove(3);
+    moto.delete_object(BUCKET, &format!("data/{}", gone.0))
+        .await
+        .expect("delete");
+    let third = ingest(&client, &key, &cfg, &staging, Some(progress))
+        .await
+        .expect("third ingest");
+    assert_eq!((third.changed, third.removed, third.objects), (0, 1, 11));
+    assert_eq!(third.put.stats.bytes_sent, 0);
+    assert_key_holds(&client, &key, cluster.dir.path(), &want).await;
+
+    // Nothing changed: nothing is fetched, the version stays.
+    let fourth = ingest(&client, &key, &cfg, &staging, None)
+        .await
+        .expect("fourth ingest");
+    assert_eq!((fourth.changed, fourth.removed), (0, 0));
+    assert!(fourth.put.unchanged);
+    assert_eq!(fourth.version, third.version);
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_interrupted_ingest_resumes_without_refetching_what_completed() {
+    let Some(moto) = moto(false).await else {
+        return;
+    };
+    let cluster = Cluster::start().await;
+    let client = cluster.client();
+    let want = objects(30);
+    fill(&moto, "data", &want).await;
+    let key = Key::parse("datasets/ns/resumed").expect("key");
+    let staging = cluster.dir.path().join("staging");
+    let cfg = config(&moto, "data");
+
+    // Cut after 5 objects completed (the future is dropped, as by a crash).
+    let fetched = Arc::new(AtomicUsize::new(0));
+    let cut = Arc::new(tokio::sync::Notify::new());
+    let (f, c) = (fetched.clone(), cut.clone());
+    let progress: kt_dataset::ingest::OnProgress = Arc::new(move |e: &IngestEvent| {
+        if matches!(e, IngestEvent::Fetched { .. }) && f.fetch_add(1, Ordering::SeqCst) + 1 == 5 {
+            c.notify_one();
+        }
+    });
+    tokio::select! {
+        biased;
+        _ = cut.notified() => {}
+        r = ingest(&client, &key, &cfg, &staging, Some(progress)) => {
+            panic!("the ingest finished before it was cut: {r:?}")
+        }
+    }
+    // What the record says is complete (at least the 5, written after each).
+    let record: Record =
+        serde_json::from_slice(&std::fs::read(staging.join("record.json")).expect("record"))
+            .expect("record json");
+    let done = record.objects.len();
+    assert!((5..30).contains(&done), "{done} recorded");
+    // A crash's leftovers: a stray file in the tree and a part.
+    std::fs::write(staging.join("tree/stray"), b"x").expect("stray");
+    std::fs::write(staging.join("parts/7.part"), b"half").expect("part");
+    assert!(client.stat(&key).await.is_err(), "nothing published yet");
+
+    let resumed = ingest(&client, &key, &cfg, &staging, None)
+        .await
+        .expect("resumed ingest");
+    assert_eq!(resumed.changed as usize, 30 - done);
+    assert_eq!(resumed.objects, 30);
+    assert_eq!(
+        std::fs::read_dir(staging.join("parts"))
+            .expect("parts")
+            .count(),
+        0
+    );
+    assert_key_holds(&client, &key, cluster.dir.path(), &want).await;
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsafe_object_name_fails_naming_the_object() {
+    let Some(moto) = moto(false).await else {
+        return;
+    };
+    let cluster = Cluster::start().await;
+    let client = cluster.client();
+    fill(&moto, "data", &objects(2)).await;
+    moto.put_object(BUCKET, "data/a/../../escape", b"x".to_vec())
+        .await
+        .expect("put");
+    let key = Key::parse("datasets/ns/bad").expect("key");
+    let staging = cluster.dir.path().join("staging");
+    let err = ingest(&client, &key, &config(&moto, "data"), &staging, None)
+        .await
+        .expect_err("an unsafe name must fail the ingest");
+    let msg = err.to_string();
+    eprintln!("{msg}");
+    assert!(msg.contains("a/../../escape"), "{msg}");
+    assert!(
+        matches!(err, IngestError::BadName { .. } | IngestError::Plan(_)),
+        "{err:?}"
+    );
+    assert!(!cluster.dir.path().join("escape").exists());
+    assert!(client.stat(&key).await.is_err());
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_bucket_fails_clearly() {
+    let Some(moto) = moto(false).await else {
+        return;
+    };
+    let cluster = Cluster::start().await;
+    let client = cluster.client();
+    let key = Key::parse("datasets/ns/missing").expect("key");
+    let mut cfg = config(&moto, "data");
+    cfg.bucket = "no-such-bucket".to_owned();
+    let err = ingest(&client, &key, &cfg, &cluster.dir.path().join("s"), None)
+        .await
+        .expect_err("a missing bucket must fail");
+    let msg = err.to_string();
+    eprintln!("{msg}");
+    assert!(matches!(err, IngestError::List { .. }), "{err:?}");
+    assert!(msg.contains("s3://no-such-bucket/data"), "{msg}");
+    assert!(msg.contains("NoSuchBucket"), "{msg}");
+    assert!(!msg.contains('\n'), "one line: {msg}");
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_credential_fails_clearly() {
+    let Some(moto) = moto(true).await else { return };
+    let cluster = Cluster::start().await;
+    let client = cluster.client();
+    let key = Key::parse("datasets/ns/denied").expect("key");
+    let err = ingest(
+        &client,
+        &key,
+        &config(&moto, "data"),
+        &cluster.dir.path().join("s"),
+        None,
+    )
+    .await
+    .expect_err("an unknown access key must fail");
+    let msg = err.to_string();
+    eprintln!("{msg}");
+    assert!(matches!(err, IngestError::List { .. }), "{err:?}");
+    assert!(
+        msg.contains("InvalidAccessKeyId") || msg.contains("403"),
+        "{msg}"
+    );
+    cluster.stop().await;
+}
