@@ -178,6 +178,13 @@ enum Cmd {
         #[command(subcommand)]
         cmd: crate::tensor_cli::TensorCmd,
     },
+    /// Datasets placed on nodes before jobs start (the Dataset resource,
+    /// through the Kubernetes API: --kubeconfig, --context, --namespace).
+    #[cfg(feature = "kube")]
+    Dataset {
+        #[command(subcommand)]
+        cmd: crate::dataset_cli::DatasetCmd,
+    },
 }
 
 fn progress(mode: ProgressMode) -> Progress {
@@ -188,7 +195,7 @@ fn progress(mode: ProgressMode) -> Progress {
     })
 }
 
-fn human(bytes: u64) -> String {
+pub(crate) fn human_bytes(bytes: u64) -> String {
     indicatif::HumanBytes(bytes).to_string()
 }
 
@@ -196,8 +203,8 @@ fn summary(verb: &str, key: &Key, files: u64, s: &TransferStats, d: Duration) ->
     format!(
         "{verb} {key}: {} of {files} files sent ({}), {} skipped as unchanged, in {:.2}s",
         s.files_sent,
-        human(s.bytes_sent),
-        human(s.bytes_skipped),
+        human_bytes(s.bytes_sent),
+        human_bytes(s.bytes_skipped),
         d.as_secs_f64()
     )
 }
@@ -236,7 +243,7 @@ fn print_table(entries: &[ListEntry], wide: bool) {
                 }
                 .into(),
                 r.locale_label(),
-                human(r.size),
+                human_bytes(r.size),
                 format!("{:?}", r.lifespan).to_lowercase(),
                 r.expires_at_ms.map(when).unwrap_or_else(|| "-".into()),
                 when(r.updated_at_ms),
@@ -304,16 +311,20 @@ fn check_external(cmd: &Cmd) -> anyhow::Result<()> {
 
 #[cfg(feature = "kube")]
 async fn run(cli: Cli) -> anyhow::Result<()> {
-    if !cli.kube.enabled {
-        return run_with(cli, None).await;
-    }
-    check_external(&cli.cmd)?;
-    let token = given_token(&cli)?;
     let opts = kt_kube::portforward::KubeOptions {
         kubeconfig: cli.kube.kubeconfig.clone(),
         context: cli.kube.context.clone(),
         namespace: cli.kube.namespace.clone(),
     };
+    // Datasets are resources of the API server: no kt server, no kt token.
+    if let Cmd::Dataset { cmd } = cli.cmd {
+        return crate::dataset_cli::run(cmd, &opts).await;
+    }
+    if !cli.kube.enabled {
+        return run_with(cli, None).await;
+    }
+    check_external(&cli.cmd)?;
+    let token = given_token(&cli)?;
     let external = crate::external::External::connect(&opts, token.is_none()).await?;
     let reach = Reach {
         metadata_url: external.metadata_url.clone(),
@@ -482,7 +493,7 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
                                 .map(|r| r.to_string())
                                 .collect::<Vec<_>>()
                                 .join(" then "),
-                            human(p.relayed)
+                            human_bytes(p.relayed)
                         )
                     });
                     println!(
@@ -530,6 +541,8 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
             }
         }
         Cmd::Tensor { .. } => unreachable!("handled before the client is built"),
+        #[cfg(feature = "kube")]
+        Cmd::Dataset { .. } => unreachable!("handled before kt is reached"),
     }
     Ok(())
 }
@@ -556,7 +569,7 @@ fn print_prefix(got: &kt_client::PrefixSummary, output: SummaryFormat) -> anyhow
                 println!("skipped {key}: {why}");
             }
             let bytes: u64 = got.gets.iter().map(|(_, s)| s.stats.bytes_sent).sum();
-            println!("got {} keys ({} moved)", got.gets.len(), human(bytes));
+            println!("got {} keys ({} moved)", got.gets.len(), human_bytes(bytes));
         }
         SummaryFormat::Json => {
             let all: Vec<TransferSummary> = got

@@ -7,6 +7,8 @@
 pub mod agent;
 pub mod api;
 pub mod broadcast;
+#[cfg(feature = "kube")]
+pub mod datasets;
 pub mod deadline;
 mod download;
 pub mod error;

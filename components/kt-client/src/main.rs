@@ -2,6 +2,8 @@
 
 mod cli;
 #[cfg(feature = "kube")]
+mod dataset_cli;
+#[cfg(feature = "kube")]
 use kt_client::external;
 mod tensor_cli;
 

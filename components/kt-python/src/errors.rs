@@ -159,6 +159,33 @@ pub fn unauthorized(message: impl Into<String>) -> PyErr {
     )
 }
 
+/// The exception of a failed `kt.datasets` call: the API server's answer
+/// by its status code, kt's own checks by kind.
+#[cfg(feature = "kube")]
+pub fn dataset(e: kt_client::datasets::DatasetError) -> PyErr {
+    use kt_client::datasets::DatasetError as E;
+    let message = e.to_string();
+    let (class, code) = match &e {
+        E::NotFound(..) => ("NotFound", Some(ErrorCode::NotFound)),
+        E::Invalid(_) => ("InvalidInput", Some(ErrorCode::InvalidRequest)),
+        E::Timeout { .. } => ("Timeout", Some(ErrorCode::Unavailable)),
+        E::Failed { .. } => ("KtError", None),
+        E::Connect(_) => ("Unavailable", Some(ErrorCode::Unavailable)),
+        E::Api { source, .. } => match source {
+            kt_client::datasets::KubeError::Api(s) => match s.code {
+                401 => ("Unauthorized", Some(ErrorCode::Unauthorized)),
+                403 => ("Forbidden", Some(ErrorCode::Forbidden)),
+                404 => ("NotFound", Some(ErrorCode::NotFound)),
+                409 => ("Conflict", Some(ErrorCode::Conflict)),
+                400 | 422 => ("InvalidInput", Some(ErrorCode::InvalidRequest)),
+                _ => ("Unavailable", Some(ErrorCode::Unavailable)),
+            },
+            _ => ("Unavailable", Some(ErrorCode::Unavailable)),
+        },
+    };
+    raise(class, code, message)
+}
+
 /// `kt.errors.Unavailable` (code `unavailable`).
 #[cfg(feature = "kube")]
 pub fn unavailable(message: impl Into<String>) -> PyErr {

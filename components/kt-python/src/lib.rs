@@ -23,6 +23,8 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+#[cfg(feature = "kube")]
+mod datasets;
 mod errors;
 mod progress;
 mod pylog;
@@ -1099,6 +1101,8 @@ fn _kt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(outside, m)?)?;
     m.add_function(wrap_pyfunction!(ls, m)?)?;
     m.add_function(wrap_pyfunction!(rm, m)?)?;
+    #[cfg(feature = "kube")]
+    m.add_function(wrap_pyfunction!(datasets::datasets_call, m)?)?;
     m.add_function(wrap_pyfunction!(teardown, m)?)?;
     m.add_function(wrap_pyfunction!(put_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(get_tensors, m)?)?;

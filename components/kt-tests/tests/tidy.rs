@@ -122,6 +122,9 @@ fn layering(members: &BTreeMap<String, Member>) -> Vec<String> {
         "kt-service",
         "kt-sync",
         "kt-python",
+        // The Dataset controller is a client of kt's servers (its tests
+        // start real agents: a dev-dependency).
+        "kt-dataset",
     ] {
         never(
             client,
@@ -130,11 +133,15 @@ fn layering(members: &BTreeMap<String, Member>) -> Vec<String> {
         );
     }
     for server in SERVERS {
+        // A node-cache agent fetches datasets as a getter does (through
+        // kt-client, over HTTP like any client); kt-client never links an
+        // agent (the list above).
+        let client = (server != "kt-agent").then_some("kt-client");
         let others: Vec<&str> = SERVERS
             .iter()
             .copied()
             .filter(|s| *s != server)
-            .chain(["kt-client"])
+            .chain(client)
             .collect();
         never(
             server,
@@ -156,10 +163,13 @@ fn layering(members: &BTreeMap<String, Member>) -> Vec<String> {
     }
     // Heavy dependencies stay in the crates that need them.
     for (dep, homes) in [
-        ("kube", &["kt-kube", "kt-metadata"][..]),
+        ("kube", &["kt-kube", "kt-metadata", "kt-dataset"][..]),
         // kt-scenario's bundle target reads the rendered install's pod
         // specs (the same build of it as kt-kube's: no extra compile).
-        ("k8s-openapi", &["kt-kube", "kt-scenario"][..]),
+        ("k8s-openapi", &["kt-kube", "kt-scenario", "kt-dataset"][..]),
+        // The S3 ingest of the Dataset controller; the testbed fills its
+        // buckets with the same client.
+        ("object_store", &["kt-dataset", "kt-scenario"][..]),
         ("bollard", &["kt-scenario"][..]),
         ("criterion", &["kt-bench"][..]),
         ("cudarc", &["kt-tensor"][..]),
@@ -253,6 +263,8 @@ fn pure_cores_import_no_io() {
         "components/kt-sync/src/diff.rs",
         "components/kt-tensor/src/pack.rs",
         "components/kt-tensor/src/cuda/chain.rs",
+        "components/kt-dataset/src/reconcile.rs",
+        "components/kt-dataset/src/ingest/plan.rs",
     ];
     let extra: Vec<String> = ["components/kt-metadata/src/quorum/round.rs"]
         .into_iter()

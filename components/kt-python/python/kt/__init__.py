@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Literal, Mapping, Optional,
                     Protocol, Sequence, Tuple, Union, overload)
 
-from . import _kt
+from . import _kt, datasets
 from .errors import (Conflict, FileExists, Forbidden, InvalidInput, KtError, NotFound, Timeout,
                      Unauthorized, Unavailable)
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from ._tensors import Lent
 
 __all__ = [
-    "put", "get", "ls", "rm", "teardown", "drop", "configure", "settings", "empty",
+    "put", "get", "ls", "rm", "teardown", "drop", "configure", "settings", "empty", "datasets",
     "BroadcastWindow", "Item", "PutResult", "GetResult", "TensorResult", "TeardownResult",
     "Progress", "Settings", "Locale", "Lifespan", "PathLike", "TensorLike", "Seconds",
     "KtError", "NotFound", "Unauthorized", "Forbidden", "Unavailable", "Timeout",
