@@ -1204,6 +1204,13 @@ PLANTS = {
                         "      - run: kind create cluster --name c && docker exec c-control-plane crictl pull "
                         "ghcr.io/kt-dev/kt-store@sha256:" + "0" * 64,
                         "not pushed by any job"),
+    # The datasets script (testbed/datasets/on-cluster.sh) with no kt on
+    # PATH: the release build's target/release is not added.
+    "datasets-kt": ("steps:\n"
+                    "      - run: bash testbed/ci/install-tools.sh $RUNNER_TEMP/bin kind kubectl "
+                    "&& echo $RUNNER_TEMP/bin >> $GITHUB_PATH\n"
+                    "      - run: bash testbed/datasets/on-cluster.sh --flavor kind --cluster kt-ci",
+                    "kt is not on PATH"),
     # Needs the runner binary: the bug this rehearsal was made for.
     "runner-env": ("env: {KT_KEEP_CLUSTER: maybe}\n    steps:\n"
                    "      - run: bash testbed/ci/install-tools.sh $RUNNER_TEMP/bin kind kubectl "

@@ -14,7 +14,10 @@
 #     headless governing Service, claim templates no label reaches,
 #     recommended labels, ephemeral storage, Pod Security restricted, TLS
 #     that cert-manager can issue and every client speaks...);
-#  4. the release bundle: release-bundle.sh pins every image by digest.
+#  4. datasets: what testbed/datasets/on-cluster.sh deploys on kind and k3d
+#     (its --render: the install with the datasets and node-cache
+#     components, a dataset-consumer Job), validated and within policy;
+#  5. the release bundle: release-bundle.sh pins every image by digest.
 # Offline once pyenv.sh has installed the tools.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -56,6 +59,11 @@ mapfile -t files < <(cd "$tmp" && find manifests cases -name '*.yaml' -type f | 
 
 echo "== manifests: policy"
 (cd "$tmp" && "$venv/bin/python" "$here/policy.py" --version "$version" "${files[@]}")
+
+echo "== datasets on kind and k3d (what testbed/datasets/on-cluster.sh deploys)"
+bash "$root/testbed/datasets/on-cluster.sh" --render "$tmp/datasets"
+(cd "$tmp" && "$venv/bin/python" "$here/validate.py" datasets/*.yaml | tail -1)
+(cd "$tmp" && "$venv/bin/python" "$here/policy.py" --version "$version" datasets/*.yaml)
 
 echo "== release bundle"
 bash "$here/release-bundle.sh" --self-test "$tmp/release"

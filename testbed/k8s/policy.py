@@ -128,8 +128,16 @@ TRANSFORMED = {"app.kubernetes.io/instance", "app.kubernetes.io/version",
 KT_SERVERS = {"kt-metadata", "kt-store"}
 # API groups of custom resources: an object of one needs its CRDs, which an
 # operator (the Prometheus Operator, cert-manager) installs first. kt ships
-# no CRD itself (apiextensions.k8s.io CustomResourceDefinition), anywhere.
+# one CRD of its own, datasets.kt.dev (the opt-in component datasets), and
+# no other's.
 CRD_GROUPS = {"monitoring.coreos.com", "cert-manager.io"}
+KT_CRDS = {"datasets.kt.dev"}
+# Datasets on nodes (node-cache, dataset-consumer): the only hostPath kt's
+# bundles may mount, who may write it, and the pod label of the node-cache
+# agents.
+DATASET_ROOT = "/var/lib/kt/datasets"
+NODE_CACHE = "kt-node-cache"
+NODE_CACHE_INIT = "kt-node-cache-init"
 AGENT = "kt-agent"
 # The static token: a Secret the operator creates for the installs without
 # kube identity (kube-identity: projected ServiceAccount tokens instead).
@@ -141,7 +149,7 @@ TOKEN_SECRET = "kt-token"
 AUDIENCE = "kt"
 TOKEN_SECONDS = (600, 3600)
 # The containers that check callers' tokens: KT_KUBE_AUTH decides how.
-VERIFIERS = {"kt-metadata", "kt-store", AGENT}
+VERIFIERS = {"kt-metadata", "kt-store", AGENT, NODE_CACHE}
 # The access map's vocabulary (kt_types::auth::AccessMap).
 ROLES = {"admin", "store", "agent", "workload", "pod", "metrics"}
 RULE_FIELDS = {"serviceAccount", "namespace", "role", "services", "podService", "reads"}
@@ -416,6 +424,8 @@ class Checker:
         for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
             sc = c.get("securityContext") or {}
             name = c.get("name")
+            if name == NODE_CACHE_INIT:
+                continue  # root with CAP_CHOWN alone: host_paths checks it
             non_root = sc.get("runAsNonRoot", psc.get("runAsNonRoot"))
             seccomp = dig(sc, "seccompProfile", "type") or dig(psc, "seccompProfile", "type")
             problems = []
@@ -431,6 +441,57 @@ class Checker:
                 self.fail(where, "pod-security",
                           f"container {name} does not meet Pod Security restricted: "
                           + ", ".join(problems))
+
+    def host_paths(self, where, spec, docs):
+        """Datasets on nodes: the only hostPath is below the dataset root;
+        only the node-cache agent (non-root) writes it, after an init
+        container that may chown it and nothing else; every other
+        container mounts it read-only; and the bundle's namespace admits
+        hostPath volumes (Pod Security privileged)."""
+        host = {v.get("name"): dig(v, "hostPath", "path") for v in spec.get("volumes") or []
+                if v.get("hostPath") is not None}
+        if not host:
+            return
+        for name, p in host.items():
+            p = (p or "").rstrip("/")
+            if p != DATASET_ROOT and not p.startswith(DATASET_ROOT + "/"):
+                self.fail(where, "host-path",
+                          f"volume {name}: hostPath {p or '?'} is not below {DATASET_ROOT}: kt's "
+                          "pods mount the node's datasets and nothing else of the node")
+        for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+            cname = c.get("name")
+            for m in c.get("volumeMounts") or []:
+                if m.get("name") not in host or m.get("readOnly"):
+                    continue
+                if cname == NODE_CACHE:
+                    sc = c.get("securityContext") or {}
+                    user = sc.get("runAsUser", dig(spec, "securityContext", "runAsUser"))
+                    if user in (None, 0):
+                        self.fail(where, "host-path",
+                                  f"{NODE_CACHE} writes the node's datasets as root")
+                elif cname == NODE_CACHE_INIT:
+                    sc = c.get("securityContext") or {}
+                    caps = dig(sc, "capabilities") or {}
+                    cmd = c.get("command") or []
+                    if ("ALL" not in (caps.get("drop") or []) or set(caps.get("add") or [])
+                            - {"CHOWN"} or sc.get("allowPrivilegeEscalation") is not False
+                            or not cmd or not cmd[0].endswith("chown")):
+                        self.fail(where, "host-path",
+                                  f"{NODE_CACHE_INIT} does more than chown the dataset root "
+                                  "(capabilities: drop ALL, add CHOWN alone; no privilege "
+                                  "escalation; its command chown)")
+                else:
+                    self.fail(where, "host-path",
+                              f"container {cname} mounts the node's datasets ({m.get('name')}) "
+                              "read-write: only the node-cache agent writes them")
+        for ns in (d for d in docs if d.get("kind") == "Namespace"):
+            level = labels(ns).get("pod-security.kubernetes.io/enforce")
+            if level not in (None, "privileged"):
+                self.fail(where, "pod-security",
+                          f"mounts a hostPath, which Pod Security {level!r} (the namespace "
+                          f"{dig(ns, 'metadata', 'name')}'s) refuses: the pod would never be "
+                          "admitted (label it enforce: privileged, or exempt the pod's "
+                          "ServiceAccount)")
 
     def gpus(self, where, spec):
         """GPUs only as Kubernetes allocates them: no NVIDIA_VISIBLE_DEVICES
@@ -620,11 +681,26 @@ class Checker:
         expect = {sa: {"admin"}}
         if store_sa:
             expect[store_sa] = {"store"}
-        self.access_map(f"{path}: ConfigMap/{cm_name}", text, ns, expect)
+        # The datasets components' ServiceAccounts, where the bundle runs them
+        # (the controller's PVC ingest Jobs: `kt put datasets/...` only).
+        writes = {}
+        for d in docs:
+            pod_sa = dig(pod_template(d) or {}, "spec", "serviceAccountName")
+            if dig(d, "metadata", "name") == "kt-dataset-controller" and pod_sa:
+                expect[pod_sa] = {"admin"}
+                for c in dig(pod_template(d), "spec", "containers") or []:
+                    ingest_sa = env_of(c).get("KT_INGEST_SERVICE_ACCOUNT")
+                    if ingest_sa:
+                        expect[ingest_sa] = {"workload"}
+                        writes[ingest_sa] = ["datasets"]
+            elif dig(d, "metadata", "name") == NODE_CACHE and pod_sa:
+                expect[pod_sa] = {"pod"}
+        self.access_map(f"{path}: ConfigMap/{cm_name}", text, ns, expect, writes)
 
-    def access_map(self, where, text, home, expect):
+    def access_map(self, where, text, home, expect, writes=None):
         """The access map parses as the metadata server reads it, every rule
-        can be reached, and kt's own ServiceAccounts get their roles."""
+        can be reached, kt's own ServiceAccounts get their roles, and those
+        of `writes` write exactly the services named there."""
         try:
             m = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -680,6 +756,13 @@ class Checker:
                 self.fail(where, "access-map",
                           f"kt's own ServiceAccount {sa} is {got or 'in no rule'}, not "
                           f"{' or '.join(sorted(want))}: {why}")
+            elif sa in (writes or {}) and (rule.get("services") != writes[sa]
+                                           or rule.get("podService")):
+                self.fail(where, "access-map",
+                          f"kt's own ServiceAccount {sa} writes "
+                          f"{rule.get('services') or 'every service'}"
+                          f"{' and its pod service' if rule.get('podService') else ''}, not "
+                          f"{writes[sa]} alone: more than it needs")
 
     # --- TLS: cert-manager's certificates ---------------------------------
 
@@ -1241,10 +1324,12 @@ class Checker:
                 self.fail(where, "no-crds",
                           f"{group} needs an operator's CRDs: an install may not include it "
                           "(make it an opt-in component)")
-            if kind == "CustomResourceDefinition":
+            if kind == "CustomResourceDefinition" and (
+                    dig(d, "metadata", "name") not in KT_CRDS or default_install):
                 self.fail(where, "no-crds",
                           "a CRD: kt's bundles use custom resources (opt-in), but their CRDs "
-                          "are the operator's to install and upgrade, never kt's")
+                          "are the operator's to install and upgrade, never kt's (but kt's own "
+                          "datasets.kt.dev, in the opt-in component datasets)")
             if tpl is not None and path.parent.name == "examples" and AGENT in {
                     c.get("name") for c in containers(tpl.get("spec") or {})}:
                 ns = dig(d, "metadata", "namespace")
@@ -1265,6 +1350,7 @@ class Checker:
                 if not testbed and not kube_bundle and not server:
                     self.static_workload(where, spec)
                 self.tls(where, spec, configmaps)
+                self.host_paths(where, spec, docs)
                 if not case:
                     self.restricted(where, spec)
                 pods.append((d, dig(tpl, "metadata", "labels") or {}))
@@ -1423,7 +1509,9 @@ class Checker:
         if not ns:
             return
         for d in docs:
-            if d.get("kind") in CLUSTER_SCOPED and d.get("kind") != "Namespace":
+            # A CRD's name is its group's: one per cluster by design.
+            if d.get("kind") in CLUSTER_SCOPED and d.get("kind") not in (
+                    "Namespace", "CustomResourceDefinition"):
                 name = dig(d, "metadata", "name") or ""
                 if not name.endswith("-" + ns):
                     self.fail(f"{path}: {ident(d)}", "cluster-name",

@@ -19,7 +19,10 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 cd "$root"
 
-components=(kt-metadata kt-store kt-agent kt-client)
+# kt-dataset: the Dataset controller, in the installs that list the datasets
+# component (none of the overlays; kustomize/examples/datasets does), pinned
+# in images.yaml for those.
+components=(kt-metadata kt-store kt-agent kt-client kt-dataset)
 bundle_repo=ghcr.io/kt-dev
 die() { echo "release-bundle.sh: $*" >&2; exit 1; }
 
@@ -100,12 +103,14 @@ done
 # tag; GPU workloads get kt-agent-gpu from the gpu component), or from the
 # sidecar-injector webhook (its ConfigMap's agent-image, an image field to
 # kustomize); this `images:` stanza pins them (and the client image) by
-# digest too.
+# digest too, and the Dataset controller's image for an install over this
+# bundle's production overlay that adds the datasets component
+# (kustomize/examples/datasets).
 [ -n "${digest[kt-agent-gpu]:-}" ] || die "$digests: no digest for kt-agent-gpu"
 {
-  echo "# kt $version: add under a kustomization that lists the agent-sidecar component (or sidecar-injector)"
+  echo "# kt $version: add under a kustomization that lists the agent-sidecar component (or sidecar-injector, or datasets)"
   echo "images:"
-  for c in kt-agent kt-agent-gpu kt-client; do
+  for c in kt-agent kt-agent-gpu kt-client kt-dataset; do
     echo "  - name: $bundle_repo/$c"
     echo "    newName: $registry/$c"
     echo "    digest: ${digest[$c]}"

@@ -24,7 +24,10 @@ from kubernetes_validate import utils
 HERE = pathlib.Path(__file__).resolve().parent
 # API groups of custom resources (their CRDs come with an operator),
 # validated against schemas/ instead.
-CRD_GROUPS = {"monitoring.coreos.com", "cert-manager.io"}
+CRD_GROUPS = {"monitoring.coreos.com", "cert-manager.io", "kt.dev"}
+# kt's own CRDs: custom resources of these groups are checked against the
+# schema of the CRD the bundle ships (generated from the Rust types).
+KT_CRD_FILES = {"kt.dev": HERE.parent.parent / "kustomize" / "components" / "datasets" / "crd.yaml"}
 
 
 TESTBEDS = [HERE.parent / "kind" / "cluster.yaml", HERE.parent / "k3d" / "config.yaml"]
@@ -58,8 +61,28 @@ def versions(n=3):
     return [minors[m] for m in sorted(want, key=key)]
 
 
+def kt_crd_schema(group, version, kind, path):
+    """The openAPIV3Schema of kt's CRD for `kind`, with apiVersion, kind and
+    metadata (which the API server adds to every CRD's schema)."""
+    crd = yaml.safe_load(path.read_text())
+    if crd.get("spec", {}).get("names", {}).get("kind") != kind:
+        return None
+    for v in crd["spec"]["versions"]:
+        if v["name"] == version:
+            schema = dict(v["schema"]["openAPIV3Schema"])
+            props = dict(schema.get("properties") or {})
+            props.update({"apiVersion": {"const": f"{group}/{version}"},
+                          "kind": {"const": kind}, "metadata": {"type": "object"}})
+            schema["properties"] = props
+            return schema
+    return None
+
+
 def crd_schema(doc):
     group, _, version = doc["apiVersion"].partition("/")
+    if group in KT_CRD_FILES:
+        path = KT_CRD_FILES[group]
+        return kt_crd_schema(group, version, doc["kind"], path), path
     path = HERE / "schemas" / f"{doc['kind'].lower()}-{group.split('.')[0]}-{version}.json"
     if not path.exists():
         return None, path
