@@ -14,7 +14,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker bundle kind k3d
 
-.PHONY: all build release python python-test bench-python chaos images images-gpu manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl bench-recovery probe-bounded fuzz clean
+.PHONY: all build release python s3env python-test bench-python chaos images images-gpu manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl bench-recovery bench-s3 probe-bounded fuzz clean
 
 all: build
 
@@ -22,7 +22,7 @@ build:
 	$(CARGO) build --workspace --all-targets
 
 release:
-	$(CARGO) build --release -p kt-metadata -p kt-store -p kt-agent -p kt-client -p kt-scenario
+	$(CARGO) build --release -p kt-metadata -p kt-store -p kt-agent -p kt-client -p kt-dataset -p kt-scenario
 
 ## test: the test command (formatting, lints, every unit and cross-component
 ## test, the runner's own tests, validation of every scenario file, the
@@ -41,7 +41,9 @@ clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # The runner's self-tests start the real binaries: build them first.
+# The S3 ingest tests need moto's server (testbed/s3/moto.sh makes its venv).
 unit:
+	bash testbed/s3/moto.sh
 	$(CARGO) build --workspace --bins
 	$(CARGO) $(NEXTEST) --workspace
 
@@ -52,9 +54,14 @@ validate:
 ## (local by default; TARGET=netns as root; TARGET=bundle runs the
 ## production install's pods on Docker, as root; SCENARIOS picks files). ACCEPT=1 records new or changed
 ## snapshots; CI=true rejects pending and unreferenced ones. The process
-## targets run the python steps with the venv `make python` builds.
-scenario: release $(if $(filter $(IMAGE_TARGETS),$(TARGET)),images,python)
+## targets run the python steps with the venv `make python` builds and
+## the S3 server of topology `s3` from the one `make s3env` builds.
+scenario: release $(if $(filter $(IMAGE_TARGETS),$(TARGET)),images,python s3env)
 	INSTA_WORKSPACE_ROOT=$(CURDIR) $(TARGET_DIR)/release/kt-scenario run $(SCENARIOS) $(SCENARIO_FLAGS)
+
+# The process targets' S3 server (topology `s3`): moto's, from its venv.
+s3env:
+	bash testbed/s3/moto.sh
 
 ## chaos: the chaos soak on $(TARGET) (local or netns) for CHAOS_DURATION
 ## (default 5m): a seeded workload while the store, the metadata server and
@@ -107,7 +114,7 @@ python-test: python
 	cd components/kt-python && MYPYPATH=python $(abspath $(TARGET_DIR))/python/bin/python -m mypy \
 		--strict --cache-dir $(abspath $(TARGET_DIR))/mypy-cache \
 		python/kt tests/examples.py tests/test_reference.py tests/loopback.py tests/kubeapi.py
-	$(CARGO) build -q --bins -p kt-metadata -p kt-store -p kt-agent
+	$(CARGO) build -q --bins -p kt-metadata -p kt-store -p kt-agent -p kt-tests
 	KT_BIN_DIR=$(TARGET_DIR)/debug $(TARGET_DIR)/python/bin/python -m pytest -q -rs components/kt-python/tests
 
 ## bench-python: the same 1 GiB state dict (500 tensors) and 10,000-file
@@ -118,7 +125,7 @@ bench-python: release python
 	KT_BIN_DIR=$(abspath $(TARGET_DIR))/release $(TARGET_DIR)/python/bin/python \
 		components/kt-python/bench/bench.py $(BENCH_ARGS)
 
-## images: the four images (metadata, store, agent, client), built offline
+## images: the five images (metadata, store, agent, client, dataset controller), built offline
 ## from a base assembled from this machine (testbed/images/build.sh), tagged
 ## with the git revision and the workspace version.
 images: release
@@ -165,6 +172,14 @@ bench-tensors:
 KT_FUZZ_SECONDS ?= 30
 fuzz:
 	KT_FUZZ_SECONDS=$(KT_FUZZ_SECONDS) $(CARGO) test --release -p kt-tests --test fuzz -- --ignored --nocapture
+
+## bench-s3: an S3 ingest of 1 GiB in 1,000 objects (moto's server) into the
+## store against a plain download of the same objects to local disk: the
+## ratio (target 1.3x) and the ingesting process's peak RSS (target 256 MiB).
+## BENCH_ARGS='--size 64MiB --objects 100 --runs 1' for a quick run.
+bench-s3:
+	bash testbed/s3/moto.sh
+	$(CARGO) run --release -p kt-bench --bin kt-bench-s3 -- $(BENCH_ARGS)
 
 ## bench-recovery: a 1 GiB get and put with the store SIGKILLed and started
 ## again halfway, against the same undisturbed (real kt-metadata and kt-store

@@ -183,6 +183,8 @@ pub async fn run(mut target: Box<dyn Target>, opts: Options) -> Result<Report, T
         ],
         pods: pods.clone(),
         python: None,
+        nodes: None,
+        s3: None,
     };
     // The data sets, generated once and digested.
     let data_dir = opts.work_dir.join("data");

@@ -77,6 +77,15 @@ pub struct Topology {
     pub store: StoreSpec,
     #[serde(default)]
     pub pods: Vec<PodSpec>,
+    /// Kubernetes nodes (`nodes: 12` or `{ count: 12, labels: {...} }`):
+    /// an in-memory API server, `node-1`..`node-N` with a node-cache agent
+    /// each, and the Dataset controller (see `crate::datasets`).
+    #[serde(default)]
+    pub nodes: Option<crate::datasets::NodesSpec>,
+    /// An S3 server (`s3: true` or `{ buckets: [...] }`): moto's, with the
+    /// buckets created, its endpoint as `{{s3}}` (see `crate::s3`).
+    #[serde(default)]
+    pub s3: Option<crate::s3::S3Spec>,
 }
 
 /// Timing knobs of the metadata server (faster than production defaults
@@ -504,6 +513,10 @@ pub struct KillStep {
     pub component: Option<ComponentName>,
     #[serde(default)]
     pub agent: Option<String>,
+    /// A node of the topology's `nodes` (`node-3`): its node-cache agent
+    /// dies and the API marks the node NotReady (node lost).
+    #[serde(default)]
+    pub node: Option<String>,
     #[serde(default)]
     pub signal: Signal,
 }
@@ -564,7 +577,12 @@ pub fn victim<'a>(
 }
 
 impl KillStep {
+    /// The component or agent it kills (Err for a `node` kill, which
+    /// [`crate::runner`] handles on its own).
     pub fn victim(&self) -> Result<Victim<'_>, &'static str> {
+        if self.node.is_some() {
+            return Err("a node kill names `node` alone");
+        }
         victim(&self.component, &self.agent)
     }
 }
@@ -951,6 +969,14 @@ pub enum Action {
     TensorLs(TensorLsStep),
     /// Ends held processes (`tensor_put` with `hold`).
     Stop(StopStep),
+    /// Applies or deletes a `Dataset` (topology `nodes`).
+    Dataset(crate::datasets::DatasetStep),
+    /// Waits for a `Dataset`'s phase and records its status.
+    WaitDataset(crate::datasets::WaitDatasetStep),
+    /// Schedules a pod onto a node holding a dataset and verifies it there.
+    ReadDataset(crate::datasets::ReadDatasetStep),
+    /// Makes an S3 bucket prefix hold a data set (topology `s3`).
+    S3Put(crate::s3::S3PutStep),
     /// Children run at the same time; the step ends when all have.
     Parallel(Vec<Step>),
     /// Children run one after another (a branch of a `parallel`).
@@ -977,6 +1003,10 @@ pub const ACTIONS: &[&str] = &[
     "tensor_get",
     "tensor_ls",
     "stop",
+    "dataset",
+    "wait_dataset",
+    "read_dataset",
+    "s3_put",
     "parallel",
     "sequence",
 ];
@@ -1006,6 +1036,10 @@ const STEP_KEYS: &[&str] = &[
     "tensor_get",
     "tensor_ls",
     "stop",
+    "dataset",
+    "wait_dataset",
+    "read_dataset",
+    "s3_put",
     "parallel",
     "sequence",
 ];
@@ -1032,6 +1066,10 @@ impl Action {
             Action::TensorGet(_) => "tensor_get",
             Action::TensorLs(_) => "tensor_ls",
             Action::Stop(_) => "stop",
+            Action::Dataset(_) => "dataset",
+            Action::WaitDataset(_) => "wait_dataset",
+            Action::ReadDataset(_) => "read_dataset",
+            Action::S3Put(_) => "s3_put",
             Action::Parallel(_) => "parallel",
             Action::Sequence(_) => "sequence",
         }
@@ -1102,6 +1140,14 @@ impl<'de> Deserialize<'de> for Step {
                             set_action(Action::TensorLs(map.next_value()?), &mut action)?
                         }
                         "stop" => set_action(Action::Stop(map.next_value()?), &mut action)?,
+                        "dataset" => set_action(Action::Dataset(map.next_value()?), &mut action)?,
+                        "wait_dataset" => {
+                            set_action(Action::WaitDataset(map.next_value()?), &mut action)?
+                        }
+                        "read_dataset" => {
+                            set_action(Action::ReadDataset(map.next_value()?), &mut action)?
+                        }
+                        "s3_put" => set_action(Action::S3Put(map.next_value()?), &mut action)?,
                         "parallel" => set_action(Action::Parallel(map.next_value()?), &mut action)?,
                         "sequence" => set_action(Action::Sequence(map.next_value()?), &mut action)?,
                         other => return Err(de::Error::unknown_field(other, STEP_KEYS)),

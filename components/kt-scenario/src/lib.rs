@@ -14,11 +14,13 @@
 pub mod argv;
 pub mod chaos;
 pub mod data;
+pub mod datasets;
 pub mod format;
 pub mod live;
 pub mod locate;
 pub mod report;
 pub mod runner;
+pub mod s3;
 pub mod snapshot;
 pub mod target;
 pub mod template;

@@ -205,6 +205,16 @@ impl Checker<'_> {
                 "chunk_size must be a power of two of at least 4KiB",
             );
         }
+        if let Some(s3) = &s.topology.s3 {
+            if s3.buckets.is_empty() {
+                self.err("topology.s3.buckets", "name at least one bucket");
+            }
+            for (i, b) in s3.buckets.iter().enumerate() {
+                if let Some(problem) = crate::s3::bucket_problem(b) {
+                    self.err(&format!("topology.s3.buckets.{i}"), problem);
+                }
+            }
+        }
         for (name, message) in crate::data::check(&s.data) {
             self.err(&format!("data.{name}"), message);
         }
@@ -225,6 +235,7 @@ impl Checker<'_> {
             Ok(names) => {
                 for n in names {
                     let known = matches!(n.as_str(), "scenario" | "run")
+                        || (n == "s3" && self.scenario.topology.s3.is_some())
                         || (per_pod && matches!(n.as_str(), "pod" | "index"))
                         || n.strip_prefix("vars.")
                             .is_some_and(|v| self.scenario.vars.contains_key(v));
@@ -247,6 +258,27 @@ impl Checker<'_> {
             self.err(
                 path,
                 format!("no pod named `{name}` in the topology (pods: {known:?})"),
+            );
+        }
+    }
+
+    /// A step that needs the topology's `nodes`.
+    fn nodes(&mut self, path: &str) {
+        if self.scenario.topology.nodes.is_none() {
+            self.err(
+                path,
+                "dataset steps need Kubernetes nodes: topology `nodes: N`",
+            );
+        }
+    }
+
+    fn node(&mut self, path: &str, name: &str) {
+        self.nodes(path);
+        let count = self.scenario.topology.nodes.as_ref().map_or(0, |n| n.count);
+        if !(1..=count).any(|i| format!("node-{i}") == name) {
+            self.err(
+                path,
+                format!("no node named `{name}` (nodes are node-1..node-{count})"),
             );
         }
     }
@@ -368,6 +400,44 @@ impl Checker<'_> {
         }
     }
 
+    /// An `s3_put`: the topology's S3 server and one of its buckets, a
+    /// tree data set, a prefix that is empty or ends with `/`.
+    fn s3_put(&mut self, body: &str, s: &crate::s3::S3PutStep) {
+        match &self.scenario.topology.s3 {
+            None => self.err(body, "s3 steps need an S3 server: topology `s3`"),
+            Some(spec) if !spec.buckets.contains(&s.bucket) => self.err(
+                &format!("{body}.bucket"),
+                format!(
+                    "no bucket `{}` in topology.s3 (buckets: {:?})",
+                    s.bucket, spec.buckets
+                ),
+            ),
+            Some(_) => {}
+        }
+        self.template(&format!("{body}.prefix"), &s.prefix, false);
+        if s.prefix.starts_with('/') || !(s.prefix.is_empty() || s.prefix.ends_with('/')) {
+            self.err(
+                &format!("{body}.prefix"),
+                "a prefix is empty or a folder: `train/`, not `/train` or `tr`",
+            );
+        }
+        self.data(&format!("{body}.data"), &s.data);
+        if self
+            .scenario
+            .data
+            .get(&s.data)
+            .is_some_and(|d| d.file.is_some())
+        {
+            self.err(
+                &format!("{body}.data"),
+                "a single-file data set has no relative names: use a tree",
+            );
+        }
+        if s.concurrency == Some(0) {
+            self.err(&format!("{body}.concurrency"), "concurrency is at least 1");
+        }
+    }
+
     fn regex(&mut self, path: &str, re: &str) {
         if let Err(e) = regex::Regex::new(re) {
             self.err(path, format!("invalid regex: {e}"));
@@ -398,6 +468,9 @@ impl Checker<'_> {
                     | Action::TensorPut(_)
                     | Action::TensorGet(_)
                     | Action::TensorLs(_)
+                    | Action::WaitDataset(_)
+                    | Action::ReadDataset(_)
+                    | Action::S3Put(_)
             );
             if !records {
                 self.err(
@@ -515,7 +588,50 @@ impl Checker<'_> {
                     self.pod(&format!("{body}.pod"), p);
                 }
             }
+            Action::Kill(k) if k.node.is_some() => {
+                let node = k.node.as_deref().unwrap_or_default();
+                self.node(&format!("{body}.node"), node);
+                if k.component.is_some() || k.agent.is_some() {
+                    self.err(&body, "a node kill names `node` alone");
+                }
+            }
             Action::Kill(k) => self.victim(&body, k.victim()),
+            Action::Dataset(d) => {
+                self.nodes(&body);
+                match (&d.apply, &d.delete) {
+                    (Some(a), None) => {
+                        if let Err(e) = crate::datasets::spec_of(a) {
+                            self.err(&format!("{body}.apply"), e);
+                        }
+                    }
+                    (None, Some(_)) => {}
+                    _ => self.err(&body, "a dataset step either `apply`s or `delete`s"),
+                }
+            }
+            Action::WaitDataset(w) => {
+                self.nodes(&body);
+                const PHASES: &[&str] = &["Pending", "Ingesting", "Seeding", "Ready", "Failed"];
+                if !PHASES.contains(&w.phase.as_str()) {
+                    self.err(
+                        &format!("{body}.phase"),
+                        format!("phase is one of {PHASES:?}"),
+                    );
+                }
+                if w.ingest_changed.is_some() && !w.new_version {
+                    self.err(
+                        &format!("{body}.ingest_changed"),
+                        "ingest_changed checks the ingest that brought a new version: add `new_version: true`",
+                    );
+                }
+            }
+            Action::ReadDataset(r) => {
+                self.nodes(&body);
+                self.pod(&format!("{body}.pod"), &r.pod);
+                for (i, d) in r.verify.iter().enumerate() {
+                    self.data(&format!("{body}.verify.{i}"), d);
+                }
+            }
+            Action::S3Put(s) => self.s3_put(&body, s),
             Action::Link(l) => self.component(&format!("{body}.component"), &l.component),
             Action::Restart(r) => {
                 self.victim(&body, r.victim());

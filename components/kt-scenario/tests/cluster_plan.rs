@@ -104,9 +104,10 @@ fn every_library_scenario_is_planned_or_skipped_with_a_reason() {
         }
         // What cannot run on a cluster, and only that: the netns-only
         // shaped link, the CUDA scenarios, an agent kept down, Python (the
-        // client image has none), frozen processes (kill -STOP) and cut
-        // links.
-        assert_eq!(skipped.len(), 17, "{flavor}: {skipped:#?}");
+        // client image has none), frozen processes (kill -STOP), cut
+        // links and the dataset scenarios' testbed nodes (topology `nodes`,
+        // with `s3` too for dataset-s3).
+        assert_eq!(skipped.len(), 20, "{flavor}: {skipped:#?}");
         assert!(
             skipped
                 .iter()

@@ -25,10 +25,12 @@ use crate::validate::Loaded;
 mod budget;
 mod check;
 pub mod cpu;
+mod datasets;
 mod error;
 mod exec;
 mod fault;
 mod probe;
+mod s3;
 mod tensors;
 mod transfer;
 mod wait;
@@ -81,6 +83,11 @@ fn skip_reason(l: &Loaded, target: &dyn Target, opts: &Options) -> Option<String
     unsupported(l, target)
         .or_else(|| needs_gpu(l).then(cuda_missing).flatten())
         .or_else(|| (runs_python(l) && opts.python.is_none()).then(|| NO_PYTHON.to_owned()))
+        .or_else(|| {
+            (l.scenario.topology.s3.is_some())
+                .then(crate::target::s3::unavailable)
+                .flatten()
+        })
         .or_else(|| target.unavailable())
 }
 
@@ -101,6 +108,18 @@ pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
         ));
     }
     let steps = || l.scenario.steps.iter().chain(&l.scenario.finally);
+    if l.scenario.topology.nodes.is_some() && !target.runs_nodes() {
+        return Some(format!(
+            "runs Kubernetes nodes (topology `nodes`: an API server, node-cache agents, the Dataset controller), which the {} target does not yet (local does)",
+            target.name()
+        ));
+    }
+    if l.scenario.topology.s3.is_some() && !target.runs_s3() {
+        return Some(format!(
+            "runs an S3 server (topology `s3`: moto's), which the {} target does not (local and netns do)",
+            target.name()
+        ));
+    }
     if !target.runs_python() && runs_python(l) {
         return Some(format!(
             "runs Python in its pods, but the {} target's pods run the client image, which has no Python (python steps run on the local and netns targets)",
@@ -466,6 +485,8 @@ pub fn scenario_plan(l: &Loaded, run_id: &str, work: &Path, bin_dir: &Path, toke
         metadata_flags: l.scenario.topology.metadata.flags(),
         pods: expand_pods(l),
         python: None,
+        nodes: l.scenario.topology.nodes.clone(),
+        s3: l.scenario.topology.s3.clone(),
     }
 }
 
@@ -564,6 +585,9 @@ struct Scn<'a> {
     deadline: Mutex<Instant>,
     /// Processes `tensor_put` steps with `hold` left running, by `as` name.
     holders: tokio::sync::Mutex<BTreeMap<String, Vec<Holder>>>,
+    /// The version each Dataset (`namespace/name`) had at the last
+    /// `wait_dataset` of it (for `new_version`).
+    dataset_versions: Mutex<BTreeMap<String, String>>,
 }
 
 impl<'a> Scn<'a> {
@@ -586,11 +610,15 @@ impl<'a> Scn<'a> {
         ];
         literals.extend(target.aliases());
         let redactor = Redactor::with(literals);
+        let mut ctx = Context::new(&loaded.name, &runner.run_id, &loaded.scenario.vars);
+        if let Some(endpoint) = target.s3_endpoint() {
+            ctx.values.insert("s3".to_owned(), endpoint);
+        }
         Scn {
             runner,
             loaded,
             target,
-            ctx: Context::new(&loaded.name, &runner.run_id, &loaded.scenario.vars),
+            ctx,
             pods,
             data,
             digests: Mutex::new(BTreeMap::new()),
@@ -608,6 +636,7 @@ impl<'a> Scn<'a> {
             context: Mutex::new(Vec::new()),
             deadline: Mutex::new(Instant::now() + SCENARIO_TIMEOUT),
             holders: tokio::sync::Mutex::new(BTreeMap::new()),
+            dataset_versions: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -790,6 +819,9 @@ impl<'a> Scn<'a> {
             Action::Broadcast(g) => format!("broadcast {} into {}", x(&g.key), g.pod),
             Action::Teardown(t) => format!("teardown {}", t.service),
             Action::Kill(k) => match k.victim() {
+                _ if k.node.is_some() => {
+                    format!("lose node {}", k.node.as_deref().unwrap_or_default())
+                }
                 Ok(Victim::Agent(p)) => format!("kill -{:?} the agent of {p}", k.signal),
                 Ok(Victim::Component(c)) => format!("kill -{:?} {c}", k.signal),
                 Err(_) => "kill".to_owned(),
@@ -873,6 +905,17 @@ impl<'a> Scn<'a> {
                 st.signal.unwrap_or(Signal::TERM),
                 st.holder
             ),
+            Action::Dataset(d) => match (&d.apply, &d.delete) {
+                (Some(a), _) => format!(
+                    "apply dataset {}",
+                    a.get("name").and_then(Value::as_str).unwrap_or_default()
+                ),
+                (None, Some(n)) => format!("delete dataset {n}"),
+                (None, None) => "dataset".to_owned(),
+            },
+            Action::WaitDataset(w) => format!("wait for dataset {} to be {}", w.name, w.phase),
+            Action::ReadDataset(r) => format!("read dataset {} in {}", r.dataset, r.pod),
+            Action::S3Put(s) => format!("sync {} into s3://{}/{}", s.data, s.bucket, x(&s.prefix)),
             Action::Parallel(c) => format!("parallel ({} steps)", c.len()),
             Action::Sequence(c) => format!("sequence ({} steps)", c.len()),
         }
@@ -958,6 +1001,7 @@ impl<'a> Scn<'a> {
             Action::Rm(r) => self.rm(step, r, started, result).await,
             Action::Exec(e) => self.exec(step, e, started, result).await,
             Action::Python(p) => self.python(step, p, started, result).await,
+            Action::Kill(k) if k.node.is_some() => self.kill_node(step, k).await,
             Action::Kill(k) => self.kill(step, k).await,
             Action::Restart(r) => self.restart(step, r).await,
             Action::Link(l) => self.link(step, l).await,
@@ -965,6 +1009,10 @@ impl<'a> Scn<'a> {
             Action::TensorGet(g) => self.tensor_get(step, g, started, result).await,
             Action::TensorLs(t) => self.tensor_ls(step, t, started, result).await,
             Action::Stop(st) => self.stop(step, st, started, result).await,
+            Action::Dataset(d) => self.dataset(step, d).await,
+            Action::WaitDataset(w) => self.wait_dataset(step, w, result).await,
+            Action::ReadDataset(r) => self.read_dataset(step, r, result).await,
+            Action::S3Put(s) => self.s3_put(step, s, result).await,
             Action::Wait(w) => self.wait(step, w, result).await,
             Action::Assert(a) => {
                 let outcome = self.assert(a).await;

@@ -20,8 +20,10 @@ pub mod k3d;
 pub mod kind;
 pub mod local;
 pub mod netns;
+pub mod nodes;
 pub mod procs;
 pub mod roles;
+pub mod s3;
 pub mod wrapped;
 
 /// What to bring up for one scenario.
@@ -47,6 +49,11 @@ pub struct Plan {
     /// `python` steps run, on targets that run the host's programs in their
     /// pods. None: there is none.
     pub python: Option<PathBuf>,
+    /// The topology's Kubernetes nodes (an API server, node-cache agents,
+    /// the Dataset controller: `target::nodes`); None: none.
+    pub nodes: Option<crate::datasets::NodesSpec>,
+    /// The topology's S3 server (`target::s3`); None: none.
+    pub s3: Option<crate::s3::S3Spec>,
 }
 
 /// One pod instance.
@@ -268,6 +275,45 @@ pub trait Target: Send + Sync {
     /// expect it gone are skipped there.
     fn keeps_killed_agents_down(&self) -> bool {
         true
+    }
+
+    /// Whether it runs the topology's Kubernetes `nodes` (an API server,
+    /// node-cache agents, the Dataset controller: `target::nodes`).
+    fn runs_nodes(&self) -> bool {
+        false
+    }
+
+    /// Whether it runs the topology's `s3` (an S3 server: `target::s3`).
+    fn runs_s3(&self) -> bool {
+        false
+    }
+
+    /// The testbed's S3 endpoint (`{{s3}}`), reachable from the runner and
+    /// the Dataset controller; None: there is none.
+    fn s3_endpoint(&self) -> Option<String> {
+        None
+    }
+
+    /// A client of the testbed's Kubernetes API, on targets that run the
+    /// topology's `nodes`; None: there is none.
+    fn kube(&self) -> Option<kt_kube::kube::Client> {
+        None
+    }
+
+    /// Where the node-cache agent of `node` keeps datasets, as the runner
+    /// sees it (topology `nodes`).
+    fn node_root(&self, node: &str) -> Option<PathBuf> {
+        let _ = node;
+        None
+    }
+
+    /// Node lost: the node-cache agent of `node` dies and the API marks
+    /// its Pod not Ready and the Node NotReady (topology `nodes`).
+    async fn kill_node(&self, node: &str) -> Result<(), TargetError> {
+        Err(TargetError::Unavailable(format!(
+            "the {} target runs no Kubernetes nodes (topology `nodes`), so it cannot lose {node}",
+            self.name()
+        )))
     }
 
     /// Whether [`Target::set_link`] can cut links (netns: the host side of

@@ -170,6 +170,8 @@ mod tests {
                 },
             ],
             python: None,
+            nodes: None,
+            s3: None,
         };
         let roles = Roles::write(&plan).unwrap();
         let file: AuthFile =

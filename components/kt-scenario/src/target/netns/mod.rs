@@ -64,7 +64,8 @@ use tokio::process::Command;
 use super::local::{
     Programs, Servers, agent_argv, agent_env, in_pod, make_pod_dirs, pod_command, server_argvs,
 };
-use super::procs::{PodProcs, Server};
+use super::nodes::{NodeAddrs, NodeCluster, NodeEnv, pod_name};
+use super::procs::{PodProcs, Server, free_port};
 use super::roles::Roles;
 use super::{Component, ExecOutput, ExecRequest, Plan, PodProcess, Target, TargetError};
 use crate::format::Signal;
@@ -100,6 +101,12 @@ pub struct Netns {
     procs: PodProcs,
     /// The run's per-component tokens (set by `up`).
     roles: Option<Roles>,
+    /// The topology's Kubernetes nodes, if any: each node agent in a
+    /// namespace of its own, the controller and the API server beside the
+    /// runner.
+    nodes: Option<NodeCluster>,
+    /// The topology's S3 server, if any (beside the runner, on loopback).
+    s3: Option<crate::target::s3::S3Server>,
 }
 
 impl Default for Netns {
@@ -120,6 +127,8 @@ impl Default for Netns {
             pods: HashMap::new(),
             procs: PodProcs::default(),
             roles: None,
+            nodes: None,
+            s3: None,
         }
     }
 }
@@ -148,11 +157,14 @@ impl Netns {
             plan.run_id,
             plan.scenario
         );
-        let pods: Vec<_> = plan
+        let mut pods: Vec<_> = plan
             .pods
             .iter()
             .map(|p| (p.name.clone(), p.link_bps))
             .collect();
+        // The nodes' agents after the pods, each in a namespace of its own.
+        let node_names = plan.nodes.as_ref().map(|n| n.names()).unwrap_or_default();
+        pods.extend(node_names.iter().map(|n| (pod_name(n), None)));
         let store_link = plan.store_link_bps;
         let net = blocking(move || {
             for line in sweep_stale() {
@@ -209,11 +221,37 @@ impl Netns {
                 url,
             );
         }
+        let node_addrs: Vec<_> = (net.pods()[plan.pods.len()..].iter())
+            .map(|n| (n.ip, AGENT_PORT, in_netns(&n.netns, Vec::new())))
+            .collect();
         self.net = Some(net);
-        self.roles = Some(roles);
         self.servers.start(&self.http, &Component::Metadata).await?;
         self.servers.start(&self.http, &Component::Store).await?;
-        self.servers.start_pods(&self.http).await
+        self.servers.start_pods(&self.http).await?;
+        if let Some(spec) = &plan.s3 {
+            self.s3 = Some(crate::target::s3::S3Server::start(spec).await?);
+        }
+        if let Some(spec) = &plan.nodes {
+            let env = NodeEnv {
+                bin_dir: plan.bin_dir.clone(),
+                work_dir: plan.work_dir.clone(),
+                metadata_url: self.metadata_url.clone(),
+                env: roles.metadata_env(),
+            };
+            let local = std::net::Ipv4Addr::LOCALHOST;
+            let addrs = NodeAddrs {
+                agents: node_addrs,
+                controller: (local, free_port(std::net::IpAddr::V4(local))?),
+            };
+            let cluster = NodeCluster::start(spec, &env, &addrs, self.http.clone()).await;
+            self.nodes = Some(cluster?);
+        }
+        if let (Some(_), Some(nodes)) = (&self.s3, &self.nodes) {
+            // The S3 server's credentials, for a Dataset's credentialsSecret.
+            nodes.put(&crate::s3::credentials_secret())?;
+        }
+        self.roles = Some(roles);
+        Ok(())
     }
 }
 
@@ -364,7 +402,39 @@ impl Target for Netns {
         self.servers.start(&self.http, c).await
     }
 
+    fn runs_nodes(&self) -> bool {
+        true
+    }
+
+    fn runs_s3(&self) -> bool {
+        true
+    }
+
+    fn s3_endpoint(&self) -> Option<String> {
+        self.s3.as_ref().map(|s| s.endpoint())
+    }
+
+    fn kube(&self) -> Option<kt_kube::kube::Client> {
+        self.nodes.as_ref().and_then(NodeCluster::client)
+    }
+
+    fn node_root(&self, node: &str) -> Option<PathBuf> {
+        self.nodes.as_ref().and_then(|n| n.root(node))
+    }
+
+    async fn kill_node(&self, node: &str) -> Result<(), TargetError> {
+        match &self.nodes {
+            Some(n) => n.kill_node(node).await,
+            None => Err(TargetError::Unavailable(
+                "this scenario has no Kubernetes nodes (topology `nodes`)".to_owned(),
+            )),
+        }
+    }
+
     async fn collect_logs(&self, dir: &Path) -> Result<(), TargetError> {
+        if let Some(n) = &self.nodes {
+            n.copy_logs(dir).await?;
+        }
         self.servers.copy_logs(dir).await
     }
 
@@ -372,7 +442,13 @@ impl Target for Netns {
         self.procs.signal_all(Signal::KILL);
         // Servers first (a namespace lives on while a process is in it), but
         // the network goes even when stopping them failed.
-        let stopped = self.servers.stop_all().await;
+        // The S3 server goes with the run (killed when dropped).
+        self.s3 = None;
+        let nodes = match self.nodes.take() {
+            Some(n) => n.stop().await,
+            None => Ok(()),
+        };
+        let stopped = self.servers.stop_all().await.and(nodes);
         if let Some(id) = self.net.as_ref().map(|n| n.id().to_owned()) {
             blocking(move || remove_run(&id)).await?;
             self.net = None;
