@@ -288,6 +288,32 @@ fn overlaps(a: &str, b: &str) -> bool {
 
 /// A version id as a directory name: its safe characters (at most 64),
 /// then a fresh suffix.
+/// Recreates the tree `from` at `to` (which must not exist yet) with hard
+/// links for files, symlinks copied as links, directories made afresh; the
+/// number of files linked. Never follows a link.
+fn link_tree(from: &Path, to: &Path) -> std::io::Result<u64> {
+    let mut linked = 0;
+    std::fs::create_dir(to)?;
+    let mut stack = vec![(from.to_owned(), to.to_owned())];
+    while let Some((src, dst)) = stack.pop() {
+        for entry in std::fs::read_dir(&src)? {
+            let entry = entry?;
+            let (s, d) = (entry.path(), dst.join(entry.file_name()));
+            let kind = entry.file_type()?;
+            if kind.is_dir() {
+                std::fs::create_dir(&d)?;
+                stack.push((s, d));
+            } else if kind.is_symlink() {
+                std::os::unix::fs::symlink(std::fs::read_link(&s)?, &d)?;
+            } else if kind.is_file() {
+                std::fs::hard_link(&s, &d)?;
+                linked += 1;
+            }
+        }
+    }
+    Ok(linked)
+}
+
 fn version_dir(version: &str) -> String {
     let safe: String = version
         .chars()
@@ -920,6 +946,12 @@ impl NodeCache {
         entry.rec.placed_seq = seq;
         entry.rec.failure = None;
         entry.rec.pending = Some(pending.clone());
+        // The version held now seeds the new one: only what changed moves.
+        let previous = entry
+            .rec
+            .held
+            .as_ref()
+            .map(|h| self.version_path(&id, &h.dir));
         let done = Arc::new(AtomicU64::new(0));
         let me = self.clone();
         let (task_id, task_done) = (id.clone(), done.clone());
@@ -927,7 +959,7 @@ impl NodeCache {
         // Started only once the record says so (it runs after the lock is
         // released, and checks its generation).
         let task = tokio::spawn(async move {
-            me.fetch(task_id, generation, pending, broadcast, task_done)
+            me.fetch(task_id, generation, pending, previous, broadcast, task_done)
                 .await;
         });
         entry.seeding = Some(Seeding {
@@ -1075,11 +1107,18 @@ impl NodeCache {
     }
 
     /// One seed: fetch into a fresh directory, then switch the path.
+    /// Fetches `pending` into its own directory. With a `previous` version
+    /// held, the directory starts as hard links of it and the get is a
+    /// mirror get: only files that changed move (and are written under new
+    /// inodes: kt-sync replaces files by rename, so the held version, still
+    /// served and still the dataset's path until the switch, never
+    /// changes), files the new version lacks are removed.
     async fn fetch(
         self: Arc<Self>,
         id: Id,
         generation: u64,
         pending: Pending,
+        previous: Option<PathBuf>,
         broadcast: Option<SeedBroadcast>,
         done: Arc<AtomicU64>,
     ) {
@@ -1094,6 +1133,27 @@ impl NodeCache {
             tokio::fs::create_dir_all(&parent)
                 .await
                 .map_err(|e| format!("{}: {e}", parent.display()))?;
+            let mirror = match previous {
+                Some(prev) => {
+                    let to = dest.clone();
+                    let linked = tokio::task::spawn_blocking(move || link_tree(&prev, &to))
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    match linked {
+                        Ok(n) => {
+                            tracing::debug!(namespace = %id.0, name = %id.1, files = n, "the new version starts from the held one");
+                            true
+                        }
+                        // Not fatal: the get fetches what the links would
+                        // have given.
+                        Err(e) => {
+                            tracing::warn!(namespace = %id.0, name = %id.1, error = %e, "could not start the new version from the held one; fetching all of it");
+                            true
+                        }
+                    }
+                }
+                None => false,
+            };
             let got = match &broadcast {
                 Some(b) => {
                     let opts = kt_client::broadcast::BroadcastOptions {
@@ -1101,14 +1161,17 @@ impl NodeCache {
                         fanout: Some(b.fanout),
                         window: (b.window_ms > 0)
                             .then(|| std::time::Duration::from_millis(b.window_ms)),
-                        delete: false,
+                        delete: mirror,
                     };
                     self.client
                         .get_broadcast(&key, &dest, &opts, progress)
                         .await
                         .map(|s| s.get)
                 }
-                None => self.client.get(&key, &dest, progress).await,
+                None => {
+                    let opts = kt_client::GetOptions { delete: mirror };
+                    self.client.get_with(&key, &dest, &opts, progress).await
+                }
             };
             got.map_err(|e| e.to_string())?;
             Ok::<_, String>(key)
@@ -1428,6 +1491,27 @@ mod tests {
         assert!(overlaps("/r/a/b", "/r/a"));
         assert!(!overlaps("/r/a", "/r/ab"));
         assert!(!overlaps("/r/a/b", "/r/a/c"));
+    }
+
+    #[test]
+    fn a_tree_is_linked_not_copied() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::create_dir_all(a.join("sub/deeper")).unwrap();
+        std::fs::write(a.join("f"), b"one").unwrap();
+        std::fs::write(a.join("sub/deeper/g"), b"two").unwrap();
+        std::os::unix::fs::symlink("sub/deeper/g", a.join("link")).unwrap();
+        assert_eq!(link_tree(&a, &b).unwrap(), 2);
+        let ino = |p: &Path| std::fs::metadata(p).unwrap().ino();
+        assert_eq!(ino(&a.join("f")), ino(&b.join("f")));
+        assert_eq!(ino(&a.join("sub/deeper/g")), ino(&b.join("sub/deeper/g")));
+        assert_eq!(
+            std::fs::read_link(b.join("link")).unwrap(),
+            PathBuf::from("sub/deeper/g")
+        );
+        // The destination must be new: a link tree never merges.
+        assert!(link_tree(&a, &b).is_err());
     }
 
     #[test]

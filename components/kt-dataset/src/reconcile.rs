@@ -725,7 +725,10 @@ fn view_ingest(
         failed: None,
         ingest: progress,
         start_ingest: start,
-        next: None,
+        // Nothing wakes the reconcile when an ingest ends: look again soon,
+        // so a refresh of a Ready dataset moves in seconds, not at the
+        // Ready requeue.
+        next: Some(settings.busy_requeue),
         condition: (false, "Ingesting".into(), message),
     };
     match state {

@@ -216,6 +216,7 @@ impl Snapshots {
     /// Asserts `value` (already redacted) as the snapshot `name`.
     pub fn assert(&self, name: &str, source: &Path, description: &str, value: &Value) -> Outcome {
         self.reference(name);
+        self.discard_stale(name);
         let file = self.file_of(name);
         let recording = Recording(Arc::new(Mutex::new(None)));
         let mut settings = insta::Settings::new();
@@ -254,6 +255,15 @@ impl Snapshots {
             file,
             ok: false,
             diff: Some(diff),
+        }
+    }
+
+    /// With `Accept`, removes a `.snap.new` an earlier run left for `name`:
+    /// this run writes the snapshot itself, and [`Snapshots::finish`] would
+    /// otherwise promote the stale file over it.
+    fn discard_stale(&self, name: &str) {
+        if self.mode == Mode::Accept {
+            let _ = std::fs::remove_file(self.dir.join(format!("{name}.snap.new")));
         }
     }
 
@@ -382,5 +392,23 @@ mod tests {
         assert!(!dir.path().join("alpha.snap.new").exists());
         assert!(!dir.path().join("beta.snap.new").exists());
         assert_eq!(snaps.unreferenced(), vec![dir.path().join("stale.snap")]);
+    }
+
+    #[test]
+    fn accepting_discards_what_an_earlier_run_left_pending() {
+        let dir = tempfile::tempdir().unwrap();
+        let pending = dir.path().join("gamma.snap.new");
+        std::fs::write(
+            &pending,
+            "---
+---
+old: run
+",
+        )
+        .unwrap();
+        Snapshots::new(dir.path().to_owned(), Mode::Check).discard_stale("gamma");
+        assert!(pending.exists(), "only an accepting run discards it");
+        Snapshots::new(dir.path().to_owned(), Mode::Accept).discard_stale("gamma");
+        assert!(!pending.exists());
     }
 }

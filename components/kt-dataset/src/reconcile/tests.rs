@@ -949,6 +949,9 @@ fn s3_sources_are_ingested_then_placed_then_refreshed() {
         plan.seeds().is_empty(),
         "the agents fetch v1 already (status)"
     );
+    // Nothing wakes the controller when the ingest ends: it looks again
+    // soon, not at the (long) Ready requeue.
+    assert_eq!(plan.requeue, Settings::default().busy_requeue);
 }
 
 /// A failed ingest fails the Dataset; it is retried after the back-off, or
