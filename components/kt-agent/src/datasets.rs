@@ -1133,27 +1133,24 @@ impl NodeCache {
             tokio::fs::create_dir_all(&parent)
                 .await
                 .map_err(|e| format!("{}: {e}", parent.display()))?;
-            let mirror = match previous {
-                Some(prev) => {
-                    let to = dest.clone();
-                    let linked = tokio::task::spawn_blocking(move || link_tree(&prev, &to))
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    match linked {
-                        Ok(n) => {
-                            tracing::debug!(namespace = %id.0, name = %id.1, files = n, "the new version starts from the held one");
-                            true
-                        }
-                        // Not fatal: the get fetches what the links would
-                        // have given.
-                        Err(e) => {
-                            tracing::warn!(namespace = %id.0, name = %id.1, error = %e, "could not start the new version from the held one; fetching all of it");
-                            true
-                        }
+            // Started from the held version or not, the get mirrors the key:
+            // links the new version lacks are removed, what is missing fetched.
+            let mirror = previous.is_some();
+            if let Some(prev) = previous {
+                let to = dest.clone();
+                let linked = tokio::task::spawn_blocking(move || link_tree(&prev, &to))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                match linked {
+                    Ok(n) => {
+                        tracing::debug!(namespace = %id.0, name = %id.1, files = n, "the new version starts from the held one")
+                    }
+                    // Not fatal: the get fetches what the links would have given.
+                    Err(e) => {
+                        tracing::warn!(namespace = %id.0, name = %id.1, error = %e, "could not start the new version from the held one; fetching all of it")
                     }
                 }
-                None => false,
-            };
+            }
             let got = match &broadcast {
                 Some(b) => {
                     let opts = kt_client::broadcast::BroadcastOptions {
