@@ -421,7 +421,9 @@ impl ApiServer {
                 }
             }),
             Some(pki) => {
-                let listener = tls::TlsListener::new(listener, pki.server_config()?);
+                let listener =
+                    kt_service::tls::TlsListener::with_config(listener, pki.server_config()?)
+                        .map_err(|e| ApiServerError::Tls(format!("listener: {e}")))?;
                 tokio::spawn(async move {
                     let serve =
                         axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned());
@@ -1757,19 +1759,13 @@ fn watch(
         .into_response())
 }
 
-/// HTTPS: a CA and a server certificate made at start, and a listener
-/// that does the handshakes off the accept loop.
+/// HTTPS: a CA and a server certificate made at start (served by
+/// kt-service's TLS listener).
 mod tls {
-    use std::net::{IpAddr, SocketAddr};
+    use std::net::IpAddr;
     use std::sync::Arc;
-    use std::time::Duration;
-
-    use tokio::net::{TcpListener, TcpStream};
-    use tokio::sync::mpsc;
 
     use super::ApiServerError;
-
-    const HANDSHAKE: Duration = Duration::from_secs(10);
 
     fn err(what: &'static str) -> impl FnOnce(rcgen::Error) -> ApiServerError {
         move |e| ApiServerError::Tls(format!("{what}: {e}"))
@@ -1832,63 +1828,6 @@ mod tls {
         base64::engine::general_purpose::STANDARD
             .decode(body.trim())
             .map_err(|e| ApiServerError::Tls(format!("CA PEM: {e}")))
-    }
-
-    /// Accepts TCP connections and hands over those whose handshake
-    /// completed (each in a task of its own, bounded in time).
-    pub struct TlsListener {
-        ready: mpsc::Receiver<(tokio_rustls::server::TlsStream<TcpStream>, SocketAddr)>,
-        addr: SocketAddr,
-        task: tokio::task::JoinHandle<()>,
-    }
-
-    impl TlsListener {
-        pub fn new(tcp: TcpListener, config: Arc<rustls::ServerConfig>) -> TlsListener {
-            let addr = tcp
-                .local_addr()
-                .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)));
-            let acceptor = tokio_rustls::TlsAcceptor::from(config);
-            let (tx, ready) = mpsc::channel(64);
-            let task = tokio::spawn(async move {
-                loop {
-                    let Ok((stream, peer)) = tcp.accept().await else {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    };
-                    let (acceptor, tx) = (acceptor.clone(), tx.clone());
-                    tokio::spawn(async move {
-                        if let Ok(Ok(s)) =
-                            tokio::time::timeout(HANDSHAKE, acceptor.accept(stream)).await
-                        {
-                            let _ = tx.send((s, peer)).await;
-                        }
-                    });
-                }
-            });
-            TlsListener { ready, addr, task }
-        }
-    }
-
-    impl Drop for TlsListener {
-        fn drop(&mut self) {
-            self.task.abort();
-        }
-    }
-
-    impl axum::serve::Listener for TlsListener {
-        type Io = tokio_rustls::server::TlsStream<TcpStream>;
-        type Addr = SocketAddr;
-
-        async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-            match self.ready.recv().await {
-                Some(c) => c,
-                None => std::future::pending().await,
-            }
-        }
-
-        fn local_addr(&self) -> std::io::Result<SocketAddr> {
-            Ok(self.addr)
-        }
     }
 }
 

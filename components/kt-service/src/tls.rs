@@ -184,8 +184,17 @@ pub struct TlsListener {
 impl TlsListener {
     /// Serves `tls` on `tcp`.
     pub fn new(tcp: TcpListener, tls: &Tls) -> std::io::Result<TlsListener> {
+        TlsListener::with_config(tcp, tls.config.clone())
+    }
+
+    /// Serves a rustls configuration made elsewhere (the test API server's
+    /// own CA) on `tcp`.
+    pub fn with_config(
+        tcp: TcpListener,
+        config: Arc<rustls::ServerConfig>,
+    ) -> std::io::Result<TlsListener> {
         let addr = tcp.local_addr()?;
-        let acceptor = tokio_rustls::TlsAcceptor::from(tls.config.clone());
+        let acceptor = tokio_rustls::TlsAcceptor::from(config);
         let (tx, ready) = mpsc::channel(64);
         let task = tokio::spawn(async move {
             loop {
