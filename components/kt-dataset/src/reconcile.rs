@@ -469,7 +469,6 @@ pub fn reconcile(obs: &Observed, settings: &Settings) -> Plan {
     status.reason = Some(reason.clone());
 
     let gen_ = ds.generation;
-    let (src_ok, src_reason, src_message) = source.condition.clone();
     let placed_cond = match (&source.target, &placed_short) {
         (None, _) => (
             false,
@@ -483,40 +482,13 @@ pub fn reconcile(obs: &Observed, settings: &Settings) -> Plan {
             format!("{members_count} of {desired} nodes chosen"),
         ),
     };
-    let ready_cond = if phase == Phase::Ready {
-        (true, reason.clone(), message.clone())
-    } else {
-        (false, reason.clone(), message.clone())
-    };
-    status.conditions = vec![
-        condition(
-            &prev,
-            SOURCE_READY,
-            src_ok,
-            &src_reason,
-            &src_message,
-            gen_,
-            obs.now,
-        ),
-        condition(
-            &prev,
-            PLACED,
-            placed_cond.0,
-            &placed_cond.1,
-            &placed_cond.2,
-            gen_,
-            obs.now,
-        ),
-        condition(
-            &prev,
-            READY,
-            ready_cond.0,
-            &ready_cond.1,
-            &ready_cond.2,
-            gen_,
-            obs.now,
-        ),
-    ];
+    let ready_cond = (phase == Phase::Ready, reason.clone(), message.clone());
+    status.conditions = conditions(
+        &prev,
+        [source.condition.clone(), placed_cond, ready_cond],
+        gen_,
+        obs.now,
+    );
 
     // Events on a change of phase or reason.
     if prev.phase != phase || prev.reason.as_deref() != Some(reason.as_str()) {
@@ -560,24 +532,13 @@ fn finish_failed(
     status.phase = Phase::Failed;
     status.reason = Some(reason.clone());
     let source_bad = source.failed.is_some();
-    let (src_ok, src_reason, src_message) = if source_bad {
+    let source_cond = if source_bad {
         (false, reason.clone(), message.clone())
     } else {
         source.condition.clone()
     };
-    status.conditions = vec![
-        condition(
-            &prev,
-            SOURCE_READY,
-            src_ok,
-            &src_reason,
-            &src_message,
-            gen_,
-            obs.now,
-        ),
-        condition(&prev, PLACED, false, &reason, &message, gen_, obs.now),
-        condition(&prev, READY, false, &reason, &message, gen_, obs.now),
-    ];
+    let failed = (false, reason.clone(), message.clone());
+    status.conditions = conditions(&prev, [source_cond, failed.clone(), failed], gen_, obs.now);
     let changed = prev.phase != Phase::Failed
         || prev.reason.as_deref() != Some(reason.as_str())
         || prev.observed_generation != gen_;
@@ -607,6 +568,22 @@ fn event(type_: EventType, reason: &str, message: &str) -> Action {
 
 /// A condition, keeping the previous one's `lastTransitionTime` when its
 /// status did not change.
+/// The three conditions, SourceReady, Placed and Ready, each as
+/// (ok, reason, message).
+fn conditions(
+    prev: &DatasetStatus,
+    [source, placed, ready]: [(bool, String, String); 3],
+    generation: Option<i64>,
+    now: SystemTime,
+) -> Vec<Condition> {
+    [(SOURCE_READY, source), (PLACED, placed), (READY, ready)]
+        .into_iter()
+        .map(|(type_, (ok, reason, message))| {
+            condition(prev, type_, ok, &reason, &message, generation, now)
+        })
+        .collect()
+}
+
 fn condition(
     prev: &DatasetStatus,
     type_: &str,
