@@ -11,12 +11,13 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::process::Command;
 
-use super::nodes::{NodeAddrs, NodeCluster, NodeEnv};
+use super::nodes::{Beside, NodeAddrs, NodeEnv};
 use super::procs::{PodProcs, Server, binary, free_port};
 use super::roles::Roles;
 use super::{
     Component, ExecOutput, ExecRequest, Plan, PodPlan, PodProcess, Program, Target, TargetError,
 };
+use crate::datasets::NodesSpec;
 use crate::format::Signal;
 
 /// How long a server gets to become ready.
@@ -232,10 +233,8 @@ pub struct Local {
     procs: PodProcs,
     /// The run's per-component tokens (set by `up`).
     roles: Option<Roles>,
-    /// The topology's Kubernetes nodes, if any.
-    nodes: Option<NodeCluster>,
-    /// The topology's S3 server, if any.
-    s3: Option<super::s3::S3Server>,
+    /// The topology's Kubernetes nodes and S3 server, if any.
+    beside: Beside,
 }
 
 impl Local {
@@ -532,26 +531,16 @@ impl Target for Local {
         self.servers.start(&self.http, &Component::Metadata).await?;
         self.servers.start(&self.http, &Component::Store).await?;
         self.servers.start_pods(&self.http).await?;
-        if let Some(spec) = &plan.s3 {
-            self.s3 = Some(super::s3::S3Server::start(spec).await?);
-        }
-        if let Some(spec) = &plan.nodes {
-            // Node agents and the controller after the pods' addresses.
-            let env = NodeEnv {
-                bin_dir: plan.bin_dir.clone(),
-                work_dir: plan.work_dir.clone(),
-                metadata_url: metadata_url.clone(),
-                env: roles.metadata_env(),
-            };
-            let base = plan.pods.len();
-            let addrs = NodeAddrs::loopback(spec.count, |i| pod_ip(base + i))?;
-            let cluster = NodeCluster::start(spec, &env, &addrs, self.http.clone()).await;
-            self.nodes = Some(cluster?);
-        }
-        if let (Some(_), Some(nodes)) = (&self.s3, &self.nodes) {
-            // The S3 server's credentials, for a Dataset's credentialsSecret.
-            nodes.put(&crate::s3::credentials_secret())?;
-        }
+        // Node agents and the controller after the pods' addresses.
+        let env = NodeEnv {
+            bin_dir: plan.bin_dir.clone(),
+            work_dir: plan.work_dir.clone(),
+            metadata_url: metadata_url.clone(),
+            env: roles.metadata_env(),
+        };
+        let base = plan.pods.len();
+        let addrs = |spec: &NodesSpec| NodeAddrs::loopback(spec.count, |i| pod_ip(base + i));
+        self.beside = Beside::start(plan, &env, addrs, self.http.clone()).await?;
         self.roles = Some(roles);
         Ok(())
     }
@@ -603,25 +592,8 @@ impl Target for Local {
         true
     }
 
-    fn s3_endpoint(&self) -> Option<String> {
-        self.s3.as_ref().map(|s| s.endpoint())
-    }
-
-    fn kube(&self) -> Option<kt_kube::kube::Client> {
-        self.nodes.as_ref().and_then(NodeCluster::client)
-    }
-
-    fn node_root(&self, node: &str) -> Option<PathBuf> {
-        self.nodes.as_ref().and_then(|n| n.root(node))
-    }
-
-    async fn kill_node(&self, node: &str) -> Result<(), TargetError> {
-        match &self.nodes {
-            Some(n) => n.kill_node(node).await,
-            None => Err(TargetError::Unavailable(
-                "this scenario has no Kubernetes nodes (topology `nodes`)".to_owned(),
-            )),
-        }
+    fn beside(&self) -> Option<&Beside> {
+        Some(&self.beside)
     }
 
     fn freezes(&self) -> bool {
@@ -637,21 +609,14 @@ impl Target for Local {
     }
 
     async fn collect_logs(&self, dir: &Path) -> Result<(), TargetError> {
-        if let Some(n) = &self.nodes {
-            n.copy_logs(dir).await?;
-        }
+        self.beside.copy_logs(dir).await?;
         self.servers.copy_logs(dir).await
     }
 
     async fn down(&mut self) -> Result<(), TargetError> {
         self.procs.signal_all(Signal::KILL);
-        // The S3 server goes with the run (killed when dropped).
-        self.s3 = None;
-        let nodes = match self.nodes.take() {
-            Some(n) => n.stop().await,
-            None => Ok(()),
-        };
-        self.servers.stop_all().await.and(nodes)
+        let beside = self.beside.stop().await;
+        self.servers.stop_all().await.and(beside)
     }
 }
 

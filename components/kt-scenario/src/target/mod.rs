@@ -288,32 +288,40 @@ pub trait Target: Send + Sync {
         false
     }
 
+    /// The topology's nodes and S3 server as the process targets run them
+    /// (`target::nodes::Beside`); the four methods below read them.
+    fn beside(&self) -> Option<&nodes::Beside> {
+        None
+    }
+
     /// The testbed's S3 endpoint (`{{s3}}`), reachable from the runner and
     /// the Dataset controller; None: there is none.
     fn s3_endpoint(&self) -> Option<String> {
-        None
+        self.beside().and_then(nodes::Beside::s3_endpoint)
     }
 
     /// A client of the testbed's Kubernetes API, on targets that run the
     /// topology's `nodes`; None: there is none.
     fn kube(&self) -> Option<kt_kube::kube::Client> {
-        None
+        self.beside().and_then(nodes::Beside::kube)
     }
 
     /// Where the node-cache agent of `node` keeps datasets, as the runner
     /// sees it (topology `nodes`).
     fn node_root(&self, node: &str) -> Option<PathBuf> {
-        let _ = node;
-        None
+        self.beside().and_then(|b| b.node_root(node))
     }
 
     /// Node lost: the node-cache agent of `node` dies and the API marks
     /// its Pod not Ready and the Node NotReady (topology `nodes`).
     async fn kill_node(&self, node: &str) -> Result<(), TargetError> {
-        Err(TargetError::Unavailable(format!(
-            "the {} target runs no Kubernetes nodes (topology `nodes`), so it cannot lose {node}",
-            self.name()
-        )))
+        match self.beside() {
+            Some(b) => b.kill_node(node).await,
+            None => Err(TargetError::Unavailable(format!(
+                "the {} target runs no Kubernetes nodes (topology `nodes`), so it cannot lose {node}",
+                self.name()
+            ))),
+        }
     }
 
     /// Whether [`Target::set_link`] can cut links (netns: the host side of

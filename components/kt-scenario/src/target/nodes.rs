@@ -348,6 +348,84 @@ impl NodeCluster {
     }
 }
 
+/// What a process target runs beside its pods for a topology's `nodes`
+/// and `s3`: one place for the local and netns targets, which differ only
+/// in where the node agents listen.
+#[derive(Debug, Default)]
+pub struct Beside {
+    nodes: Option<NodeCluster>,
+    s3: Option<super::s3::S3Server>,
+}
+
+impl Beside {
+    /// Starts the plan's S3 server and nodes (the agents where `addrs`
+    /// says, called only when the plan has nodes) and gives the nodes' API
+    /// the S3 server's credentials Secret.
+    pub async fn start(
+        plan: &super::Plan,
+        env: &NodeEnv,
+        addrs: impl FnOnce(&NodesSpec) -> Result<NodeAddrs, TargetError>,
+        http: reqwest::Client,
+    ) -> Result<Beside, TargetError> {
+        let mut beside = Beside::default();
+        if let Some(spec) = &plan.s3 {
+            beside.s3 = Some(super::s3::S3Server::start(spec).await?);
+        }
+        if let Some(spec) = &plan.nodes {
+            let addrs = addrs(spec)?;
+            beside.nodes = Some(NodeCluster::start(spec, env, &addrs, http).await?);
+        }
+        if let (Some(_), Some(nodes)) = (&beside.s3, &beside.nodes) {
+            // For a Dataset's credentialsSecret.
+            nodes.put(&crate::s3::credentials_secret())?;
+        }
+        Ok(beside)
+    }
+
+    /// [`super::Target::s3_endpoint`].
+    pub fn s3_endpoint(&self) -> Option<String> {
+        self.s3.as_ref().map(|s| s.endpoint())
+    }
+
+    /// [`super::Target::kube`].
+    pub fn kube(&self) -> Option<kt_kube::kube::Client> {
+        self.nodes.as_ref().and_then(NodeCluster::client)
+    }
+
+    /// [`super::Target::node_root`].
+    pub fn node_root(&self, node: &str) -> Option<PathBuf> {
+        self.nodes.as_ref().and_then(|n| n.root(node))
+    }
+
+    /// [`super::Target::kill_node`].
+    pub async fn kill_node(&self, node: &str) -> Result<(), TargetError> {
+        match &self.nodes {
+            Some(n) => n.kill_node(node).await,
+            None => Err(TargetError::Unavailable(
+                "this scenario has no Kubernetes nodes (topology `nodes`)".to_owned(),
+            )),
+        }
+    }
+
+    /// The nodes' logs into `dir`.
+    pub async fn copy_logs(&self, dir: &Path) -> Result<(), TargetError> {
+        match &self.nodes {
+            Some(n) => n.copy_logs(dir).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Stops the nodes; the S3 server goes with them (killed when
+    /// dropped). Idempotent.
+    pub async fn stop(&mut self) -> Result<(), TargetError> {
+        self.s3 = None;
+        match self.nodes.take() {
+            Some(n) => n.stop().await,
+            None => Ok(()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

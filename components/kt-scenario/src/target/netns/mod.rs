@@ -64,10 +64,11 @@ use tokio::process::Command;
 use super::local::{
     Programs, Servers, agent_argv, agent_env, in_pod, make_pod_dirs, pod_command, server_argvs,
 };
-use super::nodes::{NodeAddrs, NodeCluster, NodeEnv, pod_name};
+use super::nodes::{Beside, NodeAddrs, NodeEnv, pod_name};
 use super::procs::{PodProcs, Server, free_port};
 use super::roles::Roles;
 use super::{Component, ExecOutput, ExecRequest, Plan, PodProcess, Target, TargetError};
+use crate::datasets::NodesSpec;
 use crate::format::Signal;
 
 mod exec;
@@ -101,12 +102,10 @@ pub struct Netns {
     procs: PodProcs,
     /// The run's per-component tokens (set by `up`).
     roles: Option<Roles>,
-    /// The topology's Kubernetes nodes, if any: each node agent in a
-    /// namespace of its own, the controller and the API server beside the
-    /// runner.
-    nodes: Option<NodeCluster>,
-    /// The topology's S3 server, if any (beside the runner, on loopback).
-    s3: Option<crate::target::s3::S3Server>,
+    /// The topology's Kubernetes nodes (each node agent in a namespace of
+    /// its own, the controller and the API server beside the runner) and
+    /// S3 server (beside the runner, on loopback), if any.
+    beside: Beside,
 }
 
 impl Default for Netns {
@@ -127,8 +126,7 @@ impl Default for Netns {
             pods: HashMap::new(),
             procs: PodProcs::default(),
             roles: None,
-            nodes: None,
-            s3: None,
+            beside: Beside::default(),
         }
     }
 }
@@ -228,28 +226,20 @@ impl Netns {
         self.servers.start(&self.http, &Component::Metadata).await?;
         self.servers.start(&self.http, &Component::Store).await?;
         self.servers.start_pods(&self.http).await?;
-        if let Some(spec) = &plan.s3 {
-            self.s3 = Some(crate::target::s3::S3Server::start(spec).await?);
-        }
-        if let Some(spec) = &plan.nodes {
-            let env = NodeEnv {
-                bin_dir: plan.bin_dir.clone(),
-                work_dir: plan.work_dir.clone(),
-                metadata_url: self.metadata_url.clone(),
-                env: roles.metadata_env(),
-            };
+        let env = NodeEnv {
+            bin_dir: plan.bin_dir.clone(),
+            work_dir: plan.work_dir.clone(),
+            metadata_url: self.metadata_url.clone(),
+            env: roles.metadata_env(),
+        };
+        let addrs = |_: &NodesSpec| {
             let local = std::net::Ipv4Addr::LOCALHOST;
-            let addrs = NodeAddrs {
+            Ok(NodeAddrs {
                 agents: node_addrs,
                 controller: (local, free_port(std::net::IpAddr::V4(local))?),
-            };
-            let cluster = NodeCluster::start(spec, &env, &addrs, self.http.clone()).await;
-            self.nodes = Some(cluster?);
-        }
-        if let (Some(_), Some(nodes)) = (&self.s3, &self.nodes) {
-            // The S3 server's credentials, for a Dataset's credentialsSecret.
-            nodes.put(&crate::s3::credentials_secret())?;
-        }
+            })
+        };
+        self.beside = Beside::start(plan, &env, addrs, self.http.clone()).await?;
         self.roles = Some(roles);
         Ok(())
     }
@@ -410,31 +400,12 @@ impl Target for Netns {
         true
     }
 
-    fn s3_endpoint(&self) -> Option<String> {
-        self.s3.as_ref().map(|s| s.endpoint())
-    }
-
-    fn kube(&self) -> Option<kt_kube::kube::Client> {
-        self.nodes.as_ref().and_then(NodeCluster::client)
-    }
-
-    fn node_root(&self, node: &str) -> Option<PathBuf> {
-        self.nodes.as_ref().and_then(|n| n.root(node))
-    }
-
-    async fn kill_node(&self, node: &str) -> Result<(), TargetError> {
-        match &self.nodes {
-            Some(n) => n.kill_node(node).await,
-            None => Err(TargetError::Unavailable(
-                "this scenario has no Kubernetes nodes (topology `nodes`)".to_owned(),
-            )),
-        }
+    fn beside(&self) -> Option<&Beside> {
+        Some(&self.beside)
     }
 
     async fn collect_logs(&self, dir: &Path) -> Result<(), TargetError> {
-        if let Some(n) = &self.nodes {
-            n.copy_logs(dir).await?;
-        }
+        self.beside.copy_logs(dir).await?;
         self.servers.copy_logs(dir).await
     }
 
@@ -442,13 +413,8 @@ impl Target for Netns {
         self.procs.signal_all(Signal::KILL);
         // Servers first (a namespace lives on while a process is in it), but
         // the network goes even when stopping them failed.
-        // The S3 server goes with the run (killed when dropped).
-        self.s3 = None;
-        let nodes = match self.nodes.take() {
-            Some(n) => n.stop().await,
-            None => Ok(()),
-        };
-        let stopped = self.servers.stop_all().await.and(nodes);
+        let beside = self.beside.stop().await;
+        let stopped = self.servers.stop_all().await.and(beside);
         if let Some(id) = self.net.as_ref().map(|n| n.id().to_owned()) {
             blocking(move || remove_run(&id)).await?;
             self.net = None;
