@@ -288,6 +288,45 @@ def gpu_dra():
     return "\n".join(lines) + "\n"
 
 
+GPU_RDMA_DOC = f"""
+NCCL over InfiniBand/RoCE for the agents of every {KINDS_TEXT}
+labelled `kt.dev/agent: sidecar`: the agent sidecar gets one HCA (the
+extended resource rdma/rdma_shared_device_a: rename it to YOUR RDMA device
+plugin's), IPC_LOCK (ibverbs registration; the kernel then ignores the
+memlock limit, which Kubernetes cannot set), 2Gi of memory, and the
+workload's NCCL settings from the optional ConfigMap kt-nccl (see
+gpu-rdma.yaml and the README's GPU section). The namespace must admit
+IPC_LOCK (Pod Security privileged). List it AFTER agent-sidecar and gpu
+(listed before agent-sidecar, the build fails). Like agent-sidecar it
+emits no resource, so it may be listed at several levels of one build.
+"""
+
+GPU_RDMA_TEMPLATE = "kt-gpu-rdma-template"
+RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+
+
+def gpu_rdma():
+    t = GPU_RDMA_TEMPLATE
+    agent = "initContainers.[name=kt-agent]"
+    lines = component_head("gpu-rdma.yaml", GPU_RDMA_DOC)
+    lines += require_agent(t, "gpu-rdma")
+    for side in ("requests", "limits"):
+        lines += replacement(t, f"spec.template.spec.{agent}.resources.{side}.{RDMA_RESOURCE}",
+                             f"{agent}.resources.{side}.{RDMA_RESOURCE}",
+                             f"The agent sidecar: one HCA ({side}).")
+    lines += replacement(t, f"spec.template.spec.{agent}.resources.limits.memory",
+                         f"{agent}.resources.limits.memory",
+                         "The agent sidecar: room for a CUDA context and NCCL's buffers.")
+    lines += replacement(t, f"spec.template.spec.{agent}.securityContext.capabilities.add",
+                         f"{agent}.securityContext.capabilities.add",
+                         "The agent sidecar: IPC_LOCK (ibverbs registration), alone.")
+    lines += replacement(t, f"spec.template.spec.{agent}.envFrom",
+                         f"{agent}.envFrom",
+                         "The agent sidecar: the workload's NCCL settings (ConfigMap kt-nccl).")
+    lines += drop_template(t)
+    return "\n".join(lines) + "\n"
+
+
 IDENTITY_DOC = f"""
 For installs with kube-identity (the production and gpu overlays): the
 agents of every {KINDS_TEXT}
@@ -486,6 +525,7 @@ FILES = {
     COMPONENTS / "agent-tls" / "kustomization.yaml": agent_tls,
     COMPONENTS / "gpu" / "kustomization.yaml": gpu,
     COMPONENTS / "gpu-dra" / "kustomization.yaml": gpu_dra,
+    COMPONENTS / "gpu-rdma" / "kustomization.yaml": gpu_rdma,
 }
 
 

@@ -68,6 +68,12 @@ NVIDIA_VISIBLE_DEVICES (the NVIDIA toolkit would hand it GPUs past the
 device plugin, every GPU of the node), and every resources.claims entry
 names a claim of its pod.
 
+RDMA (the gpu-rdma component): a container given an HCA (an rdma/*
+extended resource) adds IPC_LOCK (ibverbs registration fails without it:
+Kubernetes cannot raise the memlock limit) and no other capability, and
+one that adds IPC_LOCK has an HCA; an agent with an HCA has at least 1Gi
+of memory (a CUDA context and NCCL's pinned buffers).
+
 testbed/k8s/cases/<name>/ are rendered test cases: those with a file
 `expect-policy` are negative cases, whose every line `Kind/name rule`
 names a violation that must be reported (and is then not an error);
@@ -119,6 +125,17 @@ IDENTITY_ANNOTATION = "kt.dev/identity"
 # The annotation of a claim that means the cluster's default StorageClass.
 STORAGE_MARKER = "kt.dev/storage-class"
 STORAGE_DEFAULT = "cluster-default"
+def mem_bytes(q):
+    """A memory quantity (e.g. 512Mi, 2G, 1073741824) in bytes; 0 when it
+    is not one."""
+    m = re.fullmatch(r"(\d+)([KMGT]i?)?", q.strip())
+    if not m:
+        return 0
+    units = {None: 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
+    return int(m.group(1)) * units[m.group(2)]
+
+
 # NVIDIA_VISIBLE_DEVICES values that give a container no GPU.
 NO_GPUS = {"", "void", "none"}
 # Labels the bundle's transformers set: they change with the overlay or the
@@ -523,6 +540,33 @@ class Checker:
                       f"the pod has gpu-dra's claim `gpu`, but {AGENT} does not use it, so it sees "
                       "no GPU: agent-sidecar was listed after gpu-dra (list gpu-dra again after "
                       "it)")
+
+    def rdma(self, where, spec):
+        """RDMA grants come together (see the module doc)."""
+        for c in containers(spec):
+            name = c.get("name")
+            res = c.get("resources") or {}
+            hca = any(k.startswith("rdma/") for side in ("requests", "limits")
+                      for k in (res.get(side) or {}))
+            added = set(dig(c, "securityContext", "capabilities", "add") or [])
+            if hca and "IPC_LOCK" not in added:
+                self.fail(where, "rdma-grants",
+                          f"container {name} is given an HCA (rdma/*) without IPC_LOCK: ibverbs "
+                          "cannot register NCCL's buffers under the default memlock limit, and "
+                          "every inter-node connect fails")
+            if hca and added - {"IPC_LOCK"}:
+                self.fail(where, "rdma-grants",
+                          f"container {name} adds {sorted(added - {'IPC_LOCK'})} besides IPC_LOCK: "
+                          "RDMA needs IPC_LOCK alone")
+            if "IPC_LOCK" in added and not hca:
+                self.fail(where, "rdma-grants",
+                          f"container {name} adds IPC_LOCK without an HCA (an rdma/* resource): "
+                          "a capability for nothing")
+            mem = str(dig(res, "limits", "memory") or "")
+            if hca and name == AGENT and mem_bytes(mem) < 1 << 30:
+                self.fail(where, "rdma-grants",
+                          f"{AGENT} runs NCCL over RDMA in a memory limit of {mem or 'none'}: a CUDA "
+                          "context and NCCL's pinned buffers need 1Gi or more")
 
     def identity_order(self, where, tpl, spec):
         """A pod agent-identity marked still has what agent-identity gave
@@ -1346,6 +1390,7 @@ class Checker:
                 self.tokens(where, spec, kube_bundle)
                 self.identity_order(where, tpl, spec)
                 self.gpus(where, spec)
+                self.rdma(where, spec)
                 server = kt_pod and dig(d, "metadata", "name") in KT_SERVERS
                 if not testbed and not kube_bundle and not server:
                     self.static_workload(where, spec)

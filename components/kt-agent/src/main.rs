@@ -82,10 +82,37 @@ struct Args {
     /// mode; default: the filesystem's size).
     #[arg(long, env = "KT_DATASET_BUDGET", value_parser = kt_client::size::parse)]
     dataset_budget: Option<u64>,
+    /// Answer Arrow Flight DoGet here, e.g. 0.0.0.0:8815: a ticket
+    /// {"prefix":..,"rank":..,"world":..} streams that rank's share of the
+    /// Parquet / Arrow IPC files below the prefix as record batches, read
+    /// with the caller's token (needs the `flight` cargo feature; absent: off).
+    #[arg(long, env = kt_types::env::FLIGHT_ADDR)]
+    flight_addr: Option<SocketAddr>,
+    /// Local bytes one Flight DoGet may hold (files fetched ahead), e.g. 1GiB.
+    #[arg(long, env = kt_types::env::FLIGHT_BUDGET, value_parser = kt_client::size::parse)]
+    flight_budget: Option<u64>,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
+    // NCCL reads its settings from the environment (the pod's interface,
+    // the allow-listed NCCL_* settings): set while no other thread exists.
+    #[cfg(feature = "cuda")]
+    #[allow(unsafe_code)]
+    // SAFETY: the runtime (and every other thread) starts below.
+    let nccl_notes = unsafe {
+        kt_tensor::cuda::netenv::prepare_nccl_env(
+            std::env::var(kt_types::env::POD_IP).ok().as_deref(),
+        )
+    };
+    #[cfg(not(feature = "cuda"))]
+    let nccl_notes = Vec::new();
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(agent(nccl_notes))
+}
+
+async fn agent(nccl_notes: Vec<String>) -> anyhow::Result<()> {
     // Started again by its own NCCL backend for a unique id (see
     // kt_tensor::cuda::serve_root_helper): that, and nothing else.
     #[cfg(feature = "cuda")]
@@ -94,6 +121,9 @@ async fn main() -> anyhow::Result<()> {
     }
     let args = Args::parse();
     let token = args.server.init()?;
+    for note in nccl_notes {
+        tracing::info!("{note}");
+    }
     let node_cache = if args.node_cache {
         let node = args
             .node_name
@@ -143,6 +173,13 @@ async fn main() -> anyhow::Result<()> {
     .map_err(anyhow::Error::msg)?;
     config.max_in_flight = args.server.max_connections;
     config.exit_when_idle = args.exit_when_idle;
+    config.flight = args.flight_addr.map(|addr| {
+        let mut f = kt_agent::config::FlightConfig::new(addr);
+        if let Some(b) = args.flight_budget {
+            f.budget = b;
+        }
+        f
+    });
     kt_agent::run(listener, config, shutdown).await?;
     Ok(())
 }

@@ -285,7 +285,8 @@ impl std::fmt::Debug for Link<'_> {
 /// One rank's whole transfer: holds the device of `lent` (see
 /// [`Backend::hold`]), connects, runs the plan, and drops the communicator
 /// and the lent memory before letting the device go (or, when the
-/// communicator is wedged, keeps all three for good).
+/// communicator is wedged, hands the memory and the hold to it until its
+/// kernels have stopped: [`Comm::keep_until_stopped`]).
 pub fn transfer(
     backend: &dyn Backend,
     plan: &TransferPlan,
@@ -345,10 +346,10 @@ pub fn transfer_on(
     if comm.wedged() {
         // Its kernels may still run (an abort that did not return): the
         // memory they may touch stays mapped and allocated, and the device
-        // held, so nothing deferred on it is freed under them.
-        std::mem::forget(lent);
-        std::mem::forget(held);
-        std::mem::forget(comm);
+        // held, so nothing deferred on it is freed under them, until the
+        // abort returns (then all of it goes, as after any transfer).
+        comm.keep_until_stopped(Box::new((lent, held)));
+        drop(comm);
         return (stats, None);
     }
     let kept = (stats.is_ok() && comm.reusable()).then_some(comm);
@@ -668,16 +669,23 @@ mod tests {
         }
     }
 
-    /// The host backend, counting the staging buffers it hands out.
+    /// The host backend, counting the staging buffers it hands out, and
+    /// holding its device as the NCCL backend does when given `holds`.
     #[derive(Debug)]
     struct Counting<'a> {
         inner: &'a dyn Backend,
         allocs: std::sync::atomic::AtomicUsize,
+        holds: Option<std::sync::Arc<crate::hold::DeviceHolds>>,
     }
 
     impl Backend for Counting<'_> {
         fn kind(&self) -> kt_types::tensor::BackendKind {
             self.inner.kind()
+        }
+        fn hold(&self, _device: Device) -> Option<Box<dyn Send>> {
+            self.holds
+                .as_ref()
+                .map(|h| Box::new(h.hold(0)) as Box<dyn Send>)
         }
         fn map(
             &self,
@@ -723,6 +731,81 @@ mod tests {
             self.inner
                 .connect(plan, rank, endpoint, rendezvous, device, timeout)
         }
+    }
+
+    /// A communicator whose abort has not returned: it keeps what it is
+    /// handed until `reaper` hears that it did.
+    struct Wedged(crate::hold::Reaper);
+
+    impl Comm for Wedged {
+        fn rank(&self) -> u32 {
+            0
+        }
+        fn world(&self) -> u32 {
+            2
+        }
+        fn broadcast(
+            &mut self,
+            _: u32,
+            _: &[u32],
+            _: &mut dyn Region,
+            _: u64,
+            _: u64,
+        ) -> Result<(), TransportError> {
+            Err(TransportError::Timeout("aborted".into()))
+        }
+        fn wedged(&self) -> bool {
+            true
+        }
+        fn keep_until_stopped(&mut self, what: Box<dyn Send>) {
+            self.0.after(what);
+        }
+    }
+
+    /// An abort slower than its wait used to keep the device held for the
+    /// agent's life (nothing deferred on it was freed again); now the hold
+    /// and the lent memory go once the abort returns.
+    #[test]
+    fn a_wedged_transfer_lets_its_device_go_once_the_abort_returns() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+
+        struct Flag(Arc<AtomicBool>);
+        impl Drop for Flag {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let holds = Arc::new(crate::hold::DeviceHolds::default());
+        let host = crate::HostBackend::new("/dev/shm");
+        let b = Counting {
+            inner: &host,
+            allocs: Default::default(),
+            holds: Some(holds.clone()),
+        };
+        let mut plan = crate::host::tests::plan_of(2, 1, &["a".into(), "b".into()]);
+        plan.flows.clear();
+        let reaper = crate::hold::Reaper::default();
+        let link = Link::Reuse(Box::new(Wedged(reaper.clone())));
+        let (_, kept) = transfer_on(
+            &b,
+            &plan,
+            0,
+            link,
+            Lent::new(Device::Cpu),
+            Duration::from_secs(5),
+        );
+        assert!(kept.is_none(), "a wedged communicator is never kept");
+        // Its kernels may still run: the device stays held, and what is
+        // freed meanwhile waits.
+        assert_eq!(holds.holders(0), 1);
+        let freed = Arc::new(AtomicBool::new(false));
+        holds.defer(0, Box::new(Flag(freed.clone())));
+        assert!(!freed.load(Ordering::SeqCst));
+        // The abort returns.
+        reaper.returned();
+        assert_eq!(holds.holders(0), 0, "the device is let go");
+        assert!(freed.load(Ordering::SeqCst), "what waited is freed");
     }
 
     /// Three ranks: 0 puts `a`, 1 puts `b`, 2 gets both, 1 also gets `a`.
@@ -795,6 +878,7 @@ mod tests {
             let b = Counting {
                 inner: b,
                 allocs: Default::default(),
+                holds: None,
             };
             let st = if staged {
                 run(&b, &mut Staged(c, false), plan, &mut lent)

@@ -90,6 +90,14 @@ pub trait Comm: Send {
         false
     }
 
+    /// A [`Comm::wedged`] communicator takes what its kernels may still
+    /// touch (the transfer's lent memory, its device hold) and drops it
+    /// once they have stopped (NCCL: when the abort returns, see
+    /// [`crate::hold::Reaper`]). By default it is kept for good.
+    fn keep_until_stopped(&mut self, what: Box<dyn Send>) {
+        std::mem::forget(what);
+    }
+
     /// Whether this communicator can run another transfer of the same
     /// ranks (nothing failed or was aborted): kept for it rather than
     /// dropped. False by default (connected per transfer).

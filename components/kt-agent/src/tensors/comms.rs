@@ -350,6 +350,63 @@ mod tests {
         assert!(t.elapsed() >= Duration::from_millis(50));
     }
 
+    /// Memory an application lent, mapped on the agent's GPU `n`.
+    #[derive(Debug)]
+    struct OnGpu(u32);
+
+    impl Region for OnGpu {
+        fn len(&self) -> u64 {
+            0
+        }
+        fn device(&self) -> Device {
+            Device::Cuda(self.0)
+        }
+        fn host(&self) -> Option<&[u8]> {
+            None
+        }
+        fn host_mut(&mut self) -> Option<&mut [u8]> {
+            None
+        }
+        fn device_ptr(&self) -> Option<u64> {
+            Some(0)
+        }
+    }
+
+    /// Two processes of a pod each see their GPU as `cuda:0` (one
+    /// `CUDA_VISIBLE_DEVICES` each): their gets name the same device, but
+    /// the memory is on the agent's GPUs 0 and 1, where the communicators
+    /// are built. Point-to-point sessions key what they keep by that
+    /// (`Lent::memory_device`), so neither is offered the other's.
+    #[test]
+    fn processes_numbering_their_gpus_alike_keep_their_own_communicators() {
+        use kt_tensor::engine::Lent;
+
+        let drops = Arc::new(AtomicUsize::new(0));
+        let comms = Comms::new(4);
+        let lent = |gpu: u32| {
+            let mut l = Lent::new(Device::Cuda(0));
+            l.keys.insert(
+                kt_types::Key::parse("m/w").unwrap(),
+                vec![Box::new(OnGpu(gpu)) as Box<dyn Region>],
+            );
+            l
+        };
+        let (a, b) = (lent(0), lent(1));
+        assert_eq!(a.device, b.device, "the same number in both processes");
+        let pair = pair("source");
+        drop(comms.keep(
+            &pair,
+            a.memory_device(),
+            &plan("of-a"),
+            Box::new(Fake(drops.clone())),
+        ));
+        let r = comms.reserve(&pair, b.memory_device());
+        assert!(r.held.is_empty(), "b was offered a's communicator");
+        drop(r);
+        let r = comms.reserve(&pair, a.memory_device());
+        assert_eq!(r.held.len(), 1);
+    }
+
     #[test]
     fn a_newer_communicator_replaces_the_groups_and_the_oldest_goes_beyond_the_limit() {
         let drops = Arc::new(AtomicUsize::new(0));

@@ -214,7 +214,7 @@ impl Tensors {
             return;
         }
         let b = backend.clone();
-        tokio::task::spawn_blocking(move || {
+        kt_sync::task::spawn(move || {
             for (device, comm) in gone {
                 b.retire(device, comm);
             }

@@ -253,16 +253,22 @@ impl Tensors {
         // The destination is mapped before the source is asked: a handle
         // that does not open fails here, before the source has started its
         // side (and NCCL its bootstrap) for nothing.
-        let mut mapped = Vec::with_capacity(keys.len());
+        let mut lent = Lent::new(device);
         for (want, dest) in &keys {
-            mapped.push((want, Self::map(backend.clone(), dest.clone()).await?));
+            let regions = Self::map(backend.clone(), dest.clone()).await?;
+            lent.keys.insert(want.key.clone(), regions);
         }
+        // Kept communicators are keyed by the GPU the memory is on (the
+        // agent's numbering, found by UUID), not the application's number:
+        // two processes that each see their own GPU as cuda:0 must not get
+        // each other's communicator.
+        let comm_device = lent.memory_device();
         let b = backend.clone();
         let endpoint = blocking(move || b.endpoint("p2p", &ip).map_err(transport)).await?;
         // NCCL communicators kept from earlier sessions with this source.
         let pair = comms::pair(source);
         let reserved =
-            (backend.kind() == BackendKind::Nccl).then(|| self.comms.reserve(&pair, device));
+            (backend.kind() == BackendKind::Nccl).then(|| self.comms.reserve(&pair, comm_device));
         let req = SessionRequest {
             keys: keys.iter().map(|(k, _)| k.clone()).collect(),
             agent: self.id.clone(),
@@ -286,8 +292,7 @@ impl Tensors {
         let plan = reply.plan;
         plan.validate()
             .map_err(|m| internal(format!("session plan from {source}: {m}")))?;
-        let mut lent = Lent::new(device);
-        for (want, regions) in mapped {
+        for (want, _) in &keys {
             let flow = plan
                 .flows
                 .iter()
@@ -295,7 +300,6 @@ impl Tensors {
                 .ok_or_else(|| internal(format!("{source} sent a plan without {}", want.key)))?;
             t::check_destination(&want.key, &flow.tensors, &want.tensors)
                 .map_err(ApiError::bad_request)?;
-            lent.keys.insert(want.key.clone(), regions);
         }
         let kept = match (&reply.reuse, &reserved) {
             (None, _) => None,
@@ -321,7 +325,7 @@ impl Tensors {
         if let Some(comm) = back
             && backend.kind() == BackendKind::Nccl
         {
-            Self::retire(&backend, self.comms.keep(&pair, device, &plan, comm));
+            Self::retire(&backend, self.comms.keep(&pair, comm_device, &plan, comm));
         }
         res.map_err(transport)
     }
@@ -433,12 +437,14 @@ impl Tensors {
         // A communicator this agent keeps with the getter and the getter
         // offered (both reserved it): no rendezvous.
         let pair = comms::pair(&req.agent);
+        // By the GPU the memory is on, as the getter keys its side.
+        let comm_device = lent.memory_device();
         let kept = if backend.kind() == BackendKind::Nccl {
             // The getter may offer the communicator of the session that just
             // ended on its side and is still ending on this one.
             let offered: Vec<&str> = req.comms.iter().map(|c| c.id.as_str()).collect();
             self.comms.settled(&offered, SETTLE_WAIT).await;
-            let mine = self.comms.reserve(&pair, device);
+            let mine = self.comms.reserve(&pair, comm_device);
             req.comms
                 .iter()
                 .filter(|c| c.fits(&plan))
@@ -478,7 +484,7 @@ impl Tensors {
                 if let Some(comm) = back
                     && backend.kind() == BackendKind::Nccl
                 {
-                    Tensors::retire(&backend, comms.keep(&pair, device, &p, comm));
+                    Tensors::retire(&backend, comms.keep(&pair, comm_device, &p, comm));
                 }
                 res.map_err(transport)
             });
@@ -526,19 +532,9 @@ fn gone(key: &Key, agent: &str) -> ApiError {
 }
 
 /// A failed call to the agent holding the tensors, as this agent answers
-/// it on: unreachable is `no_source` (another holder may have it), its own
-/// answer keeps its code.
+/// it on ([`ApiError::from_call`]): unreachable is `no_source` (another
+/// holder may have it), its own answer keeps its code.
 fn agent_err(e: kt_api::CallError, source: &str) -> ApiError {
-    match e {
-        kt_api::CallError::Transport { source: cause, .. } => ApiError::new(
-            ErrorCode::NoSource,
-            format!("the agent holding the tensors ({source}) is unreachable: {cause}"),
-        ),
-        kt_api::CallError::Status { code, message, .. } => {
-            ApiError::new(code, format!("{source}: {message}"))
-        }
-        kt_api::CallError::Decode { source: cause, .. } => {
-            internal(format!("unreadable answer from {source}: {cause}"))
-        }
-    }
+    let holder = format!("the agent holding the tensors ({source})");
+    ApiError::from_call(e, &holder, ErrorCode::NoSource)
 }

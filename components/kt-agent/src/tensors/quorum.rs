@@ -91,10 +91,16 @@ impl Tensors {
             error: res.as_ref().err().map(|e| e.message.clone()),
             stats: res.as_ref().cloned().unwrap_or_default(),
         };
-        if let Err(e) = self.metadata.quorum_done(&group, &plan.id, &done).await {
-            tracing::warn!(group, error = %e, "could not report the end of a quorum transfer");
+        match self.metadata.quorum_done(&group, &plan.id, &done).await {
+            // A peer that failed for its own reason (no memory for its
+            // staging buffers, a handle that did not open) reported it
+            // before this rank ran out of time waiting for it: say that.
+            Ok(status) => res.map_err(|e| with_peer_causes(e, rank, &status)),
+            Err(e) => {
+                tracing::warn!(group, error = %e, "could not report the end of a quorum transfer");
+                res
+            }
         }
-        res
     }
 
     /// This rank's part of a closed quorum: the rendezvous (unless it runs
@@ -179,6 +185,32 @@ impl Tensors {
     }
 }
 
+/// A failed rank's error with what the other ranks that failed reported
+/// (the metadata server's status of the transfer): a rank that failed for
+/// a reason of its own left the others waiting for it until their
+/// deadlines, and their `Timeout` alone would hide the cause.
+fn with_peer_causes(e: ApiError, me: u32, status: &t::QuorumStatus) -> ApiError {
+    let others: Vec<String> = status
+        .failed
+        .iter()
+        .filter(|(r, _)| *r != me)
+        .take(3)
+        .map(|(r, why)| format!("rank {r}: {why}"))
+        .collect();
+    if others.is_empty() {
+        return e;
+    }
+    ApiError::new(
+        e.code,
+        format!(
+            "{} (other ranks of transfer {} failed: {})",
+            e.message,
+            status.transfer,
+            others.join("; ")
+        ),
+    )
+}
+
 /// The member id of a quorum join by `owner` (see
 /// [`QuorumJoin::member`]): its pid when the agent sees it (else `c` and
 /// its control connection), then `.` and the caller's `label` when it gave
@@ -223,6 +255,45 @@ pub fn auto_group(key: &Key) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rank_that_timed_out_says_why_its_peers_failed() {
+        let status = t::QuorumStatus {
+            group: "g".into(),
+            transfer: "t1".into(),
+            world: 3,
+            done: vec![],
+            failed: vec![
+                (
+                    1,
+                    "allocating 268435456 bytes on cuda:0: out of memory".into(),
+                ),
+                (2, "mine".into()),
+            ],
+            complete: false,
+        };
+        let own = ApiError::new(
+            kt_types::ErrorCode::Unavailable,
+            "NCCL broadcast: not done after 60s; aborted",
+        );
+        let e = with_peer_causes(own, 2, &status);
+        assert_eq!(e.code, kt_types::ErrorCode::Unavailable);
+        assert!(e.message.starts_with("NCCL broadcast"), "{}", e.message);
+        assert!(
+            e.message
+                .contains("rank 1: allocating 268435456 bytes on cuda:0: out of memory"),
+            "{}",
+            e.message
+        );
+        assert!(!e.message.contains("mine"), "{}", e.message);
+        // Nobody else failed: the error as it was.
+        let own = ApiError::new(kt_types::ErrorCode::Unavailable, "x");
+        let alone = t::QuorumStatus {
+            failed: vec![(2, "x".into())],
+            ..status
+        };
+        assert_eq!(with_peer_causes(own, 2, &alone).message, "x");
+    }
 
     #[test]
     fn auto_groups_are_valid_group_ids() {

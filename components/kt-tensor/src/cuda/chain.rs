@@ -28,6 +28,33 @@ pub(crate) const PIECE: u64 = 4 << 20;
 /// Subset broadcasts of fewer bytes go straight from the root.
 pub(crate) const CHAIN_MIN: u64 = 2 * PIECE;
 
+/// Steps of a chain a rank posts ahead of what its GPU has run (see
+/// `NcclComm::steps`): enough to keep the pipeline full (a step depends on
+/// its neighbours' previous one only), few enough that a dead peer leaves
+/// little queued behind a call that may not look at the abort flag.
+pub(crate) const IN_FLIGHT: usize = 8;
+
+/// Posts steps `0..n` in order, at most `window` ahead of the GPU: before
+/// posting step `i`, waits (`wait(ctx, i - window)`) for step
+/// `i - window` to have run. The first error stops it: nothing more is
+/// posted.
+pub(crate) fn post_bounded<C: ?Sized, E>(
+    n: usize,
+    window: usize,
+    ctx: &mut C,
+    mut wait: impl FnMut(&mut C, usize) -> Result<(), E>,
+    mut post: impl FnMut(&mut C, usize) -> Result<(), E>,
+) -> Result<(), E> {
+    let window = window.max(1);
+    for i in 0..n {
+        if let Some(earlier) = i.checked_sub(window) {
+            wait(ctx, earlier)?;
+        }
+        post(ctx, i)?;
+    }
+    Ok(())
+}
+
 /// One point-to-point operation of a step: byte offset (from the start of
 /// the broadcast), bytes, peer rank.
 pub(crate) type Op = (u64, u64, u32);
@@ -247,6 +274,67 @@ mod tests {
         let out = simulate(&order, 10, 4, 11);
         assert_eq!(out[&3].1, 20, "the root sends one copy per member");
         assert!(out[&5].0.iter().all(|b| *b));
+    }
+
+    /// A fake GPU running posted steps in order; a peer that dies after
+    /// `dies_after` steps stops it there (what comes after never runs).
+    struct Gpu {
+        posted: usize,
+        ran: usize,
+        dies_after: usize,
+        most_in_flight: usize,
+    }
+
+    impl Gpu {
+        fn run(&mut self) {
+            self.ran = self.posted.min(self.dies_after);
+        }
+    }
+
+    /// The chain of a 4 GiB tensor is 1,024 steps: a rank never has more
+    /// than [`IN_FLIGHT`] of them posted and not run, and a peer dying
+    /// mid-broadcast stops the posting at the first wait that cannot be
+    /// met (which fails at its deadline) instead of queueing the rest.
+    #[test]
+    fn a_chain_keeps_a_bounded_number_of_steps_in_flight() {
+        let n = steps(&[0, 1, 2], 1, 4 << 30, PIECE, CHAIN_MIN).len();
+        assert!(n >= 1024, "{n} steps");
+        let mut gpu = Gpu {
+            posted: 0,
+            ran: 0,
+            dies_after: usize::MAX,
+            most_in_flight: 0,
+        };
+        let wait = |g: &mut Gpu, earlier: usize| -> Result<(), String> {
+            g.run();
+            if g.ran > earlier {
+                Ok(())
+            } else {
+                Err(format!("step {earlier} never ran: deadline"))
+            }
+        };
+        let post = |g: &mut Gpu, i: usize| -> Result<(), String> {
+            assert_eq!(g.posted, i, "steps are posted in order");
+            g.posted += 1;
+            g.most_in_flight = g.most_in_flight.max(g.posted - g.ran);
+            Ok(())
+        };
+        post_bounded(n, IN_FLIGHT, &mut gpu, wait, post).unwrap();
+        assert_eq!(gpu.posted, n);
+        assert_eq!(gpu.most_in_flight, IN_FLIGHT);
+        let mut gpu = Gpu {
+            posted: 0,
+            ran: 0,
+            dies_after: 100,
+            most_in_flight: 0,
+        };
+        let e = post_bounded(n, IN_FLIGHT, &mut gpu, wait, post).unwrap_err();
+        assert_eq!(e, "step 100 never ran: deadline");
+        assert_eq!(
+            gpu.posted,
+            100 + IN_FLIGHT,
+            "nothing posted past the window"
+        );
     }
 
     #[test]

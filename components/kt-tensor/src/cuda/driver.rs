@@ -40,6 +40,10 @@ const SYMBOLS: &[&str] = &[
     "cuStreamDestroy_v2",
     "cuStreamQuery",
     "cuStreamSynchronize",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventDestroy_v2",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemcpyAsync",
@@ -326,6 +330,59 @@ impl Drop for Stream {
             // driver defers the release).
             if let Err(e) = unsafe { result::stream::destroy(self.raw) } {
                 tracing::debug!("destroying a CUDA stream: {}", describe(e));
+            }
+        }
+    }
+}
+
+/// A CUDA event (no timing) recorded on a stream: tells when what was
+/// enqueued before it has run, without waiting for what came after.
+pub(crate) struct Event {
+    ctx: Arc<CudaContext>,
+    raw: sys::CUevent,
+}
+
+// SAFETY: a CUevent is a handle the driver lets any thread use; the context
+// is kept alive by the Arc and bound before each use.
+unsafe impl Send for Event {}
+
+impl Event {
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<Event, TransportError> {
+        bind(ctx)?;
+        let raw = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(
+            cuda_err(format!("creating an event on cuda:{}", ctx.ordinal())),
+        )?;
+        Ok(Event {
+            ctx: ctx.clone(),
+            raw,
+        })
+    }
+
+    /// Marks the end of what `stream` has enqueued so far.
+    pub(crate) fn record(&self, stream: &Stream) -> Result<(), TransportError> {
+        // SAFETY: both are live handles of one context.
+        unsafe { result::event::record(self.raw, stream.raw()) }
+            .map_err(cuda_err("recording an event".to_owned()))
+    }
+
+    /// Whether what was enqueued before the last record has run
+    /// (`cuEventQuery`).
+    pub(crate) fn done(&self) -> Result<bool, DriverError> {
+        // SAFETY: `raw` is a live event of this object.
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(DriverError(e)),
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if bind_for_drop(&self.ctx) {
+            // SAFETY: created by `Event::new`, destroyed once, here.
+            if let Err(e) = unsafe { result::event::destroy(self.raw) } {
+                tracing::debug!("destroying a CUDA event: {}", describe(e));
             }
         }
     }

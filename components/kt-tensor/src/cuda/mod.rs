@@ -35,6 +35,10 @@
 //!   shared): staging buffers are freed and IPC mappings closed only when
 //!   no transfer runs on the GPU.
 //!
+//! - NCCL's environment ([`netenv`]): the agent pins `NCCL_SOCKET_IFNAME`
+//!   to the pod's interface at its start, keeps the allow-listed `NCCL_*`
+//!   settings only, and the backend refuses `NCCL_COMM_BLOCKING=1`.
+//!
 //! NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU
 //! detected") unless they claim different hosts (`NCCL_HOSTID`), which is
 //! how the GPU tests run several ranks on a one-GPU machine.
@@ -42,6 +46,7 @@
 mod chain;
 mod driver;
 mod nccl;
+pub mod netenv;
 mod root;
 
 #[cfg(test)]
@@ -213,6 +218,8 @@ impl CudaBackend {
     /// Loads the CUDA driver and NCCL; `Unsupported` with the reason when
     /// either is missing. Communicators go on `KT_CUDA_DEVICE` (default 0).
     pub fn new() -> Result<CudaBackend, TransportError> {
+        netenv::check_comm_blocking(std::env::var(netenv::COMM_BLOCKING).ok().as_deref())
+            .map_err(TransportError::Unsupported)?;
         driver::driver()?;
         nccl::probe_nccl().map_err(TransportError::Unsupported)?;
         let comm_device = match std::env::var(kt_types::env::CUDA_DEVICE) {

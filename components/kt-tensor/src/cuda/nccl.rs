@@ -25,7 +25,8 @@ use cudarc::driver::sys::CUstream;
 use libloading::Library;
 
 use super::chain;
-use super::driver::{self, DeviceAlloc, Stream, describe};
+use super::driver::{self, DeviceAlloc, Event, Stream, describe};
+use crate::hold::Reaper;
 use crate::transport::{Comm, Exchange, Region, TransportError, flow_handshake};
 use kt_types::tensor::Device;
 
@@ -365,6 +366,15 @@ pub(crate) struct NcclComm {
     token: ManuallyDrop<DeviceAlloc>,
     /// An abort that had not returned after [`ABORT_WAIT`].
     abandoned: bool,
+    /// Told when the abort returns; then drops the stream, the token and
+    /// what the transfer handed over ([`Comm::keep_until_stopped`]).
+    reaper: Reaper,
+    /// The stream and the token went to `reaper` (after an abandoned
+    /// abort): not dropped here.
+    handed: bool,
+    /// One event per chain step that may be in flight
+    /// ([`chain::IN_FLIGHT`]), made on first use.
+    steps_done: Vec<Event>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a
@@ -447,6 +457,9 @@ impl NcclComm {
             failed: None,
             token: ManuallyDrop::new(token),
             abandoned: false,
+            reaper: Reaper::default(),
+            handed: false,
+            steps_done: Vec::new(),
         };
         let what = format!(
             "joining the NCCL communicator of transfer {transfer} as rank {rank} of {world} on cuda:{ordinal}"
@@ -454,12 +467,13 @@ impl NcclComm {
         if r != SUCCESS && r != IN_PROGRESS {
             return Err(comm.fail(&what, r));
         }
-        comm.wait(deadline, &what, false).map_err(|e| match e {
-            TransportError::Timeout(_) => TransportError::Timeout(format!(
-                "{what}: not connected after {timeout:?} (did every rank join?); aborted"
-            )),
-            e => e,
-        })?;
+        comm.wait(deadline, &what, Until::Posted)
+            .map_err(|e| match e {
+                TransportError::Timeout(_) => TransportError::Timeout(format!(
+                    "{what}: not connected after {timeout:?} (did every rank join?); aborted"
+                )),
+                e => e,
+            })?;
         Ok(comm)
     }
 
@@ -515,6 +529,7 @@ impl NcclComm {
         // On its own thread, waited for a while: an abort that hangs costs
         // a thread, not the agent's transfer thread.
         let (tx, rx) = mpsc::channel();
+        let reaper = self.reaper.clone();
         let run = move || {
             let _ = driver::bind(&ctx);
             // SAFETY: a live communicator, aborted once: NCCL sets its abort
@@ -522,6 +537,8 @@ impl NcclComm {
             // and frees it; nothing uses it after (the `NcclComm` forgot it).
             let r = unsafe { (api.comm_abort)(comm.raw()) };
             let _ = tx.send(r);
+            // What was kept for an abort that took too long goes now.
+            reaper.returned();
         };
         if let Err(e) = std::thread::Builder::new()
             .name("kt-nccl-abort".into())
@@ -537,7 +554,7 @@ impl NcclComm {
             Err(_) => {
                 tracing::warn!(
                     transfer = %self.transfer,
-                    "ncclCommAbort has not returned after {ABORT_WAIT:?}: left to finish on its own thread; the communicator's stream and buffer are kept"
+                    "ncclCommAbort has not returned after {ABORT_WAIT:?}: left to finish on its own thread; the communicator's stream, buffers and GPU hold are kept until it returns"
                 );
                 self.abandoned = true;
             }
@@ -545,9 +562,9 @@ impl NcclComm {
     }
 
     /// Polls until NCCL has done what was asked (`ncclCommGetAsyncError`
-    /// leaves `ncclInProgress`) and, with `stream`, the stream has run it;
+    /// leaves `ncclInProgress`) and the GPU has run what `until` says;
     /// aborts on an error or at `deadline`.
-    fn wait(&mut self, deadline: Instant, what: &str, stream: bool) -> Result<(), TransportError> {
+    fn wait(&mut self, deadline: Instant, what: &str, until: Until) -> Result<(), TransportError> {
         let limit = deadline.saturating_duration_since(Instant::now());
         let mut backoff = Backoff::new();
         loop {
@@ -562,8 +579,11 @@ impl NcclComm {
                 return Err(self.fail(&format!("{what} (ncclCommGetAsyncError)"), r));
             }
             match state {
-                SUCCESS if !stream => return Ok(()),
-                SUCCESS => match self.stream.idle() {
+                SUCCESS if until == Until::Posted => return Ok(()),
+                SUCCESS => match match until {
+                    Until::Event(i) => self.steps_done[i].done(),
+                    _ => self.stream.idle(),
+                } {
                     Ok(true) => return Ok(()),
                     Ok(false) => {}
                     Err(e) => {
@@ -604,6 +624,17 @@ impl NcclComm {
 
 /// One point-to-point operation: device address, bytes, peer rank.
 type P2p = (u64, u64, u32);
+
+/// What [`NcclComm::wait`] waits for, besides NCCL having taken the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Until {
+    /// Nothing more (the next call may be made).
+    Posted,
+    /// The stream has run everything enqueued.
+    Ran,
+    /// The stream has run up to the last record of `steps_done[i]`.
+    Event(usize),
+}
 
 impl NcclComm {
     /// `sends` then `recvs` as one NCCL group (the context bound): posted,
@@ -663,7 +694,7 @@ impl Exchange for NcclComm {
         // Each peer has its own receive slot.
         let recvs: Vec<P2p> = from.iter().map(|p| (base + u64::from(*p), 1, *p)).collect();
         self.p2p(&what, &sends, &recvs)?;
-        self.wait(deadline, &what, true)
+        self.wait(deadline, &what, Until::Ran)
     }
 }
 
@@ -678,6 +709,18 @@ impl Comm for NcclComm {
 
     fn wedged(&self) -> bool {
         self.abandoned
+    }
+
+    /// What the transfer lent and its GPU hold stay until the abort
+    /// returns (after the stream and the token, which NCCL may use too).
+    fn keep_until_stopped(&mut self, what: Box<dyn Send>) {
+        if !self.abandoned {
+            // Nothing of it runs any more.
+            drop(what);
+            return;
+        }
+        self.hand_to_reaper();
+        self.reaper.after(what);
     }
 
     fn reusable(&self) -> bool {
@@ -762,13 +805,23 @@ impl Comm for NcclComm {
                 self.steps(&steps, base + offset, deadline, &what)?;
             }
         }
-        self.wait(deadline, &what, true)
+        self.wait(deadline, &what, Until::Ran)
     }
 }
 
 impl NcclComm {
     /// Posts `steps` ([`chain::steps`]) on the bytes from device address
-    /// `at`, one group each; returns once the last is posted (not run).
+    /// `at`, one group each, at most [`chain::IN_FLIGHT`] ahead of what the
+    /// GPU has run; returns once the last is posted (not run).
+    ///
+    /// Bounded because NCCL before 2.28 launches a non-blocking group's
+    /// kernels inside `ncclGroupEnd`, and some releases wait there for
+    /// room in a FIFO without looking at the abort flag: a chain of 1,024
+    /// steps (a 4 GiB tensor) posted at once could wedge this thread in
+    /// `ncclGroupEnd` when a peer died mid-broadcast, before any deadline
+    /// is looked at. Waiting for step `i - IN_FLIGHT` to have run (a CUDA
+    /// event per slot, polled with the communicator's error and the
+    /// deadline) keeps the queue short and every wait abortable.
     pub(crate) fn steps(
         &mut self,
         steps: &[chain::Step],
@@ -781,15 +834,31 @@ impl NcclComm {
                 .map(|(off, n, peer)| (at + off, *n, *peer))
                 .collect()
         };
-        for (i, step) in steps.iter().enumerate() {
-            if i > 0 {
-                // A non-blocking communicator takes no call until the last
-                // one is posted.
-                self.wait(deadline, what, false)?;
-            }
-            self.p2p(what, &ops(&step.sends), &ops(&step.recvs))?;
+        let bounded = steps.len() > chain::IN_FLIGHT;
+        while bounded && self.steps_done.len() < chain::IN_FLIGHT {
+            let e = Event::new(self.stream.ctx())?;
+            self.steps_done.push(e);
         }
-        Ok(())
+        chain::post_bounded(
+            steps.len(),
+            chain::IN_FLIGHT,
+            self,
+            |c, earlier| c.wait(deadline, what, Until::Event(earlier % chain::IN_FLIGHT)),
+            |c, i| {
+                if i > 0 {
+                    // A non-blocking communicator takes no call until the
+                    // last one is posted.
+                    c.wait(deadline, what, Until::Posted)?;
+                }
+                let step = &steps[i];
+                c.p2p(what, &ops(&step.sends), &ops(&step.recvs))?;
+                if bounded {
+                    c.wait(deadline, what, Until::Posted)?;
+                    c.steps_done[i % chain::IN_FLIGHT].record(&c.stream)?;
+                }
+                Ok(())
+            },
+        )
     }
 
     /// A broadcast down `order` with another piece size and chain
@@ -809,22 +878,48 @@ impl NcclComm {
         let what = format!("subset broadcast of {len} bytes down {order:?}");
         let steps = chain::steps(order, self.rank, len, piece, chain_min);
         self.steps(&steps, at, deadline, &what)?;
-        self.wait(deadline, &what, true)
+        self.wait(deadline, &what, Until::Ran)
     }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
         self.close();
-        if !self.abandoned {
+        if self.abandoned {
+            self.hand_to_reaper();
+        } else {
             // SAFETY: dropped once, here, after the communicator that used
             // them is destroyed or aborted (an abort that did not return
-            // keeps them: `abandoned`).
+            // hands them to the reaper instead: `abandoned`).
             unsafe {
                 ManuallyDrop::drop(&mut self.token);
                 ManuallyDrop::drop(&mut self.stream);
             }
         }
+    }
+}
+
+impl NcclComm {
+    /// After an abort that did not return in time: the stream and the
+    /// token buffer (which NCCL may still use) go to the reaper, dropped
+    /// when the abort returns. Once.
+    fn hand_to_reaper(&mut self) {
+        if self.handed {
+            return;
+        }
+        self.handed = true;
+        // SAFETY: taken once (`handed`); the communicator is aborted (`raw`
+        // is null), so every method returns before touching them again,
+        // and `Drop` does not drop them (`abandoned`). Events go first:
+        // recorded on the stream, destroyed before it.
+        let kept = unsafe {
+            (
+                std::mem::take(&mut self.steps_done),
+                ManuallyDrop::take(&mut self.token),
+                ManuallyDrop::take(&mut self.stream),
+            )
+        };
+        self.reaper.after(Box::new(kept));
     }
 }
 
@@ -848,7 +943,7 @@ impl NcclComm {
             return;
         }
         let deadline = Instant::now() + self.timeout;
-        if self.wait(deadline, &what, false).is_err() {
+        if self.wait(deadline, &what, Until::Posted).is_err() {
             return; // aborted by `wait`
         }
         // SAFETY: finalized above; destroyed once, not used again.
