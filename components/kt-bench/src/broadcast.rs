@@ -21,6 +21,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
+use kt_types::size::human;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -320,29 +321,10 @@ pub fn ratio(r: f64) -> String {
     }
 }
 
-/// `1.00GiB`, `512.0MiB`, `900B`.
-pub fn bytes(b: u64) -> String {
-    const GIB: f64 = (1u64 << 30) as f64;
-    const MIB: f64 = (1u64 << 20) as f64;
-    let f = b as f64;
-    if f >= GIB {
-        format!("{:.2}GiB", f / GIB)
-    } else if f >= MIB {
-        format!("{:.1}MiB", f / MIB)
-    } else if f >= 1024.0 {
-        format!("{:.1}KiB", f / 1024.0)
-    } else {
-        format!("{b}B")
-    }
-}
-
-/// Nearest-rank percentile of sorted `v`.
+/// Nearest-rank percentile of sorted `v` ([`kt_types::stats::percentile`]);
+/// NaN for a leg without pods.
 fn pct(v: &[f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1]
+    kt_types::stats::percentile(v, p).unwrap_or(f64::NAN)
 }
 
 /// The results table: per way, pods, time, per-pod spread, delivered rate
@@ -376,7 +358,7 @@ pub fn table(r: &Results) -> String {
             secs(pct(&l.pod_secs, 50.0)),
             secs(pct(&l.pod_secs, 100.0)),
             gbit(delivered),
-            l.store_egress.map(bytes).unwrap_or_else(|| "?".into()),
+            l.store_egress.map(human).unwrap_or_else(|| "?".into()),
             l.store_egress
                 .map(|b| format!("{:.2}Gbit/s", gbit(b)))
                 .unwrap_or_else(|| "?".into()),
@@ -385,7 +367,7 @@ pub fn table(r: &Results) -> String {
                 .unwrap_or_else(|| "?".into()),
         );
     }
-    let _ = write!(out, "payload {}", bytes(r.size));
+    let _ = write!(out, "payload {}", human(r.size));
     if let Some(f) = r.fanout {
         let _ = write!(out, "; tree: fanout {f}");
     }
@@ -403,7 +385,8 @@ pub fn table(r: &Results) -> String {
 }
 
 /// `broadcast NAME: single=… star=… tree=… killed=… tree/single=… star/tree=…
-/// killed/single=… store_egress_tree=…` (a missing way leaves its fields out).
+/// killed/single=… store_egress_tree=…` (bytes; a missing way leaves its
+/// fields out).
 pub fn final_line(name: &str, r: &Results) -> String {
     let mut line = format!("broadcast {name}:");
     let t = |n: &str| r.leg(n).map(|l| l.secs);
@@ -416,7 +399,7 @@ pub fn final_line(name: &str, r: &Results) -> String {
         let _ = write!(line, " {a}/{b}={}", ratio(v));
     }
     if let Some(b) = r.store_egress_tree() {
-        let _ = write!(line, " store_egress_tree={}", bytes(b));
+        let _ = write!(line, " store_egress_tree={b}");
     }
     line
 }
@@ -547,7 +530,7 @@ mod tests {
         assert_eq!(
             final_line("b", &r),
             "broadcast b: single=4.35s star=139.2s tree=5.10s tree/single=1.17 star/tree=27.3 \
-             store_egress_tree=1.00GiB"
+             store_egress_tree=1073741824"
         );
         let t = targets(&r);
         assert!(t[0].starts_with("tree/single 1.17 <= 1.2: met"), "{t:?}");
@@ -557,7 +540,7 @@ mod tests {
         );
         let table = table(&r);
         assert!(table.lines().count() == 5, "{table}");
-        assert!(table.contains("16.00GiB"), "{table}");
+        assert!(table.contains("16.00 GiB"), "{table}");
     }
 
     #[test]
@@ -601,7 +584,7 @@ mod tests {
         assert_eq!(r.leg("single").unwrap().store_egress, Some(m));
         assert_eq!(r.leg("tree").unwrap().store_egress, Some(m));
         assert!(
-            final_line("b", &r).ends_with("killed/single=1.38 store_egress_tree=512.0MiB"),
+            final_line("b", &r).ends_with("killed/single=1.38 store_egress_tree=536870912"),
             "{}",
             final_line("b", &r)
         );
@@ -641,9 +624,6 @@ mod tests {
         assert_eq!(secs(139.24), "139.2s");
         assert_eq!(ratio(1.172), "1.17");
         assert_eq!(ratio(27.29), "27.3");
-        assert_eq!(bytes(1 << 30), "1.00GiB");
-        assert_eq!(bytes(512 << 20), "512.0MiB");
-        assert_eq!(bytes(900), "900B");
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use kt_client::{Client, ClientConfig, Progress, PutSummary};
+use kt_client::{Client, ClientConfig, GetSummary, Progress, PutSummary};
 use kt_service::Token;
 use kt_types::Key;
 use kt_types::api::PutOptions;
@@ -119,6 +119,15 @@ impl KtCluster {
             .await
             .with_context(|| format!("kt put {key} {}", src.display()))?;
         Ok((started.elapsed(), summary))
+    }
+
+    /// Gets `key` into `dest` (no node agent takes a copy).
+    pub async fn get(&self, key: &str, dest: &Path) -> anyhow::Result<GetSummary> {
+        let key = Key::parse(key)?;
+        self.client
+            .get(&key, dest, Progress::none())
+            .await
+            .with_context(|| format!("kt get {key} {}", dest.display()))
     }
 
     pub async fn rm(&self, key: &str) -> anyhow::Result<()> {

@@ -20,7 +20,10 @@
 //!   and the bytes fetched twice ([`recovery`]);
 //! - the `kt-bench-s3` binary: an S3 ingest (moto's server) into the store
 //!   against a plain download of the same objects, and the ingesting
-//!   process's peak RSS (`kt_dataset::ingest`; everything in the binary).
+//!   process's peak RSS (`kt_dataset::ingest`; everything in the binary);
+//! - the `kt-bench-gate` binary (`make bench-gate`): the rsync comparison a
+//!   few times over, its median ratios held against the committed baseline
+//!   `testbed/bench/baseline.json` ([`gate`]); CPU time comes from [`cpu`].
 //!
 //! The binary's pieces live here so that `main` stays a thin argument parser:
 //! [`size`] (byte sizes such as `256MiB`), [`scratch`] (a work directory removed on
@@ -30,7 +33,9 @@
 
 pub mod broadcast;
 pub mod compare;
+pub mod cpu;
 pub mod data;
+pub mod gate;
 pub mod histogram;
 pub mod kt;
 pub mod metaload;

@@ -1,8 +1,10 @@
 //! `kt-bench-rsync`: kt against a real rsync daemon on this machine.
 //!
 //! Prints a table (median seconds per case for kt and rsync, and kt/rsync),
-//! then one line `ratio small_cold=R small_noop=R small_changed=R large_cold=R`
-//! (`large_cold` is left out with `--skip-large`).
+//! then one line `ratio small_cold=R small_noop=R small_changed=R large_cold=R
+//! large_get=R` (the large cases are left out with `--skip-large`) and one
+//! `cpu-s/GiB large_cold=kt:K,rsync:R large_get=kt:K,rsync:R` (CPU seconds per
+//! GiB moved, kt's client and servers against rsync's client and daemon).
 
 #![allow(unsafe_code)]
 
@@ -33,9 +35,13 @@ struct Args {
     /// Number of 4 KiB files in the small tree.
     #[arg(long, default_value_t = 10_000)]
     files: usize,
-    /// Leave out the large-file case.
+    /// Leave out the large-file cases.
     #[arg(long)]
     skip_large: bool,
+    /// Run only these cases (comma-separated: small_cold, small_noop,
+    /// small_changed, large_cold, large_get); all by default.
+    #[arg(long, value_delimiter = ',')]
+    cases: Vec<String>,
     /// Log the in-process kt servers and client on stderr with this filter
     /// (tracing EnvFilter syntax, e.g. `kt_store=debug`); off by default.
     #[arg(long)]
@@ -81,6 +87,7 @@ async fn bench(args: Args, certs: Option<kt_bench::tls::TestPki>) -> ExitCode {
         runs: args.runs,
         warmup: args.warmup,
         skip_large: args.skip_large,
+        cases: args.cases,
         tls: certs.as_ref().map(|c| c.server()),
     };
     // On Ctrl-C the run is dropped, which removes its work directory and
@@ -93,6 +100,10 @@ async fn bench(args: Args, certs: Option<kt_bench::tls::TestPki>) -> ExitCode {
         Ok(results) => {
             print!("{}", report::table(&results));
             println!("{}", report::ratio_line(&results));
+            let cpu = report::cpu_line(&results);
+            if !cpu.is_empty() {
+                println!("{cpu}");
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {

@@ -472,7 +472,7 @@ impl InProcessServer {
     async fn stop(mut self) -> anyhow::Result<()> {
         self.shutdown.cancel();
         if let Some(t) = self.thread.take() {
-            let joined = tokio::task::spawn_blocking(move || t.join())
+            let joined = kt_sync::task::spawn(move || t.join())
                 .await
                 .context("joining the server thread")?;
             match joined {

@@ -183,7 +183,7 @@ impl Servers {
         let mut s = Servers {
             bin_dir: bin_dir.to_owned(),
             work: work.to_owned(),
-            http: reqwest::Client::builder().no_proxy().build()?,
+            http: kt_api::client_builder().build()?,
             metadata_url: format!("http://{metadata_addr}"),
             store_addr: format!("127.0.0.1:{}", free_port()?),
             metadata,

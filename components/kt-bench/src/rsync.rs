@@ -140,20 +140,26 @@ impl RsyncDaemon {
         format!("rsync://127.0.0.1:{}/{MODULE}/{dest}/", self.port)
     }
 
-    /// Runs `rsync -a [--delete] SRC URL` and returns how long it took.
-    /// A directory source is sent as its contents (`SRC/`).
-    pub async fn sync(&self, src: &Path, dest: &str, delete: bool) -> anyhow::Result<Duration> {
-        let mut src_arg = src.as_os_str().to_owned();
-        if src.is_dir() {
-            src_arg.push("/");
-        }
+    /// CPU time of the daemon and of the connection children it reaped so
+    /// far (zero when its `/proc` entry cannot be read).
+    pub fn cpu_time(&self) -> Duration {
+        crate::cpu::process_tree_time(self.child.id()).unwrap_or_default()
+    }
+
+    /// Runs `rsync -a rsync://127.0.0.1:PORT/MODULE/REMOTE DEST/` (a pull)
+    /// and returns how long it took.
+    pub async fn pull(&self, remote: &str, dest: &Path) -> anyhow::Result<Duration> {
+        let url = format!("rsync://127.0.0.1:{}/{MODULE}/{remote}", self.port);
+        let mut dest_arg = dest.as_os_str().to_owned();
+        dest_arg.push("/");
+        self.run_client(&[url.as_ref(), dest_arg.as_os_str()]).await
+    }
+
+    /// Runs `rsync -a ARGS...` and returns how long it took.
+    async fn run_client(&self, args: &[&std::ffi::OsStr]) -> anyhow::Result<Duration> {
         let mut cmd = tokio::process::Command::new(&self.bin);
-        cmd.arg("-a");
-        if delete {
-            cmd.arg("--delete");
-        }
-        cmd.arg(&src_arg)
-            .arg(self.url(dest))
+        cmd.arg("-a")
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -165,16 +171,32 @@ impl RsyncDaemon {
             .with_context(|| format!("running {}", self.bin.display()))?;
         let took = started.elapsed();
         if !out.status.success() {
+            let shown: Vec<_> = args.iter().map(|a| a.to_string_lossy()).collect();
             bail!(
-                "rsync -a {}{} {} failed ({}): {}",
-                if delete { "--delete " } else { "" },
-                Path::new(&src_arg).display(),
-                self.url(dest),
+                "rsync -a {} failed ({}): {}",
+                shown.join(" "),
                 out.status,
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
         Ok(took)
+    }
+
+    /// Runs `rsync -a [--delete] SRC URL` and returns how long it took.
+    /// A directory source is sent as its contents (`SRC/`).
+    pub async fn sync(&self, src: &Path, dest: &str, delete: bool) -> anyhow::Result<Duration> {
+        let mut src_arg = src.as_os_str().to_owned();
+        if src.is_dir() {
+            src_arg.push("/");
+        }
+        let url = self.url(dest);
+        let mut args: Vec<&std::ffi::OsStr> = Vec::new();
+        if delete {
+            args.push("--delete".as_ref());
+        }
+        args.push(&src_arg);
+        args.push(url.as_ref());
+        self.run_client(&args).await
     }
 }
 

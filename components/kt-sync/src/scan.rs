@@ -211,19 +211,18 @@ pub fn scan_keeping(
         walk(root, "")?
     };
     found.sort_unstable_by(|a, b| a.entry.path.as_bytes().cmp(b.entry.path.as_bytes()));
-    let old = std::mem::take(&mut cache.entries);
-    let mut fresh: HashMap<String, (Stamp, Hash)> =
-        HashMap::with_capacity(old.len().max(found.len()));
+    // The cache is updated in place: an unchanged tree (the common re-put)
+    // costs a lookup per file, not a fresh map of every path.
+    let mut entries = std::mem::take(&mut cache.entries);
+    let mut files = 0usize;
     let mut misses = Vec::new();
     for (index, f) in found.iter_mut().enumerate() {
         let Some((abs, stamp)) = f.file.take() else {
             continue;
         };
-        match old.get(&f.entry.path) {
-            Some((cached, hash)) if *cached == stamp => {
-                f.entry.hash = Some(*hash);
-                fresh.insert(f.entry.path.clone(), (stamp, *hash));
-            }
+        files += 1;
+        match entries.get(&f.entry.path) {
+            Some((cached, hash)) if *cached == stamp => f.entry.hash = Some(*hash),
             _ => misses.push((index, abs, stamp)),
         }
     }
@@ -249,13 +248,24 @@ pub fn scan_keeping(
     for (index, stamp, hash, data) in hashed {
         let e = &mut found[index].entry;
         e.hash = Some(hash);
-        fresh.insert(e.path.clone(), (stamp, hash));
+        entries.insert(e.path.clone(), (stamp, hash));
         if let Some(d) = data.filter(|d| d.len() as u64 == e.size) {
             kept.insert(e.path.clone(), d);
         }
     }
-    cache.dirty = cache.hashed > 0 || fresh.len() != old.len();
-    cache.entries = fresh;
+    // Every file found is in the cache now; more entries means some were
+    // of files gone since: only those found stay.
+    let gone = entries.len() > files;
+    if gone {
+        let here: std::collections::HashSet<&str> = found
+            .iter()
+            .filter(|f| f.entry.kind == EntryKind::File)
+            .map(|f| f.entry.path.as_str())
+            .collect();
+        entries.retain(|path, _| here.contains(path.as_str()));
+    }
+    cache.dirty = cache.hashed > 0 || gone;
+    cache.entries = entries;
     manifest.entries = found.into_iter().map(|f| f.entry).collect();
     Ok((manifest, kept))
 }
@@ -374,6 +384,19 @@ mod tests {
         let changed = scan(r, &mut cache).unwrap();
         assert_eq!(cache.hashed, 1);
         assert_ne!(changed.entries[2].hash, m.entries[2].hash);
+        assert_eq!(cache.len(), 3);
+        // A file gone leaves the cache (which must be saved again); one
+        // added joins it.
+        fs::remove_file(r.join("zero")).unwrap();
+        scan(r, &mut cache).unwrap();
+        assert_eq!((cache.hashed, cache.len()), (0, 2));
+        assert!(cache.dirty);
+        fs::write(r.join("new"), b"n").unwrap();
+        scan(r, &mut cache).unwrap();
+        assert_eq!((cache.hashed, cache.len()), (1, 3));
+        assert!(cache.dirty);
+        scan(r, &mut cache).unwrap();
+        assert!(!cache.dirty);
     }
 
     #[test]

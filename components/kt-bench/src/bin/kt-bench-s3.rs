@@ -30,6 +30,7 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use futures::{StreamExt, TryStreamExt};
 use kt_bench::kt::KtCluster;
+use kt_bench::report::median;
 use kt_bench::size::{human, parse_size};
 use kt_client::{Client, ClientConfig};
 use kt_dataset::ingest::moto::Moto;
@@ -233,11 +234,6 @@ async fn fill(moto: &Moto, size: u64, objects: u64) -> anyhow::Result<()> {
         .await
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 async fn bench(args: &Args) -> anyhow::Result<()> {
     let work = tempfile::Builder::new()
         .prefix("kt-bench-s3-")
@@ -312,8 +308,8 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
         downloads.push(d);
         ingests.push(i);
     }
-    let d = median(downloads.iter().map(|m| m.seconds).collect());
-    let i = median(ingests.iter().map(|m| m.seconds).collect());
+    let d = median(&downloads.iter().map(|m| m.seconds).collect::<Vec<_>>());
+    let i = median(&ingests.iter().map(|m| m.seconds).collect::<Vec<_>>());
     let rss = ingests
         .iter()
         .map(|m| mib(m.vm_hwm_kib))
