@@ -288,3 +288,27 @@ fn s3_put_syncs_a_prefix_with_a_data_set() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert_eq!(s["status"], "passed", "{s}");
 }
+
+/// A `promql` step out of its bounds fails the scenario, and the dump's
+/// failure.txt holds the PromQL it ran and Prometheus's answer. Without
+/// Prometheus the scenario is skipped, saying how to install it; under
+/// CI=true that fails.
+#[test]
+fn a_promql_step_out_of_bounds_dumps_its_query() {
+    let (tmp, out) = run("promql-out-of-bounds", &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let r = report(tmp.path());
+    let s = &r["scenarios"][0];
+    if s["status"] == "skipped" && !matches!(std::env::var("CI").as_deref(), Ok("true" | "1")) {
+        let why = s["message"].as_str().unwrap_or_default();
+        assert!(why.contains("apt-get install prometheus"), "{why}");
+        eprintln!("skipped: {why}");
+        return;
+    }
+    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    assert_eq!(s["status"], "failed", "{s}");
+    let dump = PathBuf::from(s["dump_dir"].as_str().unwrap());
+    let failure = std::fs::read_to_string(dump.join("failure.txt")).unwrap();
+    assert!(failure.contains("PromQL: count(up == 1)"), "{failure}");
+    assert!(failure.contains("3 is above at_most 2"), "{failure}");
+}

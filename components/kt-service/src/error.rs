@@ -52,13 +52,42 @@ impl From<kt_types::ManifestError> for ApiError {
     }
 }
 
+impl ApiError {
+    /// A failed call of this server to `upstream` (the metadata server, a
+    /// peer agent), as this server answers its own caller: the one mapping
+    /// every server uses.
+    ///
+    /// - not reached (refused, reset, timed out): `unreachable`, which the
+    ///   caller says — `unavailable` where the same server is needed again
+    ///   (retry), `no_source` where another source may serve instead;
+    /// - an error answer: its code, whatever it is (a 403 is a refusal, a
+    ///   500 a failure, not an outage to wait out), the message naming
+    ///   `upstream`;
+    /// - an answer that does not decode: `internal`.
+    pub fn from_call(e: kt_api::CallError, upstream: &str, unreachable: ErrorCode) -> ApiError {
+        match e {
+            kt_api::CallError::Transport { url, source } => ApiError::new(
+                unreachable,
+                format!("{upstream} unreachable ({url}): {source}"),
+            ),
+            kt_api::CallError::Status { code, message, .. } => {
+                ApiError::new(code, format!("{upstream}: {message}"))
+            }
+            kt_api::CallError::Decode { url, source } => ApiError::internal(format!(
+                "unreadable answer from {upstream} ({url}): {source}"
+            )),
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         if self.code == ErrorCode::Internal {
             tracing::error!(message = %self.message, "internal error");
         }
         let status = self.status();
-        (status, axum::Json(ErrorBody::new(self.code, self.message))).into_response()
+        let body = ErrorBody::new(self.code, self.message).with_trace(crate::trace::current_id());
+        (status, axum::Json(body)).into_response()
     }
 }
 
@@ -207,5 +236,48 @@ impl<S: Send + Sync> FromRequest<S> for ApiBytes {
 impl<T: serde::Serialize> IntoResponse for ApiJson<T> {
     fn into_response(self) -> Response {
         axum::Json(self.0).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a failed upstream call becomes: the caller's "unreachable",
+    /// the upstream's own code, or internal.
+    #[tokio::test]
+    async fn a_failed_call_maps_to_one_api_error() {
+        let status = |code: ErrorCode| kt_api::CallError::Status {
+            url: "http://m/api/v1/keys/a".into(),
+            status: code.http_status(),
+            code,
+            message: "no".into(),
+        };
+        for code in [
+            ErrorCode::Forbidden,
+            ErrorCode::Internal,
+            ErrorCode::NotFound,
+        ] {
+            let e = ApiError::from_call(status(code), "metadata server", ErrorCode::NoSource);
+            assert_eq!(e, ApiError::new(code, "metadata server: no"));
+        }
+        // Nobody listens on a port bound and dropped: not reached.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let api = kt_api::Api::new(kt_api::client(), &format!("http://127.0.0.1:{port}"), "t");
+        for unreachable in [ErrorCode::Unavailable, ErrorCode::NoSource] {
+            let e = api.get("/x").ok().await.unwrap_err();
+            assert!(matches!(e, kt_api::CallError::Transport { .. }), "{e:?}");
+            let e = ApiError::from_call(e, "the holder", unreachable);
+            assert_eq!(e.code, unreachable);
+            assert!(
+                e.message.starts_with("the holder unreachable"),
+                "{}",
+                e.message
+            );
+        }
     }
 }

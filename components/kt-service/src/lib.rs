@@ -8,9 +8,14 @@
 //! - [`capability`]: single-key read capabilities the metadata server signs
 //!   and peer sources check (no bearer token goes to a peer);
 //! - [`metrics`]: Prometheus counters every server exposes on `/metrics`;
+//!   [`route_metrics`]: RED per route (rate, errors by status, latency to
+//!   the body's end); [`exposition`]: the Prometheus text format;
 //! - [`reads`]: the read half of the sync protocol (read leases, batch streams,
 //!   ranges) over any [`reads::ReadSource`]: the store and node agents;
-//! - [`telemetry`]: logging set-up and the signal handler;
+//! - [`telemetry`]: logging set-up (OTLP export with feature `otlp`) and
+//!   the signal handler;
+//! - [`trace`]: each request in a span naming its trace (`traceparent`),
+//!   in its log lines, error body and onward calls;
 //! - [`tls`]: HTTPS (`--tls-cert`, `--tls-key`), certificates reloaded as
 //!   they are renewed.
 
@@ -18,10 +23,13 @@ pub mod auth;
 pub mod capability;
 pub mod cli;
 pub mod error;
+pub mod exposition;
 pub mod metrics;
 pub mod reads;
+pub mod route_metrics;
 pub mod telemetry;
 pub mod tls;
+pub mod trace;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -205,10 +213,14 @@ pub async fn serve_tls(
     drain: std::time::Duration,
     tls: Option<&tls::Tls>,
 ) -> std::io::Result<()> {
-    match tls {
+    let served = match tls {
         Some(t) => serve_on(tls::TlsListener::new(listener, t)?, app, shutdown, drain).await,
         None => serve_on(listener, app, shutdown, drain).await,
-    }
+    };
+    // The spans of the last requests leave before the process does (OTLP
+    // export; nothing to do without it).
+    let _ = kt_sync::task::spawn(telemetry::flush_traces).await;
+    served
 }
 
 async fn serve_on<L>(
@@ -276,7 +288,7 @@ mod tests {
             .unwrap();
             stalled.push(s);
         }
-        let http = reqwest::Client::builder()
+        let http = kt_api::client_builder()
             .timeout(Duration::from_secs(20))
             .build()
             .unwrap();
@@ -331,7 +343,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let stop = CancellationToken::new();
         let server = tokio::spawn(serve(listener, app, stop.clone(), Duration::from_secs(1)));
-        let http = reqwest::Client::builder()
+        let http = kt_api::client_builder()
             .timeout(Duration::from_secs(20))
             .build()
             .unwrap();

@@ -1,16 +1,31 @@
-//! Prometheus metrics shared by the servers: requests, bytes in/out, transfer durations.
+//! Prometheus metrics shared by the servers: requests and their latency per
+//! route ([`crate::route_metrics`]), bytes in/out, transfer durations, the
+//! build's version, and gauges a server reads from its state at each scrape
+//! ([`Collect`]).
+//!
+//! `/metrics` answers in the Prometheus text format (0.0.4), whose HELP and
+//! TYPE lines name a counter as its samples do (`kt_x_total`), so that
+//! `promtool check metrics` finds help for every sample; a scraper that asks
+//! for OpenMetrics (`Accept: application/openmetrics-text`) gets that.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::AtomicU64;
 
-use axum::extract::{MatchedPath, Request, State};
-use axum::http::header::CONTENT_TYPE;
-use axum::middleware::Next;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::http::header::{ACCEPT, CONTENT_TYPE};
 use axum::response::{IntoResponse, Response};
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 use std::sync::Arc;
 
@@ -21,18 +36,48 @@ pub struct RequestLabels {
     pub status: u16,
 }
 
+/// The latency histogram's labels: no status (one series per route).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    pub method: String,
+    pub route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServiceBytesLabels {
+    direction: &'static str,
+    service: String,
+}
+
+/// Most services given a byte counter of their own; the rest are `other`
+/// (services are bounded per cluster; this bounds a misuse).
+pub const MAX_SERVICE_LABELS: usize = 200;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TransferLabels {
     pub kind: String,
 }
 
 /// Counters of one server. Tests read the byte counters directly.
-#[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
     pub requests: Family<RequestLabels, Counter>,
+    /// Request durations per route, to the end of the response body.
+    pub durations: Family<RouteLabels, Histogram>,
+    /// The server's gauges read at scrape time (see [`Metrics::attach`]).
+    collectors: std::sync::RwLock<Vec<Arc<dyn Collect>>>,
     bytes_in: Counter<u64, AtomicU64>,
     bytes_out: Counter<u64, AtomicU64>,
+    /// The same bytes by the service a key belongs to (its first segment).
+    service_bytes: Family<ServiceBytesLabels, Counter>,
+    /// The services given a label of their own so far (at most
+    /// [`MAX_SERVICE_LABELS`]; the rest are `other`).
+    services: std::sync::Mutex<std::collections::HashSet<String>>,
     pub transfers: Family<TransferLabels, Histogram>,
     /// The process's peak resident set (VmHWM), read at each scrape.
     peak_resident: Gauge<u64, AtomicU64>,
@@ -53,13 +98,38 @@ impl Metrics {
         let transfers = Family::<TransferLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.001, 2.0, 20))
         });
-        registry.register("http_requests", "HTTP requests served", requests.clone());
+        registry.register(
+            "http_requests",
+            "HTTP requests served, by method, route template and status",
+            requests.clone(),
+        );
+        let durations = Family::<RouteLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(crate::route_metrics::latency_buckets())
+        });
+        registry.register(
+            "http_request_duration_seconds",
+            "Time from a request's arrival to the end of its response body, by method and route template",
+            durations.clone(),
+        );
+        registry.register(
+            "build",
+            "The version of the kt server answering",
+            Info::new(BuildLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            }),
+        );
         registry.register(
             "bytes_received",
             "File content bytes received",
             bytes_in.clone(),
         );
         registry.register("bytes_sent", "File content bytes sent", bytes_out.clone());
+        let service_bytes = Family::<ServiceBytesLabels, Counter>::default();
+        registry.register(
+            "service_bytes",
+            "File content bytes moved, by direction (sent, received) and the service of the key (its first segment)",
+            service_bytes.clone(),
+        );
         registry.register(
             "transfer_duration_seconds",
             "Duration of whole transfers (puts, gets)",
@@ -74,8 +144,12 @@ impl Metrics {
         Metrics {
             registry,
             requests,
+            durations,
+            collectors: std::sync::RwLock::new(Vec::new()),
             bytes_in,
             bytes_out,
+            service_bytes,
+            services: Default::default(),
             transfers,
             peak_resident,
         }
@@ -95,6 +169,31 @@ impl Metrics {
     pub fn add_bytes_out(&self, n: u64) {
         self.bytes_out.inc_by(n);
     }
+    /// [`Metrics::add_bytes_in`], counted for `key`'s service too.
+    pub fn add_bytes_in_for(&self, key: &kt_types::Key, n: u64) {
+        self.add_bytes_in(n);
+        self.add_service_bytes("received", key, n);
+    }
+    /// [`Metrics::add_bytes_out`], counted for `key`'s service too.
+    pub fn add_bytes_out_for(&self, key: &kt_types::Key, n: u64) {
+        self.add_bytes_out(n);
+        self.add_service_bytes("sent", key, n);
+    }
+    fn add_service_bytes(&self, direction: &'static str, key: &kt_types::Key, n: u64) {
+        let first = key.as_str().split('/').next().unwrap_or_default();
+        let service = {
+            let mut seen = self.services.lock().unwrap_or_else(|e| e.into_inner());
+            if seen.contains(first) || seen.len() < MAX_SERVICE_LABELS {
+                seen.insert(first.to_owned());
+                first.to_owned()
+            } else {
+                "other".to_owned()
+            }
+        };
+        self.service_bytes
+            .get_or_create(&ServiceBytesLabels { direction, service })
+            .inc_by(n);
+    }
     pub fn bytes_in(&self) -> u64 {
         self.bytes_in.get()
     }
@@ -109,14 +208,187 @@ impl Metrics {
             .observe(secs);
     }
 
+    /// Adds gauges read at each scrape (a server's state). A collector
+    /// that holds the server's state should hold it weakly: the state
+    /// holds these metrics.
+    pub fn attach(&self, collector: Arc<dyn Collect>) {
+        self.collectors
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(collector);
+    }
+
+    /// The registry's metrics (not the attached collectors') in the
+    /// Prometheus text format.
     pub fn encode(&self) -> String {
+        crate::exposition::to_prometheus_text(&self.encode_openmetrics(&[]))
+    }
+
+    /// Everything, the attached collectors' gauges read now, in the format
+    /// asked for.
+    pub async fn scrape(&self, openmetrics: bool) -> String {
+        let collectors = self
+            .collectors
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut snapshots = Vec::with_capacity(collectors.len());
+        for c in collectors {
+            snapshots.push(c.collect().await);
+        }
+        let text = self.encode_openmetrics(&snapshots);
+        if openmetrics {
+            text
+        } else {
+            crate::exposition::to_prometheus_text(&text)
+        }
+    }
+
+    fn encode_openmetrics(&self, snapshots: &[Snapshot]) -> String {
+        use prometheus_client::encoding::text;
         if let Some(bytes) = peak_resident_bytes() {
             self.peak_resident.set(bytes);
         }
         let mut out = String::new();
         // Writing into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        let _ = text::encode_registry(&mut out, &self.registry);
+        for s in snapshots {
+            let mut r = Registry::with_prefix("kt");
+            r.register_collector(Box::new(s.clone()));
+            let _ = text::encode_registry(&mut out, &r);
+        }
+        let _ = text::encode_eof(&mut out);
         out
+    }
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").finish_non_exhaustive()
+    }
+}
+
+/// A server's gauges read from its state at each scrape.
+pub trait Collect: Send + Sync + 'static {
+    fn collect(&self) -> Pin<Box<dyn Future<Output = Snapshot> + Send + '_>>;
+}
+
+/// One sample: its labels (bounded: services, locales, states, never keys
+/// or pod names) and value.
+type Sample = (Vec<(&'static str, String)>, f64);
+
+/// Gauges (and counters kept by the state) read at one scrape, in the order
+/// first named; names get the `kt_` prefix.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    families: Vec<SnapshotFamily>,
+}
+
+#[derive(Clone, Debug)]
+struct SnapshotFamily {
+    name: &'static str,
+    help: &'static str,
+    counter: bool,
+    samples: Vec<Sample>,
+}
+
+impl Snapshot {
+    /// Adds a sample of gauge `name` (a family with no samples is still
+    /// described: call with `labels` and a value per label set).
+    pub fn gauge(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        labels: &[(&'static str, &str)],
+        value: f64,
+    ) {
+        self.add(name, help, false, labels, value);
+    }
+
+    /// Adds a sample of counter `name` (`_total` is appended).
+    pub fn counter(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        labels: &[(&'static str, &str)],
+        value: f64,
+    ) {
+        self.add(name, help, true, labels, value);
+    }
+
+    /// Describes gauge `name` with no samples yet (a family whose label
+    /// sets are all absent now, e.g. no broadcast in flight).
+    pub fn describe(&mut self, name: &'static str, help: &'static str) {
+        self.family(name, help, false);
+    }
+
+    fn family(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        counter: bool,
+    ) -> &mut SnapshotFamily {
+        let at = match self.families.iter().position(|f| f.name == name) {
+            Some(i) => i,
+            None => {
+                self.families.push(SnapshotFamily {
+                    name,
+                    help,
+                    counter,
+                    samples: Vec::new(),
+                });
+                self.families.len() - 1
+            }
+        };
+        &mut self.families[at]
+    }
+
+    fn add(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        counter: bool,
+        labels: &[(&'static str, &str)],
+        value: f64,
+    ) {
+        let labels = labels.iter().map(|(k, v)| (*k, (*v).to_owned())).collect();
+        self.family(name, help, counter)
+            .samples
+            .push((labels, value));
+    }
+
+    /// The value of `name`'s sample with exactly `labels` (tests).
+    pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        let f = self.families.iter().find(|f| f.name == name)?;
+        f.samples.iter().find_map(|(l, v)| {
+            let same = l.len() == labels.len()
+                && l.iter()
+                    .zip(labels)
+                    .all(|((k, v), (k2, v2))| k == k2 && v == v2);
+            same.then_some(*v)
+        })
+    }
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for f in &self.families {
+            let kind = if f.counter {
+                MetricType::Counter
+            } else {
+                MetricType::Gauge
+            };
+            let mut family = encoder.encode_descriptor(f.name, f.help, None, kind)?;
+            for (labels, value) in &f.samples {
+                let sample = family.encode_family(labels)?;
+                if f.counter {
+                    ConstCounter::new(*value).encode(sample)?;
+                } else {
+                    ConstGauge::new(*value).encode(sample)?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -128,34 +400,23 @@ fn peak_resident_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-pub async fn serve_metrics(State(m): State<Arc<Metrics>>) -> Response {
-    (
-        [(
-            CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        m.encode(),
-    )
-        .into_response()
+/// `/metrics`: OpenMetrics when the scraper asks for it, the Prometheus
+/// text format otherwise.
+pub async fn serve_metrics(State(m): State<Arc<Metrics>>, headers: HeaderMap) -> Response {
+    let openmetrics = headers
+        .get_all(ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    let content_type = if openmetrics {
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    } else {
+        "text/plain; version=0.0.4; charset=utf-8"
+    };
+    ([(CONTENT_TYPE, content_type)], m.scrape(openmetrics).await).into_response()
 }
 
-pub async fn count_requests(State(m): State<Arc<Metrics>>, req: Request, next: Next) -> Response {
-    let method = req.method().to_string();
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|p| p.as_str().to_owned())
-        .unwrap_or_else(|| "unmatched".to_owned());
-    let resp = next.run(req).await;
-    m.requests
-        .get_or_create(&RequestLabels {
-            method,
-            route,
-            status: resp.status().as_u16(),
-        })
-        .inc();
-    resp
-}
+pub use crate::route_metrics::count_requests;
 
 #[cfg(test)]
 mod tests {

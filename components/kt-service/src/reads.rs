@@ -423,7 +423,7 @@ async fn batch<S: ReadSource>(
         })
         .await?;
     }
-    r.metrics.add_bytes_out(bytes);
+    r.metrics.add_bytes_out_for(&l.opened.key, bytes);
     // Each file sent keeps the lease alive, however long the stream runs.
     let touch: kt_sync::batch::Progress = Arc::new(move |_| l.touch());
     Ok(Body::from_stream(send_stream(items, Some(touch))))
@@ -470,7 +470,7 @@ async fn range<S: ReadSource>(
     file.seek(std::io::SeekFrom::Start(q.offset))
         .await
         .map_err(|err| sync_err(SyncError::io(l.opened.files.path_of(e), err)))?;
-    r.metrics.add_bytes_out(q.len);
+    r.metrics.add_bytes_out_for(&l.opened.key, q.len);
     // Streamed in pieces: a source serving many readers at once holds a
     // piece per reader, not a whole range (a chunk, up to MAX_RANGE) each.
     let body = Body::from_stream(ReaderStream::with_capacity(file.take(q.len), RANGE_PIECE));
