@@ -151,36 +151,33 @@ pub(crate) struct Download {
     large: BTreeMap<u32, Arc<Large>>,
     pub stats: TransferStats,
     board: Option<Arc<Board>>,
+    /// Set when only some files of the key are fetched (a shard of a
+    /// dataset): the rest of the tree is neither written nor finished.
+    restricted: bool,
 }
 
 impl Download {
     /// Validates `read`, looks at what `dest` already holds, creates the
     /// directories, and tells `board` what is already in place.
+    ///
+    /// With `only` (entry paths of the manifest; `""` names a single-file
+    /// key's file), just those files are fetched and only their directories
+    /// made: a selected file already at its place with the same content is
+    /// kept; a name that is not a file of this version is an error.
     pub async fn plan(
         client: &Client,
         read: ReadManifest,
         dest: &Path,
         board: Option<Arc<Board>>,
+        only: Option<&BTreeSet<String>>,
     ) -> Result<Self, ClientError> {
         let m = &read.manifest;
         m.validate(&ManifestLimits::default())?;
         kt_sync::chunk::check_chunk_size(read.chunk_size)?;
-        // Where entry paths are rooted locally.
-        let (root, final_dest) = match m.root {
-            RootKind::Dir => (dest.to_owned(), dest.to_owned()),
-            RootKind::File => {
-                let name = &m.entries[0].path;
-                if dest.is_dir() {
-                    (dest.to_owned(), dest.join(name))
-                } else {
-                    let parent = dest
-                        .parent()
-                        .filter(|p| !p.as_os_str().is_empty())
-                        .unwrap_or(Path::new("."));
-                    (parent.to_owned(), dest.to_owned())
-                }
-            }
-        };
+        if let Some(only) = only {
+            return Self::plan_only(client, read, dest, board, only).await;
+        }
+        let (root, final_dest) = places(m, dest);
         // What is already there.
         // Trouble with the destination is ours, never the source's.
         let here = |e: ClientError| ClientError::Local(format!("{}: {e}", dest.display()));
@@ -232,7 +229,89 @@ impl Download {
             stats: TransferStats::default(),
             board,
             read,
+            restricted: false,
         };
+        this.register(&needed);
+        Ok(this)
+    }
+
+    /// [`Download::plan`] of the files `only` names.
+    async fn plan_only(
+        client: &Client,
+        read: ReadManifest,
+        dest: &Path,
+        board: Option<Arc<Board>>,
+        only: &BTreeSet<String>,
+    ) -> Result<Self, ClientError> {
+        let (root, final_dest) = places(&read.manifest, dest);
+        let mut this = Download {
+            root,
+            final_dest,
+            needed: BTreeSet::new(),
+            pending: Arc::default(),
+            large: BTreeMap::new(),
+            stats: TransferStats::default(),
+            board,
+            read,
+            restricted: true,
+        };
+        let m = &this.read.manifest;
+        let mut chosen = Vec::new();
+        for name in only {
+            // A single-file key's one file is also named by "".
+            let found = m.entries.iter().position(|e| {
+                e.kind == EntryKind::File
+                    && (&e.path == name || (name.is_empty() && m.root == RootKind::File))
+            });
+            let Some(i) = found else {
+                return Err(ClientError::Api {
+                    status: 404,
+                    code: kt_types::ErrorCode::NotFound,
+                    message: format!(
+                        "version {} has no file {name:?} (the key changed since it was listed?)",
+                        this.read.version
+                    ),
+                });
+            };
+            chosen.push((i as u32, this.target_of(&m.entries[i])));
+        }
+        let here = |p: &Path, e: ClientError| ClientError::Local(format!("{}: {e}", p.display()));
+        let mut needed = BTreeSet::new();
+        for (i, target) in &chosen {
+            let e = &m.entries[*i as usize];
+            let same = match std::fs::symlink_metadata(target) {
+                Ok(md) if md.is_file() && md.len() == e.size => {
+                    let (scanned, _) = scan_cached(client, target, 0)
+                        .await
+                        .map_err(|err| here(target, err))?;
+                    scanned.entries.first().is_some_and(|s| s.hash == e.hash)
+                }
+                _ => false,
+            };
+            if !same {
+                needed.insert(*i);
+            }
+            let dir = target.parent().map(Path::to_owned);
+            if let Some(dir) = dir {
+                blocking(move || std::fs::create_dir_all(&dir).map_err(|e| SyncError::io(&dir, e)))
+                    .await
+                    .map_err(|err| here(target, err))?;
+            }
+        }
+        let selected: u64 = chosen
+            .iter()
+            .map(|(i, _)| m.entries[*i as usize].size)
+            .sum();
+        // Only the selection counts: the rest of the tree is not ours.
+        this.register(&needed);
+        this.stats.bytes_skipped = selected - this.stats.bytes_sent;
+        Ok(this)
+    }
+
+    /// Sorts the `needed` files into small (batched) and large (chunked)
+    /// ones and counts them; tells the board what is already in place.
+    fn register(&mut self, needed: &BTreeSet<u32>) {
+        let this = self;
         let mut pending = BTreeSet::new();
         for (i, e) in this.read.manifest.entries.iter().enumerate() {
             let i = i as u32;
@@ -241,7 +320,7 @@ impl Download {
             }
             let target = this.target_of(e);
             if !needed.contains(&i) {
-                if let Some(b) = &this.board {
+                if let Some(b) = this.board.as_ref().filter(|_| !this.restricted) {
                     b.file_at(i, target);
                 }
                 continue;
@@ -265,10 +344,11 @@ impl Download {
                 pending.insert(i);
             }
         }
-        this.stats.bytes_skipped = this.read.manifest.total_bytes() - this.stats.bytes_sent;
-        this.needed = needed;
+        if !this.restricted {
+            this.stats.bytes_skipped = this.read.manifest.total_bytes() - this.stats.bytes_sent;
+        }
+        this.needed = needed.clone();
         *lock(&this.pending) = pending;
-        Ok(this)
     }
 
     fn target_of(&self, e: &Entry) -> PathBuf {
@@ -556,6 +636,11 @@ impl Download {
                 "download finished with files still missing".into(),
             ));
         }
+        if self.restricted {
+            // Each selected file was placed with its metadata; the tree's
+            // other files, links and directories are not this get's.
+            return Ok(());
+        }
         let (root, m, fin) = (
             self.root.clone(),
             self.read.manifest.clone(),
@@ -593,6 +678,26 @@ impl Download {
             Ok(())
         })
         .await
+    }
+}
+
+/// Where a manifest's entry paths are rooted under `dest`, and where the
+/// get ends up (the tree's root, or the single file).
+fn places(m: &Manifest, dest: &Path) -> (PathBuf, PathBuf) {
+    match m.root {
+        RootKind::Dir => (dest.to_owned(), dest.to_owned()),
+        RootKind::File => {
+            let name = &m.entries[0].path;
+            if dest.is_dir() {
+                (dest.to_owned(), dest.join(name))
+            } else {
+                let parent = dest
+                    .parent()
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .unwrap_or(Path::new("."));
+                (parent.to_owned(), dest.to_owned())
+            }
+        }
     }
 }
 

@@ -517,13 +517,32 @@ impl Client {
         opts: &GetOptions,
         progress: Progress,
     ) -> Result<GetSummary, ClientError> {
+        Ok(self.get_core(key, dest, opts, progress, None).await?.0)
+    }
+
+    /// A get of `key` into `dest` (sources, failover, deadlines: every get
+    /// goes through here). With `only`, just those files of the key's tree
+    /// are fetched (see [`Download::plan`]) and the copy is not offered to
+    /// this node's agent: it is not the whole key. Returns the download too
+    /// (its manifest: what the key holds).
+    pub(crate) async fn get_core(
+        &self,
+        key: &Key,
+        dest: &Path,
+        opts: &GetOptions,
+        progress: Progress,
+        only: Option<&std::collections::BTreeSet<String>>,
+    ) -> Result<(GetSummary, Download), ClientError> {
         let started = Instant::now();
         // Counted from the call's start: a frozen agent does not add to it.
         let mut contact = Some(FirstContact::new(
             &self.cfg.metadata_url,
             self.cfg.connect_timeout,
         ));
-        let mut agent = self.agent_if_serving().await;
+        let mut agent = match only {
+            None => self.agent_if_serving().await,
+            Some(_) => None,
+        };
         let getter = agent.as_ref().map(|a| a.id.clone());
         let mut failures = Failures::new(self.cfg.deadline);
         let mut meta_backoff =
@@ -610,7 +629,7 @@ impl Client {
             let renewal = AbortOnDrop(self.keep_lease(&lease));
             let result = match shown_to(&lease.source.id, lease.capability.as_deref()) {
                 Ok(credential) => {
-                    self.fetch_from(
+                    self.fetch_from_selected(
                         (&lease.source.url, credential),
                         (&lease.source.version, lease.record.digest.as_ref()),
                         key,
@@ -619,6 +638,7 @@ impl Client {
                         None,
                         &progress,
                         self.cfg.stall,
+                        only,
                     )
                     .await
                 }
@@ -647,12 +667,17 @@ impl Client {
                     if let Some(a) = agent.as_mut() {
                         self.serve_copy(a, key, &d.read, &d.final_dest).await;
                     }
-                    return Ok(GetSummary {
+                    let files = match only {
+                        Some(only) => only.len() as u64,
+                        None => d.read.manifest.file_count(),
+                    };
+                    let summary = GetSummary {
                         stats: d.stats,
-                        files: d.read.manifest.file_count(),
+                        files,
                         dest: d.final_dest.clone(),
                         duration: started.elapsed(),
-                    });
+                    };
+                    return Ok((summary, d));
                 }
                 Err(e) if e.is_source_failure() => {
                     let id = &lease.source.id;
@@ -834,12 +859,12 @@ impl Client {
         if let Some(a) = AgentConn::connect(&self.cfg.agent_socket).await? {
             return Ok(Some(a));
         }
-        let autostart = std::env::var("KT_AGENT_AUTOSTART").map_or(true, |v| v != "0");
-        if autostart && std::env::var_os("KT_POD_IP").is_some() {
-            return AgentConn::connect_or_start(
+        if self.cfg.agent_autostart && std::env::var_os(kt_types::env::POD_IP).is_some() {
+            return AgentConn::connect_or_start_as(
                 &self.cfg.agent_socket,
                 &self.cfg.metadata_url,
                 &self.cfg.token,
+                true,
             )
             .await
             .map(Some);
@@ -917,10 +942,11 @@ impl Client {
         })
         .await?;
         crate::deadline::enter(Phase::WaitingForAgent);
-        let mut agent = AgentConn::connect_or_start(
+        let mut agent = AgentConn::connect_or_start_as(
             &self.cfg.agent_socket,
             &self.cfg.metadata_url,
             &self.cfg.token,
+            self.cfg.agent_autostart,
         )
         .await?;
         let reply = agent
@@ -960,6 +986,23 @@ impl Client {
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn fetch_from(
         &self,
+        source: (&str, Option<&str>),
+        version: (&str, Option<&Hash>),
+        key: &Key,
+        dest: &Path,
+        dl: &mut Option<Download>,
+        board: Option<&Arc<Board>>,
+        progress: &Progress,
+        stall: Duration,
+    ) -> Result<(), ClientError> {
+        self.fetch_from_selected(source, version, key, dest, dl, board, progress, stall, None)
+            .await
+    }
+
+    /// [`Client::fetch_from`] of only the files `only` names, when given.
+    #[allow(clippy::too_many_arguments)]
+    async fn fetch_from_selected(
+        &self,
         (source, source_key): (&str, Option<&str>),
         (version, digest): (&str, Option<&Hash>),
         key: &Key,
@@ -968,6 +1011,7 @@ impl Client {
         board: Option<&Arc<Board>>,
         progress: &Progress,
         stall: Duration,
+        only: Option<&std::collections::BTreeSet<String>>,
     ) -> Result<(), ClientError> {
         let src = self.server_keyed(source, source_key)?;
         let tree = src.get(&paths::tree(key));
@@ -1019,7 +1063,7 @@ impl Client {
             }
         }
         if dl.is_none() {
-            let planned = Download::plan(self, read, dest, board.cloned()).await;
+            let planned = Download::plan(self, read, dest, board.cloned(), only).await;
             let planned = match planned {
                 Ok(p) => p,
                 Err(e) => {

@@ -1,0 +1,590 @@
+//! Arrow Flight on the node agent (cargo feature `flight`, `--flight-addr`):
+//! `DoGet` streams one rank's share of the Parquet and Arrow IPC files
+//! below a prefix as record batches, so a plain `pyarrow.flight` client —
+//! the way the reference data cache's training nodes read — gets its share
+//! without the kt package.
+//!
+//! The ticket is [`ShareTicket`]'s JSON (`prefix`, `rank`, `world`, `epoch`,
+//! `shuffle`). The share is [`kt_client`]'s ([`Client::stream_share`], the
+//! same listing and [`kt_types::shard`] split as `kt get --shard` and
+//! `kt.Dataset`), fetched ahead within [`FlightConfig::budget`] into a
+//! temporary directory under the agent's state directory and decoded one
+//! file at a time, in reading order; files named `_*` or `.*` (`_SUCCESS`,
+//! `_metadata`, as pyarrow's datasets skip them) are passed over.
+//!
+//! Invariants:
+//! - every call reads with the caller's bearer token (`authorization:
+//!   Bearer <token>`), never the agent's: the metadata server and the
+//!   sources decide what it may read, as for any get. A listing shows a
+//!   token only the services it reads, so a prefix of another service is
+//!   answered `NotFound` just as `kt get PREFIX/` is (nobody learns of
+//!   another service's keys here either); a token nobody knows is
+//!   `Unauthenticated`, a role that may not read `PermissionDenied`.
+//! - memory: one decoded batch at a time per file plus [`QUEUED`] waiting
+//!   for the client; local disk: the call's budget (a file larger than it
+//!   is held alone), removed when the call ends, however it ends.
+//! - every file of a share has the first one's columns (names and types, in
+//!   order); a file that differs ends the stream with `FailedPrecondition`
+//!   naming both. Schema metadata (pandas', Parquet's) is dropped.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use arrow_array::RecordBatch;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
+use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
+use arrow_flight::{
+    Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightInfo,
+    HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaResult, Ticket,
+};
+use arrow_schema::{ArrowError, Schema, SchemaRef};
+use futures::{Stream, StreamExt};
+use kt_client::stream::{StreamOptions, StreamedFile};
+use kt_client::{Client, ClientConfig, ClientError};
+use kt_types::ErrorCode;
+use kt_types::shard::ShareTicket;
+use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::config::FlightConfig;
+
+/// Decoded batches waiting for a slow client, per call.
+pub const QUEUED: usize = 2;
+/// Rows per record batch decoded from Parquet (an IPC file's batches are
+/// passed on as written).
+pub const PARQUET_BATCH_ROWS: usize = 8192;
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// The Flight service of one agent.
+#[derive(Debug, Clone)]
+pub struct Shares {
+    metadata_url: String,
+    /// Per-call temporary directories go here (the agent's own).
+    scratch: PathBuf,
+    budget: u64,
+    calls: Arc<Semaphore>,
+    max_calls: usize,
+}
+
+impl Shares {
+    /// The service: shares listed at `metadata_url`, fetched below
+    /// `scratch` (emptied now: what a killed agent left).
+    pub fn new(
+        metadata_url: &str,
+        scratch: PathBuf,
+        cfg: &FlightConfig,
+    ) -> std::io::Result<Shares> {
+        match std::fs::remove_dir_all(&scratch) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        std::fs::create_dir_all(&scratch)?;
+        let max_calls = cfg.max_calls.max(1);
+        Ok(Shares {
+            metadata_url: metadata_url.to_owned(),
+            scratch,
+            budget: cfg.budget,
+            calls: Arc::new(Semaphore::new(max_calls)),
+            max_calls,
+        })
+    }
+
+    /// A client that reads as the caller: its token, no scan cache, no
+    /// copies handed to an agent (a streamed file is deleted once decoded).
+    fn client_for(&self, token: &str) -> Result<Client, Status> {
+        let mut cfg = ClientConfig::new(&self.metadata_url, token);
+        cfg.cache_dir = None;
+        cfg.serve_copies = false;
+        Client::new(cfg).map_err(|e| Status::internal(format!("a client for the call: {e}")))
+    }
+
+    async fn share(&self, request: Request<Ticket>) -> Result<BoxStream<FlightData>, Status> {
+        let token = bearer(request.metadata())?;
+        let (prefix, spec) = ShareTicket::parse(&request.get_ref().ticket)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let permit = self.calls.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!(
+                "this agent serves {} Flight calls at once; try again shortly",
+                self.max_calls
+            ))
+        })?;
+        let client = self.client_for(token)?;
+        let dir = tempfile::Builder::new()
+            .prefix("share-")
+            .tempdir_in(&self.scratch)
+            .map_err(|e| Status::internal(format!("a directory for the share: {e}")))?;
+        let mut opts = StreamOptions::new(spec, self.budget);
+        opts.dir = Some(dir.path().to_owned());
+        let files = client
+            .stream_share(&prefix, opts)
+            .await
+            .map_err(|e| status(&e))?;
+        tracing::info!(%prefix, shard = %spec.shard, epoch = spec.epoch, shuffle = spec.shuffle,
+            files = files.share().len(), "flight: streaming a share");
+        let (tx, mut rx) = mpsc::channel(QUEUED);
+        tokio::spawn(produce(files, tx, dir, permit));
+        // The schema comes first (or the error that ended the share before
+        // any batch): answered as the call's status.
+        let schema = match rx.recv().await {
+            Some(Ok(Decoded::Schema(s))) => s,
+            Some(Ok(Decoded::Batch(_))) => {
+                return Err(Status::internal("a batch came before the schema"));
+            }
+            Some(Err(e)) => return Err(e),
+            None => return Err(Status::internal("the share ended before its schema")),
+        };
+        let batches = futures::stream::unfold(rx, |mut rx| async move {
+            let item = match rx.recv().await? {
+                Ok(Decoded::Batch(b)) => Ok(b),
+                Ok(Decoded::Schema(_)) => Err(FlightError::protocol("a second schema")),
+                Err(e) => Err(FlightError::Tonic(Box::new(e))),
+            };
+            Some((item, rx))
+        });
+        let data = FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .build(batches)
+            .map(|d| d.map_err(Status::from));
+        Ok(Box::pin(data))
+    }
+}
+
+/// Serves `shares` on `listener` until `shutdown` is cancelled.
+pub async fn serve(
+    listener: TcpListener,
+    shares: Shares,
+    shutdown: CancellationToken,
+) -> Result<(), tonic::transport::Error> {
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    tonic::transport::Server::builder()
+        .add_service(FlightServiceServer::new(shares))
+        .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+        .await
+}
+
+/// Binds `cfg.addr` (dual-stack for `0.0.0.0`, as the agent's HTTP port).
+pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    kt_service::cli::listen(addr)
+}
+
+/// The caller's bearer token.
+fn bearer(meta: &tonic::metadata::MetadataMap) -> Result<&str, Status> {
+    let missing = || {
+        Status::unauthenticated(
+            "no bearer token: send the header `authorization: Bearer <token>` (your kt token)",
+        )
+    };
+    let value = meta.get("authorization").ok_or_else(missing)?;
+    let value = value.to_str().map_err(|_| missing())?;
+    let token = value
+        .strip_prefix("Bearer ")
+        .or_else(|| value.strip_prefix("bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .ok_or_else(missing)?;
+    Ok(token)
+}
+
+/// The gRPC status of a failed kt call.
+fn status(e: &ClientError) -> Status {
+    let message = e.to_string();
+    if e.timed_out_in().is_some() {
+        return Status::deadline_exceeded(message);
+    }
+    match e.code() {
+        Some(ErrorCode::Unauthorized) => Status::unauthenticated(message),
+        Some(ErrorCode::Forbidden) => Status::permission_denied(message),
+        Some(ErrorCode::NotFound) => Status::not_found(message),
+        Some(ErrorCode::InvalidKey | ErrorCode::InvalidRequest | ErrorCode::InvalidManifest) => {
+            Status::invalid_argument(message)
+        }
+        Some(ErrorCode::HashMismatch | ErrorCode::Truncated) => Status::data_loss(message),
+        Some(ErrorCode::NoStore | ErrorCode::NoSource | ErrorCode::Unavailable) => {
+            Status::unavailable(message)
+        }
+        Some(ErrorCode::InsufficientStorage) => Status::resource_exhausted(message),
+        _ => Status::internal(message),
+    }
+}
+
+/// What the decoder hands the encoder.
+#[derive(Debug)]
+enum Decoded {
+    /// The share's schema (first, once).
+    Schema(SchemaRef),
+    Batch(RecordBatch),
+}
+
+type Sender = mpsc::Sender<Result<Decoded, Status>>;
+
+/// Decodes the share's files in order into `tx`; the first message is the
+/// schema. Ends at the first error or when the client is gone. The call's
+/// directory is removed (and its permit returned) before the last message
+/// is sent, so a client that saw the end of its stream leaves nothing.
+async fn produce(
+    files: kt_client::stream::ShareStream,
+    tx: Sender,
+    dir: tempfile::TempDir,
+    permit: OwnedSemaphorePermit,
+) {
+    let last = relay(files, &tx).await;
+    if let Err(e) = dir.close() {
+        tracing::warn!(error = %e, "removing a Flight call's directory");
+    }
+    drop(permit);
+    if let Some(last) = last {
+        let _ = tx.send(last).await;
+    }
+}
+
+/// [`produce`]'s work: the message to end with (an error; the empty
+/// schema of a share without data files), if any.
+async fn relay(
+    mut files: kt_client::stream::ShareStream,
+    tx: &Sender,
+) -> Option<Result<Decoded, Status>> {
+    let mut first: Option<First> = None;
+    while let Some(got) = files.next().await {
+        let file = match got {
+            Ok(f) => f,
+            Err(e) => return Some(Err(status(&e))),
+        };
+        if skipped(&file.file.path) {
+            continue;
+        }
+        let (tx2, known) = (tx.clone(), first.clone());
+        // The file is deleted (and its bytes given back to the budget) when
+        // the decoder drops it.
+        let decoded = kt_sync::task::spawn(move || decode(file, known, &tx2)).await;
+        match decoded {
+            Ok(Ok(Some(f))) => first = Some(f),
+            Ok(Ok(None)) => return None, // the client went away
+            Ok(Err(e)) => return Some(Err(e)),
+            Err(e) => return Some(Err(Status::internal(format!("decoding failed: {}", e.0)))),
+        }
+    }
+    // No data file at all (an empty share): no columns.
+    first
+        .is_none()
+        .then(|| Ok(Decoded::Schema(Arc::new(Schema::empty()))))
+}
+
+/// Data files only: `_SUCCESS`, `_metadata`, `.crc`… (any path segment
+/// starting with `_` or `.`) are not, as pyarrow's datasets see it.
+fn skipped(path: &str) -> bool {
+    path.split('/')
+        .any(|s| s.starts_with('_') || s.starts_with('.'))
+}
+
+/// The file formats a share may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Parquet,
+    IpcFile,
+    IpcStream,
+}
+
+/// By the file's first bytes.
+fn sniff(path: &Path) -> std::io::Result<Option<Format>> {
+    use std::io::Read;
+    let mut head = [0u8; 8];
+    let mut f = std::fs::File::open(path)?;
+    let mut n = 0;
+    while n < head.len() {
+        match f.read(&mut head[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    let head = &head[..n];
+    Ok(if head.starts_with(b"PAR1") {
+        Some(Format::Parquet)
+    } else if head.starts_with(b"ARROW1") {
+        Some(Format::IpcFile)
+    } else if head.starts_with(&[0xff; 4]) {
+        Some(Format::IpcStream)
+    } else {
+        None
+    })
+}
+
+/// The share's schema and the file it came from.
+type First = (SchemaRef, String);
+
+/// Decodes one file into `tx` (blocking): the schema first when `first` is
+/// `None` (the share's first data file), then its batches, each under the
+/// share's schema. `Ok(None)`: the client went away. The file is deleted
+/// when this returns.
+fn decode(file: StreamedFile, first: Option<First>, tx: &Sender) -> Result<Option<First>, Status> {
+    let name = file.file.path.as_str();
+    let path = file.path();
+    let io = |e: std::io::Error| Status::internal(format!("{name}: {e}"));
+    let bad = |e: &dyn std::fmt::Display| Status::invalid_argument(format!("{name}: {e}"));
+    let format = sniff(path).map_err(io)?.ok_or_else(|| {
+        Status::invalid_argument(format!(
+            "{name} is neither Parquet nor Arrow IPC (a file or a stream): a share streams those only"
+        ))
+    })?;
+    let open = || std::fs::File::open(path).map_err(io);
+    type Batches = Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>>>;
+    let (own, batches): (SchemaRef, Batches) = match format {
+        Format::Parquet => {
+            let b = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(open()?)
+                .map_err(|e| bad(&e))?;
+            let schema = b.schema().clone();
+            let reader = b
+                .with_batch_size(PARQUET_BATCH_ROWS)
+                .build()
+                .map_err(|e| bad(&e))?;
+            (schema, Box::new(reader))
+        }
+        Format::IpcFile => {
+            let r = arrow_ipc::reader::FileReader::try_new(open()?, None).map_err(|e| bad(&e))?;
+            (r.schema(), Box::new(r))
+        }
+        Format::IpcStream => {
+            let r =
+                arrow_ipc::reader::StreamReader::try_new(std::io::BufReader::new(open()?), None)
+                    .map_err(|e| bad(&e))?;
+            (r.schema(), Box::new(r))
+        }
+    };
+    let (schema, first_name) = match first {
+        Some((schema, first_name)) => {
+            if let Some(why) = mismatch(&schema, &own) {
+                return Err(Status::failed_precondition(format!(
+                    "{name} does not have the columns of {first_name}, the share's first file: {why}; every file of a share must"
+                )));
+            }
+            (schema, first_name)
+        }
+        None => {
+            let schema = Arc::new(Schema::new(own.fields().clone()));
+            if tx
+                .blocking_send(Ok(Decoded::Schema(schema.clone())))
+                .is_err()
+            {
+                return Ok(None);
+            }
+            (schema, name.to_owned())
+        }
+    };
+    for batch in batches {
+        let batch = batch.map_err(|e| bad(&e))?;
+        let batch = RecordBatch::try_new(schema.clone(), batch.columns().to_vec())
+            .map_err(|e| Status::failed_precondition(format!("{name}: {e}")))?;
+        if tx.blocking_send(Ok(Decoded::Batch(batch))).is_err() {
+            return Ok(None);
+        }
+    }
+    drop(file);
+    Ok(Some((schema, first_name)))
+}
+
+/// Why `other`'s columns are not `share`'s (names and types, in order;
+/// metadata aside), if they are not.
+fn mismatch(share: &Schema, other: &Schema) -> Option<String> {
+    let show = |s: &Schema| {
+        s.fields()
+            .iter()
+            .map(|f| format!("{}: {}", f.name(), f.data_type()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let same = share.fields().len() == other.fields().len()
+        && share
+            .fields()
+            .iter()
+            .zip(other.fields().iter())
+            .all(|(a, b)| a.name() == b.name() && a.data_type() == b.data_type());
+    (!same).then(|| format!("[{}] against [{}]", show(other), show(share)))
+}
+
+#[tonic::async_trait]
+impl FlightService for Shares {
+    type HandshakeStream = BoxStream<HandshakeResponse>;
+    type ListFlightsStream = BoxStream<FlightInfo>;
+    type DoGetStream = BoxStream<FlightData>;
+    type DoPutStream = BoxStream<PutResult>;
+    type DoExchangeStream = BoxStream<FlightData>;
+    type DoActionStream = BoxStream<arrow_flight::Result>;
+    type ListActionsStream = BoxStream<ActionType>;
+
+    async fn do_get(
+        &self,
+        request: Request<Ticket>,
+    ) -> Result<Response<Self::DoGetStream>, Status> {
+        self.share(request).await.map(Response::new)
+    }
+
+    async fn handshake(
+        &self,
+        _: Request<Streaming<HandshakeRequest>>,
+    ) -> Result<Response<Self::HandshakeStream>, Status> {
+        Err(not_served(
+            "Handshake (send your kt token as `authorization: Bearer <token>`)",
+        ))
+    }
+
+    async fn list_flights(
+        &self,
+        _: Request<Criteria>,
+    ) -> Result<Response<Self::ListFlightsStream>, Status> {
+        Err(not_served("ListFlights"))
+    }
+
+    async fn get_flight_info(
+        &self,
+        _: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        Err(not_served("GetFlightInfo"))
+    }
+
+    async fn poll_flight_info(
+        &self,
+        _: Request<FlightDescriptor>,
+    ) -> Result<Response<PollInfo>, Status> {
+        Err(not_served("PollFlightInfo"))
+    }
+
+    async fn get_schema(
+        &self,
+        _: Request<FlightDescriptor>,
+    ) -> Result<Response<SchemaResult>, Status> {
+        Err(not_served("GetSchema"))
+    }
+
+    async fn do_put(
+        &self,
+        _: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoPutStream>, Status> {
+        Err(not_served("DoPut (put data with kt put)"))
+    }
+
+    async fn do_exchange(
+        &self,
+        _: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoExchangeStream>, Status> {
+        Err(not_served("DoExchange"))
+    }
+
+    async fn do_action(
+        &self,
+        _: Request<Action>,
+    ) -> Result<Response<Self::DoActionStream>, Status> {
+        Err(not_served("DoAction"))
+    }
+
+    async fn list_actions(
+        &self,
+        _: Request<Empty>,
+    ) -> Result<Response<Self::ListActionsStream>, Status> {
+        Err(not_served("ListActions"))
+    }
+}
+
+/// The answer to every call but DoGet.
+fn not_served(what: &str) -> Status {
+    Status::unimplemented(format!(
+        "a kt agent serves Flight DoGet only, with a ticket {{\"prefix\":..,\"rank\":..,\"world\":..}}; not {what}"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use arrow_schema::{DataType, Field};
+
+    use super::*;
+
+    #[test]
+    fn markers_and_hidden_files_are_no_data() {
+        for p in [
+            "_SUCCESS",
+            "part-b/_metadata",
+            ".crc/x.parquet",
+            "a/.hidden",
+        ] {
+            assert!(skipped(p), "{p}");
+        }
+        for p in ["shard-00.parquet", "part-b/x_y.arrow", "a.b/c"] {
+            assert!(!skipped(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn formats_are_told_by_their_first_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let cases: [(&[u8], Option<Format>); 5] = [
+            (b"PAR1\x15\x04", Some(Format::Parquet)),
+            (b"ARROW1\0\0", Some(Format::IpcFile)),
+            (b"\xff\xff\xff\xff\x10\0\0\0", Some(Format::IpcStream)),
+            (b"PAR", None),
+            (b"a,b\n1,2\n", None),
+        ];
+        for (i, (head, want)) in cases.into_iter().enumerate() {
+            let p = dir.path().join(i.to_string());
+            std::fs::write(&p, head).unwrap();
+            assert_eq!(sniff(&p).unwrap(), want, "{head:?}");
+        }
+        assert!(sniff(&dir.path().join("missing")).is_err());
+    }
+
+    #[test]
+    fn columns_must_match_by_name_and_type_metadata_aside() {
+        let f = |n: &str, t: DataType| Field::new(n, t, true);
+        let share = Schema::new(vec![f("a", DataType::Int64), f("b", DataType::Utf8)]);
+        let tagged = Schema::new_with_metadata(
+            share.fields().clone(),
+            std::collections::HashMap::from([("pandas".to_string(), "{}".to_string())]),
+        );
+        assert_eq!(mismatch(&share, &tagged), None);
+        let retyped = Schema::new(vec![f("a", DataType::Int32), f("b", DataType::Utf8)]);
+        assert_eq!(
+            mismatch(&share, &retyped).unwrap(),
+            "[a: Int32, b: Utf8] against [a: Int64, b: Utf8]"
+        );
+        let fewer = Schema::new(vec![f("a", DataType::Int64)]);
+        assert!(mismatch(&share, &fewer).is_some());
+        let renamed = Schema::new(vec![f("b", DataType::Int64), f("a", DataType::Utf8)]);
+        assert!(mismatch(&share, &renamed).is_some());
+    }
+
+    #[test]
+    fn kt_errors_keep_their_meaning_in_grpc() {
+        let api = |code: ErrorCode| ClientError::Api {
+            status: code.http_status(),
+            code,
+            message: "m".into(),
+        };
+        for (code, want) in [
+            (ErrorCode::Unauthorized, tonic::Code::Unauthenticated),
+            (ErrorCode::Forbidden, tonic::Code::PermissionDenied),
+            (ErrorCode::NotFound, tonic::Code::NotFound),
+            (ErrorCode::InvalidKey, tonic::Code::InvalidArgument),
+            (ErrorCode::HashMismatch, tonic::Code::DataLoss),
+            (ErrorCode::NoSource, tonic::Code::Unavailable),
+            (ErrorCode::Internal, tonic::Code::Internal),
+        ] {
+            assert_eq!(status(&api(code)).code(), want, "{code:?}");
+        }
+    }
+
+    #[test]
+    fn the_bearer_token_is_required_and_read_from_the_header() {
+        let mut meta = tonic::metadata::MetadataMap::new();
+        assert_eq!(
+            bearer(&meta).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
+        meta.insert("authorization", "Basic abc".parse().unwrap());
+        assert!(bearer(&meta).is_err());
+        meta.insert("authorization", "Bearer  tok-1 ".parse().unwrap());
+        assert_eq!(bearer(&meta).unwrap(), "tok-1");
+    }
+}
