@@ -5,7 +5,9 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kt_types::agent::{CONTROL_VERSION, ControlReply, ControlRequest, encode_frame, frame_len};
+use kt_types::agent::{
+    CONTROL_VERSION, ControlReply, ControlRequest, encode_traced_frame, frame_len,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
@@ -139,27 +141,54 @@ impl AgentConn {
     }
 
     /// Connects, starting `kt-agent` in the background when none runs (it
-    /// gets this client's metadata server and token).
+    /// gets this client's metadata server and token) unless
+    /// `KT_AGENT_AUTOSTART=0` ([`autostart`]): the pod's own agent is then
+    /// waited for (a sidecar being restarted) up to [`SIDECAR_WAIT`].
     pub async fn connect_or_start(
         socket: &Path,
         metadata_url: &str,
         token: &str,
     ) -> Result<AgentConn, ClientError> {
+        Self::connect_or_start_as(socket, metadata_url, token, autostart()).await
+    }
+
+    /// [`AgentConn::connect_or_start`], starting an agent only when
+    /// `autostart` says so.
+    pub async fn connect_or_start_as(
+        socket: &Path,
+        metadata_url: &str,
+        token: &str,
+        autostart: bool,
+    ) -> Result<AgentConn, ClientError> {
         if let Some(c) = AgentConn::connect(socket).await? {
             return Ok(c);
         }
-        start_agent(socket, metadata_url, token)?;
-        let deadline = Instant::now() + START_TIMEOUT;
+        let within = if autostart {
+            start_agent(socket, metadata_url, token)?;
+            START_TIMEOUT
+        } else {
+            SIDECAR_WAIT
+        };
+        let deadline = Instant::now() + within;
         loop {
             if let Some(c) = AgentConn::connect(socket).await? {
                 return Ok(c);
             }
             if Instant::now() >= deadline {
-                return Err(away(format!(
-                    "started kt-agent, but it did not open {} within {START_TIMEOUT:?}; see {}",
-                    socket.display(),
-                    agent_log(socket).display()
-                )));
+                return Err(away(if autostart {
+                    format!(
+                        "started kt-agent, but it did not open {} within {within:?}; see {}",
+                        socket.display(),
+                        agent_log(socket).display()
+                    )
+                } else {
+                    format!(
+                        "no node agent listens at {} (waited {within:?}); {}=0 says the pod's \
+                         agent is run for it (a sidecar), so kt does not start one",
+                        socket.display(),
+                        kt_types::env::AGENT_AUTOSTART
+                    )
+                }));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -172,7 +201,9 @@ impl AgentConn {
                 "the connection to the node agent broke earlier ({why}): connect again"
             )));
         }
-        let frame = encode_frame(req).map_err(|e| local(format!("encoding a request: {e}")))?;
+        let trace = kt_api::trace::current().map(|t| t.to_string());
+        let frame = encode_traced_frame(req, trace.as_deref())
+            .map_err(|e| local(format!("encoding a request: {e}")))?;
         let reply = match self.exchange(&frame).await {
             Ok(r) => r,
             Err(e) => {
@@ -279,6 +310,17 @@ fn unexpected(r: ControlReply) -> ClientError {
 
 fn agent_log(socket: &Path) -> PathBuf {
     socket.with_extension("log")
+}
+
+/// How long `kt` waits for a pod's own agent (`KT_AGENT_AUTOSTART=0`) to
+/// come back: a sidecar restarted by its supervisor.
+const SIDECAR_WAIT: Duration = Duration::from_secs(30);
+
+/// Whether `kt` may start a node agent when none runs: yes unless
+/// `KT_AGENT_AUTOSTART=0` (the pod's agent is run for it; one `kt` started
+/// would present the workload's token, which may not act as an agent).
+pub fn autostart() -> bool {
+    std::env::var(kt_types::env::AGENT_AUTOSTART).map_or(true, |v| v.trim() != "0")
 }
 
 /// The agent binary's name.
@@ -416,6 +458,7 @@ fn start_agent(socket: &Path, metadata_url: &str, token: &str) -> Result<(), Cli
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kt_types::agent::encode_frame;
 
     #[tokio::test]
     async fn no_agent_is_none_not_an_error() {

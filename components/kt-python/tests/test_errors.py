@@ -153,33 +153,44 @@ def test_the_gil_is_released_while_a_transfer_waits(testbed, pod_a, kt_in, tmp_p
     assert len(during) == 1 and during[0] > 10, during
 
 
-# Prints "inside" once the main thread is inside kt's native get: kt.get's
-# frame stands on its `_kt.get_...` line, at the same instruction 50 ms
-# apart (the GIL is released there, so this thread runs).
-ANNOUNCE = """
-import linecache, sys, threading, time
-def _announce(main=threading.main_thread().ident):
-    seen = None
-    while True:
-        f = sys._current_frames().get(main)
-        at = None
-        if f is not None and f.f_code.co_name == "get" and \
-                "_kt.get_" in linecache.getline(f.f_code.co_filename, f.f_lineno):
-            at = (id(f), f.f_lasti)
-        if at is not None and at == seen:
-            print("inside", flush=True)
-            return
-        seen = at
-        time.sleep(0.05)
-threading.Thread(target=_announce, daemon=True).start()
-"""
+def quorum_members(testbed, group: str) -> list:
+    """The members of ``group``'s open round, as the metadata server has
+    them (none when it has no open round yet)."""
+    import json
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    url = f"{testbed.metadata.url}/api/v1/quorums/{urllib.parse.quote(group, safe='')}"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {testbed.token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return list((json.load(r).get("open") or {}).get("members", []))
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return []
+        raise
 
 
-def interrupt(p):
-    """Sends SIGINT once ``p`` is inside kt's native call."""
-    assert p.stdout.readline().strip() == "inside", p.stderr.read()
-    p.send_signal(signal.SIGINT)
-    return p.communicate(timeout=60)
+def wait_until(what: str, check, p, timeout: float = 60) -> None:
+    """Polls ``check`` until it is true; fails (with ``p``'s output) if
+    ``p`` ends first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if p.poll() is not None:
+            out, err = p.communicate()
+            pytest.fail(f"ended before {what}: {out} {err}")
+        if time.monotonic() > deadline:
+            p.kill()
+            out, err = p.communicate()
+            pytest.fail(f"not {what} within {timeout}s: {out} {err}")
+        time.sleep(0.02)
+
+
+def written(pid: int) -> int:
+    """Bytes process ``pid`` has written so far (``wchar``)."""
+    with open(f"/proc/{pid}/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
 
 
 def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, run_in):
@@ -188,7 +199,7 @@ def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, r
     and its next tensor call works."""
     key = unique("interrupt-q")
     group = unique("g").replace("/", "-")
-    p = run_in(testbed, pod_a, ANNOUNCE + textwrap.dedent(f"""
+    p = run_in(testbed, pod_a, textwrap.dedent(f"""
         import sys, numpy as np, kt
         dest = np.full(16, 7, np.float32)
         try:
@@ -203,7 +214,12 @@ def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, r
         print("then put", flush=True)
         sys.exit(7)
     """), background=True)
-    out, err = interrupt(p)
+    # Its join is in the group's open round: the getter is inside kt's
+    # native get, waiting for the quorum (however long a busy machine took
+    # to get it there).
+    wait_until("joined", lambda: quorum_members(testbed, group), p)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
     assert p.returncode == 7, (out, err)
     assert "interrupted untouched" in out and "then put" in out
 
@@ -212,16 +228,12 @@ def written_settles(pid: int, quiet: float = 0.3, timeout: float = 30) -> None:
     """Waits until process ``pid`` has written no data for ``quiet`` seconds
     (what the kernel had buffered from the stopped producer has landed).
     Data is 64 KiB or more: the runtime's own wake-ups write a few bytes."""
-    def written() -> int:
-        with open(f"/proc/{pid}/io") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
-
     deadline = time.monotonic() + timeout
-    last, since = written(), time.monotonic()
+    last, since = written(pid), time.monotonic()
     while time.monotonic() - since < quiet:
         assert time.monotonic() < deadline, "the getter kept writing"
         time.sleep(0.05)
-        now = written()
+        now = written(pid)
         if now - last >= 64 << 10:
             last, since = now, time.monotonic()
 
@@ -256,11 +268,14 @@ def test_ctrl_c_stops_a_transfer_and_removes_its_partial_file(testbed, pod_a, ru
     def partial():
         return [n for n in os.listdir(dest) if n.startswith(".kt-tmp.")] if dest.exists() else []
 
-    deadline = time.monotonic() + 60
-    while not partial() and p.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.001)
+    # The get has found its source and bytes from it are landing: its
+    # partial file is there and it has written 4 MiB more than at its start
+    # (on a busy machine that may take a while; nothing is timed).
+    started = written(p.pid)
+    wait_until("receiving", lambda: p.poll() is not None
+               or (partial() and written(p.pid) - started >= 4 << 20), p)
     # The producer's agent stops mid-file: the get waits for bytes that do
-    # not come, until the signal.
+    # not come (its stall timeout, 20 s, is not reached), until the signal.
     os.kill(producer.agent.proc.pid, signal.SIGSTOP)
     try:
         if p.poll() is not None or not partial():

@@ -15,11 +15,14 @@
 //!   the key, verified by hash (no mixed or half-written tree), also when it
 //!   runs again into what a killed get left;
 //! - every put and get of a store key succeeds (the store restarting or
-//!   freezing is waited for within the transfer's deadline); gets of local
-//!   keys may fail when their producer's agent is down, and say so;
+//!   freezing is waited for within the transfer's deadline);
+//! - local puts and gets and tensor transfers fail only as a fault explains
+//!   and no more often than a bound: [`rules`] names, per kind, the error
+//!   codes that are tolerated; anything else (a 403, a 500, no code, a
+//!   hang) is a violation;
 //! - a tensor get that succeeds holds the bytes its key was put with
 //!   (every put of a tensor key uses the same seed, so any version is
-//!   right and a mix is caught); one that fails says why, and none hangs;
+//!   right and a mix is caught);
 //! - once the workload stops, source leases return to zero;
 //! - no server or agent grows past a memory bound;
 //! - the store's data directory holds no more than its keys need (staging
@@ -32,6 +35,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+pub mod rules;
 
 use crate::data::{Digest, Rng};
 use crate::format::{DataSpec, Signal};
@@ -63,10 +68,11 @@ pub struct Report {
     pub faults: BTreeMap<String, u64>,
     /// Operations that succeeded, by kind.
     pub ok: BTreeMap<String, u64>,
-    /// Operations that failed in a way the invariants allow, by kind.
-    pub tolerated: BTreeMap<String, u64>,
-    /// Why they failed: the first few distinct messages of each kind.
-    pub why: BTreeMap<String, BTreeSet<String>>,
+    /// Operations that failed as a fault explains ([`rules`]), by kind and
+    /// error code.
+    pub tolerated: BTreeMap<(String, &'static str), u64>,
+    /// What they said: the first few distinct messages of each kind and code.
+    pub why: BTreeMap<(String, &'static str), BTreeSet<String>>,
     /// Largest resident set seen, by program.
     pub max_rss: BTreeMap<String, u64>,
     pub violations: Vec<String>,
@@ -84,6 +90,9 @@ impl Report {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        let tolerated: BTreeMap<String, u64> = (self.tolerated.iter())
+            .map(|((kind, code), n)| (format!("{kind} ({code})"), *n))
+            .collect();
         let rss: BTreeMap<String, u64> = self
             .max_rss
             .iter()
@@ -97,13 +106,13 @@ impl Report {
             self.faults.values().sum::<u64>(),
             line(&self.ok),
             self.ok.values().sum::<u64>(),
-            line(&self.tolerated),
+            line(&tolerated),
             line(&rss),
             self.violations.len(),
         );
-        for (kind, whys) in &self.why {
+        for ((kind, code), whys) in &self.why {
             for w in whys {
-                out.push_str(&format!("  tolerated {kind}: {w}\n"));
+                out.push_str(&format!("  tolerated {kind} ({code}): {w}\n"));
             }
         }
         for v in &self.violations {
@@ -192,9 +201,9 @@ pub async fn run(mut target: Box<dyn Target>, opts: Options) -> Result<Report, T
     for (name, spec) in data_specs() {
         let path = data_dir.join(name);
         let (p, s) = (path.clone(), spec.clone());
-        tokio::task::spawn_blocking(move || crate::data::generate(&s, None, &p))
+        kt_sync::task::spawn(move || crate::data::generate(&s, None, &p))
             .await
-            .map_err(|e| TargetError::Failed(e.to_string()))?
+            .map_err(|e| TargetError::Failed(e.0))?
             .map_err(|e| TargetError::Failed(format!("generating {name}: {e}")))?;
         let digest = digest(&path).await?;
         let size = dir_size(&path);
@@ -269,14 +278,22 @@ impl Shared<'_> {
         *which(&mut r).entry(kind.to_owned()).or_default() += 1;
     }
 
-    /// A failure the invariants allow, and (the first few of each kind)
-    /// what it said.
-    fn tolerate(&self, kind: &str, stderr: &str) {
-        self.count(|r| &mut r.tolerated, kind);
+    /// A `kt` call of `kind` that exited with `status`: tolerated (with,
+    /// the first few of each kind and code, what it said) when [`rules`]
+    /// says a fault explains it, else a violation that names `what`.
+    fn failed(&self, kind: &str, what: impl FnOnce() -> String, status: i32, stderr: &str) {
         let line = stderr.trim().lines().last().unwrap_or("").trim();
-        let line: String = line.chars().take(200).collect();
+        let line: String = line.chars().take(300).collect();
+        let code = match rules::judge(kind, rules::Failure::of(status, stderr)) {
+            Ok(code) => code,
+            Err(why) => {
+                return self.violation(format!("{} (exit {status}): {why}: {line}", what()));
+            }
+        };
         let mut r = self.report.lock().unwrap_or_else(|p| p.into_inner());
-        let whys = r.why.entry(kind.to_owned()).or_default();
+        let at = (kind.to_owned(), code.as_str());
+        *r.tolerated.entry(at.clone()).or_default() += 1;
+        let whys = r.why.entry(at).or_default();
         if whys.len() < 3 {
             whys.insert(line);
         }
@@ -357,19 +374,16 @@ async fn soak(
             ));
         }
     }
-    // Tensor gets may fail while a fault lasts, but not all of them.
-    let (ok, tried) = {
+    // Faults explain some failures of some kinds, not many of them.
+    let over = {
         let r = shared.report.lock().unwrap_or_else(|p| p.into_inner());
-        let ok = r.ok.get("tensor-get").copied().unwrap_or(0);
-        (ok, ok + r.tolerated.get("tensor-get").copied().unwrap_or(0))
+        rules::over_bound(&r.ok, &r.tolerated)
     };
-    if tried >= 20 && ok * 2 < tried {
-        shared.violation(format!(
-            "only {ok} of {tried} tensor gets succeeded (most failures are tolerated one by one, not all of them)"
-        ));
+    for v in over {
+        shared.violation(v);
     }
     // Quiet now: what must have returned to rest.
-    let meta = kt_api::Api::new(reqwest::Client::new(), &target.metadata_url(), token);
+    let meta = kt_api::Api::new(kt_api::client(), &target.metadata_url(), token);
     let waited = Instant::now();
     loop {
         let list: Result<kt_types::api::LeaseList, _> =
@@ -474,17 +488,18 @@ async fn put(s: &Shared<'_>, rng: &mut Rng, key: &str, local: bool) {
     match s.kt(&pod, args).await {
         Ok(o) if o.status == 0 => s.count(|r| &mut r.ok, kind),
         // A local put needs the pod's own agent, which a fault may have
-        // taken down for a moment.
-        Ok(o) if local => {
-            tracing::info!(op = n, stderr = %o.stderr.trim(), "chaos: local put failed");
-            s.tolerate(kind, &o.stderr)
-        }
-        Ok(o) => s.violation(format!(
-            "op {n}: put of {} under {key} from {pod} failed (exit {}): {}",
-            s.sets[set].name,
+        // taken down for a moment ([`rules`]); a store put may not fail.
+        Ok(o) => s.failed(
+            kind,
+            || {
+                format!(
+                    "op {n}: {kind} of {} under {key} from {pod} failed",
+                    s.sets[set].name
+                )
+            },
             o.status,
-            o.stderr.trim()
-        )),
+            &o.stderr,
+        ),
         Err(e) => s.violation(format!("op {n}: put under {key}: {e}")),
     }
 }
@@ -583,17 +598,14 @@ async fn get(s: &Shared<'_>, rng: &mut Rng, key: &str, local: bool) {
             }
             s.count(|r| &mut r.ok, kind);
         }
-        // Never put yet, or its producer's agent is down: said plainly.
-        Ok(o)
-            if local && (o.stderr.contains("not found") || o.stderr.contains("no live source")) =>
-        {
-            s.tolerate(kind, &o.stderr)
-        }
-        Ok(o) => s.violation(format!(
-            "op {n}: get of {key} into {pod} failed (exit {}): {}",
+        // A local key never put yet, or its producer's agent down
+        // ([`rules`]); a store key's get may not fail.
+        Ok(o) => s.failed(
+            kind,
+            || format!("op {n}: {kind} of {key} into {pod} failed"),
             o.status,
-            o.stderr.trim()
-        )),
+            &o.stderr,
+        ),
         Err(e) => s.violation(format!("op {n}: get of {key}: {e}")),
     }
     if serve {
@@ -735,11 +747,14 @@ async fn tensor_put(s: &Shared<'_>, rng: &mut Rng) {
                 ));
             }
         }
-        // It ended without holding: its agent is down, say. It must say so.
+        // It ended without holding: its agent is down, say ([`rules`]).
         Ok(false) => match p.wait().await {
-            Ok(o) if o.status != 0 && !o.stderr.trim().is_empty() => {
-                s.tolerate("tensor-put", &o.stderr)
-            }
+            Ok(o) if o.status != 0 => s.failed(
+                "tensor-put",
+                || format!("op {n}: tensor put of {key} in {pod}"),
+                o.status,
+                &o.stderr,
+            ),
             Ok(o) => s.violation(format!(
                 "op {n}: tensor put of {key} in {pod} ended (exit {}) without holding or saying why",
                 o.status
@@ -782,12 +797,13 @@ async fn tensor_get(s: &Shared<'_>, rng: &mut Rng) {
             o.stderr.trim()
         )),
         // Not held now (never put, its holder's agent down or restarting),
-        // or a transfer cut by a fault: said plainly.
-        Ok(Ok(o)) if !o.stderr.trim().is_empty() => s.tolerate("tensor-get", &o.stderr),
-        Ok(Ok(o)) => s.violation(format!(
-            "op {n}: tensor get of {key} into {pod} failed (exit {}) without saying why",
-            o.status
-        )),
+        // or a transfer cut by a fault ([`rules`]).
+        Ok(Ok(o)) => s.failed(
+            "tensor-get",
+            || format!("op {n}: tensor get of {key} into {pod} failed"),
+            o.status,
+            &o.stderr,
+        ),
         Ok(Err(e)) => s.violation(format!("op {n}: tensor get of {key}: {e}")),
         Err(_) => s.violation(format!(
             "op {n}: tensor get of {key} into {pod} did not end within {TENSOR_WITHIN:?}"
@@ -910,9 +926,9 @@ async fn restart(t: &dyn Target, c: &Component, sig: Signal) -> Result<(), Targe
 
 async fn digest(path: &Path) -> Result<Digest, TargetError> {
     let p = path.to_owned();
-    tokio::task::spawn_blocking(move || crate::data::digest(&p))
+    kt_sync::task::spawn(move || crate::data::digest(&p))
         .await
-        .map_err(|e| TargetError::Failed(e.to_string()))?
+        .map_err(|e| TargetError::Failed(e.0))?
         .map_err(|e| TargetError::Failed(e.to_string()))
 }
 

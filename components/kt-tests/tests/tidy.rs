@@ -1,5 +1,6 @@
 //! The workspace's rules as tests (rust-analyzer's "tidy" habit): what
-//! ARCHITECTURE.md says about layering, `unsafe` and the wire types, checked
+//! ARCHITECTURE.md says about layering, `unsafe`, pure cores and the wire
+//! types, and the map's own shape (short, code map first, docs/ linked), checked
 //! on every `make test` so a change that breaks a rule fails here with the
 //! rule's reason, instead of drifting from the docs.
 
@@ -175,6 +176,10 @@ fn layering(members: &BTreeMap<String, Member>) -> Vec<String> {
         ("cudarc", &["kt-tensor"][..]),
         ("redb", &["kt-metadata"][..]),
         ("pyo3", &["kt-python"][..]),
+        // Arrow Flight on agents (the `flight` feature) and its test.
+        ("arrow-flight", &["kt-agent", "kt-tests"][..]),
+        ("parquet", &["kt-agent", "kt-tests"][..]),
+        ("tonic", &["kt-agent", "kt-tests"][..]),
     ] {
         for (name, m) in members {
             if (m.deps.contains(dep) || m.dev_deps.contains(dep)) && !homes.contains(&name.as_str())
@@ -251,26 +256,24 @@ fn code(line: &str) -> &str {
     line.split("//").next().unwrap_or("")
 }
 
+/// State machines and plans with their clock passed in: HTTP, databases,
+/// files and the runtime live in the modules that wrap them. ARCHITECTURE.md
+/// names each under its crate ("Pure:").
+const PURE_CORES: [&str; 10] = [
+    "components/kt-metadata/src/registry.rs",
+    "components/kt-metadata/src/leases.rs",
+    "components/kt-metadata/src/broadcast.rs",
+    "components/kt-metadata/src/quorum/round.rs",
+    "components/kt-kube/src/state.rs",
+    "components/kt-sync/src/diff.rs",
+    "components/kt-tensor/src/pack.rs",
+    "components/kt-tensor/src/cuda/chain.rs",
+    "components/kt-dataset/src/reconcile.rs",
+    "components/kt-dataset/src/ingest/plan.rs",
+];
+
 #[test]
 fn pure_cores_import_no_io() {
-    // State machines and plans with their clock passed in: HTTP, databases,
-    // files and the runtime live in the modules that wrap them.
-    let cores = [
-        "components/kt-metadata/src/registry.rs",
-        "components/kt-metadata/src/leases.rs",
-        "components/kt-metadata/src/broadcast.rs",
-        "components/kt-kube/src/state.rs",
-        "components/kt-sync/src/diff.rs",
-        "components/kt-tensor/src/pack.rs",
-        "components/kt-tensor/src/cuda/chain.rs",
-        "components/kt-dataset/src/reconcile.rs",
-        "components/kt-dataset/src/ingest/plan.rs",
-    ];
-    let extra: Vec<String> = ["components/kt-metadata/src/quorum/round.rs"]
-        .into_iter()
-        .filter(|p| root().join(p).exists())
-        .map(str::to_owned)
-        .collect();
     // Crates by name; std's I/O by path (an address type is no I/O).
     let forbidden = [
         "axum",
@@ -284,8 +287,8 @@ fn pure_cores_import_no_io() {
         "std::net::Udp",
     ];
     let mut broken = Vec::new();
-    for rel in cores.iter().map(|s| s.to_string()).chain(extra) {
-        let text = std::fs::read_to_string(root().join(&rel))
+    for rel in PURE_CORES {
+        let text = std::fs::read_to_string(root().join(rel))
             .unwrap_or_else(|e| panic!("{rel}: {e} (a pure core moved? update this list)"));
         for (n, line) in text.lines().enumerate() {
             let c = code(line).trim();
@@ -309,7 +312,7 @@ fn pure_cores_import_no_io() {
 
 /// Where `unsafe` may be, and why (ARCHITECTURE.md, "Unsafe"); each block
 /// has a `SAFETY` note just above it.
-const UNSAFE_ALLOWED: [(&str, &str); 8] = [
+const UNSAFE_ALLOWED: &[(&str, &str)] = &[
     ("components/kt-tensor/src/shm.rs", "mmap of shared memory"),
     (
         "components/kt-tensor/src/cuda/driver.rs",
@@ -338,6 +341,18 @@ const UNSAFE_ALLOWED: [(&str, &str); 8] = [
     (
         "components/kt-tests/tests/tls.rs",
         "set_var before any thread exists",
+    ),
+    (
+        "components/kt-bench/src/cpu.rs",
+        "getrusage and sysconf for CPU time",
+    ),
+    (
+        "components/kt-tensor/src/cuda/netenv.rs",
+        "getifaddrs, and NCCL's environment set before any thread exists",
+    ),
+    (
+        "components/kt-agent/src/main.rs",
+        "NCCL's environment set before the runtime starts",
     ),
 ];
 
@@ -404,5 +419,299 @@ fn every_public_item_of_the_wire_types_is_documented() {
     assert!(
         lib.contains("#![deny(missing_docs)]"),
         "kt-types must keep #![deny(missing_docs)]"
+    );
+}
+
+/// ARCHITECTURE.md is a map, not a manual: short, its code map near the top,
+/// and every page of `docs/` reachable from it (the specs live there).
+const MAP_MAX_LINES: usize = 400;
+/// The heading of the code map, and the line it must start by.
+const MAP_CODE_MAP: &str = "## Code map";
+const MAP_CODE_MAP_BY: usize = 100;
+/// The heading of the list of files that may use `unsafe`.
+const MAP_UNSAFE: &str = "## Unsafe";
+
+fn architecture_md() -> String {
+    std::fs::read_to_string(root().join("ARCHITECTURE.md")).expect("ARCHITECTURE.md")
+}
+
+/// The file names of `docs/*.md`.
+fn doc_pages() -> Vec<String> {
+    let mut pages: Vec<String> = std::fs::read_dir(root().join("docs"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".md"))
+                .collect()
+        })
+        .unwrap_or_default();
+    pages.sort();
+    pages
+}
+
+/// What is wrong with `map` as the workspace's map, given the pages of
+/// `docs/`: too long, a code map that starts too late (or not at all), a
+/// page no link reaches, a link to a page that does not exist.
+fn map_problems(map: &str, pages: &[String]) -> Vec<String> {
+    let mut broken = Vec::new();
+    let lines = map.lines().count();
+    if lines > MAP_MAX_LINES {
+        broken.push(format!(
+            "ARCHITECTURE.md has {lines} lines, more than {MAP_MAX_LINES}: move specs, \
+             measurements and long explanations into docs/ and link them"
+        ));
+    }
+    match map.lines().position(|l| l.trim_end() == MAP_CODE_MAP) {
+        Some(n) if n < MAP_CODE_MAP_BY => {} // n counts from 0
+        Some(n) => broken.push(format!(
+            "ARCHITECTURE.md's \"{MAP_CODE_MAP}\" starts at line {}, after line {MAP_CODE_MAP_BY}: \
+             the map comes first",
+            n + 1
+        )),
+        None => broken.push(format!("ARCHITECTURE.md has no \"{MAP_CODE_MAP}\" heading")),
+    }
+    for page in pages {
+        if !map.contains(&format!("(docs/{page})")) && !map.contains(&format!("(docs/{page}#")) {
+            broken.push(format!(
+                "docs/{page} is linked from nowhere in ARCHITECTURE.md: link it where its topic is"
+            ));
+        }
+    }
+    for (n, line) in map.lines().enumerate() {
+        for link in line.split("](docs/").skip(1) {
+            let target = link.split([')', '#']).next().unwrap_or("");
+            if !target.is_empty() && !pages.iter().any(|p| p == target) {
+                broken.push(format!(
+                    "ARCHITECTURE.md:{}: a link to docs/{target}, which does not exist",
+                    n + 1
+                ));
+            }
+        }
+    }
+    broken
+}
+
+#[test]
+fn architecture_md_is_a_short_map_that_links_every_doc() {
+    let broken = map_problems(&architecture_md(), &doc_pages());
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+#[test]
+fn the_map_check_catches_a_long_map_a_late_code_map_and_an_unlinked_doc() {
+    let pages = vec!["a.md".to_owned(), "b.md".to_owned()];
+    let good = format!("# A\n{MAP_CODE_MAP}\n[a](docs/a.md) [b](docs/b.md#x)\n");
+    assert!(map_problems(&good, &pages).is_empty(), "{good}");
+    let long = format!("{good}{}", "line\n".repeat(MAP_MAX_LINES));
+    let late = format!(
+        "# A\n{}{MAP_CODE_MAP}\n[a](docs/a.md) [b](docs/b.md)\n",
+        "\n".repeat(MAP_CODE_MAP_BY)
+    );
+    let unlinked = format!("# A\n{MAP_CODE_MAP}\n[a](docs/a.md) [c](docs/c.md)\n");
+    for (map, expect) in [
+        (long, "more than"),
+        (late, "after line"),
+        (unlinked.clone(), "docs/b.md is linked from nowhere"),
+        (unlinked, "docs/c.md, which does not exist"),
+    ] {
+        let broken = map_problems(&map, &pages);
+        assert!(
+            broken.iter().any(|b| b.contains(expect)),
+            "{expect}: {broken:?}"
+        );
+    }
+}
+
+/// The files ARCHITECTURE.md's "Unsafe" section lists (its bullets' first
+/// code span).
+fn unsafe_files_in_map(map: &str) -> BTreeSet<String> {
+    map.lines()
+        .skip_while(|l| l.trim_end() != MAP_UNSAFE)
+        .skip(1)
+        .take_while(|l| !l.starts_with("## "))
+        .filter_map(|l| l.strip_prefix("- `"))
+        .filter_map(|l| l.split('`').next())
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn architecture_md_lists_exactly_the_files_that_may_use_unsafe() {
+    let listed = unsafe_files_in_map(&architecture_md());
+    let allowed: BTreeSet<String> = UNSAFE_ALLOWED.iter().map(|(f, _)| f.to_string()).collect();
+    let missing: Vec<_> = allowed.difference(&listed).collect();
+    let extra: Vec<_> = listed.difference(&allowed).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "ARCHITECTURE.md's \"{MAP_UNSAFE}\" and tidy's UNSAFE_ALLOWED disagree: \
+         not in the map {missing:?}, not allowed by tidy {extra:?}"
+    );
+}
+
+#[test]
+fn architecture_md_names_every_pure_core_under_its_crate() {
+    let map = architecture_md();
+    let mut broken = Vec::new();
+    for core in PURE_CORES {
+        let rest = core.strip_prefix("components/").unwrap();
+        let (krate, file) = rest.split_once("/src/").unwrap();
+        let bullet: String = map
+            .lines()
+            .skip_while(|l| !l.starts_with(&format!("- **{krate}**")))
+            .take_while({
+                let mut first = true;
+                move |l| std::mem::take(&mut first) || l.starts_with("  ")
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        if !bullet.contains(&format!("`{file}`")) {
+            broken.push(format!(
+                "{core} is a pure core (tidy checks it) but ARCHITECTURE.md's code map does \
+                 not name `{file}` under {krate}"
+            ));
+        }
+    }
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+/// A "the one X" rule: the lines of `components/` whose code (comments
+/// stripped) `hit` matches, outside the files `allowed` accepts, each as
+/// `file:line: why: the line`.
+struct OneWay {
+    why: &'static str,
+    hit: fn(&str) -> bool,
+    allowed: fn(&str) -> bool,
+}
+
+impl OneWay {
+    /// The violations among `files` (path relative to the root, text).
+    fn broken<'a>(&self, files: impl IntoIterator<Item = (&'a str, &'a str)>) -> Vec<String> {
+        let mut broken = Vec::new();
+        for (rel, text) in files {
+            if rel.ends_with("kt-tests/tests/tidy.rs") || (self.allowed)(rel) {
+                continue; // this checker names what it looks for
+            }
+            for (n, line) in text.lines().enumerate() {
+                if (self.hit)(code(line)) {
+                    broken.push(format!("{rel}:{}: {}: {}", n + 1, self.why, line.trim()));
+                }
+            }
+        }
+        broken
+    }
+
+    /// The violations in the workspace's sources.
+    fn check(&self) -> Vec<String> {
+        let files: Vec<(String, String)> = rust_files(&root().join("components"))
+            .into_iter()
+            .map(|f| {
+                let rel = f.strip_prefix(root()).unwrap_or(&f).display().to_string();
+                let text = std::fs::read_to_string(&f).unwrap();
+                (rel.trim_start_matches("./").to_owned(), text)
+            })
+            .collect();
+        self.broken(files.iter().map(|(r, t)| (r.as_str(), t.as_str())))
+    }
+}
+
+/// `anyhow` at the edges only: binaries (`src/main.rs`, `src/bin/`), the
+/// `kt` binary's command-line modules, and the benchmark crate (a testbed
+/// of binaries). Libraries say what failed with `thiserror` types.
+const ANYHOW_ONLY: OneWay = OneWay {
+    why: "anyhow outside a binary (libraries return thiserror types; ARCHITECTURE.md, \
+          \"Errors\")",
+    hit: |c| c.contains("anyhow"),
+    allowed: |rel| {
+        rel.ends_with("/src/main.rs")
+            || rel.contains("/src/bin/")
+            || rel.starts_with("components/kt-bench/")
+            || [
+                "components/kt-client/src/cli.rs",
+                "components/kt-client/src/tensor_cli.rs",
+                "components/kt-client/src/dataset_cli.rs",
+            ]
+            .contains(&rel)
+    },
+};
+
+/// Blocking work goes through `kt_sync::task` (`blocking`, `spawn`): a lost
+/// worker becomes the caller's error in one place.
+const SPAWN_BLOCKING_ONLY: OneWay = OneWay {
+    why: "spawn_blocking outside kt_sync::task (use kt_sync::task::blocking or spawn)",
+    hit: |c| c.contains("spawn_blocking"),
+    allowed: |rel| rel == "components/kt-sync/src/task.rs",
+};
+
+/// Every `reqwest` client starts from `kt_api::client_builder` (no proxy, a
+/// connect timeout) or `kt_api::tls::http_builder`.
+const REQWEST_BUILDERS_ONLY: OneWay = OneWay {
+    why: "a reqwest client built outside kt-api (start from kt_api::client_builder())",
+    hit: |c| {
+        c.contains("Client::builder()")
+            || c.contains("ClientBuilder::new()")
+            || c.contains("reqwest::Client::new()")
+    },
+    allowed: |rel| rel.starts_with("components/kt-api/src/"),
+};
+
+#[test]
+fn anyhow_is_used_only_at_the_binaries_edges() {
+    let broken = ANYHOW_ONLY.check();
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+#[test]
+fn spawn_blocking_is_called_only_in_kt_sync_task() {
+    let broken = SPAWN_BLOCKING_ONLY.check();
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+#[test]
+fn reqwest_clients_are_built_only_in_kt_api() {
+    let broken = REQWEST_BUILDERS_ONLY.check();
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+#[test]
+fn the_one_way_rules_catch_a_planted_violation_and_skip_comments() {
+    let lib = "components/kt-store/src/put.rs";
+    for (rule, bad) in [
+        (&ANYHOW_ONLY, "fn f() -> anyhow::Result<()> {"),
+        (&SPAWN_BLOCKING_ONLY, "tokio::task::spawn_blocking(f);"),
+        (
+            &REQWEST_BUILDERS_ONLY,
+            "let c = reqwest::Client::builder();",
+        ),
+        (&REQWEST_BUILDERS_ONLY, "let c = reqwest::Client::new();"),
+    ] {
+        let text = format!("//! doc\n// {bad}\n{bad}\n");
+        let broken = rule.broken([(lib, text.as_str())]);
+        assert_eq!(
+            broken,
+            [format!("{lib}:3: {}: {bad}", rule.why)],
+            "a violation on line 3 only (line 2 is a comment)"
+        );
+    }
+    // Where each rule allows it.
+    let text = "anyhow::bail!(); spawn_blocking; reqwest::Client::new()";
+    assert!(
+        ANYHOW_ONLY
+            .broken([("components/kt-agent/src/main.rs", text)])
+            .is_empty()
+    );
+    assert!(
+        ANYHOW_ONLY
+            .broken([("components/kt-client/src/cli.rs", text)])
+            .is_empty()
+    );
+    assert!(
+        SPAWN_BLOCKING_ONLY
+            .broken([("components/kt-sync/src/task.rs", text)])
+            .is_empty()
+    );
+    assert!(
+        REQWEST_BUILDERS_ONLY
+            .broken([("components/kt-api/src/lib.rs", text)])
+            .is_empty()
     );
 }

@@ -232,6 +232,58 @@ impl Principal {
         ))
     }
 
+    /// The service a write of `key` goes to: the one it names, else the
+    /// one service this token writes (a pod's puts land in its pod's
+    /// service), else the key's first segment.
+    pub fn write_service(&self, key: &crate::Key, named: Option<&str>) -> String {
+        named
+            .or_else(|| self.sole_service())
+            .unwrap_or_else(|| key.service())
+            .to_owned()
+    }
+
+    /// Why it may not write `key` for `service` (`None`: it may, as far as
+    /// its services go; [`Principal::refuses_takeover`] is the other
+    /// rule): the message of every write refused so, at the store (a put)
+    /// and the metadata server (a registration).
+    pub fn refuses_write(&self, key: &crate::Key, service: &str) -> Option<String> {
+        (!self.serves(service)).then(|| {
+            format!(
+                "this token may not write {key} for service {service:?} (not one of its services)"
+            )
+        })
+    }
+
+    /// Whether a write of `key` by it must first ask who owns the key:
+    /// not for admin, a token that writes every service, or one writing
+    /// the service the key's first segment names (its own base path).
+    pub fn asks_owner(&self, key: &crate::Key) -> bool {
+        !(self.role == Role::Admin || self.services.is_none() || self.serves(key.service()))
+    }
+
+    /// Why it may not write `key`, which `owner` owns (the service, and
+    /// whether by its base path; `None`: no service owns it): a write
+    /// would hand another service's key over. `None` when it may.
+    pub fn refuses_takeover(
+        &self,
+        key: &crate::Key,
+        owner: Option<(&str, bool)>,
+    ) -> Option<String> {
+        let (owner, base_path) = owner?;
+        if !self.asks_owner(key) || self.serves(owner) {
+            return None;
+        }
+        Some(if base_path {
+            format!(
+                "{key} is under the base path of service {owner:?}: only {owner:?} (or admin) writes there; nothing was changed"
+            )
+        } else {
+            format!(
+                "{key} belongs to service {owner:?}, not one of this token's: it is left as it is"
+            )
+        })
+    }
+
     /// Whether it reads every service (nothing to look up before a read).
     pub fn reads_all(&self) -> bool {
         self.role == Role::Admin || (self.reads.is_none() && self.scope.is_none())
@@ -637,6 +689,81 @@ mod tests {
             grant(Role::Workload, None, None).principal().sole_service(),
             None
         );
+    }
+
+    /// The write rules as a table: who, the key, the service named, the
+    /// key's owner; whether the write is refused, and by which rule.
+    #[test]
+    fn writes_follow_one_decision_table() {
+        let key = |k: &str| crate::Key::parse(k).unwrap();
+        let admin = Principal::admin();
+        let every = grant(Role::Workload, None, None).principal();
+        let train = grant(Role::Workload, None, Some(&["train"])).principal();
+        let both = grant(Role::Workload, None, Some(&["train", "eval"])).principal();
+        let agent = grant(Role::Agent, Some("pod-a"), Some(&["train"])).principal();
+        // (who, key, named service, owner) -> refused by: "" none,
+        // "service" (not one of its services), "base" (another service's
+        // base path), "owned" (another service's key).
+        type Row<'a> = (
+            &'a Principal,
+            &'a str,
+            Option<&'a str>,
+            Option<(&'a str, bool)>,
+            &'a str,
+        );
+        let table: [Row; 14] = [
+            (&admin, "eval/k", None, Some(("eval", true)), ""),
+            (&admin, "x/k", Some("eval"), Some(("train", false)), ""),
+            (&every, "eval/k", None, Some(("eval", true)), ""),
+            (&every, "x/k", None, Some(("train", false)), ""),
+            // A token writing one service: its puts land there.
+            (&train, "train/k", None, None, ""),
+            (&train, "x/k", None, None, ""),
+            (&train, "x/k", Some("eval"), None, "service"),
+            (&train, "x/k", None, Some(("eval", false)), "owned"),
+            (
+                &train,
+                "eval/k",
+                Some("train"),
+                Some(("eval", true)),
+                "base",
+            ),
+            // Its own base path is its own, whoever put there.
+            (&train, "train/k", None, Some(("eval", false)), ""),
+            // Two services: the key's first segment decides.
+            (&both, "x/k", None, None, "service"),
+            (&both, "eval/k", None, Some(("train", false)), ""),
+            (&agent, "x/k", None, Some(("train", false)), ""),
+            (&agent, "eval/k", None, Some(("eval", true)), "base"),
+        ];
+        for (who, k, named, owner, refused) in table {
+            let k = key(k);
+            let service = who.write_service(&k, named);
+            let by_service = who.refuses_write(&k, &service);
+            let by_owner = who.refuses_takeover(&k, owner);
+            let got = match (&by_service, &by_owner) {
+                (Some(_), _) => "service",
+                (None, Some(m)) if m.contains("base path") => "base",
+                (None, Some(_)) => "owned",
+                (None, None) => "",
+            };
+            assert_eq!(
+                got, refused,
+                "{:?} writing {k} ({named:?}, owner {owner:?})",
+                who.role
+            );
+        }
+        // The one message of each rule names the key and the services.
+        let k = key("x/k");
+        assert_eq!(
+            train.refuses_write(&k, "eval").unwrap(),
+            "this token may not write x/k for service \"eval\" (not one of its services)"
+        );
+        assert!(!train.asks_owner(&key("train/k")) && train.asks_owner(&k));
+        assert!(!every.asks_owner(&k) && !admin.asks_owner(&k));
+        assert_eq!(train.write_service(&k, None), "train");
+        assert_eq!(both.write_service(&k, None), "x");
+        assert_eq!(both.write_service(&k, Some("eval")), "eval");
     }
 
     #[test]
