@@ -14,7 +14,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker bundle kind k3d
 
-.PHONY: all build release python s3env python-test bench-python chaos images images-gpu manifests manifests-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-metadata bench-broadcast bench-tensors bench-nccl bench-recovery bench-s3 probe-bounded fuzz clean
+.PHONY: all build release python s3env promenv python-test bench-python chaos images images-gpu manifests manifests-check prometheus-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-gate bench-metadata bench-shards bench-broadcast bench-tensors bench-nccl bench-recovery bench-s3 probe-bounded fuzz clean
 
 all: build
 
@@ -29,7 +29,7 @@ release:
 ## rendered manifests against kustomize/, the Kubernetes schemas and the
 ## bundle's policy, what kind/k3d would deploy for every scenario, and the
 ## workflows).
-test: fmt-check clippy manifests-check lint-workflows unit python-test validate cluster-plans
+test: fmt-check clippy manifests-check prometheus-check lint-workflows unit python-test validate cluster-plans
 
 fmt:
 	$(CARGO) fmt --all
@@ -41,9 +41,11 @@ clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # The runner's self-tests start the real binaries: build them first.
-# The S3 ingest tests need moto's server (testbed/s3/moto.sh makes its venv).
+# The S3 ingest tests need moto's server (testbed/s3/moto.sh makes its venv);
+# the /metrics test needs promtool (testbed/prometheus/install.sh).
 unit:
 	bash testbed/s3/moto.sh
+	bash testbed/prometheus/install.sh
 	$(CARGO) build --workspace --bins
 	$(CARGO) $(NEXTEST) --workspace
 
@@ -56,12 +58,16 @@ validate:
 ## snapshots; CI=true rejects pending and unreferenced ones. The process
 ## targets run the python steps with the venv `make python` builds and
 ## the S3 server of topology `s3` from the one `make s3env` builds.
-scenario: release $(if $(filter $(IMAGE_TARGETS),$(TARGET)),images,python s3env)
+scenario: release $(if $(filter $(IMAGE_TARGETS),$(TARGET)),images,python s3env promenv)
 	INSTA_WORKSPACE_ROOT=$(CURDIR) $(TARGET_DIR)/release/kt-scenario run $(SCENARIOS) $(SCENARIO_FLAGS)
 
 # The process targets' S3 server (topology `s3`): moto's, from its venv.
 s3env:
 	bash testbed/s3/moto.sh
+
+# The process targets' Prometheus (topology `prometheus`): Debian's.
+promenv:
+	bash testbed/prometheus/install.sh
 
 ## chaos: the chaos soak on $(TARGET) (local or netns) for CHAOS_DURATION
 ## (default 5m): a seeded workload while the store, the metadata server and
@@ -76,7 +82,18 @@ chaos: release
 ## kustomize/ into manifests/ (commit the result).
 manifests:
 	python3 testbed/k8s/components.py
+	python3 testbed/prometheus/sync.py
 	bash testbed/k8s/render.sh
+
+## prometheus-check: kt's alerts (testbed/prometheus/rules.yaml) pass
+## `promtool check rules` and their unit tests (`promtool test rules`), and
+## the monitoring component's PrometheusRule is generated from them
+## (promtool: Debian's prometheus package; .ci/run installs it).
+prometheus-check:
+	bash testbed/prometheus/install.sh
+	promtool check rules testbed/prometheus/rules.yaml
+	cd testbed/prometheus && promtool test rules rules-test.yaml
+	python3 testbed/prometheus/sync.py --check
 
 ## manifests-check: the generated files match their sources, every bundle
 ## validates against the schemas of the newest three Kubernetes minor
@@ -151,6 +168,23 @@ bench:
 bench-rsync:
 	@command -v rsync >/dev/null 2>&1 || { echo "rsync missing: apt-get install -y rsync"; exit 1; }
 	$(CARGO) run --release -p kt-bench --bin kt-bench-rsync -- $(BENCH_ARGS)
+
+## bench-gate: the rsync comparison 3 times over (fresh data and servers
+## each), each case's median kt/rsync ratio held against the committed
+## testbed/bench/baseline.json: fails when one is worse than its baseline by
+## more than the margin; each case's CPU ratio (NAME.cpu) is held too.
+## GATE_ARGS=--profile quick: 2,000 files and 128 MiB (CI); --judge cpu: the
+## CPU ratios only (a machine busy with other work moves the time ratios);
+## --accept: record the run as the profile's new baseline.
+bench-gate:
+	@command -v rsync >/dev/null 2>&1 || { echo "rsync missing: apt-get install -y rsync"; exit 1; }
+	$(CARGO) run --release -p kt-bench --bin kt-bench-gate -- $(GATE_ARGS)
+
+## bench-shards: a streamed share (kt_client::stream, what kt.Dataset reads)
+## against a plain prefix get of the same 1 GiB in 64 shards: time to the
+## first file, throughput, and the most local bytes held against the budget.
+bench-shards:
+	$(CARGO) run --release -p kt-bench --bin kt-bench-shards -- $(BENCH_ARGS)
 
 ## bench-metadata: 200 concurrent clients doing lookups (lease + release, or
 ## --op stat) against an in-process metadata server; lookups/s and p99.

@@ -65,7 +65,36 @@ pub struct Config {
     /// Node-cache mode (`--node-cache`): hold datasets for the node and
     /// serve the dataset API ([`crate::datasets`]). `None`: a pod's agent.
     pub node_cache: Option<crate::datasets::NodeCacheConfig>,
+    /// Arrow Flight (`--flight-addr`; the `flight` cargo feature): DoGet of
+    /// a rank's share. `None`: no Flight server.
+    pub flight: Option<FlightConfig>,
 }
+
+/// The Arrow Flight server of an agent ([`crate::flight`]).
+#[derive(Debug, Clone)]
+pub struct FlightConfig {
+    /// Where it listens (`--flight-addr`, `KT_FLIGHT_ADDR`).
+    pub addr: SocketAddr,
+    /// Local bytes one DoGet may hold: the files fetched ahead of the one
+    /// being decoded (`--flight-budget`).
+    pub budget: u64,
+    /// DoGet calls served at once; more are refused (`ResourceExhausted`).
+    pub max_calls: usize,
+}
+
+impl FlightConfig {
+    /// On `addr`, 1 GiB per call, 16 calls at once.
+    pub fn new(addr: SocketAddr) -> Self {
+        FlightConfig {
+            addr,
+            budget: DEFAULT_FLIGHT_BUDGET,
+            max_calls: 16,
+        }
+    }
+}
+
+/// Default of [`FlightConfig::budget`].
+pub const DEFAULT_FLIGHT_BUDGET: u64 = 1 << 30;
 
 impl Config {
     pub fn new(
@@ -101,6 +130,7 @@ impl Config {
             tensor_ports: Vec::new(),
             exit_when_idle: None,
             node_cache: None,
+            flight: None,
         }
     }
 }

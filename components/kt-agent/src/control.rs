@@ -606,6 +606,25 @@ async fn write_reply(stream: &mut UnixStream, reply: &ControlReply) -> std::io::
     stream.write_all(&frame).await
 }
 
+/// `work` in the trace of the client's request (its frame's
+/// `traceparent`, when well formed; else a new one): in a `control` span
+/// naming the trace, and carried on the calls it makes.
+fn traced<F: std::future::Future>(
+    body: &[u8],
+    work: F,
+) -> impl std::future::Future<Output = F::Output> {
+    use tracing::Instrument;
+    let parent =
+        kt_types::agent::frame_traceparent(body).and_then(kt_api::trace::TraceParent::parse);
+    let span = tracing::info_span!(
+        "control",
+        trace_id = tracing::field::Empty,
+        server = "agent"
+    );
+    let trace = kt_service::trace::start(&span, parent);
+    kt_api::trace::scope(Some(trace), work).instrument(span)
+}
+
 /// Runs `work`, saying [`ControlReply::Working`] every `every` until it is
 /// done: its answer, and whether the client still listens. A client gone
 /// or not reading (a `Working` not taken within `every`) only stops the
@@ -744,7 +763,7 @@ async fn converse(
             Ok(req) => {
                 // A request abandoned by its client (it closed the socket)
                 // still runs to its end: a put is registered or not, never half.
-                let work = agent.handle(req, &caller);
+                let work = traced(&body, agent.handle(req, &caller));
                 if working {
                     let (reply, listening) = keep_alive(&mut stream, work, KEEPALIVE).await;
                     if !listening {

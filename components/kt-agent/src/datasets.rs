@@ -1055,7 +1055,7 @@ impl NodeCache {
             }
         }
         let Cleanup { trees, links, .. } = cleanup;
-        let _ = tokio::task::spawn_blocking(move || {
+        let _ = kt_sync::task::spawn(move || {
             for l in &links {
                 remove_link(l);
             }
@@ -1100,9 +1100,9 @@ impl NodeCache {
     async fn persist(&self, inner: &Inner) -> Result<(), ApiError> {
         let state = snapshot(inner);
         let path = self.state_file.clone();
-        tokio::task::spawn_blocking(move || write_state(&path, &state))
+        kt_sync::task::spawn(move || write_state(&path, &state))
             .await
-            .map_err(|e| ApiError::internal(e.to_string()))?
+            .map_err(|e| ApiError::internal(e.0))?
             .map_err(|e| ApiError::internal(e.to_string()))
     }
 
@@ -1138,9 +1138,9 @@ impl NodeCache {
             let mirror = previous.is_some();
             if let Some(prev) = previous {
                 let to = dest.clone();
-                let linked = tokio::task::spawn_blocking(move || link_tree(&prev, &to))
+                let linked = kt_sync::task::spawn(move || link_tree(&prev, &to))
                     .await
-                    .map_err(|e| e.to_string())?;
+                    .map_err(|e| e.0)?;
                 match linked {
                     Ok(n) => {
                         tracing::debug!(namespace = %id.0, name = %id.1, files = n, "the new version starts from the held one")
@@ -1211,7 +1211,7 @@ impl NodeCache {
                         let path = PathBuf::from(&pending.path);
                         let (p, d) = (path.clone(), dest.clone());
                         let root = self.root.clone();
-                        let switched = tokio::task::spawn_blocking(move || {
+                        let switched = kt_sync::task::spawn(move || {
                             // Checked again: the seed's check was a while ago.
                             if let Some(why) = parents_problem(&root, &p) {
                                 return Err(std::io::Error::other(why));
@@ -1222,7 +1222,7 @@ impl NodeCache {
                             switch_link(&p, &target)
                         })
                         .await
-                        .map_err(std::io::Error::other)
+                        .map_err(|e| std::io::Error::other(e.0))
                         .and_then(|r| r);
                         match switched {
                             Ok(()) => Ok((

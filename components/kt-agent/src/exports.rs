@@ -211,9 +211,9 @@ impl Exports {
         let export = Arc::new(export);
         let path = self.file_of(&export.key);
         let e = export.clone();
-        tokio::task::spawn_blocking(move || store(&path, &e))
+        kt_sync::task::spawn(move || store(&path, &e))
             .await
-            .map_err(|j| ExportError::Worker(j.to_string()))??;
+            .map_err(|j| ExportError::Worker(j.0))??;
         let old = self.table().insert(export.key.clone(), export);
         self.changed.notify_one();
         Ok(old)

@@ -16,7 +16,12 @@
 //! - [`datasets`]: node-cache mode (`--node-cache`): datasets held for the
 //!   node under a hostPath root, within a byte budget, seeded by the
 //!   `Dataset` controller through [`kt_types::dataset`]'s API;
+//! - [`metrics`]: the gauges read at each scrape (exports, tensor sets,
+//!   read leases, heartbeats);
 //! - [`config`]: configuration and its defaults (socket, state dir, id, URL).
+//! - `flight` (cargo feature `flight`, `--flight-addr`): Arrow Flight
+//!   `DoGet` of a rank's share of the Parquet / Arrow IPC files below a
+//!   prefix, read with the caller's token, as record batches.
 //!
 //! Start one in-process with [`start`] (or [`run`]) on a bound listener.
 //!
@@ -35,8 +40,11 @@ pub mod control;
 pub mod datasets;
 pub mod exportable;
 pub mod exports;
+#[cfg(feature = "flight")]
+pub mod flight;
 pub mod heartbeat;
 pub mod metadata;
+pub mod metrics;
 mod server;
 pub mod tensors;
 

@@ -17,22 +17,11 @@ pub struct MetadataClient {
     api: Api,
 }
 
-/// A failed call, as the agent answers it on: the metadata server away is
-/// `unavailable`; its own answer keeps its code.
+/// A failed call, as the agent answers it on ([`ApiError::from_call`]):
+/// the metadata server away is `unavailable` (it is needed again); its
+/// own answer keeps its code.
 fn meta_err(e: CallError) -> ApiError {
-    match e {
-        CallError::Transport { url, source } => ApiError::new(
-            ErrorCode::Unavailable,
-            format!("metadata server unreachable ({url}): {source}"),
-        ),
-        CallError::Status { code, message, .. } => {
-            ApiError::new(code, format!("metadata server: {message}"))
-        }
-        CallError::Decode { url, source } => ApiError::new(
-            ErrorCode::Unavailable,
-            format!("unreadable answer from the metadata server ({url}): {source}"),
-        ),
-    }
+    ApiError::from_call(e, "metadata server", ErrorCode::Unavailable)
 }
 
 async fn fetch<T: DeserializeOwned>(call: Call) -> Result<T, ApiError> {

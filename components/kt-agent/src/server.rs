@@ -46,6 +46,8 @@ pub struct AgentHandle {
     pub tensors: Arc<Tensors>,
     /// The node's datasets, in node-cache mode.
     pub datasets: Option<Arc<NodeCache>>,
+    /// Where Arrow Flight is served (`--flight-addr`), if it is.
+    pub flight_addr: Option<std::net::SocketAddr>,
     pub task: JoinHandle<Result<(), AgentError>>,
 }
 
@@ -125,6 +127,12 @@ pub fn start(
         )
         .map_err(AgentError::Config)?,
     );
+    metrics.attach(Arc::new(crate::metrics::AgentGauges {
+        exports: Arc::downgrade(&exports),
+        reads: Arc::downgrade(&reads),
+        tensors: Arc::downgrade(&tensors),
+        heartbeats: Arc::downgrade(&heartbeats),
+    }));
     let agent = Arc::new(Agent {
         id: cfg.id.clone(),
         url: url.clone(),
@@ -148,6 +156,10 @@ pub fn start(
         exports = exports.len(),
         "agent starting"
     );
+    let (flight_addr, flight) = match flight(&cfg, shutdown.clone())? {
+        Some((addr, task)) => (Some(addr), Some(task)),
+        None => (None, None),
+    };
     let ready = Ready::default();
     // Getters show capabilities the metadata server signed, never their
     // tokens; the keys to check them come with every heartbeat reply.
@@ -168,6 +180,7 @@ pub fn start(
         ready.clone(),
         cfg.max_in_flight,
     );
+    let app = kt_service::trace::layer(app, "agent");
     let who = Identity {
         id: cfg.id.clone(),
         url: url.clone(),
@@ -203,6 +216,12 @@ pub fn start(
             d.stop().await;
         }
         let _ = tokio::join!(beat, control, sweeper, reaper);
+        // Flight streams in progress get the drain time, as HTTP's do.
+        if let Some(mut flight) = flight
+            && tokio::time::timeout(drain, &mut flight).await.is_err()
+        {
+            flight.abort();
+        }
         if let Some(idle) = idle {
             let _ = idle.await;
         }
@@ -220,8 +239,47 @@ pub fn start(
         heartbeats,
         tensors,
         datasets,
+        flight_addr,
         task,
     })
+}
+
+/// A bound Flight server and the task serving it until shutdown.
+type FlightServer = Option<(std::net::SocketAddr, JoinHandle<()>)>;
+
+/// The Arrow Flight server (`--flight-addr`), bound now and served until
+/// `shutdown`; reads go below the state directory.
+#[cfg(feature = "flight")]
+fn flight(cfg: &Config, shutdown: CancellationToken) -> Result<FlightServer, AgentError> {
+    let Some(f) = &cfg.flight else {
+        return Ok(None);
+    };
+    if cfg.tls.is_some() {
+        return Err(AgentError::Config(
+            "--flight-addr serves plaintext gRPC, which callers' bearer tokens would cross in the clear: it cannot be combined with --tls-cert".into(),
+        ));
+    }
+    let listener = crate::flight::bind(f.addr)?;
+    let addr = listener.local_addr()?;
+    let shares = crate::flight::Shares::new(&cfg.metadata_url, cfg.state_dir.join("flight"), f)?;
+    tracing::info!(%addr, budget = f.budget, "flight listening");
+    let task = tokio::spawn(async move {
+        if let Err(e) = crate::flight::serve(listener, shares, shutdown).await {
+            tracing::error!(error = %e, "the Arrow Flight server failed");
+        }
+    });
+    Ok(Some((addr, task)))
+}
+
+/// Without the `flight` feature, `--flight-addr` is refused.
+#[cfg(not(feature = "flight"))]
+fn flight(cfg: &Config, _: CancellationToken) -> Result<FlightServer, AgentError> {
+    match cfg.flight {
+        None => Ok(None),
+        Some(_) => Err(AgentError::Config(
+            "this kt-agent was built without Arrow Flight (cargo feature `flight`): --flight-addr is not available".into(),
+        )),
+    }
 }
 
 /// Node-cache mode: the datasets below the root, fetched by a client that

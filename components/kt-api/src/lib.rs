@@ -21,13 +21,22 @@
 //! - [`Credential`] is the bearer token: fixed, or a file read again as
 //!   the kubelet rotates it (projected ServiceAccount tokens).
 //!
+//! - [`client_builder`] is where every `reqwest` client starts (no proxy,
+//!   [`CONNECT_TIMEOUT`]); [`client`] builds one as it is.
+//!
 //! - [`tls`]: https, trusting the CAs of `KT_CA_FILE` only.
+//!
+//! - [`trace`]: the W3C `traceparent` every request carries (the
+//!   [`Api`]'s own trace, else the running task's).
 //!
 //! Invariant: no server code; depends on kt-types, reqwest and rustls only.
 
+mod builder;
 mod credential;
 pub mod tls;
+pub mod trace;
 
+pub use builder::{CONNECT_TIMEOUT, client, client_builder};
 pub use credential::Credential;
 
 use std::fmt;
@@ -138,6 +147,9 @@ pub struct Api {
     http: reqwest::Client,
     base: String,
     token: Credential,
+    /// The trace its calls carry; `None`: the running task's
+    /// ([`trace::current`]).
+    trace: Option<trace::TraceParent>,
 }
 
 impl fmt::Debug for Api {
@@ -156,17 +168,35 @@ impl Api {
             http,
             base: base.trim_end_matches('/').to_owned(),
             token: token.into(),
+            trace: None,
         }
     }
 
-    /// The same client and token for another server.
+    /// The same client and token for another server (and the same trace).
     pub fn at(&self, base: &str) -> Api {
-        Api::new(self.http.clone(), base, &self.token)
+        self.at_with(base, &self.token)
     }
 
     /// The same client for another server, presenting `token` there.
     pub fn at_with(&self, base: &str, token: impl Into<Credential>) -> Api {
-        Api::new(self.http.clone(), base, token)
+        Api {
+            trace: self.trace,
+            ..Api::new(self.http.clone(), base, token)
+        }
+    }
+
+    /// The same, its calls (and those of the `Api`s made from it with
+    /// [`Api::at`]) carrying `trace` whatever task makes them.
+    pub fn traced(&self, trace: Option<trace::TraceParent>) -> Api {
+        Api {
+            trace,
+            ..self.clone()
+        }
+    }
+
+    /// The trace its calls carry now.
+    pub fn trace(&self) -> Option<trace::TraceParent> {
+        self.trace.or_else(trace::current)
     }
 
     pub fn base(&self) -> &str {
@@ -212,11 +242,15 @@ impl Api {
                 | reqwest::Method::PUT
                 | reqwest::Method::DELETE
         );
+        let mut req = self
+            .http
+            .request(method, &url)
+            .bearer_auth(&*self.token.value());
+        if let Some(t) = self.trace() {
+            req = req.header(trace::HEADER, t.to_string());
+        }
         Call {
-            req: self
-                .http
-                .request(method, &url)
-                .bearer_auth(&*self.token.value()),
+            req,
             url,
             idempotent,
             retries: 0,

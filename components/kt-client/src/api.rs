@@ -28,6 +28,10 @@ pub struct ClientConfig {
     /// (every getter becomes a source). Needs a running agent; one is
     /// started on demand inside a pod (`KT_POD_IP` set).
     pub serve_copies: bool,
+    /// Whether a node agent is started when none runs (a local put, a
+    /// served copy); off (`KT_AGENT_AUTOSTART=0`), the pod's own agent is
+    /// waited for instead ([`crate::agent::autostart`]).
+    pub agent_autostart: bool,
     /// The HTTP client's limit on any one request (long polls, a whole
     /// chunk); the waits below end calls long before.
     pub timeout: Duration,
@@ -69,6 +73,7 @@ impl ClientConfig {
             cache_dir: default_cache_dir(),
             agent_socket: crate::agent::default_socket(),
             serve_copies: true,
+            agent_autostart: crate::agent::autostart(),
             timeout: Duration::from_secs(3600),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             deadline: DEFAULT_DEADLINE,
@@ -104,6 +109,21 @@ pub struct Client {
 }
 
 impl Client {
+    /// This client with every call it makes carrying `trace` (the
+    /// `traceparent` header; [`crate::trace::operation`]), whatever task
+    /// makes it.
+    pub fn traced(&self, trace: kt_api::trace::TraceParent) -> Client {
+        Client {
+            meta: self.meta.traced(Some(trace)),
+            ..self.clone()
+        }
+    }
+
+    /// The trace its calls carry, if any.
+    pub fn trace(&self) -> Option<kt_api::trace::TraceParent> {
+        self.meta.trace()
+    }
+
     pub fn new(cfg: ClientConfig) -> Result<Self, ClientError> {
         let http = kt_api::tls::http_builder()
             .map_err(|e| ClientError::Local(e.to_string()))?
@@ -177,7 +197,7 @@ impl Client {
 
     /// A call that is one metadata request: [`Client::call`]'s bounds
     /// around [`Client::first_contact`]'s.
-    async fn ask<T, F, Fut>(
+    pub(crate) async fn ask<T, F, Fut>(
         &self,
         what: impl FnOnce() -> String,
         request: F,

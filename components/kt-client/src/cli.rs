@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use kt_client::broadcast::BroadcastOptions;
 use kt_client::{Client, ClientConfig, ClientError, GetOptions, Progress};
 use kt_types::api::{BroadcastPlace, ListEntry, PutOptions, TransferStats, TransferSummary};
+use kt_types::size::human as human_bytes;
 use kt_types::{ErrorCode, Key, KeyPrefix, Lifespan, Locale};
 
 /// kt: an in-cluster data store. Move files and trees under hierarchical keys.
@@ -49,10 +50,32 @@ struct Cli {
     /// Progress bars: auto (on a terminal), always or never.
     #[arg(long, global = true, env = "KT_PROGRESS", default_value = "auto")]
     progress: ProgressMode,
+    /// Say more: the operation's trace id (on stderr first), which the
+    /// servers' log lines and error answers for it carry too.
+    #[arg(short, long, global = true)]
+    verbose: bool,
     #[command(flatten)]
     kube: KubeArgs,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// `kt get PREFIX/ --shard RANK/WORLD`: one training rank's share of the
+/// files below a prefix (balanced by bytes; every rank computes the same
+/// split).
+#[derive(Debug, clap::Args)]
+struct ShardArgs {
+    /// Fetch only rank RANK of WORLD's share of the files below PREFIX/
+    /// (e.g. 2/8), into DEST/<path below the prefix>.
+    #[arg(long, value_name = "RANK/WORLD")]
+    shard: Option<kt_types::shard::Shard>,
+    /// The epoch whose order --shuffle uses.
+    #[arg(long, requires = "shard", default_value_t = 0)]
+    epoch: u64,
+    /// Read the share in a per-(epoch, rank) shuffled order (the order
+    /// `-o json` lists the files in).
+    #[arg(long, requires = "shard")]
+    shuffle: bool,
 }
 
 /// Reaching kt from outside the cluster.
@@ -155,6 +178,8 @@ enum Cmd {
         /// How long the broadcast group accepts joins, e.g. 60s (set by its first getter).
         #[arg(long, requires = "broadcast", value_parser = humantime::parse_duration)]
         timeout: Option<Duration>,
+        #[command(flatten)]
+        shard: ShardArgs,
         #[arg(short, long, default_value = "text")]
         output: SummaryFormat,
     },
@@ -167,6 +192,15 @@ enum Cmd {
     /// Tear down SERVICE: delete its `resource` keys and stop using its pods
     /// as sources.
     Teardown { service: String },
+    /// What the cluster holds and does: servers, agents, keys and bytes by
+    /// service, transfers in flight and the store's rates (admin).
+    Status {
+        #[arg(short, long, default_value = "text")]
+        output: SummaryFormat,
+        /// How long the store's byte counters are watched for its rates.
+        #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+        interval: Duration,
+    },
     /// Delete KEY (with -r, everything below it too).
     Rm {
         key: String,
@@ -187,16 +221,29 @@ enum Cmd {
     },
 }
 
+impl Cmd {
+    /// The operation's name, as its trace's span names it.
+    fn name(&self) -> &'static str {
+        match self {
+            Cmd::Put { .. } => "put",
+            Cmd::Get { .. } => "get",
+            Cmd::Ls { .. } => "ls",
+            Cmd::Teardown { .. } => "teardown",
+            Cmd::Status { .. } => "status",
+            Cmd::Rm { .. } => "rm",
+            Cmd::Tensor { .. } => "tensor",
+            #[cfg(feature = "kube")]
+            Cmd::Dataset { .. } => "dataset",
+        }
+    }
+}
+
 fn progress(mode: ProgressMode) -> Progress {
     Progress::terminal_bar(match mode {
         ProgressMode::Always => true,
         ProgressMode::Never => false,
         ProgressMode::Auto => std::io::stderr().is_terminal(),
     })
-}
-
-pub(crate) fn human_bytes(bytes: u64) -> String {
-    indicatif::HumanBytes(bytes).to_string()
 }
 
 fn summary(verb: &str, key: &Key, files: u64, s: &TransferStats, d: Duration) -> String {
@@ -380,7 +427,11 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
     cfg.stall = cli.stall_timeout.max(Duration::from_millis(100));
     // Outside the cluster there is no agent to serve copies to other pods.
     cfg.serve_copies = url_map.is_none();
-    let client = client(cfg, &url_map)?;
+    let mut client = client(cfg, &url_map)?;
+    if let Some(trace) = kt_api::trace::current() {
+        // Calls made from spawned tasks carry it too.
+        client = client.traced(trace);
+    }
     match cli.cmd {
         Cmd::Put {
             key,
@@ -434,9 +485,26 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
             group,
             fanout,
             timeout,
+            shard,
             output,
         } => {
             let dest = dest.unwrap_or_else(|| default_dest(&key));
+            if let Some(rank) = shard.shard {
+                if !is_prefix(&key) || broadcast || delete {
+                    anyhow::bail!(
+                        "--shard reads a share of the files below a prefix (KEY ending in /), without --broadcast or --delete"
+                    );
+                }
+                let prefix = KeyPrefix::parse(&key)?;
+                let spec = kt_types::shard::ShareSpec {
+                    shard: rank,
+                    epoch: shard.epoch,
+                    shuffle: shard.shuffle,
+                };
+                let got = client.get_share(&prefix, &spec, &dest).await?;
+                print_share(&got, &spec, &dest, output)?;
+                return Ok(());
+            }
             let client = if no_serve {
                 let mut cfg = client.config().clone();
                 cfg.serve_copies = false;
@@ -533,6 +601,13 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
                 println!("nothing to tear down for service {service}");
             }
         }
+        Cmd::Status { output, interval } => {
+            let r = client.status(interval).await?;
+            match output {
+                SummaryFormat::Text => print!("{}", kt_client::status::render(&r)),
+                SummaryFormat::Json => println!("{}", serde_json::to_string_pretty(&r)?),
+            }
+        }
         Cmd::Rm { key, recursive } => {
             let key = Key::parse(&key)?;
             let r = client.rm(&key, recursive).await?;
@@ -578,6 +653,66 @@ fn print_prefix(got: &kt_client::PrefixSummary, output: SummaryFormat) -> anyhow
                 .map(|(key, s)| got_summary(key, s))
                 .collect();
             println!("{}", serde_json::to_string(&all)?);
+        }
+    }
+    Ok(())
+}
+
+fn print_share(
+    got: &kt_client::stream::ShareSummary,
+    spec: &kt_types::shard::ShareSpec,
+    dest: &std::path::Path,
+    output: SummaryFormat,
+) -> anyhow::Result<()> {
+    match output {
+        SummaryFormat::Text => {
+            for (key, s) in &got.gets {
+                println!(
+                    "{} -> {}",
+                    summary("get", key, s.files, &s.stats, s.duration),
+                    s.dest.display()
+                );
+            }
+            for (key, why) in &got.skipped {
+                println!("skipped {key}: {why}");
+            }
+            let moved: u64 = got.gets.iter().map(|(_, s)| s.stats.bytes_sent).sum();
+            println!(
+                "shard {}: {} files, {} ({} moved)",
+                spec.shard,
+                got.files.len(),
+                human_bytes(got.bytes()),
+                human_bytes(moved)
+            );
+        }
+        SummaryFormat::Json => {
+            let files: Vec<serde_json::Value> = got
+                .files
+                .iter()
+                .map(|f| {
+                    serde_json::json!({
+                        "path": f.path,
+                        "key": f.key.to_string(),
+                        "size": f.size,
+                        "local": dest.join(&f.path).display().to_string(),
+                    })
+                })
+                .collect();
+            let gets: Vec<TransferSummary> = got
+                .gets
+                .iter()
+                .map(|(key, s)| got_summary(key, s))
+                .collect();
+            let doc = serde_json::json!({
+                "rank": spec.shard.rank,
+                "world": spec.shard.world,
+                "epoch": spec.epoch,
+                "shuffle": spec.shuffle,
+                "bytes": got.bytes(),
+                "files": files,
+                "gets": gets,
+            });
+            println!("{}", serde_json::to_string(&doc)?);
         }
     }
     Ok(())
@@ -641,7 +776,13 @@ pub fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(run(cli)) {
+    // One trace per invocation: every call of the operation carries it.
+    let trace = kt_api::trace::TraceParent::new();
+    if cli.verbose {
+        eprintln!("kt: trace id {}", trace.trace_id());
+    }
+    let op = cli.cmd.name();
+    match rt.block_on(kt_client::trace::operation(op, trace, run(cli))) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // Each cause once: skip causes the message already spells out.
@@ -710,6 +851,33 @@ mod tests {
         // Parsed as the CLI gets it: no --dest needed.
         let cli = Cli::try_parse_from(["kt", "get", "/my_train_svc/train_profile"]).unwrap();
         assert!(matches!(cli.cmd, Cmd::Get { dest: None, .. }));
+    }
+
+    #[test]
+    fn shard_flags_parse_as_one_group_and_refuse_bad_shards() {
+        let cli = Cli::try_parse_from([
+            "kt",
+            "get",
+            "svc/train/",
+            "--shard",
+            "2/8",
+            "--epoch",
+            "3",
+            "--shuffle",
+        ])
+        .unwrap();
+        let Cmd::Get { shard, .. } = cli.cmd else {
+            panic!("not a get")
+        };
+        assert_eq!(
+            shard.shard,
+            Some(kt_types::shard::Shard { rank: 2, world: 8 })
+        );
+        assert_eq!((shard.epoch, shard.shuffle), (3, true));
+        let e = Cli::try_parse_from(["kt", "get", "svc/train/", "--shard", "8/8"]).unwrap_err();
+        assert!(e.to_string().contains("not below the world size"), "{e}");
+        // --epoch and --shuffle only with --shard.
+        assert!(Cli::try_parse_from(["kt", "get", "svc/train/", "--shuffle"]).is_err());
     }
 
     #[test]

@@ -146,7 +146,7 @@ pub async fn run(cmd: DatasetCmd, opts: &kt_kube::portforward::KubeOptions) -> a
                             r.phase,
                             r.version,
                             r.ready,
-                            r.bytes.map_or("-".into(), crate::cli::human_bytes),
+                            r.bytes.map_or("-".into(), kt_types::size::human),
                             r.reason
                         );
                     }
@@ -189,7 +189,7 @@ fn print_one(ds: &kt_kube::dataset::Dataset, output: Format) -> anyhow::Result<(
                 st.ready_nodes,
                 ds.spec.placement.replicas(),
                 st.version.as_deref().unwrap_or("-"),
-                st.bytes.map_or("-".into(), crate::cli::human_bytes),
+                st.bytes.map_or("-".into(), kt_types::size::human),
             );
             for n in &st.nodes {
                 println!(

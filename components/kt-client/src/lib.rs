@@ -20,7 +20,10 @@ pub mod relay;
 mod retry;
 pub mod size;
 mod stall;
+pub mod status;
+pub mod stream;
 pub mod tensor;
+pub mod trace;
 pub mod transfer;
 
 pub use api::{Client, ClientConfig, UrlMap};

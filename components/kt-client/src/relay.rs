@@ -507,6 +507,7 @@ impl Relay {
         };
         let auth = kt_service::Auth::from(token).with_grant(key, children);
         let app = kt_service::app(routes, auth, Arc::new(Metrics::new()), ready, 1024);
+        let app = kt_service::trace::layer(app, "relay");
         // In a pod whose kt serves TLS, the relay does too, with the pod's
         // certificate (KT_TLS_CERT, KT_TLS_KEY).
         let tls = kt_service::tls::Tls::from_env()

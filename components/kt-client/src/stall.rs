@@ -265,7 +265,7 @@ mod tests {
     #[tokio::test]
     async fn a_body_that_stops_arriving_fails_as_a_transient_stall() {
         let (url, task) = frozen_server().await;
-        let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
+        let api = kt_api::Api::new(kt_api::client(), &url, "t");
         let started = std::time::Instant::now();
         let before = bytes_received();
         let e = bytes(api.get("/x"), Duration::from_millis(200))
@@ -284,7 +284,7 @@ mod tests {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", l.local_addr().unwrap());
         // Accepted by the kernel's backlog, never answered.
-        let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
+        let api = kt_api::Api::new(kt_api::client(), &url, "t");
         let e = send(api.get("/x"), Duration::from_millis(200))
             .await
             .unwrap_err();
@@ -315,7 +315,7 @@ mod tests {
     #[tokio::test]
     async fn an_upload_the_server_stops_reading_fails_as_a_transient_stall() {
         let (url, task) = frozen_reader(1 << 20).await;
-        let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
+        let api = kt_api::Api::new(kt_api::client(), &url, "t");
         // Far more than socket buffers hold.
         let body =
             futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from(vec![7u8; 64 << 20]))]);
@@ -333,7 +333,7 @@ mod tests {
     async fn an_upload_whose_answer_never_comes_fails_as_a_stall() {
         let size = 100 << 10;
         let (url, task) = frozen_reader(size + 200).await;
-        let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
+        let api = kt_api::Api::new(kt_api::client(), &url, "t");
         let body = futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from(vec![7u8; size]))]);
         let e = upload::<serde_json::Value, _, _>(api.put("/x"), body, Duration::from_millis(300))
             .await
@@ -360,7 +360,7 @@ mod tests {
                 .await
                 .unwrap();
         });
-        let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
+        let api = kt_api::Api::new(kt_api::client(), &url, "t");
         // Each piece takes longer to produce than the stall timeout.
         let body = Box::pin(futures::stream::iter(0..3).then(|i| async move {
             tokio::time::sleep(Duration::from_millis(150)).await;
@@ -397,7 +397,7 @@ mod tests {
                 .await
                 .unwrap();
         });
-        let api = kt_api::Api::new(reqwest::Client::new(), &url, "t");
+        let api = kt_api::Api::new(kt_api::client(), &url, "t");
         let body =
             futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from(vec![1u8; 4 << 20]))]);
         let answer: serde_json::Value = upload(api.put("/x"), body, Duration::from_secs(1))

@@ -32,7 +32,7 @@ fn kt(kubeconfig: &Path, args: &[&str]) -> Output {
 async fn kt_async(kubeconfig: &Path, args: &[&str]) -> Output {
     let kubeconfig = kubeconfig.to_owned();
     let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    tokio::task::spawn_blocking(move || {
+    kt_sync::task::spawn(move || {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         kt(&kubeconfig, &args)
     })

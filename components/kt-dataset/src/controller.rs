@@ -957,7 +957,7 @@ async fn purge_ingest(ctx: &Context, id: &IngestKey) {
     };
     if running.is_none() {
         let staging = ctx.config.staging_dir.join(&id.0).join(&id.1);
-        let _ = tokio::task::spawn_blocking(move || remove_staging(&staging)).await;
+        let _ = kt_sync::task::spawn(move || remove_staging(&staging)).await;
     }
 }
 

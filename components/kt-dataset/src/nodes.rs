@@ -181,7 +181,7 @@ mod tests {
     #[test]
     fn agent_urls_and_paths() {
         let caches = NodeCaches::new(
-            reqwest::Client::new(),
+            kt_api::client(),
             Credential::fixed("t"),
             "http",
             8090,
@@ -234,7 +234,7 @@ mod tests {
         tokio::spawn(async move { axum::serve(listener, app).await });
         let agent = |prefix: &str| NodeCache {
             api: Api::new(
-                reqwest::Client::new(),
+                kt_api::client(),
                 &format!("http://{addr}/{prefix}"),
                 Credential::fixed("t"),
             ),

@@ -81,7 +81,7 @@ async fn start_with(nodes: usize, pvc: Option<PvcIngest>) -> Bed {
         roots.push(root);
     }
     let kt = cluster.client();
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let caches = NodeCaches::new(
         http,
         kt_api::Credential::fixed(TOKEN),

@@ -626,6 +626,11 @@ impl Groups {
         self.groups.get(id)
     }
 
+    /// Every group held (the scrape-time gauges count them by state).
+    pub fn iter(&self) -> impl Iterator<Item = &Group> {
+        self.groups.values()
+    }
+
     /// The agent of the member at `rank` of group `id` (the getter's own
     /// agent id, as it joined): who serves its copy once it is done.
     pub fn agent_of(&self, id: &str, rank: u32) -> Option<String> {

@@ -183,7 +183,7 @@ mod tests {
         });
         Server {
             url,
-            http: reqwest::Client::new(),
+            http: kt_api::client(),
             shutdown,
             done,
             _dir: dir,

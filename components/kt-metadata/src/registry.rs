@@ -499,6 +499,19 @@ impl Registry {
     }
 }
 
+/// Everything held, as the scrape-time gauges and `kt status` read it.
+impl Registry {
+    /// Every record, expired or not.
+    pub fn all_records(&self) -> impl Iterator<Item = &KeyRecord> {
+        self.keys.values()
+    }
+
+    /// Every agent known, live or not.
+    pub fn known_agents(&self) -> impl Iterator<Item = &AgentInfo> {
+        self.agents.values().map(|a| &a.info)
+    }
+}
+
 /// Agents, peers and sources.
 impl Registry {
     /// True while agent `id` has beaten (or registered a key) within the agent TTL.

@@ -89,7 +89,7 @@ async fn start() -> Running {
     let metrics = Arc::new(Metrics::new());
     let stop = CancellationToken::new();
     let task = tokio::spawn(hook.serve(listener, metrics.clone(), stop.clone()));
-    let client = reqwest::Client::builder()
+    let client = kt_api::client_builder()
         .use_rustls_tls()
         .add_root_certificate(reqwest::Certificate::from_pem(pki.ca.as_bytes()).unwrap())
         .build()

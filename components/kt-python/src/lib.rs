@@ -29,6 +29,7 @@ mod errors;
 mod progress;
 mod pylog;
 mod settings;
+mod stream;
 
 use errors::{invalid, to_py};
 use settings::Settings;
@@ -235,6 +236,21 @@ struct Call {
     name: String,
     timeout: Option<Duration>,
     progress: Option<Arc<progress::Callback>>,
+    /// The call's trace: every request it makes carries it.
+    trace: kt_client::trace::TraceParent,
+}
+
+thread_local! {
+    /// `verbose=True` on this thread's next call: it says its trace id.
+    static ANNOUNCE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `verbose`: the next call made on this thread (the one the Python
+/// function that says this is about to make) prints its trace id on
+/// stderr, which the servers' log lines and error answers for it carry.
+#[pyfunction]
+fn announce_trace(verbose: bool) {
+    ANNOUNCE.with(|a| a.set(verbose));
 }
 
 impl Call {
@@ -247,16 +263,22 @@ impl Call {
                     .ok_or_else(|| invalid(format!("timeout: seconds > 0, not {t}")))
             })
             .transpose()?;
+        let trace = kt_client::trace::TraceParent::new();
+        if ANNOUNCE.with(|a| a.replace(false)) {
+            eprintln!("kt: {name}: trace id {}", trace.trace_id());
+        }
         Ok(Call {
             name,
             timeout,
             progress: progress.map(progress::Callback::new),
+            trace,
         })
     }
 
-    /// The client for this call (the context's, with its timeout).
+    /// The client for this call (the context's, with its timeout and the
+    /// call's trace).
     fn client(&self, c: &Ctx) -> Client {
-        c.client.with_timeout(self.timeout)
+        c.client.with_timeout(self.timeout).traced(self.trace)
     }
 
     /// The sink for kt-client: the callable, else the terminal bar when
@@ -278,7 +300,9 @@ fn run_call<T: Send + 'static>(
 ) -> PyResult<T> {
     pylog::refresh(py);
     let started = std::time::Instant::now();
-    let mut task = ctx.rt.spawn(fut);
+    let mut task = ctx
+        .rt
+        .spawn(kt_client::trace::operation(&call.name, call.trace, fut));
     let stop = |task: &mut tokio::task::JoinHandle<Result<T, ClientError>>| {
         task.abort();
         // Aborting takes effect at the task's next await.
@@ -1094,6 +1118,7 @@ fn dtypes() -> BTreeMap<String, u64> {
 fn _kt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pylog::install();
     m.add_function(wrap_pyfunction!(configure, m)?)?;
+    m.add_function(wrap_pyfunction!(announce_trace, m)?)?;
     m.add_function(wrap_pyfunction!(current_settings, m)?)?;
     m.add_function(wrap_pyfunction!(put_path, m)?)?;
     m.add_function(wrap_pyfunction!(get_path, m)?)?;
@@ -1109,6 +1134,8 @@ fn _kt(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(drop_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(shm_dir, m)?)?;
     m.add_function(wrap_pyfunction!(dtypes, m)?)?;
+    m.add_class::<stream::PyShareStream>()?;
+    m.add_function(wrap_pyfunction!(stream::get_share, m)?)?;
     m.add("CONTROL_VERSION", kt_types::agent::CONTROL_VERSION)?;
     Ok(())
 }

@@ -18,7 +18,7 @@ import sys
 import textwrap
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -99,26 +99,35 @@ class Pod:
 class Testbed:
     """``shm_root``: where pods' shared-memory directories go (default: in
     each pod's directory; a benchmark puts them on tmpfs, as /dev/shm is in
-    a real pod)."""
+    a real pod). ``grants``: tokens the metadata server and the store accept
+    besides the testbed's own (admin), as a tokens file lists them
+    (``{"token": .., "role": "workload", "services": [..], "reads": [..]}``)."""
 
     __test__ = False  # not a test class of pytest's
 
-    def __init__(self, root: pathlib.Path, shm_root: Optional[pathlib.Path] = None) -> None:
+    def __init__(self, root: pathlib.Path, shm_root: Optional[pathlib.Path] = None,
+                 grants: Sequence[Dict[str, Any]] = ()) -> None:
         self.root = root
         self.shm_root = shm_root
         root.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(16)
         env = {"KT_TOKEN": self.token}
+        auth: List[str] = []
+        if grants:
+            tokens = root / "tokens.json"
+            tokens.write_text(json.dumps(
+                {"tokens": [{"token": self.token, "role": "admin"}, *grants]}))
+            auth = ["--auth-file", str(tokens)]
         self.metadata = _start("kt-metadata",
                                ["--listen", "127.0.0.1:0", "--state-dir", str(root / "metadata"),
-                                "--heartbeat-interval", "200ms", "--agent-ttl", "5s"],
+                                "--heartbeat-interval", "200ms", "--agent-ttl", "5s", *auth],
                                env, root / "metadata.log")
         self.metadata.url = _wait_for("the metadata server",
                                       lambda: _listening(self.metadata.log,
                                                          "metadata server listening"))
         self.store = _start("kt-store",
                             ["--listen", "127.0.0.1:0", "--data-dir", str(root / "store"),
-                             "--metadata-url", self.metadata.url],
+                             "--metadata-url", self.metadata.url, *auth],
                             env, root / "store.log")
         self.store.url = _wait_for("the store",
                                    lambda: _listening(self.store.log, "store listening"))
@@ -137,8 +146,9 @@ class Testbed:
 
         _wait_for("the store's registration", store_known)
 
-    def pod(self, name: str, service: str = "tests") -> Pod:
-        """The pod ``name`` of ``service``, its agent started on first use."""
+    def pod(self, name: str, service: str = "tests", args: Sequence[str] = ()) -> Pod:
+        """The pod ``name`` of ``service``, its agent started on first use
+        (with ``args`` besides the testbed's)."""
         if name in self.pods:
             return self.pods[name]
         ip = f"127.0.0.{len(self.pods) + 2}"
@@ -150,7 +160,7 @@ class Testbed:
                        ["--listen", f"{ip}:0", "--id", name, "--metadata-url", self.metadata.url,
                         "--socket", str(d / "agent.sock"), "--state-dir", str(d / ".kt-agent"),
                         "--shm-dir", str(shm), "--tensor-port", "0",
-                        "--service", service],
+                        "--service", service, *args],
                        # A host of its own to NCCL, as on the scenario targets:
                        # NCCL refuses two ranks of one communicator on one GPU
                        # of one host, and these pods share the machine's GPUs.

@@ -86,6 +86,11 @@ pub struct Topology {
     /// buckets created, its endpoint as `{{s3}}` (see `crate::s3`).
     #[serde(default)]
     pub s3: Option<crate::s3::S3Spec>,
+    /// A real Prometheus scraping the servers and agents (`prometheus:
+    /// true` or `{ scrape_interval: 500ms }`), queried by `promql` steps
+    /// (see `crate::prometheus`).
+    #[serde(default)]
+    pub prometheus: Option<crate::prometheus::PrometheusSpec>,
 }
 
 /// Timing knobs of the metadata server (faster than production defaults
@@ -216,7 +221,7 @@ impl Size {
 
 impl fmt::Display for Size {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", indicatif::BinaryBytes(self.0))
+        f.write_str(&kt_types::size::human(self.0))
     }
 }
 
@@ -977,6 +982,8 @@ pub enum Action {
     ReadDataset(crate::datasets::ReadDatasetStep),
     /// Makes an S3 bucket prefix hold a data set (topology `s3`).
     S3Put(crate::s3::S3PutStep),
+    /// Bounds one PromQL answer of the topology's Prometheus.
+    Promql(crate::prometheus::PromqlStep),
     /// Children run at the same time; the step ends when all have.
     Parallel(Vec<Step>),
     /// Children run one after another (a branch of a `parallel`).
@@ -1007,6 +1014,7 @@ pub const ACTIONS: &[&str] = &[
     "wait_dataset",
     "read_dataset",
     "s3_put",
+    "promql",
     "parallel",
     "sequence",
 ];
@@ -1040,6 +1048,7 @@ const STEP_KEYS: &[&str] = &[
     "wait_dataset",
     "read_dataset",
     "s3_put",
+    "promql",
     "parallel",
     "sequence",
 ];
@@ -1070,6 +1079,7 @@ impl Action {
             Action::WaitDataset(_) => "wait_dataset",
             Action::ReadDataset(_) => "read_dataset",
             Action::S3Put(_) => "s3_put",
+            Action::Promql(_) => "promql",
             Action::Parallel(_) => "parallel",
             Action::Sequence(_) => "sequence",
         }
@@ -1148,6 +1158,7 @@ impl<'de> Deserialize<'de> for Step {
                             set_action(Action::ReadDataset(map.next_value()?), &mut action)?
                         }
                         "s3_put" => set_action(Action::S3Put(map.next_value()?), &mut action)?,
+                        "promql" => set_action(Action::Promql(map.next_value()?), &mut action)?,
                         "parallel" => set_action(Action::Parallel(map.next_value()?), &mut action)?,
                         "sequence" => set_action(Action::Sequence(map.next_value()?), &mut action)?,
                         other => return Err(de::Error::unknown_field(other, STEP_KEYS)),

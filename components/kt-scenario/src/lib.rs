@@ -10,6 +10,8 @@
 //!   redactions; [`report`]: terminal table, JSON, JUnit, HTML; [`live`]: the
 //!   progress view.
 //! - [`chaos`]: the seeded chaos soak (`kt-scenario chaos`).
+//! - [`prometheus`]: topology `prometheus` (a real Prometheus scraping the
+//!   testbed) and the `promql` step.
 
 pub mod argv;
 pub mod chaos;
@@ -18,6 +20,7 @@ pub mod datasets;
 pub mod format;
 pub mod live;
 pub mod locate;
+pub mod prometheus;
 pub mod report;
 pub mod runner;
 pub mod s3;

@@ -438,6 +438,30 @@ impl Checker<'_> {
         }
     }
 
+    /// A `promql`: the topology's Prometheus, a query, at least one bound,
+    /// bounds in order.
+    fn promql(&mut self, body: &str, q: &crate::prometheus::PromqlStep) {
+        if self.scenario.topology.prometheus.is_none() {
+            self.err(
+                body,
+                "promql steps need a Prometheus: topology `prometheus`",
+            );
+        }
+        if q.query.trim().is_empty() {
+            self.err(&format!("{body}.query"), "a promql step needs a query");
+        }
+        match (q.at_least, q.at_most) {
+            (None, None) => self.err(
+                body,
+                "a promql step bounds its answer: at_least, at_most or both",
+            ),
+            (Some(lo), Some(hi)) if lo.0 > hi.0 => {
+                self.err(&format!("{body}.at_least"), "at_least is above at_most")
+            }
+            _ => {}
+        }
+    }
+
     fn regex(&mut self, path: &str, re: &str) {
         if let Err(e) = regex::Regex::new(re) {
             self.err(path, format!("invalid regex: {e}"));
@@ -471,6 +495,7 @@ impl Checker<'_> {
                     | Action::WaitDataset(_)
                     | Action::ReadDataset(_)
                     | Action::S3Put(_)
+                    | Action::Promql(_)
             );
             if !records {
                 self.err(
@@ -632,6 +657,7 @@ impl Checker<'_> {
                 }
             }
             Action::S3Put(s) => self.s3_put(&body, s),
+            Action::Promql(q) => self.promql(&body, q),
             Action::Link(l) => self.component(&format!("{body}.component"), &l.component),
             Action::Restart(r) => {
                 self.victim(&body, r.victim());

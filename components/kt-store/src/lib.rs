@@ -9,6 +9,7 @@
 //!   pins its version; the lease protocol itself is shared) and the removal
 //!   of versions no reader needs;
 //! - [`trees`]: tree listing and deletes;
+//! - [`metrics`]: the gauges read at each scrape (disk, uploads, reads);
 //! - [`registrar`]: announcing the store and its keys to the metadata server;
 //! - [`resume`]: what an upload a restart interrupted left, verified, so
 //!   that the same put planned again sends only the rest;
@@ -24,6 +25,7 @@
 //! against its blake3 hash before a version is published.
 
 pub mod keys;
+pub mod metrics;
 pub mod put;
 pub mod reconcile;
 pub mod registrar;

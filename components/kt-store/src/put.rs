@@ -106,16 +106,9 @@ pub async fn plan(
         req.options.service = who.sole_service().map(str::to_owned);
     }
     // A workload puts only under its services.
-    let service = req
-        .options
-        .service
-        .clone()
-        .unwrap_or_else(|| req.key.service().to_owned());
-    if !who.serves(&service) {
-        return Err(kt_service::forbidden(format!(
-            "this token may not put {} for service {service:?} (not one of its services)",
-            req.key
-        )));
+    let service = who.write_service(&req.key, req.options.service.as_deref());
+    if let Some(why) = who.refuses_write(&req.key, &service) {
+        return Err(kt_service::forbidden(why));
     }
     // Nor replace a key another service owns (a put would hand it over).
     refuse_foreign_owner(&s, &who, &req.key).await?;
@@ -357,7 +350,7 @@ const PER_FILE: u64 = 4096;
 
 /// Bytes free to this process on the data directory's file system, and
 /// its size.
-fn free_space(dir: &std::path::Path) -> Result<(u64, u64), SyncError> {
+pub(crate) fn free_space(dir: &std::path::Path) -> Result<(u64, u64), SyncError> {
     let v = rustix::fs::statvfs(dir).map_err(|e| SyncError::io(dir, e.into()))?;
     Ok((
         v.f_bavail.saturating_mul(v.f_frsize),
@@ -394,15 +387,9 @@ fn room_for(s: &Shared, (free, total): (u64, u64), bytes: u64, files: u64) -> Re
     ))
 }
 
-/// `n` bytes for people: `52428800 bytes (50.0 MiB)`.
+/// `n` bytes for people: `52428800 bytes (50.00 MiB)`.
 fn iec(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let (mut v, mut u) = (n as f64, 0);
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{n} bytes ({v:.1} {})", UNITS[u])
+    format!("{n} bytes ({})", kt_types::size::human(n))
 }
 
 /// `PUT /api/v1/puts/{session}/batch`: a frame stream of small files.
@@ -430,7 +417,7 @@ pub async fn batch(
             return Err(sync_err(e));
         }
     };
-    s.metrics.add_bytes_in(got.bytes);
+    s.metrics.add_bytes_in_for(&sess.key, got.bytes);
     sess.received
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -514,7 +501,7 @@ pub async fn chunk(
         }
         return Err(e);
     }
-    s.metrics.add_bytes_in(bytes);
+    s.metrics.add_bytes_in_for(&sess.key, bytes);
     Ok(ApiJson(BatchAck { files: 0, bytes }))
 }
 
@@ -534,7 +521,7 @@ async fn receive_chunk(
 ) -> Result<Option<(u64, ChainingValue)>, ApiError> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(16);
     let writer =
-        tokio::task::spawn_blocking(move || -> Result<Option<(u64, ChainingValue)>, SyncError> {
+        kt_sync::task::spawn(move || -> Result<Option<(u64, ChainingValue)>, SyncError> {
             let guard = slot.file.read().unwrap_or_else(|p| p.into_inner());
             let Some(file) = guard.as_ref().filter(|_| !slot.done.load(Ordering::SeqCst)) else {
                 return Ok(None);
@@ -588,7 +575,7 @@ async fn receive_chunk(
     drop(tx);
     let written = writer
         .await
-        .map_err(|e| ApiError::internal(format!("chunk writer failed: {e}")))?;
+        .map_err(|e| ApiError::internal(format!("chunk writer failed: {}", e.0)))?;
     if let Some(e) = failure {
         return Err(e);
     }
@@ -614,32 +601,21 @@ async fn refuse_foreign_owner(
     who: &kt_types::auth::Principal,
     key: &Key,
 ) -> Result<(), ApiError> {
-    if who.services.is_none()
-        || who.role == kt_types::auth::Role::Admin
-        || who.serves(key.service())
-    {
+    if !who.asks_owner(key) {
         return Ok(());
     }
-    let foreign = |service: &str, base_path: bool| {
-        kt_service::forbidden(if base_path {
-            format!(
-                "{key} is under the base path of service {service:?}: only {service:?} (or admin) writes there; nothing was changed"
-            )
-        } else {
-            format!(
-                "{key} belongs to service {service:?}, not one of this token's: it is left as it is"
-            )
-        })
-    };
     match s.registrar.owner(key).await {
-        Ok(o) => match o.service {
-            Some(owner) if !who.serves(&owner) => Err(foreign(&owner, o.base_path)),
-            _ => Ok(()),
-        },
+        Ok(o) => {
+            match who.refuses_takeover(key, o.service.as_deref().map(|sv| (sv, o.base_path))) {
+                Some(why) => Err(kt_service::forbidden(why)),
+                None => Ok(()),
+            }
+        }
         Err(e) if e.code() == kt_types::ErrorCode::NotFound => Ok(()),
-        Err(e) => Err(ApiError::new(
+        Err(e) => Err(ApiError::from_call(
+            e,
+            &format!("asking the metadata server who owns {key}"),
             kt_types::ErrorCode::Unavailable,
-            format!("checking who owns {key}: {e}"),
         )),
     }
 }

@@ -134,11 +134,8 @@ impl kt_service::reads::Owners for Registrar {
     > {
         Box::pin(async move {
             self.record(key).await.map(|r| r.service).map_err(|e| {
-                let code = match e.code() {
-                    kt_types::ErrorCode::NotFound => kt_types::ErrorCode::NotFound,
-                    _ => kt_types::ErrorCode::Unavailable,
-                };
-                kt_service::ApiError::new(code, format!("which service owns {key}: {e}"))
+                let upstream = format!("asking the metadata server which service owns {key}");
+                kt_service::ApiError::from_call(e, &upstream, kt_types::ErrorCode::Unavailable)
             })
         })
     }

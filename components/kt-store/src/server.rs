@@ -89,6 +89,9 @@ pub fn start(
         url: url.clone(),
         cfg,
     });
+    metrics.attach(Arc::new(crate::metrics::StoreGauges(Arc::downgrade(
+        &shared,
+    ))));
     let task = tokio::spawn(serve(listener, shared, shutdown));
     Ok(StoreHandle { metrics, url, task })
 }
@@ -154,6 +157,7 @@ async fn serve(
         ready.clone(),
         s.cfg.max_in_flight,
     );
+    let app = kt_service::trace::layer(app, "store");
     tracing::info!(addr = %listener.local_addr()?, url = %s.url, data_dir = %s.cfg.data_dir.display(), "store listening");
     let background = tokio::spawn(background(s.clone(), ready, shutdown.clone()));
     let served = kt_service::serve_tls(

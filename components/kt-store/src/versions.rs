@@ -65,7 +65,7 @@ pub async fn remove_versions(dir: &VersionedDir, versions: Vec<String>) {
         return;
     }
     let dir = dir.clone();
-    let _ = tokio::task::spawn_blocking(move || {
+    let _ = kt_sync::task::spawn(move || {
         for v in versions {
             if let Err(e) = dir.remove_version(&v) {
                 tracing::warn!(version = %v, error = %e, "could not remove a superseded version");

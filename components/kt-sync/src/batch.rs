@@ -42,7 +42,7 @@ pub fn send_stream(
     progress: Option<Progress>,
 ) -> impl Stream<Item = Result<Bytes, SyncError>> + Send + 'static {
     let (tx, rx) = mpsc::channel::<Result<Bytes, SyncError>>(4);
-    tokio::task::spawn_blocking(move || {
+    crate::task::spawn(move || {
         let mut buf = BytesMut::with_capacity(BUFFER_TARGET);
         for item in &items {
             if let Err(e) = read_into(item, &mut buf) {
@@ -158,7 +158,7 @@ where
 {
     let (tx, mut rx) = mpsc::channel::<(u32, Bytes)>(32);
     let table = expected.clone();
-    let writer = tokio::task::spawn_blocking(move || -> Result<Received, SyncError> {
+    let writer = crate::task::spawn(move || -> Result<Received, SyncError> {
         let mut total = Received::default();
         while let Some((index, data)) = rx.blocking_recv() {
             let Some(x) = table.get(&index) else {
@@ -179,7 +179,7 @@ where
     drop(tx);
     let written = writer
         .await
-        .map_err(|e| SyncError::Stream(format!("writer task failed: {e}")))?;
+        .map_err(|e| SyncError::Stream(format!("writer task failed: {}", e.0)))?;
     // A write error explains a decode failure (the channel closed), so it wins.
     let written = written?;
     decoded?;

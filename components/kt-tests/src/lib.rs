@@ -153,7 +153,7 @@ impl Cluster {
     }
 
     pub async fn wait_ready(&self) {
-        let http = reqwest::Client::new();
+        let http = kt_api::client();
         let url = format!("{}/readyz", self.store_url());
         wait_until("store ready", Duration::from_secs(10), || {
             let (http, url) = (http.clone(), url.clone());

@@ -156,7 +156,7 @@ async fn local_export_registers_a_local_key_and_serves_it() {
     assert!(rec.is_dir);
 
     // The agent serves the files in place, over the store's read protocol.
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let dest = c.dir.path().join("dest");
     let read = fetch(&http, &agent.url, "team/local", &dest).await.unwrap();
     assert_eq!(read.version, export.version);
@@ -190,7 +190,7 @@ async fn local_export_registers_a_local_key_and_serves_it() {
     assert!(stat(&c, "team/rel").await.is_none());
 
     // The agent is listed by the metadata server under its URL.
-    let agents: AgentList = reqwest::Client::new()
+    let agents: AgentList = kt_api::client()
         .get(format!("{}/api/v1/agents", c.metadata_url()))
         .bearer_auth(TOKEN)
         .send()
@@ -217,7 +217,7 @@ async fn copy_export_serves_a_download_and_heartbeats_announce_it() {
     tree(&src);
     put(&c, "team/shared", &src).await;
     // A getter downloads from the store, then offers its copy.
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let copy = c.dir.path().join("copy");
     let read = fetch(&http, &c.store_url(), "team/shared", &copy)
         .await
@@ -272,7 +272,7 @@ async fn copy_export_serves_a_download_and_heartbeats_announce_it() {
 async fn nothing_outside_the_exports_is_served() {
     let c = Cluster::start().await;
     let agent = c.start_agent("pod-guard").await;
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let outside = c.dir.path().join("outside");
     write_files(
         &outside,
@@ -458,7 +458,7 @@ async fn deleted_keys_are_dropped_by_the_next_heartbeat() {
     .await;
     // The user's files are untouched.
     assert_eq!(fingerprint(&src).file_count(), 4);
-    let err = open_read(&reqwest::Client::new(), &agent.url, "team/temp")
+    let err = open_read(&kt_api::client(), &agent.url, "team/temp")
         .await
         .unwrap_err();
     assert_eq!(err.status, 404);
@@ -485,7 +485,7 @@ async fn exports_survive_an_agent_restart() {
 
     agent.restart().await;
     assert_eq!(status(&agent).await, before);
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let dest = c.dir.path().join("dest");
     fetch(&http, &agent.url, "team/kept", &dest).await.unwrap();
     assert_eq!(fingerprint(&dest), fingerprint(&src));

@@ -33,7 +33,7 @@ async fn put_tree(c: &Cluster, k: &str) -> std::path::PathBuf {
 
 async fn group_info(c: &Cluster, group: &str) -> Option<GroupInfo> {
     let url = format!("{}/api/v1/broadcasts/{group}", c.metadata_url());
-    let resp = reqwest::Client::new()
+    let resp = kt_api::client()
         .get(&url)
         .bearer_auth(kt_tests::TOKEN)
         .send()
@@ -316,7 +316,7 @@ async fn partial_parent(
         store,
         good,
         passed: passed.clone(),
-        http: reqwest::Client::new(),
+        http: kt_api::client(),
     };
     let app = axum::Router::new()
         .route(

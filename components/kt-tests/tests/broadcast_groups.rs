@@ -85,7 +85,7 @@ impl Meta {
             options: PutOptions::default(),
             only_if: None,
         };
-        let resp = reqwest::Client::new()
+        let resp = kt_api::client()
             .put(format!("{}/api/v1/keys/{KEY}", self.url()))
             .bearer_auth(TOKEN)
             .json(&reg)
@@ -97,7 +97,7 @@ impl Meta {
 
     /// `GET /api/v1/broadcasts/{group}`: the tree, or the error's code.
     async fn info(&self, group: &str) -> Result<GroupInfo, ErrorCode> {
-        let resp = reqwest::Client::new()
+        let resp = kt_api::client()
             .get(format!("{}/api/v1/broadcasts/{group}", self.url()))
             .bearer_auth(TOKEN)
             .send()

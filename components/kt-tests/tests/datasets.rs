@@ -52,7 +52,7 @@ async fn put(c: &Cluster, k: &str, files: &[(&str, Vec<u8>)]) -> (PathBuf, Strin
 }
 
 fn http() -> reqwest::Client {
-    reqwest::Client::new()
+    kt_api::client()
 }
 
 async fn report(a: &kt_tests::Agent) -> NodeReport {
@@ -236,7 +236,7 @@ async fn two_nodes_seed_one_broadcast_then_a_new_version_replaces_the_old_atomic
     let reader = {
         let (stop, seen_two, reads, path) =
             (stop.clone(), seen_two.clone(), reads.clone(), path.clone());
-        tokio::task::spawn_blocking(move || {
+        kt_sync::task::spawn(move || {
             while !stop.load(Ordering::SeqCst) {
                 let Ok(dir) = path.canonicalize() else {
                     panic!("the dataset path stopped resolving");

@@ -85,7 +85,7 @@ async fn start(dir: &std::path::Path) -> Servers {
         kt_store::Config::new(dir.join("store"), meta.clone(), Token::new(STORE).unwrap());
     store.auth = Some(auth);
     kt_store::start(store_l, store, stop.clone()).unwrap();
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     kt_tests::wait_until("the store registered", Duration::from_secs(20), || {
         let r = http
             .get(format!("{meta}/api/v1/store"))
@@ -120,7 +120,7 @@ async fn put(c: &kt_client::Client, k: &str, src: &std::path::Path) -> kt_client
 
 /// The store's URL, as it registered.
 async fn store_url(s: &Servers) -> String {
-    reqwest::Client::new()
+    kt_api::client()
         .get(format!("{}/api/v1/store", s.meta))
         .bearer_auth(ADMIN)
         .send()
@@ -260,7 +260,7 @@ async fn heartbeat(
             })
             .collect(),
     };
-    let resp = reqwest::Client::new()
+    let resp = kt_api::client()
         .post(format!("{meta}/api/v1/agents"))
         .bearer_auth(token)
         .json(&hb)
@@ -272,7 +272,7 @@ async fn heartbeat(
 }
 
 async fn peers(meta: &str, k: &str) -> Vec<String> {
-    let r: kt_types::KeyRecord = reqwest::Client::new()
+    let r: kt_types::KeyRecord = kt_api::client()
         .get(format!("{meta}/api/v1/keys/{k}"))
         .bearer_auth(ADMIN)
         .send()
@@ -304,7 +304,7 @@ async fn forged_peer_is_caught(forgery: Forgery) {
     let s = start(dir.path()).await;
     let (version, src) = put_model(&s, dir.path()).await;
     let store = store_url(&s).await;
-    let genuine = reqwest::Client::new()
+    let genuine = kt_api::client()
         .get(format!("{store}/api/v1/trees/alpha/model"))
         .bearer_auth(ADMIN)
         .send()
@@ -369,7 +369,7 @@ async fn forged_peer_is_caught(forgery: Forgery) {
         format!("{}/api/v1/keys/alpha/model", s.meta),
         format!("{store}/api/v1/trees/alpha/model"),
     ] {
-        let status = reqwest::Client::new()
+        let status = kt_api::client()
             .get(&url)
             .bearer_auth(&cap)
             .send()
@@ -408,7 +408,7 @@ async fn an_agent_serves_only_what_its_token_reads_and_only_getters_report_their
     assert!(peers(&s.meta, "alpha/model").await.is_empty());
 
     // F7: a lease's failure is reported by its getter only.
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let lease: kt_types::api::SourceLease = http
         .post(format!("{}/api/v1/keys/alpha/model/lease", s.meta))
         .bearer_auth(ALPHA)
@@ -481,7 +481,7 @@ async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
     let dir = tempfile::tempdir().unwrap();
     let s = start(dir.path()).await;
     let store = store_url(&s).await;
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     // beta plans shared/race (absent, and under no service's base path,
     // so its own service may have it) and uploads its file, but does not
     // commit yet.
@@ -576,7 +576,7 @@ async fn a_quorum_putter_must_write_the_keys_service() {
             "window": { "world_size": 2, "fanout": 2 }
         })
     };
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let call = |token: &'static str, body: serde_json::Value| {
         http.post(format!("{}/api/v1/quorums/q/join", s.meta))
             .bearer_auth(token)
@@ -640,7 +640,7 @@ async fn a_full_store_is_a_final_clear_answer() {
 async fn an_agent_is_not_told_who_a_workloads_token_is() {
     let dir = tempfile::tempdir().unwrap();
     let s = start(dir.path()).await;
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let review = |asker: &'static str, token: &'static str| {
         let r = http
             .post(format!("{}/api/v1/auth/review", s.meta))

@@ -129,7 +129,7 @@ async fn hostile_requests_are_refused_and_change_nothing() {
     // No connection reuse: a server may close a connection whose request body it
     // refused to read (oversized bodies), and the next request must not race that.
     let p = Probe {
-        http: reqwest::Client::builder()
+        http: kt_api::client_builder()
             .pool_max_idle_per_host(0)
             .build()
             .unwrap(),
@@ -505,7 +505,7 @@ async fn hostile_requests_are_refused_and_change_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_api_needs_the_token() {
     let c = Cluster::start().await;
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     for base in [c.metadata_url(), c.store_url()] {
         for path in ["/healthz", "/readyz"] {
             assert!(

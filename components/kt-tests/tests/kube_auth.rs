@@ -139,7 +139,7 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
     std::fs::create_dir_all(&agent.shm_dir).unwrap();
     let agent = kt_agent::start(agent_l, agent, stop.clone()).unwrap();
 
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let call = |method: &str, path: &str, token: &str, body: Option<Value>| {
         let mut r = http
             .request(

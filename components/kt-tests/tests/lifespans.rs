@@ -43,7 +43,7 @@ async fn start_pod(c: &Cluster, id: &str, service: &str) -> kt_tests::Agent {
     let agent = c
         .start_agent_with(id, |cfg| cfg.service = Some(service.into()))
         .await;
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let url = format!("{}/api/v1/agents", c.metadata_url());
     wait_until("the pod's agent announced", Duration::from_secs(30), || {
         let (http, url) = (http.clone(), url.clone());

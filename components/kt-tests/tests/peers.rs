@@ -44,7 +44,7 @@ struct Api {
 impl Api {
     fn new(base: String) -> Self {
         Api {
-            http: reqwest::Client::new(),
+            http: kt_api::client(),
             base,
         }
     }

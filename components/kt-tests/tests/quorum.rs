@@ -77,14 +77,14 @@ impl Meta {
     /// `POST {group}/join` in its own task, on its own connection (aborting
     /// the task closes it).
     fn join(&self, group: &str, j: &QuorumJoin) -> JoinHandle<Answer<QuorumPlan>> {
-        let req = reqwest::Client::new()
+        let req = kt_api::client()
             .post(self.url(&format!("{group}/join")))
             .json(j);
         tokio::spawn(async move { typed!(call(req).await) })
     }
 
     async fn info(&self, group: &str) -> Answer<QuorumInfo> {
-        typed!(call(reqwest::Client::new().get(self.url(group))).await)
+        typed!(call(kt_api::client().get(self.url(group))).await)
     }
 
     /// Agents of `group`'s open round (none when it has none).
@@ -106,7 +106,7 @@ impl Meta {
 
     async fn status(&self, group: &str, id: &str, wait_ms: u64) -> Answer<QuorumStatus> {
         let url = self.url(&format!("{group}/{id}?wait_ms={wait_ms}"));
-        typed!(call(reqwest::Client::new().get(url)).await)
+        typed!(call(kt_api::client().get(url)).await)
     }
 
     async fn done(
@@ -122,18 +122,18 @@ impl Meta {
             stats: Default::default(),
         };
         let url = self.url(&format!("{group}/{id}/done"));
-        typed!(call(reqwest::Client::new().post(url).json(&d)).await)
+        typed!(call(kt_api::client().post(url).json(&d)).await)
     }
 
     async fn publish(&self, group: &str, id: &str, blob: &str) -> Answer<Rendezvous> {
         let r = Rendezvous { blob: blob.into() };
         let url = self.url(&format!("{group}/{id}/rendezvous"));
-        typed!(call(reqwest::Client::new().put(url).json(&r)).await)
+        typed!(call(kt_api::client().put(url).json(&r)).await)
     }
 
     fn rendezvous(&self, group: &str, id: &str, wait_ms: u64) -> JoinHandle<Answer<Rendezvous>> {
         let url = self.url(&format!("{group}/{id}/rendezvous?wait_ms={wait_ms}"));
-        let req = reqwest::Client::new().get(url);
+        let req = kt_api::client().get(url);
         tokio::spawn(async move { typed!(call(req).await) })
     }
 }
@@ -497,7 +497,7 @@ async fn reports_complete_the_transfer() {
     let id = p.plan.id.clone();
     let waiting = {
         let url = m.url(&format!("dn/{id}?wait_ms=30000"));
-        let req = reqwest::Client::new().get(url);
+        let req = kt_api::client().get(url);
         tokio::spawn(async move {
             let s: Answer<QuorumStatus> = typed!(call(req).await);
             s
@@ -535,7 +535,7 @@ async fn reports_complete_the_transfer() {
     assert_eq!(s.failed, [(1, "nccl timeout".to_owned())]);
     assert_eq!(m.status("dn", &id, 0).await.unwrap(), s);
     // The transfer's duration (close to last report) is a metric.
-    let text = reqwest::Client::new()
+    let text = kt_api::client()
         .get(format!("http://{}/metrics", m.addr))
         .bearer_auth(TOKEN)
         .send()
@@ -629,7 +629,7 @@ async fn bad_joins_are_refused_at_once() {
         );
     }
     // Not JSON of a join.
-    let req = reqwest::Client::new()
+    let req = kt_api::client()
         .post(m.url("g/join"))
         .header("content-type", "application/json")
         .body(r#"{"agent":"a1"}"#);
@@ -637,7 +637,7 @@ async fn bad_joins_are_refused_at_once() {
     // Nothing was opened.
     refused(m.info("g").await, 404, ErrorCode::NotFound, "g");
     // Without the token.
-    let resp = reqwest::Client::new()
+    let resp = kt_api::client()
         .post(m.url("g/join"))
         .json(&ok)
         .send()

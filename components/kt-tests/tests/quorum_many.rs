@@ -59,11 +59,7 @@ fn one(t: HostTensor) -> StateDict<HostTensor> {
 /// `GET /api/v1/quorums/{group}` as text (empty when it fails).
 async fn open_round(c: &Cluster, group: &str) -> String {
     let url = format!("{}/api/v1/quorums/{group}", c.metadata_url());
-    let res = reqwest::Client::new()
-        .get(url)
-        .bearer_auth(TOKEN)
-        .send()
-        .await;
+    let res = kt_api::client().get(url).bearer_auth(TOKEN).send().await;
     match res {
         Ok(r) => r.text().await.unwrap_or_default(),
         Err(_) => String::new(),

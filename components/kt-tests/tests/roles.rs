@@ -102,6 +102,7 @@ const TABLE: &[(&str, &str, &str, &[Role])] = &[
     ("meta", "POST", "/api/v1/leases/l1/failed", &[W]),
     ("meta", "POST", "/api/v1/agents", &[A]),
     ("meta", "GET", "/api/v1/agents", &[]),
+    ("meta", "GET", "/api/v1/status", &[]),
     ("meta", "DELETE", "/api/v1/services/train", &[W]),
     ("meta", "GET", "/api/v1/broadcasts/join", &[W]),
     ("meta", "GET", "/api/v1/broadcasts/g1", &[]),
@@ -201,7 +202,7 @@ impl Servers {
         }));
         // The store registered itself with its store token: the store role
         // works end to end (GET /store answers its URL once it has).
-        let http = reqwest::Client::new();
+        let http = kt_api::client();
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
         loop {
             let r = http
@@ -249,7 +250,7 @@ async fn every_route_answers_only_the_roles_it_allows() {
     let dir = tempfile::tempdir().unwrap();
     let servers = Servers::start(dir.path()).await;
     let (meta_url, store_url, agent_url) = (&servers.meta, &servers.store, &servers.agent);
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
 
     let mut wrong = Vec::new();
     for (server, method, path, allowed) in TABLE {
@@ -419,7 +420,7 @@ async fn readers_get_only_the_services_their_tokens_read() {
         "{reply:?}"
     );
 
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let call = |method: &str, url: String, token: &str, body: Option<serde_json::Value>| {
         let mut r = http
             .request(reqwest::Method::from_bytes(method.as_bytes()).unwrap(), url)
@@ -678,7 +679,7 @@ async fn agents_act_as_themselves_and_workloads_within_their_services() {
         kt_metadata::run(meta_l, meta, s).await.unwrap();
     });
     let _running = Running(stop.clone(), Vec::new());
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let call = |method: &str, path: &str, token: &str, body: Option<serde_json::Value>| {
         let mut r = http
             .request(
@@ -802,7 +803,7 @@ async fn quorum_transfers_answer_only_their_members() {
         kt_metadata::run(meta_l, meta, s).await.unwrap();
     });
     let _running = Running(stop.clone(), Vec::new());
-    let http = reqwest::Client::new();
+    let http = kt_api::client();
     let window = kt_types::BroadcastWindow {
         world_size: Some(2),
         timeout_secs: Some(60.0),

@@ -166,11 +166,11 @@ async fn run(dir: &Path, ca: &Ca, cert: PathBuf, key: PathBuf) {
     );
 
     // Without the CA, or in plain http, nothing is answered.
-    let bare = reqwest::Client::builder().use_rustls_tls().build().unwrap();
+    let bare = kt_api::client_builder().use_rustls_tls().build().unwrap();
     let refused = bare.get(format!("{meta_url}/healthz")).send().await;
     assert!(refused.is_err(), "an unknown CA is refused");
     let plain = meta_url.replacen("https://", "http://", 1);
-    let plain = reqwest::Client::new()
+    let plain = kt_api::client()
         .get(format!("{plain}/healthz"))
         .timeout(Duration::from_secs(5))
         .send()

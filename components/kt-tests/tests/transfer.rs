@@ -278,7 +278,7 @@ async fn ttl_expires_keys_and_their_data() {
         || {
             let url = format!("{store}/api/v1/trees");
             async move {
-                let r = reqwest::Client::new()
+                let r = kt_api::client()
                     .get(url)
                     .bearer_auth(kt_tests::TOKEN)
                     .send()

@@ -209,6 +209,45 @@ pub fn encode_frame<T: Serialize>(msg: &T) -> Result<Vec<u8>, serde_json::Error>
     Ok(out)
 }
 
+/// [`encode_frame`] carrying the caller's W3C `traceparent` as the
+/// object's first member (`{"traceparent":"00-…","op":…}`), so the agent
+/// runs the request in the caller's trace ([`frame_traceparent`]); agents
+/// that do not know the member ignore it.
+pub fn encode_traced_frame<T: Serialize>(
+    msg: &T,
+    traceparent: Option<&str>,
+) -> Result<Vec<u8>, serde_json::Error> {
+    let Some(tp) = traceparent else {
+        return encode_frame(msg);
+    };
+    let body = serde_json::to_vec(msg)?;
+    let Some(rest) = body.strip_prefix(b"{") else {
+        return encode_frame(msg);
+    };
+    let member = format!("{{{TRACEPARENT_MEMBER}{}", serde_json::to_string(tp)?);
+    let comma = if rest.starts_with(b"}") { "" } else { "," };
+    let n = member.len() + comma.len() + rest.len();
+    let mut out = Vec::with_capacity(4 + n);
+    out.extend_from_slice(&(n as u32).to_be_bytes());
+    out.extend_from_slice(member.as_bytes());
+    out.extend_from_slice(comma.as_bytes());
+    out.extend_from_slice(rest);
+    Ok(out)
+}
+
+const TRACEPARENT_MEMBER: &str = "\"traceparent\":";
+
+/// The `traceparent` a request's body carries as its first member
+/// ([`encode_traced_frame`]), unchecked (the caller validates it); found
+/// without parsing the body (a manifest may be large).
+pub fn frame_traceparent(body: &[u8]) -> Option<&str> {
+    let rest = body.strip_prefix(b"{")?;
+    let rest = rest.strip_prefix(TRACEPARENT_MEMBER.as_bytes())?;
+    let rest = rest.strip_prefix(b"\"")?;
+    let end = rest.iter().take(256).position(|&c| c == b'"')?;
+    std::str::from_utf8(&rest[..end]).ok()
+}
+
 /// The length announced by a frame header, checked against the limit.
 pub fn frame_len(header: [u8; 4]) -> Result<usize, String> {
     let n = u32::from_be_bytes(header);
@@ -223,6 +262,29 @@ pub fn frame_len(header: [u8; 4]) -> Result<usize, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_traced_frame_carries_the_traceparent_first_and_still_parses() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let f = encode_traced_frame(&ControlRequest::Status, Some(tp)).unwrap();
+        let n = frame_len(f[..4].try_into().unwrap()).unwrap();
+        assert_eq!(n, f.len() - 4);
+        assert_eq!(
+            &f[4..],
+            format!(r#"{{"traceparent":"{tp}","op":"status"}}"#).as_bytes()
+        );
+        assert_eq!(frame_traceparent(&f[4..]), Some(tp));
+        let back: ControlRequest = serde_json::from_slice(&f[4..]).unwrap();
+        assert_eq!(back, ControlRequest::Status);
+        // Untraced frames, and a member elsewhere, give none.
+        let plain = encode_traced_frame(&ControlRequest::Status, None).unwrap();
+        assert_eq!(frame_traceparent(&plain[4..]), None);
+        assert_eq!(
+            frame_traceparent(br#"{"op":"status","traceparent":"x"}"#),
+            None
+        );
+        assert_eq!(frame_traceparent(br#"{"traceparent":"unterminated"#), None);
+    }
 
     #[test]
     fn frames_carry_tagged_json() {

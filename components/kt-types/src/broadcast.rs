@@ -54,7 +54,7 @@ pub const CHAIN_MIN_BYTES: u64 = 64 << 20;
 /// milliseconds and a large payload's time is its bandwidth term: the
 /// chain's `S/B` is the least any shape can do. A small payload's time is
 /// its latency term, which a wide tree keeps at two hops for up to 2,550
-/// members. ARCHITECTURE.md ("Broadcast trees") derives it.
+/// members. docs/broadcast.md ("Shape") derives it.
 pub fn auto_fanout(size: u64) -> u32 {
     if size >= CHAIN_MIN_BYTES {
         1

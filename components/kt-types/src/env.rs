@@ -52,6 +52,16 @@ pub const CUDA_DEVICE: &str = "KT_CUDA_DEVICE";
 pub const TENSOR_TIMEOUT: &str = "KT_TENSOR_TIMEOUT";
 /// Ports the host backend's tensor listeners try (a port or a range).
 pub const TENSOR_PORT: &str = "KT_TENSOR_PORT";
+/// `0`: `kt` never starts a node agent on demand (the pod's agent is run
+/// for it, as a sidecar or by a testbed); it waits a while for that agent
+/// to come back instead. An agent `kt` starts presents `kt`'s own token,
+/// which under least privilege is a workload's and may not act as an agent.
+pub const AGENT_AUTOSTART: &str = "KT_AGENT_AUTOSTART";
+/// Where a node agent answers Arrow Flight `DoGet` for a rank's share of a
+/// dataset (`--flight-addr`, e.g. `0.0.0.0:8815`; unset: no Flight server).
+pub const FLIGHT_ADDR: &str = "KT_FLIGHT_ADDR";
+/// Local bytes one Flight `DoGet` of a node agent may hold, e.g. `1GiB`.
+pub const FLIGHT_BUDGET: &str = "KT_FLIGHT_BUDGET";
 /// The tensor listener ports tried by default (the bundle's NetworkPolicy opens them).
 pub const DEFAULT_TENSOR_PORTS: &str = "8100-8163";
 
@@ -72,3 +82,14 @@ pub fn ports(var: &str, spec: &str, default: &str) -> Result<Vec<u16>, String> {
     }
     Ok((lo..=hi).filter(|p| *p != 0).collect())
 }
+
+/// OpenTelemetry's standard variable for the collector's base URL
+/// (`/v1/traces` is added): the servers export traces over OTLP when it is
+/// set (`kt_service::telemetry`).
+pub const OTEL_EXPORTER_OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+/// The OTLP traces URL whole (instead of the base URL above).
+pub const OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
+/// The service name exported spans carry (default: the program's name).
+pub const OTEL_SERVICE_NAME: &str = "OTEL_SERVICE_NAME";
+/// `true`: no OTLP export whatever the endpoint.
+pub const OTEL_SDK_DISABLED: &str = "OTEL_SDK_DISABLED";

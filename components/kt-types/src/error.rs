@@ -119,6 +119,10 @@ pub struct ErrorDetail {
     pub code: ErrorCode,
     /// What went wrong, for people: names the offending value.
     pub message: String,
+    /// The trace of the request that failed (32 hex digits), for people
+    /// to quote: the same id is on the server's log lines for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
 }
 
 /// The body of every error answer of the HTTP APIs, sent with the status
@@ -136,8 +140,15 @@ impl ErrorBody {
             error: ErrorDetail {
                 code,
                 message: message.into(),
+                trace_id: None,
             },
         }
+    }
+
+    /// The same, naming the request's trace.
+    pub fn with_trace(mut self, trace_id: Option<String>) -> Self {
+        self.error.trace_id = trace_id;
+        self
     }
 }
 

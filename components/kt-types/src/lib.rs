@@ -19,6 +19,10 @@ pub mod key;
 pub mod manifest;
 pub mod model;
 pub mod paths;
+pub mod shard;
+pub mod size;
+pub mod stats;
+pub mod status;
 pub mod tensor;
 
 pub use error::{ErrorBody, ErrorCode, ErrorDetail};

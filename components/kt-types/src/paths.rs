@@ -41,6 +41,12 @@ pub fn store() -> String {
     api("store")
 }
 
+/// `GET`: what the metadata server holds and does
+/// ([`crate::status::ClusterStatus`]).
+pub fn status() -> String {
+    api("status")
+}
+
 /// `GET ?prefix=`: a listing.
 pub fn keys() -> String {
     api("keys")

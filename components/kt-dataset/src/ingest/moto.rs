@@ -119,7 +119,7 @@ impl Moto {
         Ok(Moto {
             child,
             endpoint,
-            http: reqwest::Client::new(),
+            http: kt_api::client(),
         })
     }
 

@@ -505,7 +505,7 @@ async fn fetch_object<'a>(
     let mut body = got.into_stream();
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(QUEUED_CHUNKS);
     let part_owned = part.to_owned();
-    let writer = tokio::task::spawn_blocking(move || write_part(&part_owned, rx, hash));
+    let writer = kt_sync::task::spawn(move || write_part(&part_owned, rx, hash));
     let mut stream_err = None;
     while let Some(chunk) = body.next().await {
         match chunk {
@@ -524,7 +524,7 @@ async fn fetch_object<'a>(
     drop(tx);
     let written = writer
         .await
-        .map_err(|e| object_err(format!("writer: {e}")))?
+        .map_err(|e| object_err(format!("writer: {}", e.0)))?
         .map_err(io_at(part));
     if let Some(e) = stream_err {
         let _ = fs::remove_file(part);
@@ -674,7 +674,7 @@ async fn seed_scan_cache(client: &Client, tree: &Path, record: &Record) {
     };
     let tree = tree.to_owned();
     let hashes: BTreeMap<String, Recorded> = record.objects.clone();
-    let seeded = tokio::task::spawn_blocking(move || {
+    let seeded = kt_sync::task::spawn(move || {
         let mut cache = kt_sync::ScanCache::load(&cache_path);
         for (name, r) in &hashes {
             let path = tree.join(name);

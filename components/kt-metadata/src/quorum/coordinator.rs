@@ -138,6 +138,15 @@ impl Quorum {
 }
 
 /// The quorum coordinator of one metadata server.
+/// How many quorums are in each state ([`Quorums::counts`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct QuorumCounts {
+    pub open: usize,
+    pub transferring: usize,
+    pub complete: usize,
+    pub failed: usize,
+}
+
 #[derive(Debug)]
 pub struct Quorums {
     state: Mutex<Quorum>,
@@ -456,6 +465,26 @@ impl Quorums {
                 _ = self.shutdown.cancelled() => return Ok(s),
             }
         }
+    }
+
+    /// Open rounds, transfers running (closed, not every rank reported),
+    /// complete and failed kept transfers: the scrape-time gauges.
+    pub fn counts(&self) -> QuorumCounts {
+        let st = self.lock();
+        let mut c = QuorumCounts {
+            open: st.open.len(),
+            ..QuorumCounts::default()
+        };
+        for t in st.transfers.values() {
+            if !t.complete() {
+                c.transferring += 1;
+            } else if t.reports.values().any(Option::is_some) {
+                c.failed += 1;
+            } else {
+                c.complete += 1;
+            }
+        }
+        c
     }
 
     /// `GET /api/v1/quorums/{group}`: its open round and kept transfers.

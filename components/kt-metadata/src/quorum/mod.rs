@@ -128,6 +128,6 @@ mod fixtures;
 mod round;
 mod routes;
 
-pub use coordinator::{KEEP_CLOSED, KEEP_COMPLETE, MAX_BLOB_LEN, MAX_OPEN, Quorums};
+pub use coordinator::{KEEP_CLOSED, KEEP_COMPLETE, MAX_BLOB_LEN, MAX_OPEN, QuorumCounts, Quorums};
 pub use round::{Access, ClosedBy, MAX_TIMEOUT_SECS, QuorumError};
 pub use routes::{DEFAULT_WAIT_MS, MAX_JOIN_BODY, MAX_WAIT_MS, routes};

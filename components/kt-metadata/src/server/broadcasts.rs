@@ -45,6 +45,11 @@ pub(super) struct Broadcasts {
 }
 
 impl Broadcasts {
+    /// The groups (read by the scrape-time gauges).
+    pub(super) fn groups(&self) -> &Groups {
+        &self.groups
+    }
+
     /// `groups`, none of whose members is connected yet.
     pub(super) fn new(groups: Groups) -> Self {
         Broadcasts {
@@ -359,8 +364,11 @@ async fn admit(
     drop(guard);
     if let Some(record) = joined.reserve_ahead.take() {
         let s = s.clone();
-        // Tracked: the database is not used after `run` returns.
-        s.sessions.clone().spawn_blocking(move || {
+        // Tracked (the token lives as long as the closure): the database is
+        // not used after `run` returns.
+        let tracked = s.sessions.token();
+        kt_sync::task::spawn(move || {
+            let _tracked = tracked;
             let written = s.db.write(&Batch {
                 put_groups: vec![record.clone()],
                 ..Batch::default()

@@ -28,6 +28,7 @@ use crate::quorum::Quorums;
 use crate::registry::{Eviction, Registry, SourceError};
 
 mod broadcasts;
+mod gauges;
 
 use broadcasts::{Broadcasts, get_broadcast, join_broadcast, sweep_broadcasts};
 
@@ -340,9 +341,18 @@ where
         )
         .with_state(state.clone());
     // Quorums live in memory only: a restart fails the open ones.
-    let quorums = Quorums::new(shutdown.clone()).with_metrics(metrics.clone());
+    let quorums = Arc::new(Quorums::new(shutdown.clone()).with_metrics(metrics.clone()));
+    metrics.attach(Arc::new(gauges::RegistryGauges {
+        state: Arc::downgrade(&state),
+        quorums: Arc::downgrade(&quorums),
+    }));
+    let api = api.merge(
+        Router::new()
+            .route("/api/v1/status", allow(ADMIN, get(gauges::status)))
+            .with_state((state.clone(), quorums.clone())),
+    );
     let api = api.merge(crate::quorum::routes(
-        Arc::new(quorums),
+        quorums,
         Arc::new(Handle(state.clone())),
     ));
     let ready = Ready::default();
@@ -354,6 +364,7 @@ where
     // The store and agents ask here who the tokens they are shown are.
     let api = api.merge(kt_service::auth::review_routes(auth.clone()));
     let app = kt_service::app(api, auth, metrics, ready, config.max_in_flight);
+    let app = kt_service::trace::layer(app, "metadata");
     let sessions = state.sessions.clone();
     sessions.spawn(attach(Handle(state.clone())));
     let sweeper = tokio::spawn(sweep(state, config.sweep_interval, shutdown.clone()));
@@ -451,15 +462,9 @@ async fn put_key(
         if reg.options.service.is_none() {
             reg.options.service = who.sole_service().map(str::to_owned);
         }
-        let service = reg
-            .options
-            .service
-            .clone()
-            .unwrap_or_else(|| key.service().to_owned());
-        if !who.serves(&service) {
-            return Err(forbidden(format!(
-                "this token may not register {key} for service {service:?} (not one of its services)"
-            )));
+        let service = who.write_service(&key, reg.options.service.as_deref());
+        if let Some(why) = who.refuses_write(&key, &service) {
+            return Err(forbidden(why));
         }
         check_owner(&registry, &who, &key, now)?;
     }
@@ -503,9 +508,9 @@ async fn put_key(
         // copy is no one's source any more. The store also finds such
         // orphans itself when it starts.
         let s = s.clone();
-        tokio::spawn(async move {
+        tokio::spawn(kt_api::trace::carry(async move {
             drop_store_copy(&s, &old.source, &old.key, Some(&old.version)).await
-        });
+        }));
     }
     Ok(ApiJson(record))
 }
@@ -525,25 +530,13 @@ fn note_services(registry: &mut Registry, who: &Principal) -> Vec<String> {
 /// not write: the one whose base path holds it, else its record's. A
 /// caller always writes under its own services' base paths.
 fn check_owner(registry: &Registry, who: &Principal, key: &Key, now: u64) -> Result<(), ApiError> {
-    if who.role == Role::Admin || who.serves(key.service()) {
+    if !who.asks_owner(key) {
         return Ok(());
     }
-    match registry.owner(key, now) {
-        Some((owner, base)) if !who.serves(&owner) => {
-            Err(forbidden(owner_refusal(key, &owner, base)))
-        }
-        _ => Ok(()),
-    }
-}
-
-/// The message of a write refused because `owner` owns `key`.
-fn owner_refusal(key: &Key, owner: &str, base_path: bool) -> String {
-    if base_path {
-        format!(
-            "{key} is under the base path of service {owner:?}: only {owner:?} (or admin) writes there; nothing was changed"
-        )
-    } else {
-        format!("{key} belongs to service {owner:?}, not one of this token's: it is left as it is")
+    let owner = registry.owner(key, now);
+    match who.refuses_takeover(key, owner.as_ref().map(|(o, base)| (o.as_str(), *base))) {
+        Some(why) => Err(forbidden(why)),
+        None => Ok(()),
     }
 }
 
@@ -824,7 +817,9 @@ async fn delete_one(s: &AppState, r: &KeyRecord) -> Result<(), ApiError> {
             && let Some(store) = s.store_url.lock().await.clone()
         {
             let (s, key) = (s.clone(), r.key.clone());
-            tokio::spawn(async move { drop_store_copy(&s, &store, &key, None).await });
+            tokio::spawn(kt_api::trace::carry(async move {
+                drop_store_copy(&s, &store, &key, None).await
+            }));
         }
     }
     Ok(())

@@ -38,6 +38,7 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Literal, Mapping, 
                     Protocol, Sequence, Tuple, Union, overload)
 
 from . import _kt, datasets
+from .stream import Dataset, get_shard, to_numpy, to_torch
 from .errors import (Conflict, FileExists, Forbidden, InvalidInput, KtError, NotFound, Timeout,
                      Unauthorized, Unavailable)
 
@@ -50,6 +51,7 @@ __all__ = [
     "Progress", "Settings", "Locale", "Lifespan", "PathLike", "TensorLike", "Seconds",
     "KtError", "NotFound", "Unauthorized", "Forbidden", "Unavailable", "Timeout",
     "InvalidInput", "Conflict", "FileExists",
+    "Dataset", "get_shard", "to_numpy", "to_torch",
 ]
 
 __version__ = "0.1.0"
@@ -432,6 +434,8 @@ def _progress(op: str, key: str, verbose: bool,
         raise _type_error("progress", "a callable", progress)
     if not isinstance(verbose, bool):
         raise _type_error("verbose", "a bool", verbose)
+    # The native call made next on this thread says its trace id.
+    _kt.announce_trace(verbose)
     tty = verbose and sys.stderr.isatty()
     lines = verbose and not tty
     if progress is None and not lines:

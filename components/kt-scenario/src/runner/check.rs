@@ -189,9 +189,7 @@ impl Scn<'_> {
 /// Hashes a tree on a blocking thread, so polls and kills in parallel steps
 /// are not held up by it.
 async fn digest_off_runtime(path: PathBuf) -> Result<Digest, StepError> {
-    tokio::task::spawn_blocking(move || {
-        data::digest(&path).map_err(|e| StepError::Digest(e.to_string()))
-    })
-    .await
-    .map_err(|e| StepError::Digest(format!("digest task: {e}")))?
+    kt_sync::task::spawn(move || data::digest(&path).map_err(|e| StepError::Digest(e.to_string())))
+        .await
+        .map_err(|e| StepError::Digest(format!("digest task: {}", e.0)))?
 }

@@ -30,6 +30,7 @@ mod error;
 mod exec;
 mod fault;
 mod probe;
+mod promql;
 mod s3;
 mod tensors;
 mod transfer;
@@ -39,7 +40,7 @@ use error::{StepError, check_expect};
 use exec::PodRun;
 use tensors::Holder;
 
-pub use budget::{budget_checks, percentile};
+pub use budget::budget_checks;
 pub use probe::metric_sum;
 
 /// Default limit of one step, and of a whole scenario.
@@ -88,6 +89,11 @@ fn skip_reason(l: &Loaded, target: &dyn Target, opts: &Options) -> Option<String
                 .then(crate::target::s3::unavailable)
                 .flatten()
         })
+        .or_else(|| {
+            (l.scenario.topology.prometheus.is_some())
+                .then(crate::prometheus::unavailable)
+                .flatten()
+        })
         .or_else(|| target.unavailable())
 }
 
@@ -117,6 +123,12 @@ pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
     if l.scenario.topology.s3.is_some() && !target.runs_s3() {
         return Some(format!(
             "runs an S3 server (topology `s3`: moto's), which the {} target does not (local and netns do)",
+            target.name()
+        ));
+    }
+    if l.scenario.topology.prometheus.is_some() && !matches!(target.name(), "local" | "netns") {
+        return Some(format!(
+            "runs Prometheus beside the runner (topology `prometheus`), which scrapes the servers' addresses on the local and netns targets only (this run uses {})",
             target.name()
         ));
     }
@@ -336,6 +348,9 @@ impl Runner {
                     let s = Scn::new(self, l, &*target, pods, data, token, &work);
                     s.set_deadline(Instant::now() + timeout);
                     let body = async {
+                        if let Err(e) = s.start_prometheus().await {
+                            return Some(format!("starting prometheus: {e}"));
+                        }
                         for (i, step) in l.scenario.steps.iter().enumerate() {
                             if let Err(e) = s.step(format!("{}", i + 1), step).await {
                                 return Some(e.to_string());
@@ -588,6 +603,10 @@ struct Scn<'a> {
     /// The version each Dataset (`namespace/name`) had at the last
     /// `wait_dataset` of it (for `new_version`).
     dataset_versions: Mutex<BTreeMap<String, String>>,
+    /// The scenario's work directory.
+    work: PathBuf,
+    /// The topology's Prometheus, once started (`runner::promql`).
+    prometheus: tokio::sync::Mutex<Option<crate::prometheus::Prometheus>>,
 }
 
 impl<'a> Scn<'a> {
@@ -624,9 +643,8 @@ impl<'a> Scn<'a> {
             digests: Mutex::new(BTreeMap::new()),
             token,
             client,
-            http: reqwest::Client::builder()
+            http: kt_api::client_builder()
                 .timeout(HTTP_TIMEOUT)
-                .no_proxy()
                 .build()
                 .unwrap_or_default(),
             redactor,
@@ -637,6 +655,8 @@ impl<'a> Scn<'a> {
             deadline: Mutex::new(Instant::now() + SCENARIO_TIMEOUT),
             holders: tokio::sync::Mutex::new(BTreeMap::new()),
             dataset_versions: Mutex::new(BTreeMap::new()),
+            work: work.to_owned(),
+            prometheus: tokio::sync::Mutex::new(None),
         }
     }
 
@@ -916,6 +936,7 @@ impl<'a> Scn<'a> {
             Action::WaitDataset(w) => format!("wait for dataset {} to be {}", w.name, w.phase),
             Action::ReadDataset(r) => format!("read dataset {} in {}", r.dataset, r.pod),
             Action::S3Put(s) => format!("sync {} into s3://{}/{}", s.data, s.bucket, x(&s.prefix)),
+            Action::Promql(q) => format!("promql {}", q.query),
             Action::Parallel(c) => format!("parallel ({} steps)", c.len()),
             Action::Sequence(c) => format!("sequence ({} steps)", c.len()),
         }
@@ -1013,6 +1034,10 @@ impl<'a> Scn<'a> {
             Action::WaitDataset(w) => self.wait_dataset(step, w, result).await,
             Action::ReadDataset(r) => self.read_dataset(step, r, result).await,
             Action::S3Put(s) => self.s3_put(step, s, result).await,
+            Action::Promql(q) => {
+                let outcome = self.promql(q, result).await;
+                self.expect_plain(step, outcome)
+            }
             Action::Wait(w) => self.wait(step, w, result).await,
             Action::Assert(a) => {
                 let outcome = self.assert(a).await;

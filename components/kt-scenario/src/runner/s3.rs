@@ -131,9 +131,9 @@ impl Scn<'_> {
                 .get(&s.data)
                 .cloned()
                 .ok_or_else(|| StepError::Input(format!("no data set {}", s.data)))?;
-            let local = tokio::task::spawn_blocking(move || local_files(&dir))
+            let local = kt_sync::task::spawn(move || local_files(&dir))
                 .await
-                .map_err(|e| StepError::Digest(format!("hashing task: {e}")))??;
+                .map_err(|e| StepError::Digest(format!("hashing task: {}", e.0)))??;
             let store = Arc::new(client(&endpoint, &s.bucket)?);
             let listed = listing(&store, &prefix).await?;
             let plan = sync_plan(&local, &listed);

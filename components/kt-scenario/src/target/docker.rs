@@ -165,9 +165,8 @@ fn env_list(env: Vec<(String, String)>) -> Vec<String> {
 impl Docker {
     pub fn new() -> Docker {
         Docker {
-            http: reqwest::Client::builder()
+            http: kt_api::client_builder()
                 .timeout(Duration::from_secs(2))
-                .no_proxy()
                 .build()
                 .unwrap_or_default(),
             ..Docker::default()

@@ -242,9 +242,8 @@ impl Local {
         Local {
             // Bounded requests: a server that accepts but never answers must
             // not hang a readiness wait past its deadline. Never via a proxy.
-            http: reqwest::Client::builder()
+            http: kt_api::client_builder()
                 .timeout(Duration::from_secs(2))
-                .no_proxy()
                 .build()
                 .unwrap_or_default(),
             ..Local::default()

@@ -501,7 +501,7 @@ mod tests {
             dir.path().join("boom.log"),
         );
         s.start().unwrap();
-        let http = reqwest::Client::new();
+        let http = kt_api::client();
         let err = s
             .wait_ready(&http, "http://127.0.0.1:9/readyz", Duration::from_secs(10))
             .await

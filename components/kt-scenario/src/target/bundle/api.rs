@@ -637,9 +637,8 @@ mod tests {
 
     fn client(ca: &Path) -> reqwest::Client {
         let pem = std::fs::read(ca).unwrap();
-        reqwest::Client::builder()
+        kt_api::client_builder()
             .add_root_certificate(reqwest::Certificate::from_pem(&pem).unwrap())
-            .no_proxy()
             .build()
             .unwrap()
     }

@@ -31,7 +31,7 @@
 //!   the pod does: a container failing its threshold is recorded as a
 //!   fault ([`Kubelet::faults`]), which fails the scenario's next step.
 //!
-//! Not emulated (ARCHITECTURE.md says so too): scheduling, restarts (a
+//! Not emulated (docs/deployment.md says so too): scheduling, restarts (a
 //! container that exits stays down, so a crash is a failure, not a
 //! CrashLoopBackOff), evictions (sizeLimit of a disk emptyDir, ephemeral
 //! storage), token rotation (tokens live their full expiry), readiness
@@ -363,9 +363,8 @@ impl Kubelet {
             install,
             pause_image,
             node: "kt-bundle-node".into(),
-            http: reqwest::Client::builder()
+            http: kt_api::client_builder()
                 .danger_accept_invalid_certs(true)
-                .no_proxy()
                 .build()
                 .unwrap_or_default(),
             faults: Arc::default(),

@@ -23,7 +23,7 @@
 //! commands in a pod run with the pod's own projected token, unless a step
 //! gives another. Servers and agents are reached at their pods' addresses
 //! (this host routes to the run's bridge). What is not emulated is listed
-//! in [`kubelet`]'s documentation and ARCHITECTURE.md.
+//! in [`kubelet`]'s documentation and docs/deployment.md.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};

@@ -112,10 +112,7 @@ impl Default for Netns {
     fn default() -> Netns {
         Netns {
             // The servers are on a private subnet: never through a proxy.
-            http: reqwest::Client::builder()
-                .no_proxy()
-                .build()
-                .unwrap_or_default(),
+            http: kt_api::client_builder().build().unwrap_or_default(),
             work: PathBuf::new(),
             programs: Programs::default(),
             metadata_url: String::new(),
