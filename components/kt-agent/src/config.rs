@@ -80,6 +80,10 @@ pub struct FlightConfig {
     pub budget: u64,
     /// DoGet calls served at once; more are refused (`ResourceExhausted`).
     pub max_calls: usize,
+    /// How long a call may wait: for its listing and first file (the
+    /// server's request timeout), and for the client to take each batch;
+    /// past it the call ends and its slot is free again.
+    pub idle: Duration,
 }
 
 impl FlightConfig {
@@ -89,9 +93,13 @@ impl FlightConfig {
             addr,
             budget: DEFAULT_FLIGHT_BUDGET,
             max_calls: 16,
+            idle: DEFAULT_FLIGHT_IDLE,
         }
     }
 }
+
+/// Default of [`FlightConfig::idle`].
+pub const DEFAULT_FLIGHT_IDLE: Duration = Duration::from_secs(60);
 
 /// Default of [`FlightConfig::budget`].
 pub const DEFAULT_FLIGHT_BUDGET: u64 = 1 << 30;

@@ -21,8 +21,21 @@
 //!   another service's keys here either); a token nobody knows is
 //!   `Unauthenticated`, a role that may not read `PermissionDenied`.
 //! - memory: one decoded batch at a time per file plus [`QUEUED`] waiting
-//!   for the client; local disk: the call's budget (a file larger than it
-//!   is held alone), removed when the call ends, however it ends.
+//!   for the client — but NOT BOUNDED per batch: an IPC batch is passed on
+//!   as written (one batch can be a whole file), Parquet footers and pages
+//!   are sized by the file, and IPC message lengths are allocated before
+//!   their bytes are read, so a hostile or broken file under the prefix can
+//!   make the agent allocate about its own size (or what its headers
+//!   claim); only a Parquet or IPC file footer over [`MAX_FOOTER`] is
+//!   refused (`ResourceExhausted`) before decoding. Local disk: the call's budget, removed when the call ends,
+//!   however it ends; a data file larger than the budget is refused
+//!   (`ResourceExhausted`, naming it). The budget is per call, so the
+//!   agent's disk use is up to [`FlightConfig::max_calls`] times it.
+//! - a call's slot ([`FlightConfig::max_calls`]) is taken only once the
+//!   caller's token has listed the share; a client that goes away (or
+//!   reads nothing for [`FlightConfig::idle`]) ends the call's downloads
+//!   and decoding and frees its slot. Marker files are still fetched (and
+//!   counted against the budget) before they are passed over.
 //! - every file of a share has the first one's columns (names and types, in
 //!   order); a file that differs ends the stream with `FailedPrecondition`
 //!   naming both. Schema metadata (pandas', Parquet's) is dropped.
@@ -31,6 +44,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use arrow_array::RecordBatch;
 use arrow_flight::encode::FlightDataEncoderBuilder;
@@ -59,6 +73,11 @@ pub const QUEUED: usize = 2;
 /// passed on as written).
 pub const PARQUET_BATCH_ROWS: usize = 8192;
 
+/// Idle connections are probed this often (TCP and HTTP/2 pings).
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
+/// An HTTP/2 ping unanswered this long closes the connection.
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 /// The Flight service of one agent.
@@ -70,6 +89,8 @@ pub struct Shares {
     budget: u64,
     calls: Arc<Semaphore>,
     max_calls: usize,
+    /// How long a decoded batch may wait for the client to take it.
+    idle: Duration,
 }
 
 impl Shares {
@@ -92,6 +113,7 @@ impl Shares {
             budget: cfg.budget,
             calls: Arc::new(Semaphore::new(max_calls)),
             max_calls,
+            idle: cfg.idle,
         })
     }
 
@@ -108,12 +130,6 @@ impl Shares {
         let token = bearer(request.metadata())?;
         let (prefix, spec) = ShareTicket::parse(&request.get_ref().ticket)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let permit = self.calls.clone().try_acquire_owned().map_err(|_| {
-            Status::resource_exhausted(format!(
-                "this agent serves {} Flight calls at once; try again shortly",
-                self.max_calls
-            ))
-        })?;
         let client = self.client_for(token)?;
         let dir = tempfile::Builder::new()
             .prefix("share-")
@@ -125,27 +141,57 @@ impl Shares {
             .stream_share(&prefix, opts)
             .await
             .map_err(|e| status(&e))?;
+        if let Some(f) = files
+            .share()
+            .iter()
+            .find(|f| !skipped(&f.path) && f.size > self.budget)
+        {
+            return Err(Status::resource_exhausted(format!(
+                "{} ({} bytes) is larger than this agent's Flight budget of {} bytes per call (--flight-budget)",
+                f.path, f.size, self.budget
+            )));
+        }
+        // Taken once the token has listed the share (a bogus token holds
+        // no slot while the metadata server answers).
+        let permit = self.calls.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!(
+                "this agent serves {} Flight calls at once; try again shortly",
+                self.max_calls
+            ))
+        })?;
         tracing::info!(%prefix, shard = %spec.shard, epoch = spec.epoch, shuffle = spec.shuffle,
             files = files.share().len(), "flight: streaming a share");
         let (tx, mut rx) = mpsc::channel(QUEUED);
-        tokio::spawn(produce(files, tx, dir, permit));
+        tokio::spawn(produce(files, tx, dir, permit, self.idle));
         // The schema comes first (or the error that ended the share before
         // any batch): answered as the call's status.
         let schema = match rx.recv().await {
             Some(Ok(Decoded::Schema(s))) => s,
-            Some(Ok(Decoded::Batch(_))) => {
+            Some(Ok(Decoded::Batch(_) | Decoded::End)) => {
                 return Err(Status::internal("a batch came before the schema"));
             }
             Some(Err(e)) => return Err(e),
             None => return Err(Status::internal("the share ended before its schema")),
         };
-        let batches = futures::stream::unfold(rx, |mut rx| async move {
-            let item = match rx.recv().await? {
-                Ok(Decoded::Batch(b)) => Ok(b),
-                Ok(Decoded::Schema(_)) => Err(FlightError::protocol("a second schema")),
-                Err(e) => Err(FlightError::Tonic(Box::new(e))),
+        // A stream that stops without `End` was cut off by the agent (the
+        // client took nothing for `idle`): said so, never a silent short
+        // share.
+        let idle = self.idle;
+        let batches = futures::stream::unfold(Some(rx), move |rx| async move {
+            let mut rx = rx?;
+            let item = match rx.recv().await {
+                Some(Ok(Decoded::Batch(b))) => Ok(b),
+                Some(Ok(Decoded::End)) => return None,
+                Some(Ok(Decoded::Schema(_))) => Err(FlightError::protocol("a second schema")),
+                Some(Err(e)) => return Some((Err(FlightError::Tonic(Box::new(e))), None)),
+                None => {
+                    let e = Status::deadline_exceeded(format!(
+                        "the agent ended this call: its client took no data for {idle:?}"
+                    ));
+                    return Some((Err(FlightError::Tonic(Box::new(e))), None));
+                }
             };
-            Some((item, rx))
+            Some((item, Some(rx)))
         });
         let data = FlightDataEncoderBuilder::new()
             .with_schema(schema)
@@ -161,8 +207,15 @@ pub async fn serve(
     shares: Shares,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = tonic::transport::server::TcpIncoming::from(listener)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(TCP_KEEPALIVE));
     tonic::transport::Server::builder()
+        // Until a DoGet's answer (the listing and the share's first file);
+        // its stream is bounded by the idle timeout per batch.
+        .timeout(shares.idle)
+        .http2_keepalive_interval(Some(TCP_KEEPALIVE))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .add_service(FlightServiceServer::new(shares))
         .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
         .await
@@ -219,12 +272,34 @@ enum Decoded {
     /// The share's schema (first, once).
     Schema(SchemaRef),
     Batch(RecordBatch),
+    /// The share is complete (last, once).
+    End,
 }
 
 type Sender = mpsc::Sender<Result<Decoded, Status>>;
 
+/// The decoder's way to the client: a message it does not take within
+/// `idle` ends the call as if it had gone away.
+struct Out {
+    tx: Sender,
+    idle: Duration,
+    rt: tokio::runtime::Handle,
+}
+
+impl Out {
+    /// `false`: the client is gone or idle.
+    fn send(&self, m: Decoded) -> bool {
+        let sent = self.rt.block_on(self.tx.send_timeout(Ok(m), self.idle));
+        if let Err(mpsc::error::SendTimeoutError::Timeout(_)) = &sent {
+            tracing::info!(idle = ?self.idle, "flight: a client read nothing for too long; ending its call");
+        }
+        sent.is_ok()
+    }
+}
+
 /// Decodes the share's files in order into `tx`; the first message is the
-/// schema. Ends at the first error or when the client is gone. The call's
+/// schema, the last [`Decoded::End`] (or the error that ended the share).
+/// Ends at the first error or when the client is gone or idle. The call's
 /// directory is removed (and its permit returned) before the last message
 /// is sent, so a client that saw the end of its stream leaves nothing.
 async fn produce(
@@ -232,47 +307,78 @@ async fn produce(
     tx: Sender,
     dir: tempfile::TempDir,
     permit: OwnedSemaphorePermit,
+    idle: Duration,
 ) {
-    let last = relay(files, &tx).await;
+    let ending = relay(files, &tx, idle).await;
     if let Err(e) = dir.close() {
         tracing::warn!(error = %e, "removing a Flight call's directory");
     }
     drop(permit);
-    if let Some(last) = last {
-        let _ = tx.send(last).await;
+    let last = match ending {
+        Ending::Gone => return,
+        Ending::Failed(e) => vec![Err(e)],
+        // No data file at all (an empty share): no columns.
+        Ending::Done { empty: true } => vec![
+            Ok(Decoded::Schema(Arc::new(Schema::empty()))),
+            Ok(Decoded::End),
+        ],
+        Ending::Done { empty: false } => vec![Ok(Decoded::End)],
+    };
+    for m in last {
+        if tx.send_timeout(m, idle).await.is_err() {
+            return;
+        }
     }
 }
 
-/// [`produce`]'s work: the message to end with (an error; the empty
-/// schema of a share without data files), if any.
-async fn relay(
-    mut files: kt_client::stream::ShareStream,
-    tx: &Sender,
-) -> Option<Result<Decoded, Status>> {
+/// How [`relay`] ended.
+#[derive(Debug)]
+enum Ending {
+    /// The client went away or took nothing for the idle timeout.
+    Gone,
+    Failed(Status),
+    /// Every file was sent; `empty`: there was no data file.
+    Done {
+        empty: bool,
+    },
+}
+
+/// [`produce`]'s work.
+async fn relay(mut files: kt_client::stream::ShareStream, tx: &Sender, idle: Duration) -> Ending {
     let mut first: Option<First> = None;
-    while let Some(got) = files.next().await {
+    loop {
+        // A client that went away stops the downloads at once.
+        let got = tokio::select! {
+            _ = tx.closed() => return Ending::Gone,
+            got = files.next() => got,
+        };
+        let Some(got) = got else { break };
         let file = match got {
             Ok(f) => f,
-            Err(e) => return Some(Err(status(&e))),
+            Err(e) => return Ending::Failed(status(&e)),
         };
         if skipped(&file.file.path) {
             continue;
         }
-        let (tx2, known) = (tx.clone(), first.clone());
+        let out = Out {
+            tx: tx.clone(),
+            idle,
+            rt: tokio::runtime::Handle::current(),
+        };
+        let known = first.clone();
         // The file is deleted (and its bytes given back to the budget) when
         // the decoder drops it.
-        let decoded = kt_sync::task::spawn(move || decode(file, known, &tx2)).await;
+        let decoded = kt_sync::task::spawn(move || decode(file, known, &out)).await;
         match decoded {
             Ok(Ok(Some(f))) => first = Some(f),
-            Ok(Ok(None)) => return None, // the client went away
-            Ok(Err(e)) => return Some(Err(e)),
-            Err(e) => return Some(Err(Status::internal(format!("decoding failed: {}", e.0)))),
+            Ok(Ok(None)) => return Ending::Gone,
+            Ok(Err(e)) => return Ending::Failed(e),
+            Err(e) => return Ending::Failed(Status::internal(format!("decoding failed: {}", e.0))),
         }
     }
-    // No data file at all (an empty share): no columns.
-    first
-        .is_none()
-        .then(|| Ok(Decoded::Schema(Arc::new(Schema::empty()))))
+    Ending::Done {
+        empty: first.is_none(),
+    }
 }
 
 /// Data files only: `_SUCCESS`, `_metadata`, `.crc`… (any path segment
@@ -314,6 +420,37 @@ fn sniff(path: &Path) -> std::io::Result<Option<Format>> {
     })
 }
 
+/// Largest Parquet or Arrow IPC file footer (the metadata, read into
+/// memory whole before any batch) a call decodes.
+pub const MAX_FOOTER: u64 = 64 << 20;
+
+/// Refuses a file whose footer length (the 4 bytes before its closing
+/// magic) is over [`MAX_FOOTER`]: what its reader would allocate first.
+fn check_footer(path: &Path, format: Format) -> std::io::Result<Result<(), String>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let magic = match format {
+        Format::Parquet => 4,
+        Format::IpcFile => 6,
+        Format::IpcStream => return Ok(Ok(())),
+    };
+    let mut f = std::fs::File::open(path)?;
+    let size = f.metadata()?.len();
+    if size < 4 + magic {
+        return Ok(Ok(())); // the reader says what is wrong
+    }
+    f.seek(SeekFrom::Start(size - 4 - magic))?;
+    let mut len = [0u8; 4];
+    f.read_exact(&mut len)?;
+    let len = u64::from(u32::from_le_bytes(len));
+    Ok(if len > MAX_FOOTER {
+        Err(format!(
+            "its footer claims {len} bytes, over the {MAX_FOOTER} bytes a Flight call decodes"
+        ))
+    } else {
+        Ok(())
+    })
+}
+
 /// The share's schema and the file it came from.
 type First = (SchemaRef, String);
 
@@ -321,7 +458,7 @@ type First = (SchemaRef, String);
 /// `None` (the share's first data file), then its batches, each under the
 /// share's schema. `Ok(None)`: the client went away. The file is deleted
 /// when this returns.
-fn decode(file: StreamedFile, first: Option<First>, tx: &Sender) -> Result<Option<First>, Status> {
+fn decode(file: StreamedFile, first: Option<First>, tx: &Out) -> Result<Option<First>, Status> {
     let name = file.file.path.as_str();
     let path = file.path();
     let io = |e: std::io::Error| Status::internal(format!("{name}: {e}"));
@@ -331,6 +468,9 @@ fn decode(file: StreamedFile, first: Option<First>, tx: &Sender) -> Result<Optio
             "{name} is neither Parquet nor Arrow IPC (a file or a stream): a share streams those only"
         ))
     })?;
+    if let Err(why) = check_footer(path, format).map_err(io)? {
+        return Err(Status::resource_exhausted(format!("{name}: {why}")));
+    }
     let open = || std::fs::File::open(path).map_err(io);
     type Batches = Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>>>;
     let (own, batches): (SchemaRef, Batches) = match format {
@@ -366,10 +506,7 @@ fn decode(file: StreamedFile, first: Option<First>, tx: &Sender) -> Result<Optio
         }
         None => {
             let schema = Arc::new(Schema::new(own.fields().clone()));
-            if tx
-                .blocking_send(Ok(Decoded::Schema(schema.clone())))
-                .is_err()
-            {
+            if !tx.send(Decoded::Schema(schema.clone())) {
                 return Ok(None);
             }
             (schema, name.to_owned())
@@ -379,7 +516,7 @@ fn decode(file: StreamedFile, first: Option<First>, tx: &Sender) -> Result<Optio
         let batch = batch.map_err(|e| bad(&e))?;
         let batch = RecordBatch::try_new(schema.clone(), batch.columns().to_vec())
             .map_err(|e| Status::failed_precondition(format!("{name}: {e}")))?;
-        if tx.blocking_send(Ok(Decoded::Batch(batch))).is_err() {
+        if !tx.send(Decoded::Batch(batch)) {
             return Ok(None);
         }
     }
@@ -533,6 +670,32 @@ mod tests {
             assert_eq!(sniff(&p).unwrap(), want, "{head:?}");
         }
         assert!(sniff(&dir.path().join("missing")).is_err());
+    }
+
+    #[test]
+    fn footers_over_the_limit_are_refused_before_decoding() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let file = |len: u32, magic: &[u8]| {
+            let mut b = magic.to_vec();
+            b.extend_from_slice(&[0; 16]);
+            b.extend_from_slice(&len.to_le_bytes());
+            b.extend_from_slice(magic);
+            std::fs::write(&p, b).unwrap();
+        };
+        let big = MAX_FOOTER as u32 + 1;
+        for (magic, format) in [
+            (&b"PAR1"[..], Format::Parquet),
+            (b"ARROW1", Format::IpcFile),
+        ] {
+            file(big, magic);
+            let why = check_footer(&p, format).unwrap().unwrap_err();
+            assert!(why.contains(&big.to_string()), "{why}");
+            file(100, magic);
+            assert_eq!(check_footer(&p, format).unwrap(), Ok(()));
+        }
+        file(big, b"\xff\xff\xff\xff");
+        assert_eq!(check_footer(&p, Format::IpcStream).unwrap(), Ok(()));
     }
 
     #[test]

@@ -91,6 +91,14 @@ struct Args {
     /// Local bytes one Flight DoGet may hold (files fetched ahead), e.g. 1GiB.
     #[arg(long, env = kt_types::env::FLIGHT_BUDGET, value_parser = kt_client::size::parse)]
     flight_budget: Option<u64>,
+    /// Flight DoGet calls served at once; more get ResourceExhausted (the
+    /// disk they may hold is this times --flight-budget).
+    #[arg(long, env = kt_types::env::FLIGHT_MAX_CALLS, value_parser = clap::value_parser!(u16).range(1..))]
+    flight_max_calls: Option<u16>,
+    /// How long a Flight call may wait for its first file or for its
+    /// client to take a batch, e.g. 60s; past it the call ends.
+    #[arg(long, env = kt_types::env::FLIGHT_IDLE, value_parser = humantime::parse_duration)]
+    flight_idle: Option<std::time::Duration>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -177,6 +185,12 @@ async fn agent(nccl_notes: Vec<String>) -> anyhow::Result<()> {
         let mut f = kt_agent::config::FlightConfig::new(addr);
         if let Some(b) = args.flight_budget {
             f.budget = b;
+        }
+        if let Some(n) = args.flight_max_calls {
+            f.max_calls = usize::from(n);
+        }
+        if let Some(idle) = args.flight_idle {
+            f.idle = idle;
         }
         f
     });

@@ -317,10 +317,27 @@ fn agent_log(socket: &Path) -> PathBuf {
 const SIDECAR_WAIT: Duration = Duration::from_secs(30);
 
 /// Whether `kt` may start a node agent when none runs: yes unless
-/// `KT_AGENT_AUTOSTART=0` (the pod's agent is run for it; one `kt` started
-/// would present the workload's token, which may not act as an agent).
+/// `KT_AGENT_AUTOSTART` is off (`0`, `false`, `no`, `off`: the pod's agent
+/// is run for it; one `kt` started would present the workload's token,
+/// which may not act as an agent).
 pub fn autostart() -> bool {
-    std::env::var(kt_types::env::AGENT_AUTOSTART).map_or(true, |v| v.trim() != "0")
+    env_flag(kt_types::env::AGENT_AUTOSTART, true)
+}
+
+/// Boolean variable `var` ([`kt_types::env::boolish`]): `default` when
+/// unset or empty, or (with a warning) when not a recognised boolean.
+fn env_flag(var: &str, default: bool) -> bool {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => flag_value(var, &v, default),
+        _ => default,
+    }
+}
+
+fn flag_value(var: &str, value: &str, default: bool) -> bool {
+    kt_types::env::boolish(var, value).unwrap_or_else(|e| {
+        tracing::warn!("{e}; taking {default}");
+        default
+    })
 }
 
 /// The agent binary's name.
@@ -388,12 +405,7 @@ fn listen_addr(pod_ip: Option<&str>) -> String {
 /// `KT_AGENT_STAY`, a boolean (1/0, true/false, yes/no, on/off): an agent
 /// started on demand runs until stopped instead of ending when idle.
 fn stay() -> bool {
-    std::env::var("KT_AGENT_STAY").is_ok_and(|v| {
-        matches!(
-            v.trim().to_ascii_lowercase().as_str(),
-            "1" | "true" | "yes" | "on"
-        )
-    })
+    env_flag("KT_AGENT_STAY", false)
 }
 
 /// Starts `kt-agent` ([`agent_candidates`]) detached, in its own process
@@ -459,6 +471,21 @@ fn start_agent(socket: &Path, metadata_url: &str, token: &str) -> Result<(), Cli
 mod tests {
     use super::*;
     use kt_types::agent::encode_frame;
+
+    /// Every boolean form turns autostart off, not only `0`; an
+    /// unrecognised value keeps the default (and is warned about).
+    #[test]
+    fn autostart_off_takes_every_boolean_form() {
+        let var = kt_types::env::AGENT_AUTOSTART;
+        for off in ["0", "false", "no", "off", " OFF ", "False"] {
+            assert!(!flag_value(var, off, true), "{off}");
+        }
+        for on in ["1", "true", "yes", "on"] {
+            assert!(flag_value(var, on, true), "{on}");
+        }
+        assert!(flag_value(var, "maybe", true));
+        assert!(!flag_value(var, "maybe", false));
+    }
 
     #[tokio::test]
     async fn no_agent_is_none_not_an_error() {

@@ -264,14 +264,7 @@ impl Download {
                     && (&e.path == name || (name.is_empty() && m.root == RootKind::File))
             });
             let Some(i) = found else {
-                return Err(ClientError::Api {
-                    status: 404,
-                    code: kt_types::ErrorCode::NotFound,
-                    message: format!(
-                        "version {} has no file {name:?} (the key changed since it was listed?)",
-                        this.read.version
-                    ),
-                });
+                return Err(not_in_version(&this.read.version, name));
             };
             chosen.push((i as u32, this.target_of(&m.entries[i])));
         }
@@ -279,6 +272,17 @@ impl Download {
         let mut needed = BTreeSet::new();
         for (i, target) in &chosen {
             let e = &m.entries[*i as usize];
+            // Directories first, each checked to be a real one: a symlink on
+            // the way must never lead the file out of the destination.
+            let (root, entry, kind) = (this.root.clone(), e.path.clone(), m.root);
+            blocking(move || match kind {
+                RootKind::Dir => ensure_parents(&root, &entry),
+                RootKind::File => {
+                    std::fs::create_dir_all(&root).map_err(|e| SyncError::io(&root, e))
+                }
+            })
+            .await
+            .map_err(|err| here(target, err))?;
             let same = match std::fs::symlink_metadata(target) {
                 Ok(md) if md.is_file() && md.len() == e.size => {
                     let (scanned, _) = scan_cached(client, target, 0)
@@ -290,12 +294,6 @@ impl Download {
             };
             if !same {
                 needed.insert(*i);
-            }
-            let dir = target.parent().map(Path::to_owned);
-            if let Some(dir) = dir {
-                blocking(move || std::fs::create_dir_all(&dir).map_err(|e| SyncError::io(&dir, e)))
-                    .await
-                    .map_err(|err| here(target, err))?;
             }
         }
         let selected: u64 = chosen
@@ -349,6 +347,19 @@ impl Download {
         }
         this.needed = needed.clone();
         *lock(&this.pending) = pending;
+    }
+
+    /// Where the file `name` of the manifest lies (`""` names a
+    /// single-file key's file), as [`Download::plan`] with `only` names it.
+    pub fn path_of(&self, name: &str) -> Option<PathBuf> {
+        let m = &self.read.manifest;
+        m.entries
+            .iter()
+            .find(|e| {
+                e.kind == EntryKind::File
+                    && (e.path == name || (name.is_empty() && m.root == RootKind::File))
+            })
+            .map(|e| self.target_of(e))
     }
 
     fn target_of(&self, e: &Entry) -> PathBuf {
@@ -681,6 +692,54 @@ impl Download {
     }
 }
 
+/// A file a restricted get names that its version lacks: the caller's
+/// listing is out of date, not the source (never a source failure, so no
+/// healthy peer is reported for it).
+fn not_in_version(version: &str, name: &str) -> ClientError {
+    ClientError::Local(format!(
+        "version {version} has no file {name:?} (the key changed since it was listed?)"
+    ))
+}
+
+/// Creates `root` and the directories on the way to the entry `path` below
+/// it one component at a time, as [`apply::ensure_dirs`] does: whatever is
+/// there and is not a real directory (a symlink above all) is replaced, so
+/// the entry is placed inside `root`, never through a link out of it.
+fn ensure_parents(root: &Path, path: &str) -> Result<(), SyncError> {
+    std::fs::create_dir_all(root).map_err(|e| SyncError::io(root, e))?;
+    let Some(parent) = Path::new(path).parent() else {
+        return Ok(());
+    };
+    let mut p = root.to_owned();
+    for c in parent.components() {
+        match c {
+            std::path::Component::Normal(name) => p.push(name),
+            // Manifests are validated: entry paths are plain and relative.
+            _ => {
+                return Err(SyncError::io(
+                    &p,
+                    std::io::Error::other(format!("entry path {path:?} is not plain")),
+                ));
+            }
+        }
+        match std::fs::symlink_metadata(&p) {
+            Ok(md) if md.is_dir() => continue,
+            Ok(_) => std::fs::remove_file(&p).map_err(|e| SyncError::io(&p, e))?,
+            Err(_) => {}
+        }
+        match std::fs::create_dir(&p) {
+            Ok(()) => {}
+            // Another get of the same tree (a stream fetches several files
+            // of a key at once) made it just now.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AlreadyExists
+                    && std::fs::symlink_metadata(&p).is_ok_and(|md| md.is_dir()) => {}
+            Err(e) => return Err(SyncError::io(&p, e)),
+        }
+    }
+    Ok(())
+}
+
 /// Where a manifest's entry paths are rooted under `dest`, and where the
 /// get ends up (the tree's root, or the single file).
 fn places(m: &Manifest, dest: &Path) -> (PathBuf, PathBuf) {
@@ -714,5 +773,39 @@ impl Outstanding {
             (Some(before), Some(d)) => d.outstanding() < before,
             (_, None) => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(unix)]
+    #[test]
+    fn directories_on_the_way_replace_a_symlink_out_of_the_destination() {
+        let t = tempfile::tempdir().unwrap();
+        let (root, outside) = (t.path().join("d"), t.path().join("outside"));
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("a")).unwrap();
+        std::fs::write(root.join("f"), b"x").unwrap();
+        ensure_parents(&root, "a/b/authorized_keys").unwrap();
+        let md = std::fs::symlink_metadata(root.join("a")).unwrap();
+        assert!(md.is_dir(), "the link was kept");
+        assert!(root.join("a/b").is_dir());
+        assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+        // A file in the way goes too; a real directory stays as it is.
+        ensure_parents(&root, "f/g").unwrap();
+        assert!(root.join("f").is_dir());
+        ensure_parents(&root, "a/b/c").unwrap();
+        ensure_parents(&root, "top").unwrap();
+        assert!(root.join("a/b").is_dir());
+    }
+
+    #[test]
+    fn a_file_missing_from_the_listing_is_not_the_sources_fault() {
+        let e = not_in_version("v1", "x");
+        assert!(!e.is_source_failure(), "{e:?}");
+        assert!(e.to_string().contains("has no file \"x\""), "{e}");
     }
 }

@@ -92,8 +92,9 @@ pub struct StreamOptions {
     pub start: usize,
     /// Files fetched at once, at most (at least 1).
     pub ahead: usize,
-    /// Where files are placed (under their path below the prefix); `None`:
-    /// a fresh temporary directory, removed with the stream.
+    /// Where the stream's fresh temporary directory is made (files go under
+    /// their path below the prefix in it; it is removed with the stream, and
+    /// nothing already in `dir` is touched); `None`: the system's.
     pub dir: Option<PathBuf>,
 }
 
@@ -247,13 +248,22 @@ impl ShareStream {
         if self.position >= self.share.len() {
             return None;
         }
-        let got = self.rx.recv().await;
+        let Some(got) = self.rx.recv().await else {
+            // The fetcher is gone (it panicked, or stopped after an error
+            // already handed on) before the share's end: never mistaken for
+            // the end, so a checkpoint never counts the rest as read.
+            return Some(Err(ClientError::Local(format!(
+                "the stream ended early: at file {} of {}, its fetcher stopped",
+                self.position,
+                self.share.len()
+            ))));
+        };
         // After an error the position stays at the file that failed (every
         // one before it was handed on): resume from there.
-        if let Some(Ok(f)) = &got {
+        if let Ok(f) = &got {
             self.position = f.position + 1;
         }
-        got
+        Some(got)
     }
 
     /// The stream as a [`Stream`] (for a server that relays it on).
@@ -497,20 +507,26 @@ impl Client {
                 files.len()
             )));
         }
-        let (dir, owned) = match &opts.dir {
+        // Always a directory of the stream's own, inside the caller's `dir`
+        // when given: a consumed file is deleted, so the stream must never
+        // hand out (and then delete) a file that was there before it.
+        let made = match &opts.dir {
             Some(d) => {
                 std::fs::create_dir_all(d)
                     .map_err(|e| ClientError::Local(format!("{}: {e}", d.display())))?;
-                (d.clone(), None)
-            }
-            None => {
-                let t = tempfile::Builder::new()
+                tempfile::Builder::new()
                     .prefix("kt-stream-")
-                    .tempdir()
-                    .map_err(|e| ClientError::Local(format!("a temporary directory: {e}")))?;
-                (t.path().to_owned(), Some(t))
+                    .tempdir_in(d)
+                    .map_err(|e| {
+                        ClientError::Local(format!("a temporary directory in {}: {e}", d.display()))
+                    })?
             }
+            None => tempfile::Builder::new()
+                .prefix("kt-stream-")
+                .tempdir()
+                .map_err(|e| ClientError::Local(format!("a temporary directory: {e}")))?,
         };
+        let (dir, owned) = (made.path().to_owned(), Some(made));
         let share = Arc::new(files);
         let budget = Arc::new(Budget {
             limit: opts.budget,
@@ -591,16 +607,32 @@ async fn prefetch(
                         ),
                     )
                     .await;
-                let path = dir.join(&f.path);
+                // Where the get placed it (a single-file key whose place is
+                // a directory puts it inside), not a path rebuilt here.
+                let path = match got {
+                    Ok((_, dl)) => dl.path_of(&f.entry).ok_or_else(|| {
+                        ClientError::Local(format!(
+                            "{}: the get of {} placed no file {:?}",
+                            f.path, f.key, f.entry
+                        ))
+                    }),
+                    Err(e) => Err(e),
+                };
+                let path = match path {
+                    Ok(p) => p,
+                    Err(e) => {
+                        budget.release(f.size);
+                        return Err(e);
+                    }
+                };
                 // From here on the file's bytes go back to the budget when
                 // this is dropped (consumed, or never handed on).
-                let placed = StreamedFile {
+                Ok(StreamedFile {
                     position,
                     file: f,
                     path,
                     budget,
-                };
-                got.map(|_| placed)
+                })
             });
             next += 1;
         }
@@ -652,6 +684,39 @@ mod tests {
         assert!(b.try_reserve(10));
         assert!(!b.try_reserve(500));
         assert_eq!(b.peak.load(Ordering::SeqCst), 500);
+    }
+
+    #[tokio::test]
+    async fn a_fetcher_gone_before_the_end_is_an_error_not_the_end() {
+        let key = Key::parse("svc/data/a").unwrap();
+        let file = |p: &str| DatasetFile {
+            path: p.into(),
+            key: key.clone(),
+            entry: String::new(),
+            size: 1,
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let budget = Arc::new(Budget {
+            limit: 10,
+            held: Mutex::new(0),
+            peak: AtomicU64::new(0),
+            freed: Notify::new(),
+        });
+        // A fetcher that ends (as on a panic) without sending anything.
+        let task = tokio::spawn(async move { drop(tx) });
+        let mut s = ShareStream {
+            share: Arc::new(vec![file("a"), file("b")]),
+            position: 0,
+            rx,
+            budget,
+            dir: PathBuf::from("/nonexistent"),
+            owned: None,
+            task: Some(task),
+            rt: tokio::runtime::Handle::current(),
+        };
+        let e = s.next().await.unwrap().unwrap_err();
+        assert!(e.to_string().contains("ended early"), "{e}");
+        assert_eq!(s.position(), 0);
     }
 
     #[test]

@@ -57,25 +57,43 @@ impl ApiError {
     /// peer agent), as this server answers its own caller: the one mapping
     /// every server uses.
     ///
-    /// - not reached (refused, reset, timed out): `unreachable`, which the
-    ///   caller says — `unavailable` where the same server is needed again
-    ///   (retry), `no_source` where another source may serve instead;
-    /// - an error answer: its code, whatever it is (a 403 is a refusal, a
-    ///   500 a failure, not an outage to wait out), the message naming
-    ///   `upstream`;
-    /// - an answer that does not decode: `internal`.
+    /// - not reached (refused, reset, timed out), or an answer that does
+    ///   not decode (an upstream restarting mid-answer): `unreachable`,
+    ///   which the caller says — `unavailable` where the same server is
+    ///   needed again (retry), `no_source` where another source may serve
+    ///   instead;
+    /// - `unauthorized`/`forbidden`: the upstream refused *this server's*
+    ///   own credentials (a rotated token, a changed role), not the
+    ///   caller's, so the caller gets `unreachable` too, with a message
+    ///   saying whose credentials failed;
+    /// - any other error answer: its code (a 404 is an absence, a 500 a
+    ///   failure, not an outage to wait out), the message naming
+    ///   `upstream`.
     pub fn from_call(e: kt_api::CallError, upstream: &str, unreachable: ErrorCode) -> ApiError {
         match e {
             kt_api::CallError::Transport { url, source } => ApiError::new(
                 unreachable,
                 format!("{upstream} unreachable ({url}): {source}"),
             ),
+            kt_api::CallError::Status { code, message, .. }
+                if matches!(code, ErrorCode::Unauthorized | ErrorCode::Forbidden) =>
+            {
+                tracing::warn!(%upstream, %code, %message, "upstream refused this server's own credentials");
+                ApiError::new(
+                    unreachable,
+                    format!("{upstream} refused this server's own credentials ({code}): {message}"),
+                )
+            }
             kt_api::CallError::Status { code, message, .. } => {
                 ApiError::new(code, format!("{upstream}: {message}"))
             }
-            kt_api::CallError::Decode { url, source } => ApiError::internal(format!(
-                "unreadable answer from {upstream} ({url}): {source}"
-            )),
+            kt_api::CallError::Decode { url, source } => {
+                tracing::warn!(%upstream, %url, error = %source, "unreadable answer from upstream");
+                ApiError::new(
+                    unreachable,
+                    format!("unreadable answer from {upstream} ({url}): {source}"),
+                )
+            }
         }
     }
 }
@@ -254,13 +272,42 @@ mod tests {
             message: "no".into(),
         };
         for code in [
-            ErrorCode::Forbidden,
             ErrorCode::Internal,
             ErrorCode::NotFound,
+            ErrorCode::Conflict,
         ] {
             let e = ApiError::from_call(status(code), "metadata server", ErrorCode::NoSource);
             assert_eq!(e, ApiError::new(code, "metadata server: no"));
         }
+        // The upstream refusing this server's own token is not the
+        // caller's refusal: the caller's "unreachable" (retryable), with a
+        // message saying whose credentials failed.
+        for code in [ErrorCode::Unauthorized, ErrorCode::Forbidden] {
+            for unreachable in [ErrorCode::Unavailable, ErrorCode::NoSource] {
+                let e = ApiError::from_call(status(code), "metadata server", unreachable);
+                assert_eq!(e.code, unreachable, "{code}");
+                assert!(
+                    e.message.contains("this server's own credentials"),
+                    "{}",
+                    e.message
+                );
+            }
+        }
+        // An answer that does not decode (an upstream restarting
+        // mid-answer): the caller's "unreachable", not `internal`.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = axum::Router::new().route("/x", axum::routing::get(|| async { "not json" }));
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let api = kt_api::Api::new(kt_api::client(), &format!("http://{addr}"), "t");
+        let e = api
+            .get("/x")
+            .fetch::<serde_json::Value>()
+            .await
+            .unwrap_err();
+        assert!(matches!(e, kt_api::CallError::Decode { .. }), "{e:?}");
+        let e = ApiError::from_call(e, "metadata server", ErrorCode::Unavailable);
+        assert_eq!(e.code, ErrorCode::Unavailable, "{}", e.message);
         // Nobody listens on a port bound and dropped: not reached.
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()

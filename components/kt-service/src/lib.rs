@@ -218,8 +218,17 @@ pub async fn serve_tls(
         None => serve_on(listener, app, shutdown, drain).await,
     };
     // The spans of the last requests leave before the process does (OTLP
-    // export; nothing to do without it).
-    let _ = kt_sync::task::spawn(telemetry::flush_traces).await;
+    // export; nothing to do without it), but a collector that does not
+    // answer may not hold the shutdown past a few seconds.
+    let flush = kt_sync::task::spawn(telemetry::flush_traces);
+    if tokio::time::timeout(std::time::Duration::from_secs(5), flush)
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "the OTLP collector did not take the last spans within 5 s; leaving without them"
+        );
+    }
     served
 }
 

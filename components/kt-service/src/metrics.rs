@@ -49,9 +49,50 @@ struct ServiceBytesLabels {
     service: String,
 }
 
-/// Most services given a byte counter of their own; the rest are `other`
-/// (services are bounded per cluster; this bounds a misuse).
+/// Most services given a label of their own; the rest share
+/// [`ServiceLabels::OVERFLOW`] (services are bounded per cluster; this
+/// bounds a misuse).
 pub const MAX_SERVICE_LABELS: usize = 200;
+
+/// The values a `service` label takes: the first [`MAX_SERVICE_LABELS`]
+/// services seen keep their name, the rest share
+/// [`ServiceLabels::OVERFLOW`]. The one cap every server's service labels
+/// go through (the store's and agents' byte counters, the metadata
+/// server's registry gauges).
+#[derive(Debug, Default, Clone)]
+pub struct ServiceLabels {
+    seen: std::collections::HashSet<String>,
+}
+
+impl ServiceLabels {
+    /// The label past the cap (and of bytes no service is known for): not
+    /// a valid key segment, so no real service shares it.
+    pub const OVERFLOW: &'static str = "(other)";
+
+    /// The label of `service`: its name while it is among the first
+    /// [`MAX_SERVICE_LABELS`] seen, [`ServiceLabels::OVERFLOW`] after.
+    pub fn label<'a>(&mut self, service: &'a str) -> &'a str {
+        if self.seen.contains(service) {
+            return service;
+        }
+        if self.seen.len() < MAX_SERVICE_LABELS {
+            self.seen.insert(service.to_owned());
+            return service;
+        }
+        Self::OVERFLOW
+    }
+}
+
+/// The service a key's bytes are counted under when the caller has no
+/// owning service at hand: the key's first segment, or
+/// [`ServiceLabels::OVERFLOW`] for a key of one segment (its whole name,
+/// which is never a label).
+pub fn service_of_key(key: &kt_types::Key) -> &str {
+    match key.as_str().split_once('/') {
+        Some((first, _)) => first,
+        None => ServiceLabels::OVERFLOW,
+    }
+}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabels {
@@ -75,9 +116,8 @@ pub struct Metrics {
     bytes_out: Counter<u64, AtomicU64>,
     /// The same bytes by the service a key belongs to (its first segment).
     service_bytes: Family<ServiceBytesLabels, Counter>,
-    /// The services given a label of their own so far (at most
-    /// [`MAX_SERVICE_LABELS`]; the rest are `other`).
-    services: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// The services given a label of their own so far.
+    services: std::sync::Mutex<ServiceLabels>,
     pub transfers: Family<TransferLabels, Histogram>,
     /// The process's peak resident set (VmHWM), read at each scrape.
     peak_resident: Gauge<u64, AtomicU64>,
@@ -169,27 +209,35 @@ impl Metrics {
     pub fn add_bytes_out(&self, n: u64) {
         self.bytes_out.inc_by(n);
     }
-    /// [`Metrics::add_bytes_in`], counted for `key`'s service too.
+    /// [`Metrics::add_bytes_in`], counted for `key`'s service too
+    /// ([`service_of_key`]).
     pub fn add_bytes_in_for(&self, key: &kt_types::Key, n: u64) {
-        self.add_bytes_in(n);
-        self.add_service_bytes("received", key, n);
+        self.add_bytes_in_for_service(service_of_key(key), n);
     }
-    /// [`Metrics::add_bytes_out`], counted for `key`'s service too.
+    /// [`Metrics::add_bytes_out`], counted for `key`'s service too
+    /// ([`service_of_key`]).
     pub fn add_bytes_out_for(&self, key: &kt_types::Key, n: u64) {
-        self.add_bytes_out(n);
-        self.add_service_bytes("sent", key, n);
+        self.add_bytes_out_for_service(service_of_key(key), n);
     }
-    fn add_service_bytes(&self, direction: &'static str, key: &kt_types::Key, n: u64) {
-        let first = key.as_str().split('/').next().unwrap_or_default();
-        let service = {
-            let mut seen = self.services.lock().unwrap_or_else(|e| e.into_inner());
-            if seen.contains(first) || seen.len() < MAX_SERVICE_LABELS {
-                seen.insert(first.to_owned());
-                first.to_owned()
-            } else {
-                "other".to_owned()
-            }
-        };
+    /// [`Metrics::add_bytes_in`], counted for `service` (the owning
+    /// service the put resolved) too.
+    pub fn add_bytes_in_for_service(&self, service: &str, n: u64) {
+        self.add_bytes_in(n);
+        self.add_service_bytes("received", service, n);
+    }
+    /// [`Metrics::add_bytes_out`], counted for `service` (the owning
+    /// service the read resolved) too.
+    pub fn add_bytes_out_for_service(&self, service: &str, n: u64) {
+        self.add_bytes_out(n);
+        self.add_service_bytes("sent", service, n);
+    }
+    fn add_service_bytes(&self, direction: &'static str, service: &str, n: u64) {
+        let service = self
+            .services
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .label(service)
+            .to_owned();
         self.service_bytes
             .get_or_create(&ServiceBytesLabels { direction, service })
             .inc_by(n);
@@ -439,6 +487,36 @@ mod tests {
             let peak = metric_value(&text, "kt_process_peak_resident_bytes");
             assert!(peak.is_some_and(|b| b > 1024.0 * 1024.0), "{text}");
         }
+    }
+
+    /// The first `MAX_SERVICE_LABELS` services keep their name; later
+    /// ones share the overflow label, which no key segment can be.
+    #[test]
+    fn service_labels_are_capped() {
+        let mut labels = ServiceLabels::default();
+        for i in 0..MAX_SERVICE_LABELS {
+            let s = format!("s{i}");
+            assert_eq!(labels.label(&s), s);
+        }
+        assert_eq!(labels.label("s0"), "s0");
+        assert_eq!(labels.label("late"), ServiceLabels::OVERFLOW);
+        assert_eq!(labels.label("other"), ServiceLabels::OVERFLOW);
+        assert!(kt_types::Key::parse(ServiceLabels::OVERFLOW).is_err());
+    }
+
+    /// A key of one segment never puts its name in a label; bytes are
+    /// counted under the service given.
+    #[test]
+    fn service_bytes_are_labelled_by_service_never_by_key() {
+        let m = Metrics::new();
+        m.add_bytes_in_for(&kt_types::Key::parse("secretname").unwrap(), 5);
+        m.add_bytes_in_for(&kt_types::Key::parse("team/a/b").unwrap(), 7);
+        m.add_bytes_out_for_service("train", 3);
+        let text = m.encode();
+        assert!(!text.contains("secretname"), "{text}");
+        assert!(text.contains("service=\"(other)\"} 5"), "{text}");
+        assert!(text.contains("service=\"team\"} 7"), "{text}");
+        assert!(text.contains("service=\"train\"} 3"), "{text}");
     }
 
     fn metric_value(text: &str, name: &str) -> Option<f64> {

@@ -37,6 +37,20 @@ async fn flight_agent(
     CancellationToken,
     tokio::task::JoinHandle<()>,
 ) {
+    let mut flight = kt_agent::config::FlightConfig::new("127.0.0.1:0".parse().unwrap());
+    flight.budget = budget;
+    flight_agent_with(cluster, flight).await
+}
+
+/// [`flight_agent`] with these Flight settings.
+async fn flight_agent_with(
+    cluster: &Cluster,
+    flight: kt_agent::config::FlightConfig,
+) -> (
+    std::net::SocketAddr,
+    CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
     let run = cluster.dir.path().join("flight-agent");
     let mut cfg = kt_agent::Config::new(
         "flight-agent",
@@ -45,8 +59,6 @@ async fn flight_agent(
         run.join("agent.sock"),
     );
     cfg.shm_dir = cluster.shm_dir();
-    let mut flight = kt_agent::config::FlightConfig::new("127.0.0.1:0".parse().unwrap());
-    flight.budget = budget;
     cfg.flight = Some(flight);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let stop = CancellationToken::new();
@@ -162,9 +174,10 @@ fn ticket(prefix: &str, rank: u32, world: u32, epoch: u64, shuffle: bool) -> Vec
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn do_get_streams_exactly_a_ranks_share_of_parquet_and_arrow_ipc_files() {
     let c = Cluster::start().await;
-    // A budget smaller than two files: the share is fetched a file or so
-    // ahead of the one being decoded.
-    let (addr, stop, task) = flight_agent(&c, 8 << 10).await;
+    // A budget above the largest file (14.2 KiB) but below two large
+    // ones: the share is fetched a file or so ahead of the one being
+    // decoded (a file above the budget is refused: see below).
+    let (addr, stop, task) = flight_agent(&c, 16 << 10).await;
     let client = c.client_with(|cfg| cfg.serve_copies = false);
     let src = c.dir.path().join("src");
     std::fs::create_dir_all(&src).unwrap();
@@ -361,6 +374,109 @@ async fn tickets_and_tokens_are_checked_with_grpc_codes() {
     let s = code(do_get(addr, Some(OTHER), &good).await);
     assert_eq!(s.code(), Code::NotFound, "{s:?}");
     assert!(!s.message().contains("one.arrows"), "{s:?}");
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the agent stops")
+        .unwrap();
+    c.stop().await;
+}
+
+/// Puts `n` rows of file `n`'s kind as `key`.
+async fn put_file(c: &Cluster, key: &str, n: i32, rows: usize) {
+    let src = c.dir.path().join(format!("src-{n}"));
+    write(&src, n, rows);
+    c.client_with(|cfg| cfg.serve_copies = false)
+        .put(
+            &Key::parse(key).unwrap(),
+            &src,
+            Default::default(),
+            kt_client::Progress::none(),
+        )
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_larger_than_the_budget_is_refused_by_name() {
+    let c = Cluster::start().await;
+    let (addr, stop, task) = flight_agent(&c, 1 << 10).await;
+    put_file(&c, "big/set/small.arrows", 3, 10).await;
+    put_file(&c, "big/set/large.arrows", 3, 2000).await;
+    let s = do_get(addr, Some(TOKEN), &ticket("big/set", 0, 1, 0, false))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+    assert!(s.message().contains("large.arrows"), "{s:?}");
+    assert!(s.message().contains("--flight-budget"), "{s:?}");
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the agent stops")
+        .unwrap();
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_client_loses_its_call_and_a_bogus_token_takes_no_slot() {
+    let c = Cluster::start().await;
+    let mut flight = kt_agent::config::FlightConfig::new("127.0.0.1:0".parse().unwrap());
+    flight.budget = 64 << 20;
+    flight.max_calls = 1;
+    flight.idle = Duration::from_secs(3);
+    let (addr, stop, task) = flight_agent_with(&c, flight).await;
+    // Far more than the HTTP/2 windows hold: the decoder waits for the
+    // client.
+    let rows = 400_000;
+    put_file(&c, "idle/set/one.arrows", 3, rows).await;
+    let good = ticket("idle/set", 0, 1, 0, false);
+    // A call that never reads: it holds the only slot...
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut req = tonic::Request::new(Ticket {
+        ticket: good.clone().into(),
+    });
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+    let idle = FlightServiceClient::new(channel)
+        .do_get(req)
+        .await
+        .unwrap()
+        .into_inner();
+    let s = do_get(addr, Some(TOKEN), &good).await.unwrap_err();
+    assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+    // ...but a token nobody knows is refused as such, holding none.
+    let s = do_get(addr, Some("nobody-knows-this-token"), &good)
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::Unauthenticated, "{s:?}");
+    // Once the idle timeout passes the slot is free again.
+    let again = tokio::time::timeout(Duration::from_secs(60), async {
+        loop {
+            match do_get(addr, Some(TOKEN), &good).await {
+                Err(s) if s.code() == Code::ResourceExhausted => tokio::task::yield_now().await,
+                r => break r,
+            }
+        }
+    })
+    .await
+    .expect("the idle call's slot is given back");
+    assert_eq!(again.unwrap().len(), rows);
+    // The idle client is told its share was cut off, not shown a short one.
+    let got: Result<Vec<RecordBatch>, FlightError> =
+        FlightRecordBatchStream::new_from_flight_data(idle.map_err(FlightError::from))
+            .try_collect()
+            .await;
+    match got {
+        Err(FlightError::Tonic(s)) => {
+            assert_eq!(s.code(), Code::DeadlineExceeded, "{s:?}");
+            assert!(s.message().contains("took no data"), "{s:?}");
+        }
+        other => panic!("the cut-off share: {other:?}"),
+    }
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(30), task)
         .await

@@ -169,7 +169,9 @@ async fn four_ranks_stream_disjoint_balanced_shares_within_their_budget() {
                 "{} differs",
                 f.file.path
             );
-            assert_eq!(f.path, dir.join(&f.file.path));
+            // In the stream's own directory inside `dir`.
+            assert!(s.dir().starts_with(&dir) && s.dir() != dir);
+            assert_eq!(f.path, s.dir().join(&f.file.path));
             assert!(disk_bytes(&dir) <= budget);
             order.push(f.file.path.clone());
             *seen.entry(f.file.path.clone()).or_default() += 1;
@@ -189,6 +191,12 @@ async fn four_ranks_stream_disjoint_balanced_shares_within_their_budget() {
         assert!(most > 0, "rank {rank}: the sampler saw nothing");
         // Every consumed file was deleted.
         assert_eq!(disk_bytes(&dir), 0);
+        let own = s.dir().to_owned();
+        drop(s);
+        wait_until("the stream's directory removed", WAIT, || async {
+            !own.exists()
+        })
+        .await;
     }
     // Disjoint, and together the whole dataset; balanced by bytes.
     assert_eq!(
@@ -360,5 +368,126 @@ async fn a_share_get_places_only_its_files_and_refuses_bad_shards() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Some(kt_types::ErrorCode::NotFound));
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_into_a_directory_leaves_what_was_there() {
+    let c = Cluster::start().await;
+    let want = dataset(&c).await;
+    let client = c.client_with(|cfg| cfg.serve_copies = false);
+    // An earlier copy of the whole dataset, then a stream into it.
+    let dir = c.dir.path().join("copy");
+    client
+        .get_share(&prefix(), &spec(0, 1), &dir)
+        .await
+        .unwrap();
+    let mut opts = StreamOptions::new(spec(0, 1), 1 << 30);
+    opts.dir = Some(dir.clone());
+    let mut s = client.stream_share(&prefix(), opts).await.unwrap();
+    let mut n = 0;
+    while let Some(f) = s.next().await {
+        let f = f.unwrap();
+        assert_eq!(Some(&f.bytes().await.unwrap()), want.get(&f.file.path));
+        n += 1;
+    }
+    assert_eq!(n, want.len());
+    drop(s);
+    // Every file of the copy is still there, unchanged.
+    for (path, data) in &want {
+        assert_eq!(
+            std::fs::read(dir.join(path)).ok().as_ref(),
+            Some(data),
+            "{path}"
+        );
+    }
+    c.stop().await;
+}
+
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_share_get_never_writes_through_a_symlinked_directory() {
+    let c = Cluster::start().await;
+    let want = dataset(&c).await;
+    let client = c.client_with(|cfg| cfg.serve_copies = false);
+    let dest = c.dir.path().join("dest");
+    let outside = c.dir.path().join("outside");
+    std::fs::create_dir_all(dest.join("trees/t0")).unwrap();
+    std::fs::create_dir_all(&outside).unwrap();
+    // A directory of the tree key is a link out of the destination.
+    std::os::unix::fs::symlink(&outside, dest.join("trees/t0/d1")).unwrap();
+    client
+        .get_share(&prefix(), &spec(0, 1), &dest)
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read_dir(&outside).unwrap().count(),
+        0,
+        "a file was written through the link"
+    );
+    assert!(
+        std::fs::symlink_metadata(dest.join("trees/t0/d1"))
+            .unwrap()
+            .is_dir()
+    );
+    for (path, data) in &want {
+        assert_eq!(
+            std::fs::read(dest.join(path)).ok().as_ref(),
+            Some(data),
+            "{path}"
+        );
+    }
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stream_yields_a_file_whose_place_is_a_directory_where_it_lies() {
+    let c = Cluster::start().await;
+    let client = c.client_with(|cfg| cfg.serve_copies = false);
+    // Keys `x` and `x/y`: once `x/y` is placed, `x`'s place is a directory.
+    let src = c.dir.path().join("nested-src");
+    std::fs::create_dir_all(&src).unwrap();
+    let mut want = BTreeMap::new();
+    for (n, name) in ["x", "x/y"].into_iter().enumerate() {
+        let data = bytes(200 + n as u64, 3000 + n);
+        let file = src.join(format!("f{n}"));
+        std::fs::write(&file, &data).unwrap();
+        client
+            .put(
+                &key(&format!("nested/keys/{name}")),
+                &file,
+                PutOptions::default(),
+                Progress::none(),
+            )
+            .await
+            .unwrap();
+        want.insert(name.to_owned(), data);
+    }
+    let nested = KeyPrefix::parse("nested/keys").unwrap();
+    // An order that reads `x/y` first.
+    let mut chosen = None;
+    for epoch in 0..64 {
+        let s = ShareSpec {
+            epoch,
+            shuffle: true,
+            ..spec(0, 1)
+        };
+        let (order, _) = client.share_of(&nested, &s).await.unwrap();
+        if order.first().is_some_and(|f| f.path == "x/y") {
+            chosen = Some(s);
+            break;
+        }
+    }
+    let mut opts = StreamOptions::new(chosen.expect("no epoch reads x/y first"), 1 << 20);
+    opts.ahead = 1;
+    let mut s = client.stream_share(&nested, opts).await.unwrap();
+    let mut got = BTreeMap::new();
+    while let Some(f) = s.next().await {
+        let f = f.unwrap();
+        assert!(f.path.is_file(), "{} is no file", f.path.display());
+        got.insert(f.file.path.clone(), f.bytes().await.unwrap());
+    }
+    assert_eq!(got, want);
+    assert_eq!(s.held(), 0);
     c.stop().await;
 }

@@ -52,7 +52,8 @@ pub const CUDA_DEVICE: &str = "KT_CUDA_DEVICE";
 pub const TENSOR_TIMEOUT: &str = "KT_TENSOR_TIMEOUT";
 /// Ports the host backend's tensor listeners try (a port or a range).
 pub const TENSOR_PORT: &str = "KT_TENSOR_PORT";
-/// `0`: `kt` never starts a node agent on demand (the pod's agent is run
+/// A boolean ([`boolish`]), default on; off (`0`, `false`, `no`, `off`):
+/// `kt` never starts a node agent on demand (the pod's agent is run
 /// for it, as a sidecar or by a testbed); it waits a while for that agent
 /// to come back instead. An agent `kt` starts presents `kt`'s own token,
 /// which under least privilege is a workload's and may not act as an agent.
@@ -62,8 +63,27 @@ pub const AGENT_AUTOSTART: &str = "KT_AGENT_AUTOSTART";
 pub const FLIGHT_ADDR: &str = "KT_FLIGHT_ADDR";
 /// Local bytes one Flight `DoGet` of a node agent may hold, e.g. `1GiB`.
 pub const FLIGHT_BUDGET: &str = "KT_FLIGHT_BUDGET";
+/// Flight `DoGet` calls a node agent serves at once; more are refused.
+pub const FLIGHT_MAX_CALLS: &str = "KT_FLIGHT_MAX_CALLS";
+/// How long a Flight `DoGet` may wait for its first file or for its client
+/// to take a batch before the call ends and its slot is free, e.g. `60s`.
+pub const FLIGHT_IDLE: &str = "KT_FLIGHT_IDLE";
 /// The tensor listener ports tried by default (the bundle's NetworkPolicy opens them).
 pub const DEFAULT_TENSOR_PORTS: &str = "8100-8163";
+
+/// A boolean variable's value, in the forms the DESIGN's boolean contract
+/// allows (any case, surrounding blanks ignored): `1`/`true`/`yes`/`on`, or
+/// `0`/`false`/`no`/`off`. Anything else is an error naming `var`, for the
+/// caller to report (and fall back on its default).
+pub fn boolish(var: &str, value: &str) -> Result<bool, String> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(format!(
+            "{var}={value:?}: not a boolean (1/0, true/false, yes/no, on/off)"
+        )),
+    }
+}
 
 /// The ports a port variable (`var`, e.g. [`RELAY_PORT`]) names: `8091`,
 /// `8091-8099`, or `0` (any: nothing to try before the system's choice);

@@ -15,7 +15,15 @@
 //! a run that resumes from a position (an index into the ordered share, which
 //! a checkpoint can store) sees the same order again.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
 use serde::{Deserialize, Serialize};
+
+/// The most ranks a dataset is split across: far above any training job,
+/// and low enough that a ticket or a flag cannot make a reader allocate
+/// per-rank state without bound.
+pub const MAX_WORLD: u32 = 65_536;
 
 /// One rank of `world`, as `kt get PREFIX/ --shard RANK/WORLD` names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -35,6 +43,9 @@ pub enum ShardError {
     /// `world` was 0.
     #[error("shard world must be at least 1")]
     EmptyWorld,
+    /// `world` above [`MAX_WORLD`].
+    #[error("shard world {0} is above the limit of {MAX_WORLD} ranks")]
+    WorldTooLarge(u32),
     /// `rank >= world`.
     #[error("shard rank {rank} is not below the world size {world}")]
     RankOutOfRange {
@@ -50,6 +61,9 @@ impl Shard {
     pub fn new(rank: u32, world: u32) -> Result<Self, ShardError> {
         if world == 0 {
             return Err(ShardError::EmptyWorld);
+        }
+        if world > MAX_WORLD {
+            return Err(ShardError::WorldTooLarge(world));
         }
         if rank >= world {
             return Err(ShardError::RankOutOfRange { rank, world });
@@ -206,14 +220,18 @@ pub fn assign<P: AsRef<str>>(files: &[(P, u64)], world: u32) -> Vec<Vec<usize>> 
             .then_with(|| pa.as_ref().cmp(pb.as_ref()))
             .then(a.cmp(&b))
     });
-    let mut loads = vec![0u64; world];
     let mut ranks: Vec<Vec<usize>> = vec![Vec::new(); world];
+    // The lightest rank, ties to the lower one, from a heap. Only the first
+    // `files.len()` ranks can ever be the lightest (before k files are
+    // placed, one of ranks 0..=k still holds nothing), so the heap holds at
+    // most that many whatever `world` says.
+    let mut lightest: BinaryHeap<Reverse<(u64, usize)>> = (0..world.min(files.len().max(1)))
+        .map(|r| Reverse((0, r)))
+        .collect();
     for i in order {
-        let lightest = (0..world)
-            .min_by_key(|&r| (loads[r], r))
-            .expect("world >= 1");
-        loads[lightest] = loads[lightest].saturating_add(files[i].1);
-        ranks[lightest].push(i);
+        let Reverse((load, rank)) = lightest.pop().expect("at least one rank");
+        ranks[rank].push(i);
+        lightest.push(Reverse((load.saturating_add(files[i].1), rank)));
     }
     for share in &mut ranks {
         share.sort_by(|&a, &b| files[a].0.as_ref().cmp(files[b].0.as_ref()).then(a.cmp(&b)));
@@ -294,6 +312,11 @@ mod tests {
             Err(ShardError::RankOutOfRange { rank: 8, world: 8 })
         );
         assert_eq!("0/0".parse::<Shard>(), Err(ShardError::EmptyWorld));
+        assert_eq!(
+            "0/4294967295".parse::<Shard>(),
+            Err(ShardError::WorldTooLarge(u32::MAX))
+        );
+        assert!("65535/65536".parse::<Shard>().is_ok());
         for bad in ["", "2", "2/", "/8", "a/b", "-1/4", "1/4/2"] {
             assert!(
                 matches!(bad.parse::<Shard>(), Err(ShardError::Syntax(_))),
@@ -357,6 +380,46 @@ mod tests {
             assert_eq!(share.len(), 8);
             assert!(share.windows(2).all(|w| files[w[0]].0 < files[w[1]].0));
         }
+    }
+
+    #[test]
+    fn the_heap_places_files_as_a_scan_for_the_lightest_rank_would() {
+        // The plain definition: each file, largest first, to the rank with
+        // the fewest bytes, ties to the lower rank.
+        fn by_scan(files: &[(String, u64)], world: usize) -> Vec<Vec<usize>> {
+            let mut order: Vec<usize> = (0..files.len()).collect();
+            order.sort_by(|&a, &b| (files[b].1, &files[a].0, a).cmp(&(files[a].1, &files[b].0, b)));
+            let mut loads = vec![0u64; world];
+            let mut ranks = vec![Vec::new(); world];
+            for i in order {
+                let r = (0..world).min_by_key(|&r| (loads[r], r)).unwrap();
+                loads[r] += files[i].1;
+                ranks[r].push(i);
+            }
+            for share in &mut ranks {
+                share.sort_by(|&a, &b| files[a].0.cmp(&files[b].0).then(a.cmp(&b)));
+            }
+            ranks
+        }
+        let mut state = 5;
+        for _ in 0..200 {
+            let n = (next(&mut state) % 60) as usize;
+            let world = 1 + (next(&mut state) % 90) as u32;
+            let mut files = dataset(&mut state, n);
+            // Zero-byte files and equal sizes exercise the ties.
+            for f in files.iter_mut().step_by(3) {
+                f.1 = 0;
+            }
+            assert_eq!(assign(&files, world), by_scan(&files, world as usize));
+        }
+    }
+
+    #[test]
+    fn the_largest_world_costs_what_its_files_cost() {
+        let files: Vec<(String, u64)> = (0..10).map(|i| (format!("{i}"), 7)).collect();
+        let ranks = assign(&files, MAX_WORLD);
+        assert_eq!(ranks.len(), MAX_WORLD as usize);
+        assert_eq!(ranks.iter().filter(|s| !s.is_empty()).count(), 10);
     }
 
     #[test]

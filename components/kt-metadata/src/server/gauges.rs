@@ -4,17 +4,23 @@
 //! members by state, quorums by state.
 //!
 //! Label cardinality: services are bounded per cluster (one per workload
-//! service, the first segment of a key); past [`MAX_SERVICES`] the rest are
-//! summed under `other`. No key, pod or agent id is ever a label. Teardowns
+//! service, the first segment of a key); past
+//! [`kt_service::metrics::MAX_SERVICE_LABELS`] the rest are summed under
+//! [`ServiceLabels::OVERFLOW`] (the one cap of `kt_service`). No key, pod or
+//! agent id is ever a label.
+//!
+//! The registry's lock is held only to count keys and agents per distinct
+//! service (one hash lookup a record); labels are bounded after it is
+//! released. Teardowns
 //! are counted by the request counter (`kt_http_requests_total{route=
 //! "/api/v1/services/{name}",method="DELETE"}`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Weak};
 
 use axum::Json;
 use axum::extract::State;
-use kt_service::metrics::{Collect, Snapshot};
+use kt_service::metrics::{Collect, ServiceLabels, Snapshot};
 use kt_types::broadcast::MemberState;
 use kt_types::status::{
     AgentCount, BroadcastSummary, ClusterStatus, LeaseCount, QuorumSummary, ServiceUsage,
@@ -24,52 +30,80 @@ use kt_types::{Locale, STORE_HOLDER};
 use super::{AppState, Inner, now_ms};
 use crate::quorum::Quorums;
 
-/// Most services given a label of their own; the rest are `other`.
-pub const MAX_SERVICES: usize = 200;
+/// Keys and bytes per service (`[store, local]`), agents per service
+/// (`(live, stale)`).
+type ByService<T> = BTreeMap<String, T>;
+/// Keys and bytes per (service label, locale).
+type Usage = BTreeMap<(String, &'static str), (u64, u64)>;
 
-/// The label of `service` among those seen so far (`other` past the cap).
-fn bounded<'a>(seen: &mut Vec<String>, service: &'a str) -> &'a str {
-    if seen.iter().any(|s| s == service) {
-        return service;
+/// The counts per service under bounded labels ([`ServiceLabels`]), given
+/// in name order so the same services keep their label from one scrape to
+/// the next.
+fn label(
+    by_service: &ByService<[(u64, u64); 2]>,
+    by_agent_service: &ByService<(u64, u64)>,
+) -> (Usage, BTreeMap<String, (u64, u64)>) {
+    let mut labels = ServiceLabels::default();
+    let mut usage = Usage::new();
+    for (service, counts) in by_service {
+        let label = labels.label(service);
+        for (locale, (keys, bytes)) in ["store", "local"].into_iter().zip(counts) {
+            if *keys == 0 {
+                continue;
+            }
+            let u = usage.entry((label.to_owned(), locale)).or_default();
+            u.0 += keys;
+            u.1 += bytes;
+        }
     }
-    if seen.len() < MAX_SERVICES {
-        seen.push(service.to_owned());
-        return service;
+    let mut agents: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for (service, (live, stale)) in by_agent_service {
+        let c = agents.entry(labels.label(service).to_owned()).or_default();
+        c.0 += live;
+        c.1 += stale;
     }
-    "other"
+    (usage, agents)
+}
+
+/// `m` with its borrowed names copied (to release what they borrow).
+fn owned<T>(m: HashMap<&str, T>) -> ByService<T> {
+    m.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
 }
 
 /// The summary of what `s` holds now (quorums from `quorums`).
 pub(super) async fn summarize(s: &Inner, quorums: Option<&Quorums>) -> ClusterStatus {
     let now = now_ms();
-    let mut seen = Vec::new();
-    let mut usage: BTreeMap<(String, &'static str), (u64, u64)> = BTreeMap::new();
-    let mut agents: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-    {
+    // Under the registry's lock: counts per distinct service, borrowed
+    // names copied once each.
+    let (by_service, by_agent_service) = {
         let registry = s.registry.lock().await;
+        let mut records: HashMap<&str, [(u64, u64); 2]> = HashMap::new();
         for r in registry.all_records() {
             if registry.get(&r.key, now).is_none() {
                 continue;
             }
             let locale = match r.locale {
-                Locale::Store => "store",
-                Locale::Local => "local",
+                Locale::Store => 0,
+                Locale::Local => 1,
             };
-            let service = bounded(&mut seen, &r.service).to_owned();
-            let u = usage.entry((service, locale)).or_default();
+            let u = &mut records.entry(r.service.as_str()).or_default()[locale];
             u.0 += 1;
             u.1 += r.size;
         }
+        let mut agents: HashMap<&str, (u64, u64)> = HashMap::new();
         for a in registry.known_agents() {
-            let service = bounded(&mut seen, a.service.as_deref().unwrap_or("")).to_owned();
-            let c = agents.entry(service).or_default();
+            let c = agents
+                .entry(a.service.as_deref().unwrap_or(""))
+                .or_default();
             if registry.is_live(&a.id, now) {
                 c.0 += 1;
             } else {
                 c.1 += 1;
             }
         }
-    }
+        (owned(records), owned(agents))
+    };
+    let (usage, agents) = label(&by_service, &by_agent_service);
     let mut leases: BTreeMap<&'static str, u64> = [("store", 0), ("agent", 0)].into();
     for l in s.leases.lock().await.list(now) {
         let kind = if l.source == STORE_HOLDER {
@@ -266,14 +300,26 @@ pub(super) async fn status(
 mod tests {
     use super::*;
 
+    /// Past the cap, services share the overflow label, which a real
+    /// service named `other` does not fall into.
     #[test]
-    fn services_past_the_cap_are_other() {
-        let mut seen = Vec::new();
-        for i in 0..MAX_SERVICES {
-            assert_eq!(bounded(&mut seen, &format!("s{i}")), format!("s{i}"));
+    fn services_past_the_cap_share_the_overflow_label() {
+        use kt_service::metrics::MAX_SERVICE_LABELS;
+        let mut by_service = ByService::new();
+        for i in 0..MAX_SERVICE_LABELS {
+            by_service.insert(format!("a{i:03}"), [(1, 10), (0, 0)]);
         }
-        assert_eq!(bounded(&mut seen, "s0"), "s0");
-        assert_eq!(bounded(&mut seen, "late"), "other");
+        by_service.insert("other".into(), [(2, 20), (1, 5)]);
+        by_service.insert("zz".into(), [(1, 1), (0, 0)]);
+        let agents = ByService::from([("zzz".to_owned(), (1, 0))]);
+        let (usage, agents) = label(&by_service, &agents);
+        assert_eq!(usage[&("a000".to_owned(), "store")], (1, 10));
+        assert!(!usage.contains_key(&("a000".to_owned(), "local")));
+        let over = ServiceLabels::OVERFLOW.to_owned();
+        assert_eq!(usage[&(over.clone(), "store")], (3, 21));
+        assert_eq!(usage[&(over.clone(), "local")], (1, 5));
+        assert!(!usage.keys().any(|(s, _)| s == "other"));
+        assert_eq!(agents[&over], (1, 0));
     }
 
     #[test]
