@@ -633,17 +633,7 @@ fn is_prefix(key: &str) -> bool {
 fn print_prefix(got: &kt_client::PrefixSummary, output: SummaryFormat) -> anyhow::Result<()> {
     match output {
         SummaryFormat::Text => {
-            for (key, s) in &got.gets {
-                println!(
-                    "{} -> {}",
-                    summary("get", key, s.files, &s.stats, s.duration),
-                    s.dest.display()
-                );
-            }
-            for (key, why) in &got.skipped {
-                println!("skipped {key}: {why}");
-            }
-            let bytes: u64 = got.gets.iter().map(|(_, s)| s.stats.bytes_sent).sum();
+            let bytes = print_key_gets(&got.gets, &got.skipped);
             println!("got {} keys ({} moved)", got.gets.len(), human_bytes(bytes));
         }
         SummaryFormat::Json => {
@@ -658,6 +648,24 @@ fn print_prefix(got: &kt_client::PrefixSummary, output: SummaryFormat) -> anyhow
     Ok(())
 }
 
+/// A line per key fetched and per key skipped; the bytes moved.
+fn print_key_gets(
+    gets: &[(kt_types::Key, kt_client::GetSummary)],
+    skipped: &[(kt_types::Key, String)],
+) -> u64 {
+    for (key, s) in gets {
+        println!(
+            "{} -> {}",
+            summary("get", key, s.files, &s.stats, s.duration),
+            s.dest.display()
+        );
+    }
+    for (key, why) in skipped {
+        println!("skipped {key}: {why}");
+    }
+    gets.iter().map(|(_, s)| s.stats.bytes_sent).sum()
+}
+
 fn print_share(
     got: &kt_client::stream::ShareSummary,
     spec: &kt_types::shard::ShareSpec,
@@ -666,17 +674,7 @@ fn print_share(
 ) -> anyhow::Result<()> {
     match output {
         SummaryFormat::Text => {
-            for (key, s) in &got.gets {
-                println!(
-                    "{} -> {}",
-                    summary("get", key, s.files, &s.stats, s.duration),
-                    s.dest.display()
-                );
-            }
-            for (key, why) in &got.skipped {
-                println!("skipped {key}: {why}");
-            }
-            let moved: u64 = got.gets.iter().map(|(_, s)| s.stats.bytes_sent).sum();
+            let moved = print_key_gets(&got.gets, &got.skipped);
             println!(
                 "shard {}: {} files, {} ({} moved)",
                 spec.shard,

@@ -458,35 +458,16 @@ impl Client {
             .buffer_unordered(KEYS_AT_ONCE)
             .collect()
             .await;
-        let mut summary = ShareSummary {
+        let gets = crate::transfer::fold_key_gets(results, |failed, total| {
+            format!(
+                "{failed} of {total} keys of shard {} below {prefix}/ failed",
+                spec.shard
+            )
+        })?;
+        Ok(ShareSummary {
             files,
-            gets: Vec::new(),
+            gets,
             skipped,
-        };
-        let mut failed = Vec::new();
-        for (key, r) in results {
-            match r {
-                Ok(s) => summary.gets.push((key, s)),
-                Err(e) => failed.push((key, e)),
-            }
-        }
-        summary.gets.sort_by(|a, b| a.0.cmp(&b.0));
-        if failed.is_empty() {
-            return Ok(summary);
-        }
-        failed.sort_by(|a, b| a.0.cmp(&b.0));
-        let code = failed[0].1.code().unwrap_or(kt_types::ErrorCode::Internal);
-        let listed: Vec<String> = failed.iter().map(|(k, e)| format!("{k}: {e}")).collect();
-        Err(ClientError::Api {
-            status: code.http_status(),
-            code,
-            message: format!(
-                "{} of {} keys of shard {} below {prefix}/ failed: {}",
-                failed.len(),
-                failed.len() + summary.gets.len(),
-                spec.shard,
-                listed.join("; ")
-            ),
         })
     }
 

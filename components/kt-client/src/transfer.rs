@@ -89,6 +89,35 @@ pub struct PrefixSummary {
     pub skipped: Vec<(Key, String)>,
 }
 
+/// The gets of several keys as one result: every summary, sorted by key,
+/// or, when any failed, one error with the first failed key's code that
+/// names every failed key after `head(failed, total)`.
+pub(crate) fn fold_key_gets(
+    results: Vec<(Key, Result<GetSummary, ClientError>)>,
+    head: impl FnOnce(usize, usize) -> String,
+) -> Result<Vec<(Key, GetSummary)>, ClientError> {
+    let total = results.len();
+    let (mut gets, mut failed) = (Vec::new(), Vec::new());
+    for (key, r) in results {
+        match r {
+            Ok(s) => gets.push((key, s)),
+            Err(e) => failed.push((key, e)),
+        }
+    }
+    gets.sort_by(|a, b| a.0.cmp(&b.0));
+    if failed.is_empty() {
+        return Ok(gets);
+    }
+    failed.sort_by(|a, b| a.0.cmp(&b.0));
+    let code = failed[0].1.code().unwrap_or(kt_types::ErrorCode::Internal);
+    let listed: Vec<String> = failed.iter().map(|(k, e)| format!("{k}: {e}")).collect();
+    Err(ClientError::Api {
+        status: code.http_status(),
+        code,
+        message: format!("{}: {}", head(failed.len(), total), listed.join("; ")),
+    })
+}
+
 /// Keys a prefix get fetches at once.
 const PREFIX_CONCURRENCY: usize = 4;
 
@@ -772,31 +801,11 @@ impl Client {
             .buffer_unordered(PREFIX_CONCURRENCY)
             .collect()
             .await;
-        let mut failed = Vec::new();
-        for (key, r) in results {
-            match r {
-                Ok(s) => summary.gets.push((key, s)),
-                Err(e) => failed.push((key, e)),
-            }
-        }
-        summary.gets.sort_by(|a, b| a.0.cmp(&b.0));
-        if failed.is_empty() {
-            return Ok(summary);
-        }
-        failed.sort_by(|a, b| a.0.cmp(&b.0));
-        let code = failed[0].1.code().unwrap_or(kt_types::ErrorCode::Internal);
-        let listed: Vec<String> = failed.iter().map(|(k, e)| format!("{k}: {e}")).collect();
-        Err(ClientError::Api {
-            status: code.http_status(),
-            code,
-            message: format!(
-                "{} of {} keys below {prefix}/ failed ({} fetched): {}",
-                failed.len(),
-                failed.len() + summary.gets.len(),
-                summary.gets.len(),
-                listed.join("; ")
-            ),
-        })
+        let fetched = results.iter().filter(|(_, r)| r.is_ok()).count();
+        summary.gets = fold_key_gets(results, |failed, total| {
+            format!("{failed} of {total} keys below {prefix}/ failed ({fetched} fetched)")
+        })?;
+        Ok(summary)
     }
 
     /// A lease on the least-loaded live source of `key`.
