@@ -220,7 +220,20 @@ impl Download {
             .await
             .map_err(here)?;
         }
-        let mut this = Download {
+        let mut this = Download::empty(root, final_dest, board, read, false);
+        this.register(&needed);
+        Ok(this)
+    }
+
+    /// A download of nothing yet into `root` (`final_dest` once done).
+    fn empty(
+        root: PathBuf,
+        final_dest: PathBuf,
+        board: Option<Arc<Board>>,
+        read: ReadManifest,
+        restricted: bool,
+    ) -> Self {
+        Download {
             root,
             final_dest,
             needed: BTreeSet::new(),
@@ -229,10 +242,8 @@ impl Download {
             stats: TransferStats::default(),
             board,
             read,
-            restricted: false,
-        };
-        this.register(&needed);
-        Ok(this)
+            restricted,
+        }
     }
 
     /// [`Download::plan`] of the files `only` names.
@@ -244,17 +255,7 @@ impl Download {
         only: &BTreeSet<String>,
     ) -> Result<Self, ClientError> {
         let (root, final_dest) = places(&read.manifest, dest);
-        let mut this = Download {
-            root,
-            final_dest,
-            needed: BTreeSet::new(),
-            pending: Arc::default(),
-            large: BTreeMap::new(),
-            stats: TransferStats::default(),
-            board,
-            read,
-            restricted: true,
-        };
+        let mut this = Download::empty(root, final_dest, board, read, true);
         let m = &this.read.manifest;
         let mut chosen = Vec::new();
         for name in only {
