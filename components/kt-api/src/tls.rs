@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 /// The variable naming the CA bundle.
-pub const CA_FILE: &str = "KT_CA_FILE";
+pub use kt_types::env::CA_FILE;
 
 /// Why the CA bundle cannot be used.
 #[derive(Debug, thiserror::Error)]

@@ -46,9 +46,9 @@ pub const NCCL: &str = "nccl";
 const TIMEOUT: Duration = Duration::from_secs(600);
 const KEY: &str = "bench/nccl";
 /// Where a child finds its part (the parent sets them).
-pub const RANK_ENV: &str = "KT_BENCH_NCCL_RANK";
-const ID_ENV: &str = "KT_BENCH_NCCL_ID";
-const DEVICE_ENV: &str = "KT_BENCH_NCCL_DEVICE";
+pub const RANK_ENV: &str = kt_types::env::BENCH_NCCL_RANK;
+const ID_ENV: &str = kt_types::env::BENCH_NCCL_ID;
+const DEVICE_ENV: &str = kt_types::env::BENCH_NCCL_DEVICE;
 
 /// The benchmark's state dict: 4 GiB (256 MiB with `--quick`).
 pub const FULL_SIZE: u64 = 4 << 30;

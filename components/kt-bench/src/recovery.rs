@@ -202,7 +202,7 @@ impl Servers {
             .open(work.join(format!("{name}.log")))?;
         let child = Command::new(&program)
             .args(args)
-            .env("KT_TOKEN", TOKEN)
+            .env(kt_types::env::TOKEN, TOKEN)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

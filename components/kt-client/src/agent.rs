@@ -27,7 +27,7 @@ const SILENCE: Duration = Duration::from_secs(30);
 /// `$KT_AGENT_SOCKET`, else the agent's own default
 /// ([`kt_service::cli::default_agent_socket`]).
 pub fn default_socket() -> PathBuf {
-    if let Some(p) = std::env::var_os("KT_AGENT_SOCKET").filter(|p| !p.is_empty()) {
+    if let Some(p) = std::env::var_os(kt_types::env::AGENT_SOCKET).filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
     kt_service::cli::default_agent_socket()
@@ -405,7 +405,7 @@ fn listen_addr(pod_ip: Option<&str>) -> String {
 /// `KT_AGENT_STAY`, a boolean (1/0, true/false, yes/no, on/off): an agent
 /// started on demand runs until stopped instead of ending when idle.
 fn stay() -> bool {
-    env_flag("KT_AGENT_STAY", false)
+    env_flag(kt_types::env::AGENT_STAY, false)
 }
 
 /// Starts `kt-agent` ([`agent_candidates`]) detached, in its own process
@@ -416,7 +416,7 @@ fn stay() -> bool {
 /// stand instead).
 fn start_agent(socket: &Path, metadata_url: &str, token: &str) -> Result<(), ClientError> {
     let candidates = agent_candidates(
-        std::env::var_os("KT_AGENT_BIN")
+        std::env::var_os(kt_types::env::AGENT_BIN)
             .filter(|p| !p.is_empty())
             .map(PathBuf::from),
         std::env::current_exe().ok(),
@@ -436,7 +436,7 @@ fn start_agent(socket: &Path, metadata_url: &str, token: &str) -> Result<(), Cli
     let err = log
         .try_clone()
         .map_err(|e| local(format!("{}: {e}", log_path.display())))?;
-    let pod_ip = std::env::var("KT_POD_IP")
+    let pod_ip = std::env::var(kt_types::env::POD_IP)
         .ok()
         .or_else(|| std::env::var("POD_IP").ok());
     let mut cmd = std::process::Command::new(&exe);
@@ -444,17 +444,17 @@ fn start_agent(socket: &Path, metadata_url: &str, token: &str) -> Result<(), Cli
         .arg(socket)
         .arg("--metadata-url")
         .arg(metadata_url)
-        .env("KT_TOKEN", token)
+        .env(kt_types::env::TOKEN, token)
         .stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(err)
         .process_group(0);
     // What the environment sets for the agent stands.
     let set = |var: &str| std::env::var_os(var).is_some_and(|v| !v.is_empty());
-    if !set("KT_AGENT_LISTEN") {
+    if !set(kt_types::env::AGENT_LISTEN) {
         cmd.arg("--listen").arg(listen_addr(pod_ip.as_deref()));
     }
-    if !stay() && !set("KT_AGENT_EXIT_WHEN_IDLE") {
+    if !stay() && !set(kt_types::env::AGENT_EXIT_WHEN_IDLE) {
         cmd.arg("--exit-when-idle").arg(IDLE_GRACE);
     }
     cmd.spawn().map_err(|e| {

@@ -20,35 +20,35 @@ struct Cli {
     #[arg(
         long,
         global = true,
-        env = "KT_METADATA_URL",
+        env = kt_types::env::METADATA_URL,
         default_value = "http://127.0.0.1:8081"
     )]
     metadata_url: String,
     /// Bearer token (prefer --token-file).
-    #[arg(long, global = true, env = "KT_TOKEN", hide_env_values = true)]
+    #[arg(long, global = true, env = kt_types::env::TOKEN, hide_env_values = true)]
     token: Option<String>,
     /// File holding the bearer token.
-    #[arg(long, global = true, env = "KT_TOKEN_FILE")]
+    #[arg(long, global = true, env = kt_types::env::TOKEN_FILE)]
     token_file: Option<PathBuf>,
     /// Parallel streams per transfer.
-    #[arg(long, global = true, env = "KT_STREAMS", default_value_t = 4)]
+    #[arg(long, global = true, env = kt_types::env::STREAMS, default_value_t = 4)]
     streams: usize,
     /// How long a call may go on failing to reach the metadata server
     /// before it first answers (refused, no route, DNS, no answer), e.g. 4s:
     /// a stopped server fails a call within about twice this.
-    #[arg(long, global = true, env = "KT_CONNECT_TIMEOUT", default_value = "4s", value_parser = humantime::parse_duration)]
+    #[arg(long, global = true, env = kt_types::env::CONNECT_TIMEOUT, default_value = "4s", value_parser = humantime::parse_duration)]
     connect_timeout: Duration,
     /// How long a transfer keeps trying while its sources fail transiently
     /// (a store restarting, a peer unreachable), counted from its last
     /// progress, e.g. 5m. A transfer that moves is never cut by it.
-    #[arg(long, global = true, env = "KT_DEADLINE", default_value = "5m", value_parser = humantime::parse_duration)]
+    #[arg(long, global = true, env = kt_types::env::DEADLINE, default_value = "5m", value_parser = humantime::parse_duration)]
     deadline: Duration,
     /// How long a data request may receive nothing before its source
     /// counts as stalled (frozen, or its link cut) and another is tried.
-    #[arg(long, global = true, env = "KT_STALL_TIMEOUT", default_value = "20s", value_parser = humantime::parse_duration)]
+    #[arg(long, global = true, env = kt_types::env::STALL_TIMEOUT, default_value = "20s", value_parser = humantime::parse_duration)]
     stall_timeout: Duration,
     /// Progress bars: auto (on a terminal), always or never.
-    #[arg(long, global = true, env = "KT_PROGRESS", default_value = "auto")]
+    #[arg(long, global = true, env = kt_types::env::PROGRESS, default_value = "auto")]
     progress: ProgressMode,
     /// Say more: the operation's trace id (on stderr first), which the
     /// servers' log lines and error answers for it carry too.
@@ -84,16 +84,16 @@ struct KubeArgs {
     /// Reach kt from outside the cluster through the Kubernetes API's
     /// port-forward (token from Secret kt-token unless KT_TOKEN or
     /// --token-file is given; --metadata-url is not used).
-    #[arg(long = "kube", global = true, env = "KT_KUBE", value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(long = "kube", global = true, env = kt_types::env::KUBE, value_parser = clap::builder::BoolishValueParser::new())]
     enabled: bool,
     /// Kubeconfig file (default: $KUBECONFIG, then ~/.kube/config).
     #[arg(long, global = true)]
     kubeconfig: Option<PathBuf>,
     /// Kubeconfig context (default: the current one).
-    #[arg(long, global = true, env = "KT_KUBE_CONTEXT")]
+    #[arg(long, global = true, env = kt_types::env::KUBE_CONTEXT)]
     context: Option<String>,
     /// Namespace kt is installed in (default: the context's).
-    #[arg(long, global = true, env = "KT_NAMESPACE")]
+    #[arg(long, global = true, env = kt_types::env::NAMESPACE)]
     namespace: Option<String>,
 }
 
@@ -758,7 +758,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KT_LOG")
+            tracing_subscriber::EnvFilter::try_from_env(kt_types::env::LOG)
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_ansi(kt_service::telemetry::stderr_color())

@@ -21,8 +21,8 @@ fn kt(kubeconfig: &Path, args: &[&str]) -> Output {
         .arg(kubeconfig)
         .args(["--namespace", NS])
         // No kt token or server: dataset commands must not need them.
-        .env_remove("KT_TOKEN")
-        .env_remove("KT_TOKEN_FILE")
+        .env_remove(kt_types::env::TOKEN)
+        .env_remove(kt_types::env::TOKEN_FILE)
         .env_remove("KUBECONFIG")
         .output()
         .expect("run kt")

@@ -27,7 +27,9 @@ async fn kt(url: String, verbose: bool) -> Output {
         if verbose {
             cmd.arg("--verbose");
         }
-        cmd.env_remove("KT_TOKEN_FILE").output().expect("run kt")
+        cmd.env_remove(kt_types::env::TOKEN_FILE)
+            .output()
+            .expect("run kt")
     })
     .await
     .unwrap()

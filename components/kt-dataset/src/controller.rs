@@ -1131,8 +1131,8 @@ pub fn pvc_job(ds: &Dataset, pvc: &PvcSource, cfg: &PvcIngest) -> Job {
                         "image": cfg.image,
                         "args": ["put", key, "--src", src, "--lifespan", "cluster"],
                         "env": [
-                            { "name": "KT_METADATA_URL", "value": cfg.metadata_url },
-                            { "name": "KT_TOKEN_FILE", "value": "/etc/kt/token/token" },
+                            { "name": kt_types::env::METADATA_URL, "value": cfg.metadata_url },
+                            { "name": kt_types::env::TOKEN_FILE, "value": "/etc/kt/token/token" },
                             { "name": "HOME", "value": "/tmp" },
                         ],
                         "securityContext": {
@@ -1406,7 +1406,7 @@ mod tests {
             let env = c.env.iter().flatten();
             let file = env
                 .clone()
-                .find(|e| e.name == "KT_TOKEN_FILE")
+                .find(|e| e.name == kt_types::env::TOKEN_FILE)
                 .and_then(|e| e.value.clone())
                 .unwrap();
             let mount = c

@@ -178,7 +178,7 @@ mod tests {
             "spec": {
                 "initContainers": [{"name": "kt-agent", "image": "a", "restartPolicy": "Always"}],
                 "containers": [{"name": "workload",
-                                "env": [{"name": "KT_AGENT_AUTOSTART", "value": "0"}]}]
+                                "env": [{"name": kt_types::env::AGENT_AUTOSTART, "value": "0"}]}]
             }
         }))
         .unwrap()

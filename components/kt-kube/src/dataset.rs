@@ -372,7 +372,7 @@ mod tests {
         );
         let committed = std::fs::read_to_string(path).unwrap_or_default();
         if committed != crd_yaml() {
-            if std::env::var_os("KT_UPDATE_CRD").is_some() {
+            if std::env::var_os(kt_types::env::UPDATE_CRD).is_some() {
                 std::fs::write(path, crd_yaml()).expect("write the CRD");
             } else {
                 panic!(

@@ -443,6 +443,7 @@ pub fn patch(pod: &Value, template: &Template) -> Result<Vec<PatchOp>, InjectErr
 
 #[cfg(test)]
 mod tests {
+    use kt_types::env;
     use serde_json::json;
 
     use super::*;
@@ -458,8 +459,8 @@ mod tests {
                 }],
                 "containers": [{
                     "name": "workload",
-                    "env": [{"name": "KT_AGENT_SOCKET", "value": "/run/kt/agent/agent.sock"},
-                            {"name": "KT_AGENT_AUTOSTART", "value": "0"}],
+                    "env": [{"name": env::AGENT_SOCKET, "value": "/run/kt/agent/agent.sock"},
+                            {"name": env::AGENT_AUTOSTART, "value": "0"}],
                     "volumeMounts": [{"name": "kt-run", "mountPath": "/run/kt", "readOnly": true},
                                      {"name": "kt-shm", "mountPath": "/dev/shm"}]
                 }],
@@ -556,7 +557,7 @@ mod tests {
     fn what_the_pod_has_of_a_name_is_kept() {
         let mut pod = bare();
         pod["spec"]["volumes"] = json!([{"name": "kt-shm", "emptyDir": {"sizeLimit": "1Gi"}}]);
-        pod["spec"]["containers"][0]["env"] = json!([{"name": "KT_AGENT_AUTOSTART", "value": "1"}]);
+        pod["spec"]["containers"][0]["env"] = json!([{"name": env::AGENT_AUTOSTART, "value": "1"}]);
         // Another volume on /dev/shm: a second mount there would be refused.
         pod["spec"]["containers"][0]["volumeMounts"] =
             json!([{"name": "shm", "mountPath": "/dev/shm"}]);
@@ -570,8 +571,8 @@ mod tests {
         );
         assert_eq!(
             out["spec"]["containers"][0]["env"],
-            json!([{"name": "KT_AGENT_AUTOSTART", "value": "1"},
-                   {"name": "KT_AGENT_SOCKET", "value": "/run/kt/agent/agent.sock"}])
+            json!([{"name": env::AGENT_AUTOSTART, "value": "1"},
+                   {"name": env::AGENT_SOCKET, "value": "/run/kt/agent/agent.sock"}])
         );
         assert_eq!(
             out["spec"]["containers"][0]["volumeMounts"],
@@ -623,14 +624,14 @@ mod tests {
         assert!(out["spec"]["containers"][0].get("env").is_none());
         assert_eq!(
             out["spec"]["containers"][1]["env"][0]["name"],
-            "KT_AGENT_SOCKET"
+            env::AGENT_SOCKET
         );
         // A name that is no container's: the first one.
         pod["metadata"]["annotations"] = json!({DEFAULT_CONTAINER: "gone"});
         let out = apply(&pod, &patch(&pod, &template()).unwrap());
         assert_eq!(
             out["spec"]["containers"][0]["env"][0]["name"],
-            "KT_AGENT_SOCKET"
+            env::AGENT_SOCKET
         );
     }
 

@@ -7,6 +7,7 @@
 //! rendering; `make manifests-check` fails when either drifts).
 
 use kt_kube::inject::{PatchOp, Template, patch};
+use kt_types::env;
 use serde_json::{Value, json};
 
 use kt_kube::mock::{repo_docs as docs, repo_file as read};
@@ -102,11 +103,11 @@ fn the_agent_is_a_native_sidecar_with_the_pinned_image() {
         .map(|e| e["name"].as_str().unwrap())
         .collect();
     for want in [
-        "KT_AGENT_SOCKET",
-        "KT_METADATA_URL",
-        "KT_TOKEN_FILE",
-        "KT_POD_IP",
-        "KT_AGENT_AUTOSTART",
+        env::AGENT_SOCKET,
+        env::METADATA_URL,
+        env::TOKEN_FILE,
+        env::POD_IP,
+        env::AGENT_AUTOSTART,
     ] {
         assert!(env.contains(&want), "{want} missing: {env:?}");
     }

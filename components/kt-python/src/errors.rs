@@ -58,7 +58,7 @@ const CLI_WORDS: &[(&str, &str)] = &[
     ),
     (
         "--connect-timeout or KT_CONNECT_TIMEOUT",
-        "KT_CONNECT_TIMEOUT",
+        kt_types::env::CONNECT_TIMEOUT,
     ),
     (
         "(KT_TOKEN, --token-file)",

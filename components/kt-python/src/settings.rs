@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 
+use kt_types::env;
 use pyo3::PyResult;
 
 use crate::errors::{invalid, unauthorized};
@@ -95,16 +96,16 @@ impl Settings {
     pub fn from_env(given: Given) -> PyResult<Settings> {
         let kube = match given.kube {
             Some(on) => on,
-            None => bool_var("KT_KUBE")?.unwrap_or(false),
+            None => bool_var(env::KUBE)?.unwrap_or(false),
         }
         .then(|| Kube {
             kubeconfig: given.kubeconfig,
-            context: given.context.or_else(|| var("KT_KUBE_CONTEXT")),
-            namespace: given.namespace.or_else(|| var("KT_NAMESPACE")),
+            context: given.context.or_else(|| var(env::KUBE_CONTEXT)),
+            namespace: given.namespace.or_else(|| var(env::NAMESPACE)),
         });
         let metadata_url = given
             .metadata_url
-            .or_else(|| var("KT_METADATA_URL"))
+            .or_else(|| var(env::METADATA_URL))
             .unwrap_or_else(|| DEFAULT_METADATA_URL.to_owned());
         if !(metadata_url.starts_with("http://") || metadata_url.starts_with("https://")) {
             return Err(invalid(format!(
@@ -113,7 +114,7 @@ impl Settings {
         }
         let token_file = given
             .token_file
-            .or_else(|| var("KT_TOKEN_FILE").map(PathBuf::from));
+            .or_else(|| var(env::TOKEN_FILE).map(PathBuf::from));
         let from_file = given.token.is_none().then(|| token_file.clone()).flatten();
         let token = match (given.token, token_file) {
             (Some(t), _) => t,
@@ -122,8 +123,8 @@ impl Settings {
                 .trim()
                 .to_owned(),
             // From outside the cluster, the cluster's own (Secret kt-token).
-            (None, None) if kube.is_some() => var("KT_TOKEN").unwrap_or_default(),
-            (None, None) => var("KT_TOKEN").ok_or_else(|| {
+            (None, None) if kube.is_some() => var(env::TOKEN).unwrap_or_default(),
+            (None, None) => var(env::TOKEN).ok_or_else(|| {
                 unauthorized(
                     "no token: set KT_TOKEN or KT_TOKEN_FILE, or call kt.configure(token=...)",
                 )
@@ -131,11 +132,11 @@ impl Settings {
         };
         let streams = match given.streams {
             Some(n) => Some(n),
-            None => var("KT_STREAMS")
+            None => var(env::STREAMS)
                 .map(|v| {
                     v.trim()
                         .parse::<usize>()
-                        .map_err(|_| invalid(format!("KT_STREAMS: {v:?} is not a number")))
+                        .map_err(|_| invalid(format!("{}: {v:?} is not a number", env::STREAMS)))
                 })
                 .transpose()?,
         };
@@ -152,11 +153,11 @@ impl Settings {
             streams,
             deadline: match given.deadline {
                 Some(d) => Some(d),
-                None => duration_var("KT_DEADLINE")?,
+                None => duration_var(env::DEADLINE)?,
             },
             kube,
-            stall: duration_var("KT_STALL_TIMEOUT")?,
-            connect: duration_var("KT_CONNECT_TIMEOUT")?,
+            stall: duration_var(env::STALL_TIMEOUT)?,
+            connect: duration_var(env::CONNECT_TIMEOUT)?,
         })
     }
 }

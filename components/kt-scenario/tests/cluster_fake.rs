@@ -14,6 +14,7 @@ use kt_scenario::target::cluster::shell::{Output, Recorder, Shell};
 use kt_scenario::target::cluster::{Cluster, ClusterConfig, Session, image_tag};
 use kt_scenario::target::kind::Kind;
 use kt_scenario::target::{Component, ExecRequest, Program, Target};
+use kt_types::env;
 
 const SCENARIO: &str = r#"
 description: tiny
@@ -45,7 +46,7 @@ fn layout() -> (tempfile::TempDir, ClusterConfig) {
         "rules:\n  - serviceAccount: kt-operator\n    role: admin\n  - serviceAccount: \"*\"\n    role: pod\n",
     )
     .unwrap();
-    let vars = |k: &str| (k == "KT_IMAGE_TAG").then(|| TAG.to_owned());
+    let vars = |k: &str| (k == env::IMAGE_TAG).then(|| TAG.to_owned());
     let cfg = ClusterConfig::from_env(vars, &repo, &tmp.path().join("work"), false);
     (tmp, cfg)
 }
@@ -252,7 +253,7 @@ async fn an_existing_cluster_is_used_and_kept() {
         "{k}"
     );
     assert!(k.contains(&format!("newTag: {TAG}")), "{k}");
-    assert!(k.contains("KT_LEASE_TTL"), "{k}");
+    assert!(k.contains(env::LEASE_TTL), "{k}");
     let pods = std::fs::read_to_string(plan.work_dir.join("deploy/pods.yaml")).unwrap();
     assert!(
         pods.contains("kt.dev/service: train") && pods.contains("kt.dev/service: getter"),
@@ -331,7 +332,7 @@ async fn steps_exec_in_the_workload_container_with_only_the_requests_token() {
             pod: "getter-1".into(),
             program: Program::Kt,
             args: vec!["get".into(), "a/b".into(), "--dest".into(), "x y".into()],
-            env: vec![("KT_RELAY_PORT".into(), "9000".into())],
+            env: vec![(env::RELAY_PORT.into(), "9000".into())],
             token: Some("tok".into()),
         })
         .await
@@ -619,7 +620,7 @@ async fn missing_images_stop_before_any_cluster_is_made() {
     );
     let e = t.up(&plan).await.unwrap_err().to_string();
     assert!(
-        e.contains("make images") && e.contains("KT_IMAGE_TAG"),
+        e.contains("make images") && e.contains(env::IMAGE_TAG),
         "{e}"
     );
     t.down().await.unwrap();
@@ -655,7 +656,7 @@ async fn the_image_tag_is_the_git_revision_dirty_or_not() {
         Output::fail(128, "fatal: not a git repository"),
     );
     let e = image_tag(&nogit, repo, None).await.unwrap_err().to_string();
-    assert!(e.contains("KT_IMAGE_TAG"), "{e}");
+    assert!(e.contains(env::IMAGE_TAG), "{e}");
 }
 
 #[test]
@@ -684,7 +685,7 @@ fn unavailable_names_what_is_missing() {
     ));
     let why = Cluster::new(s).unavailable().unwrap();
     assert!(
-        why.contains("/nowhere/kustomize/overlays/kind") && why.contains("KT_KUSTOMIZE_DIR"),
+        why.contains("/nowhere/kustomize/overlays/kind") && why.contains(env::KUSTOMIZE_DIR),
         "{why}"
     );
 }

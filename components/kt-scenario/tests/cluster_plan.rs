@@ -20,7 +20,7 @@ fn plan(flavor: Box<dyn Flavor>, scenario: &str) -> String {
     let tmp = tempfile::tempdir().unwrap();
     // The repository and the work root side by side in one temp dir, so the
     // relative paths of the kustomization are the same on every machine.
-    let vars = |k: &str| (k == "KT_IMAGE_TAG").then(|| "0123456789ab".to_owned());
+    let vars = |k: &str| (k == kt_types::env::IMAGE_TAG).then(|| "0123456789ab".to_owned());
     // kube-identity's access map, which the plan extends (a fixture: the
     // real one's comments and rules are not the plan's business).
     let identity = tmp.path().join("repo/kustomize/components/kube-identity");

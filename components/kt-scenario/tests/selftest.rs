@@ -53,7 +53,7 @@ fn run_from(bins: &Path, name: &str, extra: &[&str]) -> (tempfile::TempDir, Outp
         .arg(bins)
         .args(extra)
         .env("INSTA_WORKSPACE_ROOT", tmp.path())
-        .env_remove("KT_SCENARIO_TAGS")
+        .env_remove(kt_types::env::SCENARIO_TAGS)
         .output()
         .unwrap();
     (tmp, out)

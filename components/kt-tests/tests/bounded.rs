@@ -82,7 +82,7 @@ fn names_the_server(e: &kt_client::ClientError, url: &str) {
         "{msg}"
     );
     assert!(msg.contains("connecting to the metadata server"), "{msg}");
-    assert!(msg.contains("KT_CONNECT_TIMEOUT"), "{msg}");
+    assert!(msg.contains(kt_types::env::CONNECT_TIMEOUT), "{msg}");
     assert_eq!(e.code(), Some(ErrorCode::Unavailable), "{msg}");
 }
 

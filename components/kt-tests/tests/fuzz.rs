@@ -509,7 +509,7 @@ fn targets() -> Vec<Target> {
 }
 
 fn seed_from_env() -> u64 {
-    std::env::var("KT_FUZZ_SEED")
+    std::env::var(kt_types::env::FUZZ_SEED)
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| {
@@ -566,7 +566,7 @@ fn every_decoder_survives_a_short_pass() {
 #[test]
 #[ignore = "make fuzz runs it (time-bounded)"]
 fn every_decoder_survives_a_timed_run() {
-    let secs: u64 = std::env::var("KT_FUZZ_SECONDS")
+    let secs: u64 = std::env::var(kt_types::env::FUZZ_SECONDS)
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(30);

@@ -184,7 +184,7 @@ async fn a_mismatched_destination_is_refused_naming_both_sides() {
         .await
         .unwrap_err();
     assert_eq!(code(&e), Some(ErrorCode::InvalidRequest), "{e}");
-    assert!(e.to_string().contains("KT_SHM_DIR"), "{e}");
+    assert!(e.to_string().contains(kt_types::env::SHM_DIR), "{e}");
     drop((a, b));
     c.stop().await;
 }

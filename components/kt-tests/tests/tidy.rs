@@ -11,6 +11,10 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// The roles table against the routers.
+#[path = "tidy/roles_table.rs"]
+mod roles_table;
+
 /// Every workspace member: its name, directory and non-dev dependencies
 /// (normal and build; optional ones included: a feature may turn them on).
 struct Member {
@@ -230,15 +234,22 @@ fn the_layering_check_catches_a_wire_type_crate_that_does_io() {
     );
 }
 
-/// Every `.rs` file under `dir`, skipping build output.
+/// Every `.rs` file under `dir`, skipping build output (a `target` beside
+/// a `Cargo.toml`, or any directory cargo tagged; not a module named
+/// `target`, such as kt-scenario's).
 fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let build_output = |p: &Path| {
+        p.join("CACHEDIR.TAG").is_file()
+            || (p.file_name().is_some_and(|n| n == "target")
+                && p.parent().is_some_and(|d| d.join("Cargo.toml").is_file()))
+    };
     let mut out = Vec::new();
     let mut todo = vec![dir.to_owned()];
     while let Some(d) = todo.pop() {
         for e in std::fs::read_dir(&d).unwrap().flatten() {
             let p = e.path();
             if p.is_dir() {
-                if p.file_name().is_some_and(|n| n != "target") {
+                if !build_output(&p) {
                     todo.push(p);
                 }
             } else if p.extension().is_some_and(|x| x == "rs") {
@@ -654,6 +665,16 @@ const REQWEST_BUILDERS_ONLY: OneWay = OneWay {
     allowed: |rel| rel.starts_with("components/kt-api/src/"),
 };
 
+/// Environment variable names live in `kt_types::env`, each documented once
+/// there (what it means, who reads it, its default); code names them by
+/// those constants (clap: `env = kt_types::env::NAME`).
+const ENV_NAMES_ONLY_IN_KT_TYPES: OneWay = OneWay {
+    why: "a \"KT_ string literal outside kt_types::env (env var names live in kt_types::env \
+          so each is documented once: add or use a constant there)",
+    hit: |c| c.contains("\"KT_"),
+    allowed: |rel| rel == "components/kt-types/src/env.rs",
+};
+
 #[test]
 fn anyhow_is_used_only_at_the_binaries_edges() {
     let broken = ANYHOW_ONLY.check();
@@ -673,6 +694,12 @@ fn reqwest_clients_are_built_only_in_kt_api() {
 }
 
 #[test]
+fn env_var_names_are_written_only_in_kt_types_env() {
+    let broken = ENV_NAMES_ONLY_IN_KT_TYPES.check();
+    assert!(broken.is_empty(), "{}", broken.join("\n"));
+}
+
+#[test]
 fn the_one_way_rules_catch_a_planted_violation_and_skip_comments() {
     let lib = "components/kt-store/src/put.rs";
     for (rule, bad) in [
@@ -683,6 +710,10 @@ fn the_one_way_rules_catch_a_planted_violation_and_skip_comments() {
             "let c = reqwest::Client::builder();",
         ),
         (&REQWEST_BUILDERS_ONLY, "let c = reqwest::Client::new();"),
+        (
+            &ENV_NAMES_ONLY_IN_KT_TYPES,
+            "let t = std::env::var(\"KT_TOKEN\");",
+        ),
     ] {
         let text = format!("//! doc\n// {bad}\n{bad}\n");
         let broken = rule.broken([(lib, text.as_str())]);
@@ -712,6 +743,14 @@ fn the_one_way_rules_catch_a_planted_violation_and_skip_comments() {
     assert!(
         REQWEST_BUILDERS_ONLY
             .broken([("components/kt-api/src/lib.rs", text)])
+            .is_empty()
+    );
+    assert!(
+        ENV_NAMES_ONLY_IN_KT_TYPES
+            .broken([(
+                "components/kt-types/src/env.rs",
+                "pub const TOKEN: &str = \"KT_TOKEN\";"
+            )])
             .is_empty()
     );
 }

@@ -50,7 +50,7 @@ struct Args {
     #[arg(long, requires = "token")]
     url: Option<String>,
     /// The token of the server given by --url.
-    #[arg(long, env = "KT_TOKEN", hide_env_values = true)]
+    #[arg(long, env = kt_types::env::TOKEN, hide_env_values = true)]
     token: Option<String>,
     /// Where the in-process server keeps its state.
     #[arg(long, default_value_os_t = std::env::temp_dir())]

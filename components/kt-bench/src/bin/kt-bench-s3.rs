@@ -51,18 +51,18 @@ const RSS_TARGET_MIB: f64 = 256.0;
 #[command(name = "kt-bench-s3")]
 struct Args {
     /// Where the work directory goes (downloads, staging, the store).
-    #[arg(long, env = "KT_BENCH_DIR", default_value_os_t = std::env::temp_dir())]
+    #[arg(long, env = kt_types::env::BENCH_DIR, default_value_os_t = std::env::temp_dir())]
     dir: PathBuf,
     /// Bytes in all (e.g. 1GiB, 64MiB).
-    #[arg(long, env = "KT_BENCH_SIZE", default_value = "1GiB", value_parser = parse_size)]
+    #[arg(long, env = kt_types::env::BENCH_SIZE, default_value = "1GiB", value_parser = parse_size)]
     size: u64,
     /// How many objects share them.
-    #[arg(long, env = "KT_BENCH_OBJECTS", default_value_t = 1000)]
+    #[arg(long, env = kt_types::env::BENCH_OBJECTS, default_value_t = 1000)]
     objects: u64,
-    #[arg(long, env = "KT_BENCH_RUNS", default_value_t = 3)]
+    #[arg(long, env = kt_types::env::BENCH_RUNS, default_value_t = 3)]
     runs: usize,
     /// Objects downloaded at once, by both.
-    #[arg(long, env = "KT_BENCH_CONCURRENCY", default_value_t = kt_dataset::ingest::s3::DEFAULT_CONCURRENCY)]
+    #[arg(long, env = kt_types::env::BENCH_CONCURRENCY, default_value_t = kt_dataset::ingest::s3::DEFAULT_CONCURRENCY)]
     concurrency: usize,
     #[command(subcommand)]
     child: Option<Child>,

@@ -28,12 +28,16 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Finds `moto_server`, or says how to install it.
 pub fn find() -> Result<PathBuf, String> {
-    if let Some(p) = std::env::var_os("KT_MOTO_SERVER") {
+    if let Some(p) = std::env::var_os(kt_types::env::MOTO_SERVER) {
         let p = PathBuf::from(p);
         return if p.is_file() {
             Ok(p)
         } else {
-            Err(format!("KT_MOTO_SERVER={} is not a file", p.display()))
+            Err(format!(
+                "{}={} is not a file",
+                kt_types::env::MOTO_SERVER,
+                p.display()
+            ))
         };
     }
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");

@@ -99,8 +99,9 @@ impl Images {
     /// From `KT_IMAGE_REPO` (default ghcr.io/kt-dev) and `KT_IMAGE_TAG`
     /// (default: the tag `make images` gives a build of this tree).
     pub fn from_env() -> Result<Images, String> {
-        let repo = std::env::var("KT_IMAGE_REPO").unwrap_or_else(|_| "ghcr.io/kt-dev".into());
-        let tag = match std::env::var("KT_IMAGE_TAG") {
+        let repo =
+            std::env::var(kt_types::env::IMAGE_REPO).unwrap_or_else(|_| "ghcr.io/kt-dev".into());
+        let tag = match std::env::var(kt_types::env::IMAGE_TAG) {
             Ok(t) if !t.is_empty() => t,
             _ => git_tag()?,
         };
@@ -382,7 +383,7 @@ impl Docker {
         let workload = self.container(
             &images.client,
             Vec::new(),
-            vec![format!("KT_POD_NAME={}", p.name)],
+            vec![format!("{}={}", kt_types::env::POD_NAME, p.name)],
             NetworkAt::Ip(pod.ip, p.name.clone()),
         );
         self.create(&pod.workload, workload).await?;

@@ -332,17 +332,20 @@ pub fn pod_env(
     pod_ip: &str,
 ) -> Vec<(String, String)> {
     let mut env = vec![
-        ("KT_METADATA_URL".to_owned(), metadata_url.to_owned()),
-        ("KT_PROGRESS".to_owned(), "never".to_owned()),
-        ("KT_POD_NAME".to_owned(), req.pod.clone()),
-        ("KT_POD_IP".to_owned(), pod_ip.to_owned()),
+        (
+            kt_types::env::METADATA_URL.to_owned(),
+            metadata_url.to_owned(),
+        ),
+        (kt_types::env::PROGRESS.to_owned(), "never".to_owned()),
+        (kt_types::env::POD_NAME.to_owned(), req.pod.clone()),
+        (kt_types::env::POD_IP.to_owned(), pod_ip.to_owned()),
         ("HOME".to_owned(), pod_dir.display().to_string()),
         (
-            "KT_AGENT_SOCKET".to_owned(),
+            kt_types::env::AGENT_SOCKET.to_owned(),
             agent_socket(pod_dir).display().to_string(),
         ),
         (
-            "KT_SHM_DIR".to_owned(),
+            kt_types::env::SHM_DIR.to_owned(),
             shm_dir(pod_dir).display().to_string(),
         ),
         (
@@ -350,13 +353,13 @@ pub fn pod_env(
             pod_dir.join(".cache").display().to_string(),
         ),
         // Pods have their agent as a sidecar: kt must never start another.
-        ("KT_AGENT_AUTOSTART".to_owned(), "0".to_owned()),
+        (kt_types::env::AGENT_AUTOSTART.to_owned(), "0".to_owned()),
         // Testbed traffic never goes through a proxy the runner's user has set.
         ("NO_PROXY".to_owned(), TESTBED_NETS.to_owned()),
         ("no_proxy".to_owned(), TESTBED_NETS.to_owned()),
     ];
     if let Some(t) = &req.token {
-        env.push(("KT_TOKEN".to_owned(), t.clone()));
+        env.push((kt_types::env::TOKEN.to_owned(), t.clone()));
     }
     env.extend(req.env.iter().cloned());
     env

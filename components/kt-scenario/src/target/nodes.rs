@@ -196,15 +196,18 @@ impl NodeCluster {
             ]);
             let mut agent_env = env.env.clone();
             agent_env.extend([
-                ("KT_NODE_CACHE".to_owned(), "1".to_owned()),
-                ("KT_NODE_NAME".to_owned(), node.clone()),
-                ("KT_DATASET_ROOT".to_owned(), root.display().to_string()),
+                (kt_types::env::NODE_CACHE.to_owned(), "1".to_owned()),
+                (kt_types::env::NODE_NAME.to_owned(), node.clone()),
                 (
-                    "KT_DATASET_BUDGET".to_owned(),
+                    kt_types::env::DATASET_ROOT.to_owned(),
+                    root.display().to_string(),
+                ),
+                (
+                    kt_types::env::DATASET_BUDGET.to_owned(),
                     spec.budget.map_or(DEFAULT_BUDGET, |b| b.0).to_string(),
                 ),
-                ("KT_POD_NAME".to_owned(), pod_name(&node)),
-                ("KT_POD_IP".to_owned(), ip.to_string()),
+                (kt_types::env::POD_NAME.to_owned(), pod_name(&node)),
+                (kt_types::env::POD_IP.to_owned(), ip.to_string()),
             ]);
             let name = format!("agent-{}", pod_name(&node));
             servers.set(

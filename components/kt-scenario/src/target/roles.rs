@@ -89,8 +89,11 @@ impl Roles {
 
     fn server_env(&self, token: String) -> Vec<(String, String)> {
         vec![
-            ("KT_TOKEN".to_owned(), token),
-            ("KT_AUTH_FILE".to_owned(), self.file.display().to_string()),
+            (kt_types::env::TOKEN.to_owned(), token),
+            (
+                kt_types::env::AUTH_FILE.to_owned(),
+                self.file.display().to_string(),
+            ),
         ]
     }
 
@@ -207,7 +210,7 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600);
         let token_of = |env: Vec<(String, String)>| {
             env.into_iter()
-                .find(|(k, _)| k == "KT_TOKEN")
+                .find(|(k, _)| k == kt_types::env::TOKEN)
                 .map(|(_, v)| v)
                 .unwrap()
         };

@@ -33,7 +33,7 @@ use kt_types::tensor::Device;
 /// Path of the NCCL library to load instead of searching `libnccl.so.2`
 /// and `libnccl.so` (e.g. a Python wheel's
 /// `site-packages/nvidia/nccl/lib/libnccl.so.2`).
-pub const NCCL_LIBRARY_ENV: &str = "KT_NCCL_LIBRARY";
+pub const NCCL_LIBRARY_ENV: &str = kt_types::env::NCCL_LIBRARY;
 
 /// Oldest NCCL with non-blocking communicators (`ncclConfig_t`).
 const MIN_VERSION: c_int = 21400;

@@ -19,14 +19,14 @@ use std::time::Duration;
 use crate::transport::TransportError;
 
 /// Set (to the lifetime in milliseconds) in the helper process.
-pub const ROOT_HELPER_ENV: &str = "KT_NCCL_ROOT_HELPER";
+pub const ROOT_HELPER_ENV: &str = kt_types::env::NCCL_ROOT_HELPER;
 
 /// What the helper's answer starts with: the id's hex follows
 /// ([`ID`]) or the reason there is none ([`ERROR`]). Looked for anywhere in
 /// a line: a test harness prints "test name ... " before it, on the same
 /// line.
-const ID: &str = "KT_NCCL_ROOT_ID=";
-const ERROR: &str = "KT_NCCL_ROOT_ERROR=";
+const ID: &str = kt_types::env::NCCL_ROOT_ID_PREFIX;
+const ERROR: &str = kt_types::env::NCCL_ROOT_ERROR_PREFIX;
 
 /// How long the helper has to print the id.
 pub(crate) const ANSWER_WITHIN: Duration = Duration::from_secs(60);

@@ -917,17 +917,15 @@ spec: {}
         assert_eq!(get("SVC"), Some("st"));
         assert_eq!(get("TOKEN"), Some("secret"));
         // env after envFrom wins.
-        assert_eq!(get("KT_LOG"), Some("debug"));
-        assert_eq!(get("KT_CHUNK_SIZE"), Some("8"));
+        assert_eq!(get(kt_types::env::LOG), Some("debug"));
+        assert_eq!(get(kt_types::env::CHUNK_SIZE), Some("8"));
         assert_eq!(get("KUBERNETES_SERVICE_PORT"), Some("6443"));
         // Service links, as a pod without enableServiceLinks: false gets.
-        assert_eq!(get("KT_STORE_PORT"), Some("tcp://10.1.0.5:8082"));
+        let links = kt_types::env::STORE_SERVICE_LINKS;
+        assert_eq!(get(&format!("{links}PORT")), Some("tcp://10.1.0.5:8082"));
         let meta = &i.pods[2];
         let env = environment(&meta.spec.containers[0], &downward(&i, meta), &i).unwrap();
-        assert!(
-            env.iter().all(|(k, _)| !k.starts_with("KT_STORE")),
-            "{env:?}"
-        );
+        assert!(env.iter().all(|(k, _)| !k.starts_with(links)), "{env:?}");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 use std::path::{Component as PathPart, Path, PathBuf};
 
+use kt_types::env;
 use serde_json::{Value, json};
 
 use crate::target::{Plan, PodPlan};
@@ -123,23 +124,13 @@ pub fn relative(from: &Path, to: &Path) -> PathBuf {
     out
 }
 
-/// The environment variable of a metadata server flag (`--lease-ttl` ->
-/// `KT_LEASE_TTL`), as the bundle's metadata server reads it.
-fn flag_env(flag: &str) -> String {
-    format!(
-        "KT_{}",
-        flag.trim_start_matches('-')
-            .replace('-', "_")
-            .to_ascii_uppercase()
-    )
-}
-
-/// Pairs `--flag value` of the metadata server as environment variables.
+/// Pairs `--flag value` of the metadata server as environment variables
+/// ([`kt_types::env::of_flag`]), as the bundle's metadata server reads them.
 pub fn metadata_env(flags: &[String]) -> Vec<(String, String)> {
     flags
         .chunks(2)
         .filter_map(|c| match c {
-            [f, v] => Some((flag_env(f), v.clone())),
+            [f, v] => Some((kt_types::env::of_flag(f), v.clone())),
             _ => None,
         })
         .collect()
@@ -285,7 +276,7 @@ pub fn kustomization(plan: &Plan, ns: &str, tag: &str, dir: &Path, src: &Sources
     if let Some(cs) = plan.chunk_size {
         let ops = json!([add_env(
             "/spec/template/spec/containers/0/env/-",
-            "KT_CHUNK_SIZE",
+            env::CHUNK_SIZE,
             &cs.to_string()
         )]);
         patches.push(json!({
@@ -311,7 +302,7 @@ pub fn kustomization(plan: &Plan, ns: &str, tag: &str, dir: &Path, src: &Sources
         if !src.identities {
             ops.push(add_env(
                 "/spec/template/spec/initContainers/0/env/-",
-                "KT_AGENT_ID",
+                env::AGENT_ID,
                 &p.name,
             ));
         }
@@ -429,8 +420,8 @@ pub fn statefulset(p: &PodPlan, identities: bool) -> Value {
     // KT_POD_IP, KT_AGENT_SOCKET and KT_AGENT_AUTOSTART=0 come from the
     // agent-sidecar component, as in a user's pod.
     let env = json!([
-        { "name": "KT_POD_NAME", "value": p.name },
-        { "name": "KT_PROGRESS", "value": "never" },
+        { "name": env::POD_NAME, "value": p.name },
+        { "name": env::PROGRESS, "value": "never" },
         { "name": "HOME", "value": POD_ROOT },
         { "name": "XDG_CACHE_HOME", "value": format!("{POD_ROOT}/.cache") },
     ]);
@@ -579,8 +570,8 @@ mod tests {
         assert_eq!(
             metadata_env(&flags),
             vec![
-                ("KT_LEASE_TTL".to_owned(), "2s".to_owned()),
-                ("KT_AGENT_TTL".to_owned(), "5s".to_owned())
+                (env::LEASE_TTL.to_owned(), "2s".to_owned()),
+                (env::AGENT_TTL.to_owned(), "5s".to_owned())
             ]
         );
     }

@@ -43,6 +43,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use kt_types::env;
 
 use super::wrapped::{self, Chunk, Killer};
 use super::{Component, ExecOutput, ExecRequest, Plan, PodProcess, Program, Target, TargetError};
@@ -73,21 +74,6 @@ pub trait Flavor: Send + Sync + fmt::Debug {
     /// Loads images from the local Docker engine into every node.
     fn load_images(&self, name: &str, images: &[String]) -> Cmd;
     fn delete(&self, name: &str) -> Cmd;
-}
-
-/// Environment variables of the cluster targets.
-pub mod env {
-    /// An existing cluster to use (and keep), or the name to create.
-    pub const CLUSTER: &str = "KT_CLUSTER";
-    /// Keep a cluster this run created (`--keep-cluster`'s variable:
-    /// 1/0/true/false/yes/no/on/off).
-    pub const KEEP_CLUSTER: &str = "KT_KEEP_CLUSTER";
-    /// The images' tag (default: the git revision, as `make images` tags).
-    pub const IMAGE_TAG: &str = "KT_IMAGE_TAG";
-    /// The kustomize bundle (default: `kustomize` in the repository).
-    pub const KUSTOMIZE_DIR: &str = "KT_KUSTOMIZE_DIR";
-    /// How long a rollout may take, e.g. `300s` (default 180s).
-    pub const ROLLOUT_TIMEOUT: &str = "KT_ROLLOUT_TIMEOUT";
 }
 
 /// The cluster's default name: stable, so a kept cluster is found again.
@@ -198,11 +184,11 @@ impl ClusterConfig {
 /// identity (its projected token, on the production path).
 pub fn in_pod_argv(req: &ExecRequest, identity: Option<&str>) -> Vec<String> {
     let keep = identity.is_some() && req.token.as_deref() == identity;
-    let mut argv: Vec<String> = vec!["env".into(), "-u".into(), "KT_TOKEN".into()];
+    let mut argv: Vec<String> = vec!["env".into(), "-u".into(), env::TOKEN.into()];
     if !keep {
-        argv.extend(["-u".into(), "KT_TOKEN_FILE".into()]);
+        argv.extend(["-u".into(), env::TOKEN_FILE.into()]);
         if let Some(t) = &req.token {
-            argv.push(format!("KT_TOKEN={t}"));
+            argv.push(format!("{}={t}", env::TOKEN));
         }
     }
     argv.extend(req.env.iter().map(|(k, v)| format!("{k}={v}")));
