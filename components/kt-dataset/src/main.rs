@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 use kt_dataset::controller::{self, Config, Context, Namespaces, PvcIngest};
 use kt_dataset::nodes::NodeCaches;
 use kt_dataset::reconcile::Settings;
+use kt_types::env;
 
 /// The Dataset controller: places `datasets.kt.dev` on nodes through their
 /// node-cache agents and labels the nodes.
@@ -30,17 +31,17 @@ enum Command {
 #[derive(Debug, clap::Args)]
 struct RunArgs {
     /// Address of /healthz, /readyz and /metrics.
-    #[arg(long, env = "KT_LISTEN", default_value = "0.0.0.0:8084")]
+    #[arg(long, env = env::LISTEN, default_value = "0.0.0.0:8084")]
     listen: SocketAddr,
     /// URL of the metadata server.
     #[arg(
         long,
-        env = "KT_METADATA_URL",
+        env = env::METADATA_URL,
         default_value = "http://kt-metadata:8081"
     )]
     metadata_url: String,
     /// Namespace of the node-cache pods (default: this pod's own).
-    #[arg(long, env = "KT_NAMESPACE")]
+    #[arg(long, env = env::NAMESPACE)]
     namespace: Option<String>,
     /// Whose Datasets to obey: namespaces separated by commas, or `*` for
     /// every one. Default: --namespace only (the kt install's). A Dataset
@@ -48,47 +49,47 @@ struct RunArgs {
     /// namespace's Secrets and PVCs with the controller's rights: name
     /// only namespaces whose Dataset creators you trust that far (and give
     /// the controller a Role there).
-    #[arg(long, env = "KT_DATASET_NAMESPACES", value_parser = Namespaces::parse)]
+    #[arg(long, env = env::DATASET_NAMESPACES, value_parser = Namespaces::parse)]
     dataset_namespaces: Option<Namespaces>,
     /// Port of the node-cache agents (a pod's port named `node-cache` or
     /// `http` wins).
-    #[arg(long, env = "KT_NODE_CACHE_PORT", default_value_t = 8090)]
+    #[arg(long, env = env::NODE_CACHE_PORT, default_value_t = 8090)]
     node_cache_port: u16,
     /// http or https (trusting the CAs of KT_CA_FILE).
-    #[arg(long, env = "KT_NODE_CACHE_SCHEME", default_value = "http", value_parser = ["http", "https"])]
+    #[arg(long, env = env::NODE_CACHE_SCHEME, default_value = "http", value_parser = ["http", "https"])]
     node_cache_scheme: String,
     /// How long a node-cache agent may take to answer before it counts as
     /// unreachable.
-    #[arg(long, env = "KT_NODE_CACHE_TIMEOUT", default_value = "3s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = env::NODE_CACHE_TIMEOUT, default_value = "3s", value_parser = humantime::parse_duration)]
     node_cache_timeout: Duration,
     /// How long a seeding broadcast group accepts joins.
-    #[arg(long, env = "KT_SEED_WINDOW", default_value = "5s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = env::SEED_WINDOW, default_value = "5s", value_parser = humantime::parse_duration)]
     seed_window: Duration,
     /// Where S3 ingests stage objects before the put.
     #[arg(
         long,
-        env = "KT_STAGING_DIR",
+        env = env::STAGING_DIR,
         default_value = "/tmp/kt-dataset-staging"
     )]
     staging_dir: PathBuf,
     /// The image with `kt` that PVC ingest Jobs run; unset: PVC sources
     /// fail with reason `Unsupported`.
-    #[arg(long, env = "KT_INGEST_IMAGE")]
+    #[arg(long, env = env::INGEST_IMAGE)]
     ingest_image: Option<String>,
     /// The metadata server's URL as ingest Jobs reach it (default:
     /// --metadata-url).
-    #[arg(long, env = "KT_INGEST_METADATA_URL")]
+    #[arg(long, env = env::INGEST_METADATA_URL)]
     ingest_metadata_url: Option<String>,
     /// A Secret in each Dataset's namespace whose `token` key ingest Jobs
     /// present (an install with the static token; unused with
     /// --ingest-service-account).
-    #[arg(long, env = "KT_INGEST_TOKEN_SECRET", default_value = "kt-token")]
+    #[arg(long, env = env::INGEST_TOKEN_SECRET, default_value = "kt-token")]
     ingest_token_secret: String,
     /// The ServiceAccount (in each Dataset's namespace) ingest Jobs run as,
     /// presenting its projected token (audience kt) instead of the Secret:
     /// an install with kube identities, whose access map lets it write the
     /// service `datasets` (the datasets component's kt-dataset-ingest).
-    #[arg(long, env = "KT_INGEST_SERVICE_ACCOUNT")]
+    #[arg(long, env = env::INGEST_SERVICE_ACCOUNT)]
     ingest_service_account: Option<String>,
     #[command(flatten)]
     server: kt_service::cli::ServerArgs,
@@ -126,7 +127,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         .await
         .context("a Kubernetes client (in-cluster config or kubeconfig)")?;
     let mut kt_cfg = kt_client::ClientConfig::new(&args.metadata_url, token.expose());
-    kt_cfg.token_file = args.server.token_file.clone();
+    kt_cfg.token_file = args.server.token.token_file.clone();
     kt_cfg.cache_dir = None;
     kt_cfg.serve_copies = false;
     let kt = kt_client::Client::new(kt_cfg)?;
@@ -183,7 +184,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         auth,
         metrics,
         ready,
-        args.server.max_connections,
+        args.server.limits.max_connections,
     );
     tracing::info!(listen = %args.listen, "kt-dataset-controller started");
     let serve = kt_service::serve_tls(

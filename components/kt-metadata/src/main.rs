@@ -3,62 +3,63 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use kt_types::env;
 
 /// kt metadata server: the key registry of one namespace.
 #[derive(Debug, Parser)]
 #[command(name = "kt-metadata", version)]
 struct Args {
     /// Address to listen on.
-    #[arg(long, env = "KT_LISTEN", default_value = "0.0.0.0:8081")]
+    #[arg(long, env = env::LISTEN, default_value = "0.0.0.0:8081")]
     listen: SocketAddr,
     /// Directory of the registry database.
-    #[arg(long, env = "KT_STATE_DIR")]
+    #[arg(long, env = env::STATE_DIR)]
     state_dir: PathBuf,
     #[command(flatten)]
     server: kt_service::cli::ServerArgs,
     /// How often node agents heartbeat.
-    #[arg(long, env = "KT_HEARTBEAT_INTERVAL", default_value = "2s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = env::HEARTBEAT_INTERVAL, default_value = "2s", value_parser = humantime::parse_duration)]
     heartbeat_interval: Duration,
     /// An agent silent this long stops being a source and is evicted.
-    #[arg(long, env = "KT_AGENT_TTL", default_value = "10s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = env::AGENT_TTL, default_value = "10s", value_parser = humantime::parse_duration)]
     agent_ttl: Duration,
     /// How long a source lease lasts unless the getter renews it.
-    #[arg(long, env = "KT_LEASE_TTL", default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = env::LEASE_TTL, default_value = "30s", value_parser = humantime::parse_duration)]
     lease_ttl: Duration,
     /// Watch the namespace's pods and workloads labelled kt.dev/service: evict
     /// the agents of pods that are gone, tear down services whose last
     /// workload and pod are gone.
-    #[arg(long, env = "KT_KUBE_WATCH", value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(long, env = env::KUBE_WATCH, value_parser = clap::builder::BoolishValueParser::new())]
     kube_watch: bool,
     /// Namespace to watch (default: this pod's service-account namespace).
-    #[arg(long, env = "KT_NAMESPACE")]
+    #[arg(long, env = env::NAMESPACE)]
     namespace: Option<String>,
     /// With --kube-auth: who may do what, by ServiceAccount (YAML; the
     /// kt-access ConfigMap in the bundle).
-    #[arg(long, env = "KT_ACCESS_MAP")]
+    #[arg(long, env = env::ACCESS_MAP)]
     access_map: Option<PathBuf>,
     /// With --kube-auth: the audience tokens must be made for.
-    #[arg(long, env = "KT_TOKEN_AUDIENCE", default_value = "kt")]
+    #[arg(long, env = env::TOKEN_AUDIENCE, default_value = "kt")]
     token_audience: String,
     /// Serve the sidecar injector, an admission webhook (POST /mutate), on
     /// this address: HTTPS with --webhook-tls-cert and --webhook-tls-key,
     /// injecting --inject-template into the pods the API server sends.
-    #[arg(long, env = "KT_WEBHOOK_LISTEN")]
+    #[arg(long, env = env::WEBHOOK_LISTEN)]
     webhook_listen: Option<SocketAddr>,
     /// The webhook's PEM certificate chain (read again as it is renewed).
-    #[arg(long, env = "KT_WEBHOOK_TLS_CERT")]
+    #[arg(long, env = env::WEBHOOK_TLS_CERT)]
     webhook_tls_cert: Option<PathBuf>,
     /// The PEM private key of --webhook-tls-cert.
-    #[arg(long, env = "KT_WEBHOOK_TLS_KEY")]
+    #[arg(long, env = env::WEBHOOK_TLS_KEY)]
     webhook_tls_key: Option<PathBuf>,
     /// What the webhook injects: the pod template the agent-sidecar and
     /// agent-identity components render (the sidecar-injector component's
     /// template.yaml).
-    #[arg(long, env = "KT_INJECT_TEMPLATE")]
+    #[arg(long, env = env::INJECT_TEMPLATE)]
     inject_template: Option<PathBuf>,
     /// The injected agent's image (the template carries none, so that
     /// kustomize's `images:` pins it in the ConfigMap).
-    #[arg(long, env = "KT_INJECT_AGENT_IMAGE")]
+    #[arg(long, env = env::INJECT_AGENT_IMAGE)]
     inject_agent_image: Option<String>,
 }
 
@@ -69,7 +70,7 @@ async fn main() -> anyhow::Result<()> {
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
     let mut config = kt_metadata::Config::new(args.state_dir.clone(), token);
     config.auth = args.server.auth()?;
-    config.max_in_flight = args.server.max_connections;
+    config.max_in_flight = args.server.limits.max_connections;
     config.tls = args.server.tls()?;
     config.heartbeat_interval = args.heartbeat_interval;
     config.agent_ttl = args.agent_ttl;
@@ -106,7 +107,7 @@ async fn serve(
         None => None,
     };
     let mut watch = None;
-    if args.kube_watch || args.server.kube_auth {
+    if args.kube_watch || args.server.auth.kube_auth {
         let namespace = args
             .namespace
             .clone()
@@ -119,7 +120,7 @@ async fn serve(
         let client = kube::Client::try_default().await.context(
             "--kube-watch, --kube-auth: no Kubernetes configuration (in-cluster or kubeconfig)",
         )?;
-        if args.server.kube_auth {
+        if args.server.auth.kube_auth {
             let path = args
                 .access_map
                 .as_deref()
@@ -167,7 +168,7 @@ async fn serve(
     config: kt_metadata::Config,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> anyhow::Result<()> {
-    if args.kube_watch || args.server.kube_auth || args.webhook_listen.is_some() {
+    if args.kube_watch || args.server.auth.kube_auth || args.webhook_listen.is_some() {
         anyhow::bail!(
             "--kube-watch, --kube-auth, --webhook-listen: this kt-metadata was built without the \
              `kube` feature"

@@ -3,69 +3,137 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
+use kt_types::env;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::Token;
 use crate::auth::TokenError;
 
+/// The flags every server shares, in pieces ([`TokenArgs`], [`AuthArgs`],
+/// [`TlsArgs`], [`LimitArgs`], [`LogArgs`]): each flag, its environment
+/// variable and its help are written once, here, and every server
+/// flattens this.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ServerArgs {
+    #[command(flatten)]
+    pub token: TokenArgs,
+    #[command(flatten)]
+    pub auth: AuthArgs,
+    #[command(flatten)]
+    pub tls: TlsArgs,
+    #[command(flatten)]
+    pub limits: LimitArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+/// The server's own credential.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TokenArgs {
     /// Bearer token (prefer --token-file).
-    #[arg(long, env = "KT_TOKEN", hide_env_values = true)]
+    #[arg(long, env = env::TOKEN, hide_env_values = true)]
     pub token: Option<String>,
     /// File holding the bearer token.
-    #[arg(long, env = "KT_TOKEN_FILE")]
+    #[arg(long, env = env::TOKEN_FILE)]
     pub token_file: Option<PathBuf>,
+}
+
+/// Who may call the server.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AuthArgs {
     /// Tokens file (JSON) granting roles (admin, store, agent, workload):
     /// only its tokens are accepted, and the token above is this server's
     /// own credential for its calls. Without it that token is admin.
-    #[arg(long, env = "KT_AUTH_FILE")]
+    #[arg(long, env = env::AUTH_FILE)]
     pub auth_file: Option<PathBuf>,
     /// Callers present projected ServiceAccount tokens (audience kt): the
     /// metadata server reviews them with the Kubernetes API and maps them
     /// with its access map; the store and agents ask the metadata server.
     /// The token above is then only this server's own credential, read
     /// again as the kubelet rotates it.
-    #[arg(long, env = "KT_KUBE_AUTH", value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(long, env = env::KUBE_AUTH, value_parser = clap::builder::BoolishValueParser::new())]
     pub kube_auth: bool,
+}
+
+/// HTTPS.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TlsArgs {
     /// Serve HTTPS with this PEM certificate chain (with --tls-key; read
     /// again as it is renewed). Clients trust the CAs of KT_CA_FILE.
-    #[arg(long, env = "KT_TLS_CERT")]
+    #[arg(long, env = env::TLS_CERT)]
     pub tls_cert: Option<PathBuf>,
     /// The PEM private key of --tls-cert.
-    #[arg(long, env = "KT_TLS_KEY")]
+    #[arg(long, env = env::TLS_KEY)]
     pub tls_key: Option<PathBuf>,
+}
+
+/// What the server takes on at once.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LimitArgs {
     /// Requests served at once; more wait.
-    #[arg(long, env = "KT_MAX_CONNECTIONS", default_value_t = 512)]
+    #[arg(long, env = env::MAX_CONNECTIONS, default_value_t = 512)]
     pub max_connections: usize,
+}
+
+/// The server's logs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LogArgs {
     /// Log filter (tracing EnvFilter syntax).
-    #[arg(long, env = "KT_LOG", default_value = "info")]
+    #[arg(long, env = env::LOG, default_value = "info")]
     pub log: String,
     /// Log format: json, text or auto (json unless stderr is a terminal).
-    #[arg(long, env = "KT_LOG_FORMAT", default_value = "auto")]
+    #[arg(long, env = env::LOG_FORMAT, default_value = "auto")]
     pub log_format: String,
 }
 
-impl ServerArgs {
-    /// Starts logging and resolves the token.
-    pub fn init(&self) -> Result<Token, TokenError> {
-        crate::telemetry::init_logging(Some(&self.log), Some(&self.log_format));
+impl TokenArgs {
+    /// `--token`, else the contents of `--token-file`.
+    pub fn resolve(&self) -> Result<Token, TokenError> {
         Token::resolve(self.token.as_deref(), self.token_file.as_deref())
     }
+}
 
+impl AuthArgs {
     /// The grants of `--auth-file`; `None` without one (the token alone is
     /// then admin).
-    pub fn auth(&self) -> Result<Option<crate::Auth>, crate::auth::AuthFileError> {
+    pub fn load(&self) -> Result<Option<crate::Auth>, crate::auth::AuthFileError> {
         self.auth_file
             .as_deref()
             .map(crate::Auth::from_file)
             .transpose()
     }
+}
 
+impl TlsArgs {
     /// `--tls-cert` and `--tls-key`, loaded (both or neither).
-    pub fn tls(&self) -> Result<Option<crate::tls::Tls>, crate::tls::TlsError> {
+    pub fn load(&self) -> Result<Option<crate::tls::Tls>, crate::tls::TlsError> {
         crate::tls::Tls::from_args(self.tls_cert.as_deref(), self.tls_key.as_deref())
+    }
+}
+
+impl LogArgs {
+    /// Starts logging.
+    pub fn init(&self) {
+        crate::telemetry::init_logging(Some(&self.log), Some(&self.log_format));
+    }
+}
+
+impl ServerArgs {
+    /// Starts logging and resolves the token.
+    pub fn init(&self) -> Result<Token, TokenError> {
+        self.log.init();
+        self.token.resolve()
+    }
+
+    /// The grants of `--auth-file` ([`AuthArgs::load`]).
+    pub fn auth(&self) -> Result<Option<crate::Auth>, crate::auth::AuthFileError> {
+        self.auth.load()
+    }
+
+    /// `--tls-cert` and `--tls-key`, loaded ([`TlsArgs::load`]).
+    pub fn tls(&self) -> Result<Option<crate::tls::Tls>, crate::tls::TlsError> {
+        self.tls.load()
     }
 
     /// What the store and agents accept: [`ServerArgs::auth`], and with
@@ -77,7 +145,7 @@ impl ServerArgs {
         own: &Token,
     ) -> Result<Option<crate::Auth>, crate::auth::AuthFileError> {
         let auth = self.auth()?;
-        if !self.kube_auth {
+        if !self.auth.kube_auth {
             return Ok(auth);
         }
         let ask = crate::auth::AskMetadata::new(metadata_url, own.credential())?;
@@ -227,9 +295,9 @@ mod tests {
 
     #[derive(Debug, clap::Parser)]
     struct Plain {
-        #[arg(long, env = "KT_TEST_PLAIN")]
+        #[arg(long, env = "CLI_TEST_PLAIN")]
         plain: bool,
-        #[arg(long, env = "KT_TEST_BOOLISH", value_parser = clap::builder::BoolishValueParser::new())]
+        #[arg(long, env = "CLI_TEST_BOOLISH", value_parser = clap::builder::BoolishValueParser::new())]
         boolish: bool,
         #[arg(long)]
         no_env: bool,
@@ -240,7 +308,7 @@ mod tests {
     #[derive(Debug, clap::Subcommand)]
     enum Sub {
         Run {
-            #[arg(long, env = "KT_TEST_NESTED")]
+            #[arg(long, env = "CLI_TEST_NESTED")]
             nested: bool,
         },
     }
@@ -249,10 +317,10 @@ mod tests {
     fn the_walk_finds_strict_bool_env_flags_in_subcommands_too() {
         let found = unboolish_env_flags(&<Plain as clap::CommandFactory>::command());
         assert_eq!(found.len(), 2, "{found:#?}");
-        assert!(found[0].contains("--plain (KT_TEST_PLAIN)"), "{found:#?}");
+        assert!(found[0].contains("--plain (CLI_TEST_PLAIN)"), "{found:#?}");
         assert!(found[0].contains("\"1\""), "{found:#?}");
         assert!(
-            found[1].contains(" run --nested (KT_TEST_NESTED)"),
+            found[1].contains(" run --nested (CLI_TEST_NESTED)"),
             "{found:#?}"
         );
     }

@@ -2,31 +2,32 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
+use kt_types::env;
 
 /// kt store server: holds locale=store data and serves it over the sync protocol.
 #[derive(Debug, Parser)]
 #[command(name = "kt-store", version)]
 struct Args {
     /// Address to listen on.
-    #[arg(long, env = "KT_LISTEN", default_value = "0.0.0.0:8082")]
+    #[arg(long, env = env::LISTEN, default_value = "0.0.0.0:8082")]
     listen: SocketAddr,
     /// Directory holding the data (a persistent volume in a cluster).
-    #[arg(long, env = "KT_DATA_DIR")]
+    #[arg(long, env = env::DATA_DIR)]
     data_dir: PathBuf,
     /// URL of the metadata server.
-    #[arg(long, env = "KT_METADATA_URL")]
+    #[arg(long, env = env::METADATA_URL)]
     metadata_url: String,
     /// URL under which clients reach this store (default: the listen address).
-    #[arg(long, env = "KT_ADVERTISE_URL")]
+    #[arg(long, env = env::ADVERTISE_URL)]
     advertise_url: Option<String>,
     #[command(flatten)]
     server: kt_service::cli::ServerArgs,
     /// Chunk size for large files, in bytes (a power of two).
-    #[arg(long, env = "KT_CHUNK_SIZE", default_value_t = kt_sync::defaults::CHUNK_SIZE)]
+    #[arg(long, env = env::CHUNK_SIZE, default_value_t = kt_sync::defaults::CHUNK_SIZE)]
     chunk_size: u64,
     /// Bytes of the data volume no put may take (default: 2% of it, at
     /// most 1 GiB): a put that would is refused at once as `store full`.
-    #[arg(long, env = "KT_STORE_RESERVE")]
+    #[arg(long, env = env::STORE_RESERVE)]
     reserve: Option<u64>,
 }
 
@@ -41,7 +42,7 @@ async fn main() -> anyhow::Result<()> {
     config.advertise_url = args.advertise_url;
     config.chunk_size = args.chunk_size;
     config.reserve = args.reserve;
-    config.max_in_flight = args.server.max_connections;
+    config.max_in_flight = args.server.limits.max_connections;
     config.tls = args.server.tls()?;
     kt_store::run(listener, config, shutdown).await?;
     Ok(())

@@ -33,6 +33,8 @@ const EVAL_READS_TRAIN: &str = "workload-eval-train-012";
 const POD_EVAL: &str = "pod-token-pod-e-012345";
 /// Agent pod-f, registering `eval`'s local keys only and reading nothing else.
 const AGENT_EVAL: &str = "agent-token-pod-f-0123";
+/// The node-cache agent of node n1.
+const NODE_CACHE: &str = "agent-token-node-n1-012";
 
 fn token_of(role: Role) -> &'static str {
     match role {
@@ -76,6 +78,7 @@ fn auth_file(dir: &std::path::Path) -> Auth {
             scoped(grant(EVAL_READS_TRAIN, Role::Workload, None), &["train"]),
             scoped(grant(POD_EVAL, Role::Pod, Some("pod-e")), &[]),
             scoped(grant(AGENT_EVAL, Role::Agent, Some("pod-f")), &[]),
+            grant(NODE_CACHE, Role::Agent, Some("node-n1")),
         ],
     };
     let path = dir.join("auth.json");
@@ -86,7 +89,9 @@ fn auth_file(dir: &std::path::Path) -> Auth {
 use Role::{Agent as A, Metrics as M, Store as S, Workload as W};
 
 /// (server, method, path, roles allowed besides admin; a pod goes where
-/// an agent or a workload may).
+/// an agent or a workload may). `node-cache`: a node-cache agent's own
+/// routes (it serves an agent's too). tidy's `roles_table` checks this
+/// against the routers' `allow` lists, both ways.
 const TABLE: &[(&str, &str, &str, &[Role])] = &[
     ("meta", "POST", "/api/v1/stores", &[S]),
     ("meta", "GET", "/api/v1/store", &[W, A, S]),
@@ -142,6 +147,9 @@ const TABLE: &[(&str, &str, &str, &[Role])] = &[
     ("agent", "DELETE", "/api/v1/reads/l1", &[W]),
     ("agent", "POST", "/api/v1/tensors/sessions", &[A]),
     ("agent", "GET", "/metrics", &[M]),
+    ("node-cache", "GET", "/api/v1/datasets", &[]),
+    ("node-cache", "PUT", "/api/v1/datasets/ns/ds", &[]),
+    ("node-cache", "DELETE", "/api/v1/datasets/ns/ds", &[]),
 ];
 
 struct Running(CancellationToken, Vec<tokio::task::JoinHandle<()>>);
@@ -152,6 +160,8 @@ struct Servers {
     meta: String,
     store: String,
     agent: String,
+    /// A node-cache agent (node n1).
+    node_cache: String,
     /// pod-a's control socket.
     socket: std::path::PathBuf,
     stop: CancellationToken,
@@ -193,10 +203,28 @@ impl Servers {
             Token::new(AGENT).unwrap(),
             dir.join("agent/agent.sock"),
         );
-        agent.auth = Some(auth);
+        agent.auth = Some(auth.clone());
         agent.shm_dir = dir.join("shm");
         std::fs::create_dir_all(&agent.shm_dir).unwrap();
         let h = kt_agent::start(agent_l, agent, stop.clone()).unwrap();
+        tasks.push(tokio::spawn(async move {
+            let _ = h.task.await;
+        }));
+        let nc_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let nc_url = format!("http://{}", nc_l.local_addr().unwrap());
+        let mut nc = kt_agent::datasets::NodeCacheConfig::new("n1");
+        nc.root = dir.join("datasets");
+        let mut node_cache = kt_agent::Config::new(
+            "node-n1",
+            meta_url.clone(),
+            Token::new(NODE_CACHE).unwrap(),
+            dir.join("nc/agent.sock"),
+        );
+        node_cache.state_dir = nc.state_dir();
+        node_cache.node_cache = Some(nc);
+        node_cache.auth = Some(auth);
+        node_cache.shm_dir = dir.join("shm");
+        let h = kt_agent::start(nc_l, node_cache, stop.clone()).unwrap();
         tasks.push(tokio::spawn(async move {
             let _ = h.task.await;
         }));
@@ -225,6 +253,7 @@ impl Servers {
             meta: meta_url,
             store: store_url,
             agent: agent_url,
+            node_cache: nc_url,
             socket: dir.join("agent/agent.sock"),
             stop,
             tasks,
@@ -257,6 +286,7 @@ async fn every_route_answers_only_the_roles_it_allows() {
         let base = match *server {
             "meta" => &meta_url,
             "store" => &store_url,
+            "node-cache" => &&servers.node_cache,
             _ => &agent_url,
         };
         for role in Role::ALL {

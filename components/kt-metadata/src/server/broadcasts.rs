@@ -18,7 +18,8 @@ use kt_types::api::LeaseRequest;
 use kt_types::broadcast::{GetterMessage, GroupInfo, GroupMessage, JoinRequest, Parent};
 use tokio::sync::mpsc;
 
-use super::{AppState, Inner, check_agent_id, check_url, db_err, now_ms, readable_sources};
+use super::leases::readable_sources;
+use super::{AppState, Inner, check_agent_id, check_url, db_err, now_ms};
 use crate::broadcast::{Events, Groups, JoinError, Joined};
 use crate::db::Batch;
 

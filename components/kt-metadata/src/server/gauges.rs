@@ -53,7 +53,7 @@ fn label(
             }
             let u = usage.entry((label.to_owned(), locale)).or_default();
             u.0 += keys;
-            u.1 += bytes;
+            u.1 = u.1.saturating_add(*bytes);
         }
     }
     let mut agents: BTreeMap<String, (u64, u64)> = BTreeMap::new();
@@ -88,7 +88,7 @@ pub(super) async fn summarize(s: &Inner, quorums: Option<&Quorums>) -> ClusterSt
             };
             let u = &mut records.entry(r.service.as_str()).or_default()[locale];
             u.0 += 1;
-            u.1 += r.size;
+            u.1 = u.1.saturating_add(r.size);
         }
         let mut agents: HashMap<&str, (u64, u64)> = HashMap::new();
         for a in registry.known_agents() {
