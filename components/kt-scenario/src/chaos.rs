@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 pub mod rules;
 
 use crate::data::{Digest, Rng};
+use crate::fault::{Fault, Hit};
 use crate::format::{DataSpec, Signal};
 use crate::target::{
     Component, ExecRequest, Plan, PodPlan, PodProcess, Program, Target, TargetError,
@@ -206,7 +207,7 @@ pub async fn run(mut target: Box<dyn Target>, opts: Options) -> Result<Report, T
             .map_err(|e| TargetError::Failed(e.0))?
             .map_err(|e| TargetError::Failed(format!("generating {name}: {e}")))?;
         let digest = digest(&path).await?;
-        let size = dir_size(&path);
+        let size = kt_sync::du::disk_bytes(&path);
         sets.push(DataSet {
             name,
             path,
@@ -408,7 +409,7 @@ async fn soak(
     check_rss(&shared, opts.max_rss);
     let store_dir = plan.work_dir.join("store");
     if store_dir.is_dir() {
-        let used = dir_size(&store_dir);
+        let used = kt_sync::du::disk_bytes(&store_dir);
         // Every key's current version, and one superseded version each that
         // may still be on its way out.
         let largest = sets.iter().map(|s| s.size).max().unwrap_or(0);
@@ -817,13 +818,101 @@ async fn tensor_get(s: &Shared<'_>, rng: &mut Rng) {
 /// terminal, not for the soak's invariant that store puts and gets ride
 /// through these faults, which is what a job setting it asks for).
 fn ride_through() -> Vec<(String, String)> {
-    vec![("KT_CONNECT_TIMEOUT".to_owned(), "60s".to_owned())]
+    vec![(kt_types::env::CONNECT_TIMEOUT.to_owned(), "60s".to_owned())]
+}
+
+/// The faults the soak picks from, one entry per chance: an agent's
+/// restart is listed twice (twice as likely as each other entry); freezes
+/// of the metadata server or an agent, and link cuts, only where the target
+/// can ([`Target::freezes`], [`Target::cuts_links`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pick {
+    StoreKill,
+    StoreTerm,
+    MetadataKill,
+    StoreFreeze,
+    AgentRestart,
+    /// The metadata server or a pod's agent frozen.
+    Freeze,
+    /// A pod's or the store's link cut.
+    LinkCut,
+}
+
+/// The soak's menu on `t`, in the order the seed indexes it.
+fn menu(t: &dyn Target) -> Vec<Pick> {
+    use Pick::*;
+    let mut m = vec![
+        StoreKill,
+        StoreTerm,
+        MetadataKill,
+        StoreFreeze,
+        AgentRestart,
+        AgentRestart,
+    ];
+    if t.freezes() {
+        m.push(Freeze);
+    }
+    if t.cuts_links() {
+        m.push(LinkCut);
+    }
+    m
+}
+
+/// The fault a pick makes, and how long it lasts before its
+/// [`Fault::undo`] (None: it is over once injected).
+fn plan(choice: Pick, rng: &mut Rng, pods: &[String]) -> (Fault, Option<Duration>) {
+    let store = Hit::Component(Component::Store);
+    let metadata = Hit::Component(Component::Metadata);
+    match choice {
+        Pick::StoreKill => (Fault::Restart(store, Signal::KILL), None),
+        Pick::StoreTerm => (Fault::Restart(store, Signal::TERM), None),
+        Pick::MetadataKill => (Fault::Restart(metadata, Signal::KILL), None),
+        Pick::StoreFreeze => {
+            let frozen = Duration::from_millis(500 + rng.below(2500));
+            (Fault::Signal(store, Signal::STOP), Some(frozen))
+        }
+        Pick::AgentRestart => {
+            let pod = pick(rng, pods).to_owned();
+            (Fault::Restart(Hit::Agent(pod), Signal::KILL), None)
+        }
+        Pick::Freeze => {
+            // It neither answers nor closes its connections.
+            let frozen = Duration::from_millis(500 + rng.below(2500));
+            let hit = match rng.below(2) {
+                0 => Hit::Agent(pick(rng, pods).to_owned()),
+                _ => metadata,
+            };
+            (Fault::Signal(hit, Signal::STOP), Some(frozen))
+        }
+        Pick::LinkCut => {
+            // It drops off the network for a while: its transfers stall,
+            // nothing is refused.
+            let c = match rng.below(4) {
+                0 => Component::Store,
+                _ => Component::Pod(pick(rng, pods).to_owned()),
+            };
+            let cut = Duration::from_millis(500 + rng.below(4500));
+            (Fault::Link(c, false), Some(cut))
+        }
+    }
+}
+
+/// How the report counts a fault that lasted a while: `store STOP/CONT`,
+/// `link cut`.
+fn label(fault: &Fault, undo: Option<&Fault>) -> String {
+    match (fault, undo) {
+        (Fault::Signal(..), Some(Fault::Signal(_, thaw))) => {
+            format!("{}/{}", fault.kind(), thaw.name())
+        }
+        _ => fault.kind(),
+    }
 }
 
 /// Injects faults until the soak's end.
 async fn inject(s: &Shared<'_>, opts: &Options) {
     let mut rng = Rng::new(opts.seed ^ 0xfa17);
     let t = s.target;
+    let menu = menu(t);
     loop {
         let pause = Duration::from_millis(1500 + rng.below(3500));
         if Instant::now() + pause >= s.until {
@@ -831,97 +920,24 @@ async fn inject(s: &Shared<'_>, opts: &Options) {
         }
         tokio::time::sleep(pause).await;
         sample_rss(s, &opts.work_dir);
-        // Freezes and link cuts where the target can (local and netns
-        // freeze, netns cuts links).
-        let mut kinds: Vec<u64> = (0..6).collect();
-        if t.freezes() {
-            kinds.push(7);
+        let pick = menu[rng.below(menu.len() as u64) as usize];
+        let (fault, lasts) = plan(pick, &mut rng, &s.pods);
+        let undo = lasts.and(fault.undo());
+        let kind = label(&fault, undo.as_ref());
+        let result = async {
+            fault.inject(t).await?;
+            if let (Some(d), Some(u)) = (lasts, &undo) {
+                tokio::time::sleep(d).await;
+                u.inject(t).await?;
+            }
+            Ok::<(), TargetError>(())
         }
-        if t.cuts_links() {
-            kinds.push(6);
-        }
-        let (kind, result) = match kinds[rng.below(kinds.len() as u64) as usize] {
-            0 => (
-                "store KILL+start",
-                restart(t, &Component::Store, Signal::KILL).await,
-            ),
-            1 => (
-                "store TERM+start",
-                restart(t, &Component::Store, Signal::TERM).await,
-            ),
-            2 => (
-                "metadata KILL+start",
-                restart(t, &Component::Metadata, Signal::KILL).await,
-            ),
-            3 => {
-                let frozen = Duration::from_millis(500 + rng.below(2500));
-                let r = async {
-                    t.kill(&Component::Store, Signal::STOP).await?;
-                    tokio::time::sleep(frozen).await;
-                    t.kill(&Component::Store, Signal::CONT).await
-                }
-                .await;
-                ("store STOP/CONT", r)
-            }
-            6 => {
-                // A pod or the store drops off the network for a while:
-                // its transfers stall, nothing is refused.
-                let c = match rng.below(4) {
-                    0 => Component::Store,
-                    _ => Component::Pod(pick(&mut rng, &s.pods).to_owned()),
-                };
-                let cut = Duration::from_millis(500 + rng.below(4500));
-                let r = async {
-                    t.set_link(&c, false).await?;
-                    tokio::time::sleep(cut).await;
-                    t.set_link(&c, true).await
-                }
-                .await;
-                ("link cut", r)
-            }
-            7 => {
-                // The metadata server or a pod's agent frozen for a while:
-                // it neither answers nor closes its connections.
-                let frozen = Duration::from_millis(500 + rng.below(2500));
-                let pod = (rng.below(2) == 0).then(|| pick(&mut rng, &s.pods).to_owned());
-                let r = async {
-                    match &pod {
-                        Some(p) => t.kill_agent(p, Signal::STOP).await?,
-                        None => t.kill(&Component::Metadata, Signal::STOP).await?,
-                    }
-                    tokio::time::sleep(frozen).await;
-                    match &pod {
-                        Some(p) => t.kill_agent(p, Signal::CONT).await,
-                        None => t.kill(&Component::Metadata, Signal::CONT).await,
-                    }
-                }
-                .await;
-                let kind = match pod {
-                    Some(_) => "agent STOP/CONT",
-                    None => "metadata STOP/CONT",
-                };
-                (kind, r)
-            }
-            _ => {
-                let pod = pick(&mut rng, &s.pods).to_owned();
-                let r = async {
-                    t.kill_agent(&pod, Signal::KILL).await?;
-                    t.start(&Component::Pod(pod.clone())).await
-                }
-                .await;
-                ("agent KILL+start", r)
-            }
-        };
+        .await;
         match result {
-            Ok(()) => s.count(|r| &mut r.faults, kind),
+            Ok(()) => s.count(|r| &mut r.faults, &kind),
             Err(e) => s.violation(format!("injecting {kind}: {e}")),
         }
     }
-}
-
-async fn restart(t: &dyn Target, c: &Component, sig: Signal) -> Result<(), TargetError> {
-    t.kill(c, sig).await?;
-    t.start(c).await
 }
 
 async fn digest(path: &Path) -> Result<Digest, TargetError> {
@@ -930,21 +946,6 @@ async fn digest(path: &Path) -> Result<Digest, TargetError> {
         .await
         .map_err(|e| TargetError::Failed(e.0))?
         .map_err(|e| TargetError::Failed(e.to_string()))
-}
-
-/// Bytes of the regular files below `dir`.
-fn dir_size(dir: &Path) -> u64 {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    entries
-        .flatten()
-        .map(|e| match e.file_type() {
-            Ok(t) if t.is_dir() => dir_size(&e.path()),
-            Ok(t) if t.is_file() => e.metadata().map(|m| m.len()).unwrap_or(0),
-            _ => 0,
-        })
-        .sum()
 }
 
 /// Records the resident set of the testbed's processes (those whose command
@@ -1006,5 +1007,48 @@ fn check_rss(s: &Shared<'_>, bound: u64) {
             rss >> 20,
             bound >> 20
         ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_pick_makes_a_fault_the_report_names_as_before() {
+        let pods = vec!["pod-0".to_owned(), "pod-1".to_owned()];
+        let mut rng = Rng::new(7);
+        let mut seen = BTreeSet::new();
+        for _ in 0..64 {
+            for pick in [
+                Pick::StoreKill,
+                Pick::StoreTerm,
+                Pick::MetadataKill,
+                Pick::StoreFreeze,
+                Pick::AgentRestart,
+                Pick::Freeze,
+                Pick::LinkCut,
+            ] {
+                let (fault, lasts) = plan(pick, &mut rng, &pods);
+                let undo = lasts.and(fault.undo());
+                // What lasts a while is undone; the rest is over at once.
+                assert_eq!(lasts.is_some(), undo.is_some(), "{fault:?}");
+                seen.insert(label(&fault, undo.as_ref()));
+            }
+        }
+        let kinds: Vec<&str> = seen.iter().map(String::as_str).collect();
+        assert_eq!(
+            kinds,
+            [
+                "agent KILL+start",
+                "agent STOP/CONT",
+                "link cut",
+                "metadata KILL+start",
+                "metadata STOP/CONT",
+                "store KILL+start",
+                "store STOP/CONT",
+                "store TERM+start",
+            ]
+        );
     }
 }

@@ -3,9 +3,9 @@
 //! Every struct refuses unknown fields, so a typo is an error with a line and a
 //! column rather than a silently ignored option. A step is a mapping with
 //! exactly one action key (`put`, `get`, ...) beside the fields every step has
-//! (`name`, `expect`, `timeout`, `budget`, `record`); [`Step`]'s hand-written
-//! `Deserialize` reads that shape directly from the YAML stream, so errors
-//! inside an action keep their position too.
+//! (`name`, `expect`, `timeout`, `budget`, `record`); [`Step`]'s `Deserialize`
+//! reads that shape directly from the YAML stream, so errors inside an action
+//! keep their position too. The actions come from one table ([`step`]).
 //!
 //! GPU data (`kt tensor`) has its own steps:
 //!
@@ -31,8 +31,12 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-use serde::de::{self, MapAccess, Visitor};
+use serde::de::{self, Visitor};
 use serde::{Deserialize, Deserializer};
+
+pub mod step;
+
+pub use step::{ACTIONS, Action, ActionInfo, Step, TABLE};
 
 /// One scenario file.
 #[derive(Debug, Clone, Deserialize)]
@@ -62,6 +66,14 @@ pub struct Scenario {
     /// Steps that run after `steps`, also when one of them failed.
     #[serde(default)]
     pub finally: Vec<Step>,
+}
+
+impl Scenario {
+    /// Does a step of `steps` or `finally`, or one nested in them, satisfy
+    /// `p`?
+    pub fn any_step(&self, p: impl Fn(&Step) -> bool) -> bool {
+        self.steps.iter().chain(&self.finally).any(|s| s.any(&p))
+    }
 }
 
 /// What the testbed runs.
@@ -246,6 +258,37 @@ impl<'de> Deserialize<'de> for Size {
             }
         }
         d.deserialize_any(V)
+    }
+}
+
+/// A topology switch written `true` (on, with its defaults) or as a
+/// mapping of settings `T` (`s3`, `prometheus`); `false` is refused, since
+/// it says what leaving the key out says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OnOrSpec<T> {
+    On,
+    Spec(T),
+}
+
+impl<T> OnOrSpec<T> {
+    /// Reads the value of the topology's `key`.
+    pub fn deserialize_for<'de, D: Deserializer<'de>>(d: D, key: &str) -> Result<Self, D::Error>
+    where
+        T: Deserialize<'de>,
+    {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Form<T> {
+            On(bool),
+            Spec(T),
+        }
+        match Form::deserialize(d)? {
+            Form::On(true) => Ok(OnOrSpec::On),
+            Form::On(false) => Err(de::Error::custom(format!(
+                "`{key}: false` is the same as leaving `{key}` out; leave it out"
+            ))),
+            Form::Spec(s) => Ok(OnOrSpec::Spec(s)),
+        }
     }
 }
 
@@ -932,254 +975,4 @@ pub struct PythonStep {
     /// A regex stdout must match.
     #[serde(default)]
     pub stdout: Option<String>,
-}
-
-/// One step: an action and the fields every step has.
-#[derive(Debug, Clone)]
-pub struct Step {
-    pub name: Option<String>,
-    pub expect: Expect,
-    pub timeout: Option<Duration>,
-    pub budget: Option<Budget>,
-    /// Record this step's observable result (ls listing, transfer stats)
-    /// in the scenario's snapshot under this name.
-    pub record: Option<String>,
-    pub action: Action,
-}
-
-#[derive(Debug, Clone)]
-pub enum Action {
-    Put(PutStep),
-    Get(GetStep),
-    Ls(LsStep),
-    Rm(RmStep),
-    /// A get whose pods join one broadcast tree (`kt get --broadcast`).
-    Broadcast(GetStep),
-    Teardown(TeardownStep),
-    Kill(KillStep),
-    Restart(RestartStep),
-    /// Cuts or restores a network link.
-    Link(LinkStep),
-    Wait(WaitStep),
-    Assert(AssertStep),
-    Snapshot(SnapshotStep),
-    Exec(ExecStep),
-    /// A Python script in pods (`import kt`).
-    Python(PythonStep),
-    /// Reads one metric from every instance of a component (e.g. the agents
-    /// of a pod group) and records its spread.
-    Metrics(MetricsStep),
-    TensorPut(TensorPutStep),
-    TensorGet(TensorGetStep),
-    TensorLs(TensorLsStep),
-    /// Ends held processes (`tensor_put` with `hold`).
-    Stop(StopStep),
-    /// Applies or deletes a `Dataset` (topology `nodes`).
-    Dataset(crate::datasets::DatasetStep),
-    /// Waits for a `Dataset`'s phase and records its status.
-    WaitDataset(crate::datasets::WaitDatasetStep),
-    /// Schedules a pod onto a node holding a dataset and verifies it there.
-    ReadDataset(crate::datasets::ReadDatasetStep),
-    /// Makes an S3 bucket prefix hold a data set (topology `s3`).
-    S3Put(crate::s3::S3PutStep),
-    /// Bounds one PromQL answer of the topology's Prometheus.
-    Promql(crate::prometheus::PromqlStep),
-    /// Children run at the same time; the step ends when all have.
-    Parallel(Vec<Step>),
-    /// Children run one after another (a branch of a `parallel`).
-    Sequence(Vec<Step>),
-}
-
-pub const ACTIONS: &[&str] = &[
-    "put",
-    "get",
-    "ls",
-    "rm",
-    "broadcast",
-    "teardown",
-    "kill",
-    "restart",
-    "link",
-    "wait",
-    "assert",
-    "snapshot",
-    "exec",
-    "python",
-    "metrics",
-    "tensor_put",
-    "tensor_get",
-    "tensor_ls",
-    "stop",
-    "dataset",
-    "wait_dataset",
-    "read_dataset",
-    "s3_put",
-    "promql",
-    "parallel",
-    "sequence",
-];
-/// Every key a step mapping may hold.
-const STEP_KEYS: &[&str] = &[
-    "name",
-    "expect",
-    "timeout",
-    "budget",
-    "record",
-    "put",
-    "get",
-    "ls",
-    "rm",
-    "broadcast",
-    "teardown",
-    "kill",
-    "restart",
-    "link",
-    "wait",
-    "assert",
-    "snapshot",
-    "exec",
-    "python",
-    "metrics",
-    "tensor_put",
-    "tensor_get",
-    "tensor_ls",
-    "stop",
-    "dataset",
-    "wait_dataset",
-    "read_dataset",
-    "s3_put",
-    "promql",
-    "parallel",
-    "sequence",
-];
-
-impl Action {
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Action::Put(_) => "put",
-            Action::Get(_) => "get",
-            Action::Ls(_) => "ls",
-            Action::Rm(_) => "rm",
-            Action::Broadcast(_) => "broadcast",
-            Action::Teardown(_) => "teardown",
-            Action::Kill(_) => "kill",
-            Action::Link(_) => "link",
-            Action::Restart(_) => "restart",
-            Action::Wait(_) => "wait",
-            Action::Assert(_) => "assert",
-            Action::Snapshot(_) => "snapshot",
-            Action::Exec(_) => "exec",
-            Action::Python(_) => "python",
-            Action::Metrics(_) => "metrics",
-            Action::TensorPut(_) => "tensor_put",
-            Action::TensorGet(_) => "tensor_get",
-            Action::TensorLs(_) => "tensor_ls",
-            Action::Stop(_) => "stop",
-            Action::Dataset(_) => "dataset",
-            Action::WaitDataset(_) => "wait_dataset",
-            Action::ReadDataset(_) => "read_dataset",
-            Action::S3Put(_) => "s3_put",
-            Action::Promql(_) => "promql",
-            Action::Parallel(_) => "parallel",
-            Action::Sequence(_) => "sequence",
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for Step {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = Step;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("a step: a mapping with one action key (put, get, ls, ...)")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Step, A::Error> {
-                let mut name = None;
-                let mut expect = None;
-                let mut timeout = None;
-                let mut budget = None;
-                let mut record = None;
-                let mut action: Option<Action> = None;
-                while let Some(k) = map.next_key::<String>()? {
-                    let set_action = |a: Action, cur: &mut Option<Action>| match cur {
-                        Some(prev) => Err(de::Error::custom(format!(
-                            "a step has one action, this one has `{}` and `{}`",
-                            prev.kind(),
-                            a.kind()
-                        ))),
-                        None => {
-                            *cur = Some(a);
-                            Ok(())
-                        }
-                    };
-                    match k.as_str() {
-                        "name" => name = Some(map.next_value()?),
-                        "expect" => expect = Some(map.next_value()?),
-                        "timeout" => {
-                            let s: String = map.next_value()?;
-                            timeout =
-                                Some(humantime::parse_duration(&s).map_err(de::Error::custom)?)
-                        }
-                        "budget" => budget = Some(map.next_value()?),
-                        "record" => record = Some(map.next_value()?),
-                        "snapshot" => set_action(Action::Snapshot(map.next_value()?), &mut action)?,
-                        "put" => set_action(Action::Put(map.next_value()?), &mut action)?,
-                        "get" => set_action(Action::Get(map.next_value()?), &mut action)?,
-                        "ls" => set_action(Action::Ls(map.next_value()?), &mut action)?,
-                        "rm" => set_action(Action::Rm(map.next_value()?), &mut action)?,
-                        "broadcast" => {
-                            set_action(Action::Broadcast(map.next_value()?), &mut action)?
-                        }
-                        "teardown" => set_action(Action::Teardown(map.next_value()?), &mut action)?,
-                        "kill" => set_action(Action::Kill(map.next_value()?), &mut action)?,
-                        "restart" => set_action(Action::Restart(map.next_value()?), &mut action)?,
-                        "link" => set_action(Action::Link(map.next_value()?), &mut action)?,
-                        "wait" => set_action(Action::Wait(map.next_value()?), &mut action)?,
-                        "assert" => set_action(Action::Assert(map.next_value()?), &mut action)?,
-                        "exec" => set_action(Action::Exec(map.next_value()?), &mut action)?,
-                        "python" => set_action(Action::Python(map.next_value()?), &mut action)?,
-                        "metrics" => set_action(Action::Metrics(map.next_value()?), &mut action)?,
-                        "tensor_put" => {
-                            set_action(Action::TensorPut(map.next_value()?), &mut action)?
-                        }
-                        "tensor_get" => {
-                            set_action(Action::TensorGet(map.next_value()?), &mut action)?
-                        }
-                        "tensor_ls" => {
-                            set_action(Action::TensorLs(map.next_value()?), &mut action)?
-                        }
-                        "stop" => set_action(Action::Stop(map.next_value()?), &mut action)?,
-                        "dataset" => set_action(Action::Dataset(map.next_value()?), &mut action)?,
-                        "wait_dataset" => {
-                            set_action(Action::WaitDataset(map.next_value()?), &mut action)?
-                        }
-                        "read_dataset" => {
-                            set_action(Action::ReadDataset(map.next_value()?), &mut action)?
-                        }
-                        "s3_put" => set_action(Action::S3Put(map.next_value()?), &mut action)?,
-                        "promql" => set_action(Action::Promql(map.next_value()?), &mut action)?,
-                        "parallel" => set_action(Action::Parallel(map.next_value()?), &mut action)?,
-                        "sequence" => set_action(Action::Sequence(map.next_value()?), &mut action)?,
-                        other => return Err(de::Error::unknown_field(other, STEP_KEYS)),
-                    }
-                }
-                let action = action.ok_or_else(|| {
-                    de::Error::custom(format!(
-                        "a step needs an action: one of {}",
-                        ACTIONS.join(", ")
-                    ))
-                })?;
-                Ok(Step {
-                    name,
-                    expect: expect.unwrap_or_default(),
-                    timeout,
-                    budget,
-                    record,
-                    action,
-                })
-            }
-        }
-        d.deserialize_map(V)
-    }
 }

@@ -2,8 +2,11 @@
 //! later docker and kind/k3d), runs YAML scenarios against it, asserts on
 //! insta snapshots and timing budgets, and writes reports.
 //!
-//! - [`format`]: what a scenario file may say; [`validate`]: loading and
-//!   checking files, errors with file:line:column ([`locate`]).
+//! - [`format`]: what a scenario file may say (its actions from one table,
+//!   [`format::step`]); [`validate`]: loading and checking files, errors
+//!   with file:line:column ([`locate`]).
+//! - [`fault`]: the one [`fault::Fault`] type: what the runner's fault
+//!   steps and the chaos soak inject into a target.
 //! - [`data`]: deterministic data sets and tree digests.
 //! - [`target`]: the [`target::Target`] trait and the local and netns targets.
 //! - [`runner`]: executes scenarios; [`snapshot`]: insta snapshots with
@@ -17,6 +20,7 @@ pub mod argv;
 pub mod chaos;
 pub mod data;
 pub mod datasets;
+pub mod fault;
 pub mod format;
 pub mod live;
 pub mod locate;

@@ -68,23 +68,23 @@ enum Cmd {
     Run {
         /// Files or directories (default: scenarios).
         paths: Vec<PathBuf>,
-        #[arg(long, env = "KT_SCENARIO_TARGET", default_value = "local")]
+        #[arg(long, env = kt_types::env::SCENARIO_TARGET, default_value = "local")]
         target: TargetKind,
         /// Run only scenarios with one of these tags.
-        #[arg(long, value_delimiter = ',', env = "KT_SCENARIO_TAGS")]
+        #[arg(long, value_delimiter = ',', env = kt_types::env::SCENARIO_TAGS)]
         tags: Vec<String>,
         /// Skip scenarios with any of these tags.
-        #[arg(long, value_delimiter = ',', env = "KT_SCENARIO_EXCLUDE_TAGS")]
+        #[arg(long, value_delimiter = ',', env = kt_types::env::SCENARIO_EXCLUDE_TAGS)]
         exclude_tags: Vec<String>,
         /// Where report.json, junit.xml, report.html and failure dumps go.
         #[arg(
             long,
-            env = "KT_SCENARIO_REPORT",
+            env = kt_types::env::SCENARIO_REPORT,
             default_value = "target/scenario-report"
         )]
         report: PathBuf,
         /// Snapshot directory (default: `snapshots` beside the first scenario file).
-        #[arg(long, env = "KT_SCENARIO_SNAPSHOTS")]
+        #[arg(long, env = kt_types::env::SCENARIO_SNAPSHOTS)]
         snapshots: Option<PathBuf>,
         /// CI mode: write no pending snapshots; unreferenced snapshots fail the run.
         #[arg(long, conflicts_with = "accept")]
@@ -96,21 +96,21 @@ enum Cmd {
         #[arg(long)]
         keep: bool,
         /// Where kt, kt-metadata and kt-store are (default: beside this binary).
-        #[arg(long, env = "KT_SCENARIO_BIN_DIR")]
+        #[arg(long, env = kt_types::env::SCENARIO_BIN_DIR)]
         bin_dir: Option<PathBuf>,
         /// The Python interpreter with the `kt` package that `python` steps
         /// run (default: the venv `make python` builds, `BIN_DIR/../python`).
-        #[arg(long, env = "KT_SCENARIO_PYTHON")]
+        #[arg(long, env = kt_types::env::SCENARIO_PYTHON)]
         python: Option<PathBuf>,
         /// Parent of the per-scenario work directories.
-        #[arg(long, env = "KT_SCENARIO_WORK_DIR")]
+        #[arg(long, env = kt_types::env::SCENARIO_WORK_DIR)]
         work_dir: Option<PathBuf>,
         /// kind/k3d: print each scenario's plan (commands in order, the
         /// generated manifests) and touch no cluster.
         #[arg(long)]
         dry_run: bool,
         /// kind/k3d: keep a cluster this run created (one that existed is kept anyway).
-        #[arg(long, env = "KT_KEEP_CLUSTER", value_parser = clap::builder::BoolishValueParser::new())]
+        #[arg(long, env = kt_types::env::KEEP_CLUSTER, value_parser = clap::builder::BoolishValueParser::new())]
         keep_cluster: bool,
     },
     /// The chaos soak: a seeded workload of puts, gets and broadcasts while
@@ -122,14 +122,14 @@ enum Cmd {
 #[derive(Debug, clap::Args)]
 struct ChaosArgs {
     /// local or netns (the soak signals processes on this host).
-    #[arg(long, env = "KT_SCENARIO_TARGET", default_value = "local")]
+    #[arg(long, env = kt_types::env::SCENARIO_TARGET, default_value = "local")]
     target: TargetKind,
     /// How long the workload runs, e.g. 2m.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
     duration: std::time::Duration,
     /// The seed (default: a random one, printed): the same seed makes
     /// the same choices of operations and faults.
-    #[arg(long, env = "KT_CHAOS_SEED")]
+    #[arg(long, env = kt_types::env::CHAOS_SEED)]
     seed: Option<u64>,
     /// Pods that put and get.
     #[arg(long, default_value_t = 4)]
@@ -141,7 +141,7 @@ struct ChaosArgs {
     #[arg(long, default_value_t = 1024)]
     max_rss_mib: u64,
     /// Where kt, kt-metadata and kt-store are (default: beside this binary).
-    #[arg(long, env = "KT_SCENARIO_BIN_DIR")]
+    #[arg(long, env = kt_types::env::SCENARIO_BIN_DIR)]
     bin_dir: Option<PathBuf>,
     /// The soak's work directory (default: a new one under the temp dir).
     #[arg(long)]

@@ -33,6 +33,8 @@ use std::time::{Duration, SystemTime};
 use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
+use crate::format::OnOrSpec;
+
 /// The binary (Debian's `prometheus` package).
 pub const BINARY: &str = "prometheus";
 
@@ -53,23 +55,13 @@ impl<'de> Deserialize<'de> for PrometheusSpec {
             #[serde(default, with = "crate::format::opt_duration")]
             scrape_interval: Option<Duration>,
         }
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Form {
-            On(bool),
-            Full(Full),
-        }
-        match Form::deserialize(d)? {
-            Form::On(true) => Ok(PrometheusSpec {
-                scrape_interval: DEFAULT_SCRAPE_INTERVAL,
-            }),
-            Form::On(false) => Err(serde::de::Error::custom(
-                "prometheus: false is the default; leave it out",
-            )),
-            Form::Full(f) => Ok(PrometheusSpec {
-                scrape_interval: f.scrape_interval.unwrap_or(DEFAULT_SCRAPE_INTERVAL),
-            }),
-        }
+        let full = match OnOrSpec::<Full>::deserialize_for(d, "prometheus")? {
+            OnOrSpec::On => None,
+            OnOrSpec::Spec(f) => f.scrape_interval,
+        };
+        Ok(PrometheusSpec {
+            scrape_interval: full.unwrap_or(DEFAULT_SCRAPE_INTERVAL),
+        })
     }
 }
 

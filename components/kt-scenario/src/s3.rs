@@ -33,6 +33,8 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+use crate::format::OnOrSpec;
+
 /// The bucket `s3: true` makes.
 pub const DEFAULT_BUCKET: &str = "kt";
 
@@ -80,21 +82,12 @@ impl<'de> Deserialize<'de> for S3Spec {
         struct Full {
             buckets: Vec<String>,
         }
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Form {
-            On(bool),
-            Full(Full),
-        }
-        match Form::deserialize(d)? {
-            Form::On(true) => Ok(S3Spec {
+        Ok(match OnOrSpec::<Full>::deserialize_for(d, "s3")? {
+            OnOrSpec::On => S3Spec {
                 buckets: vec![DEFAULT_BUCKET.to_owned()],
-            }),
-            Form::On(false) => Err(serde::de::Error::custom(
-                "`s3: false` is the same as leaving `s3` out; leave it out",
-            )),
-            Form::Full(f) => Ok(S3Spec { buckets: f.buckets }),
-        }
+            },
+            OnOrSpec::Spec(f) => S3Spec { buckets: f.buckets },
+        })
     }
 }
 

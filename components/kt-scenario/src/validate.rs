@@ -1,15 +1,19 @@
 //! Loading and checking scenario files: syntax and shape errors from the YAML
 //! deserializer, then checks across fields (pods, data sets, templates,
 //! regexes, budgets), every one reported as `file:line:column: message`.
+//! [`Checker::step`] checks what every step has and hands the action's body
+//! to its own check ([`actions`]); [`Step::walk`] reaches nested steps.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use crate::format::{Action, Condition, Expect, Scenario, Signal, Step, TensorBroadcast, Victim};
+use crate::format::{Action, Expect, Scenario, Step, TensorBroadcast, Victim};
 use crate::locate::{Pos, Positions};
 use crate::target::parse_link;
 use crate::template;
+
+mod actions;
 
 /// One problem in a scenario file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -222,10 +226,10 @@ impl Checker<'_> {
             self.err("steps", "a scenario needs at least one step");
         }
         for (i, step) in s.steps.iter().enumerate() {
-            self.step(&format!("steps.{i}"), step);
+            step.walk(&format!("steps.{i}"), &mut |at, st| self.step(at, st));
         }
         for (i, step) in s.finally.iter().enumerate() {
-            self.step(&format!("finally.{i}"), step);
+            step.walk(&format!("finally.{i}"), &mut |at, st| self.step(at, st));
         }
     }
 
@@ -400,68 +404,6 @@ impl Checker<'_> {
         }
     }
 
-    /// An `s3_put`: the topology's S3 server and one of its buckets, a
-    /// tree data set, a prefix that is empty or ends with `/`.
-    fn s3_put(&mut self, body: &str, s: &crate::s3::S3PutStep) {
-        match &self.scenario.topology.s3 {
-            None => self.err(body, "s3 steps need an S3 server: topology `s3`"),
-            Some(spec) if !spec.buckets.contains(&s.bucket) => self.err(
-                &format!("{body}.bucket"),
-                format!(
-                    "no bucket `{}` in topology.s3 (buckets: {:?})",
-                    s.bucket, spec.buckets
-                ),
-            ),
-            Some(_) => {}
-        }
-        self.template(&format!("{body}.prefix"), &s.prefix, false);
-        if s.prefix.starts_with('/') || !(s.prefix.is_empty() || s.prefix.ends_with('/')) {
-            self.err(
-                &format!("{body}.prefix"),
-                "a prefix is empty or a folder: `train/`, not `/train` or `tr`",
-            );
-        }
-        self.data(&format!("{body}.data"), &s.data);
-        if self
-            .scenario
-            .data
-            .get(&s.data)
-            .is_some_and(|d| d.file.is_some())
-        {
-            self.err(
-                &format!("{body}.data"),
-                "a single-file data set has no relative names: use a tree",
-            );
-        }
-        if s.concurrency == Some(0) {
-            self.err(&format!("{body}.concurrency"), "concurrency is at least 1");
-        }
-    }
-
-    /// A `promql`: the topology's Prometheus, a query, at least one bound,
-    /// bounds in order.
-    fn promql(&mut self, body: &str, q: &crate::prometheus::PromqlStep) {
-        if self.scenario.topology.prometheus.is_none() {
-            self.err(
-                body,
-                "promql steps need a Prometheus: topology `prometheus`",
-            );
-        }
-        if q.query.trim().is_empty() {
-            self.err(&format!("{body}.query"), "a promql step needs a query");
-        }
-        match (q.at_least, q.at_most) {
-            (None, None) => self.err(
-                body,
-                "a promql step bounds its answer: at_least, at_most or both",
-            ),
-            (Some(lo), Some(hi)) if lo.0 > hi.0 => {
-                self.err(&format!("{body}.at_least"), "at_least is above at_most")
-            }
-            _ => {}
-        }
-    }
-
     fn regex(&mut self, path: &str, re: &str) {
         if let Err(e) = regex::Regex::new(re) {
             self.err(path, format!("invalid regex: {e}"));
@@ -478,29 +420,14 @@ impl Checker<'_> {
             self.regex(&format!("{at}.expect.message"), m);
         }
         if let Some(r) = &step.record {
-            let records = matches!(
-                step.action,
-                Action::Put(_)
-                    | Action::Get(_)
-                    | Action::Broadcast(_)
-                    | Action::Ls(_)
-                    | Action::Rm(_)
-                    | Action::Exec(_)
-                    | Action::Python(_)
-                    | Action::Metrics(_)
-                    | Action::Teardown(_)
-                    | Action::TensorPut(_)
-                    | Action::TensorGet(_)
-                    | Action::TensorLs(_)
-                    | Action::WaitDataset(_)
-                    | Action::ReadDataset(_)
-                    | Action::S3Put(_)
-                    | Action::Promql(_)
-            );
+            let records = step.action.records();
             if !records {
                 self.err(
                     &format!("{at}.record"),
-                    format!("a {kind} step has no result to record (put, get, broadcast, ls, rm, exec, python, metrics, teardown and the tensor steps do)"),
+                    format!(
+                        "a {kind} step has no result to record ({} do)",
+                        Action::recording().collect::<Vec<_>>().join(", ")
+                    ),
                 );
             } else if !is_label(r) {
                 self.err(&format!("{at}.record"), "record names are lowercase words");
@@ -530,350 +457,31 @@ impl Checker<'_> {
             }
         }
         match &step.action {
-            Action::Put(p) => {
-                self.pod(&format!("{body}.pod"), &p.pod);
-                self.template(&format!("{body}.key"), &p.key, true);
-                match (&p.data, &p.src) {
-                    (Some(d), None) => self.data(&format!("{body}.data"), d),
-                    (None, Some(s)) => self.template(&format!("{body}.src"), s, true),
-                    _ => self.err(&body, "a put needs exactly one of `data` (a data set) or `src` (a path in the pod)"),
-                }
-                if let Some(l) = &p.locale
-                    && l != "store"
-                    && l != "local"
-                {
-                    self.err(&format!("{body}.locale"), "locale is `store` or `local`");
-                }
-                self.lifespan(&body, p.lifespan.as_deref(), p.ttl.as_deref());
-                self.durations(
-                    &body,
-                    &[
-                        ("deadline", p.deadline.as_deref()),
-                        ("stall_timeout", p.stall_timeout.as_deref()),
-                    ],
-                );
-            }
-            Action::Get(g) | Action::Broadcast(g) => {
-                let broadcast = matches!(step.action, Action::Broadcast(_));
-                for (field, set) in [
-                    ("group", g.group.is_some()),
-                    ("fanout", g.fanout.is_some()),
-                    ("window", g.window.is_some()),
-                ] {
-                    if set && !broadcast {
-                        self.err(
-                            &format!("{body}.{field}"),
-                            format!("`{field}` belongs to broadcast steps (use `broadcast:` instead of `get:`)"),
-                        );
-                    }
-                }
-                if let Some(grp) = &g.group {
-                    self.template(&format!("{body}.group"), grp, false);
-                }
-                if g.fanout == Some(0) {
-                    self.err(&format!("{body}.fanout"), "fanout must be at least 1");
-                }
-                self.durations(
-                    &body,
-                    &[
-                        ("window", g.window.as_deref()),
-                        ("deadline", g.deadline.as_deref()),
-                        ("stall_timeout", g.stall_timeout.as_deref()),
-                    ],
-                );
-                self.pod(&format!("{body}.pod"), &g.pod);
-                self.template(&format!("{body}.key"), &g.key, true);
-                if let Some(d) = &g.dest {
-                    self.template(&format!("{body}.dest"), d, true);
-                    if d.starts_with('/') || d.split('/').any(|s| s == "..") {
-                        self.err(
-                            &format!("{body}.dest"),
-                            "dest is a relative path inside the pod",
-                        );
-                    }
-                }
-                for (i, v) in g.verify.iter().enumerate() {
-                    self.data(&format!("{body}.verify.{i}"), v);
-                }
-            }
-            Action::Ls(l) => {
-                self.template(&format!("{body}.prefix"), &l.prefix, false);
-                if let Some(p) = &l.pod {
-                    self.pod(&format!("{body}.pod"), p);
-                }
-            }
-            Action::Rm(r) => {
-                self.template(&format!("{body}.key"), &r.key, false);
-                if let Some(p) = &r.pod {
-                    self.pod(&format!("{body}.pod"), p);
-                }
-            }
-            Action::Teardown(t) => {
-                if let Some(p) = &t.pod {
-                    self.pod(&format!("{body}.pod"), p);
-                }
-            }
-            Action::Kill(k) if k.node.is_some() => {
-                let node = k.node.as_deref().unwrap_or_default();
-                self.node(&format!("{body}.node"), node);
-                if k.component.is_some() || k.agent.is_some() {
-                    self.err(&body, "a node kill names `node` alone");
-                }
-            }
-            Action::Kill(k) => self.victim(&body, k.victim()),
-            Action::Dataset(d) => {
-                self.nodes(&body);
-                match (&d.apply, &d.delete) {
-                    (Some(a), None) => {
-                        if let Err(e) = crate::datasets::spec_of(a) {
-                            self.err(&format!("{body}.apply"), e);
-                        }
-                    }
-                    (None, Some(_)) => {}
-                    _ => self.err(&body, "a dataset step either `apply`s or `delete`s"),
-                }
-            }
-            Action::WaitDataset(w) => {
-                self.nodes(&body);
-                const PHASES: &[&str] = &["Pending", "Ingesting", "Seeding", "Ready", "Failed"];
-                if !PHASES.contains(&w.phase.as_str()) {
-                    self.err(
-                        &format!("{body}.phase"),
-                        format!("phase is one of {PHASES:?}"),
-                    );
-                }
-                if w.ingest_changed.is_some() && !w.new_version {
-                    self.err(
-                        &format!("{body}.ingest_changed"),
-                        "ingest_changed checks the ingest that brought a new version: add `new_version: true`",
-                    );
-                }
-            }
-            Action::ReadDataset(r) => {
-                self.nodes(&body);
-                self.pod(&format!("{body}.pod"), &r.pod);
-                for (i, d) in r.verify.iter().enumerate() {
-                    self.data(&format!("{body}.verify.{i}"), d);
-                }
-            }
+            Action::Put(p) => self.put(&body, p),
+            Action::Get(g) => self.get(&body, g, false),
+            Action::Broadcast(g) => self.get(&body, g, true),
+            Action::Ls(l) => self.ls(&body, l),
+            Action::Rm(r) => self.rm(&body, r),
+            Action::Teardown(t) => self.teardown(&body, t),
+            Action::Kill(k) => self.kill(&body, k),
+            Action::Restart(r) => self.restart(&body, r),
+            Action::Link(l) => self.link(&body, l),
+            Action::Wait(w) => self.wait(&body, w),
+            Action::Assert(a) => self.assert(&body, a),
+            Action::Snapshot(s) => self.snapshot(&body, s),
+            Action::Exec(e) => self.exec(&body, e),
+            Action::Python(p) => self.python(&body, p),
+            Action::Metrics(m) => self.metrics(&body, m),
+            Action::TensorPut(p) => self.tensor_put(&body, p),
+            Action::TensorGet(g) => self.tensor_get(&body, g),
+            Action::TensorLs(t) => self.tensor_ls(&body, t),
+            Action::Stop(st) => self.stop(&body, st),
+            Action::Dataset(d) => self.dataset(&body, d),
+            Action::WaitDataset(w) => self.wait_dataset(&body, w),
+            Action::ReadDataset(r) => self.read_dataset(&body, r),
             Action::S3Put(s) => self.s3_put(&body, s),
             Action::Promql(q) => self.promql(&body, q),
-            Action::Link(l) => self.component(&format!("{body}.component"), &l.component),
-            Action::Restart(r) => {
-                self.victim(&body, r.victim());
-                if r.signal.is_some_and(Signal::freezes) {
-                    self.err(
-                        &format!("{body}.signal"),
-                        "a restart stops with TERM or KILL; freeze with `kill` and signal STOP, thaw with CONT",
-                    );
-                }
-            }
-            Action::TensorPut(p) => {
-                self.pod(&format!("{body}.pod"), &p.pod);
-                self.template(&format!("{body}.key"), &p.key, true);
-                self.layout(&body, &p.layout, p.repeat);
-                self.device(&body, p.device.as_deref());
-                self.lifespan(&body, p.lifespan.as_deref(), p.ttl.as_deref());
-                if let Some(b) = &p.broadcast {
-                    self.tensor_broadcast(&format!("{body}.broadcast"), b);
-                }
-                if p.bucket
-                    .is_some_and(|b| b.0 < kt_types::tensor::MIN_BUCKET_BYTES)
-                {
-                    self.err(&format!("{body}.bucket"), BUCKET_MINIMUM);
-                }
-                match (&p.name, p.hold) {
-                    (Some(n), true) => {
-                        if !is_label(n) {
-                            self.err(&format!("{body}.as"), "holder names are lowercase words");
-                        } else if !self.holders.insert(n.clone()) {
-                            self.err(&format!("{body}.as"), format!("`{n}` holds twice"));
-                        }
-                    }
-                    (None, true) => self.err(
-                        &format!("{body}.hold"),
-                        "a held put needs `as: NAME`, the name a `stop` step ends it by",
-                    ),
-                    (Some(_), false) => self.err(
-                        &format!("{body}.as"),
-                        "`as` names a held process: add `hold: true`",
-                    ),
-                    (None, false) => {}
-                }
-            }
-            Action::TensorGet(g) => {
-                self.pod(&format!("{body}.pod"), &g.pod);
-                let keys = g.all_keys();
-                if keys.is_empty() {
-                    self.err(&body, "a tensor_get needs `key` or `keys`");
-                }
-                if let Some(k) = &g.key {
-                    self.template(&format!("{body}.key"), k, true);
-                }
-                for (i, k) in g.keys.iter().enumerate() {
-                    self.template(&format!("{body}.keys.{i}"), k, true);
-                }
-                if g.seed.is_some() && !g.seeds.is_empty() {
-                    self.err(
-                        &format!("{body}.seeds"),
-                        "give `seed` (every key) or `seeds` (one per key), not both",
-                    );
-                } else if g.seeds.len() > 1 && g.seeds.len() != keys.len() {
-                    self.err(
-                        &format!("{body}.seeds"),
-                        format!(
-                            "{} seeds for {} keys: give one, or one per key",
-                            g.seeds.len(),
-                            keys.len()
-                        ),
-                    );
-                }
-                self.layout(&body, &g.layout, g.repeat);
-                self.device(&body, g.device.as_deref());
-                if let Some(b) = &g.broadcast {
-                    self.tensor_broadcast(&format!("{body}.broadcast"), b);
-                    if !g.pack {
-                        self.err(
-                            &format!("{body}.pack"),
-                            "`pack` is for peer-to-peer gets; a broadcast packs with `broadcast.pack`",
-                        );
-                    }
-                }
-                if g.bucket
-                    .is_some_and(|b| b.0 < kt_types::tensor::MIN_BUCKET_BYTES)
-                {
-                    self.err(&format!("{body}.bucket"), BUCKET_MINIMUM);
-                }
-            }
-            Action::TensorLs(t) => self.pod(&format!("{body}.pod"), &t.pod),
-            Action::Stop(st) => {
-                if !self.holders.contains(&st.holder) {
-                    self.err(
-                        &format!("{body}.holder"),
-                        format!(
-                            "no earlier tensor_put holds `{}` (hold: true, as: {})",
-                            st.holder, st.holder
-                        ),
-                    );
-                }
-            }
-            Action::Wait(w) => match &w.condition {
-                Condition::Ready(c) => self.component(&format!("{body}.for.ready"), c),
-                Condition::Leases(_) => {}
-                Condition::Peers(p) => {
-                    self.template(&format!("{body}.for.peers.key"), &p.key, false)
-                }
-                Condition::Members(m) => {
-                    self.template(&format!("{body}.for.members.group"), &m.group, false)
-                }
-                Condition::Key(k) | Condition::NoKey(k) => {
-                    self.template(&format!("{body}.for"), k, false)
-                }
-                // A pod's metrics are its agent's (the first instance of
-                // a group).
-                Condition::Metric(m) => {
-                    self.component(&format!("{body}.for.metric.component"), &m.component)
-                }
-            },
-            Action::Assert(a) => {
-                if a.count.is_some() && a.prefix.is_none() {
-                    self.err(&format!("{body}.count"), "count needs a prefix");
-                }
-                if let Some(p) = &a.prefix {
-                    self.template(&format!("{body}.prefix"), p, false);
-                }
-                for (i, k) in a.exists.iter().enumerate() {
-                    self.template(&format!("{body}.exists.{i}"), k, false);
-                }
-                for (i, k) in a.absent.iter().enumerate() {
-                    self.template(&format!("{body}.absent.{i}"), k, false);
-                }
-                if let Some(f) = &a.files {
-                    self.pod(&format!("{body}.files.pod"), &f.pod);
-                    self.data(&format!("{body}.files.data"), &f.data);
-                    self.template(&format!("{body}.files.path"), &f.path, true);
-                }
-                if a.count.is_none()
-                    && a.exists.is_empty()
-                    && a.absent.is_empty()
-                    && a.files.is_none()
-                {
-                    self.err(&body, "an assert needs count, exists, absent or files");
-                }
-            }
-            Action::Snapshot(s) => {
-                if !is_label(&s.name) {
-                    self.err(
-                        &format!("{body}.name"),
-                        "snapshot names are lowercase words",
-                    );
-                } else if !self.records.insert(s.name.clone()) {
-                    self.err(
-                        &format!("{body}.name"),
-                        format!("`{}` is recorded twice", s.name),
-                    );
-                }
-                match (&s.ls, s.metadata) {
-                    (Some(p), false) => self.template(&format!("{body}.ls"), p, false),
-                    (None, true) => {}
-                    _ => self.err(
-                        &body,
-                        "a snapshot captures either `metadata: true` or `ls: PREFIX`",
-                    ),
-                }
-            }
-            Action::Metrics(m) => {
-                if m.component != "metadata" && m.component != "store" {
-                    self.pod(&format!("{body}.component"), &m.component);
-                }
-                if !m.name.starts_with("kt_") {
-                    self.err(&format!("{body}.name"), "kt's metrics are named kt_...");
-                }
-            }
-            Action::Exec(e) => {
-                self.pod(&format!("{body}.pod"), &e.pod);
-                if e.args.is_empty() {
-                    self.err(&format!("{body}.args"), "exec needs arguments");
-                }
-                for (i, a) in e.args.iter().enumerate() {
-                    self.template(&format!("{body}.args.{i}"), a, true);
-                }
-                if let Some(p) = &e.program
-                    && p != "kt"
-                    && p != "sh"
-                {
-                    self.err(&format!("{body}.program"), "program is `kt` or `sh`");
-                }
-                if let Some(r) = &e.stdout {
-                    self.regex(&format!("{body}.stdout"), r);
-                }
-            }
-            Action::Python(p) => {
-                self.pod(&format!("{body}.pod"), &p.pod);
-                if p.script.trim().is_empty() {
-                    self.err(&format!("{body}.script"), "a python step needs a script");
-                }
-                for (i, a) in p.args.iter().enumerate() {
-                    self.template(&format!("{body}.args.{i}"), a, true);
-                }
-                if let Some(r) = &p.stdout {
-                    self.regex(&format!("{body}.stdout"), r);
-                }
-            }
-            Action::Parallel(children) | Action::Sequence(children) => {
-                if children.is_empty() {
-                    self.err(&body, format!("an empty {kind}"));
-                }
-                if step.expect != Expect::Ok {
-                    self.err(
-                        &format!("{at}.expect"),
-                        "groups succeed when all their steps do; put `expect` on the steps",
-                    );
-                }
-                for (i, c) in children.iter().enumerate() {
-                    self.step(&format!("{body}.{i}"), c);
-                }
-            }
+            Action::Parallel(_) | Action::Sequence(_) => self.group(at, &body, step),
         }
     }
 }

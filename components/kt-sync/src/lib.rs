@@ -6,7 +6,8 @@
 //! - [`batch`]: many small files framed into one stream, and its decoder;
 //! - [`chunk`]: large files in chunks, verified by composing blake3 subtree hashes;
 //! - [`apply`]: writing received entries into a directory safely (never through a symlink);
-//! - [`publish`]: versioned directories with an atomic `current` switch.
+//! - [`publish`]: versioned directories with an atomic `current` switch;
+//! - [`du`]: the bytes a directory holds on disk.
 //!
 //! Invariant: no networking here. The crate reads and writes local files and exposes
 //! streams of `Bytes`; servers and clients plug those into HTTP bodies.
@@ -16,6 +17,7 @@ pub mod batch;
 pub mod beneath;
 pub mod chunk;
 pub mod diff;
+pub mod du;
 pub mod error;
 pub mod publish;
 pub mod scan;

@@ -1,8 +1,11 @@
 //! Rank-aware reads of a dataset below a prefix with the real servers and
 //! client: 4 ranks stream disjoint, byte-balanced shares whose union is the
 //! dataset, never holding more than their budget on disk; a stream resumes
-//! from a position; a peer lost mid-stream fails over to the store; and
-//! `get_share` places a share as a prefix get would.
+//! from a position; a peer lost mid-stream fails over to the store;
+//! `get_share` places a share as a prefix get would; a file whose size
+//! differs from the listing is refused before a byte moves; and two keys
+//! whose files would take one place are streamed apart, or refused by name
+//! by `get_share`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -12,8 +15,8 @@ use std::time::Duration;
 
 use kt_client::Progress;
 use kt_client::stream::{DatasetFile, StreamOptions};
-use kt_tests::{CHUNK, Cluster, bytes, wait_until};
-use kt_types::api::PutOptions;
+use kt_tests::{CHUNK, Cluster, TOKEN, bytes, wait_until};
+use kt_types::api::{PutOptions, RegisterKey};
 use kt_types::shard::{Shard, ShareSpec};
 use kt_types::{Key, KeyPrefix};
 
@@ -89,20 +92,6 @@ async fn dataset(c: &Cluster) -> BTreeMap<String, Vec<u8>> {
     want
 }
 
-/// Bytes of the files below `dir`, now.
-fn disk_bytes(dir: &Path) -> u64 {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    rd.flatten()
-        .map(|d| match d.file_type() {
-            Ok(t) if t.is_dir() => disk_bytes(&d.path()),
-            Ok(_) => d.metadata().map_or(0, |m| m.len()),
-            Err(_) => 0,
-        })
-        .sum()
-}
-
 /// Samples `dir`'s bytes on disk on a thread of its own until stopped:
 /// the most seen.
 struct Sampler {
@@ -120,7 +109,7 @@ impl Sampler {
         let (s, m, dir) = (stop.clone(), max.clone(), dir.to_owned());
         let thread = std::thread::spawn(move || {
             while !s.load(Ordering::SeqCst) {
-                m.fetch_max(disk_bytes(&dir), Ordering::SeqCst);
+                m.fetch_max(kt_sync::du::disk_bytes(&dir), Ordering::SeqCst);
                 std::thread::yield_now();
             }
         });
@@ -172,7 +161,7 @@ async fn four_ranks_stream_disjoint_balanced_shares_within_their_budget() {
             // In the stream's own directory inside `dir`.
             assert!(s.dir().starts_with(&dir) && s.dir() != dir);
             assert_eq!(f.path, s.dir().join(&f.file.path));
-            assert!(disk_bytes(&dir) <= budget);
+            assert!(kt_sync::du::disk_bytes(&dir) <= budget);
             order.push(f.file.path.clone());
             *seen.entry(f.file.path.clone()).or_default() += 1;
             drop(f);
@@ -190,7 +179,7 @@ async fn four_ranks_stream_disjoint_balanced_shares_within_their_budget() {
         );
         assert!(most > 0, "rank {rank}: the sampler saw nothing");
         // Every consumed file was deleted.
-        assert_eq!(disk_bytes(&dir), 0);
+        assert_eq!(kt_sync::du::disk_bytes(&dir), 0);
         let own = s.dir().to_owned();
         drop(s);
         wait_until("the stream's directory removed", WAIT, || async {
@@ -489,5 +478,136 @@ async fn a_stream_yields_a_file_whose_place_is_a_directory_where_it_lies() {
     }
     assert_eq!(got, want);
     assert_eq!(s.held(), 0);
+    c.stop().await;
+}
+
+/// Puts `data` as the single-file key `k`, from a source file named `name`.
+async fn put_file(c: &Cluster, k: &str, name: &str, data: &[u8]) {
+    let src = c.dir.path().join("src-files").join(k.replace('/', "_"));
+    std::fs::create_dir_all(&src).unwrap();
+    let file = src.join(name);
+    std::fs::write(&file, data).unwrap();
+    c.client_with(|cfg| cfg.serve_copies = false)
+        .put(&key(k), &file, PutOptions::default(), Progress::none())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_file_larger_than_listed_is_refused_before_a_byte_moves() {
+    let c = Cluster::start().await;
+    let big = bytes(300, 4 << 20);
+    put_file(&c, "sized/keys/big", "big.bin", &big).await;
+    let client = c.client_with(|cfg| cfg.serve_copies = false);
+    let record = client.stat(&key("sized/keys/big")).await.unwrap();
+    // The same version and digest registered again with a false size, as
+    // a registrant may (the metadata server stores the size it is told).
+    let reg = RegisterKey {
+        locale: record.locale,
+        source: record.source.clone(),
+        holder: None,
+        version: record.version.clone(),
+        is_dir: false,
+        size: 1,
+        files: 1,
+        tensors: None,
+        digest: record.digest,
+        options: PutOptions::default(),
+        only_if: None,
+    };
+    let resp = kt_api::client()
+        .put(format!("{}/api/v1/keys/sized/keys/big", c.metadata_url()))
+        .bearer_auth(TOKEN)
+        .json(&reg)
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.status().is_success(), "{}", resp.status());
+    assert_eq!(client.stat(&key("sized/keys/big")).await.unwrap().size, 1);
+    let sized = KeyPrefix::parse("sized/keys").unwrap();
+    let before = c.store_metrics.bytes_out();
+    let mut s = client
+        .stream_share(&sized, StreamOptions::new(spec(0, 1), 1 << 20))
+        .await
+        .unwrap();
+    let gauge = s.gauge();
+    let e = s.next().await.unwrap().unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains(&format!("{} bytes", big.len())), "{text}");
+    assert!(text.contains("1 bytes when listed"), "{text}");
+    assert!(text.contains("changed since it was listed"), "{text}");
+    assert!(!e.is_source_failure(), "{e:?}");
+    assert!(gauge.peak() <= 1 << 20, "peak {}", gauge.peak());
+    assert_eq!(kt_sync::du::disk_bytes(s.dir()), 0);
+    // The manifest was read; none of the file's bytes were sent.
+    let sent = c.store_metrics.bytes_out() - before;
+    assert!(sent < 64 << 10, "the store sent {sent} bytes");
+    // A share get is refused the same way.
+    let dest = c.dir.path().join("sized-dest");
+    let e = client
+        .get_share(&sized, &spec(0, 1), &dest)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("changed since it was listed"), "{e}");
+    assert_eq!(kt_sync::du::disk_bytes(&dest), 0);
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_keys_whose_files_take_one_place_stream_apart_and_a_share_get_refuses_them() {
+    let c = Cluster::start().await;
+    // Key `a` is a file named `b`: placed where key `a/b`'s file lies.
+    let (outer, inner) = (bytes(400, 70_000), bytes(401, 50_000));
+    put_file(&c, "clash/keys/a", "b", &outer).await;
+    put_file(&c, "clash/keys/a/b", "inner.bin", &inner).await;
+    let want = BTreeMap::from([("a".to_owned(), outer), ("a/b".to_owned(), inner)]);
+    let client = c.client_with(|cfg| cfg.serve_copies = false);
+    let clash = KeyPrefix::parse("clash/keys").unwrap();
+    for epoch in 0..4 {
+        let order = ShareSpec {
+            epoch,
+            shuffle: true,
+            ..spec(0, 1)
+        };
+        let mut s = client
+            .stream_share(&clash, StreamOptions::new(order, 1 << 20))
+            .await
+            .unwrap();
+        // Both fetched before either is dropped: each keeps its own bytes.
+        let mut held = Vec::new();
+        while let Some(f) = s.next().await {
+            held.push(f.unwrap());
+        }
+        assert_eq!(held.len(), 2);
+        assert_ne!(held[0].path(), held[1].path());
+        for f in &held {
+            assert_eq!(
+                Some(&f.bytes().await.unwrap()),
+                want.get(&f.file.path),
+                "{}",
+                f.file.path
+            );
+        }
+        // Dropping one leaves the other's file.
+        let last = held.pop().unwrap();
+        drop(held);
+        assert_eq!(
+            Some(&last.bytes().await.unwrap()),
+            want.get(&last.file.path)
+        );
+        drop(last);
+        assert_eq!(s.held(), 0);
+    }
+    let dest = c.dir.path().join("clash-dest");
+    let e = client
+        .get_share(&clash, &spec(0, 1), &dest)
+        .await
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("a (key clash/keys/a) and a/b (key clash/keys/a/b)"),
+        "{text}"
+    );
+    assert!(!dest.exists(), "a refused share get placed something");
     c.stop().await;
 }

@@ -9,7 +9,7 @@
 //! first_target=met|MISSED budget_target=met|MISSED` (medians; the first
 //! file's target is under 10% of the full get's time).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -44,20 +44,6 @@ struct Args {
     runs: usize,
 }
 
-/// Bytes of the files below `dir`, now.
-fn disk_bytes(dir: &Path) -> u64 {
-    let Ok(rd) = std::fs::read_dir(dir) else {
-        return 0;
-    };
-    rd.flatten()
-        .map(|d| match d.file_type() {
-            Ok(t) if t.is_dir() => disk_bytes(&d.path()),
-            Ok(_) => d.metadata().map_or(0, |m| m.len()),
-            Err(_) => 0,
-        })
-        .sum()
-}
-
 #[derive(Debug, Clone, Copy)]
 struct Run {
     get_s: f64,
@@ -86,7 +72,7 @@ async fn one(kt: &KtCluster, scratch: &ScratchDir, n: usize, args: &Args) -> any
         let (stop, most, dir) = (stop.clone(), most.clone(), dir.clone());
         std::thread::spawn(move || {
             while !stop.load(Ordering::SeqCst) {
-                most.fetch_max(disk_bytes(&dir), Ordering::SeqCst);
+                most.fetch_max(kt_sync::du::disk_bytes(&dir), Ordering::SeqCst);
                 std::thread::sleep(Duration::from_millis(1));
             }
         })

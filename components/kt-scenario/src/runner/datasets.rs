@@ -18,7 +18,7 @@ use crate::datasets::{
     DATASET_NAMESPACE, DatasetStep, ReadDatasetStep, WaitDatasetStep, brought_by, expand_strings,
     node_order, nodes_at_version, normalise_status, ready_nodes, source_settled, spec_of,
 };
-use crate::format::{KillStep, Step};
+use crate::format::Step;
 
 const POLL: Duration = Duration::from_millis(50);
 
@@ -240,19 +240,6 @@ impl Scn<'_> {
             Ok(())
         }
         .await;
-        self.expect_plain(step, outcome)
-    }
-
-    /// `kill: { node }`: node lost.
-    pub(super) async fn kill_node(&self, step: &Step, k: &KillStep) -> Result<(), StepError> {
-        let outcome = match &k.node {
-            Some(node) => self
-                .target
-                .kill_node(node)
-                .await
-                .map_err(|e| StepError::at(node, e)),
-            None => Err(StepError::Input("kill_node without a node".to_owned())),
-        };
         self.expect_plain(step, outcome)
     }
 }

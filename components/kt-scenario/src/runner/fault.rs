@@ -1,5 +1,6 @@
-//! Fault steps: `kill` and `restart` of components and agents, and `stop`
-//! of held processes (and of those left at the scenario's end).
+//! Fault steps: `kill` and `restart` of components and agents, `link`
+//! cuts (each a [`Fault`] per component it hits), and `stop` of held
+//! processes (and of those left at the scenario's end).
 
 use std::time::{Duration, Instant};
 
@@ -7,65 +8,46 @@ use futures::future::{FutureExt, join_all};
 
 use super::exec::PodRun;
 use super::{Scn, StepError, StepResult};
+use crate::fault::{Fault, Hit};
 use crate::format::{KillStep, LinkState, LinkStep, RestartStep, Signal, Step, StopStep, Victim};
-use crate::target::Component;
 
 /// How long a holder left at the scenario's end gets after TERM.
 const HOLDER_GRACE: Duration = Duration::from_secs(10);
 
 impl Scn<'_> {
-    /// `kill`: signals a component or a pod's agent.
+    /// `kill`: signals a component or a pod's agent, or loses a node.
     pub(super) async fn kill(&self, step: &Step, k: &KillStep) -> Result<(), StepError> {
-        let outcome = match k.victim() {
-            Ok(Victim::Component(name)) => {
-                self.each_component(
-                    name,
-                    |c| async move { self.target.kill(&c, k.signal).await },
-                )
-                .await
-            }
-            Ok(Victim::Agent(pod)) => {
-                self.each_agent(pod, |p| async move {
-                    self.target.kill_agent(&p, k.signal).await
-                })
-                .await
-            }
-            Err(e) => Err(StepError::Input(e.to_owned())),
-        };
+        let outcome = async {
+            let faults = match &k.node {
+                Some(node) => vec![Fault::LoseNode(node.clone())],
+                None => self.faults(k.victim(), |h| Fault::Signal(h, k.signal))?,
+            };
+            self.inject(faults).await
+        }
+        .await;
         self.expect_plain(step, outcome)
     }
 
     /// `restart`: signals a component or a pod's agent and starts it again.
     pub(super) async fn restart(&self, step: &Step, r: &RestartStep) -> Result<(), StepError> {
         let sig = r.signal.unwrap_or(Signal::TERM);
-        let outcome = match r.victim() {
-            Ok(Victim::Component(name)) => {
-                self.each_component(name, |c| async move {
-                    self.target.kill(&c, sig).await?;
-                    self.target.start(&c).await
-                })
-                .await
-            }
-            Ok(Victim::Agent(pod)) => {
-                self.each_agent(pod, |p| async move {
-                    self.target.kill_agent(&p, sig).await?;
-                    self.target.start(&Component::Pod(p)).await
-                })
-                .await
-            }
-            Err(e) => Err(StepError::Input(e.to_owned())),
-        };
+        let outcome = async {
+            let faults = self.faults(r.victim(), |h| Fault::Restart(h, sig))?;
+            self.inject(faults).await
+        }
+        .await;
         self.expect_plain(step, outcome)
     }
 
     /// `link`: cuts or restores the links of a server or a pod group.
     pub(super) async fn link(&self, step: &Step, l: &LinkStep) -> Result<(), StepError> {
         let up = l.state == LinkState::Up;
-        let outcome = self
-            .each_component(&l.component, |c| async move {
-                self.target.set_link(&c, up).await
-            })
-            .await;
+        let outcome = async {
+            let victim = Ok(Victim::Component(&l.component));
+            let faults = self.faults(victim, |h| Fault::Link(h.component(), up))?;
+            self.inject(faults).await
+        }
+        .await;
         self.expect_plain(step, outcome)
     }
 
@@ -129,50 +111,41 @@ impl Scn<'_> {
         join_all(stops).await;
     }
 
-    /// Runs `f` on every component `name` selects, all at once.
-    async fn each_component<F, Fut>(&self, name: &str, f: F) -> Result<(), StepError>
-    where
-        F: Fn(Component) -> Fut,
-        Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
-    {
-        let comps = self.components(name);
-        if comps.is_empty() {
-            return Err(StepError::Input(format!("no component named {name}")));
+    /// The fault `make` makes of everything a victim names: every
+    /// component (or every pod's agent) it selects.
+    fn faults(
+        &self,
+        victim: Result<Victim<'_>, &'static str>,
+        make: impl Fn(Hit) -> Fault,
+    ) -> Result<Vec<Fault>, StepError> {
+        let victim = victim.map_err(|e| StepError::Input(e.to_owned()))?;
+        let hits: Vec<Hit> = match victim {
+            Victim::Component(name) => (self.components(name).into_iter())
+                .map(Hit::Component)
+                .collect(),
+            Victim::Agent(name) => (self.select(name).iter())
+                .map(|p| Hit::Agent(p.name.clone()))
+                .collect(),
+        };
+        if hits.is_empty() {
+            return Err(StepError::Input(match victim {
+                Victim::Component(name) => format!("no component named {name}"),
+                Victim::Agent(name) => format!("no pod named {name}"),
+            }));
         }
-        all_at_once(comps, Component::to_string, f).await
+        Ok(hits.into_iter().map(make).collect())
     }
 
-    /// Runs `f` on the agent of every pod `name` selects, all at once.
-    async fn each_agent<F, Fut>(&self, name: &str, f: F) -> Result<(), StepError>
-    where
-        F: Fn(String) -> Fut,
-        Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
-    {
-        let pods: Vec<String> = self.select(name).iter().map(|p| p.name.clone()).collect();
-        if pods.is_empty() {
-            return Err(StepError::Input(format!("no pod named {name}")));
-        }
-        all_at_once(pods, |p| format!("the agent of pod {p}"), f).await
+    /// Injects every fault at once: a kill or restart of a pod group hits
+    /// its pods together, as a node failure would, rather than one after
+    /// another (on slow targets a group's last pod would otherwise be hit
+    /// long after its first). Every injection finishes; the first error,
+    /// named by what it hit, is the outcome.
+    async fn inject(&self, faults: Vec<Fault>) -> Result<(), StepError> {
+        let runs = faults.iter().map(|f| {
+            f.inject(self.target)
+                .map(move |r| r.map_err(|e| StepError::at(f.hits(), e)))
+        });
+        join_all(runs).await.into_iter().collect()
     }
-}
-
-/// Runs `f` on every item at once: a kill or restart of a pod group hits
-/// its pods together, as a node failure would, rather than one after
-/// another (on slow targets a group's last pod would otherwise be hit long
-/// after its first). Every run finishes; the first error, named by `what`,
-/// is the outcome.
-async fn all_at_once<T, F, Fut>(
-    items: Vec<T>,
-    what: impl Fn(&T) -> String,
-    f: F,
-) -> Result<(), StepError>
-where
-    F: Fn(T) -> Fut,
-    Fut: std::future::Future<Output = Result<(), crate::target::TargetError>>,
-{
-    let runs = items.into_iter().map(|item| {
-        let what = what(&item);
-        f(item).map(move |r| r.map_err(|e| StepError::at(what, e)))
-    });
-    join_all(runs).await.into_iter().collect()
 }

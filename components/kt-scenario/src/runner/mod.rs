@@ -113,7 +113,6 @@ pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
             target.name()
         ));
     }
-    let steps = || l.scenario.steps.iter().chain(&l.scenario.finally);
     if l.scenario.topology.nodes.is_some() && !target.runs_nodes() {
         return Some(format!(
             "runs Kubernetes nodes (topology `nodes`: an API server, node-cache agents, the Dataset controller), which the {} target does not yet (local does)",
@@ -138,19 +137,19 @@ pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
             target.name()
         ));
     }
-    if !target.freezes() && steps().any(freezes) {
+    if !target.freezes() && l.scenario.any_step(freezes) {
         return Some(format!(
             "freezes a process (kill -STOP), which the {} target cannot do (local, netns and docker can)",
             target.name()
         ));
     }
-    if !target.cuts_links() && steps().any(cuts_links) {
+    if !target.cuts_links() && l.scenario.any_step(cuts_links) {
         return Some(format!(
             "cuts a network link, which the {} target cannot do (netns can)",
             target.name()
         ));
     }
-    if !target.keeps_killed_agents_down() && steps().any(kills_an_agent) {
+    if !target.keeps_killed_agents_down() && l.scenario.any_step(kills_an_agent) {
         return Some(format!(
             "kills a pod's agent and expects it down, but on the {} target the kubelet restarts a dead sidecar at once",
             target.name()
@@ -161,41 +160,23 @@ pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
 
 /// Does `l` have a `python` step (anywhere, `finally` too)?
 pub fn runs_python(l: &Loaded) -> bool {
-    fn has(step: &Step) -> bool {
-        match &step.action {
-            Action::Python(_) => true,
-            Action::Parallel(inner) | Action::Sequence(inner) => inner.iter().any(has),
-            _ => false,
-        }
-    }
-    l.scenario.steps.iter().chain(&l.scenario.finally).any(has)
+    l.scenario
+        .any_step(|s| matches!(s.action, Action::Python(_)))
 }
 
-/// Does this step (or one nested in it) kill an agent alone?
+/// Does this step kill an agent alone?
 fn kills_an_agent(step: &Step) -> bool {
-    match &step.action {
-        Action::Kill(k) => matches!(k.victim(), Ok(Victim::Agent(_))),
-        Action::Parallel(inner) | Action::Sequence(inner) => inner.iter().any(kills_an_agent),
-        _ => false,
-    }
+    matches!(&step.action, Action::Kill(k) if matches!(k.victim(), Ok(Victim::Agent(_))))
 }
 
-/// Does this step (or one nested in it) cut or restore a link?
+/// Does this step cut or restore a link?
 fn cuts_links(step: &Step) -> bool {
-    match &step.action {
-        Action::Link(_) => true,
-        Action::Parallel(inner) | Action::Sequence(inner) => inner.iter().any(cuts_links),
-        _ => false,
-    }
+    matches!(step.action, Action::Link(_))
 }
 
-/// Does this step (or one nested in it) freeze or thaw something?
+/// Does this step freeze or thaw something?
 fn freezes(step: &Step) -> bool {
-    match &step.action {
-        Action::Kill(k) => k.signal.freezes(),
-        Action::Parallel(inner) | Action::Sequence(inner) => inner.iter().any(freezes),
-        _ => false,
-    }
+    matches!(&step.action, Action::Kill(k) if k.signal.freezes())
 }
 
 /// Is `l` a CUDA scenario (tag `gpu`, or a pod with `gpu: true`)?
@@ -209,7 +190,7 @@ pub fn cuda_missing() -> Option<String> {
     static PROBE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     PROBE
         .get_or_init(|| {
-            let forced = std::env::var("KT_GPU").is_ok_and(|v| v == "1");
+            let forced = std::env::var(kt_types::env::GPU).is_ok_and(|v| v == "1");
             let listed = || {
                 std::process::Command::new("nvidia-smi")
                     .arg("-L")
@@ -513,37 +494,26 @@ pub fn data_uses(
     pods: &[PodPlan],
     data: &BTreeMap<String, PathBuf>,
 ) -> Vec<(String, PathBuf)> {
-    fn walk(
-        steps: &[Step],
-        pods: &[PodPlan],
-        data: &BTreeMap<String, PathBuf>,
-        out: &mut Vec<(String, PathBuf)>,
-    ) {
-        for s in steps {
-            match &s.action {
-                Action::Put(p) => {
-                    let Some(host) = p.data.as_ref().and_then(|d| data.get(d)) else {
-                        continue;
-                    };
-                    let exact = pods.iter().any(|x| x.name == p.pod);
-                    for x in pods
-                        .iter()
-                        .filter(|x| x.name == p.pod || (!exact && x.group == p.pod))
-                    {
-                        let u = (x.name.clone(), host.clone());
-                        if !out.contains(&u) {
-                            out.push(u);
-                        }
-                    }
-                }
-                Action::Parallel(c) | Action::Sequence(c) => walk(c, pods, data, out),
-                _ => {}
+    let mut out = Vec::new();
+    let mut visit = |_: &str, s: &Step| {
+        let Action::Put(p) = &s.action else { return };
+        let Some(host) = p.data.as_ref().and_then(|d| data.get(d)) else {
+            return;
+        };
+        let exact = pods.iter().any(|x| x.name == p.pod);
+        for x in pods
+            .iter()
+            .filter(|x| x.name == p.pod || (!exact && x.group == p.pod))
+        {
+            let u = (x.name.clone(), host.clone());
+            if !out.contains(&u) {
+                out.push(u);
             }
         }
+    };
+    for s in l.scenario.steps.iter().chain(&l.scenario.finally) {
+        s.walk("", &mut visit);
     }
-    let mut out = Vec::new();
-    walk(&l.scenario.steps, pods, data, &mut out);
-    walk(&l.scenario.finally, pods, data, &mut out);
     out
 }
 
@@ -1022,7 +992,6 @@ impl<'a> Scn<'a> {
             Action::Rm(r) => self.rm(step, r, started, result).await,
             Action::Exec(e) => self.exec(step, e, started, result).await,
             Action::Python(p) => self.python(step, p, started, result).await,
-            Action::Kill(k) if k.node.is_some() => self.kill_node(step, k).await,
             Action::Kill(k) => self.kill(step, k).await,
             Action::Restart(r) => self.restart(step, r).await,
             Action::Link(l) => self.link(step, l).await,
