@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use kt_sync::scan::{Kept, scan_keeping};
+use kt_sync::scan::{Kept, scan_deferring};
 use kt_sync::{ScanCache, SyncError};
 use kt_types::Manifest;
 
@@ -57,6 +57,18 @@ pub(crate) async fn scan_cached(
     src: &Path,
     keep: u64,
 ) -> Result<(Manifest, Kept), ClientError> {
+    let (m, kept, _) = scan_cached_deferring(client, src, keep, None).await?;
+    Ok((m, kept))
+}
+
+/// [`scan_cached`], leaving unhashed the files larger than `defer_above`
+/// the cache has no hash for ([`kt_sync::scan::scan_deferring`]).
+pub(crate) async fn scan_cached_deferring(
+    client: &Client,
+    src: &Path,
+    keep: u64,
+    defer_above: Option<u64>,
+) -> Result<(Manifest, Kept, Vec<u32>), ClientError> {
     let cache_path = cache_file(client, src);
     let src = src.to_owned();
     blocking(move || {
@@ -64,7 +76,7 @@ pub(crate) async fn scan_cached(
             .as_deref()
             .map(ScanCache::load)
             .unwrap_or_default();
-        let scanned = scan_keeping(&src, &mut cache, keep)?;
+        let scanned = scan_deferring(&src, &mut cache, keep, defer_above)?;
         if let Some(p) = cache_path.filter(|_| cache.dirty)
             && let Err(e) = cache.save(&p)
         {

@@ -1,30 +1,32 @@
 //! put and get: the client side of the sync protocol.
 
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use blake3::hazmat::ChainingValue;
 use futures::{StreamExt, TryStreamExt};
 use kt_api::Api;
 use kt_sync::SyncError;
 use kt_sync::batch::{SendItem, send_stream};
-use kt_sync::chunk::{chunk_count, chunk_range};
+use kt_sync::chunk::{ChunkAssembly, chunk_count, chunk_cv, chunk_range};
 use kt_sync::scan::Kept;
 use kt_sync::scan::source_path;
 use kt_types::agent::{ControlReply, ControlRequest};
 use kt_types::api::{
-    BatchAck, CommitResponse, LeaseRequest, PutOptions, PutPlan, PutRequest, ReadManifest,
-    SourceLease, TransferStats,
+    BatchAck, CommitRequest, CommitResponse, DEFERRED_HASH, DeferredRoot, LeaseRequest, PutOptions,
+    PutPlan, PutRequest, ReadManifest, SourceLease, TransferStats,
 };
 use kt_types::codec;
-use kt_types::{Hash, Key, KeyPrefix, KeyRecord, Manifest, paths};
+use kt_types::{Entry, Hash, Key, KeyPrefix, KeyRecord, Manifest, paths};
 
 use crate::agent::AgentConn;
 use crate::api::Client;
 use crate::deadline::{FirstContact, Phase};
 use crate::download::{Download, Serving};
 use crate::error::ClientError;
-use crate::local::{KEEP_BUDGET, balance, blocking, scan_cached};
+use crate::local::{KEEP_BUDGET, balance, blocking, cache_file, scan_cached_deferring};
 use crate::progress::Progress;
 use crate::relay::Board;
 use crate::retry::{Failures, Next, pause};
@@ -121,6 +123,179 @@ pub(crate) fn fold_key_gets(
 /// Keys a prefix get fetches at once.
 const PREFIX_CONCURRENCY: usize = 4;
 
+/// Files larger than this whose hash the scan cache lacks are not hashed by
+/// a put's scan but while they are sent (read once), if the store takes them
+/// in chunks; those it does not (no larger than its chunk size, which its
+/// first answer tells) are hashed then.
+const DEFER_ABOVE: u64 = 4 << 20;
+
+/// Chaining values of deferred files' chunks as read, by file index and
+/// chunk number.
+type Cvs = Arc<std::sync::Mutex<HashMap<u32, BTreeMap<u64, ChainingValue>>>>;
+
+/// A put's tree across its attempts: the scan, the large files whose
+/// hashes it defers ([`PutRequest::deferred`]) and the chaining values of
+/// their chunks read so far.
+struct PutTree {
+    /// As scanned; a deferred entry's hash is `None` until this put knows it.
+    manifest: Manifest,
+    /// Contents of small files the scan read.
+    kept: Kept,
+    /// Entries whose hashes are deferred, ascending. Only files the store
+    /// would not chunk leave it: after a store restart the same request
+    /// (the same provisional digest) resumes the interrupted upload.
+    deferred: Vec<u32>,
+    /// Entries the scan left unhashed and this put hashed whole.
+    hashed: Vec<u32>,
+    /// What was read of the deferred files, for `cv_chunk`-byte chunks.
+    cvs: Cvs,
+    cv_chunk: u64,
+    /// The request as sent now (its digest provisional while entries are
+    /// deferred) and the manifest it carries, encoded.
+    req: PutRequest,
+    encoded: Vec<u8>,
+}
+
+impl PutTree {
+    fn new(
+        key: &Key,
+        options: PutOptions,
+        manifest: Manifest,
+        kept: Kept,
+        deferred: Vec<u32>,
+    ) -> Self {
+        let mut tree = PutTree {
+            manifest,
+            kept,
+            deferred,
+            hashed: Vec::new(),
+            cvs: Cvs::default(),
+            cv_chunk: 0,
+            req: PutRequest {
+                key: key.clone(),
+                digest: Hash([0; 32]),
+                options,
+                deferred: Vec::new(),
+            },
+            encoded: Vec::new(),
+        };
+        tree.settle();
+        tree
+    }
+
+    /// Rebuilds the request from the manifest and what is deferred.
+    fn settle(&mut self) {
+        self.encoded = if self.deferred.is_empty() {
+            codec::to_bytes(&self.manifest)
+        } else {
+            codec::to_bytes(&self.with_hashes(self.deferred.iter().map(|&i| (i, DEFERRED_HASH))))
+        };
+        self.req.digest = kt_sync::digest_of_encoded(&self.encoded);
+        self.req.deferred.clone_from(&self.deferred);
+    }
+
+    /// The manifest with `hashes` filled in.
+    fn with_hashes(&self, hashes: impl IntoIterator<Item = (u32, Hash)>) -> Manifest {
+        let mut m = self.manifest.clone();
+        for (i, h) in hashes {
+            m.entries[i as usize].hash = Some(h);
+        }
+        m
+    }
+
+    /// Deferred entries of at most `chunk_size` bytes (not sent in chunks).
+    fn deferred_up_to(&self, chunk_size: u64) -> Vec<u32> {
+        let m = &self.manifest;
+        let small = |i: &&u32| m.entries[**i as usize].size <= chunk_size;
+        self.deferred.iter().filter(small).copied().collect()
+    }
+
+    /// The store's chunk size: values read for another are of no use.
+    fn chunk_size(&mut self, chunk_size: u64) {
+        if self.cv_chunk != chunk_size {
+            self.cvs.lock().unwrap_or_else(|p| p.into_inner()).clear();
+            self.cv_chunk = chunk_size;
+        }
+    }
+
+    /// Hashes the deferred entries among `which` whole, now (they are no
+    /// longer deferred); false when none was.
+    async fn hash_now(&mut self, src: &Path, which: &[u32]) -> Result<bool, ClientError> {
+        let files: Vec<(u32, PathBuf, u64)> = which
+            .iter()
+            .filter(|i| self.deferred.binary_search(i).is_ok())
+            .map(|&i| {
+                let e = &self.manifest.entries[i as usize];
+                (i, source_path(src, &self.manifest, &e.path), e.size)
+            })
+            .collect();
+        if files.is_empty() {
+            return Ok(false);
+        }
+        let hashes = blocking(move || {
+            files
+                .into_iter()
+                .map(|(i, path, size)| kt_sync::scan::hash_file(&path, size).map(|h| (i, h)))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await?;
+        for (i, h) in hashes {
+            self.manifest.entries[i as usize].hash = Some(h);
+            self.deferred.retain(|&d| d != i);
+            self.hashed.push(i);
+        }
+        self.settle();
+        Ok(true)
+    }
+
+    /// The root of deferred entry `i`, once every chunk of it was read.
+    fn root(&self, i: u32) -> Option<Hash> {
+        let size = self.manifest.entries[i as usize].size;
+        let cvs = self.cvs.lock().unwrap_or_else(|p| p.into_inner());
+        let read = cvs.get(&i).filter(|_| self.cv_chunk > 0)?;
+        let mut asm = ChunkAssembly::new(size, self.cv_chunk);
+        for (n, cv) in read {
+            asm.add_cv(*n, *cv);
+        }
+        asm.root()
+    }
+
+    /// Every deferred entry's root, once all are known (none deferred: empty).
+    fn roots(&self) -> Option<Vec<DeferredRoot>> {
+        self.deferred
+            .iter()
+            .map(|&index| self.root(index).map(|hash| DeferredRoot { index, hash }))
+            .collect()
+    }
+
+    /// With entries deferred whose roots are all known: the request of
+    /// the tree with its real hashes (what the store publishes).
+    fn resolved_request(&self) -> Option<PutRequest> {
+        if self.deferred.is_empty() {
+            return None;
+        }
+        let roots = self.roots()?;
+        let m = self.with_hashes(roots.into_iter().map(|r| (r.index, r.hash)));
+        Some(PutRequest {
+            digest: kt_sync::manifest_digest(&m),
+            deferred: Vec::new(),
+            ..self.req.clone()
+        })
+    }
+
+    /// The hashes this put computed that its scan did not.
+    fn learned(&self) -> Vec<(u32, Hash)> {
+        let hashed = self.hashed.iter().filter_map(|&i| {
+            let h = self.manifest.entries[i as usize].hash?;
+            Some((i, h))
+        });
+        let roots = self.roots().unwrap_or_default();
+        hashed
+            .chain(roots.into_iter().map(|r| (r.index, r.hash)))
+            .collect()
+    }
+}
+
 enum Job {
     Batch(Vec<SendItem>),
     Chunk {
@@ -129,6 +304,12 @@ enum Job {
         path: PathBuf,
         offset: u64,
         len: u64,
+        /// False: only hashed (the store kept it from an upload a restart
+        /// interrupted, and this put lacks its chaining value).
+        send: bool,
+        /// A deferred file's chunk: its chaining value goes there (chunks
+        /// of this size).
+        cvs: Option<(Cvs, u64)>,
     },
 }
 
@@ -183,18 +364,15 @@ impl Client {
             Err(e) => return Err(e),
         };
         crate::deadline::enter(Phase::Transferring);
-        let (manifest, mut kept) = scan_cached(self, src, KEEP_BUDGET).await?;
+        let (manifest, kept, deferred) =
+            scan_cached_deferring(self, src, KEEP_BUDGET, Some(DEFER_ABOVE)).await?;
         tracing::debug!(
             ms = started.elapsed().as_millis() as u64,
             entries = manifest.entries.len(),
+            deferred = deferred.len(),
             "put: scanned"
         );
-        let encoded = kt_types::codec::to_bytes(&manifest);
-        let req = PutRequest {
-            key: key.clone(),
-            digest: kt_sync::digest_of_encoded(&encoded),
-            options,
-        };
+        let mut tree = PutTree::new(key, options, manifest, kept, deferred);
         // A store that restarts or stalls mid-put is waited for and the put
         // starts over in a new session; the old version stays readable
         // throughout (nothing is published until a commit succeeds).
@@ -205,11 +383,8 @@ impl Client {
             let attempt = self
                 .put_attempt(
                     store_url.take(),
-                    &req,
+                    &mut tree,
                     src,
-                    &manifest,
-                    &encoded,
-                    &mut kept,
                     &progress,
                     started,
                     &mut stage,
@@ -224,6 +399,7 @@ impl Client {
                         s.unchanged = false;
                         s.record = self.stat(key).await.ok();
                     }
+                    self.remember_hashes(src, &tree).await;
                     return Ok(s);
                 }
                 Err(e) if e.is_transient() || e.code() == Some(kt_types::ErrorCode::NotFound) => {
@@ -249,24 +425,59 @@ impl Client {
         }
     }
 
+    /// Records in the scan cache the hashes this put computed that its scan
+    /// did not (deferred files), so that the next put of them unchanged is
+    /// a cache hit. Only files whose size and mtime are still those scanned;
+    /// best effort.
+    async fn remember_hashes(&self, src: &Path, tree: &PutTree) {
+        let learned = tree.learned();
+        let Some(cache_path) = cache_file(self, src).filter(|_| !learned.is_empty()) else {
+            return;
+        };
+        let files: Vec<(String, PathBuf, Entry, Hash)> = learned
+            .into_iter()
+            .map(|(i, hash)| {
+                let e = tree.manifest.entries[i as usize].clone();
+                let abs = source_path(src, &tree.manifest, &e.path);
+                (e.path.clone(), abs, e, hash)
+            })
+            .collect();
+        let saved = blocking(move || {
+            let mut cache = kt_sync::ScanCache::load(&cache_path);
+            for (rel, abs, e, hash) in files {
+                use std::os::unix::fs::MetadataExt;
+                let Ok(md) = std::fs::symlink_metadata(&abs) else {
+                    continue;
+                };
+                let same = md.is_file()
+                    && (md.size(), md.mtime(), md.mtime_nsec())
+                        == (e.size, e.mtime, i64::from(e.mtime_nsec));
+                if same {
+                    cache.insert(&rel, &md, hash);
+                }
+            }
+            cache.save(&cache_path)
+        })
+        .await;
+        if let Err(e) = saved {
+            tracing::debug!(error = %e, "scan cache not updated with the put's hashes");
+        }
+    }
+
     /// One try at a put: plan a session with the store (at `store_url`,
     /// else where the metadata server says), upload what it needs, commit;
     /// `stage` tells how far it got.
-    #[allow(clippy::too_many_arguments)]
     async fn put_attempt(
         &self,
         store_url: Option<String>,
-        req: &PutRequest,
+        tree: &mut PutTree,
         src: &Path,
-        manifest: &Manifest,
-        encoded: &[u8],
-        kept: &mut Kept,
         progress: &Progress,
         started: Instant,
         stage: &mut PutStage,
     ) -> Result<PutSummary, ClientError> {
-        let total = manifest.total_bytes();
-        let files = manifest.file_count();
+        let total = tree.manifest.total_bytes();
+        let files = tree.manifest.file_count();
         let store_url = match store_url {
             Some(u) => u,
             None => self.store_url().await?,
@@ -280,39 +491,68 @@ impl Client {
             );
             crate::stall::answer::<PutPlan>(call.body(doc), self.cfg.deadline)
         };
+        let unchanged = || PutSummary {
+            record: None,
+            stats: TransferStats {
+                files_sent: 0,
+                bytes_sent: 0,
+                bytes_skipped: total,
+            },
+            files,
+            unchanged: true,
+            duration: started.elapsed(),
+        };
+        // Every deferred root known (an earlier attempt read them all): its
+        // commit may have gone through, which the real digest tells.
+        if let Some(req) = tree.resolved_request() {
+            let plan = plan_put(codec::document_with(&req, &[])).await?;
+            if plan.session.is_none() && !plan.need_manifest {
+                return Ok(unchanged());
+            }
+        }
         // First the digest alone: an unchanged tree costs one small request.
-        let mut plan = plan_put(codec::document_with(req, &[])).await?;
-        if plan.need_manifest {
-            plan = plan_put(codec::document_with(req, encoded)).await?;
+        let mut plan = plan_put(codec::document_with(&tree.req, &[])).await?;
+        while plan.need_manifest || !plan.hash_first.is_empty() {
+            // Deferred files the store does not take in chunks are hashed now.
+            let small = tree.deferred_up_to(plan.chunk_size);
+            tree.hash_now(src, &small).await?;
+            // Files the store probably has already: hashed, not sent.
+            let ask = std::mem::take(&mut plan.hash_first);
+            if !ask.is_empty() && !tree.hash_now(src, &ask).await? {
+                return Err(ClientError::Local(format!(
+                    "the store asked to hash entries {ask:?}, whose hashes are not deferred"
+                )));
+            }
+            tree.chunk_size(plan.chunk_size);
+            plan = plan_put(codec::document_with(&tree.req, &tree.encoded)).await?;
+            if let Some(session) = plan
+                .session
+                .as_deref()
+                .filter(|_| !tree.deferred.is_empty() && !plan.deferred)
+            {
+                // A store that predates deferred hashes would check the
+                // placeholders: hash every file and plan again.
+                let _ = store
+                    .delete(&paths::put_session(session))
+                    .timeout(self.cfg.stall)
+                    .ok()
+                    .await;
+                let all = tree.deferred.clone();
+                tree.hash_now(src, &all).await?;
+                plan.need_manifest = true;
+            }
         }
         let Some(session) = plan.session.clone() else {
-            return Ok(PutSummary {
-                record: None,
-                stats: TransferStats {
-                    files_sent: 0,
-                    bytes_sent: 0,
-                    bytes_skipped: total,
-                },
-                files,
-                unchanged: true,
-                duration: started.elapsed(),
-            });
+            return Ok(unchanged());
         };
         tracing::debug!(
             ms = started.elapsed().as_millis() as u64,
             needed = plan.needed.len(),
+            deferred = tree.deferred.len(),
             "put: planned"
         );
         let result = self
-            .upload(
-                &store,
-                &session,
-                src,
-                manifest,
-                &plan,
-                kept,
-                progress.clone(),
-            )
+            .upload(&store, &session, src, tree, &plan, progress.clone())
             .await;
         progress.finish();
         let stats = match result {
@@ -331,14 +571,19 @@ impl Client {
             }
         };
         tracing::debug!(ms = started.elapsed().as_millis() as u64, "put: uploaded");
+        let roots = tree.roots().ok_or_else(|| {
+            ClientError::Local("a deferred file was not read whole: its hash is unknown".into())
+        })?;
         *stage = PutStage::Committing;
         crate::deadline::enter(Phase::Committing);
         // Staging a plan and finishing a commit take the store time in
         // proportion to the tree (links, modes, a registration): their
         // answers are waited for up to the deadline, not the stall timeout.
-        let commit: CommitResponse =
-            crate::stall::answer(store.post(&paths::put_commit(&session)), self.cfg.deadline)
-                .await?;
+        let mut call = store.post(&paths::put_commit(&session));
+        if !roots.is_empty() {
+            call = call.json(&CommitRequest { roots });
+        }
+        let commit: CommitResponse = crate::stall::answer(call, self.cfg.deadline).await?;
         Ok(PutSummary {
             record: Some(commit.record),
             stats: TransferStats {
@@ -351,25 +596,32 @@ impl Client {
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn upload(
         &self,
         store: &Api,
         session: &str,
         src: &Path,
-        m: &Manifest,
+        tree: &mut PutTree,
         plan: &PutPlan,
-        kept: &mut Kept,
         progress: Progress,
     ) -> Result<TransferStats, ClientError> {
+        let m = &tree.manifest;
         let mut small = Vec::new();
         let mut jobs = Vec::new();
         let mut stats = TransferStats::default();
         // Chunks the store kept from an upload a restart interrupted.
-        let have: std::collections::HashMap<u32, std::collections::HashSet<u64>> = plan
+        let have: HashMap<u32, HashSet<u64>> = plan
             .have
             .iter()
             .map(|h| (h.index, h.chunks.iter().copied().collect()))
+            .collect();
+        // Chunks of deferred files already hashed (by an earlier attempt).
+        let hashed: HashMap<u32, HashSet<u64>> = tree
+            .cvs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(i, cvs)| (*i, cvs.keys().copied().collect()))
             .collect();
         for &i in &plan.needed {
             let e = m.entries.get(i as usize).ok_or_else(|| {
@@ -379,18 +631,29 @@ impl Client {
             stats.files_sent += 1;
             stats.bytes_sent += e.size;
             if e.size > plan.chunk_size {
+                // A deferred file is hashed as it is read to be sent.
+                let cvs = (tree.deferred.binary_search(&i).is_ok())
+                    .then(|| (tree.cvs.clone(), plan.chunk_size));
                 for n in 0..chunk_count(e.size, plan.chunk_size) {
                     let (offset, len) = chunk_range(e.size, plan.chunk_size, n).unwrap_or_default();
-                    if have.get(&i).is_some_and(|h| h.contains(&n)) {
+                    let kept = have.get(&i).is_some_and(|h| h.contains(&n));
+                    if kept {
                         stats.bytes_sent -= len;
+                    }
+                    let known = hashed.get(&i).is_some_and(|h| h.contains(&n));
+                    if kept && (cvs.is_none() || known) {
                         continue;
                     }
+                    // A kept chunk of a deferred file whose value this put
+                    // lacks is read to be hashed, not sent.
                     jobs.push(Job::Chunk {
                         index: i,
                         n,
                         path: path.clone(),
                         offset,
                         len,
+                        send: !kept,
+                        cvs: cvs.clone(),
                     });
                 }
             } else {
@@ -401,7 +664,7 @@ impl Client {
                         path,
                         size: e.size,
                         entry_path: e.path.clone(),
-                        data: kept.remove(&e.path),
+                        data: tree.kept.remove(&e.path),
                         beneath: None,
                     },
                 ));
@@ -442,6 +705,8 @@ impl Client {
                 path,
                 offset,
                 len,
+                send,
+                cvs,
             } => {
                 let data = blocking(move || {
                     use std::io::{Read, Seek, SeekFrom};
@@ -460,18 +725,32 @@ impl Client {
                             actual: buf.len() as u64,
                         });
                     }
-                    Ok(buf)
+                    Ok(bytes::Bytes::from(buf))
                 })
                 .await?;
-                let body =
-                    futures::stream::iter([Ok::<_, std::io::Error>(bytes::Bytes::from(data))]);
-                let _: BatchAck = crate::stall::upload(
-                    store.put(&paths::put_chunk(session, index as usize, n)),
-                    body,
-                    stall,
-                )
-                .await?;
-                progress.advance(len);
+                // A deferred file's chunk is hashed beside its upload.
+                let hashing = cvs.as_ref().map(|(_, chunk_size)| {
+                    let (data, chunk_size) = (data.clone(), *chunk_size);
+                    kt_sync::task::spawn(move || chunk_cv(&data, n, chunk_size))
+                });
+                if send {
+                    let body = futures::stream::iter([Ok::<_, std::io::Error>(data)]);
+                    let _: BatchAck = crate::stall::upload(
+                        store.put(&paths::put_chunk(session, index as usize, n)),
+                        body,
+                        stall,
+                    )
+                    .await?;
+                    progress.advance(len);
+                }
+                if let (Some(hashing), Some((cvs, _))) = (hashing, cvs) {
+                    let cv = hashing.await?;
+                    cvs.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .entry(index)
+                        .or_default()
+                        .insert(n, cv);
+                }
             }
         }
         Ok(())
@@ -560,7 +839,7 @@ impl Client {
         dest: &Path,
         opts: &GetOptions,
         progress: Progress,
-        only: Option<&std::collections::BTreeSet<String>>,
+        only: Option<&crate::download::Only>,
     ) -> Result<(GetSummary, Download), ClientError> {
         let started = Instant::now();
         // Counted from the call's start: a frozen agent does not add to it.
@@ -1020,7 +1299,7 @@ impl Client {
         board: Option<&Arc<Board>>,
         progress: &Progress,
         stall: Duration,
-        only: Option<&std::collections::BTreeSet<String>>,
+        only: Option<&crate::download::Only>,
     ) -> Result<(), ClientError> {
         let src = self.server_keyed(source, source_key)?;
         let tree = src.get(&paths::tree(key));
@@ -1099,5 +1378,59 @@ impl Client {
         };
         let _ = release().await;
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A put's view of a tree with a large file deferred: the request is
+    /// provisional until the chunk values read give the root, and then the
+    /// tree's digest is the one of a scan that hashed everything.
+    #[test]
+    fn a_deferred_tree_resolves_to_the_hashed_digest() {
+        let d = tempfile::tempdir().unwrap();
+        let chunk = 64u64 << 10;
+        let big: Vec<u8> = (0..5 * chunk + 9).map(|i| (i % 251) as u8).collect();
+        std::fs::write(d.path().join("big"), &big).unwrap();
+        std::fs::write(d.path().join("small"), b"small").unwrap();
+        let hashed = kt_sync::scan(d.path(), &mut kt_sync::ScanCache::default()).unwrap();
+        let (m, kept, deferred) = kt_sync::scan::scan_deferring(
+            d.path(),
+            &mut kt_sync::ScanCache::default(),
+            1 << 20,
+            Some(chunk),
+        )
+        .unwrap();
+        assert_eq!(deferred, [0]);
+        assert_eq!(m.entries[0].hash, None);
+        let key = Key::parse("t/deferred").unwrap();
+        let mut tree = PutTree::new(&key, PutOptions::default(), m, kept, deferred);
+        assert_eq!(tree.req.deferred, [0]);
+        assert_ne!(tree.req.digest, kt_sync::manifest_digest(&hashed));
+        assert!(tree.deferred_up_to(chunk).is_empty());
+        tree.chunk_size(chunk);
+        assert!(tree.roots().is_none() && tree.resolved_request().is_none());
+        for n in 0..chunk_count(big.len() as u64, chunk) {
+            let (off, len) = chunk_range(big.len() as u64, chunk, n).unwrap();
+            let cv = chunk_cv(&big[off as usize..(off + len) as usize], n, chunk);
+            tree.cvs.lock().unwrap().entry(0).or_default().insert(n, cv);
+        }
+        let real = hashed.entries[0].hash.unwrap();
+        assert_eq!(
+            tree.roots().unwrap(),
+            [DeferredRoot {
+                index: 0,
+                hash: real
+            }]
+        );
+        let resolved = tree.resolved_request().unwrap();
+        assert_eq!(resolved.digest, kt_sync::manifest_digest(&hashed));
+        assert!(resolved.deferred.is_empty());
+        assert_eq!(tree.learned(), [(0, real)]);
+        // Another chunk size: the values read are of no use.
+        tree.chunk_size(chunk * 2);
+        assert!(tree.roots().is_none());
     }
 }

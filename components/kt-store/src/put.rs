@@ -1,4 +1,15 @@
 //! Upload sessions: plan → batch stream and chunks → commit (or abort).
+//!
+//! A put may defer the hashes of large files ([`PutRequest::deferred`]):
+//! their manifest entries carry [`DEFERRED_HASH`] and the digest planned
+//! with is provisional. [`plan`] checks them (`check_deferred`), asks the
+//! client to hash first those the current version probably has
+//! (`like_in_base`), and needs the others whole; [`chunk`] keeps the root
+//! their chunks merge into instead of checking it; [`commit`] compares it
+//! with the root the client sends ([`CommitRequest`]) and publishes the
+//! manifest with the real hashes (`patch_roots`), whose digest is the
+//! one a put that hashed first makes. Any mismatch discards the upload.
+//! The whole protocol: `docs/sync-protocol.md`, "deferred hashes".
 
 use std::collections::{HashMap, HashSet};
 use std::path::Path as FsPath;
@@ -16,9 +27,12 @@ use kt_sync::SyncError;
 use kt_sync::apply::{self, ChunkedFile, WriteMode};
 use kt_sync::batch::{Expected, receive_stream};
 use kt_sync::chunk::{ChunkAssembly, ChunkHasher};
-use kt_types::api::{BatchAck, CommitResponse, HaveChunks, PutPlan, PutRequest};
+use kt_types::api::{
+    BatchAck, CommitRequest, CommitResponse, DEFERRED_HASH, DeferredRoot, HaveChunks, PutPlan,
+    PutRequest,
+};
 use kt_types::codec;
-use kt_types::{ErrorCode, Hash, Key, Manifest};
+use kt_types::{Entry, EntryKind, ErrorCode, Hash, Key, Manifest};
 
 use crate::keys::{Published, VersionMeta};
 use crate::session::{ChunkSlot, PutSession};
@@ -33,6 +47,8 @@ struct PutHeader {
     digest: Hash,
     #[serde(default)]
     options: kt_types::api::PutOptions,
+    #[serde(default)]
+    deferred: Vec<u32>,
 }
 
 fn session(s: &Shared, id: &str) -> Result<Arc<PutSession>, ApiError> {
@@ -95,6 +111,7 @@ pub async fn plan(
         key: Key::parse(&head.key)?,
         digest: head.digest,
         options: head.options,
+        deferred: head.deferred,
     };
     if let Some(service) = &req.options.service {
         Key::parse(service).map_err(|e| ApiError::bad_request(format!("service name: {e}")))?;
@@ -135,6 +152,8 @@ pub async fn plan(
             chunk_size: s.cfg.chunk_size,
             need_manifest: false,
             have: Vec::new(),
+            deferred: false,
+            hash_first: Vec::new(),
         }));
     }
     if encoded.is_empty() {
@@ -144,6 +163,8 @@ pub async fn plan(
             chunk_size: s.cfg.chunk_size,
             need_manifest: true,
             have: Vec::new(),
+            deferred: false,
+            hash_first: Vec::new(),
         }));
     }
     let t0 = Instant::now();
@@ -154,6 +175,23 @@ pub async fn plan(
         return Err(ApiError::bad_request(
             "the digest does not match the manifest",
         ));
+    }
+    let deferred = check_deferred(&manifest, &req.deferred, s.cfg.chunk_size)?;
+    // A deferred file the current version probably has (same path, size
+    // and mtime) is better hashed by the client than sent whole.
+    if let Some(cur) = st.current.as_ref() {
+        let hash_first = like_in_base(&manifest, &deferred, &cur.meta.manifest);
+        if !hash_first.is_empty() {
+            return Ok(ApiJson(PutPlan {
+                session: None,
+                needed: Vec::new(),
+                chunk_size: s.cfg.chunk_size,
+                need_manifest: false,
+                have: Vec::new(),
+                deferred: true,
+                hash_first,
+            }));
+        }
     }
     let dir = s.keys.dir_of(&key);
     let base = st.current.clone();
@@ -171,11 +209,13 @@ pub async fn plan(
     let digest = req.digest;
     let (version, manifest, left, log, dir) = {
         let dir = dir.clone();
+        let deferred = deferred.clone();
         blocking(move || {
             if let Some(version) = adopt {
                 let staging = dir.version_path(&version);
                 let log_path = dir.chunks_path(&version);
-                let left = crate::resume::survey(&staging, &log_path, &manifest, chunk_size);
+                let left =
+                    crate::resume::survey(&staging, &log_path, &manifest, chunk_size, &deferred);
                 // What is sent again whole goes into a fresh inode, not into
                 // the one there (which might be shared: writes into it must
                 // show nowhere else). A file whose chunks are resumed had one
@@ -289,15 +329,24 @@ pub async fn plan(
                     chunks: kept.iter().map(|(n, _)| *n).collect(),
                 });
             }
-            chunked.insert(
-                i,
-                Arc::new(ChunkSlot {
-                    file: RwLock::new(Some(file)),
-                    asm: Mutex::new(asm),
-                    done: AtomicBool::new(false),
-                    finished: AtomicBool::new(false),
-                }),
-            );
+            // A deferred file a restart interrupted may be all there: it
+            // is finished now, its root kept for the commit.
+            let root = asm.root();
+            let slot = Arc::new(ChunkSlot {
+                file: RwLock::new(Some(file)),
+                asm: Mutex::new(asm),
+                done: AtomicBool::new(false),
+                finished: AtomicBool::new(false),
+                deferred: deferred.binary_search(&i).is_ok(),
+                root: Mutex::new(None),
+            });
+            if let Some(root) = root.filter(|_| slot.deferred)
+                && let Err(err) = complete(&slot, e, root)
+            {
+                let _ = dir.remove_version(&version);
+                return Err(sync_err(err));
+            }
+            chunked.insert(i, slot);
         } else {
             batch.insert(
                 i,
@@ -322,6 +371,7 @@ pub async fn plan(
             options: req.options,
         }),
         digest: req.digest,
+        deferred,
         received: Mutex::new(HashSet::new()),
         batch: Arc::new(batch),
         chunked,
@@ -341,7 +391,124 @@ pub async fn plan(
         chunk_size: s.cfg.chunk_size,
         need_manifest: false,
         have,
+        deferred: !req.deferred.is_empty(),
+        hash_first: Vec::new(),
     }))
+}
+
+/// The deferred entries of a put ([`PutRequest::deferred`]), checked and
+/// ascending: each in range, named once, a regular file larger than the
+/// chunk size (it moves in chunks, each hashed on arrival), carrying the
+/// placeholder [`DEFERRED_HASH`].
+fn check_deferred(m: &Manifest, deferred: &[u32], chunk_size: u64) -> Result<Vec<u32>, ApiError> {
+    let mut out = deferred.to_vec();
+    out.sort_unstable();
+    if let Some(w) = out.windows(2).find(|w| w[0] == w[1]) {
+        return Err(ApiError::bad_request(format!(
+            "deferred entry #{} is named twice: name each deferred entry once",
+            w[0]
+        )));
+    }
+    for &i in &out {
+        let e = m.entries.get(i as usize).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "deferred entry #{i} is out of range: the manifest has {} entries",
+                m.entries.len()
+            ))
+        })?;
+        let why = if e.kind != EntryKind::File {
+            "is not a regular file: only a large file's hash may be deferred".to_owned()
+        } else if e.size <= chunk_size {
+            format!(
+                "is {} bytes, not larger than the store's chunk size ({chunk_size}): it is not sent in chunks, so hash it and send its hash",
+                e.size
+            )
+        } else if e.hash != Some(DEFERRED_HASH) {
+            "carries a hash: a deferred entry carries the placeholder (all zero) until its root is sent at commit".to_owned()
+        } else {
+            continue;
+        };
+        return Err(ApiError::bad_request(format!(
+            "deferred entry #{i} ({:?}) {why}",
+            e.path
+        )));
+    }
+    Ok(out)
+}
+
+/// The `deferred` entries of `m` that `base` has a file like (same path,
+/// size and mtime): probably unchanged, cheaper hashed than sent.
+fn like_in_base(m: &Manifest, deferred: &[u32], base: &Manifest) -> Vec<u32> {
+    deferred
+        .iter()
+        .copied()
+        .filter(|&i| {
+            let e = &m.entries[i as usize];
+            base.entries
+                .binary_search_by(|b| b.path.as_bytes().cmp(e.path.as_bytes()))
+                .is_ok_and(|j| {
+                    let b = &base.entries[j];
+                    b.kind == EntryKind::File
+                        && (b.size, b.mtime, b.mtime_nsec) == (e.size, e.mtime, e.mtime_nsec)
+                })
+        })
+        .collect()
+}
+
+/// The manifest a commit publishes: the planned one with each deferred
+/// entry's placeholder replaced by its root (None when nothing was
+/// deferred). Every deferred entry needs a root in `sent` equal to the
+/// root `received` merged from the chunks that arrived: a root missing,
+/// repeated or for an entry not deferred is a bad request; a different
+/// one is a `hash_mismatch` (the upload is then discarded).
+fn patch_roots(
+    m: &Manifest,
+    deferred: &[u32],
+    sent: &[DeferredRoot],
+    received: impl Fn(u32) -> Option<Hash>,
+) -> Result<Option<Manifest>, ApiError> {
+    let mut by_index = std::collections::BTreeMap::new();
+    for r in sent {
+        if deferred.binary_search(&r.index).is_err() {
+            return Err(ApiError::bad_request(format!(
+                "a root was sent for entry #{}, whose hash this upload did not defer",
+                r.index
+            )));
+        }
+        if by_index.insert(r.index, r.hash).is_some() {
+            return Err(ApiError::bad_request(format!(
+                "the root of entry #{} is sent twice",
+                r.index
+            )));
+        }
+    }
+    if deferred.is_empty() {
+        return Ok(None);
+    }
+    let mut out = m.clone();
+    for &i in deferred {
+        let e: &mut Entry = &mut out.entries[i as usize];
+        let Some(&hash) = by_index.get(&i) else {
+            return Err(ApiError::bad_request(format!(
+                "commit without the root of deferred entry #{i} ({:?}): send every deferred entry's root in the commit's `roots`",
+                e.path
+            )));
+        };
+        let got = received(i).ok_or_else(|| {
+            ApiError::internal(format!("deferred entry #{i} ({:?}) has no root", e.path))
+        })?;
+        if got != hash {
+            return Err(ApiError::new(
+                ErrorCode::HashMismatch,
+                format!(
+                    "{:?}: the root sent at commit ({hash}) is not the hash of the content received ({got}): nothing is published; put it again",
+                    e.path
+                ),
+            ));
+        }
+        e.hash = Some(hash);
+    }
+    Ok(Some(out))
 }
 
 /// What each file costs on disk besides its bytes (a block, an inode, the
@@ -417,7 +584,8 @@ pub async fn batch(
             return Err(sync_err(e));
         }
     };
-    s.metrics.add_bytes_in_for(&sess.key, got.bytes);
+    s.metrics
+        .add_bytes_in_for(&sess.key, sess.meta.options.service.as_deref(), got.bytes);
     sess.received
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -478,21 +646,10 @@ pub async fn chunk(
             asm.add_cv(n, cv);
             asm.root()
         };
-        let Some(root) = root else { return Ok(()) };
-        if slot.done.swap(true, Ordering::SeqCst) {
-            return Ok(());
+        match root {
+            Some(root) => complete(&slot, &entry, root),
+            None => Ok(()),
         }
-        let file = slot.file.write().unwrap_or_else(|p| p.into_inner()).take();
-        let Some(file) = file else { return Ok(()) };
-        if Some(root) != entry.hash {
-            file.discard();
-            return Err(SyncError::HashMismatch {
-                path: entry.path.clone(),
-            });
-        }
-        file.finish(&entry)?;
-        slot.finished.store(true, Ordering::SeqCst);
-        Ok(())
     })
     .await;
     if let Err(e) = written {
@@ -501,8 +658,32 @@ pub async fn chunk(
         }
         return Err(e);
     }
-    s.metrics.add_bytes_in_for(&sess.key, bytes);
+    s.metrics
+        .add_bytes_in_for(&sess.key, sess.meta.options.service.as_deref(), bytes);
     Ok(ApiJson(BatchAck { files: 0, bytes }))
+}
+
+/// Finishes a chunked file once every chunk is in (`root`: merged from
+/// their chaining values; the first caller does it): checks the root
+/// against its entry's hash or, for a deferred entry, keeps it for the
+/// commit to compare with the client's.
+fn complete(slot: &ChunkSlot, entry: &Entry, root: Hash) -> Result<(), SyncError> {
+    if slot.done.swap(true, Ordering::SeqCst) {
+        return Ok(());
+    }
+    let file = slot.file.write().unwrap_or_else(|p| p.into_inner()).take();
+    let Some(file) = file else { return Ok(()) };
+    if slot.deferred {
+        *slot.root.lock().unwrap_or_else(|p| p.into_inner()) = Some(root);
+    } else if Some(root) != entry.hash {
+        file.discard();
+        return Err(SyncError::HashMismatch {
+            path: entry.path.clone(),
+        });
+    }
+    file.finish(entry)?;
+    slot.finished.store(true, Ordering::SeqCst);
+    Ok(())
 }
 
 const WRITE_PIECE: usize = 1 << 20;
@@ -630,10 +811,11 @@ async fn publish(
 ) -> Result<(Vec<String>, Locked), ApiError> {
     {
         let sess = sess.clone();
+        let meta = published.meta.clone();
         blocking(move || {
             let root = sess.dir.version_path(&sess.version);
-            apply::finish_tree(&root, &sess.meta.manifest)?;
-            sess.dir.write_meta(&sess.version, &sess.meta.to_bytes())?;
+            apply::finish_tree(&root, &meta.manifest)?;
+            sess.dir.write_meta(&sess.version, &meta.to_bytes())?;
             // Complete: no longer an upload to resume (before it is
             // published, so a published version is never adopted).
             sess.chunk_log
@@ -675,12 +857,21 @@ async fn publish(
 /// A key's state, locked.
 type Locked = tokio::sync::OwnedMutexGuard<crate::keys::KeyState>;
 
-/// `POST /api/v1/puts/{session}/commit`: verifies completeness and publishes atomically.
+/// `POST /api/v1/puts/{session}/commit` (body: [`CommitRequest`], empty
+/// without deferred entries): verifies completeness and the deferred
+/// entries' roots, and publishes atomically.
 pub async fn commit(
     State(s): State<AppState>,
     axum::extract::Extension(who): axum::extract::Extension<kt_types::auth::Principal>,
     Path(id): Path<String>,
+    body: Bytes,
 ) -> Result<ApiJson<CommitResponse>, ApiError> {
+    let req: CommitRequest = if body.is_empty() {
+        CommitRequest::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("commit request: {e}")))?
+    };
     let sess = s
         .puts
         .lock()
@@ -717,11 +908,42 @@ pub async fn commit(
             ),
         ));
     }
+    let roots = patch_roots(&sess.meta.manifest, &sess.deferred, &req.roots, |i| {
+        let slot = sess.chunked.get(&i)?;
+        *slot.root.lock().unwrap_or_else(|p| p.into_inner())
+    });
+    let patched = match roots {
+        Ok(p) => p,
+        Err(e) => {
+            if e.code == ErrorCode::HashMismatch {
+                // What arrived is not what the client read: nothing of it is published.
+                discard(&s, sess).await;
+            } else {
+                s.puts
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(id, sess);
+            }
+            return Err(e);
+        }
+    };
     let t0 = Instant::now();
-    let published = Published {
-        version: sess.version.clone(),
-        meta: sess.meta.clone(),
-        digest: sess.digest,
+    // With deferred entries, the version is the manifest with their real
+    // hashes, and its digest theirs: what a put that hashed first made.
+    let published = match patched {
+        Some(m) => Published {
+            version: sess.version.clone(),
+            digest: kt_sync::manifest_digest(&m),
+            meta: Arc::new(VersionMeta {
+                manifest: Arc::new(m),
+                ..(*sess.meta).clone()
+            }),
+        },
+        None => Published {
+            version: sess.version.clone(),
+            meta: sess.meta.clone(),
+            digest: sess.digest,
+        },
     };
     // The key stays locked until the metadata server has the record, so records
     // of one key arrive in the order their versions were published.
@@ -993,7 +1215,13 @@ mod tests {
         // A's commit goes on and publishes (the metadata server is not
         // there: the record fails, the data is published).
         s.puts.lock().unwrap().insert(a_id.clone(), sess_a);
-        let committed = commit(State(s.clone()), Extension(Principal::admin()), Path(a_id)).await;
+        let committed = commit(
+            State(s.clone()),
+            Extension(Principal::admin()),
+            Path(a_id),
+            Bytes::new(),
+        )
+        .await;
         assert!(committed.is_err_and(|e| e.code == ErrorCode::Unavailable));
         let dir = s.keys.dir_of(&Key::parse("chaos/s2").unwrap());
         assert_eq!(dir.current().unwrap().as_deref(), Some(a_version.as_str()));
@@ -1006,7 +1234,13 @@ mod tests {
         send_chunks(&s, &b_id, index, &big, chunks).await;
         assert_eq!(std::fs::read(&published).unwrap(), big);
         drop(sess_b);
-        let committed = commit(State(s.clone()), Extension(Principal::admin()), Path(b_id)).await;
+        let committed = commit(
+            State(s.clone()),
+            Extension(Principal::admin()),
+            Path(b_id),
+            Bytes::new(),
+        )
+        .await;
         assert!(committed.is_err_and(|e| e.code == ErrorCode::Unavailable));
         let current = dir.current().unwrap().unwrap();
         assert_ne!(current, a_version);
@@ -1014,5 +1248,120 @@ mod tests {
             std::fs::read(dir.version_path(&current).join("large-0.bin")).unwrap(),
             big
         );
+    }
+
+    /// A manifest of a directory, a small file and a large one (deferred:
+    /// its hash the placeholder).
+    fn deferring_manifest() -> Manifest {
+        let file = |path: &str, size: u64, hash: Hash| Entry {
+            path: path.into(),
+            kind: EntryKind::File,
+            size,
+            mode: 0o644,
+            mtime: 1_700_000_000,
+            mtime_nsec: 5,
+            hash: Some(hash),
+            target: None,
+        };
+        Manifest {
+            root: kt_types::RootKind::Dir,
+            entries: vec![
+                Entry {
+                    path: "d".into(),
+                    kind: EntryKind::Dir,
+                    size: 0,
+                    mode: 0o755,
+                    mtime: 0,
+                    mtime_nsec: 0,
+                    hash: None,
+                    target: None,
+                },
+                file("d/big", 3 * CHUNK, DEFERRED_HASH),
+                file("d/small", 10, Hash([1; 32])),
+                file("d/sized", CHUNK, DEFERRED_HASH),
+            ],
+        }
+    }
+
+    #[test]
+    fn deferred_entries_are_large_files_named_once() {
+        let m = deferring_manifest();
+        assert_eq!(check_deferred(&m, &[1], CHUNK).unwrap(), [1]);
+        assert!(check_deferred(&m, &[], CHUNK).unwrap().is_empty());
+        for (deferred, says) in [
+            (&[1, 1][..], "named twice"),
+            (&[9], "out of range"),
+            (&[0], "not a regular file"),
+            (&[3], "not larger than the store's chunk size"),
+            (&[2], "not larger than the store's chunk size"),
+        ] {
+            let e = check_deferred(&m, deferred, CHUNK).unwrap_err();
+            assert_eq!(e.code, ErrorCode::InvalidRequest, "{deferred:?}");
+            assert!(e.message.contains(says), "{deferred:?}: {}", e.message);
+        }
+        // A real hash where the placeholder belongs.
+        let mut hashed = m.clone();
+        hashed.entries[1].hash = Some(Hash([2; 32]));
+        let e = check_deferred(&hashed, &[1], CHUNK).unwrap_err();
+        assert!(e.message.contains("carries a hash"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_deferred_file_like_the_base_ones_is_hashed_first() {
+        let m = deferring_manifest();
+        let mut base = m.clone();
+        base.entries[1].hash = Some(Hash([3; 32]));
+        assert_eq!(like_in_base(&m, &[1], &base), [1]);
+        // Another mtime or size: changed, sent whole.
+        base.entries[1].mtime_nsec = 6;
+        assert!(like_in_base(&m, &[1], &base).is_empty());
+        base.entries[1].mtime_nsec = 5;
+        base.entries[1].size += 1;
+        assert!(like_in_base(&m, &[1], &base).is_empty());
+        base.entries.remove(1);
+        assert!(like_in_base(&m, &[1], &base).is_empty());
+    }
+
+    #[test]
+    fn roots_patch_the_manifest_into_the_one_a_hashed_put_sends() {
+        let m = deferring_manifest();
+        let real = Hash([4; 32]);
+        let sent = [DeferredRoot {
+            index: 1,
+            hash: real,
+        }];
+        let patched = patch_roots(&m, &[1], &sent, |_| Some(real))
+            .unwrap()
+            .unwrap();
+        let mut want = m.clone();
+        want.entries[1].hash = Some(real);
+        assert_eq!(patched, want);
+        assert_eq!(
+            kt_sync::manifest_digest(&patched),
+            kt_sync::manifest_digest(&want)
+        );
+        // Nothing deferred: nothing patched.
+        assert_eq!(patch_roots(&m, &[], &[], |_| None).unwrap(), None);
+        // The content received is not what the client read.
+        let e = patch_roots(&m, &[1], &sent, |_| Some(Hash([5; 32]))).unwrap_err();
+        assert_eq!(e.code, ErrorCode::HashMismatch);
+        assert!(e.message.contains("nothing is published"), "{}", e.message);
+        // A root missing, repeated, or for an entry not deferred.
+        let e = patch_roots(&m, &[1], &[], |_| Some(real)).unwrap_err();
+        assert_eq!(e.code, ErrorCode::InvalidRequest);
+        assert!(
+            e.message.contains("commit without the root"),
+            "{}",
+            e.message
+        );
+        let twice = [sent[0], sent[0]];
+        let e = patch_roots(&m, &[1], &twice, |_| Some(real)).unwrap_err();
+        assert!(e.message.contains("sent twice"), "{}", e.message);
+        let other = [DeferredRoot {
+            index: 2,
+            hash: real,
+        }];
+        let e = patch_roots(&m, &[1], &other, |_| Some(real)).unwrap_err();
+        assert!(e.message.contains("did not defer"), "{}", e.message);
     }
 }

@@ -79,8 +79,11 @@ fn read_log(path: &Path) -> BTreeMap<u32, BTreeMap<u64, ChainingValue>> {
 }
 
 /// Finds what of `m` the staging version at `staging` holds (`log`: its
-/// chunk log), re-verifying it.
-pub fn survey(staging: &Path, log: &Path, m: &Manifest, chunk_size: u64) -> Left {
+/// chunk log), re-verifying it. A `deferred` entry (ascending indices: its
+/// hash is a placeholder, [`kt_types::api::PutRequest::deferred`]) stays
+/// needed with every chunk that still hashes to its logged value, all of
+/// them included: the commit checks their root against the client's.
+pub fn survey(staging: &Path, log: &Path, m: &Manifest, chunk_size: u64, deferred: &[u32]) -> Left {
     let logged = read_log(log);
     let mut left = Left::default();
     for (i, e) in m.entries.iter().enumerate() {
@@ -88,6 +91,7 @@ pub fn survey(staging: &Path, log: &Path, m: &Manifest, chunk_size: u64) -> Left
             continue;
         }
         let i = i as u32;
+        let is_deferred = deferred.binary_search(&i).is_ok();
         let path = staging.join(&e.path);
         let Some(hash) = e.hash else {
             left.needed.push(i);
@@ -101,7 +105,7 @@ pub fn survey(staging: &Path, log: &Path, m: &Manifest, chunk_size: u64) -> Left
             }
         };
         // Linked from the base version at planning: verified then.
-        if md.nlink() > 1 {
+        if md.nlink() > 1 && !is_deferred {
             left.kept += e.size;
             continue;
         }
@@ -114,7 +118,7 @@ pub fn survey(staging: &Path, log: &Path, m: &Manifest, chunk_size: u64) -> Left
             continue;
         }
         let mut good = verified_chunks(&path, e.size, chunk_size, logged.get(&i));
-        if good.len() as u64 == chunk_count(e.size, chunk_size) {
+        if good.len() as u64 == chunk_count(e.size, chunk_size) && !is_deferred {
             if root_of(e.size, chunk_size, &good) == Some(hash) {
                 left.kept += e.size;
                 continue;
@@ -260,7 +264,7 @@ mod tests {
         // A torn last record is ignored.
         log.write_all(&[1, 2, 3]).unwrap();
 
-        let left = survey(&staging, &log_path, &m, chunk);
+        let left = survey(&staging, &log_path, &m, chunk, &[]);
         let mut needed = left.needed.clone();
         needed.sort();
         let mut want = vec![idx("big"), idx("other")];
@@ -278,8 +282,19 @@ mod tests {
             f.write_all_at(data, off).unwrap();
             log_chunk(&mut log, idx("big"), n, &chunk_cv(data, n, chunk)).unwrap();
         }
-        let left = survey(&staging, &log_path, &m, chunk);
+        let left = survey(&staging, &log_path, &m, chunk, &[]);
         assert_eq!(left.needed, [idx("other")]);
         assert!(left.chunks.is_empty());
+
+        // Deferred (its hash a placeholder): every chunk is kept, and the
+        // file stays needed for its root to be checked at commit.
+        let mut provisional = m.clone();
+        provisional.entries[idx("big") as usize].hash = Some(kt_types::api::DEFERRED_HASH);
+        let left = survey(&staging, &log_path, &provisional, chunk, &[idx("big")]);
+        let mut needed = left.needed.clone();
+        needed.sort();
+        assert_eq!(needed, want);
+        let kept: Vec<u64> = left.chunks[&idx("big")].iter().map(|(n, _)| *n).collect();
+        assert_eq!(kept, [0, 1, 2, 3, 4]);
     }
 }

@@ -26,6 +26,12 @@ pub(crate) struct ChunkSlot {
     pub(crate) done: AtomicBool,
     /// Set once the file is verified and finished (mode, mtime): commit waits for this.
     pub(crate) finished: AtomicBool,
+    /// A deferred entry ([`kt_types::api::PutRequest::deferred`]): its
+    /// root is not checked on arrival but kept in `root`, for the commit
+    /// to compare with the one the client sends.
+    pub(crate) deferred: bool,
+    /// A deferred entry's root, merged from the chunks received, once all are in.
+    pub(crate) root: Mutex<Option<Hash>>,
 }
 
 /// An upload in progress: a staging version plus what is still to arrive.
@@ -41,7 +47,11 @@ pub struct PutSession {
     pub(crate) meta: Arc<VersionMeta>,
     pub(crate) batch: Arc<HashMap<u32, Expected>>,
     pub(crate) chunked: HashMap<u32, Arc<ChunkSlot>>,
+    /// The digest the put was planned with: provisional while `deferred`
+    /// entries carry [`kt_types::api::DEFERRED_HASH`].
     pub(crate) digest: Hash,
+    /// Entries whose roots the commit brings, ascending.
+    pub(crate) deferred: Vec<u32>,
     /// Batch entries written and verified so far.
     pub(crate) received: Mutex<HashSet<u32>>,
     pub(crate) started: Instant,

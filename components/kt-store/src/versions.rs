@@ -47,6 +47,7 @@ impl ReadSource for StoreVersions {
             chunk_size: self.chunk_size,
             // Version directories are written by the store alone: no links on the way.
             check_links: false,
+            owner: cur.meta.options.service.clone(),
         })
     }
 

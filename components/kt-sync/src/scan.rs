@@ -180,10 +180,11 @@ fn name_of(path: &Path) -> Result<String, SyncError> {
         })
 }
 
-/// One entry found by the walk; files carry what hashing them needs.
+/// One entry found by the walk; files carry their stat stamp (their path
+/// is built from the root only when the cache cannot vouch for them).
 struct Found {
     entry: Entry,
-    file: Option<(PathBuf, Stamp)>,
+    file: Option<Stamp>,
 }
 
 /// Scans `root` (a directory or a single file) into a sorted manifest.
@@ -202,11 +203,27 @@ pub fn scan_keeping(
     cache: &mut ScanCache,
     keep_budget: u64,
 ) -> Result<(Manifest, Kept), SyncError> {
+    scan_deferring(root, cache, keep_budget, None).map(|(m, kept, _)| (m, kept))
+}
+
+/// [`scan_keeping`], leaving unhashed (`hash: None`) the files larger than
+/// `defer_above` that the cache has no hash for; their manifest indices
+/// come third, ascending. A put hashes them while it sends them, and
+/// records their hashes in the cache once the store has them
+/// ([`ScanCache::insert`]).
+pub fn scan_deferring(
+    root: &Path,
+    cache: &mut ScanCache,
+    keep_budget: u64,
+    defer_above: Option<u64>,
+) -> Result<(Manifest, Kept, Vec<u32>), SyncError> {
     let md = fs::metadata(root).at(root)?;
     let mut manifest = Manifest::default();
     let mut found = if md.is_file() {
         manifest.root = RootKind::File;
-        found(root, name_of(root)?, &md)?.into_iter().collect()
+        found(&|| root.to_owned(), name_of(root)?, &md)?
+            .into_iter()
+            .collect()
     } else {
         walk(root, "")?
     };
@@ -216,24 +233,27 @@ pub fn scan_keeping(
     let mut entries = std::mem::take(&mut cache.entries);
     let mut files = 0usize;
     let mut misses = Vec::new();
+    let mut deferred = Vec::new();
     for (index, f) in found.iter_mut().enumerate() {
-        let Some((abs, stamp)) = f.file.take() else {
+        let Some(stamp) = f.file.take() else {
             continue;
         };
         files += 1;
         match entries.get(&f.entry.path) {
             Some((cached, hash)) if *cached == stamp => f.entry.hash = Some(*hash),
-            _ => misses.push((index, abs, stamp)),
+            _ if defer_above.is_some_and(|d| stamp.size > d) => deferred.push(index as u32),
+            _ => misses.push((index, stamp)),
         }
     }
     let mut budget = keep_budget;
     let misses: Vec<(usize, PathBuf, Stamp, bool)> = misses
         .into_iter()
-        .map(|(index, abs, stamp)| {
+        .map(|(index, stamp)| {
             let keep = stamp.size < LARGE_FILE && stamp.size <= budget;
             if keep {
                 budget -= stamp.size;
             }
+            let abs = source_path(root, &manifest, &found[index].entry.path);
             (index, abs, stamp, keep)
         })
         .collect();
@@ -267,7 +287,7 @@ pub fn scan_keeping(
     cache.dirty = cache.hashed > 0 || gone;
     cache.entries = entries;
     manifest.entries = found.into_iter().map(|f| f.entry).collect();
-    Ok((manifest, kept))
+    Ok((manifest, kept, deferred))
 }
 
 fn walk(dir: &Path, rel: &str) -> Result<Vec<Found>, SyncError> {
@@ -275,18 +295,28 @@ fn walk(dir: &Path, rel: &str) -> Result<Vec<Found>, SyncError> {
     let mut subdirs = Vec::new();
     for dent in fs::read_dir(dir).at(dir)? {
         let dent = dent.at(dir)?;
-        let abs = dent.path();
-        let name = name_of(&abs)?;
+        // Two allocations per entry (its name, its manifest path): the
+        // absolute path is made only for what needs it (a directory to
+        // walk, a link to read, an error to report). An unchanged tree's
+        // re-put is a stat per file, and little else.
+        let name = dent
+            .file_name()
+            .into_string()
+            .map_err(|_| SyncError::NonUtf8 { path: dent.path() })?;
         let path = if rel.is_empty() {
             name
         } else {
-            format!("{rel}/{name}")
+            let mut p = String::with_capacity(rel.len() + 1 + name.len());
+            p.push_str(rel);
+            p.push('/');
+            p.push_str(&name);
+            p
         };
         // Stats relative to the open directory (no path walk per file).
-        let md = dent.metadata().at(&abs)?;
-        if let Some(f) = found(&abs, path, &md)? {
+        let md = dent.metadata().map_err(|e| SyncError::io(dent.path(), e))?;
+        if let Some(f) = found(&|| dent.path(), path, &md)? {
             if f.entry.kind == EntryKind::Dir {
-                subdirs.push((abs, f.entry.path.clone()));
+                subdirs.push((dent.path(), f.entry.path.clone()));
             }
             here.push(f);
         }
@@ -299,14 +329,20 @@ fn walk(dir: &Path, rel: &str) -> Result<Vec<Found>, SyncError> {
     Ok(here)
 }
 
-/// Describes one entry; `None` for special files, which are skipped.
-fn found(abs: &Path, path: String, md: &fs::Metadata) -> Result<Option<Found>, SyncError> {
+/// Describes one entry (`abs` makes its absolute path, when needed);
+/// `None` for special files, which are skipped.
+fn found(
+    abs: &dyn Fn() -> PathBuf,
+    path: String,
+    md: &fs::Metadata,
+) -> Result<Option<Found>, SyncError> {
     let ft = md.file_type();
     let (kind, size, target) = if ft.is_symlink() {
-        let t = fs::read_link(abs).at(abs)?;
-        let t = t.to_str().ok_or_else(|| SyncError::NonUtf8 {
-            path: abs.to_owned(),
-        })?;
+        let abs = abs();
+        let t = fs::read_link(&abs).at(&abs)?;
+        let t = t
+            .to_str()
+            .ok_or_else(|| SyncError::NonUtf8 { path: abs.clone() })?;
         if !link_stays_inside(&path, t) {
             return Err(SyncError::LinkEscapes {
                 path,
@@ -319,10 +355,10 @@ fn found(abs: &Path, path: String, md: &fs::Metadata) -> Result<Option<Found>, S
     } else if ft.is_file() {
         (EntryKind::File, md.size(), None)
     } else {
-        tracing::warn!(path = %abs.display(), "skipping special file (socket, FIFO or device)");
+        tracing::warn!(path = %abs().display(), "skipping special file (socket, FIFO or device)");
         return Ok(None);
     };
-    let file = (kind == EntryKind::File).then(|| (abs.to_owned(), Stamp::of(md)));
+    let file = (kind == EntryKind::File).then(|| Stamp::of(md));
     Ok(Some(Found {
         entry: Entry {
             path,

@@ -38,7 +38,7 @@
 //! - `POST /api/v1/puts` (a codec document: [`PutRequest`] + manifest) → [`PutPlan`]
 //! - `PUT  /api/v1/puts/{session}/batch` (frame stream, see [`crate::frame`]) → [`BatchAck`]
 //! - `PUT  /api/v1/puts/{session}/files/{index}/chunks/{n}` (raw bytes) → [`BatchAck`]
-//! - `POST /api/v1/puts/{session}/commit` → [`CommitResponse`]
+//! - `POST /api/v1/puts/{session}/commit` [`CommitRequest`] (optional) → [`CommitResponse`]
 //! - `DELETE /api/v1/puts/{session}` — abort
 //! - `GET  /api/v1/trees/{key}` → [`ReadManifest`] as a codec document (opens a read lease pinning the version)
 //! - `POST /api/v1/reads/{lease}/batch` [`BatchRequest`] → frame stream
@@ -212,7 +212,22 @@ pub struct PutRequest {
     /// The key's lifecycle; the defaults of [`PutOptions`] when absent.
     #[serde(default)]
     pub options: PutOptions,
+    /// Manifest indices of large files whose hash the client has not
+    /// computed yet (it hashes them while it sends them: one read of each).
+    /// Each carries [`DEFERRED_HASH`] in the manifest, so `digest` is the
+    /// *provisional* digest of the manifest as sent. The store needs them
+    /// whole, in chunks (no reuse, no dedup), and the client sends their
+    /// roots at commit ([`CommitRequest::roots`]); the version published
+    /// has the real hashes, and its digest is that of the manifest with
+    /// them (what a put that hashed first would have sent). Each must be a
+    /// regular file larger than the store's chunk size, named once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deferred: Vec<u32>,
 }
+
+/// The hash a put's manifest carries for an entry whose hash is deferred
+/// ([`PutRequest::deferred`]): all zero, a value blake3 gives no content.
+pub const DEFERRED_HASH: Hash = Hash([0; 32]);
 
 /// The store's answer to a put: which entries it needs the content of.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -232,6 +247,38 @@ pub struct PutPlan {
     /// be sent again.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub have: Vec<HaveChunks>,
+    /// The store took the request's [`PutRequest::deferred`] entries as
+    /// deferred: it expects their roots at commit. False from a store that
+    /// predates deferred hashes (it would check the placeholders): the
+    /// client then aborts the session, hashes them and plans again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deferred: bool,
+    /// Deferred entries the current version has a file like (same path,
+    /// size and mtime): probably unchanged, so the client hashes them and
+    /// plans again rather than send them whole. No session is opened.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hash_first: Vec<u32>,
+}
+
+/// The body of `POST /api/v1/puts/{session}/commit`; empty (or absent) for
+/// a put without deferred entries.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommitRequest {
+    /// The root hash of every deferred entry ([`PutRequest::deferred`]),
+    /// as the client computed it from the chunks it read. The store
+    /// compares each with the root of the chunks it received: any
+    /// difference fails the commit (`hash_mismatch`) and publishes nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub roots: Vec<DeferredRoot>,
+}
+
+/// The root hash of one deferred entry ([`CommitRequest::roots`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeferredRoot {
+    /// The entry's manifest index.
+    pub index: u32,
+    /// blake3 of the file's content.
+    pub hash: Hash,
 }
 
 /// Chunks of one large file the store holds already ([`PutPlan::have`]).
