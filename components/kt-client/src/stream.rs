@@ -16,7 +16,9 @@
 //! deleted once it is consumed).
 //!
 //! Budget invariant of a [`ShareStream`]: a file's size is reserved before
-//! its fetch starts (temporary files included) and given back when the
+//! its fetch starts (the listed size, which the get checks against the
+//! verified manifest before any byte moves: a file of another size, say a
+//! key put again or registered with a false size, is refused by name) (temporary files included) and given back when the
 //! [`StreamedFile`] the consumer got for it is dropped, which deletes it. A
 //! fetch starts only while the reserved bytes plus its size fit the budget,
 //! so the bytes held locally never exceed it — except for a file larger than
@@ -35,6 +37,7 @@ use kt_types::{EntryKind, Key, KeyPrefix};
 use tokio::sync::{Notify, mpsc};
 
 use crate::api::Client;
+use crate::download::Only;
 use crate::error::ClientError;
 use crate::progress::Progress;
 use crate::transfer::{GetOptions, GetSummary};
@@ -93,10 +96,22 @@ pub struct StreamOptions {
     /// Files fetched at once, at most (at least 1).
     pub ahead: usize,
     /// Where the stream's fresh temporary directory is made (files go under
-    /// their path below the prefix in it; it is removed with the stream, and
+    /// their path below the prefix in it, but one whose place another file
+    /// of the share would take, as with keys `a` and `a/b`, goes under
+    /// `<its position>/<its path>`; it is removed with the stream, and
     /// nothing already in `dir` is touched); `None`: the system's.
     pub dir: Option<PathBuf>,
+    /// Files passed over without a byte fetched (markers such as
+    /// `_SUCCESS`): they keep their place in the share, so every rank's
+    /// split is the same, but the stream never yields them.
+    pub skip: Option<fn(&str) -> bool>,
+    /// The most files the listing below the prefix may hold: more ends
+    /// the listing with an error naming the limit ([`TOO_MANY_FILES`]).
+    pub max_files: usize,
 }
+
+/// Begins the error of a listing over [`StreamOptions::max_files`].
+pub const TOO_MANY_FILES: &str = "too many files to stream";
 
 impl StreamOptions {
     /// Rank `spec`'s share from its start, `budget` bytes, defaults else.
@@ -107,6 +122,8 @@ impl StreamOptions {
             start: 0,
             ahead: DEFAULT_AHEAD,
             dir: None,
+            skip: None,
+            max_files: usize::MAX,
         }
     }
 }
@@ -177,6 +194,9 @@ pub struct StreamedFile {
     pub file: DatasetFile,
     /// Where it lies.
     pub path: PathBuf,
+    /// The directory of its position in the stream's directory, for a file
+    /// placed apart: it holds this file only, and goes with it.
+    place: Option<PathBuf>,
     budget: Arc<Budget>,
 }
 
@@ -198,13 +218,19 @@ impl StreamedFile {
 
 impl Drop for StreamedFile {
     fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_file(&self.path)
+        // A file placed apart goes with the directories its get made (no
+        // other fetch places into them). Else its directories stay:
+        // another file's fetch may be placing into them right now (they
+        // hold no bytes).
+        let gone = match &self.place {
+            Some(place) => std::fs::remove_dir_all(place),
+            None => std::fs::remove_file(&self.path),
+        };
+        if let Err(e) = gone
             && e.kind() != std::io::ErrorKind::NotFound
         {
             tracing::warn!(path = %self.path.display(), error = %e, "evicting a consumed file");
         }
-        // Its directories stay: another file's fetch may be placing into
-        // them right now (they hold no bytes).
         self.budget.release(self.file.size);
     }
 }
@@ -216,6 +242,7 @@ impl Drop for StreamedFile {
 pub struct ShareStream {
     share: Arc<Vec<DatasetFile>>,
     position: usize,
+    skip: Option<fn(&str) -> bool>,
     rx: mpsc::UnboundedReceiver<Result<StreamedFile, ClientError>>,
     budget: Arc<Budget>,
     dir: PathBuf,
@@ -229,6 +256,13 @@ impl Drop for ShareStream {
     fn drop(&mut self) {
         let Some(task) = self.task.take() else { return };
         task.abort();
+        // Files fetched but not handed on are deleted now, before the
+        // directory's removal below runs: never two removals of one tree
+        // at once (one would find gone what it listed, and give up).
+        self.rx.close();
+        while let Ok(f) = self.rx.try_recv() {
+            drop(f);
+        }
         if let Some(owned) = self.owned.take() {
             // Removed only once the fetches stopped: a write they had under
             // way would otherwise make the directory again.
@@ -245,6 +279,9 @@ impl ShareStream {
     /// share. After an error the stream ends (resume from
     /// [`ShareStream::position`] with a new one).
     pub async fn next(&mut self) -> Option<Result<StreamedFile, ClientError>> {
+        while self.position < self.share.len() && skips(self.skip, &self.share[self.position]) {
+            self.position += 1;
+        }
         if self.position >= self.share.len() {
             return None;
         }
@@ -287,7 +324,7 @@ impl ShareStream {
         &self.share
     }
 
-    /// Where files are placed.
+    /// Where files are placed (see [`StreamOptions::dir`]).
     pub fn dir(&self) -> &Path {
         &self.dir
     }
@@ -328,7 +365,25 @@ impl Client {
         &self,
         prefix: &KeyPrefix,
     ) -> Result<(Vec<DatasetFile>, Vec<(Key, String)>), ClientError> {
+        self.dataset_files_within(prefix, usize::MAX).await
+    }
+
+    /// [`Client::dataset_files`], ended (before the next manifest is
+    /// fetched) once more than `max_files` are listed.
+    async fn dataset_files_within(
+        &self,
+        prefix: &KeyPrefix,
+        max_files: usize,
+    ) -> Result<(Vec<DatasetFile>, Vec<(Key, String)>), ClientError> {
+        let too_many = |n: usize| {
+            ClientError::Local(format!(
+                "{TOO_MANY_FILES}: below {prefix}/ are more than {max_files} files ({n} listed so far)"
+            ))
+        };
         let listed = self.ls_below(prefix).await?;
+        if listed.entries.len() > max_files {
+            return Err(too_many(listed.entries.len()));
+        }
         let mut files = Vec::new();
         let mut skipped = Vec::new();
         let mut trees = Vec::new();
@@ -357,11 +412,11 @@ impl Client {
         let scratch = tempfile::tempdir()
             .map_err(|e| ClientError::Local(format!("a temporary directory: {e}")))?;
         let scratch = scratch.path();
-        let manifests: Vec<Result<Vec<DatasetFile>, ClientError>> =
+        let mut manifests =
             futures::stream::iter(trees.into_iter().map(|(key, name)| async move {
                 // A get of no file at all: the key's manifest, from a
                 // source, verified against the published digest.
-                let none = BTreeSet::new();
+                let none = Only::new();
                 let (_, dl) = self
                     .call(
                         || format!("listing the files of {key}"),
@@ -374,25 +429,28 @@ impl Client {
                         ),
                     )
                     .await?;
-                Ok(dl
-                    .manifest()
-                    .entries
-                    .iter()
-                    .filter(|e| e.kind == EntryKind::File)
-                    .map(|e| DatasetFile {
-                        path: format!("{name}/{}", e.path),
-                        key: key.clone(),
-                        entry: e.path.clone(),
-                        size: e.size,
-                    })
-                    .collect())
+                Ok::<Vec<DatasetFile>, ClientError>(
+                    dl.manifest()
+                        .entries
+                        .iter()
+                        .filter(|e| e.kind == EntryKind::File)
+                        .map(|e| DatasetFile {
+                            path: format!("{name}/{}", e.path),
+                            key: key.clone(),
+                            entry: e.path.clone(),
+                            size: e.size,
+                        })
+                        .collect(),
+                )
             }))
-            .buffer_unordered(KEYS_AT_ONCE)
-            .collect()
-            .await;
-        for m in manifests {
+            .buffer_unordered(KEYS_AT_ONCE);
+        while let Some(m) = manifests.next().await {
             files.extend(m?);
+            if files.len() > max_files {
+                return Err(too_many(files.len()));
+            }
         }
+        drop(manifests);
         files.sort_by(|a, b| a.path.cmp(&b.path));
         skipped.sort();
         Ok((files, skipped))
@@ -405,10 +463,20 @@ impl Client {
         prefix: &KeyPrefix,
         spec: &ShareSpec,
     ) -> Result<(Vec<DatasetFile>, Vec<(Key, String)>), ClientError> {
+        self.share_within(prefix, spec, usize::MAX).await
+    }
+
+    /// [`Client::share_of`] of a listing of at most `max_files` files.
+    async fn share_within(
+        &self,
+        prefix: &KeyPrefix,
+        spec: &ShareSpec,
+        max_files: usize,
+    ) -> Result<(Vec<DatasetFile>, Vec<(Key, String)>), ClientError> {
         spec.shard
             .validate()
             .map_err(|e| ClientError::Local(e.to_string()))?;
-        let (files, skipped) = self.dataset_files(prefix).await?;
+        let (files, skipped) = self.dataset_files_within(prefix, max_files).await?;
         let sized: Vec<(&str, u64)> = files.iter().map(|f| (f.path.as_str(), f.size)).collect();
         let mine = share(&sized, spec)
             .into_iter()
@@ -429,14 +497,15 @@ impl Client {
         dest: &Path,
     ) -> Result<ShareSummary, ClientError> {
         let (files, skipped) = self.share_of(prefix, spec).await?;
-        let mut by_key: BTreeMap<Key, (PathBuf, BTreeSet<String>)> = BTreeMap::new();
+        refuse_clashes(prefix, &files)?;
+        let mut by_key: BTreeMap<Key, (PathBuf, Only)> = BTreeMap::new();
         for f in &files {
             let place = key_dest(dest, f);
             by_key
                 .entry(f.key.clone())
-                .or_insert_with(|| (place, BTreeSet::new()))
+                .or_insert_with(|| (place, Only::new()))
                 .1
-                .insert(f.entry.clone());
+                .insert(f.entry.clone(), f.size);
         }
         let results: Vec<(Key, Result<GetSummary, ClientError>)> =
             futures::stream::iter(by_key.into_iter().map(|(key, (to, only))| async move {
@@ -479,7 +548,9 @@ impl Client {
         prefix: &KeyPrefix,
         opts: StreamOptions,
     ) -> Result<ShareStream, ClientError> {
-        let (files, _) = self.share_of(prefix, &opts.spec).await?;
+        let (files, _) = self
+            .share_within(prefix, &opts.spec, opts.max_files)
+            .await?;
         if opts.start > files.len() {
             return Err(ClientError::Local(format!(
                 "start position {} is past the end of shard {}'s {} files",
@@ -508,6 +579,12 @@ impl Client {
                 .map_err(|e| ClientError::Local(format!("a temporary directory: {e}")))?,
         };
         let (dir, owned) = (made.path().to_owned(), Some(made));
+        // Files another file of the share would take the place of go
+        // under a directory of their own (their position's).
+        let apart: BTreeSet<usize> = clashes(&files)
+            .into_iter()
+            .flat_map(|(a, b, _)| [a, b])
+            .collect();
         let share = Arc::new(files);
         let budget = Arc::new(Budget {
             limit: opts.budget,
@@ -521,13 +598,15 @@ impl Client {
             share.clone(),
             opts.start,
             opts.ahead.max(1),
-            dir.clone(),
+            opts.skip,
+            (dir.clone(), apart),
             budget.clone(),
             tx,
         ));
         Ok(ShareStream {
             share,
             position: opts.start,
+            skip: opts.skip,
             rx,
             budget,
             dir,
@@ -536,6 +615,45 @@ impl Client {
             rt: tokio::runtime::Handle::current(),
         })
     }
+}
+
+/// Pairs of files of `files` (indices) that would take one local place,
+/// with how: the same path (a single-file key `p/a/b` and the file `b` of a
+/// directory key `p/a`), or a file's path a directory of another's (`p/a`
+/// and `p/a/b`). One tree cannot hold both: one would replace or hold the
+/// other.
+fn clashes(files: &[DatasetFile]) -> Vec<(usize, usize, &'static str)> {
+    let mut found = Vec::new();
+    let mut by_path: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, f) in files.iter().enumerate() {
+        if let Some(other) = by_path.insert(f.path.as_str(), i) {
+            found.push((other, i, "have the same path"));
+        }
+    }
+    for (i, f) in files.iter().enumerate() {
+        let mut at = f.path.as_str();
+        while let Some(cut) = at.rfind('/') {
+            at = &at[..cut];
+            if let Some(&above) = by_path.get(at) {
+                found.push((above, i, "would be a file and a directory at once"));
+            }
+        }
+    }
+    found
+}
+
+/// Refuses a share with [`clashes`], naming the first.
+fn refuse_clashes(prefix: &KeyPrefix, files: &[DatasetFile]) -> Result<(), ClientError> {
+    let Some(&(a, b, how)) = clashes(files).first() else {
+        return Ok(());
+    };
+    let (a, b) = (&files[a], &files[b]);
+    Err(ClientError::Local(format!(
+        "two files below {prefix}/ clash: {} (key {}) and {} (key {}) {how}; \
+         one directory cannot hold both: move or delete one of the keys, or \
+         stream the share instead (a stream places such files apart)",
+        a.path, a.key, b.path, b.key
+    )))
 }
 
 /// Where the get of `f`'s key is placed under `dest`: a single-file key at
@@ -551,21 +669,38 @@ fn key_dest(dest: &Path, f: &DatasetFile) -> PathBuf {
     dest.join(name)
 }
 
+/// Whether `skip` passes `f` over.
+fn skips(skip: Option<fn(&str) -> bool>, f: &DatasetFile) -> bool {
+    skip.is_some_and(|skip| skip(&f.path))
+}
+
 /// The stream's fetcher: starts fetches in reading order while the budget
-/// and `ahead` allow, and hands each file on, in order, once it is placed.
+/// and `ahead` allow, and hands each file on, in order, once it is placed;
+/// files `skip` passes over are never fetched.
+#[allow(clippy::too_many_arguments)]
 async fn prefetch(
     client: Client,
     share: Arc<Vec<DatasetFile>>,
     start: usize,
     ahead: usize,
-    dir: PathBuf,
+    skip: Option<fn(&str) -> bool>,
+    (dir, apart): (PathBuf, BTreeSet<usize>),
     budget: Arc<Budget>,
     tx: mpsc::UnboundedSender<Result<StreamedFile, ClientError>>,
 ) {
     let mut next = start;
     let mut inflight = FuturesOrdered::new();
     loop {
-        while next < share.len() && inflight.len() < ahead && budget.try_reserve(share[next].size) {
+        loop {
+            while next < share.len() && skips(skip, &share[next]) {
+                next += 1;
+            }
+            if next >= share.len()
+                || inflight.len() >= ahead
+                || !budget.try_reserve(share[next].size)
+            {
+                break;
+            }
             let (client, f, dir, budget) = (
                 client.clone(),
                 share[next].clone(),
@@ -573,9 +708,14 @@ async fn prefetch(
                 budget.clone(),
             );
             let position = next;
+            // A file another would take the place of goes under a
+            // directory of its own (see `clashes`).
+            let place = apart
+                .contains(&position)
+                .then(|| dir.join(position.to_string()));
             inflight.push_back(async move {
-                let only = BTreeSet::from([f.entry.clone()]);
-                let to = key_dest(&dir, &f);
+                let only = Only::from([(f.entry.clone(), f.size)]);
+                let to = key_dest(place.as_ref().unwrap_or(&dir), &f);
                 let got = client
                     .call(
                         || format!("get of {} ({})", f.key, f.path),
@@ -612,6 +752,7 @@ async fn prefetch(
                     position,
                     file: f,
                     path,
+                    place,
                     budget,
                 })
             });
@@ -688,6 +829,7 @@ mod tests {
         let mut s = ShareStream {
             share: Arc::new(vec![file("a"), file("b")]),
             position: 0,
+            skip: None,
             rx,
             budget,
             dir: PathBuf::from("/nonexistent"),
@@ -718,5 +860,33 @@ mod tests {
         let dest = Path::new("/d");
         assert_eq!(key_dest(dest, &single), Path::new("/d/a"));
         assert_eq!(key_dest(dest, &tree), Path::new("/d/sub/tree"));
+    }
+
+    #[test]
+    fn a_share_whose_files_take_one_place_is_refused_by_name() {
+        let prefix = KeyPrefix::parse("svc/p").unwrap();
+        let f = |path: &str, key: &str, entry: &str| DatasetFile {
+            path: path.into(),
+            key: Key::parse(key).unwrap(),
+            entry: entry.into(),
+            size: 1,
+        };
+        // A file `a` and a file `a/b`: `a` would be a directory too.
+        let nested = [f("a/b", "svc/p/a/b", ""), f("a", "svc/p/a", "")];
+        let e = refuse_clashes(&prefix, &nested).unwrap_err().to_string();
+        assert!(e.contains("a (key svc/p/a) and a/b (key svc/p/a/b)"), "{e}");
+        assert!(e.contains("a file and a directory"), "{e}");
+        // The same path from a single-file key and a directory key.
+        let same = [f("a/b", "svc/p/a/b", ""), f("a/b", "svc/p/a", "b")];
+        let e = refuse_clashes(&prefix, &same).unwrap_err().to_string();
+        assert!(e.contains("have the same path"), "{e}");
+        assert!(e.contains("below svc/p/"), "{e}");
+        // Siblings and look-alike names are no clash.
+        let fine = [
+            f("a-x", "svc/p/a-x", ""),
+            f("ab/c", "svc/p/ab/c", ""),
+            f("a", "svc/p/a", ""),
+        ];
+        refuse_clashes(&prefix, &fine).unwrap();
     }
 }

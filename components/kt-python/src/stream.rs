@@ -79,15 +79,17 @@ impl PyShareStream {
         let call = Call::new(name.clone(), timeout, None)?;
         let client = call.client(&c);
         let opts = StreamOptions {
-            spec: ShareSpec {
-                shard,
-                epoch,
-                shuffle,
-            },
-            budget,
             start,
             ahead,
             dir,
+            ..StreamOptions::new(
+                ShareSpec {
+                    shard,
+                    epoch,
+                    shuffle,
+                },
+                budget,
+            )
         };
         let stream = run_call(py, &c, &call, async move {
             client.stream_share(&prefix, opts).await
