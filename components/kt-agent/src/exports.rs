@@ -304,6 +304,8 @@ impl ReadSource for Exports {
             chunk_size: self.chunk_size,
             // The user's files: reached through real directories only.
             check_links: true,
+            // Not resolved here: counted under the key's first segment.
+            owner: None,
         })
     }
 

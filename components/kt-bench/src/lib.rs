@@ -23,7 +23,10 @@
 //!   process's peak RSS (`kt_dataset::ingest`; everything in the binary);
 //! - the `kt-bench-gate` binary (`make bench-gate`): the rsync comparison a
 //!   few times over, its median ratios held against the committed baseline
-//!   `testbed/bench/baseline.json` ([`gate`]); CPU time comes from [`cpu`].
+//!   `testbed/bench/baseline.json` ([`gate`]); CPU time comes from [`cpu`];
+//! - the `kt-bench-cpu` binary (`make bench-cpu`): CPU seconds per GiB of a
+//!   put, the store's send, a relaying broadcast member and a pure getter,
+//!   each its own process on loopback ([`relay_cpu`]).
 //!
 //! The binary's pieces live here so that `main` stays a thin argument parser:
 //! [`size`] (byte sizes such as `256MiB`), [`scratch`] (a work directory removed on
@@ -41,6 +44,7 @@ pub mod kt;
 pub mod metaload;
 pub mod nccl;
 pub mod recovery;
+pub mod relay_cpu;
 pub mod report;
 pub mod rsync;
 pub mod scratch;

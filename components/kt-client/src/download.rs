@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use kt_api::Api;
 use kt_sync::SyncError;
@@ -31,6 +31,12 @@ use crate::error::ClientError;
 use crate::local::{balance, blocking, scan_cached};
 use crate::progress::Progress;
 use crate::relay::{Board, PIECE};
+
+/// The files a restricted get fetches: entry paths of the manifest (`""`
+/// names a single-file key's file), each with its size as the caller listed
+/// it. A file whose version holds another size is refused before any byte
+/// moves (the caller reserved room for the listed size).
+pub type Only = BTreeMap<String, u64>;
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -80,12 +86,13 @@ struct ChunkLanding {
 }
 
 impl ChunkLanding {
-    /// Writes and hashes `data`, the chunk's next piece, and tells the
-    /// relay. The last one also tells the download: the two learn of the
-    /// chunk together, even when the fetch is cancelled while it is
-    /// written.
-    async fn land(mut self, data: Bytes) -> Result<Self, ClientError> {
-        let at = self.written + data.len() as u64;
+    /// Writes and hashes `data`, the chunk's next piece as it came off
+    /// the wire (one buffer after the other, never copied into one), and
+    /// tells the relay, handing it the buffers to serve from memory. The
+    /// last one also tells the download: the two learn of the chunk
+    /// together, even when the fetch is cancelled while it is written.
+    async fn land(mut self, data: Vec<Bytes>) -> Result<Self, ClientError> {
+        let at = self.written + data.iter().map(|d| d.len() as u64).sum::<u64>();
         if at > self.len {
             return Err(ClientError::Sync(SyncError::Stream(format!(
                 "chunk {} of entry #{} came longer than its {} bytes",
@@ -105,16 +112,19 @@ impl ChunkLanding {
             let (Some(file), Some(h)) = (file, hasher.as_mut()) else {
                 return Err(SyncError::Stream("a chunk landed after its end".into()));
             };
-            file.write_at(offset, &data)?;
-            h.update(&data);
+            let mut to = offset;
+            for d in &data {
+                file.write_at(to, d)?;
+                h.update(d);
+                to += d.len() as u64;
+            }
             if last {
                 lock(&large.asm).add_cv(n, h.finish());
                 lock(&large.have)[n as usize] = true;
-                if let Some(b) = &board {
-                    b.chunk(index, n);
-                }
-            } else if let Some(b) = &board {
-                b.piece(index, n, at);
+            }
+            if let Some(b) = &board {
+                let written = if last { u64::MAX } else { at };
+                b.landed(index, n, written, (offset, data));
             }
             // Let go of the file only now: placing it waits until no piece
             // holds it, so a piece of a cancelled run can never record
@@ -126,6 +136,27 @@ impl ChunkLanding {
         self.hasher = hasher;
         self.written = at;
         Ok(self)
+    }
+}
+
+/// The buffers received since the last piece landed, as they came.
+#[derive(Debug, Default)]
+struct Piece {
+    bufs: Vec<Bytes>,
+    len: u64,
+}
+
+impl Piece {
+    fn add(&mut self, b: Bytes) {
+        if !b.is_empty() {
+            self.len += b.len() as u64;
+            self.bufs.push(b);
+        }
+    }
+
+    fn take(&mut self) -> Vec<Bytes> {
+        self.len = 0;
+        std::mem::take(&mut self.bufs)
     }
 }
 
@@ -160,16 +191,16 @@ impl Download {
     /// Validates `read`, looks at what `dest` already holds, creates the
     /// directories, and tells `board` what is already in place.
     ///
-    /// With `only` (entry paths of the manifest; `""` names a single-file
-    /// key's file), just those files are fetched and only their directories
-    /// made: a selected file already at its place with the same content is
-    /// kept; a name that is not a file of this version is an error.
+    /// With `only` (see [`Only`]), just those files are fetched and only
+    /// their directories made: a selected file already at its place with the
+    /// same content is kept; a name that is not a file of this version, or
+    /// is one of another size than listed, is an error.
     pub async fn plan(
         client: &Client,
         read: ReadManifest,
         dest: &Path,
         board: Option<Arc<Board>>,
-        only: Option<&BTreeSet<String>>,
+        only: Option<&Only>,
     ) -> Result<Self, ClientError> {
         let m = &read.manifest;
         m.validate(&ManifestLimits::default())?;
@@ -252,13 +283,13 @@ impl Download {
         read: ReadManifest,
         dest: &Path,
         board: Option<Arc<Board>>,
-        only: &BTreeSet<String>,
+        only: &Only,
     ) -> Result<Self, ClientError> {
         let (root, final_dest) = places(&read.manifest, dest);
         let mut this = Download::empty(root, final_dest, board, read, true);
         let m = &this.read.manifest;
         let mut chosen = Vec::new();
-        for name in only {
+        for (name, &listed) in only {
             // A single-file key's one file is also named by "".
             let found = m.entries.iter().position(|e| {
                 e.kind == EntryKind::File
@@ -267,6 +298,10 @@ impl Download {
             let Some(i) = found else {
                 return Err(not_in_version(&this.read.version, name));
             };
+            let e = &m.entries[i];
+            if e.size != listed {
+                return Err(size_changed(&this.read.version, &e.path, e.size, listed));
+            }
             chosen.push((i as u32, this.target_of(&m.entries[i])));
         }
         let here = |p: &Path, e: ClientError| ClientError::Local(format!("{}: {e}", p.display()));
@@ -537,17 +572,15 @@ impl Download {
                 };
                 // Pieces are written (and told to the relay) as they come,
                 // so a child relaying from us lags by a piece, not a chunk.
-                let mut piece = BytesMut::new();
+                let mut piece = Piece::default();
                 loop {
                     let next = body.next().await;
                     let ended = next.is_none();
                     if let Some(b) = next {
-                        piece.extend_from_slice(
-                            &b.map_err(|e| ClientError::Sync(SyncError::Stream(e)))?,
-                        );
+                        piece.add(b.map_err(|e| ClientError::Sync(SyncError::Stream(e)))?);
                     }
-                    if piece.len() as u64 >= PIECE || (ended && !piece.is_empty()) {
-                        landed = landed.land(piece.split().freeze()).await?;
+                    if piece.len >= PIECE || (ended && piece.len > 0) {
+                        landed = landed.land(piece.take()).await?;
                     }
                     if ended {
                         break;
@@ -702,6 +735,16 @@ fn not_in_version(version: &str, name: &str) -> ClientError {
     ))
 }
 
+/// A file a restricted get names whose size in its version differs from the
+/// caller's listing: refused before any byte moves (the caller reserved
+/// room for the listed size), and not the source's fault either.
+fn size_changed(version: &str, name: &str, size: u64, listed: u64) -> ClientError {
+    ClientError::Local(format!(
+        "{name:?} is {size} bytes in version {version} but was {listed} bytes when listed: \
+         the key changed since it was listed (list it again)"
+    ))
+}
+
 /// Creates `root` and the directories on the way to the entry `path` below
 /// it one component at a time, as [`apply::ensure_dirs`] does: whatever is
 /// there and is not a real directory (a symlink above all) is replaced, so
@@ -804,9 +847,110 @@ mod tests {
     }
 
     #[test]
+    fn a_piece_collects_the_buffers_that_came_and_skips_empty_ones() {
+        let mut p = Piece::default();
+        p.add(Bytes::from_static(b"ab"));
+        p.add(Bytes::new());
+        p.add(Bytes::from_static(b"cde"));
+        assert_eq!(p.len, 5);
+        assert_eq!(
+            p.take(),
+            vec![Bytes::from_static(b"ab"), Bytes::from_static(b"cde")]
+        );
+        assert_eq!(p.len, 0);
+        assert!(p.take().is_empty());
+    }
+
+    /// A chunk landed as the buffers came (pieces of several buffers of odd
+    /// sizes, not on any boundary) is written and hashed as if it had come
+    /// whole; the relay learns of each piece and has the last ones in
+    /// memory; a buffer past the chunk's end is refused.
+    #[tokio::test]
+    async fn a_chunk_lands_buffer_by_buffer() {
+        const CHUNK: u64 = 64 << 10;
+        let t = tempfile::tempdir().unwrap();
+        let data: Vec<u8> = (0..2 * CHUNK).map(|i| (i * 7 % 251) as u8).collect();
+        let entry = Entry {
+            path: "f".into(),
+            kind: EntryKind::File,
+            size: 2 * CHUNK,
+            mode: 0o644,
+            mtime: 0,
+            mtime_nsec: 0,
+            hash: None,
+            target: None,
+        };
+        let dest = t.path().join("f");
+        let file = Arc::new(ChunkedFile::create(&dest, entry.size, WriteMode::TempRename).unwrap());
+        let large = Arc::new(Large {
+            entry,
+            dest,
+            file: Mutex::new(Some(file.clone())),
+            asm: Mutex::new(ChunkAssembly::new(2 * CHUNK, CHUNK)),
+            have: Mutex::new(vec![false; 2]),
+            done: Default::default(),
+        });
+        let board = Arc::new(Board::default());
+        board.partial(0, file.reader().unwrap(), CHUNK, &[false, false]);
+        let landing = |n: u64| ChunkLanding {
+            file: Some(file.clone()),
+            hasher: Some(ChunkHasher::new(n, CHUNK)),
+            large: large.clone(),
+            board: Some(board.clone()),
+            index: 0,
+            n,
+            offset: n * CHUNK,
+            len: CHUNK,
+            written: 0,
+        };
+        let all = Bytes::from(data.clone());
+        let first = all.slice(..CHUNK as usize);
+        let second = all.slice(CHUNK as usize..);
+        landing(0).land(vec![first]).await.unwrap();
+        let mut l = landing(1);
+        l = l
+            .land(vec![second.slice(0..1), second.slice(1..1000)])
+            .await
+            .unwrap();
+        assert_eq!(l.written, 1000);
+        assert!(!lock(&large.have)[1]);
+        l = l.land(vec![second.slice(1000..40_000)]).await.unwrap();
+        let over = landing(1)
+            .land(vec![second.clone(), Bytes::from_static(b"x")])
+            .await;
+        assert!(over.is_err(), "a chunk longer than its length was taken");
+        let l = l
+            .land(vec![second.slice(40_000..50_000), second.slice(50_000..)])
+            .await
+            .unwrap();
+        assert_eq!(l.written, CHUNK);
+        assert!(lock(&large.have)[1]);
+        let mut want = ChunkAssembly::new(2 * CHUNK, CHUNK);
+        want.add(0, &data[..CHUNK as usize]);
+        want.add(1, &data[CHUNK as usize..]);
+        assert_eq!(lock(&large.asm).root(), want.root());
+        assert!(want.root().is_some());
+        drop(l);
+        let reader = file.reader().unwrap();
+        let mut back = vec![0u8; data.len()];
+        std::os::unix::fs::FileExt::read_exact_at(&reader, &mut back, 0).unwrap();
+        assert_eq!(back, data);
+    }
+
+    #[test]
     fn a_file_missing_from_the_listing_is_not_the_sources_fault() {
         let e = not_in_version("v1", "x");
         assert!(!e.is_source_failure(), "{e:?}");
         assert!(e.to_string().contains("has no file \"x\""), "{e}");
+    }
+
+    #[test]
+    fn a_file_of_another_size_than_listed_is_not_the_sources_fault() {
+        let e = size_changed("v1", "x", 4096, 1);
+        assert!(!e.is_source_failure(), "{e:?}");
+        let text = e.to_string();
+        assert!(text.contains("4096 bytes in version v1"), "{text}");
+        assert!(text.contains("1 bytes when listed"), "{text}");
+        assert!(text.contains("changed since it was listed"), "{text}");
     }
 }

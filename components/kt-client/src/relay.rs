@@ -14,8 +14,13 @@
 //! is not verified yet: every member verifies its own copy (chunk chaining
 //! values against the file's hash), so a bad piece costs a refetch, never a
 //! bad copy.
+//!
+//! The pieces that landed last ([`RECENT`] bytes of them) are kept in
+//! memory as they came off the wire and served from there: a child in a
+//! chain asks for what its parent got a moment ago, which then costs
+//! neither a read of the file back nor a trip to the blocking threads.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
@@ -46,6 +51,10 @@ pub const STALL: Duration = Duration::from_secs(20);
 
 /// The most a range answer reads and sends at once.
 pub const PIECE: u64 = 256 << 10;
+
+/// How many bytes of the pieces landed last a relay keeps in memory to
+/// serve them from there (a few pieces of each chunk being fetched).
+pub const RECENT: u64 = 8 << 20;
 
 /// Where the bytes of one file are.
 #[derive(Debug)]
@@ -126,6 +135,58 @@ struct State_ {
     read: Option<Arc<ReadManifest>>,
     files: HashMap<u32, Avail>,
     failed: Option<String>,
+    recent: Recent,
+}
+
+/// Bytes that landed at `offset` of file `index`, as they came.
+#[derive(Debug)]
+struct Landed {
+    index: u32,
+    offset: u64,
+    data: Bytes,
+}
+
+/// The pieces landed last, oldest first, [`RECENT`] bytes of them at most.
+#[derive(Debug, Default)]
+struct Recent {
+    pieces: VecDeque<Landed>,
+    bytes: u64,
+}
+
+impl Recent {
+    fn keep(&mut self, index: u32, mut offset: u64, data: Vec<Bytes>) {
+        for data in data.into_iter().filter(|d| !d.is_empty()) {
+            let len = data.len() as u64;
+            self.bytes += len;
+            self.pieces.push_back(Landed {
+                index,
+                offset,
+                data,
+            });
+            offset += len;
+        }
+        while self.bytes > RECENT
+            && let Some(old) = self.pieces.pop_front()
+        {
+            self.bytes -= old.data.len() as u64;
+        }
+    }
+
+    /// Up to `max` bytes at `offset` of file `index`, if they are kept
+    /// (from one landed piece: perhaps fewer than are ready).
+    fn get(&self, index: u32, offset: u64, max: u64) -> Option<Bytes> {
+        let p = self.pieces.iter().rev().find(|p| {
+            p.index == index && p.offset <= offset && offset < p.offset + p.data.len() as u64
+        })?;
+        let from = (offset - p.offset) as usize;
+        let to = (from as u64 + max).min(p.data.len() as u64) as usize;
+        Some(p.data.slice(from..to))
+    }
+
+    fn forget(&mut self, index: u32) {
+        self.pieces.retain(|p| p.index != index);
+        self.bytes = self.pieces.iter().map(|p| p.data.len() as u64).sum();
+    }
 }
 
 /// What a download has, for its relay (see the module documentation).
@@ -176,6 +237,7 @@ impl Board {
         let file = Arc::new(file);
         let have = have.iter().map(|&h| if h { chunk } else { 0 }).collect();
         self.update(|s| {
+            s.recent.forget(index);
             s.files.insert(index, Avail::Partial { file, chunk, have });
         });
     }
@@ -183,11 +245,18 @@ impl Board {
     /// The first `bytes` of chunk `n` of file `index` are written (a piece
     /// landed; never takes back what was said before).
     pub fn piece(&self, index: u32, n: u64, bytes: u64) {
+        self.landed(index, n, bytes, (0, Vec::new()));
+    }
+
+    /// [`Board::piece`], and what landed: `data`, written at `offset` of
+    /// the file, one buffer after the other (kept a while, see [`RECENT`]).
+    pub fn landed(&self, index: u32, n: u64, bytes: u64, (offset, data): (u64, Vec<Bytes>)) {
         self.update(|s| {
             if let Some(Avail::Partial { have, chunk, .. }) = s.files.get_mut(&index)
                 && let Some(h) = have.get_mut(n as usize)
             {
                 *h = (*h).max(bytes.min(*chunk));
+                s.recent.keep(index, offset, data);
             }
         });
     }
@@ -200,6 +269,7 @@ impl Board {
     /// File `index` is being started over (its chunks did not verify).
     pub fn forget(&self, index: u32) {
         self.update(|s| {
+            s.recent.forget(index);
             s.files.remove(&index);
         });
     }
@@ -251,18 +321,12 @@ impl Board {
         self.wait(|s| s.read.clone().map(Ok)).await
     }
 
-    /// Waits until `ready` says how many bytes at `offset` of file `index`
-    /// can be read, then reads them.
-    async fn read_when(
-        &self,
-        index: u32,
-        offset: u64,
-        ready: impl Fn(&Avail) -> Option<u64>,
-    ) -> Result<Bytes, ApiError> {
-        let (src, len) = self
+    /// Waits until `len` bytes at `offset` of file `index` are there, then reads them.
+    async fn read_range(&self, index: u32, offset: u64, len: u64) -> Result<Bytes, ApiError> {
+        let src = self
             .wait(|s| {
                 let a = s.files.get(&index)?;
-                Some(Ok((a.source(), ready(a)?)))
+                a.covers(offset, len).then(|| Ok(a.source()))
             })
             .await?;
         let data = kt_service::blocking(move || src.read(offset, len)).await?;
@@ -270,20 +334,23 @@ impl Board {
         Ok(Bytes::from(data))
     }
 
-    /// Waits until `len` bytes at `offset` of file `index` are there, then reads them.
-    async fn read_range(&self, index: u32, offset: u64, len: u64) -> Result<Bytes, ApiError> {
-        self.read_when(index, offset, |a| a.covers(offset, len).then_some(len))
-            .await
-    }
-
     /// Reads the next piece at `offset` of file `index`, up to `end`: what
-    /// is there as soon as anything is (at most [`PIECE`]).
+    /// is there as soon as anything is (at most [`PIECE`]), from memory
+    /// when it landed a moment ago.
     async fn read_piece(&self, index: u32, offset: u64, end: u64) -> Result<Bytes, ApiError> {
-        self.read_when(index, offset, |a| {
-            let ready = a.ready_at(offset, (end - offset).min(PIECE));
-            (ready > 0).then_some(ready)
-        })
-        .await
+        let (src, len, kept) = self
+            .wait(|s| {
+                let a = s.files.get(&index)?;
+                let ready = a.ready_at(offset, (end - offset).min(PIECE));
+                (ready > 0).then(|| Ok((a.source(), ready, s.recent.get(index, offset, ready))))
+            })
+            .await?;
+        let data = match kept {
+            Some(data) => data,
+            None => Bytes::from(kt_service::blocking(move || src.read(offset, len)).await?),
+        };
+        self.served.fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(data)
     }
 
     /// `len` bytes at `offset` of file `index`, piece by piece as they land.
@@ -620,6 +687,70 @@ mod tests {
         let e = out.next().await.unwrap().unwrap_err();
         assert!(e.to_string().contains("parent gone"), "{e}");
         assert!(out.next().await.is_none());
+    }
+
+    fn bytes(n: usize, x: u8) -> Bytes {
+        Bytes::from(vec![x; n])
+    }
+
+    #[test]
+    fn landed_pieces_are_kept_and_found_by_offset() {
+        let mut r = Recent::default();
+        // Two buffers of one piece, back to back from offset 100.
+        r.keep(1, 100, vec![bytes(10, 1), Bytes::new(), bytes(20, 2)]);
+        assert_eq!(r.pieces.len(), 2);
+        assert_eq!(r.get(1, 100, 64).unwrap(), bytes(10, 1));
+        // Within a buffer; never past its end, nor past `max`.
+        assert_eq!(r.get(1, 105, 64).unwrap(), bytes(5, 1));
+        assert_eq!(r.get(1, 110, 64).unwrap(), bytes(20, 2));
+        assert_eq!(r.get(1, 112, 3).unwrap(), bytes(3, 2));
+        // Before, after, another file: not kept.
+        assert!(r.get(1, 99, 8).is_none());
+        assert!(r.get(1, 130, 8).is_none());
+        assert!(r.get(2, 100, 8).is_none());
+        r.forget(1);
+        assert!(r.get(1, 100, 8).is_none());
+        assert_eq!(r.bytes, 0);
+    }
+
+    #[test]
+    fn only_the_last_landed_bytes_are_kept() {
+        let mut r = Recent::default();
+        let piece = PIECE as usize;
+        let n = RECENT / PIECE;
+        for k in 0..n + 2 {
+            r.keep(0, k * PIECE, vec![bytes(piece, k as u8)]);
+        }
+        assert!(r.bytes <= RECENT);
+        assert!(r.get(0, 0, 1).is_none() && r.get(0, PIECE, 1).is_none());
+        assert_eq!(
+            r.get(0, (n + 1) * PIECE, 1).unwrap(),
+            bytes(1, (n + 1) as u8)
+        );
+        assert_eq!(r.get(0, 2 * PIECE, 1).unwrap(), bytes(1, 2));
+    }
+
+    /// A piece that landed is served from memory: the same bytes as the
+    /// file holds, without reading it (here the file has other bytes, to
+    /// tell the two apart); one that is no longer kept is read from the file.
+    #[tokio::test]
+    async fn a_landed_piece_is_served_from_memory_and_an_old_one_from_the_file() {
+        const CHUNK: u64 = 4 * PIECE;
+        let b = Arc::new(Board::default());
+        let file = tempfile::tempfile().unwrap();
+        file.write_all_at(&vec![3u8; CHUNK as usize], 0).unwrap();
+        b.partial(0, file, CHUNK, &[false]);
+        b.landed(0, 0, 100, (0, vec![bytes(60, 7), bytes(40, 8)]));
+        assert_eq!(b.read_piece(0, 0, CHUNK).await.unwrap(), bytes(60, 7));
+        assert_eq!(b.read_piece(0, 60, CHUNK).await.unwrap(), bytes(40, 8));
+        assert_eq!(b.served(), 100);
+        // Landed, then started over: read from the (new) file, never the
+        // kept bytes of the file that did not verify.
+        b.forget(0);
+        let file = tempfile::tempfile().unwrap();
+        file.write_all_at(&vec![4u8; CHUNK as usize], 0).unwrap();
+        b.partial(0, file, CHUNK, &[true]);
+        assert_eq!(b.read_piece(0, 0, 50).await.unwrap(), bytes(50, 4));
     }
 
     #[test]

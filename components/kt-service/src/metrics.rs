@@ -49,19 +49,26 @@ struct ServiceBytesLabels {
     service: String,
 }
 
-/// Most services given a label of their own; the rest share
+/// Most owning services given a label of their own; the rest share
 /// [`ServiceLabels::OVERFLOW`] (services are bounded per cluster; this
 /// bounds a misuse).
 pub const MAX_SERVICE_LABELS: usize = 200;
 
+/// Most labels taken from key segments ([`service_of_key`]: a guess any
+/// writer picks), a pool of their own: guesses never crowd out the
+/// services a server resolved.
+pub const MAX_GUESSED_LABELS: usize = 200;
+
 /// The values a `service` label takes: the first [`MAX_SERVICE_LABELS`]
-/// services seen keep their name, the rest share
-/// [`ServiceLabels::OVERFLOW`]. The one cap every server's service labels
-/// go through (the store's and agents' byte counters, the metadata
-/// server's registry gauges).
+/// owning services seen ([`ServiceLabels::label`]) and the first
+/// [`MAX_GUESSED_LABELS`] key segments ([`ServiceLabels::label_guessed`])
+/// keep their name, the rest share [`ServiceLabels::OVERFLOW`]. The one
+/// cap every server's service labels go through (the store's and agents'
+/// byte counters, the metadata server's registry gauges).
 #[derive(Debug, Default, Clone)]
 pub struct ServiceLabels {
-    seen: std::collections::HashSet<String>,
+    owners: std::collections::HashSet<String>,
+    guessed: std::collections::HashSet<String>,
 }
 
 impl ServiceLabels {
@@ -69,15 +76,33 @@ impl ServiceLabels {
     /// a valid key segment, so no real service shares it.
     pub const OVERFLOW: &'static str = "(other)";
 
-    /// The label of `service`: its name while it is among the first
-    /// [`MAX_SERVICE_LABELS`] seen, [`ServiceLabels::OVERFLOW`] after.
+    /// The label of `service`, an owning service the server resolved
+    /// (bounded by the access map): its name while it is among the first
+    /// [`MAX_SERVICE_LABELS`] such, [`ServiceLabels::OVERFLOW`] after.
     pub fn label<'a>(&mut self, service: &'a str) -> &'a str {
-        if self.seen.contains(service) {
-            return service;
+        Self::take(&mut self.owners, &self.guessed, MAX_SERVICE_LABELS, service)
+    }
+
+    /// The label of `segment`, a key's first segment taken for its
+    /// service (any writer picks it): its name while it is a known label
+    /// or among the first [`MAX_GUESSED_LABELS`] guesses,
+    /// [`ServiceLabels::OVERFLOW`] after.
+    pub fn label_guessed<'a>(&mut self, segment: &'a str) -> &'a str {
+        Self::take(&mut self.guessed, &self.owners, MAX_GUESSED_LABELS, segment)
+    }
+
+    fn take<'a>(
+        pool: &mut std::collections::HashSet<String>,
+        other: &std::collections::HashSet<String>,
+        cap: usize,
+        name: &'a str,
+    ) -> &'a str {
+        if name == Self::OVERFLOW || pool.contains(name) || other.contains(name) {
+            return name;
         }
-        if self.seen.len() < MAX_SERVICE_LABELS {
-            self.seen.insert(service.to_owned());
-            return service;
+        if pool.len() < cap {
+            pool.insert(name.to_owned());
+            return name;
         }
         Self::OVERFLOW
     }
@@ -92,6 +117,13 @@ pub fn service_of_key(key: &kt_types::Key) -> &str {
         Some((first, _)) => first,
         None => ServiceLabels::OVERFLOW,
     }
+}
+
+/// Whose bytes: a service the server resolved, or a key segment.
+#[derive(Clone, Copy)]
+enum Owner<'a> {
+    Resolved(&'a str),
+    Guessed(&'a str),
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -114,7 +146,8 @@ pub struct Metrics {
     collectors: std::sync::RwLock<Vec<Arc<dyn Collect>>>,
     bytes_in: Counter<u64, AtomicU64>,
     bytes_out: Counter<u64, AtomicU64>,
-    /// The same bytes by the service a key belongs to (its first segment).
+    /// The same bytes by the service that owns the key (resolved by the
+    /// server, else guessed from its first segment).
     service_bytes: Family<ServiceBytesLabels, Counter>,
     /// The services given a label of their own so far.
     services: std::sync::Mutex<ServiceLabels>,
@@ -167,7 +200,7 @@ impl Metrics {
         let service_bytes = Family::<ServiceBytesLabels, Counter>::default();
         registry.register(
             "service_bytes",
-            "File content bytes moved, by direction (sent, received) and the service of the key (its first segment)",
+            "File content bytes moved, by direction (sent, received) and the service owning the key",
             service_bytes.clone(),
         );
         registry.register(
@@ -209,35 +242,46 @@ impl Metrics {
     pub fn add_bytes_out(&self, n: u64) {
         self.bytes_out.inc_by(n);
     }
-    /// [`Metrics::add_bytes_in`], counted for `key`'s service too
-    /// ([`service_of_key`]).
-    pub fn add_bytes_in_for(&self, key: &kt_types::Key, n: u64) {
-        self.add_bytes_in_for_service(service_of_key(key), n);
+    /// [`Metrics::add_bytes_in`], counted for `key`'s owning service too:
+    /// `owner` when the server resolved it, else a guess from the key
+    /// ([`service_of_key`], in the pool of guesses).
+    pub fn add_bytes_in_for(&self, key: &kt_types::Key, owner: Option<&str>, n: u64) {
+        self.add_bytes_in(n);
+        self.add_service_bytes("received", Self::service_label(key, owner), n);
     }
-    /// [`Metrics::add_bytes_out`], counted for `key`'s service too
-    /// ([`service_of_key`]).
-    pub fn add_bytes_out_for(&self, key: &kt_types::Key, n: u64) {
-        self.add_bytes_out_for_service(service_of_key(key), n);
+    /// [`Metrics::add_bytes_out`], counted for `key`'s owning service too
+    /// (as [`Metrics::add_bytes_in_for`]).
+    pub fn add_bytes_out_for(&self, key: &kt_types::Key, owner: Option<&str>, n: u64) {
+        self.add_bytes_out(n);
+        self.add_service_bytes("sent", Self::service_label(key, owner), n);
     }
     /// [`Metrics::add_bytes_in`], counted for `service` (the owning
     /// service the put resolved) too.
     pub fn add_bytes_in_for_service(&self, service: &str, n: u64) {
         self.add_bytes_in(n);
-        self.add_service_bytes("received", service, n);
+        self.add_service_bytes("received", Owner::Resolved(service), n);
     }
     /// [`Metrics::add_bytes_out`], counted for `service` (the owning
     /// service the read resolved) too.
     pub fn add_bytes_out_for_service(&self, service: &str, n: u64) {
         self.add_bytes_out(n);
-        self.add_service_bytes("sent", service, n);
+        self.add_service_bytes("sent", Owner::Resolved(service), n);
     }
-    fn add_service_bytes(&self, direction: &'static str, service: &str, n: u64) {
-        let service = self
-            .services
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .label(service)
-            .to_owned();
+    fn service_label<'a>(key: &'a kt_types::Key, owner: Option<&'a str>) -> Owner<'a> {
+        match owner {
+            Some(service) => Owner::Resolved(service),
+            None => Owner::Guessed(service_of_key(key)),
+        }
+    }
+    fn add_service_bytes(&self, direction: &'static str, owner: Owner<'_>, n: u64) {
+        let service = {
+            let mut labels = self.services.lock().unwrap_or_else(|e| e.into_inner());
+            match owner {
+                Owner::Resolved(s) => labels.label(s),
+                Owner::Guessed(s) => labels.label_guessed(s),
+            }
+            .to_owned()
+        };
         self.service_bytes
             .get_or_create(&ServiceBytesLabels { direction, service })
             .inc_by(n);
@@ -504,13 +548,47 @@ mod tests {
         assert!(kt_types::Key::parse(ServiceLabels::OVERFLOW).is_err());
     }
 
+    /// Key segments (which any writer picks) take their own pool: after
+    /// more guesses than fit, an owning service seen only now still gets
+    /// its label, and a guess that is a known service keeps it.
+    #[test]
+    fn guessed_labels_never_crowd_out_owning_services() {
+        let mut labels = ServiceLabels::default();
+        assert_eq!(labels.label("train"), "train");
+        for i in 0..MAX_GUESSED_LABELS + 10 {
+            let s = format!("junk{i}");
+            let want = if i < MAX_GUESSED_LABELS {
+                s.as_str()
+            } else {
+                ServiceLabels::OVERFLOW
+            };
+            assert_eq!(labels.label_guessed(&s), want);
+        }
+        assert_eq!(labels.label_guessed("train"), "train");
+        assert_eq!(labels.label("eval"), "eval");
+        assert_eq!(labels.label_guessed("eval"), "eval");
+        assert_eq!(labels.label("junk0"), "junk0");
+
+        let m = Metrics::new();
+        for i in 0..MAX_GUESSED_LABELS + 5 {
+            let key = kt_types::Key::parse(&format!("zz{i}/x")).unwrap();
+            m.add_bytes_in_for(&key, None, 1);
+        }
+        let key = kt_types::Key::parse("zzz/x").unwrap();
+        m.add_bytes_in_for(&key, Some("a"), 9);
+        let text = m.encode();
+        assert!(text.contains("service=\"a\"} 9"), "{text}");
+        assert!(!text.contains("service=\"zzz\""), "{text}");
+        assert!(text.contains("service=\"(other)\"} 5"), "{text}");
+    }
+
     /// A key of one segment never puts its name in a label; bytes are
     /// counted under the service given.
     #[test]
     fn service_bytes_are_labelled_by_service_never_by_key() {
         let m = Metrics::new();
-        m.add_bytes_in_for(&kt_types::Key::parse("secretname").unwrap(), 5);
-        m.add_bytes_in_for(&kt_types::Key::parse("team/a/b").unwrap(), 7);
+        m.add_bytes_in_for(&kt_types::Key::parse("secretname").unwrap(), None, 5);
+        m.add_bytes_in_for(&kt_types::Key::parse("team/a/b").unwrap(), None, 7);
         m.add_bytes_out_for_service("train", 3);
         let text = m.encode();
         assert!(!text.contains("secretname"), "{text}");

@@ -24,13 +24,14 @@
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::future::Future;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::allow;
 use axum::Router;
-use axum::body::Body;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path as UrlPath, Query, State};
 use axum::http::StatusCode;
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
@@ -41,8 +42,6 @@ use kt_sync::batch::{SendItem, send_stream};
 use kt_types::api::{BatchRequest, RangeQuery, ReadHeader};
 use kt_types::auth::Role;
 use kt_types::{Entry, EntryKind, ErrorCode, Key, Manifest};
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
-use tokio_util::io::ReaderStream;
 
 use crate::{ApiError, ApiJson, Metrics};
 
@@ -92,6 +91,10 @@ pub struct OpenVersion {
     /// real directories below the root (which must be canonical) and never
     /// through a final symlink.
     pub check_links: bool,
+    /// The service owning the key, when the source knows it (the store:
+    /// the service its put resolved); bytes sent are counted under it,
+    /// else under a guess from the key ([`Metrics::add_bytes_out_for`]).
+    pub owner: Option<String>,
 }
 
 /// What a server serves reads from.
@@ -423,7 +426,8 @@ async fn batch<S: ReadSource>(
         })
         .await?;
     }
-    r.metrics.add_bytes_out_for(&l.opened.key, bytes);
+    r.metrics
+        .add_bytes_out_for(&l.opened.key, l.opened.owner.as_deref(), bytes);
     // Each file sent keeps the lease alive, however long the stream runs.
     let touch: kt_sync::batch::Progress = Arc::new(move |_| l.touch());
     Ok(Body::from_stream(send_stream(items, Some(touch))))
@@ -466,19 +470,45 @@ async fn range<S: ReadSource>(
         }
     })
     .await?;
-    let mut file = tokio::fs::File::from_std(file);
-    file.seek(std::io::SeekFrom::Start(q.offset))
-        .await
-        .map_err(|err| sync_err(SyncError::io(l.opened.files.path_of(e), err)))?;
-    r.metrics.add_bytes_out_for(&l.opened.key, q.len);
+    r.metrics
+        .add_bytes_out_for(&l.opened.key, l.opened.owner.as_deref(), q.len);
     // Streamed in pieces: a source serving many readers at once holds a
     // piece per reader, not a whole range (a chunk, up to MAX_RANGE) each.
-    let body = Body::from_stream(ReaderStream::with_capacity(file.take(q.len), RANGE_PIECE));
+    let body = Body::from_stream(file_pieces(file, q.offset, q.len, RANGE_PIECE));
     Ok(([(CONTENT_LENGTH, q.len.to_string())], body).into_response())
 }
 
 /// How much of a range is read at a time.
 const RANGE_PIECE: usize = 256 * 1024;
+
+/// `len` bytes of `file` from `offset`, `piece` bytes at a time, each read
+/// straight into the buffer that is sent: one copy and one trip to the
+/// blocking threads per piece (an async file reads into a buffer of its own
+/// first, then copies). A file that ends early ends the stream with an
+/// error: the reader sees a short body.
+pub fn file_pieces(
+    file: File,
+    offset: u64,
+    len: u64,
+    piece: usize,
+) -> impl futures::Stream<Item = std::io::Result<Bytes>> + Send + 'static {
+    let end = offset.saturating_add(len);
+    let piece = piece.max(1) as u64;
+    futures::stream::try_unfold((Arc::new(file), offset), move |(file, at)| async move {
+        if at >= end {
+            return Ok(None);
+        }
+        let n = (end - at).min(piece) as usize;
+        let f = file.clone();
+        let data = kt_sync::task::spawn(move || {
+            let mut buf = vec![0u8; n];
+            f.read_exact_at(&mut buf, at).map(|()| buf)
+        })
+        .await
+        .map_err(|lost| std::io::Error::other(lost.to_string()))??;
+        Ok(Some((Bytes::from(data), (file, at + n as u64))))
+    })
+}
 
 /// `DELETE /api/v1/reads/{lease}`.
 async fn release<S: ReadSource>(
@@ -562,6 +592,59 @@ mod tests {
             std::io::Error::from(std::io::ErrorKind::PermissionDenied),
         ));
         assert_eq!(other.code, ErrorCode::Internal);
+    }
+
+    async fn collect(
+        s: impl futures::Stream<Item = std::io::Result<Bytes>>,
+    ) -> (Vec<usize>, Vec<u8>, Option<std::io::Error>) {
+        use futures::StreamExt;
+        let mut s = std::pin::pin!(s);
+        let (mut sizes, mut all) = (Vec::new(), Vec::new());
+        while let Some(item) = s.next().await {
+            match item {
+                Ok(b) => {
+                    sizes.push(b.len());
+                    all.extend_from_slice(&b);
+                }
+                Err(e) => return (sizes, all, Some(e)),
+            }
+        }
+        (sizes, all, None)
+    }
+
+    /// A range goes out in pieces of at most `piece` bytes, from its offset,
+    /// whether or not it starts or ends on a piece boundary.
+    #[tokio::test]
+    async fn a_range_is_read_in_pieces_from_its_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&p, &data).unwrap();
+        let open = || File::open(&p).unwrap();
+        let (sizes, got, err) = collect(file_pieces(open(), 1000, 5000, 2048)).await;
+        assert!(err.is_none());
+        assert_eq!(sizes, vec![2048, 2048, 904]);
+        assert_eq!(got, &data[1000..6000]);
+        // Exactly two pieces; a range of nothing; the last byte.
+        let (sizes, _, _) = collect(file_pieces(open(), 0, 4096, 2048)).await;
+        assert_eq!(sizes, vec![2048, 2048]);
+        let (sizes, _, err) = collect(file_pieces(open(), 10_000, 0, 2048)).await;
+        assert!(sizes.is_empty() && err.is_none());
+        let (_, got, _) = collect(file_pieces(open(), 9_999, 1, 2048)).await;
+        assert_eq!(got, &data[9_999..]);
+    }
+
+    /// A file cut short since it was opened: the pieces that were there,
+    /// then an error, never a short piece passed off as the rest.
+    #[tokio::test]
+    async fn a_range_of_a_file_cut_short_ends_in_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::write(&p, vec![5u8; 3000]).unwrap();
+        let (sizes, got, err) = collect(file_pieces(File::open(&p).unwrap(), 0, 5000, 2048)).await;
+        assert_eq!(sizes, vec![2048]);
+        assert_eq!(got.len(), 2048);
+        assert_eq!(err.unwrap().kind(), std::io::ErrorKind::UnexpectedEof);
     }
 
     #[test]

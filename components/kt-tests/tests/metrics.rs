@@ -274,3 +274,54 @@ async fn every_server_passes_promtool_and_exports_what_alerts_query() {
     pod.stop().await;
     c.stop().await;
 }
+
+/// The store counts a put's bytes, and the reads of it, under the service
+/// that owns the key (here the putter's own), not under the key's first
+/// segment, which any writer picks (review finding 8).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_bytes_are_counted_under_the_owning_service() {
+    use kt_types::auth::{AuthFile, Grant, Role};
+    const WORKLOAD_A: &str = "workload-a-0123456789abc";
+    let files = tempfile::tempdir().unwrap();
+    let path = files.path().join("auth.json");
+    let file = AuthFile {
+        tokens: vec![Grant {
+            token: WORKLOAD_A.into(),
+            role: Role::Workload,
+            name: None,
+            services: Some(vec!["a".into()]),
+            reads: None,
+        }],
+    };
+    std::fs::write(&path, serde_json::to_vec(&file).unwrap()).unwrap();
+    let auth = kt_service::Auth::from_file(&path).unwrap();
+    let c = Cluster::start_authed(Some(auth), |_| {}).await;
+    let mut cfg = kt_client::ClientConfig::new(c.metadata_url(), WORKLOAD_A);
+    cfg.cache_dir = Some(files.path().join("cache-a"));
+    cfg.agent_socket = files.path().join("no-agent.sock");
+    let workload = kt_client::Client::new(cfg).unwrap();
+    let src = files.path().join("src");
+    write_files(&src, &[("w", b"weights")]);
+    workload
+        .put(&key("zzz/x"), &src, PutOptions::default(), Progress::none())
+        .await
+        .unwrap();
+    let reader = c.client_with(|cfg| cfg.serve_copies = false);
+    reader
+        .get(&key("zzz/x"), &files.path().join("got"), Progress::none())
+        .await
+        .unwrap();
+
+    let text = scrape(&kt_api::client(), &c.store_url(), None).await;
+    let store = Samples::parse(&text);
+    let bytes = |direction: &str| {
+        store.get(
+            "kt_service_bytes_total",
+            &[("direction", direction), ("service", "a")],
+        )
+    };
+    assert_eq!(bytes("received"), Some(7.0), "{text}");
+    assert_eq!(bytes("sent"), Some(7.0), "{text}");
+    assert!(!text.contains("service=\"zzz\""), "{text}");
+    c.stop().await;
+}
