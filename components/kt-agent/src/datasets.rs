@@ -421,7 +421,7 @@ fn remove_tree(path: &Path) {
 }
 
 /// (total, available) bytes of the filesystem holding `path`.
-fn fs_space(path: &Path) -> std::io::Result<(u64, u64)> {
+pub(crate) fn fs_space(path: &Path) -> std::io::Result<(u64, u64)> {
     let s = rustix::fs::statvfs(path).map_err(std::io::Error::from)?;
     Ok((
         s.f_blocks.saturating_mul(s.f_frsize),
@@ -1685,49 +1685,16 @@ mod tests {
             bytes,
             broadcast: None,
         };
+        use ErrorCode::{InsufficientStorage as Full, InvalidKey, InvalidRequest as Invalid};
+        let d = format!("{root}/ns/d");
         let cases = [
-            (
-                "NS",
-                "d",
-                req("k", format!("{root}/ns/d"), 1),
-                ErrorCode::InvalidRequest,
-            ),
-            (
-                "ns",
-                "D",
-                req("k", format!("{root}/ns/d"), 1),
-                ErrorCode::InvalidRequest,
-            ),
-            (
-                "ns",
-                "d",
-                req("/bad//key", format!("{root}/ns/d"), 1),
-                ErrorCode::InvalidKey,
-            ),
-            (
-                "ns",
-                "d",
-                req("k", "/etc/d".into(), 1),
-                ErrorCode::InvalidRequest,
-            ),
-            (
-                "ns",
-                "d",
-                req("k", format!("{root}/../d"), 1),
-                ErrorCode::InvalidRequest,
-            ),
-            (
-                "ns",
-                "d",
-                req("k", format!("{root}/.kt/x"), 1),
-                ErrorCode::InvalidRequest,
-            ),
-            (
-                "ns",
-                "d",
-                req("k", format!("{root}/ns/d"), 101),
-                ErrorCode::InsufficientStorage,
-            ),
+            ("NS", "d", req("k", d.clone(), 1), Invalid),
+            ("ns", "D", req("k", d.clone(), 1), Invalid),
+            ("ns", "d", req("/bad//key", d.clone(), 1), InvalidKey),
+            ("ns", "d", req("k", "/etc/d".into(), 1), Invalid),
+            ("ns", "d", req("k", format!("{root}/../d"), 1), Invalid),
+            ("ns", "d", req("k", format!("{root}/.kt/x"), 1), Invalid),
+            ("ns", "d", req("k", d, 101), Full),
         ];
         for (ns, name, r, code) in cases {
             let e = cache

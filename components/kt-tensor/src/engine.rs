@@ -317,7 +317,17 @@ pub fn transfer_on(
     let device = lent.memory_device();
     // Whatever is freed before the hold is let go waits for it (and for
     // any other transfer on the device): the order of drops does not matter.
-    let held = backend.hold(device);
+    let held = match backend.hold(device, timeout) {
+        Ok(h) => h,
+        Err(e) => {
+            // The device is stuck freeing: a kept communicator is closed
+            // after that, as every free there (not here, behind it).
+            if let Link::Reuse(c) = link {
+                backend.retire(device, c);
+            }
+            return (Err(e), None);
+        }
+    };
     let reused = matches!(link, Link::Reuse(_));
     let mut comm = match link {
         Link::Connect {
@@ -682,10 +692,21 @@ mod tests {
         fn kind(&self) -> kt_types::tensor::BackendKind {
             self.inner.kind()
         }
-        fn hold(&self, _device: Device) -> Option<Box<dyn Send>> {
-            self.holds
-                .as_ref()
-                .map(|h| Box::new(h.hold(0)) as Box<dyn Send>)
+        fn hold(
+            &self,
+            _device: Device,
+            wait: Duration,
+        ) -> Result<Option<Box<dyn Send>>, TransportError> {
+            match &self.holds {
+                Some(h) => Ok(Some(Box::new(h.hold(0, wait)?))),
+                None => Ok(None),
+            }
+        }
+        fn retire(&self, _device: Device, comm: Box<dyn Comm>) {
+            match &self.holds {
+                Some(h) => h.defer(0, "the close of a retired communicator", Box::new(comm)),
+                None => drop(comm),
+            }
         }
         fn map(
             &self,
@@ -733,49 +754,14 @@ mod tests {
         }
     }
 
-    /// A communicator whose abort has not returned: it keeps what it is
-    /// handed until `reaper` hears that it did.
-    struct Wedged(crate::hold::Reaper);
-
-    impl Comm for Wedged {
-        fn rank(&self) -> u32 {
-            0
-        }
-        fn world(&self) -> u32 {
-            2
-        }
-        fn broadcast(
-            &mut self,
-            _: u32,
-            _: &[u32],
-            _: &mut dyn Region,
-            _: u64,
-            _: u64,
-        ) -> Result<(), TransportError> {
-            Err(TransportError::Timeout("aborted".into()))
-        }
-        fn wedged(&self) -> bool {
-            true
-        }
-        fn keep_until_stopped(&mut self, what: Box<dyn Send>) {
-            self.0.after(what);
-        }
-    }
-
     /// An abort slower than its wait used to keep the device held for the
     /// agent's life (nothing deferred on it was freed again); now the hold
     /// and the lent memory go once the abort returns.
     #[test]
     fn a_wedged_transfer_lets_its_device_go_once_the_abort_returns() {
         use std::sync::Arc;
-        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::atomic::Ordering;
 
-        struct Flag(Arc<AtomicBool>);
-        impl Drop for Flag {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::SeqCst);
-            }
-        }
         let holds = Arc::new(crate::hold::DeviceHolds::default());
         let host = crate::HostBackend::new("/dev/shm");
         let b = Counting {
@@ -786,7 +772,7 @@ mod tests {
         let mut plan = crate::host::tests::plan_of(2, 1, &["a".into(), "b".into()]);
         plan.flows.clear();
         let reaper = crate::hold::Reaper::default();
-        let link = Link::Reuse(Box::new(Wedged(reaper.clone())));
+        let link = Link::Reuse(Box::new(crate::testing::FakeComm::wedged(&reaper)));
         let (_, kept) = transfer_on(
             &b,
             &plan,
@@ -799,13 +785,71 @@ mod tests {
         // Its kernels may still run: the device stays held, and what is
         // freed meanwhile waits.
         assert_eq!(holds.holders(0), 1);
-        let freed = Arc::new(AtomicBool::new(false));
-        holds.defer(0, Box::new(Flag(freed.clone())));
+        let (freed, item) = crate::hold::tests::flag();
+        holds.defer(0, "a test's flag", item);
         assert!(!freed.load(Ordering::SeqCst));
         // The abort returns.
         reaper.returned();
         assert_eq!(holds.holders(0), 0, "the device is let go");
         assert!(freed.load(Ordering::SeqCst), "what waited is freed");
+    }
+
+    /// A transfer that finds its device stuck freeing (its last transfer's
+    /// free does not return) used to wait for good before it connected;
+    /// now it fails within its timeout saying what is stuck, and a kept
+    /// communicator it was to run on is closed after the stuck free, not
+    /// behind it on this thread.
+    #[test]
+    fn a_transfer_on_a_device_stuck_freeing_fails_within_its_timeout() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::mpsc::channel;
+
+        let holds = Arc::new(crate::hold::DeviceHolds::default());
+        let (go, draining) =
+            crate::hold::tests::stuck_drain(&holds, 0, "the close of a retired NCCL communicator");
+        let closed = Arc::new(AtomicUsize::new(0));
+        let comm = crate::testing::FakeComm::counting_drops(&closed);
+        let (tx, rx) = channel();
+        let h = holds.clone();
+        std::thread::spawn(move || {
+            let host = crate::HostBackend::new("/dev/shm");
+            let b = Counting {
+                inner: &host,
+                allocs: Default::default(),
+                holds: Some(h),
+            };
+            let mut plan = crate::host::tests::plan_of(2, 1, &["a".into(), "b".into()]);
+            plan.flows.clear();
+            let link = Link::Reuse(Box::new(comm));
+            let timeout = Duration::from_millis(300);
+            let (res, kept) = transfer_on(&b, &plan, 0, link, Lent::new(Device::Cpu), timeout);
+            let _ = tx.send((res, kept.is_some()));
+        });
+        let (res, kept) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the transfer returns while the device is stuck freeing");
+        assert!(!kept);
+        let e = res.unwrap_err();
+        assert!(matches!(e, TransportError::Timeout(_)), "{e:?}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("the close of a retired NCCL communicator has not returned"),
+            "{msg}"
+        );
+        assert_eq!(
+            closed.load(Ordering::SeqCst),
+            0,
+            "closed behind the stuck free"
+        );
+        go.send(()).unwrap();
+        draining.join().unwrap();
+        assert_eq!(
+            closed.load(Ordering::SeqCst),
+            1,
+            "closed once the drain went on"
+        );
+        assert_eq!(holds.holders(0), 0);
     }
 
     /// Three ranks: 0 puts `a`, 1 puts `b`, 2 gets both, 1 also gets `a`.

@@ -20,7 +20,11 @@
 //! remote peers, that the free synchronises behind; two agents doing this
 //! to each other would unstick only at their deadlines). The drain waits
 //! for nothing remote: frees, IPC closes, and the close of retired
-//! communicators (bounded by their timeout, then aborted).
+//! communicators (bounded by their timeout, then aborted). A new hold
+//! waits for it at most its transfer's timeout: a drain that lasts longer
+//! is stuck in the driver or NCCL, and the hold fails naming what it is
+//! stuck on and what to do, instead of every later transfer on the device
+//! waiting for good.
 //!
 //! A transfer whose communicator is wedged (an abort that has not returned)
 //! hands its hold and memory to a [`Reaper`], which drops them once the
@@ -29,6 +33,9 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::transport::TransportError;
 
 /// Per device: how many transfers run, and what waits for none to.
 #[derive(Default)]
@@ -41,11 +48,19 @@ pub struct DeviceHolds {
 #[derive(Default)]
 struct Device {
     holders: usize,
-    deferred: Vec<Box<dyn Send>>,
-    /// The last holder is dropping what was deferred: new holds wait.
-    draining: bool,
+    /// What waits for no transfer to run, and what each one is.
+    deferred: Vec<(&'static str, Box<dyn Send>)>,
+    /// The last holder is dropping what was deferred (since when, and
+    /// what it drops now, of how many): new holds wait.
+    draining: Option<Drain>,
     /// Holds waiting for the drain to end.
     waiting: usize,
+}
+
+struct Drain {
+    since: Instant,
+    now: &'static str,
+    left: usize,
 }
 
 impl std::fmt::Debug for DeviceHolds {
@@ -65,32 +80,54 @@ impl DeviceHolds {
     }
 
     /// Holds device `ordinal` for one transfer: at once, unless the last
-    /// holder is dropping what was deferred (then once it is done).
-    pub fn hold(self: &Arc<Self>, ordinal: u32) -> Held {
+    /// holder is dropping what was deferred (then once it is done). A drain
+    /// that lasts longer than `wait` (a free or a communicator's close that
+    /// does not return: a wedged GPU or NCCL) fails the hold, saying what
+    /// is stuck, rather than the transfer waiting for good.
+    pub fn hold(self: &Arc<Self>, ordinal: u32, wait: Duration) -> Result<Held, TransportError> {
+        let deadline = Instant::now() + wait;
         let mut s = self.lock();
         loop {
             let d = s.entry(ordinal).or_default();
-            if !d.draining {
+            let Some(drain) = &d.draining else {
                 d.holders += 1;
                 break;
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(TransportError::Timeout(format!(
+                    "cuda:{ordinal} has been freeing what its last transfer left for {}s (this transfer waited {}s to start): \
+                     {} has not returned ({} of the drain's items left); a free or close that does not return means the GPU \
+                     or NCCL is wedged: look for Xid errors in the node's kernel log (dmesg) and at nvidia-smi, and restart \
+                     the agent's pod if later transfers on this GPU fail the same way",
+                    drain.since.elapsed().as_secs(),
+                    wait.as_secs(),
+                    drain.now,
+                    drain.left,
+                )));
             }
             d.waiting += 1;
-            s = self.drained.wait(s).unwrap_or_else(|e| e.into_inner());
+            s = self
+                .drained
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
             s.entry(ordinal).or_default().waiting -= 1;
         }
         drop(s);
-        Held {
+        Ok(Held {
             holds: self.clone(),
             ordinal,
-        }
+        })
     }
 
     /// Drops `item` now, or when the last transfer holding `ordinal` lets
-    /// go.
-    pub fn defer(&self, ordinal: u32, item: Box<dyn Send>) {
+    /// go; `what` names it (e.g. "a staging buffer's cuMemFree") in the
+    /// error of a hold that waited too long for it.
+    pub fn defer(&self, ordinal: u32, what: &'static str, item: Box<dyn Send>) {
         let mut s = self.lock();
         match s.get_mut(&ordinal) {
-            Some(d) if d.holders > 0 => d.deferred.push(item),
+            Some(d) if d.holders > 0 => d.deferred.push((what, item)),
             _ => {
                 drop(s);
                 drop(item);
@@ -130,9 +167,8 @@ impl Drop for Held {
             let d = s.entry(self.ordinal).or_default();
             if d.holders > 1 || d.deferred.is_empty() {
                 d.holders -= 1;
-                if d.draining {
+                if d.draining.take().is_some() {
                     // The drain this holder ran is over.
-                    d.draining = false;
                     drop(s);
                     self.holds.drained.notify_all();
                 }
@@ -142,10 +178,27 @@ impl Drop for Held {
             // dropped, and again for what was deferred meanwhile; no new
             // transfer starts on the device until it is done (what they
             // free waits for no transfer then).
-            d.draining = true;
             let items = std::mem::take(&mut d.deferred);
+            let since = d.draining.as_ref().map_or_else(Instant::now, |g| g.since);
+            d.draining = Some(Drain {
+                since,
+                now: items.first().map_or("", |(what, _)| *what),
+                left: items.len(),
+            });
             drop(s);
-            drop(items);
+            let mut left = items.len();
+            for (what, item) in items {
+                if let Some(g) = self
+                    .holds
+                    .lock()
+                    .get_mut(&self.ordinal)
+                    .and_then(|d| d.draining.as_mut())
+                {
+                    (g.now, g.left) = (what, left);
+                }
+                drop(item);
+                left -= 1;
+            }
         }
     }
 }
@@ -208,10 +261,15 @@ impl Reaper {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::mpsc::{Receiver, Sender, channel};
+    use std::thread::JoinHandle;
 
     use super::*;
+
+    /// Long enough for any wait these tests expect to end.
+    const WAIT: Duration = Duration::from_secs(60);
 
     struct Flag(Arc<AtomicBool>);
 
@@ -221,9 +279,45 @@ mod tests {
         }
     }
 
-    fn flag() -> (Arc<AtomicBool>, Box<dyn Send>) {
+    /// An item that says when it is dropped.
+    pub(crate) fn flag() -> (Arc<AtomicBool>, Box<dyn Send>) {
         let f = Arc::new(AtomicBool::new(false));
         (f.clone(), Box::new(Flag(f)))
+    }
+
+    /// A free that does not return until told to (a driver call stuck
+    /// behind a wedged kernel).
+    struct Stuck {
+        started: Sender<()>,
+        go: Receiver<()>,
+    }
+
+    impl Drop for Stuck {
+        fn drop(&mut self) {
+            let _ = self.started.send(());
+            let _ = self.go.recv();
+        }
+    }
+
+    /// Device `ordinal` of `holds` draining, its last holder stuck freeing
+    /// `what`: the drain ends when the sender given back sends (or is
+    /// dropped); the thread that ran the transfer ends with it.
+    pub(crate) fn stuck_drain(
+        holds: &Arc<DeviceHolds>,
+        ordinal: u32,
+        what: &'static str,
+    ) -> (Sender<()>, JoinHandle<()>) {
+        let (started_tx, started) = channel();
+        let (go, go_rx) = channel();
+        let last = holds.hold(ordinal, WAIT).unwrap();
+        let item = Stuck {
+            started: started_tx,
+            go: go_rx,
+        };
+        holds.defer(ordinal, what, Box::new(item));
+        let draining = std::thread::spawn(move || drop(last));
+        started.recv().unwrap();
+        (go, draining)
     }
 
     #[test]
@@ -231,14 +325,14 @@ mod tests {
         let holds = Arc::new(DeviceHolds::default());
         // Not held: at once.
         let (a, item) = flag();
-        holds.defer(0, item);
+        holds.defer(0, "a test's flag", item);
         assert!(a.load(Ordering::SeqCst));
-        let first = holds.hold(0);
-        let second = holds.hold(0);
-        let other = holds.hold(1);
+        let first = holds.hold(0, WAIT).unwrap();
+        let second = holds.hold(0, WAIT).unwrap();
+        let other = holds.hold(1, WAIT).unwrap();
         assert_eq!((holds.holders(0), holds.holders(1)), (2, 1));
         let (b, item) = flag();
-        holds.defer(0, item);
+        holds.defer(0, "a test's flag", item);
         drop(other);
         drop(first);
         assert!(!b.load(Ordering::SeqCst), "dropped while a transfer ran");
@@ -253,37 +347,13 @@ mod tests {
     /// drain.
     #[test]
     fn a_new_hold_waits_while_the_last_holder_frees() {
-        use std::sync::mpsc::channel;
-        use std::time::{Duration, Instant};
-
-        struct Slow {
-            started: std::sync::mpsc::Sender<()>,
-            go: std::sync::mpsc::Receiver<()>,
-        }
-        impl Drop for Slow {
-            fn drop(&mut self) {
-                let _ = self.started.send(());
-                let _ = self.go.recv();
-            }
-        }
         let holds = Arc::new(DeviceHolds::default());
-        let (started_tx, started) = channel();
-        let (go, go_rx) = channel();
-        let first = holds.hold(0);
-        holds.defer(
-            0,
-            Box::new(Slow {
-                started: started_tx,
-                go: go_rx,
-            }),
-        );
-        let draining = std::thread::spawn(move || drop(first));
-        started.recv().unwrap();
+        let (go, draining) = stuck_drain(&holds, 0, "a test's slow free");
         // The drain runs: a new transfer asks for the device.
         let (held_tx, held) = channel();
         let h = holds.clone();
         let newcomer = std::thread::spawn(move || {
-            let g = h.hold(0);
+            let g = h.hold(0, WAIT).unwrap();
             let _ = held_tx.send(());
             drop(g);
         });
@@ -311,6 +381,43 @@ mod tests {
         assert_eq!((holds.holders(0), holds.waiting(0)), (0, 0));
     }
 
+    /// A drain that does not end (a free stuck in the driver) used to keep
+    /// every later transfer on the device waiting for good; a hold now
+    /// waits at most what it is given (its transfer's timeout) and fails
+    /// naming the device, what is stuck, and what to do.
+    #[test]
+    fn a_hold_behind_a_drain_that_does_not_end_fails_saying_what_is_stuck() {
+        let holds = Arc::new(DeviceHolds::default());
+        let (go, draining) = stuck_drain(&holds, 3, "the cuMemFree of a staging buffer");
+        let (tx, rx) = channel();
+        let h = holds.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(h.hold(3, Duration::from_millis(200)).map(drop));
+        });
+        let e = rx
+            .recv_timeout(WAIT)
+            .expect("a hold behind a drain that does not end returns")
+            .expect_err("the device is still draining");
+        assert!(matches!(e, TransportError::Timeout(_)), "{e:?}");
+        let msg = e.to_string();
+        for want in [
+            "cuda:3 has been freeing what its last transfer left",
+            "the cuMemFree of a staging buffer has not returned (1 of the drain's items left)",
+            "Xid",
+            "restart the agent's pod",
+        ] {
+            assert!(msg.contains(want), "{want:?} not in: {msg}");
+        }
+        assert_eq!(holds.waiting(3), 0, "the failed hold no longer waits");
+        // Other devices are not held up.
+        drop(holds.hold(0, Duration::ZERO).unwrap());
+        // Once the free returns, the device is held at once again.
+        go.send(()).unwrap();
+        draining.join().unwrap();
+        drop(holds.hold(3, Duration::ZERO).unwrap());
+        assert_eq!(holds.holders(3), 0);
+    }
+
     #[test]
     fn a_reaped_hold_keeps_what_was_deferred_until_the_call_returns() {
         // A wedged transfer (an abort that did not return) hands its hold
@@ -318,10 +425,10 @@ mod tests {
         // kernels, and everything is once the abort returns.
         let holds = Arc::new(DeviceHolds::default());
         let reaper = Reaper::default();
-        reaper.after(Box::new(holds.hold(0)));
+        reaper.after(Box::new(holds.hold(0, WAIT).unwrap()));
         let (c, item) = flag();
-        holds.defer(0, item);
-        drop(holds.hold(0));
+        holds.defer(0, "a test's flag", item);
+        drop(holds.hold(0, WAIT).unwrap());
         assert!(!c.load(Ordering::SeqCst));
         assert!(!reaper.has_returned());
         reaper.returned();

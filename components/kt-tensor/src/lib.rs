@@ -20,6 +20,9 @@ pub mod host;
 pub mod pack;
 pub mod reduce;
 pub mod shm;
+#[cfg(any(test, feature = "testing"))]
+#[doc(hidden)]
+pub mod testing;
 pub mod transport;
 
 pub use engine::{Lent, Link, run, transfer, transfer_on};

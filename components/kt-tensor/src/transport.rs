@@ -161,10 +161,15 @@ pub trait Backend: Send + Sync + std::fmt::Debug {
     /// its communicator and memory are dropped ([`crate::engine::transfer`]):
     /// for transports whose device-synchronising work must wait until no
     /// transfer runs ([`crate::hold`]). `None`: nothing to hold (the
-    /// default).
-    fn hold(&self, device: Device) -> Option<Box<dyn Send>> {
-        let _ = device;
-        None
+    /// default). Waits at most `wait` for the device's frees to end, then
+    /// fails saying what is stuck.
+    fn hold(
+        &self,
+        device: Device,
+        wait: Duration,
+    ) -> Result<Option<Box<dyn Send>>, TransportError> {
+        let _ = (device, wait);
+        Ok(None)
     }
 
     /// Lets go of a communicator kept between transfers (replaced, evicted

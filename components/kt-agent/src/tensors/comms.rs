@@ -238,37 +238,15 @@ mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use kt_tensor::{Region, TransportError};
+    use kt_tensor::Region;
+    use kt_tensor::testing::FakeComm;
     use kt_types::tensor::{BackendKind, Packing, Rank};
 
     use super::*;
 
-    /// A communicator that counts its drops.
-    struct Fake(Arc<AtomicUsize>);
-
-    impl Comm for Fake {
-        fn rank(&self) -> u32 {
-            0
-        }
-        fn world(&self) -> u32 {
-            2
-        }
-        fn broadcast(
-            &mut self,
-            _: u32,
-            _: &[u32],
-            _: &mut dyn Region,
-            _: u64,
-            _: u64,
-        ) -> Result<(), TransportError> {
-            Ok(())
-        }
-    }
-
-    impl Drop for Fake {
-        fn drop(&mut self) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
+    /// A communicator that counts its drops (closes) in `drops`.
+    fn counted(drops: &Arc<AtomicUsize>) -> Box<dyn Comm> {
+        Box::new(FakeComm::counting_drops(drops))
     }
 
     fn plan(id: &str) -> TransferPlan {
@@ -297,15 +275,10 @@ mod tests {
         let drops = Arc::new(AtomicUsize::new(0));
         let comms = Comms::new(4);
         let gpu = Device::Cuda(0);
-        drop(comms.keep("g", gpu, &plan("t1"), Box::new(Fake(drops.clone()))));
+        drop(comms.keep("g", gpu, &plan("t1"), counted(&drops)));
         // Another group, another GPU: not listed.
-        drop(comms.keep("h", gpu, &plan("t2"), Box::new(Fake(drops.clone()))));
-        drop(comms.keep(
-            "g",
-            Device::Cuda(1),
-            &plan("t3"),
-            Box::new(Fake(drops.clone())),
-        ));
+        drop(comms.keep("h", gpu, &plan("t2"), counted(&drops)));
+        drop(comms.keep("g", Device::Cuda(1), &plan("t3"), counted(&drops)));
         let r = comms.reserve("g", gpu);
         assert_eq!(r.held.len(), 1);
         assert_eq!(r.held[0].id, "t1");
@@ -335,7 +308,7 @@ mod tests {
         let d = drops.clone();
         let ending = tokio::spawn(async move {
             tokio::task::yield_now().await;
-            drop(c.keep("p2p a", gpu, &plan("t1"), Box::new(Fake(d))));
+            drop(c.keep("p2p a", gpu, &plan("t1"), counted(&d)));
             c.settle("t1");
         });
         comms.settled(&["t1"], Duration::from_secs(10)).await;
@@ -394,12 +367,7 @@ mod tests {
         let (a, b) = (lent(0), lent(1));
         assert_eq!(a.device, b.device, "the same number in both processes");
         let pair = pair("source");
-        drop(comms.keep(
-            &pair,
-            a.memory_device(),
-            &plan("of-a"),
-            Box::new(Fake(drops.clone())),
-        ));
+        drop(comms.keep(&pair, a.memory_device(), &plan("of-a"), counted(&drops)));
         let r = comms.reserve(&pair, b.memory_device());
         assert!(r.held.is_empty(), "b was offered a's communicator");
         drop(r);
@@ -414,11 +382,11 @@ mod tests {
         let gpu = Device::Cuda(0);
         assert!(
             comms
-                .keep("g", gpu, &plan("t1"), Box::new(Fake(drops.clone())))
+                .keep("g", gpu, &plan("t1"), counted(&drops))
                 .is_empty()
         );
         // What went is handed back to be retired (not closed under the lock).
-        let gone = comms.keep("g", gpu, &plan("t2"), Box::new(Fake(drops.clone())));
+        let gone = comms.keep("g", gpu, &plan("t2"), counted(&drops));
         assert_eq!(gone.len(), 1);
         assert_eq!(gone[0].0, gpu);
         assert_eq!(drops.load(Ordering::SeqCst), 0);
@@ -427,8 +395,8 @@ mod tests {
         assert_eq!(drops.load(Ordering::SeqCst), 1);
         // A reserved one is neither replaced nor evicted.
         let r = comms.reserve("g", gpu);
-        drop(comms.keep("g", gpu, &plan("t3"), Box::new(Fake(drops.clone()))));
-        drop(comms.keep("h", gpu, &plan("t4"), Box::new(Fake(drops.clone()))));
+        drop(comms.keep("g", gpu, &plan("t3"), counted(&drops)));
+        drop(comms.keep("h", gpu, &plan("t4"), counted(&drops)));
         assert_eq!(
             drops.load(Ordering::SeqCst),
             2,

@@ -514,7 +514,11 @@ impl Drop for DeviceAlloc {
             ctx: self.ctx.clone(),
             ptr: self.ptr,
         };
-        holds().defer(self.ctx.ordinal() as u32, Box::new(free));
+        holds().defer(
+            self.ctx.ordinal() as u32,
+            "the cuMemFree of a staging buffer",
+            Box::new(free),
+        );
     }
 }
 
@@ -585,7 +589,11 @@ impl Drop for IpcMapping {
             ctx: self.ctx.clone(),
             base: self.base,
         };
-        holds().defer(self.ctx.ordinal() as u32, Box::new(close));
+        holds().defer(
+            self.ctx.ordinal() as u32,
+            "the cuIpcCloseMemHandle of a lent tensor's mapping",
+            Box::new(close),
+        );
     }
 }
 

@@ -442,12 +442,16 @@ impl Backend for CudaBackend {
         self.forget(handle);
     }
 
-    fn hold(&self, device: Device) -> Option<Box<dyn Send>> {
+    fn hold(
+        &self,
+        device: Device,
+        wait: Duration,
+    ) -> Result<Option<Box<dyn Send>>, TransportError> {
         let ordinal = match device {
             Device::Cuda(n) => n,
             Device::Cpu => self.comm_device,
         };
-        Some(Box::new(driver::holds().hold(ordinal)))
+        Ok(Some(Box::new(driver::holds().hold(ordinal, wait)?)))
     }
 
     fn retire(&self, device: Device, comm: Box<dyn Comm>) {
@@ -457,7 +461,11 @@ impl Backend for CudaBackend {
             Device::Cuda(n) => n,
             Device::Cpu => self.comm_device,
         };
-        driver::holds().defer(ordinal, Box::new(comm));
+        driver::holds().defer(
+            ordinal,
+            "the close of a retired NCCL communicator",
+            Box::new(comm),
+        );
     }
 
     fn alloc(&self, device: Device, len: u64) -> Result<Box<dyn Region>, TransportError> {

@@ -8,7 +8,8 @@
 //! before any other thread exists: it pins `NCCL_SOCKET_IFNAME` to the
 //! interface holding `KT_POD_IP` unless the operator set it (with Multus
 //! secondary NICs, NCCL's own pick may be one that does not route between
-//! pods), and drops `NCCL_*` variables outside [`WORKLOAD_NCCL_ENV`] with a
+//! pods), and drops `NCCL_*` variables outside [`WORKLOAD_NCCL_ENV`], a
+//! network plugin named by a path and a log file ([`refused`]) with a
 //! warning. [`check_comm_blocking`] refuses `NCCL_COMM_BLOCKING=1`, which
 //! would make every NCCL call block and so disable every deadline kt puts
 //! on a transfer; the backend asks it before it starts.
@@ -21,8 +22,11 @@ use std::net::IpAddr;
 /// start, with a warning). A workload passes them to its agent sidecar
 /// (the `gpu-rdma` component's `kt-nccl` ConfigMap): which HCAs and GID,
 /// which interface, traffic class and service level, GPUDirect RDMA and
-/// P2P levels, the plugin, logging, and `NCCL_HOSTID` (pods sharing a node:
-/// see the README's GPU section).
+/// P2P levels, the network plugin (a bare name only: [`refused`]),
+/// logging to the agent's stderr (never `NCCL_DEBUG_FILE`), and
+/// `NCCL_HOSTID` (pods sharing a node: see the README's GPU section).
+/// The `gpu-rdma` component passes exactly these keys of `kt-nccl`
+/// (testbed/k8s/components.py reads this list).
 pub const WORKLOAD_NCCL_ENV: &[&str] = &[
     "NCCL_IB_HCA",
     "NCCL_IB_GID_INDEX",
@@ -48,18 +52,50 @@ pub const WORKLOAD_NCCL_ENV: &[&str] = &[
     "NCCL_HOSTID",
     "NCCL_DEBUG",
     "NCCL_DEBUG_SUBSYS",
-    "NCCL_DEBUG_FILE",
 ];
+
+/// NCCL's network plugin: it loads `libnccl-net-<value>.so`, or the value
+/// itself when it is a path.
+pub const NET_PLUGIN: &str = "NCCL_NET_PLUGIN";
+
+/// Where NCCL writes its log: a file of the value's name.
+pub const DEBUG_FILE: &str = "NCCL_DEBUG_FILE";
+
+/// Why an `NCCL_*` setting is refused whatever the allow-list says, if it
+/// is: a network plugin named by a path (NCCL would load that library into
+/// the agent, which holds IPC_LOCK, the HCA and the pod's token, from a
+/// place such as the `/dev/shm` the workload writes) and a log file (NCCL
+/// would write wherever the value says). Whoever may edit the `kt-nccl`
+/// ConfigMap sets these, often more people than may change the pod.
+pub fn refused(name: &str, value: &str) -> Option<String> {
+    let bare = |v: &str| {
+        !v.is_empty()
+            && v.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    };
+    match name {
+        NET_PLUGIN if !bare(value.trim()) => Some(format!(
+            "{NET_PLUGIN}={value:?} is not a bare plugin name ([A-Za-z0-9_-]+, e.g. ib or \
+             aws-ofi): NCCL would load it as a library path into the agent; ignored (install \
+             the plugin in the agent's image and name it)"
+        )),
+        DEBUG_FILE => Some(format!(
+            "{DEBUG_FILE} would make NCCL write its log to a file the setting names: ignored \
+             (NCCL_DEBUG logs to the agent's stderr)"
+        )),
+        _ => None,
+    }
+}
 
 /// The variable NCCL picks its socket interface by.
 pub const SOCKET_IFNAME: &str = "NCCL_SOCKET_IFNAME";
 
 /// How the agent's NCCL treats pods that share a node
 /// ([`host_id`]): `p2p` or `separate`; unset, NCCL's own view.
-pub const SAME_NODE_ENV: &str = "KT_NCCL_SAME_NODE";
+pub const SAME_NODE_ENV: &str = kt_types::env::NCCL_SAME_NODE;
 
 /// The node the agent's pod runs on (the downward API's `spec.nodeName`).
-pub const NODE_NAME_ENV: &str = "KT_NODE_NAME";
+pub const NODE_NAME_ENV: &str = kt_types::env::NODE_NAME;
 
 /// NCCL's host identity: ranks of one value are one host to it.
 pub const HOST_ID: &str = "NCCL_HOSTID";
@@ -163,9 +199,14 @@ pub fn plan_nccl_env(
             Err(e) => out.notes.push(format!("{e}: ignored")),
         }
     }
-    for (k, _) in vars {
-        if k.starts_with("NCCL_") && !WORKLOAD_NCCL_ENV.contains(&k.as_str()) && k != COMM_BLOCKING
-        {
+    for (k, v) in vars {
+        if !k.starts_with("NCCL_") || k == COMM_BLOCKING {
+            continue;
+        }
+        if let Some(why) = refused(k, v) {
+            out.notes.push(why);
+            out.drop.push(k.clone());
+        } else if !WORKLOAD_NCCL_ENV.contains(&k.as_str()) {
             out.notes.push(format!(
                 "{k} is not among the NCCL settings the agent honours (README, GPU section): ignored"
             ));
@@ -327,6 +368,38 @@ mod tests {
         let plan = plan_nccl_env(&vars, None, &[]);
         assert_eq!(plan.drop, ["NCCL_ALGO"]);
         assert!(plan.notes[0].contains("NCCL_ALGO"));
+    }
+
+    /// A plugin named by a path (a library NCCL would load into the agent)
+    /// and a log file are dropped with a note; a bare plugin name stays.
+    #[test]
+    fn plugin_paths_and_log_files_are_refused() {
+        let plan = |pairs: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            plan_nccl_env(&vars, None, &[])
+        };
+        let bad = plan(&[
+            ("NCCL_NET_PLUGIN", "/dev/shm/x.so"),
+            ("NCCL_DEBUG_FILE", "/x"),
+        ]);
+        assert_eq!(bad.drop, ["NCCL_NET_PLUGIN", "NCCL_DEBUG_FILE"]);
+        assert!(
+            bad.notes[0].contains("not a bare plugin name"),
+            "{:?}",
+            bad.notes
+        );
+        assert!(bad.notes[1].contains("NCCL_DEBUG_FILE"), "{:?}", bad.notes);
+        for path in ["x.so", "../x", "", "ib ib"] {
+            assert_eq!(plan(&[(NET_PLUGIN, path)]).drop, [NET_PLUGIN], "{path:?}");
+        }
+        for name in ["ib", "aws-ofi", "gIB_2"] {
+            let ok = plan(&[(NET_PLUGIN, name), ("NCCL_DEBUG", "INFO")]);
+            assert!(ok.drop.is_empty(), "{name}: {:?}", ok.notes);
+        }
+        assert!(!WORKLOAD_NCCL_ENV.contains(&DEBUG_FILE));
     }
 
     /// The planning part of pods sharing a node: one host identity per

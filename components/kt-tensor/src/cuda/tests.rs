@@ -13,6 +13,9 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
+use kt_types::env::{
+    CT_DEVICE, CT_HANDLE, CT_ID, CT_LEN, CT_RANK, CT_TIMEOUT_MS, CT_UUID, CT_WORLD,
+};
 use kt_types::tensor::{BackendKind, Packing, Rank};
 
 use super::*;
@@ -224,15 +227,30 @@ fn with_helper(b: CudaBackend) -> CudaBackend {
     b.with_root_helper(std::env::current_exe().expect("test binary"), CHILD_ARGS)
 }
 
-/// The backend, or `None` after printing why the test is skipped.
+/// The backend, or `None` after printing why the test is skipped; with
+/// `KT_REQUIRE_GPU` on (`make test-gpu`, the gpu workflow) the test fails
+/// instead, saying why.
 fn gpu() -> Option<CudaBackend> {
     match CudaBackend::new() {
         Ok(b) => Some(with_helper(b)),
+        Err(e) if gpu_required() => {
+            panic!(
+                "a GPU is required here ({} is on): {e}",
+                kt_types::env::REQUIRE_GPU
+            )
+        }
         Err(e) => {
             eprintln!("skipping: {e}");
             None
         }
     }
+}
+
+/// Whether the GPU tests must run (`KT_REQUIRE_GPU`, a boolean).
+fn gpu_required() -> bool {
+    let var = kt_types::env::REQUIRE_GPU;
+    let on = |v: String| kt_types::env::boolish(var, &v).unwrap_or_else(|e| panic!("{e}"));
+    std::env::var(var).is_ok_and(on)
 }
 
 /// Bytes `len` long, different for each seed.
@@ -266,7 +284,7 @@ fn plan(world: u32) -> TransferPlan {
     }
 }
 
-const CHILD: &str = "KT_CUDA_TEST_CHILD";
+const CHILD: &str = kt_types::env::CUDA_TEST_CHILD;
 /// This test binary's arguments that run [`gpu_child`] alone.
 const CHILD_ARGS: [&str; 5] = [
     "--exact",
@@ -318,14 +336,14 @@ fn join(mut children: Vec<Child>, limit: Duration) {
 fn rank_env(rank: u32, world: u32, id: &str) -> Vec<(&'static str, String)> {
     let gpus = device_count().unwrap_or(0);
     let mut env = vec![
-        ("KT_CT_RANK", rank.to_string()),
-        ("KT_CT_WORLD", world.to_string()),
-        ("KT_CT_ID", id.to_owned()),
+        (CT_RANK, rank.to_string()),
+        (CT_WORLD, world.to_string()),
+        (CT_ID, id.to_owned()),
     ];
     if gpus >= world {
-        env.push(("KT_CT_DEVICE", rank.to_string()));
+        env.push((CT_DEVICE, rank.to_string()));
     } else {
-        env.push(("KT_CT_DEVICE", "0".into()));
+        env.push((CT_DEVICE, "0".into()));
         env.push(("NCCL_HOSTID", format!("kt-cuda-test-host-{rank}")));
         env.push(("NCCL_NVLS_ENABLE", "0".into()));
         env.push(("NCCL_MNNVL_ENABLE", "0".into()));
@@ -438,9 +456,9 @@ fn ipc_handles_open_once_in_another_process() {
     let child = spawn(
         "ipc",
         &[
-            ("KT_CT_HANDLE", handle),
-            ("KT_CT_UUID", device_uuid.unwrap_or_default()),
-            ("KT_CT_LEN", n.to_string()),
+            (CT_HANDLE, handle),
+            (CT_UUID, device_uuid.unwrap_or_default()),
+            (CT_LEN, n.to_string()),
         ],
     );
     join(vec![child], Duration::from_secs(120));
@@ -453,9 +471,9 @@ fn ipc_handles_open_once_in_another_process() {
 
 fn child_ipc() {
     let b = CudaBackend::new().unwrap();
-    let handle = std::env::var("KT_CT_HANDLE").unwrap();
-    let uuid = std::env::var("KT_CT_UUID").ok().filter(|u| !u.is_empty());
-    let n = env_u64("KT_CT_LEN");
+    let handle = std::env::var(CT_HANDLE).unwrap();
+    let uuid = std::env::var(CT_UUID).ok().filter(|u| !u.is_empty());
+    let n = env_u64(CT_LEN);
     let whole = MemHandle::CudaIpc {
         handle: handle.clone(),
         offset: 0,
@@ -524,10 +542,10 @@ fn nccl_subset_broadcasts_among_four_ranks() {
 /// One rank of the broadcast tests: everything checked here, in every
 /// rank, in the same order.
 fn child_bcast() {
-    let rank = env_u64("KT_CT_RANK") as u32;
-    let world = env_u64("KT_CT_WORLD") as u32;
-    let dev = env_u64("KT_CT_DEVICE") as u32;
-    let id = std::env::var("KT_CT_ID").unwrap();
+    let rank = env_u64(CT_RANK) as u32;
+    let world = env_u64(CT_WORLD) as u32;
+    let dev = env_u64(CT_DEVICE) as u32;
+    let id = std::env::var(CT_ID).unwrap();
     let b = with_helper(CudaBackend::new().unwrap()).with_comm_device(dev);
     let p = plan(world);
     let ep = b.endpoint(&p.id, "127.0.0.1").unwrap();
@@ -665,15 +683,15 @@ fn nccl_connect_times_out_when_a_rank_never_comes() {
     // for rank 0, which never connects.
     let id = b.rendezvous(&plan(2)).unwrap().unwrap();
     let mut env = rank_env(1, 2, &id);
-    env.push(("KT_CT_TIMEOUT_MS", "3000".into()));
+    env.push((CT_TIMEOUT_MS, "3000".into()));
     let child = spawn("timeout", &env);
     join(vec![child], Duration::from_secs(90));
 }
 
 fn child_timeout() {
-    let dev = env_u64("KT_CT_DEVICE") as u32;
-    let timeout = Duration::from_millis(env_u64("KT_CT_TIMEOUT_MS"));
-    let id = std::env::var("KT_CT_ID").unwrap();
+    let dev = env_u64(CT_DEVICE) as u32;
+    let timeout = Duration::from_millis(env_u64(CT_TIMEOUT_MS));
+    let id = std::env::var(CT_ID).unwrap();
     let b = with_helper(CudaBackend::new().unwrap()).with_comm_device(dev);
     let p = plan(2);
     let ep = b.endpoint(&p.id, "127.0.0.1").unwrap();
@@ -716,9 +734,9 @@ fn nccl_a_later_flow_waits_for_an_earlier_one() {
 /// bounded by 6 s. Rank 1 comes to flow A 12 s late, so rank 0 is busy with
 /// A for 12 s, and rank 2, only in B, waits that long for rank 0.
 fn child_flows() {
-    let rank = env_u64("KT_CT_RANK") as u32;
-    let dev = env_u64("KT_CT_DEVICE") as u32;
-    let id = std::env::var("KT_CT_ID").unwrap();
+    let rank = env_u64(CT_RANK) as u32;
+    let dev = env_u64(CT_DEVICE) as u32;
+    let id = std::env::var(CT_ID).unwrap();
     let b = with_helper(CudaBackend::new().unwrap()).with_comm_device(dev);
     let p = plan(3);
     let ep = b.endpoint(&p.id, "127.0.0.1").unwrap();
@@ -779,9 +797,9 @@ fn nccl_a_chain_against_sends_from_the_root() {
 }
 
 fn child_chain() {
-    let rank = env_u64("KT_CT_RANK") as u32;
-    let dev = env_u64("KT_CT_DEVICE") as u32;
-    let id = UniqueId::from_bytes(&from_hex(&std::env::var("KT_CT_ID").unwrap(), "id").unwrap());
+    let rank = env_u64(CT_RANK) as u32;
+    let dev = env_u64(CT_DEVICE) as u32;
+    let id = UniqueId::from_bytes(&from_hex(&std::env::var(CT_ID).unwrap(), "id").unwrap());
     let b = with_helper(CudaBackend::new().unwrap()).with_comm_device(dev);
     let timeout = Duration::from_secs(120);
     let mut comm = nccl::NcclComm::init("chain", dev, 4, rank, &id, timeout).unwrap();
@@ -845,9 +863,9 @@ fn child_rounds() {
     use kt_types::Key;
     use kt_types::tensor::{DType, Flow, TensorDesc, TensorMeta};
 
-    let rank = env_u64("KT_CT_RANK") as u32;
-    let dev = env_u64("KT_CT_DEVICE") as u32;
-    let id = std::env::var("KT_CT_ID").unwrap();
+    let rank = env_u64(CT_RANK) as u32;
+    let dev = env_u64(CT_DEVICE) as u32;
+    let id = std::env::var(CT_ID).unwrap();
     let b = with_helper(CudaBackend::new().unwrap()).with_comm_device(dev);
     let key = Key::parse("rl/weights").unwrap();
     // 40 tensors, 12 MiB in all; rank 0 sends to 1 and 2.
