@@ -182,15 +182,14 @@ pub mod otlp {
             return None;
         }
         if let Some(p) = parent {
-            let flags = if p.sampled() {
-                TraceFlags::SAMPLED
-            } else {
-                TraceFlags::default()
-            };
+            // The caller's sampled flag is not obeyed: any workload may send
+            // a `traceparent`, and `-00` would keep its requests (and the
+            // calls they cause on other servers) out of the exported traces.
+            // This server samples by its own rule (every request).
             let remote = SpanContext::new(
                 TraceId::from_bytes(p.trace_id().0.to_be_bytes()),
                 SpanId::from_bytes(p.span_id().to_be_bytes()),
-                flags,
+                TraceFlags::SAMPLED,
                 true,
                 TraceState::default(),
             );

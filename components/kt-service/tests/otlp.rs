@@ -51,38 +51,46 @@ async fn spans_reach_an_otlp_receiver_with_the_callers_trace() {
         ),
         "test",
     );
-    let parent = TraceParent::new();
-    let resp = app
-        .oneshot(
-            axum::http::Request::builder()
-                .uri("/api/v1/echo")
-                .header(HEADER, parent.to_string())
-                .body(Body::empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    let body = axum::body::to_bytes(resp.into_body(), 1 << 16)
-        .await
-        .unwrap();
-    let onward = TraceParent::parse(std::str::from_utf8(&body).unwrap()).unwrap();
-    assert_eq!(onward.trace_id(), parent.trace_id());
+    // A caller that says "not sampled" (`-00`) is exported all the same: a
+    // workload must not keep its requests out of the traces.
+    let unsampled = TraceParent::new();
+    let unsampled = TraceParent::from_parts(unsampled.trace_id().0, unsampled.span_id(), false)
+        .expect("valid ids");
+    for parent in [TraceParent::new(), unsampled] {
+        let resp = app
+            .clone()
+            .oneshot(
+                axum::http::Request::builder()
+                    .uri("/api/v1/echo")
+                    .header(HEADER, parent.to_string())
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 16)
+            .await
+            .unwrap();
+        let onward = TraceParent::parse(std::str::from_utf8(&body).unwrap()).unwrap();
+        assert_eq!(onward.trace_id(), parent.trace_id());
+        assert!(onward.sampled(), "onward calls are sampled: {onward}");
 
-    // The batch thread exports on flush (blocking: off the runtime).
-    kt_sync::task::spawn(kt_service::telemetry::flush_traces)
-        .await
-        .unwrap();
-    let span = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            let span = rx.recv().await.expect("the receiver runs");
-            if span.name == "request" {
-                return span;
+        // The batch thread exports on flush (blocking: off the runtime).
+        kt_sync::task::spawn(kt_service::telemetry::flush_traces)
+            .await
+            .unwrap();
+        let span = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                let span = rx.recv().await.expect("the receiver runs");
+                if span.name == "request" {
+                    return span;
+                }
             }
-        }
-    })
-    .await
-    .expect("the request's span is exported");
-    assert_eq!(span.trace_id, parent.trace_id().0.to_be_bytes().to_vec());
-    assert_eq!(span.parent_span_id, parent.span_id().to_be_bytes().to_vec());
-    assert_eq!(span.span_id, onward.span_id().to_be_bytes().to_vec());
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the request's span is exported (parent {parent})"));
+        assert_eq!(span.trace_id, parent.trace_id().0.to_be_bytes().to_vec());
+        assert_eq!(span.parent_span_id, parent.span_id().to_be_bytes().to_vec());
+        assert_eq!(span.span_id, onward.span_id().to_be_bytes().to_vec());
+    }
 }
