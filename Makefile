@@ -14,7 +14,7 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker bundle kind k3d
 
-.PHONY: all build release python s3env promenv python-test bench-python chaos images images-gpu manifests manifests-check prometheus-check cluster-plans lint-workflows test fmt fmt-check clippy unit validate scenario bench bench-rsync bench-gate bench-metadata bench-shards bench-broadcast bench-tensors bench-nccl bench-recovery bench-s3 probe-bounded fuzz clean
+.PHONY: all build release python s3env promenv python-test bench-python chaos images images-gpu manifests manifests-check prometheus-check cluster-plans lint-workflows test test-gpu fmt fmt-check clippy unit validate scenario bench bench-rsync bench-gate bench-metadata bench-shards bench-cpu bench-broadcast bench-tensors bench-nccl bench-recovery bench-s3 probe-bounded fuzz clean
 
 all: build
 
@@ -48,6 +48,12 @@ unit:
 	bash testbed/prometheus/install.sh
 	$(CARGO) build --workspace --bins
 	$(CARGO) $(NEXTEST) --workspace
+
+## test-gpu: on a machine with a GPU and NCCL: kt-tensor's CUDA tests, which
+## elsewhere print `skipping: <reason>` and pass; here a test that cannot
+## use the GPU fails, saying why (KT_REQUIRE_GPU=1). The gpu workflow runs it.
+test-gpu:
+	KT_REQUIRE_GPU=1 $(CARGO) test -p kt-tensor cuda:: -- --nocapture
 
 validate:
 	$(CARGO) run -q -p kt-scenario -- validate scenarios testbed/selftest testbed/bench
@@ -228,6 +234,13 @@ bench-recovery:
 ## a bare NCCL broadcast of the same bytes (ratios on the last line).
 bench-nccl:
 	$(CARGO) run --release -p kt-bench --bin kt-bench-nccl -- $(BENCH_ARGS)
+
+## bench-cpu: CPU seconds per GiB (and ms per MB) of a put (client and
+## store), the store's send, a relaying broadcast member and a pure getter:
+## 256 MiB down a chain of 4 members, each its own process on loopback (no
+## root), 3 runs; target: a relay at 3 ms/MB or less (last line).
+bench-cpu:
+	$(CARGO) run --release -p kt-bench --bin kt-bench-cpu -- $(BENCH_ARGS)
 
 ## bench-broadcast: on the netns target (root), 256 MiB to 12 pods over
 ## 300 Mbit/s links and 512 MiB to 32 pods over 250 Mbit/s (single get, star,

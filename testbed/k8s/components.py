@@ -1,5 +1,5 @@
 """Generates the kustomization.yaml of the components that inject into
-users' workloads: agent-sidecar, agent-identity, agent-tls, gpu and
+users' workloads: agent-sidecar, agent-identity, agent-tls, flight, gpu and
 gpu-dra, and the admission webhook's injection template
 (sidecar-injector's template.yaml and agent-image.env) (`make manifests`
 runs it; `make manifests-check` fails when the committed files differ).
@@ -12,7 +12,10 @@ its own path to the pod spec (a CronJob's is under jobTemplate): about a
 hundred near-identical entries that nobody should write or review by hand.
 What is injected lives in the components' template files (sidecar.yaml,
 identity.yaml, tls.yaml, gpu.yaml, gpu-dra.yaml); this script only says
-where each piece goes.
+where each piece goes. gpu-rdma's template (gpu-rdma.yaml) is generated
+too: its env entries are the agent's NCCL allow-list, read from
+components/kt-tensor/src/cuda/netenv.rs (WORKLOAD_NCCL_ENV), so the
+manifests and the agent cannot disagree.
 
 The webhook (sidecar-injector) injects what agent-sidecar then
 agent-identity inject, from no definition of its own: its template is
@@ -294,15 +297,125 @@ labelled `kt.dev/agent: sidecar`: the agent sidecar gets one HCA (the
 extended resource rdma/rdma_shared_device_a: rename it to YOUR RDMA device
 plugin's), IPC_LOCK (ibverbs registration; the kernel then ignores the
 memlock limit, which Kubernetes cannot set), 2Gi of memory, and the
-workload's NCCL settings from the optional ConfigMap kt-nccl (see
-gpu-rdma.yaml and the README's GPU section). The namespace must admit
-IPC_LOCK (Pod Security privileged). List it AFTER agent-sidecar and gpu
-(listed before agent-sidecar, the build fails). Like agent-sidecar it
-emits no resource, so it may be listed at several levels of one build.
+workload's NCCL settings: one env entry per allow-listed key of the
+optional ConfigMap kt-nccl, never the whole ConfigMap (see gpu-rdma.yaml
+and the README's GPU section). IPC_LOCK needs the namespace at Pod
+Security `privileged`, which then admits ANY pod there (privileged,
+hostPath, hostPID): give such workloads a namespace of their own, or drop
+IPC_LOCK and raise the nodes' memlock limit instead (see gpu-rdma.yaml).
+List it AFTER agent-sidecar and gpu (listed before agent-sidecar, the
+build fails). Like agent-sidecar it emits no resource, so it may be listed
+at several levels of one build.
 """
 
 GPU_RDMA_TEMPLATE = "kt-gpu-rdma-template"
 RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+NCCL_CONFIGMAP = "kt-nccl"
+NETENV = ROOT / "components" / "kt-tensor" / "src" / "cuda" / "netenv.rs"
+
+
+def workload_nccl_env():
+    """The `NCCL_*` settings the agent honours: netenv.rs's
+    WORKLOAD_NCCL_ENV, read from there (the one list; the agent drops the
+    rest at its start), so gpu-rdma passes exactly those keys of kt-nccl."""
+    text = NETENV.read_text()
+    start = text.find("pub const WORKLOAD_NCCL_ENV: &[&str] = &[")
+    end = text.find("];", start)
+    if start < 0 or end < 0:
+        sys.exit(f"components.py: no WORKLOAD_NCCL_ENV list in {NETENV.relative_to(ROOT)}")
+    body = text[text.index("[", text.index("=", start)) + 1:end]
+    names = [n.strip().strip(",").strip('"') for n in body.split("\n")]
+    names = [n for n in names if n]
+    if not names or any(not n.startswith("NCCL_") or not n.replace("_", "").isalnum()
+                        for n in names):
+        sys.exit(f"components.py: WORKLOAD_NCCL_ENV in {NETENV.relative_to(ROOT)} is not a "
+                 f"plain list of NCCL_* strings: {names}")
+    return names
+
+
+GPU_RDMA_TEMPLATE_DOC = """
+Source of the gpu-rdma component's replacements (deleted by its last
+transformer; never in the output). What a labelled workload's agent
+sidecar gets on top of agent-sidecar and gpu (and gpu-dra, which gives it
+the GPUs) for NCCL over InfiniBand/RoCE between nodes:
+- the HCA: one `rdma/rdma_shared_device_a`, the extended resource of the
+  NVIDIA Network Operator's RDMA shared device plugin. YOUR cluster names
+  its own: patch the key (resources.limits and requests of kt-agent) to
+  the resource your RDMA device plugin advertises. Without an HCA in the
+  container NCCL silently falls back to TCP sockets;
+- IPC_LOCK (the only capability added; every other stays dropped):
+  ibverbs pins NCCL's buffers, and with CAP_IPC_LOCK the kernel does not
+  hold the registration to RLIMIT_MEMLOCK. Kubernetes has no memlock
+  field; the capability makes one unnecessary. The cost: Pod Security
+  admits IPC_LOCK only at `privileged`, and a namespace labelled so admits
+  EVERY pod in it (privileged containers, hostPath, hostPID, any
+  capability), not just this one capability. Run such workloads in a
+  namespace of their own. The alternative, no capability at all: raise
+  the memlock limit of the nodes' container runtime (containerd's systemd
+  unit `LimitMEMLOCK=infinity`, then restart containerd; containers
+  inherit it), keep the namespace at `restricted`, and remove the
+  capability with a patch of your own, annotating the pod template
+  `kt.dev/memlock: node` so that policy.py's rdma-grants rule knows the
+  limit is the node's (README, GPU section);
+- 2Gi of memory for the agent instead of 512Mi: a CUDA context, NCCL's
+  pinned and per-peer proxy buffers (the pod's /dev/shm, kt-shm, is
+  memory-backed already: size the pod's memory for it);
+- the workload's NCCL settings from the optional ConfigMap `kt-nccl`,
+  which YOU create in the namespace: one env entry per key the agent
+  honours (netenv.rs's WORKLOAD_NCCL_ENV, listed below), each optional.
+  Never `envFrom`: the whole ConfigMap would let whoever edits it set
+  LD_PRELOAD, KT_* or OTEL_* in the agent. The agent still checks the
+  values at its start (NCCL_NET_PLUGIN only a bare plugin name; README,
+  GPU section).
+"""
+
+
+def gpu_rdma_template():
+    """gpu-rdma.yaml: the template the replacements copy from."""
+    env = []
+    for k in workload_nccl_env():
+        env += [f"            - name: {k}",
+                "              valueFrom:",
+                "                configMapKeyRef:",
+                f"                  name: {NCCL_CONFIGMAP}",
+                f"                  key: {k}",
+                "                  optional: true"]
+    lines = [f"# Generated by {ME}; do not edit (make manifests).", "#"]
+    lines += comment_block(GPU_RDMA_TEMPLATE_DOC) + f"""apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {GPU_RDMA_TEMPLATE}
+  annotations:
+    config.kubernetes.io/local-config: "true"
+spec:
+  selector:
+    matchLabels:
+      kt.dev/template: gpu-rdma
+  template:
+    metadata:
+      labels:
+        kt.dev/template: gpu-rdma
+    spec:
+      initContainers:
+        - name: kt-agent
+          # Required, not copied: listed before agent-sidecar, the build
+          # fails (see the component's first replacement).
+          restartPolicy: Always
+          env:""".splitlines() + env + f"""          resources:
+            requests:
+              {RDMA_RESOURCE}: "1"
+            limits:
+              memory: 2Gi
+              {RDMA_RESOURCE}: "1"
+          securityContext:
+            capabilities:
+              add:
+                - IPC_LOCK
+      containers:
+        # Stands for the workload's first container: nothing is added to it.
+        - name: workload
+          image: workload""".splitlines()
+    return "\n".join(lines) + "\n"
 
 
 def gpu_rdma():
@@ -320,9 +433,10 @@ def gpu_rdma():
     lines += replacement(t, f"spec.template.spec.{agent}.securityContext.capabilities.add",
                          f"{agent}.securityContext.capabilities.add",
                          "The agent sidecar: IPC_LOCK (ibverbs registration), alone.")
-    lines += replacement(t, f"spec.template.spec.{agent}.envFrom",
-                         f"{agent}.envFrom",
-                         "The agent sidecar: the workload's NCCL settings (ConfigMap kt-nccl).")
+    for k in workload_nccl_env():
+        lines += replacement(t, f"spec.template.spec.{agent}.env.[name={k}]",
+                             f"{agent}.env.[name={k}]",
+                             f"The agent sidecar: {k} from the ConfigMap {NCCL_CONFIGMAP}, if set.")
     lines += drop_template(t)
     return "\n".join(lines) + "\n"
 
@@ -427,6 +541,66 @@ def agent_tls():
     return "\n".join(lines) + "\n"
 
 
+FLIGHT_DOC = f"""
+For agents built with Arrow Flight (the cargo feature `flight`; the
+README's Flight section): the agent sidecar of every {KINDS_TEXT}
+labelled `kt.dev/agent: sidecar` serves Flight DoGet on its pod's port
+8815 (named `flight`), fetching into a volume of its own, `kt-flight`
+(an emptyDir whose sizeLimit is KT_FLIGHT_BUDGET times
+KT_FLIGHT_MAX_CALLS: 1GiB x 4), never the agent's 256Mi state volume,
+which a call would outgrow (the kubelet then evicts the pod). The agent
+refuses to start when that volume holds less. Change the three together
+(policy.py's flight-scratch rule checks them). See flight.yaml.
+List it AFTER agent-sidecar (listed before it, the build fails), and
+after agent-networkpolicy where that is in the same build: it adds the
+port to that NetworkPolicy (from the namespace's pods only). Callers' kt
+tokens cross the network on every call: an agent given KT_TLS_CERT and
+KT_TLS_KEY serves Flight over TLS only (ALPN h2; clients use grpc+tls://
+and trust its CA; its HTTP port turns HTTPS too). agent-tls gives it no
+certificate, so without one keep that policy.
+"""
+
+FLIGHT_TEMPLATE = "kt-agent-flight-template"
+FLIGHT_ENV = ["KT_FLIGHT_ADDR", "KT_FLIGHT_DIR", "KT_FLIGHT_BUDGET", "KT_FLIGHT_MAX_CALLS",
+              "KT_FLIGHT_MAX_CALLS_PER_TOKEN"]
+FLIGHT_PORT = 8815
+
+
+def flight():
+    t = FLIGHT_TEMPLATE
+    agent = "spec.template.spec.initContainers.[name=kt-agent]"
+    lines = component_head("flight.yaml", FLIGHT_DOC)
+    lines += require_agent(t, "flight")
+    lines += replacement(t, "spec.template.spec.volumes.[name=kt-flight]",
+                         "volumes.[name=kt-flight]",
+                         "Pod volume kt-flight: what Flight calls fetch ahead (budget x calls).")
+    for e in FLIGHT_ENV:
+        lines += replacement(t, f"{agent}.env.[name={e}]",
+                             f"initContainers.[name=kt-agent].env.[name={e}]",
+                             f"The agent sidecar: {e}.")
+    lines += replacement(t, f"{agent}.ports.[name=flight]",
+                         "initContainers.[name=kt-agent].ports.[name=flight]",
+                         "The agent sidecar: the Flight port.")
+    lines += replacement(t, f"{agent}.volumeMounts.[name=kt-flight]",
+                         "initContainers.[name=kt-agent].volumeMounts.[name=kt-flight]",
+                         "The agent sidecar: mount of kt-flight.")
+    lines += [
+        "patches:",
+        "  # agent-networkpolicy's NetworkPolicy, when listed before this in the",
+        "  # same build: the Flight port too (nothing happens without it).",
+        "  - target:",
+        "      group: networking.k8s.io",
+        "      kind: NetworkPolicy",
+        "      name: kt-agent",
+        "    patch: |-",
+        "      - op: add",
+        "        path: /spec/ingress/0/ports/-",
+        f"        value: {{port: {FLIGHT_PORT}, protocol: TCP}}",
+    ]
+    lines += drop_template(t)
+    return "\n".join(lines) + "\n"
+
+
 INJECTOR = COMPONENTS / "sidecar-injector"
 INJECTOR_TEMPLATE = "kt-sidecar-injector-template"
 # The placeholder workload of the template: labelled for the components,
@@ -526,6 +700,8 @@ FILES = {
     COMPONENTS / "gpu" / "kustomization.yaml": gpu,
     COMPONENTS / "gpu-dra" / "kustomization.yaml": gpu_dra,
     COMPONENTS / "gpu-rdma" / "kustomization.yaml": gpu_rdma,
+    COMPONENTS / "gpu-rdma" / "gpu-rdma.yaml": gpu_rdma_template,
+    COMPONENTS / "flight" / "kustomization.yaml": flight,
 }
 
 

@@ -72,7 +72,13 @@ RDMA (the gpu-rdma component): a container given an HCA (an rdma/*
 extended resource) adds IPC_LOCK (ibverbs registration fails without it:
 Kubernetes cannot raise the memlock limit) and no other capability, and
 one that adds IPC_LOCK has an HCA; an agent with an HCA has at least 1Gi
-of memory (a CUDA context and NCCL's pinned buffers).
+of memory (a CUDA context and NCCL's pinned buffers). A pod template
+annotated `kt.dev/memlock: node` (the nodes' container runtime raises the
+memlock limit) may give an HCA without IPC_LOCK. The agent never takes a
+whole ConfigMap or Secret (`envFrom`: whoever edits it would set
+LD_PRELOAD, KT_* or OTEL_* there); its values from the ConfigMap kt-nccl
+are exactly the NCCL settings the agent honours (netenv.rs's
+WORKLOAD_NCCL_ENV, as components.py reads it), each under its own name.
 
 testbed/k8s/cases/<name>/ are rendered test cases: those with a file
 `expect-policy` are negative cases, whose every line `Kind/name rule`
@@ -87,6 +93,8 @@ import re
 import sys
 
 import yaml
+
+from components import NCCL_CONFIGMAP, workload_nccl_env
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -134,6 +142,17 @@ def mem_bytes(q):
     units = {None: 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
              "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
     return int(m.group(1)) * units[m.group(2)]
+
+
+def kt_size(q):
+    """A size as kt's flags take it (1GiB, 512MiB, 4096, 2G) in bytes."""
+    m = re.fullmatch(r"(\d+)\s*([KMGT]i?)?B?", q.strip(), re.IGNORECASE)
+    if not m:
+        return 0
+    unit = m.group(2)
+    if unit:
+        unit = unit[0].upper() + unit[1:].lower()
+    return mem_bytes(m.group(1) + (unit or ""))
 
 
 # NVIDIA_VISIBLE_DEVICES values that give a container no GPU.
@@ -541,19 +560,50 @@ class Checker:
                       "no GPU: agent-sidecar was listed after gpu-dra (list gpu-dra again after "
                       "it)")
 
-    def rdma(self, where, spec):
-        """RDMA grants come together (see the module doc)."""
+    def agent_env(self, where, spec):
+        """The agent's environment is named entry by entry (module doc)."""
+        for c in containers(spec):
+            if c.get("name") != AGENT:
+                continue
+            if c.get("envFrom"):
+                self.fail(where, "agent-env-from",
+                          f"{AGENT} takes envFrom {c.get('envFrom')}: whoever may edit that "
+                          "ConfigMap or Secret sets any variable in the agent (LD_PRELOAD, KT_*, "
+                          "OTEL_*); name each variable with valueFrom instead")
+            refs = {}
+            for e in c.get("env") or []:
+                ref = dig(e, "valueFrom", "configMapKeyRef") or {}
+                if ref.get("name") == NCCL_CONFIGMAP:
+                    refs[e.get("name")] = ref.get("key")
+            if not refs:
+                continue
+            allowed = workload_nccl_env()
+            wrong = sorted(k for k, key in refs.items() if k != key)
+            if wrong or sorted(refs) != sorted(allowed):
+                self.fail(where, "agent-nccl-env",
+                          f"{AGENT}'s settings from ConfigMap {NCCL_CONFIGMAP} are "
+                          f"{sorted(refs)} (renamed: {wrong}), not the NCCL settings it honours "
+                          f"{allowed} each under its own name (netenv.rs's WORKLOAD_NCCL_ENV; "
+                          "`make manifests`)")
+
+    def rdma(self, where, spec, memlock=False):
+        """RDMA grants come together (see the module doc); with memlock
+        the nodes raise the memlock limit, and IPC_LOCK is not needed."""
         for c in containers(spec):
             name = c.get("name")
             res = c.get("resources") or {}
             hca = any(k.startswith("rdma/") for side in ("requests", "limits")
                       for k in (res.get(side) or {}))
             added = set(dig(c, "securityContext", "capabilities", "add") or [])
-            if hca and "IPC_LOCK" not in added:
+            if hca and "IPC_LOCK" not in added and not memlock:
                 self.fail(where, "rdma-grants",
                           f"container {name} is given an HCA (rdma/*) without IPC_LOCK: ibverbs "
                           "cannot register NCCL's buffers under the default memlock limit, and "
                           "every inter-node connect fails")
+            if hca and memlock and "IPC_LOCK" in added:
+                self.fail(where, "rdma-grants",
+                          f"container {name} adds IPC_LOCK though its pod says kt.dev/memlock: "
+                          "node (the nodes raise the memlock limit): drop the capability")
             if hca and added - {"IPC_LOCK"}:
                 self.fail(where, "rdma-grants",
                           f"container {name} adds {sorted(added - {'IPC_LOCK'})} besides IPC_LOCK: "
@@ -567,6 +617,52 @@ class Checker:
                 self.fail(where, "rdma-grants",
                           f"{AGENT} runs NCCL over RDMA in a memory limit of {mem or 'none'}: a CUDA "
                           "context and NCCL's pinned buffers need 1Gi or more")
+
+    def flight(self, where, spec, docs):
+        """An agent serving Arrow Flight (KT_FLIGHT_ADDR) fetches into a
+        volume of its own (KT_FLIGHT_DIR, mounted from an emptyDir) whose
+        sizeLimit holds KT_FLIGHT_BUDGET times KT_FLIGHT_MAX_CALLS: the
+        calls' files would otherwise fill the agent's small state volume
+        and the kubelet evicts the pod. Where the bundle has the agents'
+        NetworkPolicy, it admits the Flight port."""
+        agent = next((c for c in containers(spec) if c.get("name") == AGENT), None)
+        if agent is None:
+            return
+        env = {e.get("name"): e.get("value") for e in agent.get("env") or []}
+        addr = env.get("KT_FLIGHT_ADDR")
+        if not addr:
+            return
+        budget = kt_size(env.get("KT_FLIGHT_BUDGET") or "1GiB")
+        calls = int(env.get("KT_FLIGHT_MAX_CALLS") or 16)
+        need = budget * calls
+        d = env.get("KT_FLIGHT_DIR")
+        mount = next((m for m in agent.get("volumeMounts") or []
+                      if d and m.get("mountPath") == d), None)
+        vol = next((v for v in spec.get("volumes") or []
+                    if mount and v.get("name") == mount.get("name")), None)
+        limit = mem_bytes(str(dig(vol or {}, "emptyDir", "sizeLimit") or ""))
+        if vol is None or dig(vol, "emptyDir") is None:
+            self.fail(where, "flight-scratch",
+                      f"{AGENT} serves Flight but KT_FLIGHT_DIR ({d or 'unset'}) is no emptyDir "
+                      f"of its own: its calls may hold {need} bytes (budget x calls) in the "
+                      "agent's state volume, and the kubelet evicts the pod past its sizeLimit")
+        elif limit < need:
+            self.fail(where, "flight-scratch",
+                      f"{AGENT}'s Flight volume {vol.get('name')} has a sizeLimit of "
+                      f"{limit} bytes, less than KT_FLIGHT_BUDGET x KT_FLIGHT_MAX_CALLS = {need}: "
+                      "the agent refuses to start")
+        port = int(addr.rsplit(":", 1)[-1])
+        for doc in docs:
+            if doc.get("kind") != "NetworkPolicy" or dig(doc, "metadata", "name") != "kt-agent":
+                continue
+            ports = [p for rule in dig(doc, "spec", "ingress") or []
+                     for p in rule.get("ports") or []]
+            if not any(p.get("port") == port or
+                       (isinstance(p.get("port"), int) and p.get("endPort")
+                        and p["port"] <= port <= p["endPort"]) for p in ports):
+                self.fail(where, "flight-port",
+                          f"{AGENT} serves Flight on {port}, which NetworkPolicy kt-agent does not "
+                          "admit: list the flight component after agent-networkpolicy")
 
     def identity_order(self, where, tpl, spec):
         """A pod agent-identity marked still has what agent-identity gave
@@ -1390,7 +1486,10 @@ class Checker:
                 self.tokens(where, spec, kube_bundle)
                 self.identity_order(where, tpl, spec)
                 self.gpus(where, spec)
-                self.rdma(where, spec)
+                memlock = dig(tpl, "metadata", "annotations", "kt.dev/memlock") == "node"
+                self.rdma(where, spec, memlock)
+                self.agent_env(where, spec)
+                self.flight(where, spec, docs)
                 server = kt_pod and dig(d, "metadata", "name") in KT_SERVERS
                 if not testbed and not kube_bundle and not server:
                     self.static_workload(where, spec)

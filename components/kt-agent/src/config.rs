@@ -84,16 +84,32 @@ pub struct FlightConfig {
     /// server's request timeout), and for the client to take each batch;
     /// past it the call ends and its slot is free again.
     pub idle: Duration,
+    /// Where calls fetch their files (`--flight-dir`); `None`: `flight`
+    /// below the state directory. Its free space must hold `budget` times
+    /// `max_calls` at start.
+    pub dir: Option<PathBuf>,
+    /// Calls one token may hold at once (`--flight-max-calls-per-token`).
+    pub per_token: usize,
+    /// The most files a share's listing may hold (`--flight-max-files`).
+    pub max_files: usize,
+    /// The longest one call may last, however fast it reads
+    /// (`--flight-max-duration`).
+    pub max_duration: Duration,
 }
 
 impl FlightConfig {
-    /// On `addr`, 1 GiB per call, 16 calls at once.
+    /// On `addr`, 1 GiB per call, 16 calls at once (4 per token), a
+    /// million files per share, 6 hours per call.
     pub fn new(addr: SocketAddr) -> Self {
         FlightConfig {
             addr,
             budget: DEFAULT_FLIGHT_BUDGET,
             max_calls: 16,
             idle: DEFAULT_FLIGHT_IDLE,
+            dir: None,
+            per_token: 4,
+            max_files: 1_000_000,
+            max_duration: Duration::from_secs(6 * 3600),
         }
     }
 }
@@ -156,7 +172,7 @@ pub fn default_state_dir(socket: &Path) -> PathBuf {
 
 /// `KT_POD_NAME`, else the host name, else `kt-agent`.
 pub fn default_id() -> String {
-    let from_env = std::env::var("KT_POD_NAME").ok();
+    let from_env = std::env::var(kt_types::env::POD_NAME).ok();
     let from_host = || {
         ["/proc/sys/kernel/hostname", "/etc/hostname"]
             .iter()

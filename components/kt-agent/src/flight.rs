@@ -13,6 +13,9 @@
 //! `_metadata`, as pyarrow's datasets skip them) are passed over.
 //!
 //! Invariants:
+//! - an agent with a certificate (`--tls-cert`) serves Flight over TLS
+//!   only, with that certificate and ALPN `h2` ([`bind`]): the caller's
+//!   token never crosses the network in the clear there.
 //! - every call reads with the caller's bearer token (`authorization:
 //!   Bearer <token>`), never the agent's: the metadata server and the
 //!   sources decide what it may read, as for any get. A listing shows a
@@ -21,29 +24,41 @@
 //!   another service's keys here either); a token nobody knows is
 //!   `Unauthenticated`, a role that may not read `PermissionDenied`.
 //! - memory: one decoded batch at a time per file plus [`QUEUED`] waiting
-//!   for the client — but NOT BOUNDED per batch: an IPC batch is passed on
-//!   as written (one batch can be a whole file), Parquet footers and pages
-//!   are sized by the file, and IPC message lengths are allocated before
-//!   their bytes are read, so a hostile or broken file under the prefix can
-//!   make the agent allocate about its own size (or what its headers
-//!   claim); only a Parquet or IPC file footer over [`MAX_FOOTER`] is
-//!   refused (`ResourceExhausted`) before decoding. Local disk: the call's budget, removed when the call ends,
-//!   however it ends; a data file larger than the budget is refused
-//!   (`ResourceExhausted`, naming it). The budget is per call, so the
-//!   agent's disk use is up to [`FlightConfig::max_calls`] times it.
-//! - a call's slot ([`FlightConfig::max_calls`]) is taken only once the
-//!   caller's token has listed the share; a client that goes away (or
-//!   reads nothing for [`FlightConfig::idle`]) ends the call's downloads
-//!   and decoding and frees its slot. Marker files are still fetched (and
-//!   counted against the budget) before they are passed over.
+//!   for the client. A Parquet file is bounded before any page is
+//!   decompressed ([`pages`]): a page claiming more than
+//!   [`MAX_BATCH_BYTES`] uncompressed, or a row that may decode to more,
+//!   is refused (`ResourceExhausted`, naming the file and the cap), and
+//!   the rows per batch are chosen so that a batch's worst case (every
+//!   dictionary index at the longest value) stays within it. An IPC batch
+//!   is passed on as written (one batch can be a whole file) and IPC
+//!   message lengths are allocated before their bytes are read, so an IPC
+//!   file can make the agent allocate about its own size (or what its
+//!   headers claim); a Parquet or IPC footer over [`MAX_FOOTER`] is refused
+//!   before decoding. Local disk: the call's budget, below
+//!   [`FlightConfig::dir`], removed when the call ends, however it ends; a
+//!   data file larger than the budget is refused (`ResourceExhausted`,
+//!   naming it). The budget is per call, so the agent's disk use is up to
+//!   [`FlightConfig::max_calls`] times it: the agent does not start unless
+//!   the directory's free space holds that.
+//! - the caller's token is checked first (one small metadata call); then
+//!   the call takes a slot of its token ([`FlightConfig::per_token`], keyed
+//!   by the token's hash) and one of the agent's
+//!   ([`FlightConfig::max_calls`]) before the share is listed, so no call
+//!   over the limits lists anything; a listing of more than
+//!   [`FlightConfig::max_files`] files is refused. A client that goes away
+//!   (or reads nothing for [`FlightConfig::idle`]), or a call that lasts
+//!   [`FlightConfig::max_duration`], ends the call's downloads and decoding
+//!   and frees its slots. Marker files are never fetched: the stream
+//!   passes them over ([`StreamOptions::skip`]), keeping the split.
 //! - every file of a share has the first one's columns (names and types, in
 //!   order); a file that differs ends the stream with `FailedPrecondition`
 //!   naming both. Schema metadata (pandas', Parquet's) is dropped.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use arrow_array::RecordBatch;
@@ -62,16 +77,24 @@ use kt_types::ErrorCode;
 use kt_types::shard::ShareTicket;
 use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tonic::transport::server::{Connected, TcpConnectInfo};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::config::FlightConfig;
 
+mod pages;
+
 /// Decoded batches waiting for a slow client, per call.
 pub const QUEUED: usize = 2;
-/// Rows per record batch decoded from Parquet (an IPC file's batches are
-/// passed on as written).
+/// Rows per record batch decoded from Parquet, at most (fewer when a batch
+/// of them may decode to more than [`MAX_BATCH_BYTES`]; an IPC file's
+/// batches are passed on as written).
 pub const PARQUET_BATCH_ROWS: usize = 8192;
+/// The most bytes a Parquet page may claim uncompressed, and a decoded
+/// Parquet batch may take in the worst case its file allows.
+pub const MAX_BATCH_BYTES: u64 = 32 << 20;
 
 /// Idle connections are probed this often (TCP and HTTP/2 pings).
 const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
@@ -89,31 +112,104 @@ pub struct Shares {
     budget: u64,
     calls: Arc<Semaphore>,
     max_calls: usize,
+    /// Calls per token (by its hash) now.
+    tokens: Arc<Mutex<HashMap<blake3::Hash, usize>>>,
+    per_token: usize,
+    max_files: usize,
+    max_duration: Duration,
     /// How long a decoded batch may wait for the client to take it.
     idle: Duration,
 }
 
+/// A call's hold on its token's count ([`Shares::tokens`]).
+#[derive(Debug)]
+struct TokenSlot {
+    tokens: Arc<Mutex<HashMap<blake3::Hash, usize>>>,
+    hash: blake3::Hash,
+}
+
+impl Drop for TokenSlot {
+    fn drop(&mut self) {
+        let mut tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = tokens.get_mut(&self.hash) {
+            *n -= 1;
+            if *n == 0 {
+                tokens.remove(&self.hash);
+            }
+        }
+    }
+}
+
+/// What a call holds until it ends: its token's slot and the agent's.
+#[derive(Debug)]
+struct Slots {
+    _token: TokenSlot,
+    _call: OwnedSemaphorePermit,
+}
+
 impl Shares {
     /// The service: shares listed at `metadata_url`, fetched below
-    /// `scratch` (emptied now: what a killed agent left).
+    /// `scratch` (emptied now: what a killed agent left). Refused when the
+    /// free space there cannot hold `cfg.budget` for each of
+    /// `cfg.max_calls` calls.
     pub fn new(
         metadata_url: &str,
         scratch: PathBuf,
         cfg: &FlightConfig,
-    ) -> std::io::Result<Shares> {
+    ) -> Result<Shares, FlightSetupError> {
+        let io = |source: std::io::Error| FlightSetupError::Io {
+            dir: scratch.clone(),
+            source,
+        };
         match std::fs::remove_dir_all(&scratch) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
             _ => {}
         }
-        std::fs::create_dir_all(&scratch)?;
+        std::fs::create_dir_all(&scratch).map_err(io)?;
         let max_calls = cfg.max_calls.max(1);
+        let free = free_bytes(&scratch).map_err(io)?;
+        check_space(&scratch, free, cfg.budget, max_calls)?;
         Ok(Shares {
             metadata_url: metadata_url.to_owned(),
             scratch,
             budget: cfg.budget,
             calls: Arc::new(Semaphore::new(max_calls)),
             max_calls,
+            tokens: Arc::default(),
+            per_token: cfg.per_token.max(1),
+            max_files: cfg.max_files.max(1),
+            max_duration: cfg.max_duration,
             idle: cfg.idle,
+        })
+    }
+
+    /// A slot of the caller's token, then one of the agent's.
+    fn take_slots(&self, token: &str) -> Result<Slots, Status> {
+        let hash = blake3::hash(token.as_bytes());
+        {
+            let mut tokens = self.tokens.lock().unwrap_or_else(|p| p.into_inner());
+            let n = tokens.entry(hash).or_insert(0);
+            if *n >= self.per_token {
+                return Err(Status::resource_exhausted(format!(
+                    "your token already holds {} Flight calls on this agent, the most one token may (--flight-max-calls-per-token); end one or try again shortly",
+                    self.per_token
+                )));
+            }
+            *n += 1;
+        }
+        let token = TokenSlot {
+            tokens: self.tokens.clone(),
+            hash,
+        };
+        let call = self.calls.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!(
+                "this agent serves {} Flight calls at once (--flight-max-calls); try again shortly",
+                self.max_calls
+            ))
+        })?;
+        Ok(Slots {
+            _token: token,
+            _call: call,
         })
     }
 
@@ -131,16 +227,31 @@ impl Shares {
         let (prefix, spec) = ShareTicket::parse(&request.get_ref().ticket)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let client = self.client_for(token)?;
+        // The token, checked with one small call before anything is held
+        // for it (a token nobody knows takes no slot).
+        client.store_url().await.map_err(|e| status(&e))?;
+        let slots = self.take_slots(token)?;
+        let deadline = Instant::now() + self.max_duration;
         let dir = tempfile::Builder::new()
             .prefix("share-")
             .tempdir_in(&self.scratch)
             .map_err(|e| Status::internal(format!("a directory for the share: {e}")))?;
         let mut opts = StreamOptions::new(spec, self.budget);
         opts.dir = Some(dir.path().to_owned());
+        opts.skip = Some(skipped);
+        opts.max_files = self.max_files;
         let files = client
             .stream_share(&prefix, opts)
             .await
-            .map_err(|e| status(&e))?;
+            .map_err(|e| match &e {
+                ClientError::Local(m) if m.starts_with(kt_client::stream::TOO_MANY_FILES) => {
+                    Status::resource_exhausted(format!(
+                        "{m}: this agent's Flight calls list at most {} (--flight-max-files); ask for a narrower prefix",
+                        self.max_files
+                    ))
+                }
+                _ => status(&e),
+            })?;
         if let Some(f) = files
             .share()
             .iter()
@@ -151,18 +262,15 @@ impl Shares {
                 f.path, f.size, self.budget
             )));
         }
-        // Taken once the token has listed the share (a bogus token holds
-        // no slot while the metadata server answers).
-        let permit = self.calls.clone().try_acquire_owned().map_err(|_| {
-            Status::resource_exhausted(format!(
-                "this agent serves {} Flight calls at once; try again shortly",
-                self.max_calls
-            ))
-        })?;
         tracing::info!(%prefix, shard = %spec.shard, epoch = spec.epoch, shuffle = spec.shuffle,
             files = files.share().len(), "flight: streaming a share");
         let (tx, mut rx) = mpsc::channel(QUEUED);
-        tokio::spawn(produce(files, tx, dir, permit, self.idle));
+        let limits = Limits {
+            idle: self.idle,
+            deadline,
+            max_duration: self.max_duration,
+        };
+        tokio::spawn(produce(files, tx, dir, slots, limits));
         // The schema comes first (or the error that ended the share before
         // any batch): answered as the call's status.
         let schema = match rx.recv().await {
@@ -201,29 +309,180 @@ impl Shares {
     }
 }
 
+/// Why the Flight server cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum FlightSetupError {
+    #[error("the Flight directory {}: {source}", dir.display())]
+    Io {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "the Flight directory {dir} has {free} bytes free, less than --flight-budget ({budget} bytes) times --flight-max-calls ({calls}) = {need} bytes that Flight calls may hold there: give --flight-dir a volume that large (the flight kustomize component sizes one) or lower the two"
+    )]
+    NoSpace {
+        dir: String,
+        free: u64,
+        budget: u64,
+        calls: usize,
+        need: u64,
+    },
+}
+
+/// Bytes free to the agent below `dir`.
+fn free_bytes(dir: &Path) -> std::io::Result<u64> {
+    crate::datasets::fs_space(dir).map(|(_, available)| available)
+}
+
+/// Refuses a directory whose `free` bytes cannot hold `budget` for each of
+/// `calls` calls.
+fn check_space(dir: &Path, free: u64, budget: u64, calls: usize) -> Result<(), FlightSetupError> {
+    let need = budget.saturating_mul(calls as u64);
+    if free < need {
+        return Err(FlightSetupError::NoSpace {
+            dir: dir.display().to_string(),
+            free,
+            budget,
+            calls,
+            need,
+        });
+    }
+    Ok(())
+}
+
+/// The Flight port: plaintext gRPC, or TLS with the agent's certificate.
+#[derive(Debug)]
+pub enum Listener {
+    /// No certificate: `grpc://`.
+    Plain(TcpListener),
+    /// `--tls-cert`: `grpc+tls://`, handshakes beside the accept loop.
+    Tls(kt_service::tls::TlsListener),
+}
+
+impl Listener {
+    /// The bound address.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        match self {
+            Listener::Plain(l) => l.local_addr(),
+            Listener::Tls(l) => axum::serve::Listener::local_addr(l),
+        }
+    }
+}
+
 /// Serves `shares` on `listener` until `shutdown` is cancelled.
 pub async fn serve(
-    listener: TcpListener,
+    listener: Listener,
     shares: Shares,
     shutdown: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
-    let incoming = tonic::transport::server::TcpIncoming::from(listener)
-        .with_nodelay(Some(true))
-        .with_keepalive(Some(TCP_KEEPALIVE));
-    tonic::transport::Server::builder()
+    // A connection's streams beyond the calls the agent serves would only
+    // be refused: HTTP/2 refuses them first.
+    let streams = u32::try_from(shares.max_calls).unwrap_or(u32::MAX);
+    let router = tonic::transport::Server::builder()
         // Until a DoGet's answer (the listing and the share's first file);
         // its stream is bounded by the idle timeout per batch.
         .timeout(shares.idle)
+        .concurrency_limit_per_connection(shares.max_calls)
+        .max_concurrent_streams(Some(streams))
         .http2_keepalive_interval(Some(TCP_KEEPALIVE))
         .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
-        .add_service(FlightServiceServer::new(shares))
-        .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
-        .await
+        .add_service(FlightServiceServer::new(shares));
+    let stop = shutdown.cancelled_owned();
+    match listener {
+        Listener::Plain(listener) => {
+            let incoming = tonic::transport::server::TcpIncoming::from(listener)
+                .with_nodelay(Some(true))
+                .with_keepalive(Some(TCP_KEEPALIVE));
+            router.serve_with_incoming_shutdown(incoming, stop).await
+        }
+        Listener::Tls(accepted) => {
+            let local = axum::serve::Listener::local_addr(&accepted).ok();
+            let incoming = futures::stream::unfold(accepted, move |mut l| async move {
+                let (io, peer) = axum::serve::Listener::accept(&mut l).await;
+                // Small frames (headers, the schema) go out at once. No TCP
+                // keepalive here: the HTTP/2 pings above find a dead peer.
+                let _ = io.get_ref().0.set_nodelay(true);
+                let info = TcpConnectInfo {
+                    local_addr: local,
+                    remote_addr: Some(peer),
+                };
+                Some((Ok::<_, std::io::Error>(TlsConn { io, info }), l))
+            });
+            router.serve_with_incoming_shutdown(incoming, stop).await
+        }
+    }
 }
 
-/// Binds `cfg.addr` (dual-stack for `0.0.0.0`, as the agent's HTTP port).
-pub fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    kt_service::cli::listen(addr)
+/// An accepted TLS connection, with the addresses tonic puts in each
+/// request (its own rustls `Connected` is behind a feature kt leaves off).
+struct TlsConn {
+    io: <kt_service::tls::TlsListener as axum::serve::Listener>::Io,
+    info: TcpConnectInfo,
+}
+
+impl Connected for TlsConn {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.info.clone()
+    }
+}
+
+impl tokio::io::AsyncRead for TlsConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for TlsConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// Binds `addr` (dual-stack for `0.0.0.0`, as the agent's HTTP port);
+/// with `tls`, its connections are TLS with that certificate offering ALPN
+/// `h2` (gRPC clients refuse a server without it).
+pub fn bind(addr: SocketAddr, tls: Option<&kt_service::tls::Tls>) -> std::io::Result<Listener> {
+    let tcp = kt_service::cli::listen(addr)?;
+    Ok(match tls {
+        None => Listener::Plain(tcp),
+        Some(tls) => Listener::Tls(kt_service::tls::TlsListener::new(tcp, &tls.h2())?),
+    })
 }
 
 /// The caller's bearer token.
@@ -278,22 +537,52 @@ enum Decoded {
 
 type Sender = mpsc::Sender<Result<Decoded, Status>>;
 
+/// How long a call may wait and last.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    /// For the client to take a message.
+    idle: Duration,
+    /// When the call ends, however fast it reads.
+    deadline: Instant,
+    /// `--flight-max-duration`, for the message that says so.
+    max_duration: Duration,
+}
+
+impl Limits {
+    /// The status of a call past its deadline.
+    fn expired(&self) -> Status {
+        Status::deadline_exceeded(format!(
+            "the agent ended this call: it lasted {:?}, the most a Flight call may (--flight-max-duration); resume from the files you have with a new call",
+            self.max_duration
+        ))
+    }
+}
+
 /// The decoder's way to the client: a message it does not take within
 /// `idle` ends the call as if it had gone away.
 struct Out {
     tx: Sender,
-    idle: Duration,
+    limits: Limits,
     rt: tokio::runtime::Handle,
 }
 
 impl Out {
-    /// `false`: the client is gone or idle.
-    fn send(&self, m: Decoded) -> bool {
-        let sent = self.rt.block_on(self.tx.send_timeout(Ok(m), self.idle));
+    /// `Ok(false)`: the client is gone or idle; `Err`: the call is past its
+    /// deadline.
+    fn send(&self, m: Decoded) -> Result<bool, Status> {
+        let wait = self.limits.idle.min(
+            self.limits
+                .deadline
+                .saturating_duration_since(Instant::now()),
+        );
+        let sent = self.rt.block_on(self.tx.send_timeout(Ok(m), wait));
         if let Err(mpsc::error::SendTimeoutError::Timeout(_)) = &sent {
-            tracing::info!(idle = ?self.idle, "flight: a client read nothing for too long; ending its call");
+            if Instant::now() >= self.limits.deadline {
+                return Err(self.limits.expired());
+            }
+            tracing::info!(idle = ?self.limits.idle, "flight: a client read nothing for too long; ending its call");
         }
-        sent.is_ok()
+        Ok(sent.is_ok())
     }
 }
 
@@ -306,14 +595,15 @@ async fn produce(
     files: kt_client::stream::ShareStream,
     tx: Sender,
     dir: tempfile::TempDir,
-    permit: OwnedSemaphorePermit,
-    idle: Duration,
+    slots: Slots,
+    limits: Limits,
 ) {
-    let ending = relay(files, &tx, idle).await;
+    let idle = limits.idle;
+    let ending = relay(files, &tx, limits).await;
     if let Err(e) = dir.close() {
         tracing::warn!(error = %e, "removing a Flight call's directory");
     }
-    drop(permit);
+    drop(slots);
     let last = match ending {
         Ending::Gone => return,
         Ending::Failed(e) => vec![Err(e)],
@@ -344,12 +634,13 @@ enum Ending {
 }
 
 /// [`produce`]'s work.
-async fn relay(mut files: kt_client::stream::ShareStream, tx: &Sender, idle: Duration) -> Ending {
+async fn relay(mut files: kt_client::stream::ShareStream, tx: &Sender, limits: Limits) -> Ending {
     let mut first: Option<First> = None;
     loop {
         // A client that went away stops the downloads at once.
         let got = tokio::select! {
             _ = tx.closed() => return Ending::Gone,
+            _ = tokio::time::sleep_until(limits.deadline) => return Ending::Failed(limits.expired()),
             got = files.next() => got,
         };
         let Some(got) = got else { break };
@@ -357,12 +648,9 @@ async fn relay(mut files: kt_client::stream::ShareStream, tx: &Sender, idle: Dur
             Ok(f) => f,
             Err(e) => return Ending::Failed(status(&e)),
         };
-        if skipped(&file.file.path) {
-            continue;
-        }
         let out = Out {
             tx: tx.clone(),
-            idle,
+            limits,
             rt: tokio::runtime::Handle::current(),
         };
         let known = first.clone();
@@ -475,13 +763,16 @@ fn decode(file: StreamedFile, first: Option<First>, tx: &Out) -> Result<Option<F
     type Batches = Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>>>;
     let (own, batches): (SchemaRef, Batches) = match format {
         Format::Parquet => {
-            let b = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(open()?)
-                .map_err(|e| bad(&e))?;
+            let f = open()?;
+            let b = parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(
+                f.try_clone().map_err(io)?,
+            )
+            .map_err(|e| bad(&e))?;
+            // Bounded before a page is decompressed (see `pages`).
+            let rows = pages::batch_rows(&f, b.metadata(), MAX_BATCH_BYTES, PARQUET_BATCH_ROWS)
+                .map_err(|why| Status::resource_exhausted(format!("{name}: {why}")))?;
             let schema = b.schema().clone();
-            let reader = b
-                .with_batch_size(PARQUET_BATCH_ROWS)
-                .build()
-                .map_err(|e| bad(&e))?;
+            let reader = b.with_batch_size(rows).build().map_err(|e| bad(&e))?;
             (schema, Box::new(reader))
         }
         Format::IpcFile => {
@@ -506,7 +797,7 @@ fn decode(file: StreamedFile, first: Option<First>, tx: &Out) -> Result<Option<F
         }
         None => {
             let schema = Arc::new(Schema::new(own.fields().clone()));
-            if !tx.send(Decoded::Schema(schema.clone())) {
+            if !tx.send(Decoded::Schema(schema.clone()))? {
                 return Ok(None);
             }
             (schema, name.to_owned())
@@ -516,7 +807,7 @@ fn decode(file: StreamedFile, first: Option<First>, tx: &Out) -> Result<Option<F
         let batch = batch.map_err(|e| bad(&e))?;
         let batch = RecordBatch::try_new(schema.clone(), batch.columns().to_vec())
             .map_err(|e| Status::failed_precondition(format!("{name}: {e}")))?;
-        if !tx.send(Decoded::Batch(batch)) {
+        if !tx.send(Decoded::Batch(batch))? {
             return Ok(None);
         }
     }
@@ -716,6 +1007,59 @@ mod tests {
         assert!(mismatch(&share, &fewer).is_some());
         let renamed = Schema::new(vec![f("b", DataType::Int64), f("a", DataType::Utf8)]);
         assert!(mismatch(&share, &renamed).is_some());
+    }
+
+    #[test]
+    fn a_flight_dir_that_cannot_hold_every_calls_budget_is_refused() {
+        let dir = Path::new("/var/lib/kt/flight");
+        let e = check_space(dir, 100, 60, 2).unwrap_err().to_string();
+        for n in [
+            "100 bytes free",
+            "(60 bytes)",
+            "(2)",
+            "120 bytes",
+            "/var/lib/kt/flight",
+        ] {
+            assert!(e.contains(n), "{n}: {e}");
+        }
+        assert!(check_space(dir, 120, 60, 2).is_ok());
+        // The real free space: no filesystem holds 16 calls of 2^60 bytes.
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cfg = FlightConfig::new("127.0.0.1:0".parse().unwrap());
+        cfg.budget = 1 << 60;
+        let e = Shares::new("http://127.0.0.1:1", tmp.path().join("flight"), &cfg).unwrap_err();
+        assert!(
+            matches!(e, FlightSetupError::NoSpace { calls: 16, budget, .. } if budget == 1 << 60),
+            "{e}"
+        );
+        cfg.budget = 1 << 10;
+        Shares::new("http://127.0.0.1:1", tmp.path().join("flight"), &cfg).unwrap();
+    }
+
+    #[test]
+    fn a_tokens_calls_are_capped_and_given_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let mut cfg = FlightConfig::new("127.0.0.1:0".parse().unwrap());
+        cfg.budget = 1 << 10;
+        cfg.max_calls = 3;
+        cfg.per_token = 2;
+        let shares = Shares::new("http://127.0.0.1:1", tmp.path().join("f"), &cfg).unwrap();
+        let a1 = shares.take_slots("a").unwrap();
+        let a2 = shares.take_slots("a").unwrap();
+        let e = shares.take_slots("a").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            e.message().contains("--flight-max-calls-per-token"),
+            "{e:?}"
+        );
+        let b = shares.take_slots("b").unwrap();
+        // The agent's limit: no slot left for anyone.
+        let e = shares.take_slots("c").unwrap_err();
+        assert!(e.message().contains("(--flight-max-calls)"), "{e:?}");
+        drop(a1);
+        let a3 = shares.take_slots("a").unwrap();
+        drop((a2, a3, b));
+        assert!(shares.tokens.lock().unwrap().is_empty());
     }
 
     #[test]

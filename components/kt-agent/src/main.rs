@@ -2,6 +2,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use clap::Parser;
+use kt_types::env;
 
 /// kt node agent: serves this pod's locale=local data and downloaded copies
 /// read-only to peers, moves its GPU data (tensors lent by its processes), heartbeats to the metadata server, and takes requests
@@ -10,95 +11,111 @@ use clap::Parser;
 #[command(name = "kt-agent", version)]
 struct Args {
     /// Address to serve peers on.
-    #[arg(long, env = "KT_AGENT_LISTEN", default_value = "0.0.0.0:8090")]
+    #[arg(long, env = env::AGENT_LISTEN, default_value = "0.0.0.0:8090")]
     listen: SocketAddr,
     /// URL under which peers reach this agent (default: http://$KT_POD_IP:PORT
     /// when listening on 0.0.0.0, else the listen address).
-    #[arg(long, env = "KT_AGENT_URL")]
+    #[arg(long, env = env::AGENT_URL)]
     advertise_url: Option<String>,
     /// This pod's IP, advertised when listening on an unspecified address.
-    #[arg(long, env = "KT_POD_IP")]
+    #[arg(long, env = env::POD_IP)]
     pod_ip: Option<String>,
     /// Agent id, unique per pod (default: $KT_POD_NAME, else the host name).
-    #[arg(long, env = "KT_AGENT_ID")]
+    #[arg(long, env = env::AGENT_ID)]
     id: Option<String>,
     /// Service this pod belongs to (announced to the metadata server).
-    #[arg(long, env = "KT_SERVICE")]
+    #[arg(long, env = env::SERVICE)]
     service: Option<String>,
     /// URL of the metadata server.
-    #[arg(long, env = "KT_METADATA_URL")]
+    #[arg(long, env = env::METADATA_URL)]
     metadata_url: String,
     /// Control socket (default: $XDG_RUNTIME_DIR/kt/agent.sock, else /tmp/kt-<uid>/agent.sock).
-    #[arg(long, env = "KT_AGENT_SOCKET")]
+    #[arg(long, env = env::AGENT_SOCKET)]
     socket: Option<PathBuf>,
     /// Give the control socket (0660) and its directory (0750) to this gid,
     /// e.g. the pod's fsGroup: workloads of another uid in that group reach
     /// the agent (default: the agent's user alone, socket 0600).
-    #[arg(long, env = "KT_AGENT_SOCKET_GROUP")]
+    #[arg(long, env = env::AGENT_SOCKET_GROUP)]
     socket_group: Option<u32>,
     /// Where exports are persisted (default: beside the socket, <socket>.state).
-    #[arg(long, env = "KT_AGENT_STATE_DIR")]
+    #[arg(long, env = env::AGENT_STATE_DIR)]
     state_dir: Option<PathBuf>,
     /// Directories whose files the pod's workloads may put with
     /// --locale local and serve as copies (comma-separated; default:
     /// anywhere but /etc, /proc, /sys, /dev, /boot, the secrets mounts and
     /// the agent's own state).
-    #[arg(long = "export-root", env = "KT_EXPORT_ROOTS", value_delimiter = ',')]
+    #[arg(long = "export-root", env = env::EXPORT_ROOTS, value_delimiter = ',')]
     export_roots: Vec<PathBuf>,
     #[command(flatten)]
     server: kt_service::cli::ServerArgs,
     /// Shared-memory directory of host-backend tensors (the applications of
     /// the pod must see the same one).
-    #[arg(long, env = "KT_SHM_DIR")]
+    #[arg(long, env = env::SHM_DIR)]
     shm_dir: Option<PathBuf>,
     /// Bounds connecting the ranks of a tensor transfer and each collective, e.g. 60s.
-    #[arg(long, env = "KT_TENSOR_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = env::TENSOR_TIMEOUT, default_value = "60s", value_parser = humantime::parse_duration)]
     tensor_timeout: std::time::Duration,
     /// Ports host-backend tensor listeners try first (a port or a range;
     /// 0: any), the ports the bundle's NetworkPolicy opens.
-    #[arg(long, env = "KT_TENSOR_PORT", default_value = kt_types::env::DEFAULT_TENSOR_PORTS)]
+    #[arg(long, env = env::TENSOR_PORT, default_value = kt_types::env::DEFAULT_TENSOR_PORTS)]
     tensor_port: String,
     /// End once no control client, local put or tensor has needed the
     /// agent for this long, e.g. 30s (`kt` starts agents on demand so);
     /// absent: run until stopped.
-    #[arg(long, env = "KT_AGENT_EXIT_WHEN_IDLE", value_parser = humantime::parse_duration)]
+    #[arg(long, env = env::AGENT_EXIT_WHEN_IDLE, value_parser = humantime::parse_duration)]
     exit_when_idle: Option<std::time::Duration>,
     /// Range size for large files, in bytes (a power of two).
-    #[arg(long, env = "KT_CHUNK_SIZE", default_value_t = kt_sync::defaults::CHUNK_SIZE)]
+    #[arg(long, env = env::CHUNK_SIZE, default_value_t = kt_sync::defaults::CHUNK_SIZE)]
     chunk_size: u64,
     /// Node-cache mode (a DaemonSet's agent): hold datasets for this node
     /// below --dataset-root and serve the dataset API (admin callers only)
     /// to the Dataset controller.
-    #[arg(long, env = "KT_NODE_CACHE", value_parser = clap::builder::BoolishValueParser::new())]
+    #[arg(long, env = env::NODE_CACHE, value_parser = clap::builder::BoolishValueParser::new())]
     node_cache: bool,
     /// The node this agent holds data for (node-cache mode; from the pod's
     /// spec.nodeName).
-    #[arg(long, env = "KT_NODE_NAME")]
+    #[arg(long, env = env::NODE_NAME)]
     node_name: Option<String>,
     /// Where datasets are kept (node-cache mode; a hostPath).
-    #[arg(long, env = "KT_DATASET_ROOT", default_value = kt_types::dataset::DEFAULT_ROOT)]
+    #[arg(long, env = env::DATASET_ROOT, default_value = kt_types::dataset::DEFAULT_ROOT)]
     dataset_root: PathBuf,
     /// The most bytes kept below --dataset-root, e.g. 100GiB (node-cache
     /// mode; default: the filesystem's size).
-    #[arg(long, env = "KT_DATASET_BUDGET", value_parser = kt_client::size::parse)]
+    #[arg(long, env = env::DATASET_BUDGET, value_parser = kt_client::size::parse)]
     dataset_budget: Option<u64>,
     /// Answer Arrow Flight DoGet here, e.g. 0.0.0.0:8815: a ticket
     /// {"prefix":..,"rank":..,"world":..} streams that rank's share of the
     /// Parquet / Arrow IPC files below the prefix as record batches, read
     /// with the caller's token (needs the `flight` cargo feature; absent: off).
-    #[arg(long, env = kt_types::env::FLIGHT_ADDR)]
+    #[arg(long, env = env::FLIGHT_ADDR)]
     flight_addr: Option<SocketAddr>,
     /// Local bytes one Flight DoGet may hold (files fetched ahead), e.g. 1GiB.
-    #[arg(long, env = kt_types::env::FLIGHT_BUDGET, value_parser = kt_client::size::parse)]
+    #[arg(long, env = env::FLIGHT_BUDGET, value_parser = kt_client::size::parse)]
     flight_budget: Option<u64>,
     /// Flight DoGet calls served at once; more get ResourceExhausted (the
     /// disk they may hold is this times --flight-budget).
-    #[arg(long, env = kt_types::env::FLIGHT_MAX_CALLS, value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, env = env::FLIGHT_MAX_CALLS, value_parser = clap::value_parser!(u16).range(1..))]
     flight_max_calls: Option<u16>,
     /// How long a Flight call may wait for its first file or for its
     /// client to take a batch, e.g. 60s; past it the call ends.
-    #[arg(long, env = kt_types::env::FLIGHT_IDLE, value_parser = humantime::parse_duration)]
+    #[arg(long, env = env::FLIGHT_IDLE, value_parser = humantime::parse_duration)]
     flight_idle: Option<std::time::Duration>,
+    /// Where Flight calls fetch their files (default: `flight` below the
+    /// state directory); its free space must hold --flight-budget times
+    /// --flight-max-calls, or the agent does not start.
+    #[arg(long, env = env::FLIGHT_DIR)]
+    flight_dir: Option<PathBuf>,
+    /// Flight calls one token may hold at once (default 4); more get
+    /// ResourceExhausted.
+    #[arg(long, env = env::FLIGHT_MAX_CALLS_PER_TOKEN, value_parser = clap::value_parser!(u16).range(1..))]
+    flight_max_calls_per_token: Option<u16>,
+    /// The most files a Flight share's prefix may hold (default 1000000);
+    /// a larger listing is refused.
+    #[arg(long, env = env::FLIGHT_MAX_FILES, value_parser = clap::value_parser!(u32).range(1..))]
+    flight_max_files: Option<u32>,
+    /// The longest one Flight call may last, e.g. 6h (the default).
+    #[arg(long, env = env::FLIGHT_MAX_DURATION, value_parser = humantime::parse_duration)]
+    flight_max_duration: Option<std::time::Duration>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -143,7 +160,7 @@ async fn agent(nccl_notes: Vec<String>) -> anyhow::Result<()> {
         let mut nc = kt_agent::datasets::NodeCacheConfig::new(node.trim());
         nc.root = args.dataset_root.clone();
         nc.budget = args.dataset_budget;
-        nc.token_file = args.server.token_file.clone();
+        nc.token_file = args.server.token.token_file.clone();
         Some(nc)
     } else {
         None
@@ -179,7 +196,7 @@ async fn agent(nccl_notes: Vec<String>) -> anyhow::Result<()> {
         kt_types::env::DEFAULT_TENSOR_PORTS,
     )
     .map_err(anyhow::Error::msg)?;
-    config.max_in_flight = args.server.max_connections;
+    config.max_in_flight = args.server.limits.max_connections;
     config.exit_when_idle = args.exit_when_idle;
     config.flight = args.flight_addr.map(|addr| {
         let mut f = kt_agent::config::FlightConfig::new(addr);
@@ -191,6 +208,16 @@ async fn agent(nccl_notes: Vec<String>) -> anyhow::Result<()> {
         }
         if let Some(idle) = args.flight_idle {
             f.idle = idle;
+        }
+        f.dir = args.flight_dir;
+        if let Some(n) = args.flight_max_calls_per_token {
+            f.per_token = usize::from(n);
+        }
+        if let Some(n) = args.flight_max_files {
+            f.max_files = n as usize;
+        }
+        if let Some(d) = args.flight_max_duration {
+            f.max_duration = d;
         }
         f
     });

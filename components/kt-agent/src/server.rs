@@ -254,15 +254,17 @@ fn flight(cfg: &Config, shutdown: CancellationToken) -> Result<FlightServer, Age
     let Some(f) = &cfg.flight else {
         return Ok(None);
     };
-    if cfg.tls.is_some() {
-        return Err(AgentError::Config(
-            "--flight-addr serves plaintext gRPC, which callers' bearer tokens would cross in the clear: it cannot be combined with --tls-cert".into(),
-        ));
-    }
-    let listener = crate::flight::bind(f.addr)?;
+    // With --tls-cert, Flight is TLS too: callers' bearer tokens never
+    // cross the network in the clear where the agent has a certificate.
+    let listener = crate::flight::bind(f.addr, cfg.tls.as_ref())?;
     let addr = listener.local_addr()?;
-    let shares = crate::flight::Shares::new(&cfg.metadata_url, cfg.state_dir.join("flight"), f)?;
-    tracing::info!(%addr, budget = f.budget, "flight listening");
+    let scratch = f
+        .dir
+        .clone()
+        .unwrap_or_else(|| cfg.state_dir.join("flight"));
+    let shares = crate::flight::Shares::new(&cfg.metadata_url, scratch, f)
+        .map_err(|e| AgentError::Config(e.to_string()))?;
+    tracing::info!(%addr, tls = cfg.tls.is_some(), budget = f.budget, max_calls = f.max_calls, "flight listening");
     let task = tokio::spawn(async move {
         if let Err(e) = crate::flight::serve(listener, shares, shutdown).await {
             tracing::error!(error = %e, "the Arrow Flight server failed");

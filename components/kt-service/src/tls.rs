@@ -150,6 +150,16 @@ impl Tls {
         })
     }
 
+    /// The same certificate (reloaded alike) offering ALPN `h2` only: for
+    /// gRPC, whose clients refuse a server that offers `http/1.1` alone.
+    pub fn h2(&self) -> Tls {
+        let mut config = (*self.config).clone();
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Tls {
+            config: Arc::new(config),
+        }
+    }
+
     /// `--tls-cert` and `--tls-key`: both or neither.
     pub fn from_args(cert: Option<&Path>, key: Option<&Path>) -> Result<Option<Tls>, TlsError> {
         match (cert, key) {
@@ -167,7 +177,7 @@ impl Tls {
                 .filter(|v| !v.is_empty())
                 .map(PathBuf::from)
         };
-        let (c, k) = (var("KT_TLS_CERT"), var("KT_TLS_KEY"));
+        let (c, k) = (var(kt_types::env::TLS_CERT), var(kt_types::env::TLS_KEY));
         Tls::from_args(c.as_deref(), k.as_deref())
     }
 }

@@ -1,6 +1,8 @@
 //! Test harness: real metadata and store servers on `127.0.0.1:0`, in-process,
 //! with the real client; helpers to build trees and compare them.
 
+pub mod certs;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

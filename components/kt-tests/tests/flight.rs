@@ -51,6 +51,19 @@ async fn flight_agent_with(
     CancellationToken,
     tokio::task::JoinHandle<()>,
 ) {
+    flight_agent_tls(cluster, flight, None).await
+}
+
+/// [`flight_agent_with`], serving with this certificate (`--tls-cert`).
+async fn flight_agent_tls(
+    cluster: &Cluster,
+    flight: kt_agent::config::FlightConfig,
+    tls: Option<kt_service::tls::Tls>,
+) -> (
+    std::net::SocketAddr,
+    CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
     let run = cluster.dir.path().join("flight-agent");
     let mut cfg = kt_agent::Config::new(
         "flight-agent",
@@ -60,6 +73,7 @@ async fn flight_agent_with(
     );
     cfg.shm_dir = cluster.shm_dir();
     cfg.flight = Some(flight);
+    cfg.tls = tls;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let stop = CancellationToken::new();
     let handle = kt_agent::start(listener, cfg, stop.clone()).expect("agent");
@@ -131,6 +145,11 @@ async fn do_get(addr: std::net::SocketAddr, token: Option<&str>, ticket: &[u8]) 
         .connect()
         .await
         .expect("connect");
+    do_get_on(channel, token, ticket).await
+}
+
+/// [`do_get`] on a connected channel.
+async fn do_get_on(channel: tonic::transport::Channel, token: Option<&str>, ticket: &[u8]) -> Rows {
     let mut client = FlightServiceClient::new(channel);
     let mut req = tonic::Request::new(Ticket {
         ticket: ticket.to_vec().into(),
@@ -483,4 +502,443 @@ async fn an_idle_client_loses_its_call_and_a_bogus_token_takes_no_slot() {
         .expect("the agent stops")
         .unwrap();
     c.stop().await;
+}
+
+/// The process's peak resident bytes so far (VmHWM).
+fn peak_resident() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmHWM in /proc/self/status");
+    kb * 1024
+}
+
+/// Writes a one-column (`v`, binary) Parquet file of `rows` rows.
+fn write_binary_parquet(
+    path: &std::path::Path,
+    rows: usize,
+    value: &[u8],
+    props: parquet::file::properties::WriterProperties,
+) {
+    let keys = Int32Array::from(vec![0i32; rows]);
+    let values = arrow_array::BinaryArray::from(vec![value]);
+    let dict = arrow_array::DictionaryArray::<arrow_array::types::Int32Type>::try_new(
+        keys,
+        Arc::new(values),
+    )
+    .unwrap();
+    let schema = Arc::new(Schema::new(vec![Field::new(
+        "v",
+        arrow_array::Array::data_type(&dict).clone(),
+        false,
+    )]));
+    let batch = RecordBatch::try_new(schema.clone(), vec![Arc::new(dict)]).unwrap();
+    // No Arrow schema in the file: the reader's type is plain Binary.
+    let opts = parquet::arrow::arrow_writer::ArrowWriterOptions::new()
+        .with_properties(props)
+        .with_skip_arrow_metadata(true);
+    let f = std::fs::File::create(path).unwrap();
+    let mut w = parquet::arrow::ArrowWriter::try_new_with_options(f, schema, opts).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+}
+
+/// Puts the file at `src` as `key`.
+async fn put_path(c: &Cluster, key: &str, src: &std::path::Path) {
+    c.client_with(|cfg| cfg.serve_copies = false)
+        .put(
+            &Key::parse(key).unwrap(),
+            src,
+            Default::default(),
+            kt_client::Progress::none(),
+        )
+        .await
+        .unwrap();
+}
+
+/// DoGet of `ticket` with `token`: the open stream of its batches.
+async fn open_get(
+    addr: std::net::SocketAddr,
+    token: &str,
+    ticket: &[u8],
+) -> Result<FlightRecordBatchStream, tonic::Status> {
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect");
+    let mut req = tonic::Request::new(Ticket {
+        ticket: ticket.to_vec().into(),
+    });
+    req.metadata_mut()
+        .insert("authorization", format!("Bearer {token}").parse().unwrap());
+    let data = FlightServiceClient::new(channel)
+        .do_get(req)
+        .await?
+        .into_inner();
+    Ok(FlightRecordBatchStream::new_from_flight_data(
+        data.map_err(FlightError::from),
+    ))
+}
+
+/// The sum of the samples of `name` whose labels include every one of
+/// `labels` (`key="value"`), in a text exposition.
+fn sample_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")))
+        .filter(|l| labels.iter().all(|want| l.contains(want)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `url`'s metrics (the admin token).
+async fn scrape(url: &str) -> String {
+    let http = kt_api::client_builder().build().unwrap();
+    let resp = http
+        .get(format!("{url}/metrics"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "{url}/metrics");
+    resp.text().await.unwrap()
+}
+
+/// Stops the agent and the cluster.
+async fn finish(c: Cluster, stop: CancellationToken, task: tokio::task::JoinHandle<()>) {
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the agent stops")
+        .unwrap();
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_page_claiming_more_than_the_cap_is_refused_by_name() {
+    let c = Cluster::start().await;
+    let (addr, stop, task) = flight_agent(&c, 64 << 20).await;
+    // One value of zeros, larger than the cap, zstd-compressed to a few
+    // KiB: its page claims its full size uncompressed.
+    let value = vec![0u8; kt_agent::flight::MAX_BATCH_BYTES as usize + (1 << 20)];
+    let props = parquet::file::properties::WriterProperties::builder()
+        .set_dictionary_enabled(false)
+        .set_compression(parquet::basic::Compression::ZSTD(Default::default()))
+        .set_data_page_size_limit(1 << 30)
+        .build();
+    let src = c.dir.path().join("claim.parquet");
+    write_binary_parquet(&src, 1, &value, props);
+    drop(value);
+    let size = std::fs::metadata(&src).unwrap().len();
+    assert!(size < 1 << 20, "a small file: {size} bytes");
+    put_path(&c, "claim/set/zeros.parquet", &src).await;
+    let s = do_get(addr, Some(TOKEN), &ticket("claim/set", 0, 1, 0, false))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+    assert!(s.message().contains("zeros.parquet"), "{s:?}");
+    assert!(
+        s.message()
+            .contains(&kt_agent::flight::MAX_BATCH_BYTES.to_string()),
+        "{s:?}"
+    );
+    finish(c, stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_dictionary_bomb_streams_in_bounded_memory() {
+    let c = Cluster::start().await;
+    let (addr, stop, task) = flight_agent(&c, 64 << 20).await;
+    // 200 KiB once in the dictionary, 8192 rows pointing at it: a 200 KB
+    // file that a batch of 8192 rows expands to 1.6 GiB.
+    let rows = 8192;
+    let value = vec![7u8; 200 << 10];
+    let props = parquet::file::properties::WriterProperties::builder()
+        .set_dictionary_enabled(true)
+        .set_dictionary_page_size_limit(1 << 30)
+        .set_data_page_size_limit(1 << 30)
+        .build();
+    let src = c.dir.path().join("bomb.parquet");
+    write_binary_parquet(&src, rows, &value, props);
+    let size = std::fs::metadata(&src).unwrap().len();
+    assert!(size < 1 << 20, "a small file: {size} bytes");
+    put_path(&c, "bomb/set/one.parquet", &src).await;
+    let before = peak_resident();
+    let mut batches = open_get(addr, TOKEN, &ticket("bomb/set", 0, 1, 0, false))
+        .await
+        .unwrap();
+    let mut got = 0;
+    for _ in 0..3 {
+        let b = batches.try_next().await.unwrap().expect("a batch");
+        assert!(b.num_rows() < rows, "rows per batch from the cap");
+        let v = b
+            .column(0)
+            .as_any()
+            .downcast_ref::<arrow_array::BinaryArray>()
+            .unwrap();
+        assert!(v.iter().all(|x| x == Some(&value[..])));
+        got += b.num_rows();
+    }
+    drop(batches);
+    let grew = peak_resident().saturating_sub(before);
+    assert!(
+        grew < 512 << 20,
+        "{got} rows read; the peak resident size grew by {grew} bytes"
+    );
+    finish(c, stop, task).await;
+}
+
+/// A call that holds a slot: its stream, opened and never read.
+async fn hold(addr: std::net::SocketAddr, token: &str, ticket: &[u8]) -> FlightRecordBatchStream {
+    open_get(addr, token, ticket).await.expect("the held call")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_over_the_limit_are_refused_before_any_listing() {
+    let c = Cluster::start().await;
+    let mut flight = kt_agent::config::FlightConfig::new("127.0.0.1:0".parse().unwrap());
+    flight.budget = 64 << 20;
+    flight.max_calls = 1;
+    flight.idle = Duration::from_secs(300);
+    let (addr, stop, task) = flight_agent_with(&c, flight).await;
+    put_file(&c, "busy/set/one.arrows", 3, 400_000).await;
+    let good = ticket("busy/set", 0, 1, 0, false);
+    let held = hold(addr, TOKEN, &good).await;
+    let listings = |text: &str| {
+        sample_sum(
+            text,
+            "kt_http_requests_total",
+            &[r#"route="/api/v1/keys""#, r#"method="GET""#],
+        )
+    };
+    let before = listings(&scrape(&c.metadata_url()).await);
+    let refused =
+        futures::future::join_all((0..20).map(|_| do_get(addr, Some(TOKEN), &good))).await;
+    for r in refused {
+        let s = r.unwrap_err();
+        assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+        assert!(s.message().contains("--flight-max-calls"), "{s:?}");
+    }
+    let after = listings(&scrape(&c.metadata_url()).await);
+    assert!(
+        after - before <= 1.0,
+        "refused calls listed the share: {before} listings, then {after}"
+    );
+    drop(held);
+    finish(c, stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_token_holds_at_most_its_share_of_the_calls() {
+    const READER: &str = "workload-reader-0123456789";
+    let dir = tempfile::tempdir().unwrap();
+    let file = AuthFile {
+        tokens: vec![Grant {
+            token: READER.into(),
+            role: Role::Workload,
+            name: None,
+            services: Some(vec!["reader".into()]),
+            reads: None,
+        }],
+    };
+    let path = dir.path().join("auth.json");
+    std::fs::write(&path, serde_json::to_vec(&file).unwrap()).unwrap();
+    let auth = kt_service::Auth::from_file(&path).unwrap();
+    let c = Cluster::start_authed(Some(auth), |_| {}).await;
+    let mut flight = kt_agent::config::FlightConfig::new("127.0.0.1:0".parse().unwrap());
+    flight.budget = 64 << 20;
+    flight.max_calls = 4;
+    flight.per_token = 1;
+    flight.idle = Duration::from_secs(300);
+    let (addr, stop, task) = flight_agent_with(&c, flight).await;
+    put_file(&c, "mine/set/one.arrows", 3, 400_000).await;
+    let good = ticket("mine/set", 0, 1, 0, false);
+    let held = hold(addr, TOKEN, &good).await;
+    let s = do_get(addr, Some(TOKEN), &good).await.unwrap_err();
+    assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+    assert!(
+        s.message().contains("--flight-max-calls-per-token"),
+        "{s:?}"
+    );
+    // Another token still gets a call.
+    assert_eq!(
+        do_get(addr, Some(READER), &good).await.unwrap().len(),
+        400_000
+    );
+    drop(held);
+    finish(c, stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marker_files_are_never_fetched() {
+    let c = Cluster::start().await;
+    let (addr, stop, task) = flight_agent(&c, 1 << 10).await;
+    put_file(&c, "mark/set/data.arrows", 3, 10).await;
+    // Larger than the whole budget, and a marker: never read.
+    let big = c.dir.path().join("big");
+    std::fs::write(&big, vec![1u8; 4 << 20]).unwrap();
+    put_path(&c, "mark/set/_big", &big).await;
+    let sent = |text: &str| {
+        sample_sum(
+            text,
+            "kt_service_bytes_total",
+            &[r#"service="mark""#, r#"direction="sent""#],
+        )
+    };
+    let before = sent(&scrape(&c.store_url()).await);
+    let rows = do_get(addr, Some(TOKEN), &ticket("mark/set", 0, 1, 0, false))
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 10);
+    let after = sent(&scrape(&c.store_url()).await);
+    assert!(
+        after - before < f64::from(1 << 20),
+        "the store sent {} bytes of mark/set: _big was fetched",
+        after - before
+    );
+    finish(c, stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listing_over_the_file_limit_is_refused_by_name() {
+    let c = Cluster::start().await;
+    let mut flight = kt_agent::config::FlightConfig::new("127.0.0.1:0".parse().unwrap());
+    flight.max_files = 2;
+    let (addr, stop, task) = flight_agent_with(&c, flight).await;
+    for n in 0..3 {
+        put_file(&c, &format!("many/set/{n}.arrows"), 3, 10).await;
+    }
+    let s = do_get(addr, Some(TOKEN), &ticket("many/set", 0, 1, 0, false))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+    assert!(s.message().contains("--flight-max-files"), "{s:?}");
+    finish(c, stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_its_longest_duration_is_ended_and_told_so() {
+    let c = Cluster::start().await;
+    let mut flight = kt_agent::config::FlightConfig::new("127.0.0.1:0".parse().unwrap());
+    flight.budget = 64 << 20;
+    flight.max_calls = 1;
+    flight.max_duration = Duration::from_secs(2);
+    flight.idle = Duration::from_secs(300);
+    let (addr, stop, task) = flight_agent_with(&c, flight).await;
+    put_file(&c, "slow/set/one.arrows", 3, 400_000).await;
+    put_file(&c, "slow/small/one.arrows", 3, 10).await;
+    // A client that never reads holds the only slot until the call's time
+    // is up (its idle timeout is far away)...
+    let held = hold(addr, TOKEN, &ticket("slow/set", 0, 1, 0, false)).await;
+    let small = ticket("slow/small", 0, 1, 0, false);
+    let again = tokio::time::timeout(Duration::from_secs(120), async {
+        loop {
+            match do_get(addr, Some(TOKEN), &small).await {
+                Err(s) if s.code() == Code::ResourceExhausted => tokio::task::yield_now().await,
+                r => break r,
+            }
+        }
+    })
+    .await
+    .expect("the long call's slot is given back");
+    assert_eq!(again.unwrap().len(), 10);
+    // ...and is then told why its share ended.
+    let got: Result<Vec<RecordBatch>, FlightError> =
+        tokio::time::timeout(Duration::from_secs(120), held.try_collect())
+            .await
+            .expect("the call ends");
+    match got {
+        Err(FlightError::Tonic(s)) => {
+            assert_eq!(s.code(), Code::DeadlineExceeded, "{s:?}");
+            assert!(s.message().contains("--flight-max-duration"), "{s:?}");
+        }
+        other => panic!("the call past its duration: {other:?}"),
+    }
+    finish(c, stop, task).await;
+}
+
+/// A gRPC channel to `addr` over TLS, trusting only the CA `ca_der` and
+/// asking for ALPN `h2` (as grpc-core and pyarrow do): refused unless the
+/// server chose it.
+async fn tls_channel(
+    addr: std::net::SocketAddr,
+    ca_der: Vec<u8>,
+) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(ca_der.into()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
+    let connect = tower::service_fn(move |_: http::Uri| {
+        let connector = connector.clone();
+        async move {
+            let tcp = tokio::net::TcpStream::connect(addr).await?;
+            let name = rustls::pki_types::ServerName::from(addr.ip());
+            let tls = connector.connect(name, tcp).await?;
+            if tls.get_ref().1.alpn_protocol() != Some(b"h2".as_slice()) {
+                return Err(std::io::Error::other("the server did not choose ALPN h2"));
+            }
+            Ok(hyper_util::rt::TokioIo::new(tls))
+        }
+    });
+    tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(30))
+        .connect_with_connector(connect)
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_tls_cert_flight_is_served_over_tls_only() {
+    let c = Cluster::start().await;
+    let ca = kt_tests::certs::ca();
+    let (cert, key, _) = kt_tests::certs::issue(&ca, c.dir.path(), "flight");
+    let tls = kt_service::tls::Tls::load(&cert, &key).unwrap();
+    let flight = kt_agent::config::FlightConfig::new("127.0.0.1:0".parse().unwrap());
+    let (addr, stop, task) = flight_agent_tls(&c, flight, Some(tls)).await;
+    for n in 0..2 {
+        put_file(&c, &format!("tls/set/part-{n}.parquet"), 4 * n, 150).await;
+    }
+    let t = ticket("tls/set", 0, 1, 0, false);
+
+    let channel = tls_channel(addr, ca.cert.der().to_vec())
+        .await
+        .expect("a TLS connection");
+    let rows = do_get_on(channel, Some(TOKEN), &t)
+        .await
+        .expect("DoGet over TLS");
+    let mut want: Vec<(i32, i64)> = [0, 4]
+        .into_iter()
+        .flat_map(|n| (0..150).map(move |x| (n, x)))
+        .collect();
+    let mut got = rows;
+    want.sort_unstable();
+    got.sort_unstable();
+    assert_eq!(got, want, "the whole share, over TLS");
+
+    // A plaintext gRPC client gets nothing from the TLS port (its token is
+    // never read in the clear).
+    let plain = async {
+        let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .map_err(|e| e.to_string())?;
+        do_get_on(channel, Some(TOKEN), &t)
+            .await
+            .map_err(|s| s.to_string())
+    };
+    let plain = tokio::time::timeout(Duration::from_secs(120), plain)
+        .await
+        .expect("the plaintext call ends");
+    assert!(plain.is_err(), "plaintext DoGet on the TLS port: {plain:?}");
+    finish(c, stop, task).await;
 }

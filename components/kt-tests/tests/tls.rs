@@ -14,40 +14,11 @@ use std::time::Duration;
 
 use kt_service::Token;
 use kt_service::tls::Tls;
+use kt_tests::certs::{Ca, ca, issue};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 const TOKEN: &str = "tls-test-token";
-
-struct Ca {
-    cert: rcgen::Certificate,
-    key: rcgen::KeyPair,
-}
-
-fn ca() -> Ca {
-    let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    p.distinguished_name
-        .push(rcgen::DnType::CommonName, "kt test CA");
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = p.self_signed(&key).unwrap();
-    Ca { cert, key }
-}
-
-/// A server certificate for 127.0.0.1 signed by `ca`, written as
-/// `<name>.crt` and `<name>.key`; its DER.
-fn issue(ca: &Ca, dir: &Path, name: &str) -> (PathBuf, PathBuf, Vec<u8>) {
-    let p = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()]).unwrap();
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = p.signed_by(&key, &ca.cert, &ca.key).unwrap();
-    let (c, k) = (
-        dir.join(format!("{name}.crt")),
-        dir.join(format!("{name}.key")),
-    );
-    std::fs::write(&c, cert.pem()).unwrap();
-    std::fs::write(&k, key.serialize_pem()).unwrap();
-    (c, k, cert.der().to_vec())
-}
 
 #[test]
 fn servers_and_clients_speak_tls_and_renewals_are_served() {
@@ -59,9 +30,9 @@ fn servers_and_clients_speak_tls_and_renewals_are_served() {
     // SAFETY: no other thread exists yet (the runtime is built below), so
     // nothing reads the environment while it changes.
     unsafe {
-        std::env::set_var("KT_CA_FILE", &ca_file);
-        std::env::set_var("KT_TLS_CERT", &cert);
-        std::env::set_var("KT_TLS_KEY", &key);
+        std::env::set_var(kt_types::env::CA_FILE, &ca_file);
+        std::env::set_var(kt_types::env::TLS_CERT, &cert);
+        std::env::set_var(kt_types::env::TLS_KEY, &key);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
