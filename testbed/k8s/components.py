@@ -514,22 +514,35 @@ TLS_TEMPLATE = "kt-agent-tls-template"
 TLS_ENV = ["KT_METADATA_URL", "KT_CA_FILE"]
 
 
+AGENT_PATH = "spec.template.spec.initContainers.[name=kt-agent]"
+
+
+def agent_volume_and_env(template, volume, volume_doc, env):
+    """Replacements of a pod volume and of the agent sidecar's `env` entries."""
+    lines = replacement(template, f"spec.template.spec.volumes.[name={volume}]",
+                        f"volumes.[name={volume}]", volume_doc)
+    for e in env:
+        lines += replacement(template, f"{AGENT_PATH}.env.[name={e}]",
+                             f"initContainers.[name=kt-agent].env.[name={e}]",
+                             f"The agent sidecar: {e}.")
+    return lines
+
+
+def agent_mount(template, volume):
+    """The replacement of the agent sidecar's mount of `volume`."""
+    return replacement(template, f"{AGENT_PATH}.volumeMounts.[name={volume}]",
+                       f"initContainers.[name=kt-agent].volumeMounts.[name={volume}]",
+                       f"The agent sidecar: mount of {volume}.")
+
+
 def agent_tls():
     t = TLS_TEMPLATE
-    agent = "spec.template.spec.initContainers.[name=kt-agent]"
     workload = "spec.template.spec.containers.[name=workload]"
     lines = component_head("tls.yaml", TLS_DOC)
     lines += require_agent(t, "agent-tls")
-    lines += replacement(t, "spec.template.spec.volumes.[name=kt-tls]",
-                         "volumes.[name=kt-tls]",
-                         "Pod volume kt-tls: the CA's certificate (ca.crt), from the csi-driver.")
-    for e in TLS_ENV:
-        lines += replacement(t, f"{agent}.env.[name={e}]",
-                             f"initContainers.[name=kt-agent].env.[name={e}]",
-                             f"The agent sidecar: {e}.")
-    lines += replacement(t, f"{agent}.volumeMounts.[name=kt-tls]",
-                         "initContainers.[name=kt-agent].volumeMounts.[name=kt-tls]",
-                         "The agent sidecar: mount of kt-tls.")
+    lines += agent_volume_and_env(
+        t, "kt-tls", "Pod volume kt-tls: the CA's certificate (ca.crt), from the csi-driver.", TLS_ENV)
+    lines += agent_mount(t, "kt-tls")
     for e in TLS_ENV:
         lines += replacement(t, f"{workload}.env.[name={e}]",
                              f"containers.0.env.[name={e}]",
@@ -568,22 +581,15 @@ FLIGHT_PORT = 8815
 
 def flight():
     t = FLIGHT_TEMPLATE
-    agent = "spec.template.spec.initContainers.[name=kt-agent]"
     lines = component_head("flight.yaml", FLIGHT_DOC)
     lines += require_agent(t, "flight")
-    lines += replacement(t, "spec.template.spec.volumes.[name=kt-flight]",
-                         "volumes.[name=kt-flight]",
-                         "Pod volume kt-flight: what Flight calls fetch ahead (budget x calls).")
-    for e in FLIGHT_ENV:
-        lines += replacement(t, f"{agent}.env.[name={e}]",
-                             f"initContainers.[name=kt-agent].env.[name={e}]",
-                             f"The agent sidecar: {e}.")
-    lines += replacement(t, f"{agent}.ports.[name=flight]",
+    lines += agent_volume_and_env(
+        t, "kt-flight", "Pod volume kt-flight: what Flight calls fetch ahead (budget x calls).",
+        FLIGHT_ENV)
+    lines += replacement(t, f"{AGENT_PATH}.ports.[name=flight]",
                          "initContainers.[name=kt-agent].ports.[name=flight]",
                          "The agent sidecar: the Flight port.")
-    lines += replacement(t, f"{agent}.volumeMounts.[name=kt-flight]",
-                         "initContainers.[name=kt-agent].volumeMounts.[name=kt-flight]",
-                         "The agent sidecar: mount of kt-flight.")
+    lines += agent_mount(t, "kt-flight")
     lines += [
         "patches:",
         "  # agent-networkpolicy's NetworkPolicy, when listed before this in the",
