@@ -254,8 +254,12 @@ def test_ctrl_c_stops_a_transfer_and_removes_its_partial_file(testbed, pod_a, ru
     """)
     assert prep.returncode == 0, prep.stderr
     dest = tmp_path / "copy"
+    # Only the signal may end the get: its stall timeout (20 s by default)
+    # could pass first on a busy machine while the producer is stopped.
     p = run_in(testbed, pod_a, textwrap.dedent(f"""
-        import os, sys, kt
+        import os, sys
+        os.environ["KT_STALL_TIMEOUT"] = "10m"
+        import kt
         try:
             kt.get("{key}", dest={str(dest)!r})
             print("finished", flush=True)
@@ -275,7 +279,7 @@ def test_ctrl_c_stops_a_transfer_and_removes_its_partial_file(testbed, pod_a, ru
     wait_until("receiving", lambda: p.poll() is not None
                or (partial() and written(p.pid) - started >= 4 << 20), p)
     # The producer's agent stops mid-file: the get waits for bytes that do
-    # not come (its stall timeout, 20 s, is not reached), until the signal.
+    # not come (its stall timeout, 10 min here, is not reached), until the signal.
     os.kill(producer.agent.proc.pid, signal.SIGSTOP)
     try:
         if p.poll() is not None or not partial():
