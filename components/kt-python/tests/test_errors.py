@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
 import textwrap
 import threading
 import time
@@ -219,7 +220,16 @@ def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, r
     # to get it there).
     wait_until("joined", lambda: quorum_members(testbed, group), p)
     p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=60)
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        # Say how far it got (interrupted? the put after?) and what the
+        # agent was doing, not just that it took too long.
+        p.kill()
+        out, err = p.communicate()
+        agent_log = pod_a.agent.log.read_text()[-4000:] if pod_a.agent.log.exists() else ""
+        pytest.fail(f"not done 60 s after SIGINT; its output: {out!r} {err[-2000:]!r}; "
+                    f"the agent's log ends: {agent_log}")
     assert p.returncode == 7, (out, err)
     assert "interrupted untouched" in out and "then put" in out
 
