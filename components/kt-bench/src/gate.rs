@@ -161,6 +161,10 @@ pub enum Outcome {
     New,
     /// In the baseline, but not measured: a failure (a case went missing).
     Missing,
+    /// An invocation's ratio is not a finite number (it measured nothing,
+    /// or rsync's CPU was 0): a failure, whatever the median says — the
+    /// median of three would hide one broken invocation.
+    Invalid,
 }
 
 /// One line of the gate's table.
@@ -186,9 +190,9 @@ pub fn judge(base: &ProfileBaseline, measured: &Measured) -> Vec<Verdict> {
             let b = base.cases.get(case);
             let limit = b.map(|b| b.ratio * (1.0 + b.margin.unwrap_or(base.margin)));
             let outcome = match (limit, ratios.is_empty()) {
+                _ if ratios.iter().any(|r| !r.is_finite()) => Outcome::Invalid,
                 (None, _) => Outcome::New,
                 (Some(_), true) => Outcome::Missing,
-                // NaN (a run that measured nothing) fails too.
                 (Some(l), false) if med <= l => Outcome::Pass,
                 (Some(_), false) => Outcome::Fail,
             };
@@ -229,6 +233,7 @@ pub fn table(verdicts: &[Verdict]) -> String {
             Outcome::Fail => "SLOWER",
             Outcome::New => "new",
             Outcome::Missing => "MISSING",
+            Outcome::Invalid => "INVALID",
         };
         let ratios: Vec<String> = v.ratios.iter().map(|r| format!("{r:.3}")).collect();
         let _ = writeln!(
@@ -371,8 +376,25 @@ mod tests {
         assert_eq!(by["large_get"], Outcome::New);
         assert_eq!(by["small_noop"], Outcome::Missing);
         assert!(!passed(&v));
-        let v = judge(&base(), &measured(&[("small_cold", &[f64::NAN])]));
-        assert_eq!(v[0].outcome, Outcome::Fail);
+    }
+
+    #[test]
+    fn one_invocation_that_measured_nothing_fails_whatever_the_median() {
+        // The median of [0.40, 0.45, NaN] is 0.45 (NaN sorts last): the
+        // broken invocation must not be outvoted by the two good ones.
+        for bad in [f64::NAN, f64::INFINITY, -f64::NAN] {
+            let v = judge(
+                &base(),
+                &measured(&[("small_cold", &[0.40, 0.45, bad]), ("small_noop", &[0.1])]),
+            );
+            assert_eq!(v[0].outcome, Outcome::Invalid, "{bad}: {v:?}");
+            assert_eq!(v[1].outcome, Outcome::Pass);
+            assert!(!passed(&v));
+            assert!(table(&v).contains("INVALID"));
+        }
+        // A case new to the baseline is judged the same way.
+        let v = judge(&base(), &measured(&[("large_get", &[f64::NAN])]));
+        assert_eq!(v[0].outcome, Outcome::Invalid);
     }
 
     #[test]
