@@ -41,4 +41,23 @@ fi
 "$venv/bin/python" "$here/workflows.py" "${workflows[@]}"
 echo "== rehearsal (testbed/ci/rehearse.py)"
 "$venv/bin/python" "$root/testbed/ci/rehearse.py" --self-test "${workflows[@]}"
+# The GPU workflow's multi-node job hands its dispatch inputs to run.sh:
+# hostile ones must be refused before any kubectl call (a fake kubectl
+# fails the check if one is reached) and must not run as commands.
+echo "== testbed/gpu/multi-node/run.sh refuses hostile dispatch inputs"
+fake=$(mktemp -d)
+trap 'rm -rf "$fake"' EXIT
+printf '#!/bin/sh\necho "kubectl reached: $*"; exit 3\n' >"$fake/kubectl"
+chmod +x "$fake/kubectl"
+for input in 'KT_MN_RDMA_RESOURCE=x#e' "KT_MN_RDMA_RESOURCE=touch $fake/pwned;x#e" 'KT_MN_RDMA_RESOURCE=a/b c' \
+  'KT_MN_NAMESPACE=kt: x'; do
+  if out=$(env "$input" PATH="$fake:$PATH" bash "$root/testbed/gpu/multi-node/run.sh" across 2>&1); then
+    echo "run.sh accepted $input" >&2; exit 1
+  fi
+  case $out in
+    *"is not a"*) ;;
+    *) echo "run.sh did not refuse $input by name: $out" >&2; exit 1 ;;
+  esac
+  [ ! -e "$fake/pwned" ] || { echo "run.sh ran a command from $input" >&2; exit 1; }
+done
 echo "${#workflows[@]} workflow file(s) ok"

@@ -39,6 +39,17 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "multi-node: $*" >&2; exit 1; }
 
+# The inputs come from a workflow dispatch: check them before they reach a
+# kubectl argument, the kustomization written below or the replacement in
+# render (a sed script would run an input ending in `#e` as a command).
+[[ $ns =~ ^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$ ]] ||
+  fail "KT_MN_NAMESPACE '$ns' is not a namespace name (a DNS label)"
+[[ $rdma =~ ^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$ ]] ||
+  fail "KT_MN_RDMA_RESOURCE '$rdma' is not a resource name (e.g. rdma/rdma_shared_device_a)"
+for c in "${cases[@]}"; do
+  case $c in across | same-node) ;; *) fail "unknown case '$c' (across, same-node)" ;; esac
+done
+
 # ---- what the cluster must have --------------------------------------------
 level=$(kubectl get namespace "$ns" -o jsonpath='{.metadata.labels.pod-security\.kubernetes\.io/enforce}') ||
   fail "no namespace $ns (install kt there with the gpu overlay, or set KT_MN_NAMESPACE)"
@@ -56,7 +67,9 @@ nodes=$(kubectl get nodes -o jsonpath="{range .items[*]}{.metadata.name}={.statu
 render() { # CASE: the workload with its placement, NCCL's log and the images
   local case=$1 affinity=podAntiAffinity
   [ "$case" = across ] || affinity=podAffinity
-  kubectl kustomize "$here" | sed "s#rdma/rdma_shared_device_a#$rdma#g" >"$tmp/base.yaml"
+  local base
+  base=$(kubectl kustomize "$here")
+  printf '%s\n' "${base//rdma\/rdma_shared_device_a/$rdma}" >"$tmp/base.yaml"
   { echo "NCCL_DEBUG=INFO"; echo "NCCL_DEBUG_SUBSYS=INIT,NET"
     [ -z "${KT_MN_NCCL_ENV:-}" ] || grep -v '^NCCL_DEBUG\(_SUBSYS\)\?=' "$KT_MN_NCCL_ENV"; } >"$tmp/nccl.env"
   cat >"$tmp/kustomization.yaml" <<EOF
