@@ -8,7 +8,7 @@
 //! `shuffle`). The share is [`kt_client`]'s ([`Client::stream_share`], the
 //! same listing and [`kt_types::shard`] split as `kt get --shard` and
 //! `kt.Dataset`), fetched ahead within [`FlightConfig::budget`] into a
-//! temporary directory under the agent's state directory and decoded one
+//! temporary directory (`share-*`) below `--flight-dir` and decoded one
 //! file at a time, in reading order; files named `_*` or `.*` (`_SUCCESS`,
 //! `_metadata`, as pyarrow's datasets skip them) are passed over.
 //!
@@ -23,23 +23,37 @@
 //!   answered `NotFound` just as `kt get PREFIX/` is (nobody learns of
 //!   another service's keys here either); a token nobody knows is
 //!   `Unauthenticated`, a role that may not read `PermissionDenied`.
-//! - memory: one decoded batch at a time per file plus [`QUEUED`] waiting
-//!   for the client. A Parquet file is bounded before any page is
-//!   decompressed ([`pages`]): a page claiming more than
-//!   [`MAX_BATCH_BYTES`] uncompressed, or a row that may decode to more,
-//!   is refused (`ResourceExhausted`, naming the file and the cap), and
-//!   the rows per batch are chosen so that a batch's worst case (every
-//!   dictionary index at the longest value) stays within it. An IPC batch
-//!   is passed on as written (one batch can be a whole file) and IPC
-//!   message lengths are allocated before their bytes are read, so an IPC
-//!   file can make the agent allocate about its own size (or what its
-//!   headers claim); a Parquet or IPC footer over [`MAX_FOOTER`] is refused
-//!   before decoding. Local disk: the call's budget, below
+//! - memory: a call holds at most [`CALL_MEMORY`]: one decoded batch at a
+//!   time per file (at most [`MAX_BATCH_BYTES`]) plus [`QUEUED`] waiting
+//!   for the client and one being encoded, what the file's reader holds
+//!   (at most [`MAX_READER_BYTES`]) and its decoded footer (at most
+//!   [`FOOTER_MEMORY`]). Every bound is checked from the file's headers
+//!   before the bytes they describe are read or decompressed; a file over
+//!   one is refused (`ResourceExhausted`, naming the file and the cap). A
+//!   Parquet file ([`pages`]): a page over [`MAX_BATCH_BYTES`] compressed
+//!   or uncompressed, a row that may decode to more, or a row group whose
+//!   largest pages and dictionaries (the reader holds one page of every
+//!   column at once) are over [`MAX_READER_BYTES`]; the rows per batch are
+//!   chosen so that a batch's worst case (every dictionary index at the
+//!   longest value) stays within [`MAX_BATCH_BYTES`]. An Arrow IPC file or
+//!   stream ([`ipc`]): a record batch whose body, or what its compressed
+//!   buffers claim to decompress to, is over [`MAX_BATCH_BYTES`] (an IPC
+//!   batch is passed on as written: write smaller ones), or dictionaries
+//!   over [`MAX_READER_BYTES`] together. A footer or message metadata over
+//!   [`MAX_FOOTER`] is refused before decoding. The agent's memory limit
+//!   must hold [`CALL_MEMORY`] times [`FlightConfig::max_calls`] above its
+//!   own needs (the flight kustomize component sets it; policy.py checks).
+//! - local disk: the call's budget, in a `share-*` directory below
 //!   [`FlightConfig::dir`], removed when the call ends, however it ends; a
 //!   data file larger than the budget is refused (`ResourceExhausted`,
 //!   naming it). The budget is per call, so the agent's disk use is up to
 //!   [`FlightConfig::max_calls`] times it: the agent does not start unless
-//!   the directory's free space holds that.
+//!   the directory's free space holds that. That free space is the
+//!   filesystem's (for an emptyDir, the node's disk, not its sizeLimit), so
+//!   in a pod (`KT_POD_IP`) `--flight-dir` must be given: a volume of the
+//!   calls' own, never the agent's small state volume ([`scratch_dir`]).
+//!   The agent never removes that directory, nor anything in it but the
+//!   `share-*` entries calls leave (at start, what a killed agent left).
 //! - the caller's token is checked first (one small metadata call); then
 //!   the call takes a slot of its token ([`FlightConfig::per_token`], keyed
 //!   by the token's hash) and one of the agent's
@@ -84,6 +98,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::config::FlightConfig;
 
+mod ipc;
 mod pages;
 
 /// Decoded batches waiting for a slow client, per call.
@@ -92,9 +107,32 @@ pub const QUEUED: usize = 2;
 /// of them may decode to more than [`MAX_BATCH_BYTES`]; an IPC file's
 /// batches are passed on as written).
 pub const PARQUET_BATCH_ROWS: usize = 8192;
-/// The most bytes a Parquet page may claim uncompressed, and a decoded
-/// Parquet batch may take in the worst case its file allows.
+/// The most bytes a Parquet page may claim (compressed or not), a decoded
+/// Parquet batch may take in the worst case its file allows, and an Arrow
+/// IPC record batch may take as read and as decompressed.
 pub const MAX_BATCH_BYTES: u64 = 32 << 20;
+
+/// What one file's reader may hold besides the batch it decodes: a
+/// Parquet row group's pages (one of every column at once and every
+/// column's dictionary, decoded, and the page being read), an Arrow IPC
+/// file's dictionaries.
+pub const MAX_READER_BYTES: u64 = 128 << 20;
+/// The most a Parquet file's footer may take decoded (it is held for the
+/// whole file; what [`MAX_FOOTER`] encoded bytes decode to is checked).
+pub const FOOTER_MEMORY: u64 = 64 << 20;
+/// The most memory one Flight call holds: [`QUEUED`] batches waiting for
+/// the client, one the decoder is handing over and one being encoded (each
+/// at most [`MAX_BATCH_BYTES`]), what the file's reader holds
+/// ([`MAX_READER_BYTES`]) and its footer ([`FOOTER_MEMORY`]). An agent's
+/// memory limit holds this times `--flight-max-calls` above its own
+/// needs: testbed/k8s/policy.py reads this line (`<< 20`, in MiB).
+pub const CALL_MEMORY: u64 = 320 << 20;
+const _: () = assert!(
+    (QUEUED as u64 + 2) * MAX_BATCH_BYTES + MAX_READER_BYTES + FOOTER_MEMORY <= CALL_MEMORY
+);
+/// What a call's directory below `--flight-dir` is named after; nothing
+/// else there is the agent's.
+const SHARE_PREFIX: &str = "share-";
 
 /// Idle connections are probed this often (TCP and HTTP/2 pings).
 const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
@@ -149,7 +187,9 @@ struct Slots {
 
 impl Shares {
     /// The service: shares listed at `metadata_url`, fetched below
-    /// `scratch` (emptied now: what a killed agent left). Refused when the
+    /// `scratch` (made if missing; the `share-*` entries a killed agent's
+    /// calls left are removed now, and nothing else: it may be a volume's
+    /// mount point, or hold what is not the agent's). Refused when the
     /// free space there cannot hold `cfg.budget` for each of
     /// `cfg.max_calls` calls.
     pub fn new(
@@ -161,11 +201,8 @@ impl Shares {
             dir: scratch.clone(),
             source,
         };
-        match std::fs::remove_dir_all(&scratch) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
-            _ => {}
-        }
         std::fs::create_dir_all(&scratch).map_err(io)?;
+        clear_leftovers(&scratch).map_err(io)?;
         let max_calls = cfg.max_calls.max(1);
         let free = free_bytes(&scratch).map_err(io)?;
         check_space(&scratch, free, cfg.budget, max_calls)?;
@@ -233,7 +270,7 @@ impl Shares {
         let slots = self.take_slots(token)?;
         let deadline = Instant::now() + self.max_duration;
         let dir = tempfile::Builder::new()
-            .prefix("share-")
+            .prefix(SHARE_PREFIX)
             .tempdir_in(&self.scratch)
             .map_err(|e| Status::internal(format!("a directory for the share: {e}")))?;
         let mut opts = StreamOptions::new(spec, self.budget);
@@ -309,9 +346,62 @@ impl Shares {
     }
 }
 
+/// Removes the `share-*` entries of `dir` (what calls of an agent that
+/// was killed left), and nothing else: a link is removed as a link.
+fn clear_leftovers(dir: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let path = entry.path();
+        if !entry
+            .file_name()
+            .as_encoded_bytes()
+            .starts_with(SHARE_PREFIX.as_bytes())
+        {
+            tracing::info!(path = %path.display(), "flight: --flight-dir holds what this agent did not make; left alone");
+            continue;
+        }
+        let removed = if entry.file_type()?.is_dir() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        match removed {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {
+                tracing::info!(path = %path.display(), "flight: removed what an earlier call left")
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Where calls fetch their files: `--flight-dir`; outside a pod, by
+/// default `flight` below the state directory. In a pod (`in_pod`: the
+/// agent knows its pod's IP) it must be given: the start's free-space
+/// check sees the filesystem, which for an emptyDir is the node's disk,
+/// not its sizeLimit, and the agent's state volume is small (the kubelet
+/// evicts the whole pod when a call outgrows it).
+pub fn scratch_dir(
+    cfg: &FlightConfig,
+    state_dir: &Path,
+    in_pod: bool,
+) -> Result<PathBuf, FlightSetupError> {
+    match &cfg.dir {
+        Some(dir) => Ok(dir.clone()),
+        None if in_pod => Err(FlightSetupError::NoDir),
+        None => Ok(state_dir.join("flight")),
+    }
+}
+
 /// Why the Flight server cannot start.
 #[derive(Debug, thiserror::Error)]
 pub enum FlightSetupError {
+    #[error(
+        "in a pod ({pod_ip} is set) Flight needs --flight-dir ({dir}): a volume of the calls' own whose size holds --flight-budget times --flight-max-calls (the flight kustomize component mounts one, kt-flight). The free space the agent checks at start is the filesystem's (for an emptyDir, the node's disk, not its sizeLimit), and below the agent's state volume a call would outgrow it and get the pod evicted",
+        pod_ip = kt_types::env::POD_IP,
+        dir = kt_types::env::FLIGHT_DIR
+    )]
+    NoDir,
     #[error("the Flight directory {}: {source}", dir.display())]
     Io {
         dir: PathBuf,
@@ -709,8 +799,9 @@ fn sniff(path: &Path) -> std::io::Result<Option<Format>> {
 }
 
 /// Largest Parquet or Arrow IPC file footer (the metadata, read into
-/// memory whole before any batch) a call decodes.
-pub const MAX_FOOTER: u64 = 64 << 20;
+/// memory whole before any batch), or IPC message metadata, a call
+/// decodes.
+pub const MAX_FOOTER: u64 = 8 << 20;
 
 /// Refuses a file whose footer length (the 4 bytes before its closing
 /// magic) is over [`MAX_FOOTER`]: what its reader would allocate first.
@@ -737,6 +828,25 @@ fn check_footer(path: &Path, format: Format) -> std::io::Result<Result<(), Strin
     } else {
         Ok(())
     })
+}
+
+/// What an Arrow IPC file's messages are held to ([`ipc`]).
+const IPC_CAPS: ipc::Caps = ipc::Caps {
+    batch: MAX_BATCH_BYTES,
+    dictionaries: MAX_READER_BYTES,
+    metadata: MAX_FOOTER,
+};
+
+/// The status of an IPC file [`ipc`]'s walk refused.
+fn check_ipc(name: &str, walked: Result<(), ipc::Problem>) -> Result<(), Status> {
+    match walked {
+        Ok(()) => Ok(()),
+        Err(ipc::Problem::Over(why)) => Err(Status::resource_exhausted(format!("{name}: {why}"))),
+        Err(ipc::Problem::Malformed(why)) => {
+            Err(Status::invalid_argument(format!("{name}: {why}")))
+        }
+        Err(ipc::Problem::Io(e)) => Err(Status::internal(format!("{name}: {e}"))),
+    }
 }
 
 /// The share's schema and the file it came from.
@@ -768,21 +878,36 @@ fn decode(file: StreamedFile, first: Option<First>, tx: &Out) -> Result<Option<F
                 f.try_clone().map_err(io)?,
             )
             .map_err(|e| bad(&e))?;
+            let footer = b.metadata().memory_size() as u64;
+            if footer > FOOTER_MEMORY {
+                return Err(Status::resource_exhausted(format!(
+                    "{name}: its footer takes {footer} bytes decoded, over the {FOOTER_MEMORY} bytes a Flight call holds for it"
+                )));
+            }
             // Bounded before a page is decompressed (see `pages`).
-            let rows = pages::batch_rows(&f, b.metadata(), MAX_BATCH_BYTES, PARQUET_BATCH_ROWS)
-                .map_err(|why| Status::resource_exhausted(format!("{name}: {why}")))?;
+            let rows = pages::batch_rows(
+                &f,
+                b.metadata(),
+                MAX_BATCH_BYTES,
+                MAX_READER_BYTES,
+                PARQUET_BATCH_ROWS,
+            )
+            .map_err(|why| Status::resource_exhausted(format!("{name}: {why}")))?;
             let schema = b.schema().clone();
             let reader = b.with_batch_size(rows).build().map_err(|e| bad(&e))?;
             (schema, Box::new(reader))
         }
         Format::IpcFile => {
-            let r = arrow_ipc::reader::FileReader::try_new(open()?, None).map_err(|e| bad(&e))?;
+            let f = open()?;
+            check_ipc(name, ipc::check_file(&f, IPC_CAPS))?;
+            let r = arrow_ipc::reader::FileReader::try_new(f, None).map_err(|e| bad(&e))?;
             (r.schema(), Box::new(r))
         }
         Format::IpcStream => {
-            let r =
-                arrow_ipc::reader::StreamReader::try_new(std::io::BufReader::new(open()?), None)
-                    .map_err(|e| bad(&e))?;
+            let f = open()?;
+            check_ipc(name, ipc::check_stream(&f, IPC_CAPS))?;
+            let r = arrow_ipc::reader::StreamReader::try_new(std::io::BufReader::new(f), None)
+                .map_err(|e| bad(&e))?;
             (r.schema(), Box::new(r))
         }
     };
@@ -1034,6 +1159,33 @@ mod tests {
         );
         cfg.budget = 1 << 10;
         Shares::new("http://127.0.0.1:1", tmp.path().join("flight"), &cfg).unwrap();
+    }
+
+    #[test]
+    fn in_a_pod_the_flight_dir_must_be_given() {
+        let state = Path::new("/var/lib/kt/agent");
+        let mut cfg = FlightConfig::new("127.0.0.1:0".parse().unwrap());
+        let e = scratch_dir(&cfg, state, true).unwrap_err().to_string();
+        for n in [
+            "--flight-dir",
+            kt_types::env::FLIGHT_DIR,
+            kt_types::env::POD_IP,
+            "node's disk",
+        ] {
+            assert!(e.contains(n), "{n}: {e}");
+        }
+        // Outside a pod (a developer's machine, the tests): the default.
+        assert_eq!(
+            scratch_dir(&cfg, state, false).unwrap(),
+            state.join("flight")
+        );
+        cfg.dir = Some(PathBuf::from("/var/lib/kt/flight"));
+        for in_pod in [true, false] {
+            assert_eq!(
+                scratch_dir(&cfg, state, in_pod).unwrap(),
+                Path::new("/var/lib/kt/flight")
+            );
+        }
     }
 
     #[test]

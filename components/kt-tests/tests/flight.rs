@@ -73,7 +73,7 @@ async fn flight_agent_tls(
     );
     cfg.shm_dir = cluster.shm_dir();
     cfg.flight = Some(flight);
-    cfg.tls = tls;
+    cfg.server.tls = tls;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let stop = CancellationToken::new();
     let handle = kt_agent::start(listener, cfg, stop.clone()).expect("agent");
@@ -941,4 +941,263 @@ async fn with_tls_cert_flight_is_served_over_tls_only() {
         .expect("the plaintext call ends");
     assert!(plain.is_err(), "plaintext DoGet on the TLS port: {plain:?}");
     finish(c, stop, task).await;
+}
+
+/// A Thrift compact `PageHeader` of a PLAIN data page: its sizes and
+/// value count, as a writer would put it before the page's bytes.
+fn data_page_header(uncompressed: i32, compressed: i32, values: i32) -> Vec<u8> {
+    fn zigzag(v: i32) -> Vec<u8> {
+        let mut u = ((v << 1) ^ (v >> 31)) as u32;
+        let mut out = Vec::new();
+        loop {
+            let b = (u & 0x7f) as u8;
+            u >>= 7;
+            if u == 0 {
+                out.push(b);
+                return out;
+            }
+            out.push(b | 0x80);
+        }
+    }
+    let mut h = Vec::new();
+    // Fields 1-3 (i32): type DATA_PAGE, uncompressed and compressed size.
+    for v in [0, uncompressed, compressed] {
+        h.push(0x15);
+        h.extend(zigzag(v));
+    }
+    // Field 5 (struct): the data page header: values, PLAIN, RLE, RLE.
+    h.push(0x2c);
+    for v in [values, 0, 3, 3] {
+        h.push(0x15);
+        h.extend(zigzag(v));
+    }
+    h.push(0);
+    h.push(0);
+    h
+}
+
+/// Writes a Parquet file of one required INT64 column `x` whose one column
+/// chunk is `chunk` (page headers and bytes as given), compressed with
+/// `codec`, of `rows` rows.
+fn write_raw_parquet(
+    path: &std::path::Path,
+    chunk: Vec<u8>,
+    rows: i64,
+    codec: parquet::basic::Compression,
+) {
+    use parquet::file::metadata::ColumnChunkMetaData;
+    use parquet::file::writer::SerializedFileWriter;
+    let schema = Arc::new(
+        parquet::schema::parser::parse_message_type("message m { required int64 x; }").unwrap(),
+    );
+    let props = Arc::new(
+        parquet::file::properties::WriterProperties::builder()
+            .set_compression(codec)
+            .build(),
+    );
+    let f = std::fs::File::create(path).unwrap();
+    let mut w = SerializedFileWriter::new(f, schema, props).unwrap();
+    let column = w.schema_descr().column(0);
+    let len = chunk.len() as i64;
+    let metadata = ColumnChunkMetaData::builder(column)
+        .set_compression(codec)
+        .set_num_values(rows)
+        .set_total_compressed_size(len)
+        .set_total_uncompressed_size(len)
+        .set_data_page_offset(0)
+        .build()
+        .unwrap();
+    let close = parquet::column::writer::ColumnCloseResult {
+        bytes_written: len as u64,
+        rows_written: rows as u64,
+        metadata,
+        bloom_filter: None,
+        column_index: None,
+        offset_index: None,
+    };
+    let mut group = w.next_row_group().unwrap();
+    group
+        .append_column(&bytes::Bytes::from(chunk), close)
+        .unwrap();
+    group.close().unwrap();
+    w.close().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_page_over_the_cap_compressed_is_refused_before_it_is_read() {
+    let c = Cluster::start().await;
+    let (addr, stop, task) = flight_agent(&c, 64 << 20).await;
+    // A page claiming 1 KiB uncompressed but MAX_BATCH_BYTES + 1
+    // compressed: the reader would hold those bytes whole before it found
+    // out they do not decompress to 1 KiB.
+    let compressed = kt_agent::flight::MAX_BATCH_BYTES as usize + 1;
+    let mut chunk = data_page_header(1024, compressed as i32, 128);
+    let at = 4; // the chunk's first byte in the file, after `PAR1`
+    chunk.resize(chunk.len() + compressed, 0x5a);
+    let src = c.dir.path().join("wide-page.parquet");
+    write_raw_parquet(&src, chunk, 128, parquet::basic::Compression::SNAPPY);
+    put_path(&c, "compressed/set/wide.parquet", &src).await;
+    let s = do_get(addr, Some(TOKEN), &ticket("compressed/set", 0, 1, 0, false))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+    for want in [
+        "wide.parquet".to_string(),
+        format!("page at byte {at}"),
+        format!("{compressed} bytes compressed"),
+        kt_agent::flight::MAX_BATCH_BYTES.to_string(),
+    ] {
+        assert!(s.message().contains(&want), "{want}: {s:?}");
+    }
+    finish(c, stop, task).await;
+}
+
+/// Writes `batches` as an Arrow IPC file (`stream`: an IPC stream),
+/// zstd-compressed.
+fn write_zstd_ipc(path: &std::path::Path, batches: &[RecordBatch], stream: bool) {
+    let opts = arrow_ipc::writer::IpcWriteOptions::default()
+        .try_with_compression(Some(arrow_ipc::CompressionType::ZSTD))
+        .unwrap();
+    let f = std::fs::File::create(path).unwrap();
+    let schema = batches[0].schema();
+    if stream {
+        let mut w =
+            arrow_ipc::writer::StreamWriter::try_new_with_options(f, &schema, opts).unwrap();
+        for b in batches {
+            w.write(b).unwrap();
+        }
+        w.finish().unwrap();
+    } else {
+        let mut w = arrow_ipc::writer::FileWriter::try_new_with_options(f, &schema, opts).unwrap();
+        for b in batches {
+            w.write(b).unwrap();
+        }
+        w.finish().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_arrow_ipc_batch_is_bounded_by_what_it_claims_before_decoding() {
+    let c = Cluster::start().await;
+    let (addr, stop, task) = flight_agent(&c, 64 << 20).await;
+    let cap = kt_agent::flight::MAX_BATCH_BYTES;
+    // One batch whose `x` decodes to twice the cap, of zeros: a file of a
+    // few KiB that claims 64 MiB.
+    let rows = (2 * cap / 8) as usize;
+    let schema = schema();
+    let bomb = RecordBatch::try_new(
+        schema.clone(),
+        vec![
+            Arc::new(Int32Array::from(vec![0; rows])),
+            Arc::new(Int64Array::from(vec![0i64; rows])),
+        ],
+    )
+    .unwrap();
+    for (name, stream) in [("bomb.arrow", false), ("bomb.arrows", true)] {
+        let src = c.dir.path().join(name);
+        write_zstd_ipc(&src, std::slice::from_ref(&bomb), stream);
+        let size = std::fs::metadata(&src).unwrap().len();
+        assert!(size < 4 << 20, "{name}: a small file: {size} bytes");
+        let prefix = format!("ipc-bomb/{}", if stream { "stream" } else { "file" });
+        put_path(&c, &format!("{prefix}/{name}"), &src).await;
+        let s = do_get(addr, Some(TOKEN), &ticket(&prefix, 0, 1, 0, false))
+            .await
+            .unwrap_err();
+        assert_eq!(s.code(), Code::ResourceExhausted, "{name}: {s:?}");
+        assert!(s.message().contains(name), "{s:?}");
+        assert!(s.message().contains(&cap.to_string()), "{s:?}");
+    }
+    drop(bomb);
+    // Compressed batches within the cap stream as before.
+    let small: Vec<RecordBatch> = (0..3).map(|i| batch(&schema, 2, 100, i * 100)).collect();
+    for (name, stream) in [("small.arrow", false), ("small.arrows", true)] {
+        let src = c.dir.path().join(name);
+        write_zstd_ipc(&src, &small, stream);
+        put_path(&c, &format!("ipc-small/{name}/{name}"), &src).await;
+        let rows = do_get(
+            addr,
+            Some(TOKEN),
+            &ticket(&format!("ipc-small/{name}"), 0, 1, 0, false),
+        )
+        .await
+        .unwrap();
+        assert_eq!(rows, (0..300).map(|x| (2, x)).collect::<Vec<_>>(), "{name}");
+    }
+    finish(c, stop, task).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parquet_row_group_whose_pages_together_are_over_the_budget_is_refused() {
+    let c = Cluster::start().await;
+    let (addr, stop, task) = flight_agent(&c, 64 << 20).await;
+    // Columns of one page each, every page within MAX_BATCH_BYTES, but the
+    // reader holds one page of every column at once: together over
+    // MAX_READER_BYTES. Zeros, zstd: a file of a few KiB.
+    let page = kt_agent::flight::MAX_BATCH_BYTES - (1 << 20);
+    let columns = (kt_agent::flight::MAX_READER_BYTES / page + 1) as usize;
+    let rows = (page / 8) as usize;
+    let zeros: arrow_array::ArrayRef = Arc::new(Int64Array::from(vec![0i64; rows]));
+    let fields: Vec<Field> = (0..columns)
+        .map(|i| Field::new(format!("c{i}"), DataType::Int64, false))
+        .collect();
+    let schema = Arc::new(Schema::new(fields));
+    let batch = RecordBatch::try_new(schema.clone(), vec![zeros; columns]).unwrap();
+    let props = parquet::file::properties::WriterProperties::builder()
+        .set_dictionary_enabled(false)
+        .set_compression(parquet::basic::Compression::ZSTD(Default::default()))
+        .set_data_page_size_limit(1 << 30)
+        .set_data_page_row_count_limit(usize::MAX)
+        .set_max_row_group_row_count(Some(rows))
+        .build();
+    let src = c.dir.path().join("wide.parquet");
+    let f = std::fs::File::create(&src).unwrap();
+    let mut w = parquet::arrow::ArrowWriter::try_new(f, schema, Some(props)).unwrap();
+    w.write(&batch).unwrap();
+    w.close().unwrap();
+    drop(batch);
+    let size = std::fs::metadata(&src).unwrap().len();
+    assert!(size < 4 << 20, "a small file: {size} bytes");
+    put_path(&c, "pages/set/wide.parquet", &src).await;
+    let s = do_get(addr, Some(TOKEN), &ticket("pages/set", 0, 1, 0, false))
+        .await
+        .unwrap_err();
+    assert_eq!(s.code(), Code::ResourceExhausted, "{s:?}");
+    for want in [
+        "wide.parquet".to_string(),
+        "row group 0".to_string(),
+        kt_agent::flight::MAX_READER_BYTES.to_string(),
+    ] {
+        assert!(s.message().contains(&want), "{want}: {s:?}");
+    }
+    finish(c, stop, task).await;
+}
+
+#[test]
+fn the_flight_dir_is_kept_and_only_what_calls_left_is_removed() {
+    use std::os::unix::fs::MetadataExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("flight");
+    std::fs::create_dir_all(dir.join("share-old/sub")).unwrap();
+    std::fs::write(dir.join("share-old/sub/x"), b"x").unwrap();
+    std::fs::write(dir.join("share-file"), b"x").unwrap();
+    std::fs::write(dir.join("keep.txt"), b"mine").unwrap();
+    std::fs::create_dir(dir.join("data")).unwrap();
+    std::fs::write(dir.join("data/y"), b"y").unwrap();
+    // A share-* link is removed as a link: what it points at stays.
+    std::os::unix::fs::symlink(dir.join("data"), dir.join("share-link")).unwrap();
+    let ino = std::fs::metadata(&dir).unwrap().ino();
+    let mut cfg = kt_agent::config::FlightConfig::new("127.0.0.1:0".parse().unwrap());
+    cfg.budget = 1 << 10;
+    kt_agent::flight::Shares::new("http://127.0.0.1:1", dir.clone(), &cfg).unwrap();
+    // The directory itself (an emptyDir's mount point in a pod, where
+    // removing it fails with EBUSY) is never removed: the same inode.
+    assert_eq!(std::fs::metadata(&dir).unwrap().ino(), ino);
+    let mut left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["data", "keep.txt"]);
+    assert_eq!(std::fs::read(dir.join("keep.txt")).unwrap(), b"mine");
+    assert_eq!(std::fs::read(dir.join("data/y")).unwrap(), b"y");
 }

@@ -5,20 +5,31 @@
 //!
 //! [`batch_rows`] walks every column chunk's page headers (Thrift compact
 //! protocol, read here: the parquet crate keeps its reader private),
-//! refuses a page that claims more than the cap uncompressed, reads each
-//! byte-array dictionary (its size checked first) for its longest value,
-//! and answers how many rows a batch may hold so that its worst case —
-//! every dictionary index pointing at the longest value — stays within
-//! the cap. A row whose worst case alone is over the cap is refused.
-//! Repeated (list) columns are counted by their average values per row.
+//! refuses a page that claims more than the cap uncompressed or
+//! compressed (the reader holds a page's compressed bytes whole before it
+//! decompresses them), reads each byte-array dictionary (its size checked
+//! first) for its longest value, and answers how many rows a batch may
+//! hold so that its worst case — every dictionary index pointing at the
+//! longest value — stays within the cap. A row whose worst case alone is
+//! over the cap is refused. Repeated (list) columns are counted by their
+//! average values per row.
+//!
+//! The reader decodes a row group's columns side by side: it holds a page
+//! of every column at once (and its compressed copy while it reads it),
+//! and every column's dictionary. A row group whose largest pages and
+//! dictionaries together are over the reader's cap is refused.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 
 use parquet::basic::Type as PhysicalType;
 use parquet::column::page::Page;
-use parquet::file::metadata::{ColumnChunkMetaData, ParquetMetaData};
-use parquet::file::reader::{FileReader, SerializedFileReader};
+use parquet::file::metadata::page_index::RowGroupPageIndex;
+use parquet::file::metadata::{ColumnChunkMetaData, ParquetMetaData, RowGroupMetaData};
+use parquet::file::properties::ReaderProperties;
+use parquet::file::reader::RowGroupReader;
+use parquet::file::serialized_reader::SerializedRowGroupReader;
 
 /// Page types of the format (`PageType`).
 const DICTIONARY_PAGE: i64 = 2;
@@ -30,32 +41,40 @@ const MAX_DEPTH: usize = 32;
 const PER_VALUE: u64 = 16;
 
 /// Rows per batch (at most `max_rows`) whose decoded size stays within
-/// `cap` bytes in the worst case, or why the file is refused.
+/// `cap` bytes in the worst case, or why the file is refused: a page over
+/// `cap`, or a row group whose pages held at once are over `reader_cap`.
 pub fn batch_rows(
     file: &File,
     meta: &ParquetMetaData,
     cap: u64,
+    reader_cap: u64,
     max_rows: usize,
 ) -> Result<usize, String> {
     let mut rows = max_rows.max(1);
-    let mut dictionaries: Option<SerializedFileReader<File>> = None;
+    // Dictionaries are read with the footer already decoded (never a
+    // second copy of it).
+    let shared = Arc::new(file.try_clone().map_err(|e| e.to_string())?);
     for (g, group) in meta.row_groups().iter().enumerate() {
         let group_rows = u64::try_from(group.num_rows()).unwrap_or(0).max(1);
         let mut per_row: u64 = 0;
+        // What the reader holds at once: a page of every column and every
+        // column's dictionary, decoded; and, one column at a time, the
+        // compressed page it reads (or a dictionary page it decodes).
+        let mut resident: u64 = 0;
+        let mut transient: u64 = 0;
         for (c, chunk) in group.columns().iter().enumerate() {
             let column = chunk.column_path().string();
             let pages = walk(file, chunk, cap)
                 .map_err(|why| format!("row group {g}, column {column}: {why}"))?;
+            resident = resident
+                .saturating_add(pages.largest)
+                .saturating_add(pages.dictionary);
+            transient = transient
+                .max(pages.largest_compressed)
+                .max(pages.dictionary_compressed.saturating_add(pages.dictionary));
             let value = match chunk.column_descr().physical_type() {
                 PhysicalType::BYTE_ARRAY if pages.dictionary > 0 => {
-                    let reader = match &mut dictionaries {
-                        Some(r) => r,
-                        None => dictionaries.insert(
-                            SerializedFileReader::new(file.try_clone().map_err(|e| e.to_string())?)
-                                .map_err(|e| e.to_string())?,
-                        ),
-                    };
-                    longest_value(reader, g, c)
+                    longest_value(shared.clone(), group, g, c)
                         .map_err(|why| format!("row group {g}, column {column}: {why}"))?
                 }
                 PhysicalType::BYTE_ARRAY => 0,
@@ -69,6 +88,13 @@ pub fn batch_rows(
                 .saturating_mul(value.saturating_add(PER_VALUE))
                 .saturating_add(pages.data.div_ceil(group_rows));
             per_row = per_row.saturating_add(column_row);
+        }
+        let held = resident.saturating_add(transient);
+        if held > reader_cap {
+            return Err(format!(
+                "row group {g}'s {} columns may hold {held} bytes of pages at once (the largest page of each and its dictionary, decoded, and one page as read), over the {reader_cap} bytes a Flight call's reader may hold; write smaller pages, or fewer columns per file",
+                group.columns().len()
+            ));
         }
         let fits = cap / per_row.max(1);
         if fits == 0 {
@@ -86,14 +112,20 @@ pub fn batch_rows(
 struct Pages {
     /// Uncompressed bytes of its dictionary pages.
     dictionary: u64,
+    /// Compressed bytes of its dictionary pages.
+    dictionary_compressed: u64,
     /// Uncompressed bytes of its data pages.
     data: u64,
+    /// Its largest data page, uncompressed.
+    largest: u64,
+    /// Its largest data page, compressed.
+    largest_compressed: u64,
     /// Values (levels) of its data pages.
     values: u64,
 }
 
 /// Reads the page headers of `chunk` (none of its pages); refuses a page
-/// that claims more than `cap` bytes uncompressed.
+/// that claims more than `cap` bytes uncompressed or compressed.
 fn walk(file: &File, chunk: &ColumnChunkMetaData, cap: u64) -> Result<Pages, String> {
     let start = chunk
         .dictionary_page_offset()
@@ -118,10 +150,18 @@ fn walk(file: &File, chunk: &ColumnChunkMetaData, cap: u64) -> Result<Pages, Str
                 "a page at byte {at} claims {uncompressed} bytes uncompressed, over the {cap} bytes a Flight call decodes at once"
             ));
         }
+        if compressed > cap {
+            return Err(format!(
+                "a page at byte {at} claims {compressed} bytes compressed, over the {cap} bytes a Flight call reads at once (a page is read whole before it is decompressed)"
+            ));
+        }
         if head.kind == DICTIONARY_PAGE {
             pages.dictionary = pages.dictionary.saturating_add(uncompressed);
+            pages.dictionary_compressed = pages.dictionary_compressed.saturating_add(compressed);
         } else {
             pages.data = pages.data.saturating_add(uncompressed);
+            pages.largest = pages.largest.max(uncompressed);
+            pages.largest_compressed = pages.largest_compressed.max(compressed);
             pages.values = pages
                 .values
                 .saturating_add(u64::try_from(head.values).unwrap_or(0));
@@ -135,9 +175,22 @@ fn walk(file: &File, chunk: &ColumnChunkMetaData, cap: u64) -> Result<Pages, Str
 
 /// The longest value of column `c`'s dictionary in row group `g` (its
 /// size already checked by [`walk`]).
-fn longest_value(reader: &SerializedFileReader<File>, g: usize, c: usize) -> Result<u64, String> {
-    let group = reader.get_row_group(g).map_err(|e| e.to_string())?;
-    let mut pages = group.get_column_page_reader(c).map_err(|e| e.to_string())?;
+fn longest_value(
+    file: Arc<File>,
+    group: &RowGroupMetaData,
+    g: usize,
+    c: usize,
+) -> Result<u64, String> {
+    let reader = SerializedRowGroupReader::new(
+        file,
+        group,
+        RowGroupPageIndex::new(g, None),
+        Arc::new(ReaderProperties::builder().build()),
+    )
+    .map_err(|e| e.to_string())?;
+    let mut pages = reader
+        .get_column_page_reader(c)
+        .map_err(|e| e.to_string())?;
     let Some(Page::DictionaryPage { buf, .. }) =
         pages.get_next_page().map_err(|e| e.to_string())?
     else {
