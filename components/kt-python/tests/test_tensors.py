@@ -5,6 +5,7 @@ always, torch (CPU) when it is installed."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -319,3 +320,31 @@ def test_two_pods_of_four_processes_put_one_key_and_getters_take_all_or_a_sum(te
     assert got["all"] == [float(pids[r]) for r in range(8)]
     assert got["some"] == {"1": float(pids[1]), "6": float(pids[6])}
     assert got["sum"] == [float(i * 8 + sum(pids.values())) for i in range(16)]
+
+
+def test_a_region_freed_while_its_lock_is_held_does_not_deadlock(tmp_path):
+    # A garbage collection can run a region's finalizer in the thread that
+    # holds kt._memory's lock (inside locate or allocate): the finalizer
+    # must not wait for that lock (it would wait for itself forever).
+    import threading
+
+    import kt._memory as m
+
+    path = tmp_path / "region"
+    path.write_bytes(b"x")
+    start = 1 << 40
+    with m._lock:
+        m._regions[start] = (1, str(path))
+
+    def in_a_thread_holding_the_lock() -> None:
+        with m._lock:
+            m._forget(start, str(path), os.getpid())
+
+    t = threading.Thread(target=in_a_thread_holding_the_lock, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive(), "_forget waited for the lock its own thread holds"
+    assert not path.exists()
+    # The region is dropped by the next look-up, not left behind.
+    assert m.locate(start, 1) is None
+    assert start not in m._regions

@@ -7,12 +7,13 @@ one afterwards (a get).
 
 from __future__ import annotations
 
+import collections
 import mmap
 import os
 import threading
 import uuid
 import weakref
-from typing import Dict, Optional, Tuple
+from typing import Deque, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -21,12 +22,35 @@ from . import _kt
 # Regions this process allocated, by start address: (length, path).
 _regions: Dict[int, Tuple[int, str]] = {}
 _lock = threading.Lock()
+# Regions whose memory went while _lock was held, to drop from _regions
+# under the lock by the next allocate or locate.
+_pending: Deque[Tuple[int, str]] = collections.deque()
+
+
+def _drop(start: int, path: str) -> None:
+    # With _lock held. The path check keeps a region allocated since at the
+    # same address.
+    if _regions.get(start, (0, None))[1] == path:
+        del _regions[start]
+
+
+def _drain() -> None:
+    # With _lock held.
+    while _pending:
+        _drop(*_pending.popleft())
 
 
 def _forget(start: int, path: str, owner: int) -> None:
-    with _lock:
-        if _regions.get(start, (0, None))[1] == path:
-            del _regions[start]
+    # Never waits for _lock: a garbage collection can run this finalizer in
+    # a thread that holds it (inside locate's loop or allocate's insert),
+    # which would then wait for itself forever, with the GIL held.
+    if _lock.acquire(blocking=False):
+        try:
+            _drop(start, path)
+        finally:
+            _lock.release()
+    else:
+        _pending.append((start, path))
     # A forked child's copy of the mapping going away leaves the file to
     # the process that made it.
     if os.getpid() != owner:
@@ -57,6 +81,7 @@ def allocate(nbytes: int) -> np.ndarray:
     flat = np.frombuffer(mem, dtype=np.uint8)
     start = flat.__array_interface__["data"][0]
     with _lock:
+        _drain()
         _regions[start] = (size, path)
     # When the last array over it goes, so do the mapping and the file.
     weakref.finalize(mem, _forget, start, path, os.getpid())
@@ -67,6 +92,7 @@ def locate(address: int, nbytes: int) -> Optional[Tuple[str, int]]:
     """The file and offset of ``nbytes`` at ``address`` when they lie in
     shared memory this process allocated; ``None`` otherwise."""
     with _lock:
+        _drain()
         for start, (length, path) in _regions.items():
             if start <= address and address + nbytes <= start + length:
                 return path, address - start
