@@ -70,6 +70,9 @@ pub struct KeyState {
     pins: HashMap<String, usize>,
     /// Superseded versions waiting for their last reader.
     retired: Vec<String>,
+    /// A superseded version no reader holds, kept for the next put to
+    /// stage in ([`crate::versions::Spare`]).
+    pub spare: Option<crate::versions::Spare>,
 }
 
 impl KeyState {
