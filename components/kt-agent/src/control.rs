@@ -19,7 +19,7 @@ use kt_types::api::{PutOptions, RegisterKey};
 use kt_types::manifest::EntryKind;
 use kt_types::manifest::ManifestLimits;
 use kt_types::{ErrorCode, Key, Locale, Manifest, RootKind};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{UnixListener, UnixStream};
 use tokio_util::sync::CancellationToken;
 
@@ -75,6 +75,11 @@ pub struct Caller {
     /// The version agreed in the handshake.
     pub version: u32,
     pub owner: Owner,
+    /// Cancelled once the client is gone (it closed its end, or a reply
+    /// could not be written to it): a request then gives up what it only
+    /// waits for (a quorum join leaves its round), and runs the rest to
+    /// its end.
+    pub gone: CancellationToken,
 }
 
 impl Agent {
@@ -99,12 +104,12 @@ impl Agent {
             ControlRequest::Hello { version, keepalive } => Ok(self.hello(version, keepalive)),
             ControlRequest::PutTensors(put) => self
                 .tensors
-                .put(caller.owner.clone(), put)
+                .put(caller.owner.clone(), put, &caller.gone)
                 .await
                 .map(ControlReply::TensorsPut),
             ControlRequest::GetTensors(get) => self
                 .tensors
-                .get(&caller.owner, get)
+                .get(&caller.owner, get, &caller.gone)
                 .await
                 .map(|stats| ControlReply::TensorsGot { stats }),
             ControlRequest::DropTensors { key } => self
@@ -580,9 +585,37 @@ enum Incoming {
     Refused(String),
 }
 
-async fn read_frame(stream: &mut UnixStream) -> std::io::Result<Incoming> {
-    let mut head = [0u8; 4];
-    match stream.read_exact(&mut head).await {
+/// What a client sent of its next request while one ran (see
+/// [`Ahead::gone`]): at most a frame's header, kept for [`read_frame`].
+#[derive(Debug, Default)]
+struct Ahead {
+    head: [u8; 4],
+    filled: usize,
+}
+
+impl Ahead {
+    /// Reads what the client sends while a request runs, up to the next
+    /// frame's header, and ends once the client closed its end (or reading
+    /// failed); while the client is there it never ends. Cancel-safe: what
+    /// was read stays here.
+    async fn gone<R: AsyncRead + Unpin>(&mut self, stream: &mut R) {
+        while self.filled < self.head.len() {
+            match stream.read(&mut self.head[self.filled..]).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => self.filled += n,
+            }
+        }
+        std::future::pending().await
+    }
+}
+
+async fn read_frame<R: AsyncRead + Unpin>(
+    stream: &mut R,
+    ahead: &mut Ahead,
+) -> std::io::Result<Incoming> {
+    let mut head = ahead.head;
+    let filled = std::mem::take(&mut ahead.filled);
+    match stream.read_exact(&mut head[filled..]).await {
         Ok(_) => {}
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(Incoming::Closed),
         Err(e) => return Err(e),
@@ -601,7 +634,10 @@ async fn read_frame(stream: &mut UnixStream) -> std::io::Result<Incoming> {
     Ok(Incoming::Frame(body))
 }
 
-async fn write_reply(stream: &mut UnixStream, reply: &ControlReply) -> std::io::Result<()> {
+async fn write_reply<W: AsyncWrite + Unpin>(
+    stream: &mut W,
+    reply: &ControlReply,
+) -> std::io::Result<()> {
     let frame = encode_frame(reply).map_err(std::io::Error::other)?;
     stream.write_all(&frame).await
 }
@@ -625,26 +661,48 @@ fn traced<F: std::future::Future>(
     kt_api::trace::scope(Some(trace), work).instrument(span)
 }
 
-/// Runs `work`, saying [`ControlReply::Working`] every `every` until it is
-/// done: its answer, and whether the client still listens. A client gone
-/// or not reading (a `Working` not taken within `every`) only stops the
-/// saying: the work runs to its end, and the connection is closed after
-/// (a frame may have been cut).
-async fn keep_alive(
-    stream: &mut UnixStream,
+/// Runs `work` while watching the client: says [`ControlReply::Working`]
+/// every `every` (when it asked for that) and reads what it sends
+/// meanwhile ([`Ahead`]). Its answer, and whether the client still listens.
+/// A client that closed its end (its sending half: clients keep it open
+/// until their reply), or that a `Working` could not be written to, is
+/// gone: `gone` is cancelled, and the work gives up only what it waits for
+/// (a quorum join); the rest runs to its end (a put is registered or not,
+/// never half). A client a `Working` could not be written to, or not taken
+/// from within `every` (not reading), no longer listens: the connection is
+/// closed after the work (a frame may have been cut).
+async fn watched<R, W>(
+    (rd, wr): (&mut R, &mut W),
+    ahead: &mut Ahead,
     work: impl std::future::Future<Output = ControlReply>,
-    every: std::time::Duration,
-) -> (ControlReply, bool) {
+    every: Option<Duration>,
+    gone: &CancellationToken,
+) -> (ControlReply, bool)
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
     tokio::pin!(work);
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let period = every.unwrap_or(KEEPALIVE);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     let mut listening = true;
     loop {
         tokio::select! {
             reply = &mut work => return (reply, listening),
-            _ = tick.tick(), if listening => {
-                let said = tokio::time::timeout(every, write_reply(stream, &ControlReply::Working));
-                listening = matches!(said.await, Ok(Ok(())));
+            _ = tick.tick(), if listening && every.is_some() => {
+                let said = tokio::time::timeout(period, write_reply(wr, &ControlReply::Working));
+                match said.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => {
+                        listening = false;
+                        gone.cancel();
+                    }
+                    Err(_) => listening = false,
+                }
             }
+            // Its reply is still written: a client that only shut its
+            // sending half reads it.
+            () = ahead.gone(rd), if !gone.is_cancelled() => gone.cancel(),
         }
     }
 }
@@ -703,6 +761,7 @@ async fn connection(stream: UnixStream, agent: Arc<Agent>, shutdown: Cancellatio
     let caller = Caller {
         version: 0,
         owner: Owner::of(pid, conn),
+        gone: CancellationToken::new(),
     };
     converse(stream, &agent, caller, shutdown).await;
     agent.tensors.connection_closed(conn);
@@ -714,13 +773,15 @@ async fn converse(
     mut caller: Caller,
     shutdown: CancellationToken,
 ) {
+    let (mut rd, mut wr) = stream.split();
+    let mut ahead = Ahead::default();
     let mut greeted = false;
     // The client asked for `Working` while its requests run.
     let mut working = false;
     loop {
         let incoming = tokio::select! {
             _ = shutdown.cancelled() => return,
-            r = read_frame(&mut stream) => r,
+            r = read_frame(&mut rd, &mut ahead) => r,
         };
         let body = match incoming {
             Ok(Incoming::Frame(b)) => b,
@@ -730,7 +791,7 @@ async fn converse(
                     code: ErrorCode::PayloadTooLarge,
                     message: msg,
                 };
-                let _ = write_reply(&mut stream, &reply).await;
+                let _ = write_reply(&mut wr, &reply).await;
                 return;
             }
             Err(e) => {
@@ -761,22 +822,20 @@ async fn converse(
                 true,
             ),
             Ok(req) => {
-                // A request abandoned by its client (it closed the socket)
-                // still runs to its end: a put is registered or not, never half.
+                // A request whose client went away gives up only what it
+                // waits for (`watched`): a put is registered or not, never half.
                 let work = traced(&body, agent.handle(req, &caller));
-                if working {
-                    let (reply, listening) = keep_alive(&mut stream, work, KEEPALIVE).await;
-                    if !listening {
-                        tracing::debug!("control client stopped listening mid-request");
-                        return;
-                    }
-                    (reply, false)
-                } else {
-                    (work.await, false)
+                let every = working.then_some(KEEPALIVE);
+                let (reply, listening) =
+                    watched((&mut rd, &mut wr), &mut ahead, work, every, &caller.gone).await;
+                if !listening {
+                    tracing::debug!("control client went away or stopped listening mid-request");
+                    return;
                 }
+                (reply, false)
             }
         };
-        if let Err(e) = write_reply(&mut stream, &reply).await {
+        if let Err(e) = write_reply(&mut wr, &reply).await {
             tracing::debug!(error = %e, "control client went away");
             return;
         }
@@ -800,13 +859,18 @@ mod tests {
         };
         let reading = tokio::spawn(async move {
             let mut frames = Vec::new();
-            while let Ok(Incoming::Frame(b)) = read_frame(&mut client).await {
+            let mut ahead = Ahead::default();
+            while let Ok(Incoming::Frame(b)) = read_frame(&mut client, &mut ahead).await {
                 frames.push(serde_json::from_slice::<ControlReply>(&b).unwrap());
             }
             frames
         });
-        let (_, listening) = keep_alive(&mut agent_end, work, every).await;
-        assert!(listening);
+        let gone = CancellationToken::new();
+        let (mut rd, mut wr) = agent_end.split();
+        let mut ahead = Ahead::default();
+        let (_, listening) =
+            watched((&mut rd, &mut wr), &mut ahead, work, Some(every), &gone).await;
+        assert!(listening && !gone.is_cancelled());
         drop(agent_end);
         let frames = reading.await.unwrap();
         // Ticks at 100, 200 and 300 ms, the answer at 350 ms (a loaded
@@ -815,6 +879,87 @@ mod tests {
             (2..=3).contains(&frames.len()) && frames.iter().all(|f| *f == ControlReply::Working),
             "{frames:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_client_that_closes_its_end_mid_request_is_gone_and_the_wait_given_up() {
+        // Without keepalive the close is read; with it, a `Working` may
+        // also fail to go out first: gone either way.
+        for every in [None, Some(Duration::from_millis(50))] {
+            let (mut agent_end, client) = UnixStream::pair().unwrap();
+            let gone = CancellationToken::new();
+            // Work that only waits (a quorum join): given up once gone.
+            let work = async {
+                gone.cancelled().await;
+                ControlReply::Error {
+                    code: ErrorCode::Unavailable,
+                    message: "given up".into(),
+                }
+            };
+            drop(client);
+            let (mut rd, mut wr) = agent_end.split();
+            let mut ahead = Ahead::default();
+            let watching = watched((&mut rd, &mut wr), &mut ahead, work, every, &gone);
+            // The window a quorum wait would otherwise hold on for is far longer.
+            let (reply, listening) = tokio::time::timeout(Duration::from_secs(30), watching)
+                .await
+                .expect("the client's going noticed");
+            assert!(gone.is_cancelled(), "{every:?}");
+            // Read, the close leaves the reply to be written (it fails if
+            // the client is gone for good); a `Working` that failed, not.
+            assert!(listening || every.is_some(), "{every:?}");
+            assert!(matches!(reply, ControlReply::Error { .. }), "{reply:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn what_a_client_sends_while_a_request_runs_is_its_next_request_whole() {
+        let (mut agent_end, mut client) = UnixStream::pair().unwrap();
+        let next = ControlRequest::Status;
+        let frame = encode_frame(&next).unwrap();
+        let (sent, was_sent) = tokio::sync::oneshot::channel();
+        let f = frame.clone();
+        let sending = tokio::spawn(async move {
+            client.write_all(&f).await.unwrap();
+            sent.send(()).unwrap();
+            client
+        });
+        // The running request ends once the next one went out whole,
+        // read ahead or not: either way it arrives intact.
+        let work = async {
+            was_sent.await.unwrap();
+            ControlReply::Working
+        };
+        let gone = CancellationToken::new();
+        let mut ahead = Ahead::default();
+        let (mut rd, mut wr) = agent_end.split();
+        let (_, listening) = watched((&mut rd, &mut wr), &mut ahead, work, None, &gone).await;
+        assert!(listening && !gone.is_cancelled());
+        let Incoming::Frame(body) = read_frame(&mut rd, &mut ahead).await.unwrap() else {
+            panic!("no frame");
+        };
+        assert_eq!(
+            serde_json::from_slice::<ControlRequest>(&body).unwrap(),
+            next
+        );
+        let _client = sending.await.unwrap();
+        // A header read ahead in part or whole: the frame reads the rest.
+        for filled in [1, 4] {
+            let (mut agent_end, mut client) = UnixStream::pair().unwrap();
+            let mut ahead = Ahead::default();
+            ahead.head.copy_from_slice(&frame[..4]);
+            ahead.filled = filled;
+            client.write_all(&frame[filled..]).await.unwrap();
+            let Incoming::Frame(body) = read_frame(&mut agent_end, &mut ahead).await.unwrap()
+            else {
+                panic!("no frame");
+            };
+            assert_eq!(
+                serde_json::from_slice::<ControlRequest>(&body).unwrap(),
+                next
+            );
+            assert_eq!(ahead.filled, 0);
+        }
     }
 
     fn mode(p: &Path) -> u32 {

@@ -537,3 +537,64 @@ async fn a_quorum_closes_on_its_timeout_and_a_mismatched_getter_gets_its_error()
     drop((p, g, bad));
     c.stop().await;
 }
+
+/// The members of `group`'s open round (none when it has none).
+async fn quorum_members(c: &Cluster, group: &str) -> Vec<String> {
+    let meta = kt_api::Api::new(kt_api::client(), &c.metadata_url(), TOKEN);
+    let info: Result<kt_types::tensor::QuorumInfo, _> =
+        meta.get(&kt_types::paths::quorum(group)).fetch().await;
+    match info {
+        Ok(i) => i.open.map(|r| r.members).unwrap_or_default(),
+        Err(e) if e.code() == ErrorCode::NotFound => Vec::new(),
+        Err(e) => panic!("quorum {group}: {e}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_quorum_wait_whose_client_went_away_leaves_the_round_at_once() {
+    // A getter interrupted while its quorum is open (Ctrl-C) closes its
+    // connection: its agent withdraws the join then, rather than keeping
+    // the member in the round for the window (two minutes), so the same
+    // process may join the group again at once.
+    let c = Cluster::start().await;
+    let shm = c.shm_dir();
+    let (p, g) = (c.start_agent("p").await, c.start_agent("g").await);
+    let k = key("q/interrupted");
+    let mut w = window("interrupted", 2, false);
+    w.timeout_secs = Some(120.0);
+    let opts = TensorOptions {
+        broadcast: Some(w),
+        ..TensorOptions::default()
+    };
+    let mut first = client(&c, &g).await;
+    let (k1, o1, s1) = (k.clone(), opts.clone(), shm.clone());
+    let waiting = tokio::spawn(async move {
+        let mut dest = state_dict(&s1, 3, None);
+        first.get_state_dict(&k1, &mut dest, &o1).await.map(|_| ())
+    });
+    wait_until("the getter's join", WAIT, || async {
+        quorum_members(&c, "interrupted").await.len() == 1
+    })
+    .await;
+    // Its connection closes with the task (the client is gone).
+    waiting.abort();
+    assert!(waiting.await.expect_err("aborted").is_cancelled());
+    wait_until("the abandoned join to leave the round", WAIT, || async {
+        quorum_members(&c, "interrupted").await.is_empty()
+    })
+    .await;
+    // The same process joins again and a putter comes: the round holds
+    // these two alone.
+    let src = state_dict(&shm, 3, Some(8));
+    let mut dest = state_dict(&shm, 3, None);
+    let (mut pc, mut gc) = (client(&c, &p).await, client(&c, &g).await);
+    let (put, got) = tokio::join!(
+        pc.put_state_dict(&k, &src, &opts),
+        gc.get_state_dict(&k, &mut dest, &opts),
+    );
+    assert_eq!(put.unwrap().stats.unwrap().world, Some(2));
+    assert_eq!(got.unwrap().world, Some(2));
+    assert_seeded(&dest, 8);
+    drop((p, g));
+    c.stop().await;
+}

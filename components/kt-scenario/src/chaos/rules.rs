@@ -204,6 +204,10 @@ mod tests {
         let forbidden = judge("tensor-put", f(4, Some(ErrorCode::Forbidden))).unwrap_err();
         assert!(forbidden.contains("forbidden"), "{forbidden}");
         assert!(judge("tensor-get", f(1, Some(ErrorCode::Internal))).is_err());
+        // A second live putter of a key in one pod is refused by design;
+        // the soak never starts one, so a conflict is never explained.
+        let conflict = judge("tensor-put", f(4, Some(ErrorCode::Conflict))).unwrap_err();
+        assert!(conflict.contains("conflict"), "{conflict}");
         assert!(judge("local-get", f(1, None)).is_err());
         // Kinds with no rule tolerate nothing.
         for kind in ["put", "get", "get-after-kill", "broadcast-member"] {
