@@ -15,12 +15,19 @@ fn root() -> PathBuf {
 #[path = "tidy/roles_table.rs"]
 mod roles_table;
 
+/// ARCHITECTURE.md's "the one X" rules (key grammar, byte formatter,
+/// percentile, answer decoder, ...).
+#[path = "tidy/the_one.rs"]
+mod the_one;
+
 /// Every workspace member: its name, directory and non-dev dependencies
 /// (normal and build; optional ones included: a feature may turn them on).
 struct Member {
     dir: PathBuf,
     deps: BTreeSet<String>,
     dev_deps: BTreeSet<String>,
+    /// The features each non-dev dependency turns on.
+    dep_features: BTreeMap<String, BTreeSet<String>>,
 }
 
 fn members() -> BTreeMap<String, Member> {
@@ -44,11 +51,17 @@ fn members() -> BTreeMap<String, Member> {
     let mut members = BTreeMap::new();
     for p in meta["packages"].as_array().unwrap() {
         let (mut deps, mut dev_deps) = (BTreeSet::new(), BTreeSet::new());
+        let mut dep_features = BTreeMap::<String, BTreeSet<String>>::new();
         for d in p["dependencies"].as_array().unwrap() {
             let name = d["name"].as_str().unwrap().to_owned();
             if d["kind"].as_str() == Some("dev") {
                 dev_deps.insert(name);
             } else {
+                let features = d["features"].as_array().into_iter().flatten();
+                dep_features
+                    .entry(name.clone())
+                    .or_default()
+                    .extend(features.filter_map(|f| f.as_str()).map(str::to_owned));
                 deps.insert(name);
             }
         }
@@ -59,6 +72,7 @@ fn members() -> BTreeMap<String, Member> {
                 dir: manifest.parent().unwrap().to_owned(),
                 deps,
                 dev_deps,
+                dep_features,
             },
         );
     }
@@ -119,6 +133,11 @@ fn layering(members: &BTreeMap<String, Member>) -> Vec<String> {
         "kt-tensor",
         &[&HTTP[..], &["tokio", "redb"]].concat(),
         "the transfer engine is blocking code the agent drives",
+    );
+    never(
+        "kt-python",
+        &[&HTTP[..], &["kt-api"]].concat(),
+        "the Python package wraps kt-client, the one engine: no protocol code of its own",
     );
     for client in [
         "kt-client",
@@ -195,8 +214,25 @@ fn layering(members: &BTreeMap<String, Member>) -> Vec<String> {
             }
         }
     }
+    // Test doubles are for tests: a dev-dependency feature only.
+    for (name, m) in members {
+        for (dep, features) in &m.dep_features {
+            for f in TEST_ONLY_FEATURES {
+                if features.contains(f) {
+                    broken.push(format!(
+                        "{name} turns on {dep}'s feature `{f}` outside [dev-dependencies]: \
+                         test doubles are a dev-dependency feature only"
+                    ));
+                }
+            }
+        }
+    }
     broken
 }
+
+/// Features that hold test doubles (`kt_tensor::testing`): turned on by
+/// dev-dependencies only, so no release binary links a fake.
+const TEST_ONLY_FEATURES: [&str; 1] = ["testing"];
 
 #[test]
 fn crates_depend_on_each_other_as_the_layering_says() {
@@ -219,7 +255,31 @@ fn the_layering_check_catches_a_wire_type_crate_that_does_io() {
         .unwrap()
         .deps
         .insert("kt-store".into());
+    members
+        .get_mut("kt-python")
+        .unwrap()
+        .deps
+        .insert("kt-api".into());
+    members
+        .get_mut("kt-agent")
+        .unwrap()
+        .dep_features
+        .entry("kt-tensor".into())
+        .or_default()
+        .insert("testing".into());
     let broken = layering(&members);
+    assert!(
+        broken
+            .iter()
+            .any(|b| b.starts_with("kt-python depends on kt-api")),
+        "{broken:?}"
+    );
+    assert!(
+        broken
+            .iter()
+            .any(|b| b.starts_with("kt-agent turns on kt-tensor's feature `testing`")),
+        "{broken:?}"
+    );
     assert!(
         broken
             .iter()
@@ -592,6 +652,48 @@ struct OneWay {
     why: &'static str,
     hit: fn(&str) -> bool,
     allowed: fn(&str) -> bool,
+    /// Whether test code (files under `tests/`, `tests.rs` modules, and
+    /// the item after a `#[cfg(test)]`) is held to the rule too.
+    tests: bool,
+}
+
+/// Whether `rel` is a file of test code as a whole: an integration test,
+/// or a `tests.rs` module (declared under `#[cfg(test)]`).
+fn test_file(rel: &str) -> bool {
+    rel.contains("/tests/") || rel.ends_with("/tests.rs")
+}
+
+/// The 0-based numbers of the lines of `text` inside a `#[cfg(test)]`
+/// item: the attribute's line to the item's `;`, or to its closing brace
+/// (the first line at the attribute's indentation that starts with `}`,
+/// as rustfmt writes it).
+fn cfg_test_lines(text: &str) -> BTreeSet<usize> {
+    let indent = |l: &str| l.len() - l.trim_start().len();
+    let mut inside = BTreeSet::new();
+    // Some(indentation): within a cfg(test) item; `braced`: past its `{`.
+    let mut item: Option<usize> = None;
+    let mut braced = false;
+    for (n, line) in text.lines().enumerate() {
+        let c = code(line);
+        if item.is_none() && c.trim() == "#[cfg(test)]" {
+            item = Some(indent(line));
+            braced = false;
+            inside.insert(n);
+            continue;
+        }
+        let Some(at) = item else { continue };
+        inside.insert(n);
+        if !braced && c.trim_start().starts_with("#[") {
+            continue; // another attribute of the item
+        }
+        let closes = braced && indent(line) == at && c.trim_start().starts_with('}');
+        if closes || (!braced && c.trim_end().ends_with(';')) {
+            item = None;
+        } else if c.trim_end().ends_with('{') {
+            braced = true;
+        }
+    }
+    inside
 }
 
 impl OneWay {
@@ -599,11 +701,20 @@ impl OneWay {
     fn broken<'a>(&self, files: impl IntoIterator<Item = (&'a str, &'a str)>) -> Vec<String> {
         let mut broken = Vec::new();
         for (rel, text) in files {
-            if rel.ends_with("kt-tests/tests/tidy.rs") || (self.allowed)(rel) {
+            if rel.ends_with("kt-tests/tests/tidy.rs")
+                || rel.contains("kt-tests/tests/tidy/")
+                || (self.allowed)(rel)
+                || (!self.tests && test_file(rel))
+            {
                 continue; // this checker names what it looks for
             }
+            let skip = if self.tests {
+                BTreeSet::new()
+            } else {
+                cfg_test_lines(text)
+            };
             for (n, line) in text.lines().enumerate() {
-                if (self.hit)(code(line)) {
+                if !skip.contains(&n) && (self.hit)(code(line)) {
                     broken.push(format!("{rel}:{}: {}: {}", n + 1, self.why, line.trim()));
                 }
             }
@@ -643,6 +754,7 @@ const ANYHOW_ONLY: OneWay = OneWay {
             ]
             .contains(&rel)
     },
+    tests: true,
 };
 
 /// Blocking work goes through `kt_sync::task` (`blocking`, `spawn`): a lost
@@ -651,6 +763,7 @@ const SPAWN_BLOCKING_ONLY: OneWay = OneWay {
     why: "spawn_blocking outside kt_sync::task (use kt_sync::task::blocking or spawn)",
     hit: |c| c.contains("spawn_blocking"),
     allowed: |rel| rel == "components/kt-sync/src/task.rs",
+    tests: true,
 };
 
 /// Every `reqwest` client starts from `kt_api::client_builder` (no proxy, a
@@ -663,6 +776,7 @@ const REQWEST_BUILDERS_ONLY: OneWay = OneWay {
             || c.contains("reqwest::Client::new()")
     },
     allowed: |rel| rel.starts_with("components/kt-api/src/"),
+    tests: true,
 };
 
 /// Environment variable names live in `kt_types::env`, each documented once
@@ -673,6 +787,7 @@ const ENV_NAMES_ONLY_IN_KT_TYPES: OneWay = OneWay {
           so each is documented once: add or use a constant there)",
     hit: |c| c.contains("\"KT_"),
     allowed: |rel| rel == "components/kt-types/src/env.rs",
+    tests: true,
 };
 
 #[test]
