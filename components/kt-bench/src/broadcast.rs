@@ -14,13 +14,16 @@
 //!   command's start to the last one's exit; verification not included) and
 //!   per-pod durations;
 //! - the scenario's snapshot (written into the report directory, accepted
-//!   fresh each run): the steps' records — transfer totals, the tree's shape
-//!   and the store counter's readings.
+//!   fresh each run): the steps' records — transfer totals, the tree's shape,
+//!   the store counter's readings and, for broadcast legs with `timings:
+//!   true`, where each member's time went (`members`, by rank: the phases of
+//!   [`MemberTimings`]), which [`member_table`] shows.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
+use kt_types::api::MemberTimings;
 use kt_types::size::human;
 use serde::Deserialize;
 use serde_json::Value;
@@ -147,6 +150,57 @@ pub struct Leg {
     pub store_egress: Option<u64>,
     /// How busy the host's cores were (0 to 1) during the leg.
     pub cpu_busy: Option<f64>,
+    /// A broadcast leg's members, by rank, where the step recorded them.
+    pub members: Vec<Member>,
+}
+
+/// A broadcast member as its leg's record has it (`members`).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct Member {
+    pub rank: u32,
+    /// The ranks it fetched from, in order.
+    #[serde(default)]
+    pub parents: Vec<u32>,
+    /// Bytes it served to its children.
+    #[serde(default)]
+    pub relayed: u64,
+    /// Its whole get, seconds (where the snapshot did not redact it).
+    #[serde(default, deserialize_with = "a_number")]
+    pub seconds: Option<f64>,
+    /// Where the time went (absent from a kt that does not report it).
+    #[serde(flatten)]
+    pub timings: Option<MemberTimings>,
+}
+
+/// A number, or `None` for anything else (a snapshot redacts times as
+/// `"[time]"`).
+fn a_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    Ok(Value::deserialize(d)?.as_f64())
+}
+
+impl Member {
+    /// Its whole get, ms: the sum of its phases (which add up to it), else
+    /// its recorded seconds.
+    pub fn total_ms(&self) -> Option<f64> {
+        match &self.timings {
+            Some(t) => {
+                Some((t.join_ms + t.first_byte_ms + t.receive_ms + t.finish_ms + t.serve_ms) as f64)
+            }
+            None => self.seconds.map(|s| (s * 1e3).round()),
+        }
+    }
+}
+
+/// The members a leg's record lists (those that cannot be read are left out).
+fn members(record: &Value) -> Vec<Member> {
+    let mut out: Vec<Member> = record["members"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| serde_json::from_value(m.clone()).ok())
+        .collect();
+    out.sort_by_key(|m| m.rank);
+    out
 }
 
 /// From this share of busy cores on, a leg's time is the cores' limit.
@@ -260,6 +314,7 @@ pub fn results(scenario: &ScenarioReport, records: &Value) -> anyhow::Result<Res
             pod_secs,
             store_egress,
             cpu_busy: step.cpu_busy,
+            members: members(&records[name]),
         });
     }
     let bc = &records["tree"]["broadcast"];
@@ -382,6 +437,113 @@ pub fn table(r: &Results) -> String {
     }
     out.push('\n');
     out
+}
+
+/// Per broadcast leg that recorded its members: where each member's time
+/// went, one row per rank (milliseconds; `hash` and `write` are summed over
+/// parallel streams, `waited` is within `receive`), then the medians.
+pub fn member_table(r: &Results) -> String {
+    let mut out = String::new();
+    for l in r.legs.iter().filter(|l| !l.members.is_empty()) {
+        let _ = writeln!(
+            out,
+            "{}: where each member's time went (ms; join + first byte + receive + finish + \
+             serve = its get; waited: pauses within receive; hash, write: summed over streams)",
+            l.name
+        );
+        let _ = writeln!(
+            out,
+            "{:>4} {:>9} {:>8} {:>6} {:>6} {:>8} {:>7} {:>6} {:>6} {:>7} {:>7} {:>6} {:>10}",
+            "rank",
+            "from",
+            "total",
+            "join",
+            "first",
+            "receive",
+            "waited",
+            "hash",
+            "write",
+            "finish",
+            "serve",
+            "cpu",
+            "relayed"
+        );
+        let mut cols: Vec<Vec<f64>> = vec![Vec::new(); 10];
+        for m in &l.members {
+            let from = m
+                .parents
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>()
+                .join(">");
+            let total = m.total_ms().unwrap_or(f64::NAN);
+            let Some(t) = &m.timings else {
+                let _ = writeln!(
+                    out,
+                    "{:>4} {from:>9} {:>8} {:>6} (no timings reported) {:>10}",
+                    m.rank,
+                    if total.is_nan() {
+                        "-".to_owned()
+                    } else {
+                        format!("{total:.0}")
+                    },
+                    "",
+                    human(m.relayed)
+                );
+                continue;
+            };
+            let row = [
+                total,
+                t.join_ms as f64,
+                t.first_byte_ms as f64,
+                t.receive_ms as f64,
+                t.waited_ms as f64,
+                t.hash_ms as f64,
+                t.write_ms as f64,
+                t.finish_ms as f64,
+                t.serve_ms as f64,
+                t.cpu_ms.map_or(f64::NAN, |c| c as f64),
+            ];
+            for (c, v) in cols.iter_mut().zip(row) {
+                if !v.is_nan() {
+                    c.push(v);
+                }
+            }
+            let _ = writeln!(
+                out,
+                "{:>4} {from:>9} {}{:>10}",
+                m.rank,
+                cells(&row),
+                human(m.relayed)
+            );
+        }
+        if cols[0].len() > 1 {
+            let medians: Vec<f64> = cols
+                .iter_mut()
+                .map(|c| {
+                    c.sort_by(f64::total_cmp);
+                    pct(c, 50.0)
+                })
+                .collect();
+            let _ = writeln!(out, "{:>4} {:>9} {}", "p50", "", cells(&medians));
+        }
+    }
+    out
+}
+
+/// The ten time columns of [`member_table`] (`-` where unknown).
+fn cells(v: &[f64]) -> String {
+    let widths = [8, 6, 6, 8, 7, 6, 6, 7, 7, 6];
+    let mut s = String::new();
+    for (x, w) in v.iter().zip(widths) {
+        let cell = if x.is_nan() {
+            "-".to_owned()
+        } else {
+            format!("{x:.0}")
+        };
+        let _ = write!(s, "{cell:>w$} ");
+    }
+    s
 }
 
 /// `broadcast NAME: single=… star=… tree=… killed=… tree/single=… star/tree=…
@@ -616,6 +778,62 @@ mod tests {
             (r.fanout, r.store_children, r.depth),
             (Some(2), Some(2), Some(5))
         );
+    }
+
+    /// A leg that recorded its members shows where each one's time went,
+    /// and the medians; one from a kt without timings still gets its row.
+    #[test]
+    fn each_member_s_time_is_tabled() {
+        let mut recs = parse_snapshot(SNAP).unwrap()["recorded"].clone();
+        let member = |rank: u32, parent: u32, first: u64, waited: u64| {
+            json!({
+                "rank": rank, "parents": [parent], "relayed": if rank < 3 { 536870912u64 } else { 0 },
+                "seconds": if rank == 2 { json!("[time]") } else { json!(5.0) }, "join_ms": 10, "first_byte_ms": first, "receive_ms": 4700,
+                "waited_ms": waited, "hash_ms": 900, "write_ms": 400, "finish_ms": 40,
+                "serve_ms": 250 - first, "cpu_ms": 2100,
+            })
+        };
+        recs["tree"]["members"] = json!([
+            member(2, 0, 30, 0),
+            member(1, 0, 20, 0),
+            member(3, 1, 60, 1200),
+            { "rank": 4, "parents": [1, 2], "relayed": 0, "seconds": 6.5 },
+        ]);
+        let r = results(&scenario(), &recs).unwrap();
+        let tree = r.leg("tree").unwrap();
+        assert_eq!(
+            tree.members.iter().map(|m| m.rank).collect::<Vec<_>>(),
+            [1, 2, 3, 4]
+        );
+        let t = tree.members[2].timings.as_ref().unwrap();
+        assert_eq!(
+            (t.first_byte_ms, t.waited_ms, t.cpu_ms),
+            (60, 1200, Some(2100))
+        );
+        assert!(tree.members[3].timings.is_none());
+        assert!(r.leg("single").unwrap().members.is_empty());
+
+        let text = member_table(&r);
+        let lines: Vec<&str> = text.lines().collect();
+        // A title, the header, four members, the medians.
+        assert_eq!(lines.len(), 7, "{text}");
+        assert!(lines[0].starts_with("tree: where each member's time went"));
+        let cols = |l: &str| l.split_whitespace().map(str::to_owned).collect::<Vec<_>>();
+        assert_eq!(
+            cols(lines[4]),
+            [
+                "3", "1", "5000", "10", "60", "4700", "1200", "900", "400", "40", "190", "2100",
+                "0", "B"
+            ]
+        );
+        assert!(
+            lines[5].contains("1>2") && lines[5].contains("no timings"),
+            "{text}"
+        );
+        assert_eq!(cols(lines[6])[..5], ["p50", "5000", "10", "30", "4700"]);
+        // Without members, no table.
+        let recs = parse_snapshot(SNAP).unwrap()["recorded"].clone();
+        assert_eq!(member_table(&results(&scenario(), &recs).unwrap()), "");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::{StreamExt, TryStreamExt};
 use kt_api::Api;
 use kt_sync::SyncError;
@@ -113,9 +113,14 @@ impl ChunkLanding {
                 return Err(SyncError::Stream("a chunk landed after its end".into()));
             };
             let mut to = offset;
+            let (mut hashing, mut writing) = (Duration::ZERO, Duration::ZERO);
             for d in &data {
+                let t = std::time::Instant::now();
                 file.write_at(to, d)?;
+                let w = t.elapsed();
                 h.update(d);
+                hashing += t.elapsed() - w;
+                writing += w;
                 to += d.len() as u64;
             }
             if last {
@@ -123,6 +128,7 @@ impl ChunkLanding {
                 lock(&large.have)[n as usize] = true;
             }
             if let Some(b) = &board {
+                b.timings.piece(hashing, writing);
                 let written = if last { u64::MAX } else { at };
                 b.landed(index, n, written, (offset, data));
             }
@@ -139,22 +145,48 @@ impl ChunkLanding {
     }
 }
 
-/// The buffers received since the last piece landed, as they came.
+/// Buffers smaller than this are copied together as they come: a link
+/// that hands over a few KiB at a time (a shaped or busy one) would
+/// otherwise cost a write and a hash call per few KiB; larger ones are kept
+/// as they came (copying them would cost more than it saves).
+const GATHER: usize = 64 << 10;
+
+/// The buffers received since the last piece landed: large ones as they
+/// came, runs of small ones ([`GATHER`]) copied into one.
 #[derive(Debug, Default)]
 struct Piece {
     bufs: Vec<Bytes>,
+    /// Small buffers gathered since the last large one.
+    small: BytesMut,
     len: u64,
 }
 
 impl Piece {
     fn add(&mut self, b: Bytes) {
-        if !b.is_empty() {
-            self.len += b.len() as u64;
+        if b.is_empty() {
+            return;
+        }
+        self.len += b.len() as u64;
+        if b.len() < GATHER {
+            if self.small.capacity() - self.small.len() < b.len() {
+                self.small.reserve(PIECE as usize + GATHER);
+            }
+            self.small.extend_from_slice(&b);
+        } else {
+            self.gathered();
             self.bufs.push(b);
         }
     }
 
+    /// Ends the run of small buffers gathered so far.
+    fn gathered(&mut self) {
+        if !self.small.is_empty() {
+            self.bufs.push(self.small.split().freeze());
+        }
+    }
+
     fn take(&mut self) -> Vec<Bytes> {
+        self.gathered();
         self.len = 0;
         std::mem::take(&mut self.bufs)
     }
@@ -477,6 +509,7 @@ impl Download {
                 })
                 .collect(),
         );
+        let board = self.board.clone();
         let written: Written = {
             let (pending, board, expected) =
                 (self.pending.clone(), self.board.clone(), expected.clone());
@@ -492,11 +525,17 @@ impl Download {
         let mut futs: Vec<futures::future::BoxFuture<'_, Result<(), ClientError>>> = Vec::new();
         for group in balance(small, client.cfg.streams) {
             let (expected, written) = (expected.clone(), written.clone());
+            let board = board.clone();
             futs.push(Box::pin(async move {
                 let call = src
                     .post(&paths::read_batch(lease))
                     .json(&BatchRequest { indices: group });
-                let body = crate::stall::body(crate::stall::send(call, stall).await?, stall);
+                let body = crate::stall::body(crate::stall::send(call, stall).await?, stall)
+                    .inspect(move |frame| {
+                        if let (Some(b), Ok(_)) = (&board, frame) {
+                            b.timings.frame();
+                        }
+                    });
                 receive_stream_notify(body, expected, WriteMode::TempRename, Some(written)).await?;
                 Ok(())
             }));
@@ -573,11 +612,15 @@ impl Download {
                 // Pieces are written (and told to the relay) as they come,
                 // so a child relaying from us lags by a piece, not a chunk.
                 let mut piece = Piece::default();
+                let timings = landed.board.clone();
                 loop {
                     let next = body.next().await;
                     let ended = next.is_none();
                     if let Some(b) = next {
                         piece.add(b.map_err(|e| ClientError::Sync(SyncError::Stream(e)))?);
+                        if let Some(t) = &timings {
+                            t.timings.frame();
+                        }
                     }
                     if piece.len >= PIECE || (ended && piece.len > 0) {
                         landed = landed.land(piece.take()).await?;
@@ -846,19 +889,45 @@ mod tests {
         assert!(root.join("a/b").is_dir());
     }
 
+    /// Small buffers are gathered into one (one write, one hash call for
+    /// them), large ones kept as they came, in order; empty ones skipped.
     #[test]
-    fn a_piece_collects_the_buffers_that_came_and_skips_empty_ones() {
+    fn a_piece_gathers_small_buffers_and_keeps_large_ones() {
         let mut p = Piece::default();
         p.add(Bytes::from_static(b"ab"));
         p.add(Bytes::new());
         p.add(Bytes::from_static(b"cde"));
         assert_eq!(p.len, 5);
-        assert_eq!(
-            p.take(),
-            vec![Bytes::from_static(b"ab"), Bytes::from_static(b"cde")]
-        );
+        assert_eq!(p.take(), vec![Bytes::from_static(b"abcde")]);
         assert_eq!(p.len, 0);
         assert!(p.take().is_empty());
+
+        let large = Bytes::from(vec![7u8; GATHER]);
+        for _ in 0..3 {
+            p.add(Bytes::from(vec![1u8; 1000]));
+        }
+        p.add(large.clone());
+        p.add(Bytes::from_static(b"xy"));
+        p.add(Bytes::from_static(b"z"));
+        assert_eq!(p.len, 3000 + GATHER as u64 + 3);
+        let bufs = p.take();
+        assert_eq!(
+            bufs.len(),
+            3,
+            "{:?}",
+            bufs.iter().map(Bytes::len).collect::<Vec<_>>()
+        );
+        assert_eq!(bufs[0], Bytes::from(vec![1u8; 3000]));
+        // The large one is the buffer that came, not a copy.
+        assert_eq!(bufs[1].as_ptr(), large.as_ptr());
+        assert_eq!(bufs[2], Bytes::from_static(b"xyz"));
+        // Many small buffers: one write for all of a piece.
+        for _ in 0..(PIECE as usize / 4096) {
+            p.add(Bytes::from(vec![3u8; 4096]));
+        }
+        let bufs = p.take();
+        assert_eq!(bufs.len(), 1);
+        assert_eq!(bufs[0].len() as u64, PIECE);
     }
 
     /// A chunk landed as the buffers came (pieces of several buffers of odd

@@ -26,7 +26,7 @@ use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
@@ -189,13 +189,118 @@ impl Recent {
     }
 }
 
+/// A pause this long or longer with no byte from any source counts as
+/// waiting on the parent in [`Timings::waited`] (shorter ones are the
+/// link's pace).
+pub const GAP: Duration = Duration::from_millis(50);
+
+/// Where a broadcast getter's time went, as its download tells its
+/// [`Board`]: when content bytes came, the pauses between them, and the
+/// time its pieces took to hash and to write (summed over the parallel
+/// streams, so they may exceed the wall time). Each frame costs a clock
+/// read and two atomic operations, nothing more.
+#[derive(Debug)]
+pub struct Timings {
+    start: Instant,
+    /// ns after `start` of the first and of the last content frame (0:
+    /// none yet).
+    first: AtomicU64,
+    last: AtomicU64,
+    /// ns of pauses of [`GAP`] or more between frames (from any source).
+    waited: AtomicU64,
+    hash: AtomicU64,
+    write: AtomicU64,
+}
+
+impl Default for Timings {
+    fn default() -> Self {
+        Timings {
+            start: Instant::now(),
+            first: AtomicU64::new(0),
+            last: AtomicU64::new(0),
+            waited: AtomicU64::new(0),
+            hash: AtomicU64::new(0),
+            write: AtomicU64::new(0),
+        }
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    d.as_nanos().min(u64::MAX as u128) as u64
+}
+
+impl Timings {
+    fn now(&self) -> u64 {
+        nanos(self.start.elapsed()).max(1)
+    }
+
+    fn at(&self, ns: &AtomicU64) -> Option<Instant> {
+        match ns.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(self.start + Duration::from_nanos(n)),
+        }
+    }
+
+    /// A frame of content came from a source.
+    pub fn frame(&self) {
+        let now = self.now();
+        if self.first.load(Ordering::Relaxed) == 0 {
+            let _ = self
+                .first
+                .compare_exchange(0, now, Ordering::Relaxed, Ordering::Relaxed);
+        }
+        let before = self.last.fetch_max(now, Ordering::Relaxed);
+        let gap = now.saturating_sub(before);
+        if before != 0 && gap >= nanos(GAP) {
+            self.waited.fetch_add(gap, Ordering::Relaxed);
+        }
+    }
+
+    /// A piece took `hash` to hash and `write` to write.
+    pub fn piece(&self, hash: Duration, write: Duration) {
+        self.hash.fetch_add(nanos(hash), Ordering::Relaxed);
+        self.write.fetch_add(nanos(write), Ordering::Relaxed);
+    }
+
+    /// When the first content byte came, if one did.
+    pub fn first_byte(&self) -> Option<Instant> {
+        self.at(&self.first)
+    }
+
+    /// When the last content byte so far came, if one did.
+    pub fn last_byte(&self) -> Option<Instant> {
+        self.at(&self.last)
+    }
+
+    /// The pauses of [`GAP`] or more between content bytes, summed.
+    pub fn waited(&self) -> Duration {
+        Duration::from_nanos(self.waited.load(Ordering::Relaxed))
+    }
+
+    /// Time spent hashing pieces (verifying them), summed over streams.
+    pub fn hashing(&self) -> Duration {
+        Duration::from_nanos(self.hash.load(Ordering::Relaxed))
+    }
+
+    /// Time spent writing pieces, summed over streams.
+    pub fn writing(&self) -> Duration {
+        Duration::from_nanos(self.write.load(Ordering::Relaxed))
+    }
+}
+
 /// What a download has, for its relay (see the module documentation).
 #[derive(Debug)]
 pub struct Board {
     state: Mutex<State_>,
     changed: watch::Sender<u64>,
+    /// ns after `timings.start` of the last change (0: none yet).
+    changed_at: AtomicU64,
     lease: String,
     served: AtomicU64,
+    /// How long a reader waits without a change ([`STALL`]).
+    stall: Duration,
+    /// Where the download's time went.
+    pub timings: Timings,
 }
 
 impl Default for Board {
@@ -203,8 +308,11 @@ impl Default for Board {
         Board {
             state: Mutex::default(),
             changed: watch::Sender::new(0),
+            changed_at: AtomicU64::new(0),
             lease: format!("relay-{}", uuid::Uuid::new_v4().simple()),
             served: AtomicU64::new(0),
+            stall: STALL,
+            timings: Timings::default(),
         }
     }
 }
@@ -212,7 +320,14 @@ impl Default for Board {
 impl Board {
     fn update(&self, f: impl FnOnce(&mut State_)) {
         f(&mut self.state.lock().unwrap_or_else(|p| p.into_inner()));
+        self.changed_at.store(self.timings.now(), Ordering::Relaxed);
         self.changed.send_modify(|g| *g += 1);
+    }
+
+    /// When the download last told the board something (or the board was
+    /// made).
+    fn last_change(&self) -> Instant {
+        self.timings.start + Duration::from_nanos(self.changed_at.load(Ordering::Relaxed))
     }
 
     /// The version being downloaded: the relay starts answering.
@@ -286,12 +401,16 @@ impl Board {
     }
 
     /// Waits until `ready` finds what it needs, the download fails, or it
-    /// stalls for [`STALL`].
+    /// stalls for [`STALL`] (nothing changed for that long while it
+    /// waited). One timer for the whole wait, armed when it first has to
+    /// wait and moved on only when it fires: the changes that wake it (a
+    /// piece landed, of any chunk) touch no timer.
     async fn wait<T>(
         &self,
         mut ready: impl FnMut(&State_) -> Option<Result<T, ApiError>>,
     ) -> Result<T, ApiError> {
         let mut rx = self.changed.subscribe();
+        let mut timer: Option<(Instant, std::pin::Pin<Box<tokio::time::Sleep>>)> = None;
         loop {
             {
                 let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -305,14 +424,31 @@ impl Board {
                     ));
                 }
             }
-            match tokio::time::timeout(STALL, rx.changed()).await {
-                Ok(Ok(())) => {}
-                _ => {
-                    return Err(ApiError::new(
-                        ErrorCode::Unavailable,
-                        format!("this relay made no progress for {STALL:?}"),
-                    ));
+            let (since, sleep) = timer.get_or_insert_with(|| {
+                let now = Instant::now();
+                (
+                    now,
+                    Box::pin(tokio::time::sleep_until((now + self.stall).into())),
+                )
+            });
+            let stalled = tokio::select! {
+                changed = rx.changed() => changed.is_err(),
+                () = sleep.as_mut() => {
+                    // Due STALL after the last change seen while waiting.
+                    let due = self.last_change().max(*since) + self.stall;
+                    if Instant::now() < due {
+                        sleep.as_mut().reset(due.into());
+                        false
+                    } else {
+                        true
+                    }
                 }
+            };
+            if stalled {
+                return Err(ApiError::new(
+                    ErrorCode::Unavailable,
+                    format!("this relay made no progress for {:?}", self.stall),
+                ));
             }
         }
     }
@@ -751,6 +887,71 @@ mod tests {
         file.write_all_at(&vec![4u8; CHUNK as usize], 0).unwrap();
         b.partial(0, file, CHUNK, &[true]);
         assert_eq!(b.read_piece(0, 0, 50).await.unwrap(), bytes(50, 4));
+    }
+
+    fn board_stalling_after(stall: Duration) -> Arc<Board> {
+        Arc::new(Board {
+            stall,
+            ..Board::default()
+        })
+    }
+
+    /// A reader whose download keeps changing is not stalled, however
+    /// long it waits in all; once the changes stop, it is, about `stall`
+    /// after the last one (the one timer of the wait is moved on, not
+    /// reset per change).
+    #[tokio::test]
+    async fn a_waiting_reader_is_stalled_only_once_changes_stop() {
+        const STALL_: Duration = Duration::from_secs(1);
+        let b = board_stalling_after(STALL_);
+        b.partial(0, tempfile::tempfile().unwrap(), 1024, &[false]);
+        b.partial(1, tempfile::tempfile().unwrap(), 1024, &[false]);
+        let reader = tokio::spawn({
+            let b = b.clone();
+            async move {
+                let started = Instant::now();
+                let r = b.read_piece(0, 0, 1024).await;
+                (r, started.elapsed())
+            }
+        });
+        // Another file's pieces land for three stall timeouts: progress.
+        let mut landed = 0;
+        let busy = Instant::now();
+        while busy.elapsed() < 3 * STALL_ {
+            tokio::time::sleep(STALL_ / 10).await;
+            landed += 1;
+            b.piece(1, 0, landed);
+            assert!(!reader.is_finished(), "stalled while pieces landed");
+        }
+        let last = Instant::now();
+        let (r, waited) = tokio::time::timeout(Duration::from_secs(30), reader)
+            .await
+            .expect("a reader with no change to see gives up")
+            .unwrap();
+        let e = r.unwrap_err();
+        assert!(e.to_string().contains("no progress"), "{e}");
+        assert!(waited >= 3 * STALL_, "{waited:?}");
+        assert!(last.elapsed() >= STALL_ - Duration::from_millis(50));
+    }
+
+    /// Each frame is timed; pauses of [`GAP`] or more count as waiting.
+    #[test]
+    fn frames_and_pauses_are_timed() {
+        let t = Timings::default();
+        assert!(t.first_byte().is_none() && t.last_byte().is_none());
+        t.frame();
+        let first = t.first_byte().unwrap();
+        t.frame();
+        assert_eq!(t.waited(), Duration::ZERO);
+        std::thread::sleep(GAP + Duration::from_millis(10));
+        t.frame();
+        assert!(t.waited() >= GAP, "{:?}", t.waited());
+        assert_eq!(t.first_byte(), Some(first));
+        assert!(t.last_byte().unwrap() - first >= GAP);
+        t.piece(Duration::from_millis(3), Duration::from_millis(5));
+        t.piece(Duration::from_millis(3), Duration::from_millis(5));
+        assert_eq!(t.hashing(), Duration::from_millis(6));
+        assert_eq!(t.writing(), Duration::from_millis(10));
     }
 
     #[test]

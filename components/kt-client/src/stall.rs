@@ -4,8 +4,11 @@
 //! request limit. The time counts between bytes, not for the whole body,
 //! so a slow link is never mistaken for a stall.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
@@ -46,27 +49,86 @@ pub(crate) async fn send(
 
 /// The body of `resp` as a stream that fails once nothing arrived for
 /// `stall`.
+///
+/// As with a timeout around each wait for the next frame, the time counts
+/// from when the reader asks and nothing is there (a reader busy elsewhere
+/// is never a stalled source), but the deadline is checked lazily: a wait
+/// only notes when it began, and the one timer fires at most once per
+/// `stall`, moved on if frames came meanwhile. A body of many frames thus
+/// costs no timer work per frame.
 pub(crate) fn body(
     resp: reqwest::Response,
     stall: Duration,
 ) -> impl Stream<Item = Result<Bytes, String>> + Unpin + Send {
     let url = resp.url().to_string();
-    let stream = resp.bytes_stream();
-    Box::pin(futures::stream::unfold(Some(stream), move |state| {
-        let url = url.clone();
-        async move {
-            let mut s = state?;
-            match tokio::time::timeout(stall, s.next()).await {
-                Ok(Some(Ok(b))) => {
-                    RECEIVED.fetch_add(b.len() as u64, Ordering::Relaxed);
-                    Some((Ok(b), Some(s)))
-                }
-                Ok(Some(Err(e))) => Some((Err(format!("{url}: {e}")), None)),
-                Ok(None) => None,
-                Err(_) => Some((Err(stalled(&url, stall).to_string()), None)),
-            }
+    Watchdog::new(resp.bytes_stream(), url, stall)
+}
+
+/// A body stream and its stall deadline (see [`body`]).
+struct Watchdog<S> {
+    inner: Option<S>,
+    url: String,
+    stall: Duration,
+    /// When the reader began waiting, if it is.
+    since: Option<Instant>,
+    /// Due `stall` after the current wait began, or earlier (then moved
+    /// on when it fires); only polled while the body has nothing to give.
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<S> Watchdog<S> {
+    fn new(inner: S, url: String, stall: Duration) -> Self {
+        Watchdog {
+            inner: Some(inner),
+            url,
+            stall,
+            since: None,
+            timer: Box::pin(tokio::time::sleep(stall)),
         }
-    }))
+    }
+}
+
+impl<S, E> Stream for Watchdog<S>
+where
+    S: Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    type Item = Result<Bytes, String>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        let Some(inner) = this.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        match inner.poll_next_unpin(cx) {
+            Poll::Ready(Some(Ok(b))) => {
+                RECEIVED.fetch_add(b.len() as u64, Ordering::Relaxed);
+                this.since = None;
+                return Poll::Ready(Some(Ok(b)));
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.inner = None;
+                return Poll::Ready(Some(Err(format!("{}: {e}", this.url))));
+            }
+            Poll::Ready(None) => {
+                this.inner = None;
+                return Poll::Ready(None);
+            }
+            Poll::Pending => {}
+        }
+        // Nothing to give: the deadline counts from now on.
+        let since = *this.since.get_or_insert_with(Instant::now);
+        while this.timer.as_mut().poll(cx).is_ready() {
+            let due = since + this.stall;
+            if Instant::now() >= due {
+                this.inner = None;
+                return Poll::Ready(Some(Err(stalled(&this.url, this.stall).to_string())));
+            }
+            // Frames came since it was armed: due `stall` after this wait began.
+            this.timer.as_mut().reset(due.into());
+        }
+        Poll::Pending
+    }
 }
 
 /// A request body handed to the HTTP stack piece by piece, remembering

@@ -10,7 +10,10 @@
 //! - `testbed/bench/broadcast.yaml`: 512 MiB to 32 pods over 1 Gbit/s links
 //!   (single, star, tree).
 //!
-//! For each it prints a table and one line
+//! For each it prints a table, where each broadcast member's time went
+//! (per rank: joining, waiting for the first byte, receiving and the pauses
+//! within, hashing, writing, finishing, serving its children, its CPU), and
+//! one line
 //! `broadcast NAME: single=Ts star=Ts tree=Ts killed=Ts tree/single=R star/tree=R killed/single=R store_egress_tree=B`
 //! and whether the targets (tree/single <= 1.2, star/tree >= 8,
 //! killed/single <= 1.5) are met (informational), naming the legs whose
@@ -165,6 +168,7 @@ async fn run_one(
     match broadcast::results(scn, &records) {
         Ok(r) => {
             print!("{}", broadcast::table(&r));
+            print!("{}", broadcast::member_table(&r));
             println!(
                 "target {}; wall {} (testbed up {}, scenario {})",
                 report.target,
