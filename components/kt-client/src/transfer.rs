@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use blake3::hazmat::ChainingValue;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use kt_api::Api;
 use kt_sync::SyncError;
 use kt_sync::batch::{SendItem, send_stream};
@@ -23,6 +23,7 @@ use kt_types::{Entry, Hash, Key, KeyPrefix, KeyRecord, Manifest, paths};
 
 use crate::agent::AgentConn;
 use crate::api::Client;
+use crate::arriving::{Arrivals, Arriving};
 use crate::deadline::{FirstContact, Phase};
 use crate::download::{Download, Serving};
 use crate::error::ClientError;
@@ -129,6 +130,9 @@ const PREFIX_CONCURRENCY: usize = 4;
 /// first answer tells) are hashed then.
 const DEFER_ABOVE: u64 = 4 << 20;
 
+/// Chunk numbers by file index (chunks the store kept, chunks hashed).
+type ChunkSets = HashMap<u32, HashSet<u64>>;
+
 /// Chaining values of deferred files' chunks as read, by file index and
 /// chunk number.
 type Cvs = Arc<std::sync::Mutex<HashMap<u32, BTreeMap<u64, ChainingValue>>>>;
@@ -154,6 +158,9 @@ struct PutTree {
     /// deferred) and the manifest it carries, encoded.
     req: PutRequest,
     encoded: Vec<u8>,
+    /// Files still being written, announced as they are done, with their
+    /// hashes ([`Client::put_arriving`]); `None` for a put of a tree as it is.
+    arrivals: Option<Arrivals>,
 }
 
 impl PutTree {
@@ -178,9 +185,16 @@ impl PutTree {
                 deferred: Vec::new(),
             },
             encoded: Vec::new(),
+            arrivals: None,
         };
         tree.settle();
         tree
+    }
+
+    /// Whether entry `i` is a file still arriving or arrived since the put
+    /// began (its hash comes with it, not from reading it).
+    fn announced(&self, i: u32) -> bool {
+        self.arrivals.as_ref().is_some_and(|a| a.announced(i))
     }
 
     /// Rebuilds the request from the manifest and what is deferred.
@@ -203,10 +217,11 @@ impl PutTree {
         m
     }
 
-    /// Deferred entries of at most `chunk_size` bytes (not sent in chunks).
+    /// Deferred entries of at most `chunk_size` bytes (not sent in chunks)
+    /// that this put reads (arriving ones come with their hashes).
     fn deferred_up_to(&self, chunk_size: u64) -> Vec<u32> {
         let m = &self.manifest;
-        let small = |i: &&u32| m.entries[**i as usize].size <= chunk_size;
+        let small = |i: &&u32| m.entries[**i as usize].size <= chunk_size && !self.announced(**i);
         self.deferred.iter().filter(small).copied().collect()
     }
 
@@ -220,25 +235,36 @@ impl PutTree {
 
     /// Hashes the deferred entries among `which` whole, now (they are no
     /// longer deferred); false when none was.
+    /// An arriving entry is waited for, its hash the one it arrives with.
     async fn hash_now(&mut self, src: &Path, which: &[u32]) -> Result<bool, ClientError> {
-        let files: Vec<(u32, PathBuf, u64)> = which
+        let (arriving, which): (Vec<u32>, Vec<u32>) = which
             .iter()
             .filter(|i| self.deferred.binary_search(i).is_ok())
+            .partition(|&&i| self.announced(i));
+        let mut hashes = Vec::new();
+        if let Some(a) = self.arrivals.as_mut() {
+            a.wait_for(&self.manifest, &arriving).await?;
+            hashes.extend(arriving.iter().filter_map(|&i| Some((i, a.hash(i)?))));
+        }
+        let files: Vec<(u32, PathBuf, u64)> = which
+            .iter()
             .map(|&i| {
                 let e = &self.manifest.entries[i as usize];
                 (i, source_path(src, &self.manifest, &e.path), e.size)
             })
             .collect();
-        if files.is_empty() {
+        if files.is_empty() && hashes.is_empty() {
             return Ok(false);
         }
-        let hashes = blocking(move || {
-            files
-                .into_iter()
-                .map(|(i, path, size)| kt_sync::scan::hash_file(&path, size).map(|h| (i, h)))
-                .collect::<Result<Vec<_>, _>>()
-        })
-        .await?;
+        hashes.extend(
+            blocking(move || {
+                files
+                    .into_iter()
+                    .map(|(i, path, size)| kt_sync::scan::hash_file(&path, size).map(|h| (i, h)))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .await?,
+        );
         for (i, h) in hashes {
             self.manifest.entries[i as usize].hash = Some(h);
             self.deferred.retain(|&d| d != i);
@@ -248,8 +274,64 @@ impl PutTree {
         Ok(true)
     }
 
-    /// The root of deferred entry `i`, once every chunk of it was read.
+    /// What sends needed entry `i`: its chunks (less those the store kept,
+    /// `have`, unless a deferred file's value is still to be read from
+    /// them: not in `hashed`) or, not larger than `chunk_size`, one item
+    /// of a batch.
+    fn file_jobs(
+        &mut self,
+        src: &Path,
+        i: u32,
+        chunk_size: u64,
+        have: &ChunkSets,
+        hashed: &ChunkSets,
+    ) -> (Vec<Job>, Option<SendItem>) {
+        let e = &self.manifest.entries[i as usize];
+        let path = source_path(src, &self.manifest, &e.path);
+        if e.size <= chunk_size {
+            let item = SendItem {
+                index: i,
+                path,
+                size: e.size,
+                entry_path: e.path.clone(),
+                data: self.kept.remove(&e.path),
+                beneath: None,
+            };
+            return (Vec::new(), Some(item));
+        }
+        // A deferred file is hashed as it is read to be sent (an arriving
+        // one comes with its hash).
+        let cvs = (self.deferred.binary_search(&i).is_ok() && !self.announced(i))
+            .then(|| (self.cvs.clone(), chunk_size));
+        let mut jobs = Vec::new();
+        for n in 0..chunk_count(e.size, chunk_size) {
+            let (offset, len) = chunk_range(e.size, chunk_size, n).unwrap_or_default();
+            let kept = have.get(&i).is_some_and(|h| h.contains(&n));
+            let known = hashed.get(&i).is_some_and(|h| h.contains(&n));
+            if kept && (cvs.is_none() || known) {
+                continue;
+            }
+            // A kept chunk of a deferred file whose value this put
+            // lacks is read to be hashed, not sent.
+            jobs.push(Job::Chunk {
+                index: i,
+                n,
+                path: path.clone(),
+                offset,
+                len,
+                send: !kept,
+                cvs: cvs.clone(),
+            });
+        }
+        (jobs, None)
+    }
+
+    /// The root of deferred entry `i`, once every chunk of it was read
+    /// (or it arrived).
     fn root(&self, i: u32) -> Option<Hash> {
+        if let Some(h) = self.arrivals.as_ref().and_then(|a| a.hash(i)) {
+            return Some(h);
+        }
         let size = self.manifest.entries[i as usize].size;
         let cvs = self.cvs.lock().unwrap_or_else(|p| p.into_inner());
         let read = cvs.get(&i).filter(|_| self.cv_chunk > 0)?;
@@ -293,6 +375,94 @@ impl PutTree {
         hashed
             .chain(roots.into_iter().map(|r| (r.index, r.hash)))
             .collect()
+    }
+}
+
+/// Files that arrived are sent in batches of about this many bytes, or
+/// what arrived within [`GATHER`] of the first of them: a request per file
+/// would cost more than the file (the store writes a batch's files in one
+/// stream).
+const ARRIVED_BATCH: u64 = 16 << 20;
+const GATHER: Duration = Duration::from_millis(100);
+
+/// Arrived files not sent yet: a batch being gathered, chunks to send.
+/// Kept by the upload across calls of [`arrived_jobs`], so that one cut
+/// short (it waits in a `select!`) loses nothing.
+#[derive(Default)]
+struct Gathered {
+    batch: Vec<SendItem>,
+    bytes: u64,
+    chunks: Vec<Job>,
+    /// When the first file of `batch` arrived.
+    since: Option<Instant>,
+}
+
+impl Gathered {
+    fn is_empty(&self) -> bool {
+        self.batch.is_empty() && self.chunks.is_empty()
+    }
+
+    /// The batch (first) and the chunks, taken.
+    fn take(&mut self) -> Vec<Job> {
+        let mut jobs = Vec::new();
+        if !self.batch.is_empty() {
+            jobs.push(Job::Batch(std::mem::take(&mut self.batch)));
+        }
+        jobs.append(&mut self.chunks);
+        (self.bytes, self.since) = (0, None);
+        jobs
+    }
+}
+
+/// The uploads of files of an arriving tree ([`Client::put_arriving`]):
+/// gathers what arrives, needed files (`later`) into a batch of about
+/// [`ARRIVED_BATCH`] bytes or [`GATHER`]'s worth, a large one into chunks
+/// (sent at once). An empty batch when nothing arrives for
+/// [`crate::arriving::KEEPALIVE`] (it keeps the store's session alive);
+/// nothing once every file has arrived and all is taken. Cancel-safe: it
+/// waits only for the next arrival, and what arrived is in `gathered`.
+async fn arrived_jobs(
+    tree: &mut PutTree,
+    src: &Path,
+    chunk_size: u64,
+    (have, hashed): (&ChunkSets, &ChunkSets),
+    later: &mut HashSet<u32>,
+    gathered: &mut Gathered,
+) -> Result<Vec<Job>, ClientError> {
+    loop {
+        let Some(arrivals) = tree.arrivals.as_mut() else {
+            return Ok(gathered.take());
+        };
+        let first = match arrivals.try_next(&tree.manifest)? {
+            Some(i) => Some(i),
+            None if arrivals.done() => return Ok(gathered.take()),
+            None => {
+                let full = gathered.bytes >= ARRIVED_BATCH || !gathered.chunks.is_empty();
+                let waited = gathered.since.map(|t| t.elapsed());
+                if full || waited.is_some_and(|w| w >= GATHER) {
+                    return Ok(gathered.take());
+                }
+                let wait = match waited {
+                    Some(w) => GATHER - w,
+                    None => crate::arriving::KEEPALIVE,
+                };
+                let got = arrivals.next(&tree.manifest, Some(wait)).await?;
+                if got.is_none() && gathered.is_empty() && !arrivals.done() {
+                    return Ok(vec![Job::Batch(Vec::new())]);
+                }
+                got
+            }
+        };
+        let Some(i) = first else { continue };
+        if later.remove(&i) {
+            let (chunks, item) = tree.file_jobs(src, i, chunk_size, have, hashed);
+            gathered.chunks.extend(chunks);
+            if let Some(item) = item {
+                gathered.bytes += item.size;
+                gathered.batch.push(item);
+                gathered.since.get_or_insert_with(Instant::now);
+            }
+        }
     }
 }
 
@@ -356,7 +526,7 @@ impl Client {
         let started = Instant::now();
         // The metadata server first, before a scan that may take long: a
         // stopped one fails the put in seconds.
-        let mut store_url = match self.first_contact(|| self.store_url()).await {
+        let store_url = match self.first_contact(|| self.store_url()).await {
             Ok(url) => Some(url),
             // Reached, and it answered (no store yet, say): the put's own
             // retries below deal with the answer.
@@ -372,7 +542,77 @@ impl Client {
             deferred = deferred.len(),
             "put: scanned"
         );
-        let mut tree = PutTree::new(key, options, manifest, kept, deferred);
+        let tree = PutTree::new(key, options, manifest, kept, deferred);
+        self.put_tree(key, src, tree, store_url, progress, started)
+            .await
+    }
+
+    /// Puts the tree at `src` under `key` while its files are still being
+    /// written ([`crate::arriving`]): the manifest goes to the store first,
+    /// each pending file as soon as it arrives; the commit waits for the
+    /// last. What is published is what [`Client::put`] of the finished
+    /// tree publishes (same manifest, same digest). Arrivals that stop
+    /// early, or a file that arrives with another hash than announced,
+    /// fail the put with nothing published.
+    pub async fn put_arriving(
+        &self,
+        key: &Key,
+        src: &Path,
+        tree: Arriving,
+        options: PutOptions,
+        progress: Progress,
+    ) -> Result<PutSummary, ClientError> {
+        self.call(
+            || format!("put of {key}"),
+            self.put_arriving_inner(key, src, tree, options, progress),
+        )
+        .await
+    }
+
+    async fn put_arriving_inner(
+        &self,
+        key: &Key,
+        src: &Path,
+        tree: Arriving,
+        options: PutOptions,
+        progress: Progress,
+    ) -> Result<PutSummary, ClientError> {
+        let started = Instant::now();
+        let Arriving {
+            manifest,
+            pending,
+            arrivals,
+        } = tree;
+        let arrivals = Arrivals::new(&manifest, pending, arrivals)?;
+        let deferred: Vec<u32> = (0..manifest.entries.len() as u32)
+            .filter(|&i| {
+                let e = &manifest.entries[i as usize];
+                e.kind == kt_types::EntryKind::File && e.hash.is_none()
+            })
+            .collect();
+        let store_url = match self.first_contact(|| self.store_url()).await {
+            Ok(url) => Some(url),
+            Err(e) if crate::deadline::answered(&e) => None,
+            Err(e) => return Err(e),
+        };
+        crate::deadline::enter(Phase::Transferring);
+        let mut tree = PutTree::new(key, options, manifest, Kept::default(), deferred);
+        tree.arrivals = Some(arrivals);
+        self.put_tree(key, src, tree, store_url, progress, started)
+            .await
+    }
+
+    /// Puts `tree` (read from `src`), trying again while the store fails
+    /// it transiently, within the deadline.
+    async fn put_tree(
+        &self,
+        key: &Key,
+        src: &Path,
+        mut tree: PutTree,
+        mut store_url: Option<String>,
+        progress: Progress,
+        started: Instant,
+    ) -> Result<PutSummary, ClientError> {
         // A store that restarts or stalls mid-put is waited for and the put
         // starts over in a new session; the old version stays readable
         // throughout (nothing is published until a commit succeeds).
@@ -605,70 +845,47 @@ impl Client {
         plan: &PutPlan,
         progress: Progress,
     ) -> Result<TransferStats, ClientError> {
-        let m = &tree.manifest;
         let mut small = Vec::new();
         let mut jobs = Vec::new();
         let mut stats = TransferStats::default();
         // Chunks the store kept from an upload a restart interrupted.
-        let have: HashMap<u32, HashSet<u64>> = plan
+        let have: ChunkSets = plan
             .have
             .iter()
             .map(|h| (h.index, h.chunks.iter().copied().collect()))
             .collect();
         // Chunks of deferred files already hashed (by an earlier attempt).
-        let hashed: HashMap<u32, HashSet<u64>> = tree
+        let hashed: ChunkSets = tree
             .cvs
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
             .map(|(i, cvs)| (*i, cvs.keys().copied().collect()))
             .collect();
+        let chunk_size = plan.chunk_size;
+        let kept = |i: u32, size: u64| -> u64 {
+            let Some(h) = have.get(&i).filter(|_| size > chunk_size) else {
+                return 0;
+            };
+            h.iter()
+                .filter_map(|&n| chunk_range(size, chunk_size, n).map(|(_, len)| len))
+                .sum()
+        };
+        // Needed files still arriving: sent as they arrive.
+        let mut later = HashSet::new();
         for &i in &plan.needed {
-            let e = m.entries.get(i as usize).ok_or_else(|| {
+            let e = tree.manifest.entries.get(i as usize).ok_or_else(|| {
                 ClientError::Local(format!("store asked for entry #{i}, which does not exist"))
             })?;
-            let path = source_path(src, m, &e.path);
             stats.files_sent += 1;
-            stats.bytes_sent += e.size;
-            if e.size > plan.chunk_size {
-                // A deferred file is hashed as it is read to be sent.
-                let cvs = (tree.deferred.binary_search(&i).is_ok())
-                    .then(|| (tree.cvs.clone(), plan.chunk_size));
-                for n in 0..chunk_count(e.size, plan.chunk_size) {
-                    let (offset, len) = chunk_range(e.size, plan.chunk_size, n).unwrap_or_default();
-                    let kept = have.get(&i).is_some_and(|h| h.contains(&n));
-                    if kept {
-                        stats.bytes_sent -= len;
-                    }
-                    let known = hashed.get(&i).is_some_and(|h| h.contains(&n));
-                    if kept && (cvs.is_none() || known) {
-                        continue;
-                    }
-                    // A kept chunk of a deferred file whose value this put
-                    // lacks is read to be hashed, not sent.
-                    jobs.push(Job::Chunk {
-                        index: i,
-                        n,
-                        path: path.clone(),
-                        offset,
-                        len,
-                        send: !kept,
-                        cvs: cvs.clone(),
-                    });
-                }
-            } else {
-                small.push((
-                    e.size,
-                    SendItem {
-                        index: i,
-                        path,
-                        size: e.size,
-                        entry_path: e.path.clone(),
-                        data: tree.kept.remove(&e.path),
-                        beneath: None,
-                    },
-                ));
+            stats.bytes_sent += e.size - kept(i, e.size);
+            if tree.arrivals.as_ref().is_some_and(|a| a.is_pending(i)) {
+                later.insert(i);
+                continue;
             }
+            let (chunks, item) = tree.file_jobs(src, i, chunk_size, &have, &hashed);
+            jobs.extend(chunks);
+            small.extend(item.map(|item| (item.size, item)));
         }
         progress.start(stats.bytes_sent, stats.files_sent);
         for group in balance(small, self.cfg.streams) {
@@ -676,12 +893,39 @@ impl Client {
         }
         // Batches first: they are latency-bound, chunks bandwidth-bound.
         jobs.reverse();
-        futures::stream::iter(jobs.into_iter().map(|job| {
-            Self::run_upload_job(store, session, job, progress.clone(), self.cfg.stall)
-        }))
-        .buffer_unordered(self.cfg.streams.max(1))
-        .try_collect::<Vec<()>>()
-        .await?;
+        let mut queue: std::collections::VecDeque<Job> = jobs.into();
+        let streams = self.cfg.streams.max(1);
+        let mut running = futures::stream::FuturesUnordered::new();
+        let mut gathered = Gathered::default();
+        loop {
+            while running.len() < streams {
+                let Some(job) = queue.pop_front() else { break };
+                running.push(Self::run_upload_job(
+                    store,
+                    session,
+                    job,
+                    progress.clone(),
+                    self.cfg.stall,
+                ));
+            }
+            // Files still arriving are taken when a stream is free (all
+            // that arrived meanwhile go in one batch).
+            let waiting = tree.arrivals.as_ref().is_some_and(|a| !a.done()) || !gathered.is_empty();
+            if running.is_empty() && !waiting {
+                break;
+            }
+            let take = waiting && running.len() < streams;
+            tokio::select! {
+                done = running.next(), if !running.is_empty() => {
+                    if let Some(r) = done {
+                        r?;
+                    }
+                }
+                arrived = arrived_jobs(tree, src, chunk_size, (&have, &hashed), &mut later, &mut gathered), if take => {
+                    queue.extend(arrived?);
+                }
+            }
+        }
         Ok(stats)
     }
 

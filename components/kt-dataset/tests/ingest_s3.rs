@@ -15,6 +15,7 @@ use kt_dataset::ingest::plan::Record;
 use kt_dataset::ingest::{IngestError, IngestEvent, S3Config, S3Credentials, ingest};
 use kt_tests::{Cluster, bytes, fingerprint};
 use kt_types::Key;
+use kt_types::api::PutOptions;
 
 const BUCKET: &str = "datasets";
 
@@ -242,6 +243,152 @@ async fn an_interrupted_ingest_resumes_without_refetching_what_completed() {
             .count(),
         0
     );
+    assert_key_holds(&client, &key, cluster.dir.path(), &want).await;
+    cluster.stop().await;
+}
+
+/// A plain put of the staged tree (the ingest's options) finds the version
+/// the ingest published: the same manifest, so the same digest.
+async fn assert_plain_put_agrees(client: &Client, key: &Key, staging: &Path) {
+    let options = PutOptions {
+        lifespan: Some(kt_types::Lifespan::Cluster),
+        ..PutOptions::default()
+    };
+    let before = client.stat(key).await.expect("stat");
+    let again = client
+        .put(key, &staging.join("tree"), options, Progress::none())
+        .await
+        .expect("plain put");
+    assert!(
+        again.unchanged,
+        "a plain put of the staged tree must find the ingest's version: {again:?}"
+    );
+    assert_eq!(
+        client.stat(key).await.expect("stat").version,
+        before.version
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_ingest_publishes_what_a_plain_put_of_its_staged_tree_does() {
+    let Some(moto) = moto(false).await else {
+        return;
+    };
+    let cluster = Cluster::start().await;
+    let client = cluster.client();
+    let mut want = objects(10);
+    // A large object too (moved in chunks: larger than the test store's chunk size).
+    want.push((
+        "sub/large".to_owned(),
+        bytes(77, 5 * kt_tests::CHUNK as usize + 3),
+    ));
+    want.push(("empty".to_owned(), Vec::new()));
+    fill(&moto, "data", &want).await;
+    let key = Key::parse("datasets/ns/agrees").expect("key");
+    let staging = cluster.dir.path().join("staging");
+    let cfg = config(&moto, "data");
+    let first = ingest(&client, &key, &cfg, &staging, None)
+        .await
+        .expect("first ingest");
+    assert_eq!(first.changed, 12);
+    assert_plain_put_agrees(&client, &key, &staging).await;
+    assert_key_holds(&client, &key, cluster.dir.path(), &want).await;
+    // Some objects change, some stay: the kept ones as staged, the new
+    // ones as listed, the directories as the ingest sets them.
+    for i in [0, 5, 10] {
+        want[i].1 = bytes(200 + i as u64, 2500 + i);
+        moto.put_object(BUCKET, &format!("data/{}", want[i].0), want[i].1.clone())
+            .await
+            .expect("put");
+    }
+    let second = ingest(&client, &key, &cfg, &staging, None)
+        .await
+        .expect("second ingest");
+    assert_eq!(second.changed, 3);
+    assert_ne!(second.version, first.version);
+    assert_plain_put_agrees(&client, &key, &staging).await;
+    assert_key_holds(&client, &key, cluster.dir.path(), &want).await;
+    cluster.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_download_failing_mid_ingest_publishes_nothing() {
+    let Some(moto) = moto(false).await else {
+        return;
+    };
+    let moto = Arc::new(moto);
+    let cluster = Cluster::start().await;
+    let client = cluster.client();
+    let mut want = objects(12);
+    fill(&moto, "data", &want).await;
+    let key = Key::parse("datasets/ns/failing").expect("key");
+    let staging = cluster.dir.path().join("staging");
+    let mut cfg = config(&moto, "data");
+    let first = ingest(&client, &key, &cfg, &staging, None)
+        .await
+        .expect("first ingest");
+    // Six objects change. One at a time, in name order, they are fetched
+    // (and sent to the store as they come); the last of them is deleted
+    // once listed, so its download fails after five others are down.
+    let changed = [1usize, 2, 4, 5, 7, 9];
+    let mut next = want.clone();
+    for &i in &changed {
+        next[i].1 = bytes(100 + i as u64, 3000 + i);
+        moto.put_object(BUCKET, &format!("data/{}", next[i].0), next[i].1.clone())
+            .await
+            .expect("put");
+    }
+    assert_eq!(want[9].0, "sub/dir/obj-9", "the last changed name");
+    let doomed = format!("data/{}", want[9].0);
+    cfg.concurrency = 1;
+    let fetched = Arc::new(AtomicUsize::new(0));
+    let (m, f, d) = (moto.clone(), fetched.clone(), doomed.clone());
+    let progress: kt_dataset::ingest::OnProgress = Arc::new(move |e: &IngestEvent| match e {
+        IngestEvent::Planned { .. } => {
+            let (m, d) = (m.clone(), d.clone());
+            // The callback is synchronous: the delete runs to its end on a
+            // thread of its own before the downloads start.
+            std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime")
+                    .block_on(m.delete_object(BUCKET, &d))
+            })
+            .join()
+            .expect("delete thread")
+            .expect("delete");
+        }
+        IngestEvent::Fetched { .. } => {
+            f.fetch_add(1, Ordering::SeqCst);
+        }
+        _ => {}
+    });
+    let err = ingest(&client, &key, &cfg, &staging, Some(progress))
+        .await
+        .expect_err("a failed download must fail the ingest");
+    let msg = err.to_string();
+    eprintln!("{msg}");
+    assert!(matches!(err, IngestError::Object { .. }), "{err:?}");
+    assert!(msg.contains("sub/dir/obj-9"), "{msg}");
+    assert_eq!(fetched.load(Ordering::SeqCst), 5);
+    // Nothing published: the key keeps the first ingest's version and content.
+    assert_eq!(
+        client.stat(&key).await.expect("stat").version,
+        first.version
+    );
+    assert_key_holds(&client, &key, cluster.dir.path(), &want).await;
+
+    // The object back: a retry fetches only it (the five are recorded).
+    moto.put_object(BUCKET, &doomed, next[9].1.clone())
+        .await
+        .expect("put");
+    cfg.concurrency = 4;
+    let retry = ingest(&client, &key, &cfg, &staging, None)
+        .await
+        .expect("retry");
+    assert_eq!(retry.changed, 1);
+    want = next;
     assert_key_holds(&client, &key, cluster.dir.path(), &want).await;
     cluster.stop().await;
 }

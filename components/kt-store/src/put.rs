@@ -1,18 +1,18 @@
 //! Upload sessions: plan → batch stream and chunks → commit (or abort).
 //!
-//! A put may defer the hashes of large files ([`PutRequest::deferred`]):
+//! A put may defer the hashes of files ([`PutRequest::deferred`]):
 //! their manifest entries carry [`DEFERRED_HASH`] and the digest planned
 //! with is provisional. [`plan`] checks them (`check_deferred`), asks the
 //! client to hash first those the current version probably has
 //! (`like_in_base`), and needs the others whole; [`chunk`] keeps the root
-//! their chunks merge into instead of checking it; [`commit`] compares it
+//! a large one's chunks merge into instead of checking it, [`batch`] the
+//! hash of a small one as received; [`commit`] compares each
 //! with the root the client sends ([`CommitRequest`]) and publishes the
 //! manifest with the real hashes (`patch_roots`), whose digest is the
 //! one a put that hashed first makes. Any mismatch discards the upload.
 //! The whole protocol: `docs/sync-protocol.md`, "deferred hashes".
 
 use std::collections::{HashMap, HashSet};
-use std::path::Path as FsPath;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
@@ -65,38 +65,6 @@ fn session(s: &Shared, id: &str) -> Result<Arc<PutSession>, ApiError> {
     Ok(sess)
 }
 
-/// Fills a staging version with every file whose content the base version
-/// already has; returns the indices that must be sent.
-fn stage_from_base(
-    staging: &FsPath,
-    m: &Manifest,
-    base: Option<(&FsPath, &Manifest)>,
-) -> Result<Vec<u32>, SyncError> {
-    apply::ensure_dirs(staging, m)?;
-    let plan = kt_sync::diff::against_base(m, base.map(|(_, bm)| bm));
-    let reuse: Vec<apply::Reuse> = match base {
-        Some((root, _)) => plan
-            .reuse
-            .iter()
-            .map(|&(i, old)| {
-                let e = &m.entries[i as usize];
-                apply::Reuse {
-                    from: root.join(&old.path),
-                    to: staging.join(&e.path),
-                    entry: e.clone(),
-                    identical: old.mode == e.mode
-                        && old.mtime == e.mtime
-                        && old.mtime_nsec == e.mtime_nsec,
-                }
-            })
-            .collect(),
-        None => Vec::new(),
-    };
-    let needed = plan.needed;
-    apply::reuse_all(&reuse)?;
-    Ok(needed)
-}
-
 /// `POST /api/v1/puts`: validates the manifest, stages what the current version
 /// already has, and answers which files must be sent.
 pub async fn plan(
@@ -131,7 +99,7 @@ pub async fn plan(
     refuse_foreign_owner(&s, &who, &req.key).await?;
     let key = req.key.clone();
     let state = s.keys.state(&key);
-    let st = state.lock().await;
+    let mut st = state.lock().await;
     if let Some(cur) = st.current.as_ref().filter(|c| c.digest == req.digest) {
         // Unchanged tree: nothing moves; refresh the record (options may differ).
         let published = Published {
@@ -176,7 +144,7 @@ pub async fn plan(
             "the digest does not match the manifest",
         ));
     }
-    let deferred = check_deferred(&manifest, &req.deferred, s.cfg.chunk_size)?;
+    let deferred = check_deferred(&manifest, &req.deferred)?;
     // A deferred file the current version probably has (same path, size
     // and mtime) is better hashed by the client than sent whole.
     if let Some(cur) = st.current.as_ref() {
@@ -206,8 +174,14 @@ pub async fn plan(
     // claimed under the key's lock.
     let adopt = crate::resume::find(&dir, &req.digest, |id| s.keys.claimed(&dir, id));
     let adopted = adopt.as_ref().and_then(|v| s.keys.claim(&dir, v));
+    // A fresh staging version is made in the superseded version no reader
+    // holds, if the key has one (taken under the key's lock: one plan uses it).
+    let spare = match (&adopt, &base) {
+        (None, Some(_)) => st.spare.take(),
+        _ => None,
+    };
     let digest = req.digest;
-    let (version, manifest, left, log, dir) = {
+    let (version, manifest, left, log, dir, unused) = {
         let dir = dir.clone();
         let deferred = deferred.clone();
         blocking(move || {
@@ -230,7 +204,7 @@ pub async fn plan(
                 let log = crate::resume::rewrite_log(&log_path, &left)
                     .map_err(|e| SyncError::io(&log_path, e))?;
                 crate::resume::mark(&dir, &version, &digest)?;
-                return Ok((version, manifest, left, log, dir));
+                return Ok((version, manifest, left, log, dir, None));
             }
             let version = dir.stage()?;
             let staged = (|| {
@@ -241,20 +215,20 @@ pub async fn plan(
                     .as_ref()
                     .zip(base_root.as_deref())
                     .map(|(b, root)| (root, &*b.meta.manifest));
-                let needed = stage_from_base(&dir.version_path(&version), &manifest, base_pair)?;
+                let staged = crate::versions::stage(&dir, &version, spare, &manifest, base_pair)?;
                 crate::resume::mark(&dir, &version, &digest)?;
                 let log_path = dir.chunks_path(&version);
                 let log =
                     std::fs::File::create(&log_path).map_err(|e| SyncError::io(&log_path, e))?;
-                Ok((needed, log))
+                Ok((staged, log))
             })();
             match staged {
-                Ok((needed, log)) => {
+                Ok((staged, log)) => {
                     let left = crate::resume::Left {
-                        needed,
+                        needed: staged.needed,
                         ..Default::default()
                     };
-                    Ok((version, manifest, left, log, dir))
+                    Ok((version, manifest, left, log, dir, staged.unused))
                 }
                 Err(e) => {
                     let _ = dir.remove_version(&version);
@@ -264,6 +238,11 @@ pub async fn plan(
         })
         .await?
     };
+    // A spare too far from this tree to stage in goes, as superseded versions do.
+    if let Some(unused) = unused {
+        let dir = dir.clone();
+        tokio::spawn(async move { remove_versions(&dir, vec![unused]).await });
+    }
     // Still under the key's lock: a fresh version is claimed before any
     // other plan can see its marker.
     let claim = match adopted {
@@ -348,13 +327,13 @@ pub async fn plan(
             }
             chunked.insert(i, slot);
         } else {
-            batch.insert(
-                i,
-                Expected {
-                    dest,
-                    entry: e.clone(),
-                },
-            );
+            // A deferred one is expected without a hash: written as it
+            // comes, its hash kept for the commit.
+            let mut entry = e.clone();
+            if deferred.binary_search(&i).is_ok() {
+                entry.hash = None;
+            }
+            batch.insert(i, Expected { dest, entry });
         }
     }
     let id = uuid::Uuid::new_v4().simple().to_string();
@@ -373,6 +352,7 @@ pub async fn plan(
         digest: req.digest,
         deferred,
         received: Mutex::new(HashSet::new()),
+        hashed: Mutex::new(HashMap::new()),
         batch: Arc::new(batch),
         chunked,
         started: now,
@@ -397,10 +377,11 @@ pub async fn plan(
 }
 
 /// The deferred entries of a put ([`PutRequest::deferred`]), checked and
-/// ascending: each in range, named once, a regular file larger than the
-/// chunk size (it moves in chunks, each hashed on arrival), carrying the
-/// placeholder [`DEFERRED_HASH`].
-fn check_deferred(m: &Manifest, deferred: &[u32], chunk_size: u64) -> Result<Vec<u32>, ApiError> {
+/// ascending: each in range, named once, a regular file carrying the
+/// placeholder [`DEFERRED_HASH`]. One larger than the chunk size moves in
+/// chunks, each hashed on arrival; a smaller one in a batch, hashed as it
+/// is written.
+fn check_deferred(m: &Manifest, deferred: &[u32]) -> Result<Vec<u32>, ApiError> {
     let mut out = deferred.to_vec();
     out.sort_unstable();
     if let Some(w) = out.windows(2).find(|w| w[0] == w[1]) {
@@ -417,14 +398,9 @@ fn check_deferred(m: &Manifest, deferred: &[u32], chunk_size: u64) -> Result<Vec
             ))
         })?;
         let why = if e.kind != EntryKind::File {
-            "is not a regular file: only a large file's hash may be deferred".to_owned()
-        } else if e.size <= chunk_size {
-            format!(
-                "is {} bytes, not larger than the store's chunk size ({chunk_size}): it is not sent in chunks, so hash it and send its hash",
-                e.size
-            )
+            "is not a regular file: only a file's hash may be deferred"
         } else if e.hash != Some(DEFERRED_HASH) {
-            "carries a hash: a deferred entry carries the placeholder (all zero) until its root is sent at commit".to_owned()
+            "carries a hash: a deferred entry carries the placeholder (all zero) until its root is sent at commit"
         } else {
             continue;
         };
@@ -590,6 +566,10 @@ pub async fn batch(
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .extend(got.indices.iter().copied());
+    sess.hashed
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .extend(got.hashed.iter().copied());
     sess.touch();
     Ok(ApiJson(BatchAck {
         files: got.files,
@@ -846,11 +826,18 @@ async fn publish(
     let dir = sess.dir.clone();
     let version = sess.version.clone();
     let previous = blocking(move || dir.publish(&version)).await?;
-    st.current = Some(published.clone());
+    let before = st.current.replace(published.clone());
     let collectable = match previous {
         Some(prev) if prev != sess.version => st.retire(prev),
         _ => Vec::new(),
     };
+    // The version superseded, if no reader holds it, is kept for the next put to stage in.
+    let collectable = crate::versions::keep_spare(
+        &mut st,
+        before.as_ref(),
+        &published.meta.manifest,
+        collectable,
+    );
     Ok((collectable, st))
 }
 
@@ -908,10 +895,20 @@ pub async fn commit(
             ),
         ));
     }
-    let roots = patch_roots(&sess.meta.manifest, &sess.deferred, &req.roots, |i| {
-        let slot = sess.chunked.get(&i)?;
-        *slot.root.lock().unwrap_or_else(|p| p.into_inner())
-    });
+    let roots = patch_roots(
+        &sess.meta.manifest,
+        &sess.deferred,
+        &req.roots,
+        |i| match sess.chunked.get(&i) {
+            Some(slot) => *slot.root.lock().unwrap_or_else(|p| p.into_inner()),
+            None => sess
+                .hashed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&i)
+                .copied(),
+        },
+    );
     let patched = match roots {
         Ok(p) => p,
         Err(e) => {
@@ -1098,6 +1095,8 @@ pub async fn interrupt_all(s: &Shared) {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path as FsPath;
+
     use super::*;
     use axum::Extension;
     use kt_types::auth::Principal;
@@ -1250,6 +1249,236 @@ mod tests {
         );
     }
 
+    /// Puts the tree at `src` under `key` through plan, batch and commit
+    /// (the metadata server is not there: the record fails, the data is
+    /// published); returns the session (its staging version published).
+    async fn put_tree(s: &AppState, key: &str, src: &FsPath) -> Arc<PutSession> {
+        let m = kt_sync::scan(src, &mut kt_sync::ScanCache::default()).unwrap();
+        let header = serde_json::json!({ "key": key, "digest": kt_sync::manifest_digest(&m) });
+        let (p, sess) = plan_of(s, &codec::encode_document(&header, &m)).await;
+        send_and_commit(s, &p, src, &m).await;
+        sess
+    }
+
+    async fn send_and_commit(s: &AppState, p: &PutPlan, src: &FsPath, m: &Manifest) {
+        let id = p.session.clone().unwrap();
+        let items = p
+            .needed
+            .iter()
+            .map(|&i| {
+                let e = &m.entries[i as usize];
+                kt_sync::batch::SendItem {
+                    index: i,
+                    path: src.join(&e.path),
+                    size: e.size,
+                    entry_path: e.path.clone(),
+                    data: None,
+                    beneath: None,
+                }
+            })
+            .collect();
+        let body = Body::from_stream(kt_sync::batch::send_stream(items, None));
+        batch(State(s.clone()), Path(id.clone()), body)
+            .await
+            .unwrap();
+        let committed = commit(
+            State(s.clone()),
+            Extension(Principal::admin()),
+            Path(id),
+            Bytes::new(),
+        )
+        .await;
+        assert!(committed.is_err_and(|e| e.code == ErrorCode::Unavailable));
+    }
+
+    /// What is under `root` by path: each file's content, None for a
+    /// directory.
+    fn contents(root: &FsPath) -> std::collections::BTreeMap<String, Option<Vec<u8>>> {
+        let mut out = std::collections::BTreeMap::new();
+        let mut dirs = vec![root.to_owned()];
+        while let Some(dir) = dirs.pop() {
+            for d in std::fs::read_dir(&dir).unwrap() {
+                let p = d.unwrap().path();
+                let rel = p.strip_prefix(root).unwrap().to_str().unwrap().to_owned();
+                if p.is_dir() {
+                    dirs.push(p);
+                    out.insert(rel, None);
+                } else {
+                    out.insert(rel, Some(std::fs::read(&p).unwrap()));
+                }
+            }
+        }
+        out
+    }
+
+    /// A source tree of `n` small files in two directories.
+    fn small_tree(src: &FsPath, n: usize) {
+        for d in ["a", "b"] {
+            std::fs::create_dir_all(src.join(d)).unwrap();
+        }
+        for i in 0..n {
+            let dir = if i % 2 == 0 { "a" } else { "b" };
+            std::fs::write(src.join(format!("{dir}/f{i}")), format!("file {i}")).unwrap();
+        }
+    }
+
+    async fn spare_of(s: &AppState, key: &str) -> Option<String> {
+        let state = s.keys.state(&Key::parse(key).unwrap());
+        let st = state.lock().await;
+        st.spare.as_ref().map(|sp| sp.version.clone())
+    }
+
+    fn ino(p: &FsPath) -> u64 {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(p).unwrap().ino()
+    }
+
+    /// The version a put supersedes, no reader holding it, is kept; the
+    /// next put stages in it (its directory renamed, only what differs
+    /// fixed up) and publishes the tree the source has, the version it was
+    /// staged against untouched.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_put_stages_in_the_version_it_superseded_two_puts_back() {
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("src");
+        small_tree(&src, 40);
+        let s = shared(&d.path().join("store"));
+        let dir = s.keys.dir_of(&Key::parse("t/r").unwrap());
+        let v1 = put_tree(&s, "t/r", &src).await.version.clone();
+        assert_eq!(spare_of(&s, "t/r").await, None);
+        std::fs::write(src.join("a/f0"), "changed once").unwrap();
+        let v2 = put_tree(&s, "t/r", &src).await.version.clone();
+        assert_eq!(spare_of(&s, "t/r").await.as_deref(), Some(v1.as_str()));
+        let v1_dir = ino(&dir.version_path(&v1));
+        let v2_tree = contents(&dir.version_path(&v2));
+
+        std::fs::write(src.join("b/f1"), "changed twice").unwrap();
+        std::fs::write(src.join("b/new"), "new").unwrap();
+        std::fs::remove_file(src.join("a/f2")).unwrap();
+        let m = kt_sync::scan(&src, &mut kt_sync::ScanCache::default()).unwrap();
+        let header = serde_json::json!({ "key": "t/r", "digest": kt_sync::manifest_digest(&m) });
+        let (p, sess) = plan_of(&s, &codec::encode_document(&header, &m)).await;
+        assert_eq!(
+            ino(&dir.version_path(&sess.version)),
+            v1_dir,
+            "not staged in v1"
+        );
+        assert!(!dir.version_path(&v1).exists());
+        assert_eq!(spare_of(&s, "t/r").await, None);
+        let sent: Vec<&str> = p
+            .needed
+            .iter()
+            .map(|&i| m.entries[i as usize].path.as_str())
+            .collect();
+        assert_eq!(sent, ["b/f1", "b/new"]);
+        send_and_commit(&s, &p, &src, &m).await;
+        let v3 = sess.version.clone();
+        assert_eq!(dir.current().unwrap().as_deref(), Some(v3.as_str()));
+        assert_eq!(contents(&dir.version_path(&v3)), contents(&src));
+        assert_eq!(contents(&dir.version_path(&v2)), v2_tree);
+        assert_eq!(spare_of(&s, "t/r").await.as_deref(), Some(v2.as_str()));
+    }
+
+    /// A superseded version a reader holds is never a spare: the next put
+    /// stages afresh, the reader's version stays whole until it is
+    /// closed, then goes.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_version_a_reader_holds_is_never_staged_in() {
+        use kt_service::reads::ReadSource;
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("src");
+        small_tree(&src, 40);
+        let s = shared(&d.path().join("store"));
+        let key = Key::parse("t/held").unwrap();
+        let dir = s.keys.dir_of(&key);
+        let v1 = put_tree(&s, "t/held", &src).await.version.clone();
+        let source = crate::versions::StoreVersions {
+            keys: s.keys.clone(),
+            chunk_size: CHUNK,
+        };
+        let read = source.open(&key).await.unwrap();
+        assert_eq!(read.version, v1);
+        let held = contents(&dir.version_path(&v1));
+        let v1_dir = ino(&dir.version_path(&v1));
+
+        std::fs::write(src.join("a/f0"), "changed once").unwrap();
+        put_tree(&s, "t/held", &src).await;
+        assert_eq!(spare_of(&s, "t/held").await, None, "v1 is read");
+        std::fs::write(src.join("a/f0"), "changed twice").unwrap();
+        let v3 = put_tree(&s, "t/held", &src).await;
+        assert_ne!(ino(&dir.version_path(&v3.version)), v1_dir);
+        assert_eq!(contents(&dir.version_path(&v1)), held);
+        assert_eq!(contents(&dir.version_path(&v3.version)), contents(&src));
+
+        source.close(&read).await;
+        assert!(!dir.version_path(&v1).exists(), "v1 outlived its reader");
+    }
+
+    /// A put whose staging in the spare fails midway (a file to remove is
+    /// a directory now) stages afresh and publishes the right tree; one
+    /// that crashed midway leaves the current version as it was, the next
+    /// start removes what it left, and the next put is right.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn a_staging_that_fails_or_crashes_midway_leaves_current_and_the_next_put_right() {
+        let d = tempfile::tempdir().unwrap();
+        let src = d.path().join("src");
+        let data = d.path().join("store");
+        small_tree(&src, 40);
+        let s = shared(&data);
+        let dir = s.keys.dir_of(&Key::parse("t/crash").unwrap());
+        // Each put changes a/f0: the spare's a/f0 is always to be removed.
+        let spoil = |v: &str| {
+            let p = dir.version_path(v).join("a/f0");
+            std::fs::remove_file(&p).unwrap();
+            std::fs::create_dir(&p).unwrap();
+            std::fs::write(p.join("in-the-way"), b"x").unwrap();
+        };
+        let v1 = put_tree(&s, "t/crash", &src).await.version.clone();
+        std::fs::write(src.join("a/f0"), "2").unwrap();
+        let v2 = put_tree(&s, "t/crash", &src).await.version.clone();
+        assert_eq!(spare_of(&s, "t/crash").await.as_deref(), Some(v1.as_str()));
+        spoil(&v1);
+
+        // A failure midway: staged afresh, published right.
+        std::fs::write(src.join("a/f0"), "3").unwrap();
+        let v3 = put_tree(&s, "t/crash", &src).await.version.clone();
+        assert_eq!(dir.current().unwrap().as_deref(), Some(v3.as_str()));
+        assert_eq!(contents(&dir.version_path(&v3)), contents(&src));
+        assert!(!dir.version_path(&v1).exists());
+
+        // A crash midway: staging in v2 stopped where it failed.
+        assert_eq!(spare_of(&s, "t/crash").await, Some(v2.clone()));
+        spoil(&v2);
+        let current = contents(&dir.version_path(&v3));
+        std::fs::write(src.join("a/f0"), "4").unwrap();
+        let m4 = kt_sync::scan(&src, &mut kt_sync::ScanCache::default()).unwrap();
+        let state = s.keys.state(&Key::parse("t/crash").unwrap());
+        let (spare, base) = {
+            let mut st = state.lock().await;
+            (st.spare.take().unwrap(), st.current.clone().unwrap())
+        };
+        let staging = dir.stage().unwrap();
+        let base_root = dir.version_path(&base.version);
+        let fixed = crate::versions::recycle(
+            &dir,
+            &staging,
+            &spare,
+            &m4,
+            Some((base_root.as_path(), &*base.meta.manifest)),
+        );
+        assert!(fixed.is_err(), "{fixed:?}");
+        drop((state, s));
+
+        // Restarted.
+        let s = shared(&data);
+        assert_eq!(dir.current().unwrap().as_deref(), Some(v3.as_str()));
+        assert!(!dir.version_path(&staging).exists());
+        assert_eq!(contents(&dir.version_path(&v3)), current);
+        let v4 = put_tree(&s, "t/crash", &src).await.version.clone();
+        assert_eq!(dir.current().unwrap().as_deref(), Some(v4.as_str()));
+        assert_eq!(contents(&dir.version_path(&v4)), contents(&src));
+    }
+
     /// A manifest of a directory, a small file and a large one (deferred:
     /// its hash the placeholder).
     fn deferring_manifest() -> Manifest {
@@ -1284,25 +1513,26 @@ mod tests {
     }
 
     #[test]
-    fn deferred_entries_are_large_files_named_once() {
+    fn deferred_entries_are_files_named_once() {
         let m = deferring_manifest();
-        assert_eq!(check_deferred(&m, &[1], CHUNK).unwrap(), [1]);
-        assert!(check_deferred(&m, &[], CHUNK).unwrap().is_empty());
+        assert_eq!(check_deferred(&m, &[1]).unwrap(), [1]);
+        // One the store does not take in chunks (sent in a batch).
+        assert_eq!(check_deferred(&m, &[3, 1]).unwrap(), [1, 3]);
+        assert!(check_deferred(&m, &[]).unwrap().is_empty());
         for (deferred, says) in [
             (&[1, 1][..], "named twice"),
             (&[9], "out of range"),
             (&[0], "not a regular file"),
-            (&[3], "not larger than the store's chunk size"),
-            (&[2], "not larger than the store's chunk size"),
+            (&[2], "carries a hash"),
         ] {
-            let e = check_deferred(&m, deferred, CHUNK).unwrap_err();
+            let e = check_deferred(&m, deferred).unwrap_err();
             assert_eq!(e.code, ErrorCode::InvalidRequest, "{deferred:?}");
             assert!(e.message.contains(says), "{deferred:?}: {}", e.message);
         }
         // A real hash where the placeholder belongs.
         let mut hashed = m.clone();
         hashed.entries[1].hash = Some(Hash([2; 32]));
-        let e = check_deferred(&hashed, &[1], CHUNK).unwrap_err();
+        let e = check_deferred(&hashed, &[1]).unwrap_err();
         assert!(e.message.contains("carries a hash"), "{}", e.message);
     }
 

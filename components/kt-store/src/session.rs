@@ -54,6 +54,9 @@ pub struct PutSession {
     pub(crate) deferred: Vec<u32>,
     /// Batch entries written and verified so far.
     pub(crate) received: Mutex<HashSet<u32>>,
+    /// Deferred batch entries written so far, with the hash of what was
+    /// written (the commit compares it with the client's root).
+    pub(crate) hashed: Mutex<HashMap<u32, Hash>>,
     pub(crate) started: Instant,
     pub(crate) touched: Mutex<Instant>,
     pub(crate) bytes_needed: u64,

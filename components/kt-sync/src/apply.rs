@@ -106,6 +106,32 @@ pub fn write_verified(
     data: &[u8],
     mode: WriteMode,
 ) -> Result<(), SyncError> {
+    check_size(entry, data)?;
+    if entry.hash != Some(Hash(*blake3::hash(data).as_bytes())) {
+        return Err(SyncError::HashMismatch {
+            path: entry.path.clone(),
+        });
+    }
+    write_checked(dest, entry, data, mode)
+}
+
+/// Writes `data` (its size checked) at `dest` with `entry`'s mode and
+/// mtime, and returns its hash, unchecked: for an entry whose hash the
+/// sender sends later (a put's deferred entry, compared at its commit), so
+/// `dest` must be somewhere nothing reads before that comparison.
+pub fn write_hashing(
+    dest: &Path,
+    entry: &Entry,
+    data: &[u8],
+    mode: WriteMode,
+) -> Result<Hash, SyncError> {
+    check_size(entry, data)?;
+    let hash = Hash(*blake3::hash(data).as_bytes());
+    write_checked(dest, entry, data, mode)?;
+    Ok(hash)
+}
+
+fn check_size(entry: &Entry, data: &[u8]) -> Result<(), SyncError> {
     if data.len() as u64 != entry.size {
         return Err(SyncError::SizeMismatch {
             path: entry.path.clone(),
@@ -113,11 +139,15 @@ pub fn write_verified(
             actual: data.len() as u64,
         });
     }
-    if entry.hash != Some(Hash(*blake3::hash(data).as_bytes())) {
-        return Err(SyncError::HashMismatch {
-            path: entry.path.clone(),
-        });
-    }
+    Ok(())
+}
+
+fn write_checked(
+    dest: &Path,
+    entry: &Entry,
+    data: &[u8],
+    mode: WriteMode,
+) -> Result<(), SyncError> {
     let target = match mode {
         WriteMode::Direct => dest.to_owned(),
         WriteMode::TempRename => temp_sibling(dest),

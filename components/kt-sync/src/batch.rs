@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use bytes::{Buf, Bytes, BytesMut};
 use futures::{Stream, StreamExt};
-use kt_types::Entry;
 use kt_types::frame::{self, HEADER_LEN, Header};
+use kt_types::{Entry, Hash};
 use tokio::sync::mpsc;
 
-use crate::apply::{WriteMode, write_verified};
+use crate::apply::{WriteMode, write_hashing, write_verified};
 use crate::error::{IoContext, SyncError};
 
 /// Callback told the byte count of each file sent or received.
@@ -105,6 +105,11 @@ fn read_into(item: &SendItem, buf: &mut BytesMut) -> Result<(), SyncError> {
 
 /// Where a received entry goes.
 #[derive(Debug, Clone)]
+///
+/// An entry without a hash (a put's deferred entry: the store builds these,
+/// a manifest never has one, [`kt_types::Manifest::validate`]) is written
+/// unverified and its hash as received is returned in
+/// [`Received::hashed`], for the receiver to check before anything reads it.
 pub struct Expected {
     pub dest: PathBuf,
     pub entry: Entry,
@@ -117,6 +122,9 @@ pub struct Received {
     pub bytes: u64,
     /// Manifest indices written (verified), in arrival order.
     pub indices: Vec<u32>,
+    /// Of those, the entries expected without a hash ([`Expected`]), with
+    /// the hash of what was written (not verified: the caller's to check).
+    pub hashed: Vec<(u32, Hash)>,
 }
 
 /// Decodes a frame stream and writes each file, verified, to its destination.
@@ -164,7 +172,12 @@ where
             let Some(x) = table.get(&index) else {
                 return Err(SyncError::UnexpectedEntry { index });
             };
-            write_verified(&x.dest, &x.entry, &data, mode)?;
+            if x.entry.hash.is_some() {
+                write_verified(&x.dest, &x.entry, &data, mode)?;
+            } else {
+                let hash = write_hashing(&x.dest, &x.entry, &data, mode)?;
+                total.hashed.push((index, hash));
+            }
             total.files += 1;
             total.bytes += data.len() as u64;
             total.indices.push(index);
@@ -344,6 +357,35 @@ mod tests {
         let md = std::fs::metadata(d.path().join("dst/a")).unwrap();
         assert_eq!(md.mode() & 0o7777, 0o640);
         assert_eq!(md.mtime(), 1_600_000_000);
+    }
+
+    #[tokio::test]
+    async fn an_entry_expected_without_a_hash_is_written_and_its_hash_returned() {
+        let (d, items, mut exp) = setup(&[("a", b"alpha"), ("b", b"beta")]);
+        // Sent content other than the sender will claim: the receiver is
+        // told its hash, it is not refused here.
+        std::fs::write(d.path().join("src/b"), b"BETA").unwrap();
+        exp.get_mut(&1).unwrap().entry.hash = None;
+        let wire = collect(items).await;
+        let got = receive_stream(body(wire, 5), Arc::new(exp), WriteMode::Direct, None)
+            .await
+            .unwrap();
+        assert_eq!(got.indices, [0, 1]);
+        assert_eq!(got.hashed, [(1, Hash(*blake3::hash(b"BETA").as_bytes()))]);
+        assert_eq!(std::fs::read(d.path().join("dst/b")).unwrap(), b"BETA");
+        // Its size is still checked.
+        let (_d, items, mut exp) = setup(&[("c", b"gamma")]);
+        exp.get_mut(&0).unwrap().entry.hash = None;
+        exp.get_mut(&0).unwrap().entry.size = 4;
+        let e = receive_stream(
+            body(collect(items).await, 64),
+            Arc::new(exp),
+            WriteMode::Direct,
+            None,
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(e, SyncError::SizeMismatch { .. }), "{e}");
     }
 
     #[tokio::test]

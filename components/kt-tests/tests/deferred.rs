@@ -315,16 +315,12 @@ async fn deferred_entries_are_checked_and_their_roots_required() {
     let src = c.dir.path().join("src");
     tree(&src, 6);
     let (m, i) = scanned(&src);
-    let small = m
-        .entries
-        .iter()
-        .position(|e| e.path == "conf/a.json")
-        .unwrap() as u32;
+    // A small file may be deferred too (it moves in a batch, hashed by the
+    // store as it is written: `arriving.rs`).
     let dir = m.entries.iter().position(|e| e.path == "conf").unwrap() as u32;
     let raw = Raw::new(&c);
     let k = "team/checked";
     for (deferred, says) in [
-        (vec![small], "chunk size"),
         (vec![dir], "not a regular file"),
         (vec![999], "out of range"),
         (vec![i, i], "named twice"),

@@ -16,7 +16,8 @@
 //! client, concurrency and streaming writer but nothing else
 //! (`kt_dataset::ingest::download`), (b) a child process ingests them into
 //! a fresh key from a fresh staging directory (`kt_dataset::ingest::ingest`:
-//! download, verify, hash, put). Each child times itself and reports its
+//! download, verify and hash each object, and put them, each as soon as it
+//! is down, `kt_client::Client::put_arriving`). Each child times itself and reports its
 //! peak RSS (`VmHWM` from `/proc/self/status`). Prints a table, then one
 //! line `s3-ingest size=… objects=… download_s=… ingest_s=… ratio=…
 //! ratio_target=met|MISSED peak_rss_mib=… rss_target=met|MISSED` (medians;
@@ -107,7 +108,8 @@ struct Measured {
     bytes: u64,
     /// Peak resident set size, KiB.
     vm_hwm_kib: u64,
-    /// Of `seconds`, the put into the store (the ingest's last step).
+    /// Of `seconds`, the put into the store: from its start, beside the
+    /// downloads (it sends each object as soon as it is down), to its commit.
     #[serde(default)]
     put_seconds: f64,
 }
@@ -254,7 +256,7 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
     let concurrency = args.concurrency.max(1).to_string();
     let (mut downloads, mut ingests) = (Vec::new(), Vec::new());
     println!(
-        "run  download_s  ingest_s  (of which put_s)  ratio  ingest_peak_rss_mib  download_peak_rss_mib"
+        "run  download_s  ingest_s  (put_s, overlapping)  ratio  ingest_peak_rss_mib  download_peak_rss_mib"
     );
     for run in 0..args.runs.max(1) {
         let dest = work.path().join(format!("download-{run}"));
@@ -297,7 +299,7 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
         std::fs::remove_dir_all(&staging).ok();
         std::fs::remove_dir_all(&cache).ok();
         println!(
-            "{run:>3}  {:>10.2}  {:>8.2}  {:>15.2}  {:>5.2}  {:>19.1}  {:>21.1}",
+            "{run:>3}  {:>10.2}  {:>8.2}  {:>19.2}  {:>5.2}  {:>19.1}  {:>21.1}",
             d.seconds,
             i.seconds,
             i.put_seconds,

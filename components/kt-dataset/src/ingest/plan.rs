@@ -17,6 +17,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kt_types::manifest::check_rel_path;
+use kt_types::{Entry, EntryKind, Hash, Manifest};
 use serde::{Deserialize, Serialize};
 
 /// The longest object name (relative to the prefix) an ingest accepts, in
@@ -34,6 +35,9 @@ pub struct Listed {
     pub e_tag: Option<String>,
     /// RFC 3339.
     pub last_modified: String,
+    /// The same time as seconds and nanoseconds since the epoch: the
+    /// staged file's modification time.
+    pub mtime: (i64, u32),
 }
 
 /// What the staging directory holds for one object, as of the last ingest.
@@ -196,6 +200,82 @@ pub fn plan(
     Ok(out)
 }
 
+/// Permission bits of a staged file ([`Staged`]) and of a staging directory.
+pub const FILE_MODE: u32 = 0o644;
+pub const DIR_MODE: u32 = 0o755;
+
+/// One file of the staging tree, as a scan of it will see it once it is in
+/// place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Staged {
+    pub name: String,
+    pub size: u64,
+    pub mode: u32,
+    pub mtime: i64,
+    pub mtime_nsec: u32,
+    /// `None`: not known yet (still to be fetched).
+    pub hash: Option<Hash>,
+}
+
+/// The manifest of the staging tree once every file is in place: `files`
+/// (names as [`plan`] checked them: unique, none the directory of another)
+/// and every directory above them, mode [`DIR_MODE`] and as mtime the
+/// latest of the files below it (what the ingest sets them to), sorted as
+/// a scan sorts (by path, bytewise). Returns it with each file's manifest
+/// index, in the order of `files`.
+pub fn manifest(files: &[Staged]) -> (Manifest, Vec<u32>) {
+    let mut dirs: BTreeMap<&str, (i64, u32)> = BTreeMap::new();
+    for f in files {
+        let mut at = 0;
+        while let Some(i) = f.name[at..].find('/') {
+            let t = dirs.entry(&f.name[..at + i]).or_insert((i64::MIN, 0));
+            *t = (*t).max((f.mtime, f.mtime_nsec));
+            at += i + 1;
+        }
+    }
+    let mut entries: Vec<(Entry, Option<usize>)> = dirs
+        .into_iter()
+        .map(|(path, (mtime, mtime_nsec))| {
+            let e = Entry {
+                path: path.to_owned(),
+                kind: EntryKind::Dir,
+                size: 0,
+                mode: DIR_MODE,
+                mtime,
+                mtime_nsec,
+                hash: None,
+                target: None,
+            };
+            (e, None)
+        })
+        .collect();
+    entries.extend(files.iter().enumerate().map(|(n, f)| {
+        let e = Entry {
+            path: f.name.clone(),
+            kind: EntryKind::File,
+            size: f.size,
+            mode: f.mode,
+            mtime: f.mtime,
+            mtime_nsec: f.mtime_nsec,
+            hash: f.hash,
+            target: None,
+        };
+        (e, Some(n))
+    }));
+    entries.sort_unstable_by(|a, b| a.0.path.as_bytes().cmp(b.0.path.as_bytes()));
+    let mut index = vec![0u32; files.len()];
+    for (i, (_, n)) in entries.iter().enumerate() {
+        if let Some(n) = n {
+            index[*n] = i as u32;
+        }
+    }
+    let m = Manifest {
+        root: kt_types::RootKind::Dir,
+        entries: entries.into_iter().map(|(e, _)| e).collect(),
+    };
+    (m, index)
+}
+
 /// Whether an S3 ETag is the plain MD5 of the content (a single-part
 /// upload, no customer-key encryption): 32 hex digits, quotes aside, no
 /// `-` (multipart ETags are `md5-of-md5s-N`). Returns the digest.
@@ -222,6 +302,7 @@ mod tests {
             size,
             e_tag: Some(tag.to_owned()),
             last_modified: "2026-01-01T00:00:00Z".to_owned(),
+            mtime: (1_767_225_600, 0),
         }
     }
 
@@ -319,6 +400,44 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, PlanError::Duplicate { .. }), "{e}");
+    }
+
+    #[test]
+    fn the_manifest_holds_every_directory_with_its_latest_file_time_sorted_as_a_scan() {
+        let f = |name: &str, mtime: i64, nsec: u32, hash: Option<Hash>| Staged {
+            name: name.to_owned(),
+            size: 3,
+            mode: FILE_MODE,
+            mtime,
+            mtime_nsec: nsec,
+            hash,
+        };
+        let files = [
+            f("b/c/x", 10, 5, None),
+            f("a-z", 7, 0, Some(Hash([1; 32]))),
+            f("b/y", 10, 9, None),
+            f("a/q", 3, 0, None),
+            f("b/c/w", 2, 0, None),
+        ];
+        let (m, index) = manifest(&files);
+        let paths: Vec<&str> = m.entries.iter().map(|e| e.path.as_str()).collect();
+        // Bytewise: '-' sorts before '/', and a directory before what it holds.
+        assert_eq!(
+            paths,
+            ["a", "a-z", "a/q", "b", "b/c", "b/c/w", "b/c/x", "b/y"]
+        );
+        for (n, i) in index.iter().enumerate() {
+            assert_eq!(m.entries[*i as usize].path, files[n].name);
+        }
+        let dir = |p: &str| m.entries.iter().find(|e| e.path == p).unwrap();
+        assert_eq!((dir("b").mtime, dir("b").mtime_nsec), (10, 9));
+        assert_eq!((dir("b/c").mtime, dir("b/c").mtime_nsec), (10, 5));
+        assert_eq!(
+            (dir("a").kind, dir("a").mode, dir("a").mtime),
+            (EntryKind::Dir, DIR_MODE, 3)
+        );
+        assert_eq!(dir("a-z").hash, Some(Hash([1; 32])));
+        assert!(manifest(&[]).0.entries.is_empty());
     }
 
     #[test]

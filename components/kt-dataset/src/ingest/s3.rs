@@ -3,9 +3,14 @@
 //! An ingest lists the prefix, compares the listing with the record the
 //! previous ingest left in the staging directory ([`super::plan`]),
 //! removes staged files of objects gone, downloads only new and changed
-//! objects, then puts the staging tree into the key with
-//! [`kt_client::Client::put`] (incremental: only changed files move to the
-//! store; published atomically), lifespan `cluster`.
+//! objects and, at the same time, puts the staging tree into the key
+//! with [`kt_client::Client::put_arriving`] (incremental: only changed
+//! files move to the store; published atomically once the last object is
+//! in), lifespan `cluster`. The listing gives every object's name, size
+//! and time, so the put's manifest goes to the store before the first
+//! byte is down: a fetched object's hash deferred, a kept one's from the
+//! record. Each object is sent as soon as it is down and verified, its
+//! hash the one computed while it was written.
 //!
 //! Staging directory layout (`staging/`):
 //! - `tree/`: the dataset as files, exactly the objects listed (the put's
@@ -29,18 +34,24 @@
 //!   Leftover `.part` files are discarded, not resumed with a ranged GET:
 //!   a part's MD5 and blake3 would have to be recomputed from disk anyway,
 //!   and at most `concurrency` objects are lost;
-//! - the blake3 of each file, computed while it was written, seeds the
-//!   put's scan cache ([`kt_client::Client::scan_cache_path`]), so the put
-//!   neither reads nor hashes the files again (nor keeps their contents in
-//!   memory). Without a client cache directory the put hashes them itself.
+//! - the blake3 of each file, computed while it was written, is its hash
+//!   in the put ([`kt_client::Arrived`]), so the put reads each file once,
+//!   to send it, and never hashes it; the store hashes what it receives
+//!   and publishes nothing unless every file matches;
+//! - a failed download ends the put with nothing published (the key keeps
+//!   its version); what completed is in the record, so a retry skips it;
+//! - the staged tree is what the put published: each file's mode is
+//!   [`plan::FILE_MODE`] and its mtime the object's last-modified time, each
+//!   directory's mode [`plan::DIR_MODE`] and its mtime the latest of the
+//!   files below it ([`plan::manifest`]); [`kt_client::Client::put`] of it
+//!   publishes the same manifest.
 
-use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
@@ -52,7 +63,7 @@ use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectMeta, ObjectStore};
 
-use super::plan::{self, Listed, PlanError, Record, Recorded};
+use super::plan::{self, Listed, PlanError, Record, Recorded, Staged};
 use crate::crd::{IngestStatus, S3Source};
 
 /// Objects downloaded at once by default.
@@ -216,7 +227,8 @@ pub enum IngestEvent {
     },
     /// One object was downloaded and verified.
     Fetched { name: String, bytes: u64 },
-    /// The downloads are done; the put starts.
+    /// The put starts (beside the downloads: each object is sent as soon
+    /// as it is down).
     Putting,
 }
 
@@ -333,46 +345,19 @@ pub async fn ingest(
     st.save_record(&record)?;
     sweep(&st.tree, &plan)?;
 
-    let mut fetched_bytes = 0;
-    let mut last_save = Instant::now();
-    let mut downloads = futures::stream::iter(plan.fetch.iter().enumerate().map(|(i, l)| {
-        let store = store.clone();
-        let part = st.parts.join(format!("{i}.part"));
-        let dest = st.tree.join(&l.name);
-        async move { fetch_object(&store, l, &part, &dest, true).await }
-    }))
-    .buffer_unordered(cfg.concurrency.max(1));
-    let mut failed = None;
-    while let Some(done) = downloads.next().await {
-        match done {
-            Ok((l, rec)) => {
-                fetched_bytes += l.size;
-                note(IngestEvent::Fetched {
-                    name: l.name.clone(),
-                    bytes: l.size,
-                });
-                record.objects.insert(l.name.clone(), rec);
-                if last_save.elapsed() >= cfg.record_every {
-                    st.save_record(&record)?;
-                    last_save = Instant::now();
-                }
-            }
-            Err(e) => {
-                failed = Some(e);
-                break;
-            }
-        }
-    }
-    drop(downloads);
-    // What completed is kept, failure or not: a retry skips it.
-    st.save_record(&record)?;
-    if let Some(e) = failed {
-        clear_dir(&st.parts)?;
-        return Err(e);
-    }
-    seed_scan_cache(client, &st.tree, &record).await;
-
-    note(IngestEvent::Putting);
+    // The tree as it will be: kept files as staged, fetched ones as the
+    // listing says they will be (their hashes deferred).
+    let staged = staged_files(&st.tree, &plan, &record).await?;
+    let (manifest, index) = plan::manifest(&staged);
+    let dirs: Vec<(String, i64, u32)> = manifest
+        .entries
+        .iter()
+        .filter(|e| e.kind == kt_types::EntryKind::Dir)
+        .map(|e| (e.path.clone(), e.mtime, e.mtime_nsec))
+        .collect();
+    let pending: Vec<u32> = index[plan.keep.len()..].to_vec();
+    // Room for every arrival: a download never waits for the put.
+    let (arrived, arrivals) = tokio::sync::mpsc::channel(plan.fetch.len().max(1));
     let options = PutOptions {
         lifespan: Some(Lifespan::Cluster),
         ..PutOptions::default()
@@ -382,10 +367,90 @@ pub async fn ingest(
         key: key.clone(),
         error,
     };
-    let put = client
-        .put(key, &st.tree, options, Progress::none())
-        .await
-        .map_err(put_err)?;
+    note(IngestEvent::Putting);
+    let tree = kt_client::Arriving {
+        manifest,
+        pending: pending.clone(),
+        arrivals,
+    };
+    let putting = client.put_arriving(key, &st.tree, tree, options, Progress::none());
+    let fetching = async {
+        let mut fetched_bytes = 0;
+        let mut last_save = Instant::now();
+        let mut downloads = futures::stream::iter(plan.fetch.iter().zip(&pending).enumerate().map(
+            |(i, (l, &index))| {
+                let store = store.clone();
+                let part = st.parts.join(format!("{i}.part"));
+                let dest = st.tree.join(&l.name);
+                async move {
+                    let (l, rec, hash) = fetch_object(&store, l, &part, &dest, true).await?;
+                    let hash = hash.ok_or_else(|| IngestError::Object {
+                        key: l.key.clone(),
+                        message: "downloaded without its hash".to_owned(),
+                    })?;
+                    Ok::<_, IngestError>((l, rec, hash, index))
+                }
+            },
+        ))
+        .buffer_unordered(cfg.concurrency.max(1));
+        let (mut failed, mut put_ended): (Option<IngestError>, bool) = (None, false);
+        while let Some(done) = downloads.next().await {
+            match done {
+                Ok((l, rec, hash, index)) => {
+                    fetched_bytes += l.size;
+                    note(IngestEvent::Fetched {
+                        name: l.name.clone(),
+                        bytes: l.size,
+                    });
+                    record.objects.insert(l.name.clone(), rec);
+                    if last_save.elapsed() >= cfg.record_every {
+                        st.save_record(&record)?;
+                        last_save = Instant::now();
+                    }
+                    let hash = Hash(*hash.as_bytes());
+                    if arrived
+                        .send(kt_client::Arrived { index, hash })
+                        .await
+                        .is_err()
+                    {
+                        // The put ended (failed): it says why.
+                        put_ended = true;
+                        break;
+                    }
+                }
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        drop(downloads);
+        // The put fails, publishing nothing, unless every object arrived.
+        drop(arrived);
+        // What completed is kept, failure or not: a retry skips it.
+        st.save_record(&record)?;
+        if let Some(e) = failed {
+            clear_dir(&st.parts)?;
+            return Err(e);
+        }
+        if put_ended {
+            clear_dir(&st.parts)?;
+            return Ok(fetched_bytes);
+        }
+        // The directories as the manifest has them (renames into them
+        // changed their times).
+        let tree = st.tree.clone();
+        kt_sync::task::spawn(move || set_dir_times(&tree, &dirs))
+            .await
+            .map_err(|e| IngestError::Io {
+                path: st.tree.clone(),
+                error: io::Error::other(e.0),
+            })??;
+        Ok::<u64, IngestError>(fetched_bytes)
+    };
+    let (fetched, put) = tokio::join!(fetching, putting);
+    let fetched_bytes = fetched?;
+    let put = put.map_err(put_err)?;
     let version = match &put.record {
         Some(r) => r.version.clone(),
         None => client.stat(key).await.map_err(put_err)?.version,
@@ -478,21 +543,27 @@ async fn list(store: &AmazonS3, cfg: &S3Config) -> Result<Vec<Listed>, IngestErr
                 size: m.size,
                 e_tag: m.e_tag,
                 last_modified: m.last_modified.to_rfc3339(),
+                mtime: (
+                    m.last_modified.timestamp(),
+                    m.last_modified.timestamp_subsec_nanos().min(999_999_999),
+                ),
             }
         })
         .collect())
 }
 
 /// Downloads one object to `part`, verifies it, renames it to `dest`.
-/// With `hash`, computes its MD5 (checked against a plain-MD5 ETag) and
-/// blake3 while writing, and returns its record.
+/// With `hash` (an ingest), computes its MD5 (checked against a plain-MD5
+/// ETag) and blake3 while writing, gives the file mode
+/// [`plan::FILE_MODE`] and the object's last-modified time as mtime, and
+/// returns its record and blake3.
 async fn fetch_object<'a>(
     store: &AmazonS3,
     l: &'a Listed,
     part: &Path,
     dest: &Path,
     hash: bool,
-) -> Result<(&'a Listed, Recorded), IngestError> {
+) -> Result<(&'a Listed, Recorded, Option<blake3::Hash>), IngestError> {
     let object_err = |message: String| IngestError::Object {
         key: l.key.clone(),
         message,
@@ -505,7 +576,8 @@ async fn fetch_object<'a>(
     let mut body = got.into_stream();
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(QUEUED_CHUNKS);
     let part_owned = part.to_owned();
-    let writer = kt_sync::task::spawn(move || write_part(&part_owned, rx, hash));
+    let stamp = hash.then_some(l.mtime);
+    let writer = kt_sync::task::spawn(move || write_part(&part_owned, rx, stamp));
     let mut stream_err = None;
     while let Some(chunk) = body.next().await {
         match chunk {
@@ -562,17 +634,21 @@ async fn fetch_object<'a>(
             ctime: md.ctime(),
             ctime_nsec: md.ctime_nsec(),
         },
+        b3,
     ))
 }
 
 type Written = (u64, Option<[u8; 16]>, Option<blake3::Hash>);
 
-/// Writes what `rx` brings to `path` (created afresh), hashing on the way.
+/// Writes what `rx` brings to `path` (created afresh). With `stamp` (an
+/// ingest's: the object's mtime), hashes on the way and gives the file
+/// mode [`plan::FILE_MODE`] and that mtime.
 fn write_part(
     path: &Path,
     mut rx: tokio::sync::mpsc::Receiver<Bytes>,
-    hash: bool,
+    stamp: Option<(i64, u32)>,
 ) -> io::Result<Written> {
+    let hash = stamp.is_some();
     let mut out = io::BufWriter::with_capacity(WRITE_BUFFER, fs::File::create(path)?);
     let mut md5 = hash.then(md5::Md5::new);
     let mut b3 = hash.then(blake3::Hasher::new);
@@ -588,6 +664,12 @@ fn write_part(
         n += chunk.len() as u64;
     }
     out.flush()?;
+    if let Some(mtime) = stamp {
+        use std::os::unix::fs::PermissionsExt;
+        let f = out.get_ref();
+        f.set_permissions(fs::Permissions::from_mode(plan::FILE_MODE))?;
+        f.set_times(fs::FileTimes::new().set_modified(system_time(mtime)))?;
+    }
     Ok((
         n,
         md5.map(|h| h.finalize().into()),
@@ -665,37 +747,86 @@ fn clear_dir(dir: &Path) -> Result<(), IngestError> {
     Ok(())
 }
 
-/// Seeds the put's scan cache with the recorded hashes of the staged files
-/// whose stamps still match. Best effort: a cache not written only costs
-/// the put a re-hash.
-async fn seed_scan_cache(client: &Client, tree: &Path, record: &Record) {
-    let Some(cache_path) = client.scan_cache_path(tree) else {
-        return;
-    };
+/// The files of the staging tree once the fetched objects are in: first
+/// the kept ones as staged (their hashes from the record, else read now),
+/// then the fetched ones as the listing says they will be (mode
+/// [`plan::FILE_MODE`], the object's time, no hash yet).
+async fn staged_files(
+    tree: &Path,
+    plan: &plan::Plan,
+    record: &Record,
+) -> Result<Vec<Staged>, IngestError> {
     let tree = tree.to_owned();
-    let hashes: BTreeMap<String, Recorded> = record.objects.clone();
-    let seeded = kt_sync::task::spawn(move || {
-        let mut cache = kt_sync::ScanCache::load(&cache_path);
-        for (name, r) in &hashes {
-            let path = tree.join(name);
-            let Ok(md) = fs::symlink_metadata(&path) else {
-                continue;
-            };
-            let Ok(hash) = blake3::Hash::from_hex(&r.blake3) else {
-                continue;
-            };
-            if stamp_matches(&path, r) {
-                cache.insert(name, &md, Hash(*hash.as_bytes()));
-            }
-        }
-        cache.save(&cache_path)
+    let kept: Vec<(String, u64, Option<String>)> = plan
+        .keep
+        .iter()
+        .map(|l| {
+            let recorded = record.objects.get(&l.name).map(|r| r.blake3.clone());
+            (l.name.clone(), l.size, recorded)
+        })
+        .collect();
+    let mut files = kt_sync::task::spawn(move || {
+        kept.into_iter()
+            .map(|(name, size, recorded)| {
+                let path = tree.join(&name);
+                let md = fs::symlink_metadata(&path).map_err(io_at(&path))?;
+                let hash = match recorded.and_then(|h| blake3::Hash::from_hex(h).ok()) {
+                    Some(h) => Hash(*h.as_bytes()),
+                    None => kt_sync::scan::hash_file(&path, size).map_err(|e| IngestError::Io {
+                        path: path.clone(),
+                        error: io::Error::other(e),
+                    })?,
+                };
+                Ok(Staged {
+                    name,
+                    size: md.len(),
+                    mode: kt_types::manifest::safe_mode(md.mode()),
+                    mtime: md.mtime(),
+                    mtime_nsec: md.mtime_nsec().clamp(0, 999_999_999) as u32,
+                    hash: Some(hash),
+                })
+            })
+            .collect::<Result<Vec<_>, IngestError>>()
     })
-    .await;
-    match seeded {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::debug!(error = %e, "ingest: scan cache not seeded"),
-        Err(e) => tracing::debug!(error = %e, "ingest: scan cache not seeded"),
+    .await
+    .map_err(|e| IngestError::Io {
+        path: PathBuf::new(),
+        error: io::Error::other(e.0),
+    })??;
+    files.extend(plan.fetch.iter().map(|l| Staged {
+        name: l.name.clone(),
+        size: l.size,
+        mode: plan::FILE_MODE,
+        mtime: l.mtime.0,
+        mtime_nsec: l.mtime.1,
+        hash: None,
+    }));
+    Ok(files)
+}
+
+/// Gives each directory of the staging tree (`dirs`: path, mtime) the mode
+/// and time the put's manifest says.
+fn set_dir_times(tree: &Path, dirs: &[(String, i64, u32)]) -> Result<(), IngestError> {
+    use std::os::unix::fs::PermissionsExt;
+    for (rel, secs, nsec) in dirs {
+        let path = tree.join(rel);
+        let dir = fs::File::open(&path).map_err(io_at(&path))?;
+        dir.set_permissions(fs::Permissions::from_mode(plan::DIR_MODE))
+            .map_err(io_at(&path))?;
+        dir.set_times(fs::FileTimes::new().set_modified(system_time((*secs, *nsec))))
+            .map_err(io_at(&path))?;
     }
+    Ok(())
+}
+
+/// Seconds and nanoseconds since the epoch as a time.
+fn system_time((secs, nsec): (i64, u32)) -> SystemTime {
+    let base = if secs >= 0 {
+        UNIX_EPOCH + Duration::from_secs(secs.unsigned_abs())
+    } else {
+        UNIX_EPOCH - Duration::from_secs(secs.unsigned_abs())
+    };
+    base + Duration::from_nanos(u64::from(nsec))
 }
 
 /// An S3 error in one line: `Code: Message (HTTP status)` from the error
