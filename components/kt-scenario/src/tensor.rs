@@ -104,6 +104,10 @@ pub struct GetOutput {
     #[serde(default)]
     pub reused: bool,
     pub digest: String,
+    /// Where the quorum's plan put the rank among its members' nodes
+    /// (absent unless the members' agents reported their nodes).
+    #[serde(default)]
+    pub placement: Option<kt_types::tensor::Placement>,
 }
 
 /// The summary line of a command's stdout: the last line that is a JSON
@@ -206,6 +210,9 @@ pub fn get_record(outs: &[GetOutput]) -> Value {
             }
             if o.reused {
                 m.insert("reused".into(), json!(true));
+            }
+            if let Some(p) = &o.placement {
+                m.insert("placement".into(), json!(p));
             }
             m
         })
@@ -356,6 +363,7 @@ mod tests {
             world: rank.map(|_| 5),
             reused: false,
             digest: "ab".into(),
+            placement: None,
         }
     }
 

@@ -107,8 +107,9 @@ fn every_library_scenario_is_planned_or_skipped_with_a_reason() {
         // client image has none), frozen processes (kill -STOP), cut
         // links, the dataset scenarios' testbed nodes (topology `nodes`,
         // with `s3` too for dataset-s3) and the runner-side Prometheus of
-        // prometheus-broadcast (shard-stream is a Python one).
-        assert_eq!(skipped.len(), 22, "{flavor}: {skipped:#?}");
+        // prometheus-broadcast (shard-stream is a Python one), and pods
+        // pinned to the testbed's named nodes (tensor-same-node).
+        assert_eq!(skipped.len(), 23, "{flavor}: {skipped:#?}");
         assert!(
             skipped
                 .iter()

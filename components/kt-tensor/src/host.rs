@@ -23,6 +23,12 @@
 //! Every message starts with a header (magic, length); a length that is not
 //! what this rank expects means the ranks disagree about the plan, and the
 //! transfer fails rather than mixing tensors.
+//!
+//! Ranks that share a node ([`kt_types::tensor::Rank::node`], which the
+//! agents report from `KT_NODE_NAME`) are planned together
+//! ([`node_tree`]): a flow's tree crosses into each node once, to the
+//! node's first member, which passes it on to the others of its node, as
+//! NCCL keeps traffic between ranks of one host identity on P2P/SHM.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -32,7 +38,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use kt_types::tensor::{BackendKind, Device, MemHandle, TransferPlan};
+use kt_types::tensor::{BackendKind, Device, MemHandle, Placement, TransferPlan};
 
 use crate::shm::{HostBuf, ShmRegion};
 use crate::transport::{Backend, Comm, Endpoint, Region, TransportError, tree};
@@ -75,6 +81,95 @@ impl HostBackend {
     pub fn shm_dir(&self) -> &std::path::Path {
         &self.shm_dir
     }
+}
+
+/// The host backend's tree of one broadcast (`root` to `group`, `fanout`
+/// children per node of the tree) over ranks whose nodes are `nodes`
+/// (indexed by rank; empty: not known): this rank's parent and children.
+///
+/// Two levels: a [`tree`] from the root over each node's first member (the
+/// root leads its own node; a rank of unknown node is a node of its own),
+/// the only links between nodes, and within each node a [`tree`] from that
+/// first member over the node's ranks. Without nodes it is [`tree`]'s.
+pub fn node_tree(
+    nodes: &[String],
+    root: u32,
+    group: &[u32],
+    me: u32,
+    fanout: u32,
+) -> (Option<u32>, Vec<u32>) {
+    let node = |r: u32| nodes.get(r as usize).map_or("", String::as_str);
+    let mut order = Vec::with_capacity(group.len() + 1);
+    order.push(root);
+    order.extend(group.iter().copied().filter(|r| *r != root));
+    if order.iter().all(|r| node(*r).is_empty()) {
+        return tree(root, group, me, fanout);
+    }
+    if !order.contains(&me) {
+        return (None, Vec::new());
+    }
+    // Each known node's first member in the tree's order leads it.
+    let mut leader: HashMap<&str, u32> = HashMap::new();
+    for r in &order {
+        if !node(*r).is_empty() {
+            leader.entry(node(*r)).or_insert(*r);
+        }
+    }
+    let leads = |r: u32| node(r).is_empty() || leader.get(node(r)) == Some(&r);
+    let leaders: Vec<u32> = order.iter().copied().filter(|r| leads(*r)).collect();
+    let (mut parent, mut children) = if leads(me) {
+        tree(root, &leaders, me, fanout)
+    } else {
+        (None, Vec::new())
+    };
+    if !node(me).is_empty() {
+        let mates: Vec<u32> = order
+            .iter()
+            .copied()
+            .filter(|r| node(*r) == node(me))
+            .collect();
+        let (p, c) = tree(mates[0], &mates, me, fanout);
+        if mates[0] != me {
+            parent = p;
+        }
+        children.extend(c);
+    }
+    (parent, children)
+}
+
+/// Where `plan` puts rank `me` among its nodes (see [`Placement`]): its
+/// host identity, the other ranks of its node, and (host backend) the
+/// peers of its [`node_tree`]s on its node and on others.
+pub fn placement(plan: &TransferPlan, me: u32) -> Placement {
+    let node = plan.node_of(me);
+    let mut out = Placement {
+        host: if node.is_empty() {
+            String::new()
+        } else {
+            kt_types::tensor::node_host_id(node)
+        },
+        same_node: (0..plan.ranks.len() as u32)
+            .filter(|r| *r != me && plan.same_node(me, *r))
+            .collect(),
+        ..Placement::default()
+    };
+    if plan.backend != BackendKind::Host {
+        return out;
+    }
+    let nodes: Vec<String> = plan.ranks.iter().map(|r| r.node.clone()).collect();
+    let mut peers = std::collections::BTreeSet::new();
+    for f in &plan.flows {
+        let (parent, children) = node_tree(&nodes, f.root, &f.group(), me, plan.fanout);
+        peers.extend(parent.into_iter().chain(children));
+    }
+    for p in peers {
+        if plan.same_node(me, p) {
+            out.links_same_node += 1;
+        } else {
+            out.links_other_nodes += 1;
+        }
+    }
+    out
 }
 
 fn host_only(what: &str, device: Device) -> TransportError {
@@ -225,6 +320,8 @@ pub struct HostComm {
     rank: u32,
     /// Each rank's agent id and endpoint.
     peers: Vec<(String, String)>,
+    /// Each rank's node (empty: not known): see [`node_tree`].
+    nodes: Vec<String>,
     fanout: u32,
     timeout: Duration,
     conns: HashMap<u32, TcpStream>,
@@ -271,6 +368,7 @@ impl HostComm {
                 .iter()
                 .map(|r| (r.agent.clone(), r.endpoint.clone()))
                 .collect(),
+            nodes: plan.ranks.iter().map(|r| r.node.clone()).collect(),
             fanout: plan.fanout.max(1),
             timeout,
             conns: HashMap::new(),
@@ -292,7 +390,7 @@ impl HostComm {
         let mut peers = std::collections::BTreeSet::new();
         for f in &plan.flows {
             let group = f.group();
-            let (parent, children) = tree(f.root, &group, self.rank, self.fanout);
+            let (parent, children) = node_tree(&self.nodes, f.root, &group, self.rank, self.fanout);
             peers.extend(parent.into_iter().chain(children));
         }
         peers.into_iter().collect()
@@ -566,7 +664,7 @@ impl Comm for HostComm {
     }
 
     fn begin_flow(&mut self, root: u32, group: &[u32]) -> Result<(), TransportError> {
-        let (parent, children) = tree(root, group, self.rank, self.fanout);
+        let (parent, children) = node_tree(&self.nodes, root, group, self.rank, self.fanout);
         for c in &children {
             self.idle_byte(*c, READY, "waiting for the subtree of")?;
         }
@@ -608,7 +706,7 @@ impl HostComm {
         group: &[u32],
         parts: &mut [&mut [u8]],
     ) -> Result<(), TransportError> {
-        let (parent, children) = tree(root, group, self.rank, self.fanout);
+        let (parent, children) = node_tree(&self.nodes, root, group, self.rank, self.fanout);
         if parent.is_none() && self.rank != root {
             return Err(TransportError::Invalid(format!(
                 "rank {} is not in the group of this broadcast",
@@ -774,6 +872,7 @@ pub(crate) mod tests {
                     rank: r,
                     agent: format!("pod-{r}"),
                     member: String::new(),
+                    node: String::new(),
                     ip: "127.0.0.1".into(),
                     endpoint: eps[r as usize].clone(),
                 })
@@ -826,6 +925,133 @@ pub(crate) mod tests {
                     .iter()
                     .enumerate()
                     .all(|(i, x)| *x == ((i + 16) % 251) as u8),
+                "rank {r} got other bytes"
+            );
+        }
+    }
+
+    fn nodes(of: &[&str]) -> Vec<String> {
+        of.iter().map(|n| n.to_string()).collect()
+    }
+
+    /// Every rank of the group once, each child's parent the rank that
+    /// lists it; the links between nodes (a rank of unknown node a node of
+    /// its own).
+    fn check_tree(nodes: &[String], root: u32, group: &[u32], fanout: u32) -> usize {
+        let mut seen = vec![0; nodes.len()];
+        let mut across = 0;
+        let known = |r: u32| !nodes[r as usize].is_empty();
+        let mut members: Vec<u32> = group.iter().copied().chain([root]).collect();
+        members.sort_unstable();
+        members.dedup();
+        for me in members {
+            let (parent, children) = node_tree(nodes, root, group, me, fanout);
+            assert_eq!(parent.is_none(), me == root, "rank {me}");
+            for c in children {
+                seen[c as usize] += 1;
+                assert_eq!(node_tree(nodes, root, group, c, fanout).0, Some(me));
+                if !(known(me) && nodes[me as usize] == nodes[c as usize]) {
+                    across += 1;
+                }
+            }
+        }
+        seen[root as usize] += 1;
+        for r in group.iter().chain([&root]) {
+            assert_eq!(seen[*r as usize], 1, "rank {r}: {seen:?}");
+        }
+        across
+    }
+
+    /// Two nodes, two pods each: the tree crosses from the root's node to
+    /// the other node once, and that node's first member passes the data on
+    /// to its other member.
+    #[test]
+    fn trees_cross_into_each_node_once() {
+        let two_by_two = nodes(&["node-a", "node-a", "node-b", "node-b"]);
+        let group = [0, 1, 2, 3];
+        assert_eq!(node_tree(&two_by_two, 0, &group, 0, 50), (None, vec![2, 1]));
+        assert_eq!(node_tree(&two_by_two, 0, &group, 1, 50), (Some(0), vec![]));
+        assert_eq!(node_tree(&two_by_two, 0, &group, 2, 50), (Some(0), vec![3]));
+        assert_eq!(node_tree(&two_by_two, 0, &group, 3, 50), (Some(2), vec![]));
+        assert_eq!(check_tree(&two_by_two, 0, &group, 50), 1);
+        // Without nodes: the plain tree (the root to every other rank).
+        let none = nodes(&["", "", "", ""]);
+        assert_eq!(node_tree(&none, 0, &group, 0, 50), (None, vec![1, 2, 3]));
+        assert_eq!(check_tree(&none, 0, &group, 50), 3);
+        // Interleaved ranks, any root, fanout, and ranks of unknown node.
+        let mixed = nodes(&["a", "b", "c", "a", "b", "", "c", "a", "b", "", "a", "c"]);
+        let all: Vec<u32> = (0..12).collect();
+        let none12 = vec![String::new(); 12];
+        for fanout in [1, 2, 3, 50] {
+            for root in [0, 5, 7] {
+                // Three nodes and two ranks of none: four links across.
+                assert_eq!(check_tree(&mixed, root, &all, fanout), 4, "root {root}");
+                for me in 0..12 {
+                    assert_eq!(
+                        node_tree(&none12, root, &all, me, fanout),
+                        tree(root, &all, me, fanout)
+                    );
+                }
+            }
+            // A subgroup without rank 3 and 11.
+            let sub = [0, 1, 2, 4, 5, 6, 7, 8, 9, 10];
+            assert_eq!(check_tree(&mixed, 1, &sub, fanout), 4);
+        }
+        assert_eq!(node_tree(&mixed, 0, &[0, 3], 7, 2), (None, vec![]));
+    }
+
+    /// The placement a rank reports: its host identity, its node's other
+    /// ranks, and its tree's links within and across nodes.
+    #[test]
+    fn placements_count_links_within_and_across_nodes() {
+        let mut plan = plan_of(4, 50, &vec![String::new(); 4]);
+        for (r, n) in ["node-a", "node-a", "node-b", "node-b"].iter().enumerate() {
+            plan.ranks[r].node = n.to_string();
+        }
+        let expect = |host: &str, same: &[u32], within, across| Placement {
+            host: host.into(),
+            same_node: same.to_vec(),
+            links_same_node: within,
+            links_other_nodes: across,
+        };
+        assert_eq!(placement(&plan, 0), expect("kt-node-node-a", &[1], 1, 1));
+        assert_eq!(placement(&plan, 1), expect("kt-node-node-a", &[0], 1, 0));
+        assert_eq!(placement(&plan, 2), expect("kt-node-node-b", &[3], 1, 1));
+        assert_eq!(placement(&plan, 3), expect("kt-node-node-b", &[2], 1, 0));
+        // NCCL plans its own rings: the nodes, not the links.
+        plan.backend = BackendKind::Nccl;
+        assert_eq!(placement(&plan, 2), expect("kt-node-node-b", &[3], 0, 0));
+    }
+
+    /// Over TCP: ranks on two nodes get every byte down the node-aware
+    /// tree.
+    #[test]
+    fn a_broadcast_by_node_reaches_every_rank() {
+        let len = 5 << 20; // more than one piece
+        let on = ["node-a", "node-b", "node-a", "node-b", "node-b"];
+        let results = on_every_rank(
+            5,
+            |plan| {
+                for (r, n) in on.iter().enumerate() {
+                    plan.ranks[r].node = n.to_string();
+                }
+            },
+            Duration::from_secs(20),
+            |r, _, _, mut c| {
+                let mut buf = HostBuf(vec![0; len]);
+                if r == 0 {
+                    for (i, x) in buf.0.iter_mut().enumerate() {
+                        *x = (i % 253) as u8;
+                    }
+                }
+                c.broadcast(0, &[0, 1, 2, 3, 4], &mut buf, 0, len as u64)
+                    .unwrap();
+                buf.0
+            },
+        );
+        for (r, buf) in results.iter().enumerate() {
+            assert!(
+                buf.iter().enumerate().all(|(i, x)| *x == (i % 253) as u8),
                 "rank {r} got other bytes"
             );
         }

@@ -568,6 +568,10 @@ pub struct Rank {
     pub ip: String,
     /// Backend address of the member (host: its data listener `ip:port`).
     pub endpoint: String,
+    /// The node the member's agent runs on ([`QuorumJoin::node`]); empty:
+    /// not known (the rank is a host of its own to the plan).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub node: String,
 }
 
 impl Rank {
@@ -585,6 +589,38 @@ pub fn member_label(agent: &str, member: &str) -> String {
     } else {
         format!("{agent}/{member}")
     }
+}
+
+/// Longest node name ([`QuorumJoin::node`]): a Kubernetes node's name is
+/// a DNS subdomain.
+pub const MAX_NODE_NAME_LEN: usize = 253;
+
+/// Why `n` is not a node name a quorum member may report
+/// ([`QuorumJoin::node`]: a DNS-1123 subdomain, as Kubernetes names its
+/// nodes: 1 to [`MAX_NODE_NAME_LEN`] lowercase ASCII letters, digits, `-`
+/// and `.`, starting and ending with a letter or digit), if it is not.
+pub fn node_name_problem(n: &str) -> Option<String> {
+    let edge = |b: Option<&u8>| b.is_some_and(|b| b.is_ascii_lowercase() || b.is_ascii_digit());
+    let ok = !n.is_empty()
+        && n.len() <= MAX_NODE_NAME_LEN
+        && n.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.'))
+        && edge(n.as_bytes().first())
+        && edge(n.as_bytes().last());
+    (!ok).then(|| {
+        format!(
+            "node name {n:?} must be 1 to {MAX_NODE_NAME_LEN} lowercase ASCII letters, digits, \
+             '-' or '.', starting and ending with a letter or digit (a Kubernetes node's \
+             spec.nodeName)"
+        )
+    })
+}
+
+/// The host identity of the ranks on `node`: ranks of one node share it,
+/// and it is the `NCCL_HOSTID` an agent on that node gives NCCL under
+/// `KT_NCCL_SAME_NODE=p2p`, so NCCL connects them over P2P/NVLink or SHM.
+pub fn node_host_id(node: &str) -> String {
+    format!("kt-node-{node}")
 }
 
 /// Longest member id ([`QuorumJoin::member`]).
@@ -775,6 +811,38 @@ pub struct TransferPlan {
 }
 
 impl TransferPlan {
+    /// The node of rank `r` (empty: not known, or no such rank).
+    pub fn node_of(&self, r: u32) -> &str {
+        self.ranks.get(r as usize).map_or("", |x| x.node.as_str())
+    }
+
+    /// Whether ranks `a` and `b` are known to run on one node (a rank of
+    /// unknown node shares it with no other).
+    pub fn same_node(&self, a: u32, b: u32) -> bool {
+        let n = self.node_of(a);
+        !n.is_empty() && n == self.node_of(b)
+    }
+
+    /// The plan's ranks grouped by node: each known node with its ranks,
+    /// ascending, nodes in the order of their lowest rank. Ranks of
+    /// unknown node are left out. Members of one node are one host to the
+    /// transport ([`node_host_id`]): the host backend's trees cross each
+    /// node's boundary once, NCCL (`KT_NCCL_SAME_NODE=p2p`) connects them
+    /// over P2P/NVLink or SHM.
+    pub fn nodes(&self) -> Vec<(&str, Vec<u32>)> {
+        let mut out: Vec<(&str, Vec<u32>)> = Vec::new();
+        for r in &self.ranks {
+            if r.node.is_empty() {
+                continue;
+            }
+            match out.iter_mut().find(|(n, _)| *n == r.node) {
+                Some((_, ranks)) => ranks.push(r.rank),
+                None => out.push((r.node.as_str(), vec![r.rank])),
+            }
+        }
+        out
+    }
+
     /// Checks the plan's shape: ranks numbered 0..n, flows naming ranks that
     /// exist, a root that does not receive its own flow.
     pub fn validate(&self) -> Result<(), String> {
@@ -830,6 +898,31 @@ pub struct TensorStats {
     /// for point-to-point gets.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub sources: Vec<TensorSource>,
+    /// A quorum rank's place among its plan's nodes; absent when no rank
+    /// of the plan reported its node.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<Placement>,
+}
+
+/// Where a quorum's plan put a rank among the nodes of its members
+/// ([`TransferPlan::nodes`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// The rank's host identity ([`node_host_id`] of its node); empty when
+    /// its node is not known (a host of its own).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub host: String,
+    /// The other ranks of the plan on its node, ascending.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub same_node: Vec<u32>,
+    /// Host backend: the peers of the rank's trees (its parent and
+    /// children over every flow it takes part in, each peer once) on its
+    /// node. NCCL plans its own rings and trees (0 here).
+    #[serde(default)]
+    pub links_same_node: u32,
+    /// Host backend: those peers on other nodes (or of unknown node).
+    #[serde(default)]
+    pub links_other_nodes: u32,
 }
 
 // ---- the control socket (version 2) --------------------------------------
@@ -1029,6 +1122,12 @@ pub struct QuorumJoin {
     pub ip: String,
     /// The agent's backend endpoint (its [`Rank::endpoint`] in the plan).
     pub endpoint: String,
+    /// The node the agent's pod runs on (`KT_NODE_NAME`, the downward
+    /// API's `spec.nodeName`; [`node_name_problem`] says what is valid):
+    /// the plan groups members by node ([`TransferPlan::nodes`]). Empty:
+    /// not known (older agents, or a pod without it).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub node: String,
     /// The member's backend; the round's first join fixes it, and a
     /// member on another one is refused.
     pub backend: BackendKind,
@@ -1281,11 +1380,85 @@ mod tests {
     }
 
     #[test]
+    fn node_names_are_kubernetes_node_names() {
+        let (longest, too_long) = ("n".repeat(253), "n".repeat(254));
+        for ok in [
+            "node-a",
+            "gpu-node-3",
+            "ip-10-0-1-7.ec2.internal",
+            "a",
+            longest.as_str(),
+        ] {
+            assert_eq!(node_name_problem(ok), None, "{ok}");
+        }
+        for bad in [
+            "",
+            "Node-a",
+            "-a",
+            "a-",
+            ".a",
+            "a_b",
+            "a b",
+            "a/b",
+            "nœud",
+            too_long.as_str(),
+        ] {
+            let why = node_name_problem(bad).expect(bad);
+            assert!(why.contains("node name") && why.contains("253"), "{why}");
+        }
+        assert_eq!(node_host_id("gpu-node-3"), "kt-node-gpu-node-3");
+    }
+
+    /// The pure part of planning pods that share a node: members on two
+    /// nodes, two pods each (and one of unknown node).
+    #[test]
+    fn plans_group_their_ranks_by_node() {
+        let rank = |r: u32, node: &str| Rank {
+            rank: r,
+            agent: format!("pod-{r}"),
+            member: String::new(),
+            node: node.into(),
+            ip: "10.0.0.1".into(),
+            endpoint: "10.0.0.1:1".into(),
+        };
+        let plan = TransferPlan {
+            id: "t".into(),
+            backend: BackendKind::Host,
+            ranks: vec![
+                rank(0, "node-a"),
+                rank(1, "node-b"),
+                rank(2, "node-a"),
+                rank(3, ""),
+                rank(4, "node-b"),
+            ],
+            flows: vec![],
+            packing: Packing::default(),
+            fanout: 2,
+        };
+        assert_eq!(
+            plan.nodes(),
+            [("node-a", vec![0, 2]), ("node-b", vec![1, 4])]
+        );
+        assert!(plan.same_node(0, 2) && plan.same_node(4, 1));
+        assert!(!plan.same_node(0, 1) && !plan.same_node(3, 3) && !plan.same_node(0, 9));
+        assert_eq!(
+            (plan.node_of(4), plan.node_of(3), plan.node_of(9)),
+            ("node-b", "", "")
+        );
+        // A rank without a node says nothing of it on the wire.
+        let json = serde_json::to_value(&plan.ranks[3]).unwrap();
+        assert!(json.get("node").is_none(), "{json}");
+        let back: Rank = serde_json::from_value(json).unwrap();
+        assert_eq!(back, plan.ranks[3]);
+    }
+
+    #[test]
     fn plans_are_validated() {
         let rank = |r: u32| Rank {
             rank: r,
             agent: format!("a{r}"),
             member: String::new(),
+            node: String::new(),
             ip: "10.0.0.1".into(),
             endpoint: "10.0.0.1:1".into(),
         };

@@ -43,6 +43,7 @@ fn member(agent: &str, role: QuorumRole, w: &BroadcastWindow) -> QuorumJoin {
     let ip = format!("10.0.0.{n}");
     QuorumJoin {
         member: String::new(),
+        node: String::new(),
         agent: agent.into(),
         endpoint: format!("{ip}:8100"),
         ip,

@@ -403,6 +403,7 @@ pub(super) fn plan(group: &str, round: &Round, by: ClosedBy, id: String) -> Clos
                 member: m.join.member.clone(),
                 ip: m.join.ip.clone(),
                 endpoint: m.join.endpoint.clone(),
+                node: m.join.node.clone(),
             })
             .collect(),
         flows,
@@ -560,6 +561,11 @@ pub(super) fn check_join(group: &str, j: &QuorumJoin) -> Result<IpAddr, QuorumEr
         j.ip.parse::<IpAddr>()
             .map_err(|_| bad(format!("member ip {:?} is not an IP address", j.ip)))?;
     bounded_text("endpoint", &j.endpoint, MAX_ENDPOINT_LEN)?;
+    if !j.node.is_empty()
+        && let Some(why) = t::node_name_problem(&j.node)
+    {
+        return Err(bad(why));
+    }
     let w = &j.window;
     if let Some(g) = &w.group_id
         && g != group
@@ -750,6 +756,48 @@ mod tests {
         assert_eq!(c.answer("g", 1).unwrap().rank, 2);
         assert_eq!(c.answer("g", 4).unwrap().rank, 1);
         assert_eq!(c.answer("g", 4).unwrap().closed_by, "timeout");
+    }
+
+    /// Members on two nodes, two pods each: every rank carries the node
+    /// its agent reported, and the plan groups them by node; a member of
+    /// unknown node shares it with no one.
+    #[test]
+    fn plans_say_which_members_share_a_node() {
+        let w = window(None, 5.0);
+        let on = |node: &str, mut j: QuorumJoin| {
+            j.node = node.into();
+            j
+        };
+        let r = round(vec![
+            on("node-b", getter("a3", vec![key("x", 4)], &w)),
+            on("node-a", putter("a1", vec![key("x", 4)], &w)),
+            on("node-b", getter("a4", vec![key("x", 4)], &w)),
+            on("node-a", getter("a2", vec![key("x", 4)], &w)),
+            getter("a5", vec![key("x", 4)], &w),
+        ]);
+        check_join("g", &r.members[0].join).unwrap();
+        let c = plan("g", &r, ClosedBy::Timeout, "tid".into());
+        let p = c.plan.as_ref().unwrap();
+        let placed: Vec<(&str, &str)> = p
+            .ranks
+            .iter()
+            .map(|r| (r.agent.as_str(), r.node.as_str()))
+            .collect();
+        assert_eq!(
+            placed,
+            [
+                ("a1", "node-a"),
+                ("a2", "node-a"),
+                ("a3", "node-b"),
+                ("a4", "node-b"),
+                ("a5", "")
+            ]
+        );
+        assert_eq!(p.nodes(), [("node-a", vec![0, 1]), ("node-b", vec![2, 3])]);
+        assert!(p.same_node(2, 3) && !p.same_node(1, 2) && !p.same_node(4, 4));
+        // Older agents send no node, and the plan then names none.
+        let json = serde_json::to_value(&p.ranks[4]).unwrap();
+        assert!(json.get("node").is_none(), "{json}");
     }
 
     /// A getter whose token reads only some services takes no rank for a
@@ -1219,6 +1267,12 @@ mod tests {
         let mut j = ok.clone();
         j.window.fanout = 0;
         cases.push(("g", j, "fanout"));
+        let too_long = "n".repeat(254);
+        for node in ["Node-A", "-a", "a b", "a/b", too_long.as_str()] {
+            let mut j = ok.clone();
+            j.node = node.into();
+            cases.push(("g", j, "node name"));
+        }
         let held = |members: &[&str]| HeldComm {
             id: "c".into(),
             members: members.iter().map(|m| m.to_string()).collect(),

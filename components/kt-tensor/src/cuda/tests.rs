@@ -274,6 +274,7 @@ fn plan(world: u32) -> TransferPlan {
                 rank: r,
                 agent: format!("a{r}"),
                 member: String::new(),
+                node: String::new(),
                 ip: "127.0.0.1".into(),
                 endpoint: "127.0.0.1".into(),
             })
