@@ -73,7 +73,9 @@ def replacement(template, source, target, comment, create=True, of="spec"):
     return out
 
 
-AGENT_RESTART = "initContainers.[name=kt-agent].restartPolicy"
+# The agent sidecar, below the pod spec.
+AGENT = "initContainers.[name=kt-agent]"
+AGENT_RESTART = f"{AGENT}.restartPolicy"
 
 
 def require_agent(template, component):
@@ -137,6 +139,25 @@ def drop_template(name):
     ]
 
 
+def agent_component(template, template_file, doc, component, body):
+    """The kustomization of a component that edits agent-sidecar's agent:
+    its head, the check that the agent is there already (require_agent),
+    `body` (its replacements, and patches after them), and the template's
+    drop."""
+    lines = component_head(template_file, doc)
+    lines += require_agent(template, component)
+    lines += body
+    lines += drop_template(template)
+    return "\n".join(lines) + "\n"
+
+
+def pod_field(template, path, comment, of="spec"):
+    """The replacement copying the template's `path` (below its pod spec,
+    or with of="metadata" below its pod template's metadata) to the same
+    path of every labelled workload kind."""
+    return replacement(template, f"spec.template.{of}.{path}", path, comment, of=of)
+
+
 def comment_block(text):
     return [("# " + line).rstrip() for line in text.strip("\n").splitlines()]
 
@@ -186,11 +207,9 @@ def agent_sidecar():
     t = SIDECAR_TEMPLATE
     lines = component_head("sidecar.yaml", SIDECAR_DOC)
     for v in SIDECAR_VOLUMES:
-        lines += replacement(t, f"spec.template.spec.volumes.[name={v}]",
-                             f"volumes.[name={v}]", f"Pod volume {v}.")
-    lines += replacement(t, "spec.template.spec.initContainers.[name=kt-agent]",
-                         "initContainers.[name=kt-agent]",
-                         "The agent: a native sidecar, after the workload's own init containers.")
+        lines += pod_field(t, f"volumes.[name={v}]", f"Pod volume {v}.")
+    lines += pod_field(t, AGENT,
+                       "The agent: a native sidecar, after the workload's own init containers.")
     for e in WORKLOAD_ENV:
         lines += replacement(t, f"spec.template.spec.containers.[name=workload].env.[name={e}]",
                              f"containers.0.env.[name={e}]",
@@ -236,21 +255,12 @@ GPU_TEMPLATE = "kt-gpu-template"
 
 def gpu():
     t = GPU_TEMPLATE
-    lines = component_head("gpu.yaml", GPU_DOC)
-    lines += require_agent(t, "gpu")
-    lines += replacement(t, "spec.template.spec.tolerations.[key=nvidia.com/gpu]",
-                         "tolerations.[key=nvidia.com/gpu]",
-                         "GPU nodes' taint.")
-    lines += replacement(t, "spec.template.spec.initContainers.[name=kt-agent].image",
-                         "initContainers.[name=kt-agent].image",
-                         "The agent sidecar: the image with NCCL.")
+    body = pod_field(t, "tolerations.[key=nvidia.com/gpu]", "GPU nodes' taint.")
+    body += pod_field(t, f"{AGENT}.image",
+                      "The agent sidecar: the image with NCCL.")
     for e in ["NVIDIA_DRIVER_CAPABILITIES"]:
-        lines += replacement(
-            t, f"spec.template.spec.initContainers.[name=kt-agent].env.[name={e}]",
-            f"initContainers.[name=kt-agent].env.[name={e}]",
-            f"The agent sidecar: {e}.")
-    lines += drop_template(t)
-    return "\n".join(lines) + "\n"
+        body += pod_field(t, f"{AGENT}.env.[name={e}]", f"The agent sidecar: {e}.")
+    return agent_component(t, "gpu.yaml", GPU_DOC, "gpu", body)
 
 
 GPU_DRA_DOC = f"""
@@ -274,21 +284,15 @@ GPU_DRA_TEMPLATE = "kt-gpu-dra-template"
 
 def gpu_dra():
     t = GPU_DRA_TEMPLATE
-    lines = component_head("gpu-dra.yaml", GPU_DRA_DOC)
-    lines += require_agent(t, "gpu-dra")
-    lines += replacement(t, "spec.template.spec.resourceClaims.[name=gpu]",
-                         "resourceClaims.[name=gpu]",
-                         "The pod's claim `gpu`, from the ResourceClaimTemplate kt-gpu.")
-    lines += replacement(
-        t, "spec.template.spec.initContainers.[name=kt-agent].resources.claims.[name=gpu]",
-        "initContainers.[name=kt-agent].resources.claims.[name=gpu]",
-        "The agent sidecar: the claim's GPUs.")
-    lines += replacement(
+    body = pod_field(t, "resourceClaims.[name=gpu]",
+                     "The pod's claim `gpu`, from the ResourceClaimTemplate kt-gpu.")
+    body += pod_field(t, f"{AGENT}.resources.claims.[name=gpu]",
+                      "The agent sidecar: the claim's GPUs.")
+    body += replacement(
         t, "spec.template.spec.containers.[name=workload].resources.claims.[name=gpu]",
         "containers.0.resources.claims.[name=gpu]",
         "The workload's first container: the same GPUs.")
-    lines += drop_template(t)
-    return "\n".join(lines) + "\n"
+    return agent_component(t, "gpu-dra.yaml", GPU_DRA_DOC, "gpu-dra", body)
 
 
 GPU_RDMA_DOC = f"""
@@ -420,25 +424,18 @@ spec:
 
 def gpu_rdma():
     t = GPU_RDMA_TEMPLATE
-    agent = "initContainers.[name=kt-agent]"
-    lines = component_head("gpu-rdma.yaml", GPU_RDMA_DOC)
-    lines += require_agent(t, "gpu-rdma")
+    body = []
     for side in ("requests", "limits"):
-        lines += replacement(t, f"spec.template.spec.{agent}.resources.{side}.{RDMA_RESOURCE}",
-                             f"{agent}.resources.{side}.{RDMA_RESOURCE}",
-                             f"The agent sidecar: one HCA ({side}).")
-    lines += replacement(t, f"spec.template.spec.{agent}.resources.limits.memory",
-                         f"{agent}.resources.limits.memory",
-                         "The agent sidecar: room for a CUDA context and NCCL's buffers.")
-    lines += replacement(t, f"spec.template.spec.{agent}.securityContext.capabilities.add",
-                         f"{agent}.securityContext.capabilities.add",
-                         "The agent sidecar: IPC_LOCK (ibverbs registration), alone.")
+        body += pod_field(t, f"{AGENT}.resources.{side}.{RDMA_RESOURCE}",
+                          f"The agent sidecar: one HCA ({side}).")
+    body += pod_field(t, f"{AGENT}.resources.limits.memory",
+                      "The agent sidecar: room for a CUDA context and NCCL's buffers.")
+    body += pod_field(t, f"{AGENT}.securityContext.capabilities.add",
+                      "The agent sidecar: IPC_LOCK (ibverbs registration), alone.")
     for k in workload_nccl_env():
-        lines += replacement(t, f"spec.template.spec.{agent}.env.[name={k}]",
-                             f"{agent}.env.[name={k}]",
-                             f"The agent sidecar: {k} from the ConfigMap {NCCL_CONFIGMAP}, if set.")
-    lines += drop_template(t)
-    return "\n".join(lines) + "\n"
+        body += pod_field(t, f"{AGENT}.env.[name={k}]",
+                          f"The agent sidecar: {k} from the ConfigMap {NCCL_CONFIGMAP}, if set.")
+    return agent_component(t, "gpu-rdma.yaml", GPU_RDMA_DOC, "gpu-rdma", body)
 
 
 IDENTITY_DOC = f"""
@@ -467,21 +464,14 @@ IDENTITY_TEMPLATE = "kt-agent-identity-template"
 
 def agent_identity():
     t = IDENTITY_TEMPLATE
-    lines = component_head("identity.yaml", IDENTITY_DOC)
-    lines += require_agent(t, "agent-identity")
-    lines += replacement(t, "spec.template.metadata.annotations.[kt.dev/identity]",
-                         "annotations.[kt.dev/identity]",
-                         "The pod template: which token its kt uses (policy.py checks it).",
-                         of="metadata")
-    lines += replacement(t, "spec.template.spec.volumes.[name=kt-token]",
-                         "volumes.[name=kt-token]",
-                         "Pod volume kt-token: the pod's projected ServiceAccount token.")
-    lines += replacement(
-        t, "spec.template.spec.initContainers.[name=kt-agent].env.[name=KT_KUBE_AUTH]",
-        "initContainers.[name=kt-agent].env.[name=KT_KUBE_AUTH]",
-        "The agent sidecar: KT_KUBE_AUTH.")
-    lines += drop_template(t)
-    return "\n".join(lines) + "\n"
+    body = pod_field(t, "annotations.[kt.dev/identity]",
+                     "The pod template: which token its kt uses (policy.py checks it).",
+                     of="metadata")
+    body += pod_field(t, "volumes.[name=kt-token]",
+                      "Pod volume kt-token: the pod's projected ServiceAccount token.")
+    body += pod_field(t, f"{AGENT}.env.[name=KT_KUBE_AUTH]",
+                      "The agent sidecar: KT_KUBE_AUTH.")
+    return agent_component(t, "identity.yaml", IDENTITY_DOC, "agent-identity", body)
 
 
 TLS_DOC = f"""
@@ -514,44 +504,34 @@ TLS_TEMPLATE = "kt-agent-tls-template"
 TLS_ENV = ["KT_METADATA_URL", "KT_CA_FILE"]
 
 
-AGENT_PATH = "spec.template.spec.initContainers.[name=kt-agent]"
-
-
 def agent_volume_and_env(template, volume, volume_doc, env):
     """Replacements of a pod volume and of the agent sidecar's `env` entries."""
-    lines = replacement(template, f"spec.template.spec.volumes.[name={volume}]",
-                        f"volumes.[name={volume}]", volume_doc)
+    lines = pod_field(template, f"volumes.[name={volume}]", volume_doc)
     for e in env:
-        lines += replacement(template, f"{AGENT_PATH}.env.[name={e}]",
-                             f"initContainers.[name=kt-agent].env.[name={e}]",
-                             f"The agent sidecar: {e}.")
+        lines += pod_field(template, f"{AGENT}.env.[name={e}]", f"The agent sidecar: {e}.")
     return lines
 
 
 def agent_mount(template, volume):
     """The replacement of the agent sidecar's mount of `volume`."""
-    return replacement(template, f"{AGENT_PATH}.volumeMounts.[name={volume}]",
-                       f"initContainers.[name=kt-agent].volumeMounts.[name={volume}]",
-                       f"The agent sidecar: mount of {volume}.")
+    return pod_field(template, f"{AGENT}.volumeMounts.[name={volume}]",
+                     f"The agent sidecar: mount of {volume}.")
 
 
 def agent_tls():
     t = TLS_TEMPLATE
     workload = "spec.template.spec.containers.[name=workload]"
-    lines = component_head("tls.yaml", TLS_DOC)
-    lines += require_agent(t, "agent-tls")
-    lines += agent_volume_and_env(
+    body = agent_volume_and_env(
         t, "kt-tls", "Pod volume kt-tls: the CA's certificate (ca.crt), from the csi-driver.", TLS_ENV)
-    lines += agent_mount(t, "kt-tls")
+    body += agent_mount(t, "kt-tls")
     for e in TLS_ENV:
-        lines += replacement(t, f"{workload}.env.[name={e}]",
-                             f"containers.0.env.[name={e}]",
-                             f"The workload's first container: {e}.")
-    lines += replacement(t, f"{workload}.volumeMounts.[name=kt-tls]",
-                         "containers.0.volumeMounts.[name=kt-tls]",
-                         "The workload's first container: mount of kt-tls.")
-    lines += drop_template(t)
-    return "\n".join(lines) + "\n"
+        body += replacement(t, f"{workload}.env.[name={e}]",
+                            f"containers.0.env.[name={e}]",
+                            f"The workload's first container: {e}.")
+    body += replacement(t, f"{workload}.volumeMounts.[name=kt-tls]",
+                        "containers.0.volumeMounts.[name=kt-tls]",
+                        "The workload's first container: mount of kt-tls.")
+    return agent_component(t, "tls.yaml", TLS_DOC, "agent-tls", body)
 
 
 FLIGHT_DOC = f"""
@@ -563,7 +543,10 @@ labelled `kt.dev/agent: sidecar` serves Flight DoGet on its pod's port
 KT_FLIGHT_MAX_CALLS: 1GiB x 4), never the agent's 256Mi state volume,
 which a call would outgrow (the kubelet then evicts the pod). The agent
 refuses to start when that volume holds less. Change the three together
-(policy.py's flight-scratch rule checks them). See flight.yaml.
+(policy.py's flight-scratch rule checks them). The agent's memory limit
+becomes 1792Mi: 512Mi plus 320Mi per call (flight.rs's CALL_MEMORY) times
+KT_FLIGHT_MAX_CALLS (policy.py's flight-memory rule checks it). See
+flight.yaml.
 List it AFTER agent-sidecar (listed before it, the build fails), and
 after agent-networkpolicy where that is in the same build: it adds the
 port to that NetworkPolicy (from the namespace's pods only). Callers' kt
@@ -581,16 +564,14 @@ FLIGHT_PORT = 8815
 
 def flight():
     t = FLIGHT_TEMPLATE
-    lines = component_head("flight.yaml", FLIGHT_DOC)
-    lines += require_agent(t, "flight")
-    lines += agent_volume_and_env(
+    body = agent_volume_and_env(
         t, "kt-flight", "Pod volume kt-flight: what Flight calls fetch ahead (budget x calls).",
         FLIGHT_ENV)
-    lines += replacement(t, f"{AGENT_PATH}.ports.[name=flight]",
-                         "initContainers.[name=kt-agent].ports.[name=flight]",
-                         "The agent sidecar: the Flight port.")
-    lines += agent_mount(t, "kt-flight")
-    lines += [
+    body += pod_field(t, f"{AGENT}.ports.[name=flight]", "The agent sidecar: the Flight port.")
+    body += pod_field(t, f"{AGENT}.resources.limits.memory",
+                      "The agent sidecar: memory for its Flight calls (CALL_MEMORY x calls).")
+    body += agent_mount(t, "kt-flight")
+    body += [
         "patches:",
         "  # agent-networkpolicy's NetworkPolicy, when listed before this in the",
         "  # same build: the Flight port too (nothing happens without it).",
@@ -603,8 +584,7 @@ def flight():
         "        path: /spec/ingress/0/ports/-",
         f"        value: {{port: {FLIGHT_PORT}, protocol: TCP}}",
     ]
-    lines += drop_template(t)
-    return "\n".join(lines) + "\n"
+    return agent_component(t, "flight.yaml", FLIGHT_DOC, "flight", body)
 
 
 INJECTOR = COMPONENTS / "sidecar-injector"

@@ -80,6 +80,13 @@ LD_PRELOAD, KT_* or OTEL_* there); its values from the ConfigMap kt-nccl
 are exactly the NCCL settings the agent honours (netenv.rs's
 WORKLOAD_NCCL_ENV, as components.py reads it), each under its own name.
 
+Arrow Flight (the flight component): an agent with KT_FLIGHT_ADDR fetches
+into an emptyDir of its own (KT_FLIGHT_DIR) whose sizeLimit holds
+KT_FLIGHT_BUDGET x KT_FLIGHT_MAX_CALLS (flight-scratch); its memory limit
+holds 512Mi plus KT_FLIGHT_MAX_CALLS x what one call may hold, flight.rs's
+CALL_MEMORY (flight-memory); the agents' NetworkPolicy, where the bundle
+has it, admits the Flight port (flight-port).
+
 testbed/k8s/cases/<name>/ are rendered test cases: those with a file
 `expect-policy` are negative cases, whose every line `Kind/name rule`
 names a violation that must be reported (and is then not an error);
@@ -97,6 +104,12 @@ import yaml
 from components import NCCL_CONFIGMAP, workload_nccl_env
 
 HERE = pathlib.Path(__file__).resolve().parent
+# The agent's Flight module: its CALL_MEMORY is what one Flight call may
+# hold in memory (rule flight-memory).
+FLIGHT_RS = HERE.parents[1] / "components" / "kt-agent" / "src" / "flight.rs"
+# The agent's memory limit without Flight (agent-sidecar's): Flight calls
+# need theirs on top.
+AGENT_MEMORY = 512 << 20
 
 INSTALLS = {"base", "kind", "k3d", "gpu", "production"}
 # The testbeds: installs (and the scenario plans over them, by instance)
@@ -142,6 +155,16 @@ def mem_bytes(q):
     units = {None: 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
              "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40}
     return int(m.group(1)) * units[m.group(2)]
+
+
+def flight_call_memory():
+    """flight.rs's CALL_MEMORY (`pub const CALL_MEMORY: u64 = N << 20;`)
+    in bytes: the memory one Flight call may hold."""
+    m = re.search(r"^pub const CALL_MEMORY: u64 = (\d+) << 20;$", FLIGHT_RS.read_text(),
+                  re.MULTILINE)
+    if not m:
+        sys.exit(f"policy.py: no `pub const CALL_MEMORY: u64 = N << 20;` in {FLIGHT_RS}")
+    return int(m.group(1)) << 20
 
 
 def kt_size(q):
@@ -623,8 +646,12 @@ class Checker:
         volume of its own (KT_FLIGHT_DIR, mounted from an emptyDir) whose
         sizeLimit holds KT_FLIGHT_BUDGET times KT_FLIGHT_MAX_CALLS: the
         calls' files would otherwise fill the agent's small state volume
-        and the kubelet evicts the pod. Where the bundle has the agents'
-        NetworkPolicy, it admits the Flight port."""
+        and the kubelet evicts the pod. Its memory limit holds
+        KT_FLIGHT_MAX_CALLS times what one call may hold (flight.rs's
+        CALL_MEMORY) above the agent's own 512Mi: past it the agent is
+        OOM-killed, and with it the pod's exports, tensors and relays.
+        Where the bundle has the agents' NetworkPolicy, it admits the
+        Flight port."""
         agent = next((c for c in containers(spec) if c.get("name") == AGENT), None)
         if agent is None:
             return
@@ -651,6 +678,14 @@ class Checker:
                       f"{AGENT}'s Flight volume {vol.get('name')} has a sizeLimit of "
                       f"{limit} bytes, less than KT_FLIGHT_BUDGET x KT_FLIGHT_MAX_CALLS = {need}: "
                       "the agent refuses to start")
+        memory = mem_bytes(str(dig(agent, "resources", "limits", "memory") or ""))
+        want = AGENT_MEMORY + calls * flight_call_memory()
+        if memory < want:
+            self.fail(where, "flight-memory",
+                      f"{AGENT} serves Flight with a memory limit of {memory or 'none'} bytes, less "
+                      f"than 512Mi + KT_FLIGHT_MAX_CALLS ({calls}) x {flight_call_memory()} "
+                      f"(flight.rs's CALL_MEMORY) = {want}: calls at once get it OOM-killed "
+                      "(the flight component sets it for 4 calls; raise it with the calls)")
         port = int(addr.rsplit(":", 1)[-1])
         for doc in docs:
             if doc.get("kind") != "NetworkPolicy" or dig(doc, "metadata", "name") != "kt-agent":

@@ -4,7 +4,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use kt_service::Token;
+use kt_service::cli::ServerConfig;
 use kt_types::manifest::ManifestLimits;
 
 /// Everything an agent needs besides its listener.
@@ -16,15 +16,18 @@ pub struct Config {
     pub advertise_url: Option<String>,
     /// The pod's IP (`KT_POD_IP`): advertised when listening on an unspecified address.
     pub pod_ip: Option<String>,
+    /// The node the pod runs on (`KT_NODE_NAME`, the downward API's
+    /// `spec.nodeName`): reported in quorum joins, so the plan groups the
+    /// members of one node (see `kt_types::tensor::TransferPlan::nodes`).
+    /// Checked by [`Config::check_node`].
+    pub node: Option<String>,
     /// The owning service, announced with every heartbeat.
     pub service: Option<String>,
     pub metadata_url: String,
-    pub token: Token,
-    /// Who may call this server (`--auth-file`); `None`: the token alone,
-    /// as admin.
-    pub auth: Option<kt_service::Auth>,
-    /// Serve HTTPS with this certificate (`--tls-cert`, `--tls-key`).
-    pub tls: Option<kt_service::tls::Tls>,
+    /// What every server takes from the shared flags
+    /// ([`kt_service::cli::ServerArgs::load`]): its token, who may call it,
+    /// TLS, requests served at once.
+    pub server: ServerConfig,
     /// The control socket (created mode 0600; a stale one is replaced).
     pub socket: PathBuf,
     /// Give the socket (0660) and its directory (0750) to this group: the
@@ -39,7 +42,6 @@ pub struct Config {
     pub export_roots: Vec<PathBuf>,
     /// Large files are fetched from this agent in ranges of this size.
     pub chunk_size: u64,
-    pub max_in_flight: usize,
     /// Largest JSON request (batch requests list indices).
     pub max_request_bytes: usize,
     pub limits: ManifestLimits,
@@ -124,7 +126,7 @@ impl Config {
     pub fn new(
         id: impl Into<String>,
         metadata_url: impl Into<String>,
-        token: Token,
+        server: impl Into<ServerConfig>,
         socket: impl Into<PathBuf>,
     ) -> Self {
         let socket = socket.into();
@@ -132,17 +134,15 @@ impl Config {
             id: id.into(),
             advertise_url: None,
             pod_ip: None,
+            node: None,
             service: None,
             metadata_url: metadata_url.into(),
-            token,
-            auth: None,
-            tls: None,
+            server: server.into(),
             state_dir: default_state_dir(&socket),
             export_roots: Vec::new(),
             socket_group: None,
             socket,
             chunk_size: kt_sync::defaults::CHUNK_SIZE,
-            max_in_flight: 512,
             max_request_bytes: 64 << 20,
             limits: ManifestLimits::default(),
             lease_ttl: Duration::from_secs(300),
@@ -156,6 +156,27 @@ impl Config {
             node_cache: None,
             flight: None,
         }
+    }
+}
+
+impl Config {
+    /// Sets [`Config::node`] from `KT_NODE_NAME`'s value: trimmed, empty
+    /// as unset; a name Kubernetes could not give a node is an error
+    /// naming what is valid.
+    pub fn check_node(&mut self, node: Option<&str>) -> Result<(), String> {
+        self.node = match node.map(str::trim).filter(|n| !n.is_empty()) {
+            None => None,
+            Some(n) => match kt_types::tensor::node_name_problem(n) {
+                None => Some(n.to_owned()),
+                Some(why) => {
+                    return Err(format!(
+                        "the pod's node (--node-name, {}): {why}",
+                        kt_types::env::NODE_NAME
+                    ));
+                }
+            },
+        };
+        Ok(())
     }
 }
 
@@ -217,6 +238,24 @@ pub fn advertised(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `KT_NODE_NAME` as the downward API gives it is kept (trimmed);
+    /// empty is unset; anything Kubernetes could not name a node stops
+    /// the agent, saying what is valid.
+    #[test]
+    fn the_pods_node_is_a_kubernetes_node_name() {
+        let token = kt_service::Token::new("t").unwrap();
+        let mut c = Config::new("a", "http://m", token, "/tmp/s");
+        c.check_node(Some(" gpu-node-3 ")).unwrap();
+        assert_eq!(c.node.as_deref(), Some("gpu-node-3"));
+        c.check_node(Some("  ")).unwrap();
+        assert_eq!(c.node, None);
+        let e = c.check_node(Some("GPU_node")).unwrap_err();
+        assert!(
+            e.contains(kt_types::env::NODE_NAME) && e.contains("lowercase"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn advertised_urls() {

@@ -60,7 +60,7 @@ use kt_types::{ErrorCode, Key};
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex;
 
-use crate::exports::{Export, Exports};
+use crate::exports::{Export, Exports, FileError, io};
 
 /// The directory below the root that holds the agent's own files.
 pub const INTERNAL: &str = ".kt";
@@ -109,23 +109,10 @@ impl NodeCacheConfig {
 
 #[derive(Debug, thiserror::Error)]
 pub enum NodeCacheError {
-    #[error("{}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{}: {message}", path.display())]
-    Damaged { path: PathBuf, message: String },
+    #[error(transparent)]
+    File(#[from] FileError),
     #[error("{0}")]
     Config(String),
-}
-
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> NodeCacheError + '_ {
-    move |source| NodeCacheError::Io {
-        path: path.to_owned(),
-        source,
-    }
 }
 
 // ---------------------------------------------------------------------------
@@ -575,12 +562,12 @@ impl NodeCache {
         let versions = root.join(INTERNAL).join("versions");
         let state_file = internal.join("state.json");
         let state: StateFile = match std::fs::read(&state_file) {
-            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| NodeCacheError::Damaged {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| FileError::Damaged {
                 path: state_file.clone(),
                 message: e.to_string(),
             })?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => StateFile::default(),
-            Err(e) => return Err(io(&state_file)(e)),
+            Err(e) => return Err(io(&state_file)(e).into()),
         };
         let cache = NodeCache {
             node: cfg.node.clone(),

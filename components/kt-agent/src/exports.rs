@@ -70,8 +70,10 @@ struct ExportHeader {
     options: PutOptions,
 }
 
+/// A file the agent keeps (an export's record, the node cache's state)
+/// that it could not read or write, or that holds what it did not write.
 #[derive(Debug, thiserror::Error)]
-pub enum ExportError {
+pub enum FileError {
     #[error("{}: {source}", path.display())]
     Io {
         path: PathBuf,
@@ -80,15 +82,22 @@ pub enum ExportError {
     },
     #[error("{}: {message}", path.display())]
     Damaged { path: PathBuf, message: String },
-    #[error("worker failed: {0}")]
-    Worker(String),
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ExportError + '_ {
-    move |source| ExportError::Io {
+/// [`FileError::Io`] of `path`.
+pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> FileError + '_ {
+    move |source| FileError::Io {
         path: path.to_owned(),
         source,
     }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ExportError {
+    #[error(transparent)]
+    File(#[from] FileError),
+    #[error("worker failed: {0}")]
+    Worker(String),
 }
 
 fn name_of(key: &Key) -> String {
@@ -233,7 +242,7 @@ impl Exports {
         }
         let path = self.file_of(key);
         match std::fs::remove_file(&path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&path)(e)),
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&path)(e).into()),
             _ => {}
         }
         let _ = std::fs::remove_file(self.scan_cache(key));
@@ -266,11 +275,11 @@ fn store(path: &Path, e: &Export) -> Result<(), ExportError> {
     f.write_all(&doc).map_err(io(&tmp))?;
     f.sync_all().map_err(io(&tmp))?;
     drop(f);
-    std::fs::rename(&tmp, path).map_err(io(path))
+    Ok(std::fs::rename(&tmp, path).map_err(io(path))?)
 }
 
 fn load(path: &Path, limits: &ManifestLimits) -> Result<Export, ExportError> {
-    let damaged = |message: String| ExportError::Damaged {
+    let damaged = |message: String| FileError::Damaged {
         path: path.to_owned(),
         message,
     };

@@ -26,9 +26,8 @@ struct Args {
     /// Service this pod belongs to (announced to the metadata server).
     #[arg(long, env = env::SERVICE)]
     service: Option<String>,
-    /// URL of the metadata server.
-    #[arg(long, env = env::METADATA_URL)]
-    metadata_url: String,
+    #[command(flatten)]
+    metadata: kt_service::cli::MetadataArgs,
     /// Control socket (default: $XDG_RUNTIME_DIR/kt/agent.sock, else /tmp/kt-<uid>/agent.sock).
     #[arg(long, env = env::AGENT_SOCKET)]
     socket: Option<PathBuf>,
@@ -72,8 +71,9 @@ struct Args {
     /// to the Dataset controller.
     #[arg(long, env = env::NODE_CACHE, value_parser = clap::builder::BoolishValueParser::new())]
     node_cache: bool,
-    /// The node this agent holds data for (node-cache mode; from the pod's
-    /// spec.nodeName).
+    /// The node the pod runs on (the pod's spec.nodeName): the node this
+    /// agent holds data for (node-cache mode), and what its quorum joins
+    /// report, so members of one node are planned together.
     #[arg(long, env = env::NODE_NAME)]
     node_name: Option<String>,
     /// Where datasets are kept (node-cache mode; a hostPath).
@@ -145,7 +145,7 @@ async fn agent(nccl_notes: Vec<String>) -> anyhow::Result<()> {
         return served.map_err(anyhow::Error::msg);
     }
     let args = Args::parse();
-    let token = args.server.init()?;
+    let server = args.server.load(Some(&args.metadata.metadata_url))?;
     for note in nccl_notes {
         tracing::info!("{note}");
     }
@@ -168,10 +168,7 @@ async fn agent(nccl_notes: Vec<String>) -> anyhow::Result<()> {
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
     let socket = args.socket.unwrap_or_else(kt_agent::config::default_socket);
     let id = args.id.unwrap_or_else(kt_agent::config::default_id);
-    let auth = args.server.auth_asking(&args.metadata_url, &token)?;
-    let mut config = kt_agent::Config::new(id, args.metadata_url, token, socket);
-    config.auth = auth;
-    config.tls = args.server.tls()?;
+    let mut config = kt_agent::Config::new(id, args.metadata.metadata_url, server, socket);
     if let Some(dir) = args.state_dir {
         config.state_dir = dir;
     } else if let Some(nc) = &node_cache {
@@ -183,6 +180,9 @@ async fn agent(nccl_notes: Vec<String>) -> anyhow::Result<()> {
     config.socket_group = args.socket_group;
     config.advertise_url = args.advertise_url;
     config.pod_ip = args.pod_ip;
+    config
+        .check_node(args.node_name.as_deref())
+        .map_err(anyhow::Error::msg)?;
     // The sidecar takes it from the pod's label: an unlabelled pod gives "".
     config.service = args.service.filter(|s| !s.is_empty());
     config.chunk_size = args.chunk_size;
@@ -196,7 +196,6 @@ async fn agent(nccl_notes: Vec<String>) -> anyhow::Result<()> {
         kt_types::env::DEFAULT_TENSOR_PORTS,
     )
     .map_err(anyhow::Error::msg)?;
-    config.max_in_flight = args.server.limits.max_connections;
     config.exit_when_idle = args.exit_when_idle;
     config.flight = args.flight_addr.map(|addr| {
         let mut f = kt_agent::config::FlightConfig::new(addr);

@@ -79,7 +79,7 @@ pub fn start(
         listener.local_addr()?,
         cfg.advertise_url.as_deref(),
         cfg.pod_ip.as_deref(),
-        cfg.tls.is_some(),
+        cfg.server.tls.is_some(),
     );
     // The socket's directory, then the state directory, are made this
     // agent's alone before anything is written in either.
@@ -87,8 +87,12 @@ pub fn start(
     control::private_dir(&cfg.state_dir, kt_service::cli::uid())?;
     let exports = Arc::new(Exports::open(&cfg.state_dir, cfg.chunk_size, &cfg.limits)?);
     let metadata = Arc::new(
-        MetadataClient::new(&cfg.metadata_url, cfg.token.clone(), cfg.metadata_timeout)
-            .map_err(AgentError::Config)?,
+        MetadataClient::new(
+            &cfg.metadata_url,
+            cfg.server.token.clone(),
+            cfg.metadata_timeout,
+        )
+        .map_err(AgentError::Config)?,
     );
     let datasets = match &cfg.node_cache {
         Some(nc) => Some(node_cache(&cfg, nc, exports.clone())?),
@@ -117,12 +121,13 @@ pub fn start(
             url.clone(),
             tensor_ip(&url, cfg.pod_ip.as_deref()),
             metadata.clone(),
-            cfg.token.clone(),
+            cfg.server.token.clone(),
             TensorConfig {
                 shm_dir: cfg.shm_dir.clone(),
                 ports: cfg.tensor_ports.clone(),
                 state_dir: cfg.state_dir.clone(),
                 timeout: cfg.tensor_timeout,
+                node: cfg.node.clone(),
             },
         )
         .map_err(AgentError::Config)?,
@@ -172,13 +177,10 @@ pub fn start(
     }
     let app = kt_service::app(
         routes.layer(DefaultBodyLimit::max(cfg.max_request_bytes)),
-        cfg.auth
-            .clone()
-            .unwrap_or_else(|| cfg.token.clone().into())
-            .with_capabilities(capabilities.clone()),
+        cfg.server.callers().with_capabilities(capabilities.clone()),
         metrics.clone(),
         ready.clone(),
-        cfg.max_in_flight,
+        cfg.server.max_in_flight,
     );
     let app = kt_service::trace::layer(app, "agent");
     let who = Identity {
@@ -206,7 +208,7 @@ pub fn start(
     let sweeper = tokio::spawn(sweep(reads.clone(), shutdown.clone()));
     let reaper = tokio::spawn(reap_loop(tensors.clone(), shutdown.clone()));
     ready.set(true);
-    let (drain, tls) = (cfg.drain, cfg.tls.clone());
+    let (drain, tls) = (cfg.drain, cfg.server.tls.clone());
     let stop = shutdown.clone();
     let seeds = datasets.clone();
     let task = tokio::spawn(async move {
@@ -248,7 +250,7 @@ pub fn start(
 type FlightServer = Option<(std::net::SocketAddr, JoinHandle<()>)>;
 
 /// The Arrow Flight server (`--flight-addr`), bound now and served until
-/// `shutdown`; reads go below the state directory.
+/// `shutdown`; reads go below `--flight-dir` (required in a pod).
 #[cfg(feature = "flight")]
 fn flight(cfg: &Config, shutdown: CancellationToken) -> Result<FlightServer, AgentError> {
     let Some(f) = &cfg.flight else {
@@ -256,15 +258,13 @@ fn flight(cfg: &Config, shutdown: CancellationToken) -> Result<FlightServer, Age
     };
     // With --tls-cert, Flight is TLS too: callers' bearer tokens never
     // cross the network in the clear where the agent has a certificate.
-    let listener = crate::flight::bind(f.addr, cfg.tls.as_ref())?;
+    let listener = crate::flight::bind(f.addr, cfg.server.tls.as_ref())?;
     let addr = listener.local_addr()?;
-    let scratch = f
-        .dir
-        .clone()
-        .unwrap_or_else(|| cfg.state_dir.join("flight"));
+    let scratch = crate::flight::scratch_dir(f, &cfg.state_dir, cfg.pod_ip.is_some())
+        .map_err(|e| AgentError::Config(e.to_string()))?;
     let shares = crate::flight::Shares::new(&cfg.metadata_url, scratch, f)
         .map_err(|e| AgentError::Config(e.to_string()))?;
-    tracing::info!(%addr, tls = cfg.tls.is_some(), budget = f.budget, max_calls = f.max_calls, "flight listening");
+    tracing::info!(%addr, tls = cfg.server.tls.is_some(), budget = f.budget, max_calls = f.max_calls, "flight listening");
     let task = tokio::spawn(async move {
         if let Err(e) = crate::flight::serve(listener, shares, shutdown).await {
             tracing::error!(error = %e, "the Arrow Flight server failed");
@@ -292,7 +292,7 @@ fn node_cache(
     nc: &crate::datasets::NodeCacheConfig,
     exports: Arc<Exports>,
 ) -> Result<Arc<NodeCache>, AgentError> {
-    let mut client = kt_client::ClientConfig::new(&cfg.metadata_url, cfg.token.expose());
+    let mut client = kt_client::ClientConfig::new(&cfg.metadata_url, cfg.server.token.expose());
     client.token_file = nc.token_file.clone();
     client.agent_socket = cfg.socket.clone();
     client.serve_copies = true;

@@ -49,14 +49,14 @@ impl KtCluster {
             .context("binding the metadata server")?;
         let metadata_url = format!("{scheme}://{}", meta_listener.local_addr()?);
         let mut meta = kt_metadata::Config::new(work.join("metadata"), token.clone());
-        meta.tls = tls.clone();
+        meta.server.tls = tls.clone();
         let metadata = tokio::spawn(kt_metadata::run(meta_listener, meta, shutdown.clone()));
 
         let store_listener = TcpListener::bind("127.0.0.1:0")
             .await
             .context("binding the store")?;
         let mut store = kt_store::Config::new(work.join("store"), metadata_url.clone(), token);
-        store.tls = tls;
+        store.server.tls = tls;
         let store = kt_store::start(store_listener, store, shutdown.clone())
             .context("starting the store")?
             .task;

@@ -811,14 +811,15 @@ pub struct Outcome {
     pub cleanup: Option<String>,
 }
 
+/// `count` per second over `elapsed`; 0 over no time.
+fn per_second(count: u64, elapsed: Duration) -> f64 {
+    let secs = elapsed.as_secs_f64();
+    if secs > 0.0 { count as f64 / secs } else { 0.0 }
+}
+
 impl Outcome {
     pub fn lookups_per_s(&self) -> f64 {
-        let secs = self.window.as_secs_f64();
-        if secs > 0.0 {
-            self.lookups as f64 / secs
-        } else {
-            0.0
-        }
+        per_second(self.lookups, self.window)
     }
 
     /// `metadata lookups_per_s=N p99_ms=X clients=C op=OP` (p99 of every request).
@@ -846,11 +847,7 @@ impl Outcome {
                 out,
                 "{name:<14} {:>10} {:>10.0} {:>9.3} {:>9.3} {:>9.3} {:>9.3}",
                 h.count(),
-                if secs > 0.0 {
-                    h.count() as f64 / secs
-                } else {
-                    0.0
-                },
+                per_second(h.count(), self.window),
                 ms(h.percentile(50.0)),
                 ms(h.percentile(95.0)),
                 ms(h.percentile(99.0)),

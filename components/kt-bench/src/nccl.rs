@@ -205,6 +205,7 @@ fn plan(specs: &[Spec], packing: Packing) -> TransferPlan {
                 rank: r,
                 agent: format!("bench-{r}"),
                 member: String::new(),
+                node: String::new(),
                 ip: "127.0.0.1".into(),
                 endpoint: "127.0.0.1".into(),
             })

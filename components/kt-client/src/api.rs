@@ -209,6 +209,22 @@ impl Client {
         self.call(what, self.first_contact(request)).await
     }
 
+    /// A call that is one metadata request: what `request` asks of the
+    /// metadata server's [`Api`] (asked again on each try), answered
+    /// within `timeout`, decoded.
+    pub(crate) async fn ask_meta<T: serde::de::DeserializeOwned>(
+        &self,
+        what: impl FnOnce() -> String,
+        timeout: Duration,
+        request: impl Fn(&Api) -> kt_api::Call,
+    ) -> Result<T, ClientError> {
+        let request = &request;
+        self.ask(what, || async move {
+            Ok(request(&self.meta).timeout(timeout).fetch().await?)
+        })
+        .await
+    }
+
     /// `url` through the [`UrlMap`], if any; a URL it cannot map is an
     /// unavailable source (so a get fails over to another one).
     pub(crate) fn map_url(&self, url: &str) -> Result<String, ClientError> {
@@ -250,16 +266,10 @@ impl Client {
     }
 
     pub async fn stat(&self, key: &Key) -> Result<KeyRecord, ClientError> {
-        self.ask(
+        self.ask_meta(
             || format!("stat of {key}"),
-            || async {
-                Ok(self
-                    .meta
-                    .get(&paths::key(key))
-                    .timeout(self.cfg.stall)
-                    .fetch()
-                    .await?)
-            },
+            self.cfg.stall,
+            |m| m.get(&paths::key(key)),
         )
         .await
     }
@@ -279,17 +289,10 @@ impl Client {
         if recursive {
             query.push(("recursive", "true"));
         }
-        self.ask(
+        self.ask_meta(
             || format!("ls of {prefix}"),
-            || async {
-                Ok(self
-                    .meta
-                    .get(&paths::keys())
-                    .query(&query)
-                    .timeout(self.cfg.stall)
-                    .fetch()
-                    .await?)
-            },
+            self.cfg.stall,
+            |m| m.get(&paths::keys()).query(&query),
         )
         .await
     }
@@ -300,32 +303,22 @@ impl Client {
     pub async fn teardown(&self, service: &str) -> Result<TeardownResponse, ClientError> {
         // Work in proportion to the service's keys: answered within the
         // deadline, not the stall timeout.
-        self.ask(
+        self.ask_meta(
             || format!("teardown of {service}"),
-            || async {
-                Ok(self
-                    .meta
-                    .delete(&paths::service(service))
-                    .timeout(self.cfg.deadline)
-                    .fetch()
-                    .await?)
-            },
+            self.cfg.deadline,
+            |m| m.delete(&paths::service(service)),
         )
         .await
     }
 
     pub async fn rm(&self, key: &Key, recursive: bool) -> Result<DeleteResponse, ClientError> {
         let recursive = if recursive { "true" } else { "false" };
-        self.ask(
+        self.ask_meta(
             || format!("rm of {key}"),
-            || async {
-                Ok(self
-                    .meta
-                    .delete(&paths::key(key))
+            self.cfg.deadline,
+            |m| {
+                m.delete(&paths::key(key))
                     .query(&[("recursive", recursive)])
-                    .timeout(self.cfg.deadline)
-                    .fetch()
-                    .await?)
             },
         )
         .await

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::{SinkExt, StreamExt};
+use kt_types::api::MemberTimings;
 use kt_types::broadcast::{GetterMessage, GroupMessage, JoinRequest, Parent, Rejoin};
 use kt_types::{ErrorCode, Key, STORE_HOLDER, paths};
 use tokio::net::TcpStream;
@@ -28,7 +29,7 @@ use crate::api::Client;
 use crate::download::Download;
 use crate::error::ClientError;
 use crate::progress::Progress;
-use crate::relay::{Relay, STALL};
+use crate::relay::{Relay, STALL, Timings};
 use crate::retry::{Failures, Next};
 use crate::transfer::GetSummary;
 
@@ -68,6 +69,8 @@ pub struct BroadcastSummary {
     pub parents: Vec<u32>,
     /// Bytes this getter's relay served to its children.
     pub relayed: u64,
+    /// Where its time went.
+    pub timings: MemberTimings,
 }
 
 /// This getter's membership, as the session re-presents it on reconnecting.
@@ -434,6 +437,7 @@ impl Client {
         progress: Progress,
     ) -> Result<BroadcastSummary, ClientError> {
         let started = Instant::now();
+        let cpu_before = cpu_time();
         let mut agent = self.agent_if_serving().await;
         // Children present this key to the relay: it cannot check their
         // own tokens (other pods' ServiceAccount tokens).
@@ -462,6 +466,7 @@ impl Client {
             }
         };
         tracing::debug!(group = %membership.group, rank = membership.rank, parent = parent.rank, "joined");
+        let joined = Instant::now();
         let mut parents = vec![parent.rank];
         let fetched = self
             .fetch_tree(
@@ -485,6 +490,7 @@ impl Client {
                 return Err(e);
             }
         };
+        let placed = Instant::now();
         let mut served_by = None;
         if let Some(a) = agent.as_mut()
             && self.serve_copy(a, key, &dl.read, &dl.final_dest).await
@@ -508,6 +514,10 @@ impl Client {
             tracing::debug!("leaving the broadcast without a release");
         }
         let relayed = relay.board.served();
+        let phases = [started, joined, placed, Instant::now()];
+        let cpu = cpu_before.zip(cpu_time()).map(|(a, b)| b.saturating_sub(a));
+        let timings = member_timings(&relay.board.timings, phases, cpu);
+        tracing::debug!(?timings, "broadcast get: where the time went");
         relay.stop().await;
         drop(session);
         Ok(BroadcastSummary {
@@ -521,6 +531,7 @@ impl Client {
             rank: membership.rank,
             parents,
             relayed,
+            timings,
         })
     }
 
@@ -667,6 +678,50 @@ impl Client {
     }
 }
 
+/// The phases of a broadcast get (see [`MemberTimings`]) from the instants
+/// it started, joined, had its copy in place and left, and what its board
+/// timed.
+fn member_timings(
+    t: &Timings,
+    [started, joined, placed, left]: [Instant; 4],
+    cpu: Option<Duration>,
+) -> MemberTimings {
+    let ms = |d: Duration| d.as_millis().min(u64::MAX as u128) as u64;
+    let since = |a: Instant, b: Instant| ms(b.saturating_duration_since(a));
+    // Bytes came between joining and the copy being in place.
+    let (first, last) = match (t.first_byte(), t.last_byte()) {
+        (Some(f), Some(l)) => {
+            let f = f.clamp(joined, placed);
+            (f, l.clamp(f, placed))
+        }
+        _ => (joined, joined),
+    };
+    MemberTimings {
+        join_ms: since(started, joined),
+        first_byte_ms: since(joined, first),
+        receive_ms: since(first, last),
+        waited_ms: ms(t.waited()),
+        hash_ms: ms(t.hashing()),
+        write_ms: ms(t.writing()),
+        finish_ms: since(last, placed),
+        serve_ms: since(placed, left),
+        cpu_ms: cpu.map(ms),
+    }
+}
+
+/// User and system time of this process so far (`/proc/self/stat`, in
+/// the kernel's fixed 100 ticks a second); `None` where it cannot be read.
+fn cpu_time() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields are counted after the command's last `)`: state is the first,
+    // utime and stime the 12th and 13th.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(Duration::from_millis((utime + stime) * 10))
+}
+
 /// How much longer than a relay's own [`STALL`] a child waits on it.
 const RELAY_GRACE: Duration = Duration::from_secs(5);
 
@@ -675,4 +730,59 @@ const RELAY_GRACE: Duration = Duration::from_secs(5);
 /// (A version conflict is not: the group's version is fixed.)
 fn store_may_return(e: &ClientError) -> bool {
     e.is_transient() || e.code() == Some(ErrorCode::NotFound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The phases follow one another and add up to the whole get; the
+    /// pauses and the pieces' times are the board's.
+    #[test]
+    fn a_member_s_phases_add_up_to_its_whole_time() {
+        let t = Timings::default();
+        let started = Instant::now();
+        std::thread::sleep(Duration::from_millis(5));
+        let joined = Instant::now();
+        std::thread::sleep(Duration::from_millis(20));
+        t.frame();
+        std::thread::sleep(crate::relay::GAP + Duration::from_millis(10));
+        t.frame();
+        t.piece(Duration::from_millis(7), Duration::from_millis(11));
+        std::thread::sleep(Duration::from_millis(5));
+        let placed = Instant::now();
+        std::thread::sleep(Duration::from_millis(30));
+        let left = Instant::now();
+        let m = member_timings(&t, [started, joined, placed, left], None);
+        let whole = left.duration_since(started).as_millis() as u64;
+        let sum = m.join_ms + m.first_byte_ms + m.receive_ms + m.finish_ms + m.serve_ms;
+        // Each phase is rounded down to whole milliseconds.
+        assert!(sum <= whole && whole - sum <= 5, "{m:?} vs {whole} ms");
+        assert!(
+            m.join_ms >= 5 && m.first_byte_ms >= 20 && m.serve_ms >= 30,
+            "{m:?}"
+        );
+        assert!(m.receive_ms >= m.waited_ms && m.waited_ms >= 50, "{m:?}");
+        assert_eq!((m.hash_ms, m.write_ms, m.cpu_ms), (7, 11, None));
+
+        // Nothing received (the copy was there): no receiving at all.
+        let m = member_timings(&Timings::default(), [started, joined, placed, left], None);
+        assert_eq!((m.first_byte_ms, m.receive_ms, m.waited_ms), (0, 0, 0));
+        assert_eq!(
+            m.finish_ms,
+            placed.duration_since(joined).as_millis() as u64
+        );
+    }
+
+    #[test]
+    fn this_process_s_cpu_time_is_read() {
+        let before = cpu_time().expect("/proc/self/stat");
+        // Busy for a while: the count moves (it ticks every 10 ms).
+        let spin = Instant::now();
+        let mut x = 0u64;
+        while cpu_time().unwrap() <= before {
+            x = x.wrapping_mul(31).wrapping_add(1);
+            assert!(spin.elapsed() < Duration::from_secs(60), "{x}");
+        }
+    }
 }

@@ -539,6 +539,7 @@ async fn run_with(cli: Cli, reach: Option<Reach>) -> anyhow::Result<()> {
                     rank: b.rank,
                     parents: b.parents,
                     relayed: b.relayed,
+                    timings: Some(b.timings),
                 };
                 (b.get, Some(place))
             } else {

@@ -6,6 +6,7 @@
 
 pub mod agent;
 pub mod api;
+pub mod arriving;
 pub mod broadcast;
 #[cfg(feature = "kube")]
 pub mod datasets;
@@ -27,6 +28,7 @@ pub mod trace;
 pub mod transfer;
 
 pub use api::{Client, ClientConfig, UrlMap};
+pub use arriving::{Arrived, Arriving};
 pub use deadline::Phase;
 pub use error::ClientError;
 pub use progress::Progress;

@@ -47,16 +47,10 @@ pub struct StoreStatus {
 impl Client {
     /// The metadata server's summary ([`ClusterStatus`]; admin only).
     pub async fn cluster_status(&self) -> Result<ClusterStatus, ClientError> {
-        self.ask(
+        self.ask_meta(
             || "status".to_owned(),
-            || async {
-                Ok(self
-                    .meta
-                    .get(&paths::status())
-                    .timeout(self.cfg.stall)
-                    .fetch()
-                    .await?)
-            },
+            self.cfg.stall,
+            |m| m.get(&paths::status()),
         )
         .await
     }

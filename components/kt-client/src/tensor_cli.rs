@@ -442,6 +442,7 @@ pub async fn run(cmd: TensorCmd, metadata_url: &str, token: &str) -> anyhow::Res
                         "reused": stats.reused,
                         "reduce": reduce.map(|r| r.as_str()),
                         "sources": stats.sources,
+                        "placement": stats.placement,
                         "seconds": stats.seconds,
                         "call_seconds": call_seconds,
                         "digest": digest,

@@ -116,7 +116,8 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let token = args.server.init()?;
+    let server = args.server.load(Some(&args.metadata_url))?;
+    let token = server.token.clone();
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
     let namespace = args
         .namespace
@@ -171,11 +172,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let ctx = Context::new(kube, kt, caches, config);
     // Who may read /metrics: as on the store and agents.
-    let auth = args
-        .server
-        .auth_asking(&args.metadata_url, &token)?
-        .unwrap_or_else(|| kt_service::Auth::from(token.clone()));
-    let tls = args.server.tls()?;
+    let auth = server.callers();
     let metrics = std::sync::Arc::new(kt_service::Metrics::with(|r| ctx.stats().register(r)));
     let ready = kt_service::Ready::default();
     ready.set(true);
@@ -184,7 +181,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         auth,
         metrics,
         ready,
-        args.server.limits.max_connections,
+        server.max_in_flight,
     );
     tracing::info!(listen = %args.listen, "kt-dataset-controller started");
     let serve = kt_service::serve_tls(
@@ -192,7 +189,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         app,
         shutdown.clone(),
         Duration::from_secs(5),
-        tls.as_ref(),
+        server.tls.as_ref(),
     );
     let (served, ()) = tokio::join!(serve, controller::run(ctx, shutdown.clone()));
     served?;

@@ -66,12 +66,10 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let token = args.server.init()?;
+    // With --kube-auth this server reviews the tokens itself (`serve`).
+    let server = args.server.load(None)?;
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
-    let mut config = kt_metadata::Config::new(args.state_dir.clone(), token);
-    config.auth = args.server.auth()?;
-    config.max_in_flight = args.server.limits.max_connections;
-    config.tls = args.server.tls()?;
+    let mut config = kt_metadata::Config::new(args.state_dir.clone(), server);
     config.heartbeat_interval = args.heartbeat_interval;
     config.agent_ttl = args.agent_ttl;
     config.lease_ttl = args.lease_ttl;
@@ -132,8 +130,8 @@ async fn serve(
                 &namespace,
                 map,
             );
-            config.auth = Some(kt_service::Auth::asking(
-                config.auth.take(),
+            config.server.auth = Some(kt_service::Auth::asking(
+                config.server.auth.take(),
                 std::sync::Arc::new(reviewer),
             ));
         }

@@ -175,6 +175,7 @@ pub async fn run(mut target: Box<dyn Target>, opts: Options) -> Result<Report, T
             labels: BTreeMap::new(),
             gpu: false,
             link_bps: None,
+            node: None,
         })
         .collect();
     let plan = Plan {
@@ -242,6 +243,41 @@ struct DataSet {
 /// A held tensor put: its pod and its process.
 type Holder = (String, Box<dyn PodProcess>);
 
+/// The pods where a `kt tensor put` of each tensor key may be alive: from
+/// the moment one is chosen to start there until its process has ended
+/// (it failed, or it held and was replaced and stopped). In one pod the
+/// agent refuses a key to a second process while the first lives
+/// (`conflict`, by design), so a new put goes to a pod free of the key;
+/// a `conflict` then stays a violation.
+#[derive(Debug, Default)]
+struct Putters(BTreeMap<String, BTreeSet<String>>);
+
+impl Putters {
+    /// Claims for a put of `key` one of `pods` where no process of it may
+    /// be alive, picked by `rng`; None when every pod has one.
+    fn claim(&mut self, rng: &mut Rng, key: &str, pods: &[String]) -> Option<String> {
+        let alive = self.0.entry(key.to_owned()).or_default();
+        let free: Vec<String> = pods
+            .iter()
+            .filter(|p| !alive.contains(*p))
+            .cloned()
+            .collect();
+        if free.is_empty() {
+            return None;
+        }
+        let pod = pick(rng, &free).to_owned();
+        alive.insert(pod.clone());
+        Some(pod)
+    }
+
+    /// The put of `key` in `pod` has ended (its process was waited for).
+    fn release(&mut self, key: &str, pod: &str) {
+        if let Some(alive) = self.0.get_mut(key) {
+            alive.remove(pod);
+        }
+    }
+}
+
 /// Stops a holder (TERM, then KILL after 30 s): true when it ended by TERM.
 async fn stop(mut p: Box<dyn PodProcess>) -> bool {
     let _ = p.signal(Signal::TERM).await;
@@ -271,6 +307,8 @@ struct Shared<'a> {
     until: Instant,
     /// The `kt tensor put --hold` holding each tensor key now.
     holders: tokio::sync::Mutex<BTreeMap<String, Holder>>,
+    /// Where a put of each tensor key may be alive now.
+    putters: Mutex<Putters>,
 }
 
 impl Shared<'_> {
@@ -345,6 +383,7 @@ async fn soak(
         op: Default::default(),
         until: started + opts.duration,
         holders: Default::default(),
+        putters: Default::default(),
     };
     // Every store key exists before the first fault: a get of a store key
     // must then always succeed.
@@ -417,9 +456,9 @@ async fn soak(
         let bound = 2 * keys * largest + (16 << 20);
         if used > bound {
             shared.violation(format!(
-                "the store's data directory holds {} MiB, more than its {keys} keys need ({} MiB): staging leftovers?",
-                used >> 20,
-                bound >> 20
+                "the store's data directory holds {}, more than its {keys} keys need ({}): staging leftovers?",
+                kt_types::size::human(used),
+                kt_types::size::human(bound)
             ));
         }
     }
@@ -688,22 +727,21 @@ async fn broadcast(s: &Shared<'_>, rng: &mut Rng) {
     }
 }
 
-/// `kt tensor put --hold` of a tensor key in a random pod: once it holds,
-/// it replaces the key's previous holder (which is then stopped).
+/// `kt tensor put --hold` of a tensor key in a random pod free of it
+/// ([`Putters`]): once it holds, it replaces the key's previous holder
+/// (which is then stopped). When every pod still runs a put of the key,
+/// there is nothing to do.
 async fn tensor_put(s: &Shared<'_>, rng: &mut Rng) {
     let n = s.op.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let k = rng.below(TENSOR_KEYS);
     let key = format!("chaos/t{k}");
-    // Another pod than the holder's: in one pod the agent refuses a second
-    // process the key (by design), elsewhere the new put supersedes.
-    let holder = s.holders.lock().await.get(&key).map(|(p, _)| p.clone());
-    let others: Vec<String> = s
-        .pods
-        .iter()
-        .filter(|p| Some(*p) != holder.as_ref())
-        .cloned()
-        .collect();
-    let pod = pick(rng, &others).to_owned();
+    let claimed = (s.putters.lock().unwrap_or_else(|p| p.into_inner())).claim(rng, &key, &s.pods);
+    let Some(pod) = claimed else {
+        return;
+    };
+    let release = |pod: &str| {
+        (s.putters.lock().unwrap_or_else(|p| p.into_inner())).release(&key, pod);
+    };
     let args = [
         "tensor",
         "put",
@@ -725,7 +763,10 @@ async fn tensor_put(s: &Shared<'_>, rng: &mut Rng) {
     };
     let mut p = match s.target.spawn(req).await {
         Ok(p) => p,
-        Err(e) => return s.violation(format!("op {n}: starting a tensor put in {pod}: {e}")),
+        Err(e) => {
+            release(&pod);
+            return s.violation(format!("op {n}: starting a tensor put in {pod}: {e}"));
+        }
     };
     let held = tokio::time::timeout(TENSOR_WITHIN, async {
         while let Some(line) = p.line().await {
@@ -740,30 +781,37 @@ async fn tensor_put(s: &Shared<'_>, rng: &mut Rng) {
         Ok(true) => {
             s.count(|r| &mut r.ok, "tensor-put");
             let old = s.holders.lock().await.insert(key.clone(), (pod, p));
-            if let Some((old_pod, old)) = old
-                && !stop(old).await
-            {
-                s.violation(format!(
-                    "op {n}: the previous holder of {key} in {old_pod} did not end within 30 s of TERM"
-                ));
+            if let Some((old_pod, old)) = old {
+                if !stop(old).await {
+                    s.violation(format!(
+                        "op {n}: the previous holder of {key} in {old_pod} did not end within 30 s of TERM"
+                    ));
+                }
+                release(&old_pod);
             }
         }
         // It ended without holding: its agent is down, say ([`rules`]).
-        Ok(false) => match p.wait().await {
-            Ok(o) if o.status != 0 => s.failed(
-                "tensor-put",
-                || format!("op {n}: tensor put of {key} in {pod}"),
-                o.status,
-                &o.stderr,
-            ),
-            Ok(o) => s.violation(format!(
-                "op {n}: tensor put of {key} in {pod} ended (exit {}) without holding or saying why",
-                o.status
-            )),
-            Err(e) => s.violation(format!("op {n}: tensor put of {key} in {pod}: {e}")),
-        },
+        Ok(false) => {
+            let ended = p.wait().await;
+            release(&pod);
+            match ended {
+                Ok(o) if o.status != 0 => s.failed(
+                    "tensor-put",
+                    || format!("op {n}: tensor put of {key} in {pod}"),
+                    o.status,
+                    &o.stderr,
+                ),
+                Ok(o) => s.violation(format!(
+                    "op {n}: tensor put of {key} in {pod} ended (exit {}) without holding or saying why",
+                    o.status
+                )),
+                Err(e) => s.violation(format!("op {n}: tensor put of {key} in {pod}: {e}")),
+            }
+        }
         Err(_) => {
             let _ = p.signal(Signal::KILL).await;
+            let _ = p.wait().await;
+            release(&pod);
             s.violation(format!(
                 "op {n}: tensor put of {key} in {pod} neither held nor failed within {TENSOR_WITHIN:?}"
             ));
@@ -1003,9 +1051,9 @@ fn check_rss(s: &Shared<'_>, bound: u64) {
     };
     for (program, rss) in over {
         s.violation(format!(
-            "{program} held {} MiB at its peak, above the bound of {} MiB",
-            rss >> 20,
-            bound >> 20
+            "{program} held {} at its peak, above the bound of {}",
+            kt_types::size::human(rss),
+            kt_types::size::human(bound)
         ));
     }
 }
@@ -1013,6 +1061,58 @@ fn check_rss(s: &Shared<'_>, bound: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tensor_put_never_goes_where_a_putter_of_its_key_may_be_alive() {
+        let pods: Vec<String> = (0..4).map(|i| format!("pod-{i}")).collect();
+        for seed in 0..64 {
+            let mut rng = Rng::new(seed);
+            let mut putters = Putters::default();
+            // The soak's op 2534: pod-0 held chaos/t0, a put in pod-1
+            // replaced it and pod-0's holder is still being stopped.
+            let first = putters.claim(&mut rng, "chaos/t0", &pods[..1]);
+            assert_eq!(first.as_deref(), Some("pod-0"));
+            let second = putters.claim(&mut rng, "chaos/t0", &pods[..2]);
+            assert_eq!(second.as_deref(), Some("pod-1"));
+            // Neither pod-0 (stopping) nor pod-1 (holding) is chosen again
+            // until its process ended; another key is free everywhere.
+            let mut seen = BTreeSet::new();
+            for _ in 0..2 {
+                let pod = putters
+                    .claim(&mut rng, "chaos/t0", &pods)
+                    .expect("a free pod");
+                assert!(pod != "pod-0" && pod != "pod-1", "seed {seed}: {pod}");
+                assert!(seen.insert(pod));
+            }
+            assert_eq!(putters.claim(&mut rng, "chaos/t0", &pods), None);
+            assert!(putters.claim(&mut rng, "chaos/t1", &pods).is_some());
+            // pod-0's holder ended: pod-0, and only it, is free again.
+            putters.release("chaos/t0", "pod-0");
+            let again = putters.claim(&mut rng, "chaos/t0", &pods);
+            assert_eq!(again.as_deref(), Some("pod-0"), "seed {seed}");
+            assert_eq!(putters.claim(&mut rng, "chaos/t0", &pods), None);
+        }
+    }
+
+    #[test]
+    fn concurrent_tensor_puts_of_a_key_take_distinct_pods() {
+        let pods: Vec<String> = (0..4).map(|i| format!("pod-{i}")).collect();
+        let mut rng = Rng::new(331_604_955);
+        let mut putters = Putters::default();
+        // Puts of one key started before any holds (none is a holder yet):
+        // each its own pod.
+        let all: BTreeSet<String> = (0..4)
+            .map(|_| {
+                putters
+                    .claim(&mut rng, "chaos/t0", &pods)
+                    .expect("a free pod")
+            })
+            .collect();
+        assert_eq!(all.len(), 4);
+        // Releasing a pod that runs nothing of the key changes nothing.
+        putters.release("chaos/t1", "pod-2");
+        assert_eq!(putters.claim(&mut rng, "chaos/t0", &pods), None);
+    }
 
     #[test]
     fn every_pick_makes_a_fault_the_report_names_as_before() {

@@ -169,6 +169,11 @@ pub struct PodSpec {
     /// Link rate for these pods (netns target), overriding the topology's.
     #[serde(default)]
     pub link: Option<String>,
+    /// The Kubernetes node these pods run on (process targets: their
+    /// agents' `KT_NODE_NAME`, so a quorum plans the pods of one node
+    /// together; a cluster's pods keep the node they were scheduled on).
+    #[serde(default)]
+    pub node: Option<String>,
 }
 
 fn one() -> usize {
@@ -516,6 +521,11 @@ pub struct GetStep {
     /// `broadcast` steps only: how long the group accepts joins (e.g. `30s`).
     #[serde(default)]
     pub window: Option<String>,
+    /// `broadcast` steps only: record where each member's time went
+    /// (`members`, by rank). Times differ from run to run: for benchmarks,
+    /// whose snapshots hold measurements, not expectations.
+    #[serde(default)]
+    pub timings: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

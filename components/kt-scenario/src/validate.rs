@@ -171,6 +171,9 @@ impl Checker<'_> {
             {
                 self.err(&format!("{at}.link"), e);
             }
+            if let Some(why) = (p.node.as_deref()).and_then(kt_types::tensor::node_name_problem) {
+                self.err(&format!("{at}.node"), why);
+            }
             let mut names = vec![p.name.clone()];
             if p.replicas > 1 {
                 names.extend((0..p.replicas).map(|r| format!("{}-{r}", p.name)));

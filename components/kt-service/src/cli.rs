@@ -8,7 +8,8 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::Token;
-use crate::auth::TokenError;
+use crate::auth::{AuthFileError, TokenError};
+use crate::tls::TlsError;
 
 /// The flags every server shares, in pieces ([`TokenArgs`], [`AuthArgs`],
 /// [`TlsArgs`], [`LimitArgs`], [`LogArgs`]): each flag, its environment
@@ -72,8 +73,20 @@ pub struct TlsArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct LimitArgs {
     /// Requests served at once; more wait.
-    #[arg(long, env = env::MAX_CONNECTIONS, default_value_t = 512)]
+    #[arg(long, env = env::MAX_CONNECTIONS, default_value_t = DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
+}
+
+/// Default of `--max-connections` and of [`ServerConfig::max_in_flight`].
+pub const DEFAULT_MAX_CONNECTIONS: usize = 512;
+
+/// The metadata server a store or agent registers with (the Dataset
+/// controller's flag has a default, a Service name, and is its own).
+#[derive(Debug, Clone, clap::Args)]
+pub struct MetadataArgs {
+    /// URL of the metadata server.
+    #[arg(long, env = env::METADATA_URL)]
+    pub metadata_url: String,
 }
 
 /// The server's logs.
@@ -119,37 +132,82 @@ impl LogArgs {
     }
 }
 
-impl ServerArgs {
-    /// Starts logging and resolves the token.
-    pub fn init(&self) -> Result<Token, TokenError> {
-        self.log.init();
-        self.token.resolve()
-    }
+/// What every server takes from [`ServerArgs`], loaded: its own
+/// credential, who may call it, HTTPS, and how much it takes on at once.
+/// Each server's `Config` holds one (`config.server`), built by
+/// [`ServerArgs::load`]: a shared flag is added here and in its `*Args`,
+/// not in each server's `Config` and `main`.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// This server's own credential for its calls (`--token`,
+    /// `--token-file`); without [`ServerConfig::auth`], its callers' too.
+    pub token: Token,
+    /// Who may call this server (`--auth-file`, `--kube-auth`); `None`:
+    /// the token alone, as admin.
+    pub auth: Option<crate::Auth>,
+    /// Serve HTTPS with this certificate (`--tls-cert`, `--tls-key`).
+    pub tls: Option<crate::tls::Tls>,
+    /// Requests served at once; more wait (`--max-connections`).
+    pub max_in_flight: usize,
+}
 
-    /// The grants of `--auth-file` ([`AuthArgs::load`]).
-    pub fn auth(&self) -> Result<Option<crate::Auth>, crate::auth::AuthFileError> {
-        self.auth.load()
-    }
-
-    /// `--tls-cert` and `--tls-key`, loaded ([`TlsArgs::load`]).
-    pub fn tls(&self) -> Result<Option<crate::tls::Tls>, crate::tls::TlsError> {
-        self.tls.load()
-    }
-
-    /// What the store and agents accept: [`ServerArgs::auth`], and with
-    /// `--kube-auth` what the metadata server at `metadata_url` says of
-    /// other tokens (asked with `own`, this server's credential).
-    pub fn auth_asking(
-        &self,
-        metadata_url: &str,
-        own: &Token,
-    ) -> Result<Option<crate::Auth>, crate::auth::AuthFileError> {
-        let auth = self.auth()?;
-        if !self.auth.kube_auth {
-            return Ok(auth);
+impl ServerConfig {
+    /// `token` alone: its holder is admin; plain HTTP; the default limits.
+    pub fn new(token: Token) -> Self {
+        ServerConfig {
+            token,
+            auth: None,
+            tls: None,
+            max_in_flight: DEFAULT_MAX_CONNECTIONS,
         }
-        let ask = crate::auth::AskMetadata::new(metadata_url, own.credential())?;
-        Ok(Some(crate::Auth::asking(auth, std::sync::Arc::new(ask))))
+    }
+
+    /// Who may call: [`ServerConfig::auth`], else the token, as admin.
+    pub fn callers(&self) -> crate::Auth {
+        self.auth
+            .clone()
+            .unwrap_or_else(|| self.token.clone().into())
+    }
+}
+
+impl From<Token> for ServerConfig {
+    fn from(token: Token) -> Self {
+        ServerConfig::new(token)
+    }
+}
+
+/// Why the shared flags cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerArgsError {
+    #[error(transparent)]
+    Token(#[from] TokenError),
+    #[error(transparent)]
+    Auth(#[from] AuthFileError),
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+}
+
+impl ServerArgs {
+    /// Starts logging, then loads the rest into a [`ServerConfig`]: the
+    /// token, the grants of `--auth-file`, TLS, the limits. With
+    /// `--kube-auth` and a `metadata_url` (the store, agents and the
+    /// Dataset controller), other tokens are what the metadata server
+    /// there says of them, asked with this server's token; the metadata
+    /// server passes `None` and reviews them itself.
+    pub fn load(&self, metadata_url: Option<&str>) -> Result<ServerConfig, ServerArgsError> {
+        self.log.init();
+        let token = self.token.resolve()?;
+        let mut auth = self.auth.load()?;
+        if let (true, Some(url)) = (self.auth.kube_auth, metadata_url) {
+            let ask = crate::auth::AskMetadata::new(url, token.credential())?;
+            auth = Some(crate::Auth::asking(auth, std::sync::Arc::new(ask)));
+        }
+        Ok(ServerConfig {
+            tls: self.tls.load()?,
+            max_in_flight: self.limits.max_connections,
+            token,
+            auth,
+        })
     }
 }
 
@@ -345,6 +403,41 @@ mod tests {
                 .unwrap();
         }
         accept.await.unwrap();
+    }
+
+    #[test]
+    fn server_args_load_into_one_server_config() {
+        #[derive(Debug, clap::Parser)]
+        struct Server {
+            #[command(flatten)]
+            server: ServerArgs,
+        }
+        let parse = |args: &[&str]| {
+            <Server as clap::Parser>::try_parse_from([&["server"], args].concat())
+                .unwrap()
+                .server
+        };
+        let s = parse(&["--token", "t0k", "--max-connections", "7"])
+            .load(None)
+            .unwrap();
+        assert_eq!(s.token.expose(), "t0k");
+        assert_eq!(s.max_in_flight, 7);
+        assert!(s.auth.is_none() && s.tls.is_none(), "{s:?}");
+        // --kube-auth asks the metadata server where there is one; the
+        // metadata server itself (None) reviews tokens on its own.
+        let kube = parse(&["--token", "t0k", "--kube-auth"]);
+        assert!(
+            kube.load(Some("http://127.0.0.1:9"))
+                .unwrap()
+                .auth
+                .is_some()
+        );
+        assert!(kube.load(None).unwrap().auth.is_none());
+        let half = parse(&["--token", "t0k", "--tls-cert", "/nonexistent/cert.pem"]);
+        let e = half.load(None).unwrap_err();
+        assert!(matches!(e, ServerArgsError::Tls(_)), "{e}");
+        let plain = ServerConfig::from(Token::new("t0k").unwrap());
+        assert_eq!(plain.max_in_flight, DEFAULT_MAX_CONNECTIONS);
     }
 
     #[test]

@@ -14,9 +14,8 @@ struct Args {
     /// Directory holding the data (a persistent volume in a cluster).
     #[arg(long, env = env::DATA_DIR)]
     data_dir: PathBuf,
-    /// URL of the metadata server.
-    #[arg(long, env = env::METADATA_URL)]
-    metadata_url: String,
+    #[command(flatten)]
+    metadata: kt_service::cli::MetadataArgs,
     /// URL under which clients reach this store (default: the listen address).
     #[arg(long, env = env::ADVERTISE_URL)]
     advertise_url: Option<String>,
@@ -34,16 +33,12 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let token = args.server.init()?;
+    let server = args.server.load(Some(&args.metadata.metadata_url))?;
     let (listener, shutdown) = kt_service::cli::bind_with_shutdown(args.listen).await?;
-    let auth = args.server.auth_asking(&args.metadata_url, &token)?;
-    let mut config = kt_store::Config::new(args.data_dir, args.metadata_url, token);
-    config.auth = auth;
+    let mut config = kt_store::Config::new(args.data_dir, args.metadata.metadata_url, server);
     config.advertise_url = args.advertise_url;
     config.chunk_size = args.chunk_size;
     config.reserve = args.reserve;
-    config.max_in_flight = args.server.limits.max_connections;
-    config.tls = args.server.tls()?;
     kt_store::run(listener, config, shutdown).await?;
     Ok(())
 }

@@ -65,10 +65,11 @@ pub fn start(
     let url = advertised(
         listener.local_addr()?,
         cfg.advertise_url.as_deref(),
-        cfg.tls.is_some(),
+        cfg.server.tls.is_some(),
     );
     let registrar = Arc::new(
-        Registrar::new(&cfg.metadata_url, &url, cfg.token.clone()).map_err(StoreError::Config)?,
+        Registrar::new(&cfg.metadata_url, &url, cfg.server.token.clone())
+            .map_err(StoreError::Config)?,
     );
     let metrics = Arc::new(Metrics::new());
     let reads = Reads::new(
@@ -149,13 +150,10 @@ async fn serve(
     let ready = Ready::default();
     let app = kt_service::app(
         routes(s.clone()),
-        s.cfg
-            .auth
-            .clone()
-            .unwrap_or_else(|| s.cfg.token.clone().into()),
+        s.cfg.server.callers(),
         s.metrics.clone(),
         ready.clone(),
-        s.cfg.max_in_flight,
+        s.cfg.server.max_in_flight,
     );
     let app = kt_service::trace::layer(app, "store");
     tracing::info!(addr = %listener.local_addr()?, url = %s.url, data_dir = %s.cfg.data_dir.display(), "store listening");
@@ -165,7 +163,7 @@ async fn serve(
         app,
         shutdown.clone(),
         s.cfg.drain,
-        s.cfg.tls.as_ref(),
+        s.cfg.server.tls.as_ref(),
     )
     .await;
     shutdown.cancel();

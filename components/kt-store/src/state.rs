@@ -6,8 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kt_service::cli::ServerConfig;
 use kt_service::reads::Reads;
-use kt_service::{ApiError, Metrics, Token};
+use kt_service::{ApiError, Metrics};
 use kt_types::api::RegisterKey;
 use kt_types::manifest::ManifestLimits;
 use kt_types::{Key, Locale, RootKind};
@@ -24,15 +25,12 @@ pub struct Config {
     pub metadata_url: String,
     /// URL under which other components reach this store; defaults to the listen address.
     pub advertise_url: Option<String>,
-    pub token: Token,
-    /// Who may call this server (`--auth-file`); `None`: the token alone,
-    /// as admin.
-    pub auth: Option<kt_service::Auth>,
-    /// Serve HTTPS with this certificate (`--tls-cert`, `--tls-key`).
-    pub tls: Option<kt_service::tls::Tls>,
+    /// What every server takes from the shared flags
+    /// ([`kt_service::cli::ServerArgs::load`]): its token, who may call it,
+    /// TLS, requests served at once.
+    pub server: ServerConfig,
     /// Files larger than this are moved in chunks of this size (power of two).
     pub chunk_size: u64,
-    pub max_in_flight: usize,
     /// Largest request body held in memory (a put plan carries the whole
     /// manifest: 64 MiB is a tree of about 600,000 files), and what all
     /// bodies held at once may add up to ([`kt_service::BodyBudget`]).
@@ -52,17 +50,14 @@ impl Config {
     pub fn new(
         data_dir: impl Into<PathBuf>,
         metadata_url: impl Into<String>,
-        token: Token,
+        server: impl Into<ServerConfig>,
     ) -> Self {
         Config {
             data_dir: data_dir.into(),
             metadata_url: metadata_url.into(),
             advertise_url: None,
-            token,
-            auth: None,
-            tls: None,
+            server: server.into(),
             chunk_size: kt_sync::defaults::CHUNK_SIZE,
-            max_in_flight: 512,
             max_request_bytes: 64 << 20,
             limits: ManifestLimits::default(),
             lease_ttl: Duration::from_secs(300),
@@ -112,6 +107,7 @@ impl Shared {
         let dir = self.keys.dir_of(key);
         blocking(move || dir.remove_all()).await?;
         st.current = None;
+        st.spare = None;
         self.keys.forget(key);
         self.registrar.forget(key).await;
         Ok(())

@@ -99,7 +99,7 @@ impl Cluster {
             Token::new(TOKEN).expect("token"),
         );
         cfg.chunk_size = CHUNK;
-        cfg.auth.clone_from(&auth);
+        cfg.server.auth.clone_from(&auth);
         tune(&mut cfg);
         let (store, metrics) = start_store(&cfg, "127.0.0.1:0").await;
         let c = Cluster {
@@ -264,7 +264,7 @@ async fn start_meta(dir: &Path, addr: &str, auth: Option<&kt_service::Auth>) -> 
     let shutdown = CancellationToken::new();
     let mut cfg = kt_metadata::Config::new(dir.join("meta"), Token::new(TOKEN).expect("token"));
     cfg.sweep_interval = Duration::from_millis(200);
-    cfg.auth = auth.cloned();
+    cfg.server.auth = auth.cloned();
     let s = shutdown.clone();
     let task = tokio::spawn(async move {
         kt_metadata::run(listener, cfg, s)

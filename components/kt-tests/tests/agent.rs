@@ -162,7 +162,7 @@ async fn local_export_registers_a_local_key_and_serves_it() {
     assert_eq!(read.version, export.version);
     assert_eq!(fingerprint(&dest), fingerprint(&src));
     // Nothing was copied: the agent's state holds records, not data.
-    let state_bytes: u64 = walk_sizes(&agent.config.state_dir);
+    let state_bytes: u64 = kt_sync::du::disk_bytes(&agent.config.state_dir);
     assert!(state_bytes < 2 * CHUNK, "{state_bytes} bytes of state");
 
     // A single file, served under whatever name it has.
@@ -515,18 +515,6 @@ async fn record_of(c: &Cluster, k: &str) -> KeyRecord {
     stat(c, k)
         .await
         .unwrap_or_else(|| panic!("no record of {k}"))
-}
-
-fn walk_sizes(dir: &Path) -> u64 {
-    let Ok(rd) = fs::read_dir(dir) else {
-        return 0;
-    };
-    rd.flatten()
-        .map(|d| match d.file_type() {
-            Ok(t) if t.is_dir() => walk_sizes(&d.path()),
-            _ => d.metadata().map(|m| m.len()).unwrap_or(0),
-        })
-        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

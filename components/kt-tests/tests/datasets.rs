@@ -522,7 +522,7 @@ async fn only_admin_callers_reach_the_dataset_api() {
                 name: Some("other".into()),
                 ..kt_types::auth::Principal::admin()
             };
-            cfg.auth = Some(
+            cfg.server.auth = Some(
                 kt_service::Auth::none()
                     .with_grant(
                         kt_service::Token::new(TOKEN).unwrap(),

@@ -77,13 +77,13 @@ async fn start(dir: &std::path::Path) -> Servers {
     let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let meta = format!("http://{}", meta_l.local_addr().unwrap());
     let mut cfg = kt_metadata::Config::new(dir.join("meta"), Token::new(ADMIN).unwrap());
-    cfg.auth = Some(auth.clone());
+    cfg.server.auth = Some(auth.clone());
     let s = stop.clone();
     tokio::spawn(async move { kt_metadata::run(meta_l, cfg, s).await.unwrap() });
     let store_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut store =
         kt_store::Config::new(dir.join("store"), meta.clone(), Token::new(STORE).unwrap());
-    store.auth = Some(auth);
+    store.server.auth = Some(auth);
     kt_store::start(store_l, store, stop.clone()).unwrap();
     let http = kt_api::client();
     kt_tests::wait_until("the store registered", Duration::from_secs(20), || {

@@ -577,10 +577,10 @@ fn every_decoder_survives_a_timed_run() {
         let until = Instant::now() + Duration::from_secs(secs);
         let (n, worst) = fuzz(&target, seed, u64::MAX, Some(until));
         lines.push(format!(
-            "{:<15} {n:>9} cases  0 panics  0 hangs  largest allocation {:.1} KiB (limit {} MiB)",
+            "{:<15} {n:>9} cases  0 panics  0 hangs  largest allocation {} (limit {})",
             target.name,
-            worst as f64 / 1024.0,
-            ALLOC_LIMIT >> 20
+            kt_types::size::human(worst as u64),
+            kt_types::size::human(ALLOC_LIMIT as u64)
         ));
     }
     println!("fuzz: seed {seed}, {secs} s per target");

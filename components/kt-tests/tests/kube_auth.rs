@@ -110,7 +110,7 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
     let meta_url = format!("http://{}", meta_l.local_addr().unwrap());
     let mut meta =
         kt_metadata::Config::new(dir.path().join("meta"), Token::new("tok-metadata").unwrap());
-    meta.auth = Some(Auth::none().with_reviewer(Arc::new(reviewer)));
+    meta.server.auth = Some(Auth::none().with_reviewer(Arc::new(reviewer)));
     let s = stop.clone();
     let meta_task = tokio::spawn(async move { kt_metadata::run(meta_l, meta, s).await });
 
@@ -125,7 +125,7 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
         meta_url.clone(),
         Token::new("tok-store").unwrap(),
     );
-    store.auth = asking("tok-store");
+    store.server.auth = asking("tok-store");
     let store = kt_store::start(store_l, store, stop.clone()).unwrap();
     let agent_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut agent = kt_agent::Config::new(
@@ -134,7 +134,7 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
         Token::new("tok-pod-a").unwrap(),
         dir.path().join("agent/agent.sock"),
     );
-    agent.auth = asking("tok-pod-a");
+    agent.server.auth = asking("tok-pod-a");
     agent.shm_dir = dir.path().join("shm");
     std::fs::create_dir_all(&agent.shm_dir).unwrap();
     let agent = kt_agent::start(agent_l, agent, stop.clone()).unwrap();

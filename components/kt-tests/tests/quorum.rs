@@ -206,6 +206,7 @@ fn member(agent: &str, role: QuorumRole, w: &BroadcastWindow) -> QuorumJoin {
     let n: u32 = agent[1..].parse().unwrap();
     QuorumJoin {
         member: String::new(),
+        node: String::new(),
         agent: agent.into(),
         ip: format!("10.0.0.{n}"),
         endpoint: format!("10.0.0.{n}:8100"),

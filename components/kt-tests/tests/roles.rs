@@ -178,7 +178,7 @@ impl Servers {
         let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let meta_url = format!("http://{}", meta_l.local_addr().unwrap());
         let mut meta = kt_metadata::Config::new(dir.join("meta"), Token::new(ADMIN).unwrap());
-        meta.auth = Some(auth.clone());
+        meta.server.auth = Some(auth.clone());
         let s = stop.clone();
         tasks.push(tokio::spawn(async move {
             kt_metadata::run(meta_l, meta, s).await.unwrap();
@@ -190,7 +190,7 @@ impl Servers {
             meta_url.clone(),
             Token::new(STORE).unwrap(),
         );
-        store.auth = Some(auth.clone());
+        store.server.auth = Some(auth.clone());
         let h = kt_store::start(store_l, store, stop.clone()).unwrap();
         tasks.push(tokio::spawn(async move {
             let _ = h.task.await;
@@ -203,7 +203,7 @@ impl Servers {
             Token::new(AGENT).unwrap(),
             dir.join("agent/agent.sock"),
         );
-        agent.auth = Some(auth.clone());
+        agent.server.auth = Some(auth.clone());
         agent.shm_dir = dir.join("shm");
         std::fs::create_dir_all(&agent.shm_dir).unwrap();
         let h = kt_agent::start(agent_l, agent, stop.clone()).unwrap();
@@ -222,7 +222,7 @@ impl Servers {
         );
         node_cache.state_dir = nc.state_dir();
         node_cache.node_cache = Some(nc);
-        node_cache.auth = Some(auth);
+        node_cache.server.auth = Some(auth);
         node_cache.shm_dir = dir.join("shm");
         let h = kt_agent::start(nc_l, node_cache, stop.clone()).unwrap();
         tasks.push(tokio::spawn(async move {
@@ -575,6 +575,7 @@ async fn readers_get_only_the_services_their_tokens_read() {
         let join = |agent: &str, token: &'static str, role: QuorumRole| {
             let body = QuorumJoin {
                 member: String::new(),
+                node: String::new(),
                 agent: agent.into(),
                 ip: "127.0.0.1".into(),
                 endpoint: "127.0.0.1:1".into(),
@@ -703,7 +704,7 @@ async fn agents_act_as_themselves_and_workloads_within_their_services() {
     let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", meta_l.local_addr().unwrap());
     let mut meta = kt_metadata::Config::new(dir.path().join("meta"), Token::new(ADMIN).unwrap());
-    meta.auth = Some(auth_file(dir.path()));
+    meta.server.auth = Some(auth_file(dir.path()));
     let s = stop.clone();
     let task = tokio::spawn(async move {
         kt_metadata::run(meta_l, meta, s).await.unwrap();
@@ -827,7 +828,7 @@ async fn quorum_transfers_answer_only_their_members() {
     let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", meta_l.local_addr().unwrap());
     let mut meta = kt_metadata::Config::new(dir.path().join("meta"), Token::new(ADMIN).unwrap());
-    meta.auth = Some(auth_file(dir.path()));
+    meta.server.auth = Some(auth_file(dir.path()));
     let s = stop.clone();
     let task = tokio::spawn(async move {
         kt_metadata::run(meta_l, meta, s).await.unwrap();
@@ -851,6 +852,7 @@ async fn quorum_transfers_answer_only_their_members() {
     let join = |agent: &str, token: &'static str, role: QuorumRole, n: u8| {
         let body = QuorumJoin {
             member: String::new(),
+            node: String::new(),
             agent: agent.into(),
             ip: format!("10.0.0.{n}"),
             endpoint: format!("10.0.0.{n}:8100"),

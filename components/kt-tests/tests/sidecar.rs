@@ -33,7 +33,7 @@ async fn a_call_that_finds_the_pods_agent_restarting_waits_for_it_and_starts_non
     let roles_dir = tempfile::tempdir().unwrap();
     let cluster = Cluster::start_authed(Some(roles(roles_dir.path())), |_| {}).await;
     let mut agent = cluster
-        .start_agent_with("pod-a", |c| c.token = Token::new(AGENT).unwrap())
+        .start_agent_with("pod-a", |c| c.server.token = Token::new(AGENT).unwrap())
         .await;
     let socket = agent.socket().to_owned();
     let client = cluster.client_with(|c| {

@@ -49,7 +49,7 @@ async fn run(dir: &Path, ca: &Ca, cert: PathBuf, key: PathBuf) {
     let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let meta_url = format!("https://{}", meta_l.local_addr().unwrap());
     let mut meta = kt_metadata::Config::new(dir.join("meta"), Token::new(TOKEN).unwrap());
-    meta.tls = Some(meta_tls);
+    meta.server.tls = Some(meta_tls);
     let s = stop.clone();
     let meta_task = tokio::spawn(async move { kt_metadata::run(meta_l, meta, s).await });
     let store_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -58,7 +58,7 @@ async fn run(dir: &Path, ca: &Ca, cert: PathBuf, key: PathBuf) {
         meta_url.clone(),
         Token::new(TOKEN).unwrap(),
     );
-    store.tls = Some(Tls::load(&cert, &key).unwrap());
+    store.server.tls = Some(Tls::load(&cert, &key).unwrap());
     let store = kt_store::start(store_l, store, stop.clone()).unwrap();
 
     // The store registered over https, and advertises https.

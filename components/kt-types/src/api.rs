@@ -212,15 +212,18 @@ pub struct PutRequest {
     /// The key's lifecycle; the defaults of [`PutOptions`] when absent.
     #[serde(default)]
     pub options: PutOptions,
-    /// Manifest indices of large files whose hash the client has not
-    /// computed yet (it hashes them while it sends them: one read of each).
+    /// Manifest indices of files whose hash the client has not computed
+    /// yet (it hashes them while it sends them: one read of each; or they
+    /// are still arriving from elsewhere, their hashes known by commit).
     /// Each carries [`DEFERRED_HASH`] in the manifest, so `digest` is the
     /// *provisional* digest of the manifest as sent. The store needs them
-    /// whole, in chunks (no reuse, no dedup), and the client sends their
+    /// whole (no reuse, no dedup), and the client sends their
     /// roots at commit ([`CommitRequest::roots`]); the version published
     /// has the real hashes, and its digest is that of the manifest with
     /// them (what a put that hashed first would have sent). Each must be a
-    /// regular file larger than the store's chunk size, named once.
+    /// regular file, named once: one larger than the store's chunk size
+    /// moves in chunks, a smaller one in a batch (the store hashes it as it
+    /// writes it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deferred: Vec<u32>,
 }
@@ -350,6 +353,42 @@ pub struct BroadcastPlace {
     pub parents: Vec<u32>,
     /// Bytes its relay served to its children.
     pub relayed: u64,
+    /// Where its time went.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timings: Option<MemberTimings>,
+}
+
+/// Where a broadcast getter's time went, in milliseconds. The phases come
+/// one after the other: `join_ms`, `first_byte_ms`, `receive_ms`,
+/// `finish_ms` and `serve_ms` add up to the get's whole time. Within
+/// receiving: the pauses with no byte from any parent (`waited_ms`), and
+/// the time the pieces took to hash (verify) and to write, summed over the
+/// parallel streams (so more than `receive_ms` at times).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberTimings {
+    /// Joining the group, until a parent was assigned.
+    pub join_ms: u64,
+    /// From then to the first content byte from a parent: the parent had
+    /// nothing yet, or was slow to answer.
+    pub first_byte_ms: u64,
+    /// From the first content byte to the last.
+    pub receive_ms: u64,
+    /// Within `receive_ms`: pauses of 50 ms or more with no byte from any
+    /// parent (a parent stalled, or replaced).
+    pub waited_ms: u64,
+    /// Hashing the pieces received (their check), summed over streams.
+    pub hash_ms: u64,
+    /// Writing them, summed over streams.
+    pub write_ms: u64,
+    /// From the last byte to the copy in place (each file's check, rename,
+    /// metadata).
+    pub finish_ms: u64,
+    /// From the copy in place to leaving the group: serving children on.
+    pub serve_ms: u64,
+    /// CPU time (user and system) of the getter's process during the get,
+    /// where known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_ms: Option<u64>,
 }
 
 /// The answer to `POST /api/v1/puts/{session}/commit`: the version is

@@ -260,6 +260,7 @@ mod tests {
                     rank: i as u32,
                     agent: (*a).into(),
                     member: String::new(),
+                    node: String::new(),
                     ip: "10.0.0.1".into(),
                     endpoint: "10.0.0.1".into(),
                 })

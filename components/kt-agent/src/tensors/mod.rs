@@ -72,6 +72,8 @@ pub struct Tensors {
     url: String,
     /// The pod's address: where tensor listeners bind.
     ip: Option<String>,
+    /// The pod's node (reported in quorum joins), checked at the start.
+    node: Option<String>,
     metadata: Arc<MetadataClient>,
     /// Other agents (point-to-point sessions), with this agent's token.
     api: kt_api::Api,
@@ -110,6 +112,10 @@ pub struct TensorConfig {
     pub ports: Vec<u16>,
     pub state_dir: PathBuf,
     pub timeout: Duration,
+    /// The pod's node, reported in quorum joins ([`QuorumJoin::node`]).
+    ///
+    /// [`QuorumJoin::node`]: kt_types::tensor::QuorumJoin::node
+    pub node: Option<String>,
 }
 
 fn internal(e: impl std::fmt::Display) -> ApiError {
@@ -165,6 +171,7 @@ impl Tensors {
             id,
             url,
             ip,
+            node: cfg.node,
             metadata,
             api: kt_api::Api::new(http, "", token.credential()),
             host: Arc::new(HostBackend::new(cfg.shm_dir).with_ports(cfg.ports)),

@@ -18,6 +18,7 @@ use kt_types::tensor::{
 use kt_types::{ErrorCode, Key, paths};
 
 use super::{Owner, Tensors, blocking, comms, internal, locked, transport};
+use tokio_util::sync::CancellationToken;
 
 /// Checks a get of a key from several putters (`from`, `more`): only in a
 /// quorum, as many destination sets as asked for, each of `dest`'s layout,
@@ -64,7 +65,14 @@ fn check_many(g: &TensorGet, broadcast: bool) -> Result<(), ApiError> {
 }
 
 impl Tensors {
-    pub async fn get(&self, owner: &Owner, req: GetTensors) -> Result<TensorStats, ApiError> {
+    /// Receives `req`'s keys into the memory the caller lent; a broadcast
+    /// get waits for its quorum only while the caller is there (`gone`).
+    pub async fn get(
+        &self,
+        owner: &Owner,
+        req: GetTensors,
+        gone: &CancellationToken,
+    ) -> Result<TensorStats, ApiError> {
         if req.gets.is_empty() {
             return Err(ApiError::bad_request("no keys to get"));
         }
@@ -152,6 +160,7 @@ impl Tensors {
                 window,
                 backend,
                 lent,
+                gone,
             );
             return Box::pin(quorum).await;
         }
@@ -399,6 +408,7 @@ impl Tensors {
                     rank: 0,
                     agent: self.id.clone(),
                     member: String::new(),
+                    node: String::new(),
                     ip,
                     endpoint: endpoint.address(),
                 },
@@ -406,6 +416,7 @@ impl Tensors {
                     rank: 1,
                     agent: req.agent.clone(),
                     member: String::new(),
+                    node: String::new(),
                     ip: req.ip.clone(),
                     endpoint: req.endpoint.clone(),
                 },

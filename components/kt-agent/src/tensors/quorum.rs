@@ -10,11 +10,12 @@ use std::time::Duration;
 use kt_service::ApiError;
 use kt_tensor::engine::Lent;
 use kt_tensor::{Backend, Comm, Link};
-use kt_types::Key;
 use kt_types::model::BroadcastWindow;
 use kt_types::tensor::{
     self as t, BackendKind, QuorumJoin, QuorumRole, Rendezvous, TensorStats, TransferPlan,
 };
+use kt_types::{ErrorCode, Key};
+use tokio_util::sync::CancellationToken;
 
 use super::{Tensors, blocking, internal, transport};
 
@@ -23,7 +24,9 @@ const JOIN_GRACE: Duration = Duration::from_secs(30);
 
 impl Tensors {
     /// Joins `key`'s quorum (`window`) as `member` (see [`member_id`]),
-    /// runs the plan and reports.
+    /// runs the plan and reports. Once `gone` (the caller went away) before
+    /// the quorum closed, the join is withdrawn: the member leaves the
+    /// round, so the same process may join it again at once.
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn quorum(
         &self,
@@ -33,6 +36,7 @@ impl Tensors {
         window: &BroadcastWindow,
         backend: Arc<dyn Backend>,
         lent: Lent,
+        gone: &CancellationToken,
     ) -> Result<TensorStats, ApiError> {
         let group = match &window.group_id {
             Some(g) => g.clone(),
@@ -52,6 +56,7 @@ impl Tensors {
             agent: self.id.clone(),
             ip,
             endpoint: endpoint.address(),
+            node: self.node.clone().unwrap_or_default(),
             backend: backend.kind(),
             role,
             window: window.clone(),
@@ -64,10 +69,26 @@ impl Tensors {
         // ours: the server answers by its deadline, at most the longest
         // window, so wait that long (leaving early would leave the round).
         let wait = Duration::from_secs_f64(t::MAX_QUORUM_TIMEOUT_SECS) + JOIN_GRACE;
-        let qp = self.metadata.quorum_join(&group, &join, wait).await?;
+        // Dropping the join closes its request: the server takes the
+        // member out of the round.
+        let qp = tokio::select! {
+            qp = self.metadata.quorum_join(&group, &join, wait) => qp?,
+            () = gone.cancelled() => {
+                tracing::info!(group, member = %join.member, "the caller went away before the quorum closed: its join is withdrawn");
+                return Err(ApiError::new(
+                    ErrorCode::Unavailable,
+                    format!("quorum {group}: the caller went away before the quorum closed; its join was withdrawn"),
+                ));
+            }
+        };
         let plan = qp.plan;
         let rank = qp.rank;
         tracing::info!(group, transfer = %plan.id, rank, world = plan.ranks.len(), closed_by = %qp.closed_by, reuse = ?qp.reuse, "quorum closed");
+        // Members of one node are planned together: say where this rank is.
+        let placement = (!plan.nodes().is_empty()).then(|| kt_tensor::host::placement(&plan, rank));
+        if let Some(p) = &placement {
+            tracing::info!(group, transfer = %plan.id, rank, host = %p.host, same_node = ?p.same_node, links_same_node = p.links_same_node, links_other_nodes = p.links_other_nodes, "quorum placement");
+        }
         let link = match (&qp.reuse, &reserved) {
             (None, _) => Ok(None),
             (Some(id), Some(r)) => r.take(id).map(Some).ok_or(id),
@@ -78,10 +99,10 @@ impl Tensors {
         // ended, so it completes (and is forgotten) instead of waiting for
         // a report that never comes.
         let res = match link {
-            Ok(kept) => {
-                self.run_quorum(&group, &plan, rank, backend, endpoint, lent, kept)
-                    .await
-            }
+            Ok(kept) => self
+                .run_quorum(&group, &plan, rank, backend, endpoint, lent, kept)
+                .await
+                .map(|stats| TensorStats { placement, ..stats }),
             Err(id) => Err(internal(format!(
                 "quorum {group}: the plan reuses communicator {id}, which this agent does not keep"
             ))),

@@ -282,7 +282,14 @@ impl Tensors {
         GetDests { tensors: self, id }
     }
 
-    pub async fn put(&self, owner: Owner, req: PutTensors) -> Result<TensorsPut, ApiError> {
+    /// Registers the caller's tensors under `req.key`; a broadcast put
+    /// then waits for its quorum only while the caller is there (`gone`).
+    pub async fn put(
+        &self,
+        owner: Owner,
+        req: PutTensors,
+        gone: &CancellationToken,
+    ) -> Result<TensorsPut, ApiError> {
         t::validate_entries(&req.tensors)
             .map_err(|m| ApiError::bad_request(format!("{}: {m}", req.key)))?;
         let device = req.tensors[0].device;
@@ -354,7 +361,9 @@ impl Tensors {
             let _in_use =
                 matches!(device, Device::Cuda(_)).then(|| self.borrow_dests(&req.tensors));
             let stats = self
-                .put_in_quorum(&req.key, member, &version, descs, window, regions, backend)
+                .put_in_quorum(
+                    &req.key, member, &version, descs, window, regions, backend, gone,
+                )
                 .await?;
             return Ok(TensorsPut {
                 key: req.key,
@@ -412,8 +421,10 @@ impl Tensors {
         let stats = match broadcast {
             None => None,
             Some((window, regions)) => Some(
-                self.put_in_quorum(&req.key, member, &version, descs, window, regions, backend)
-                    .await?,
+                self.put_in_quorum(
+                    &req.key, member, &version, descs, window, regions, backend, gone,
+                )
+                .await?,
             ),
         };
         Ok(TensorsPut {
@@ -436,6 +447,7 @@ impl Tensors {
         window: kt_types::BroadcastWindow,
         regions: Vec<Box<dyn kt_tensor::Region>>,
         backend: Arc<dyn kt_tensor::Backend>,
+        gone: &CancellationToken,
     ) -> Result<kt_types::tensor::TensorStats, ApiError> {
         let device = regions.first().map(|r| r.device()).unwrap_or(Device::Cpu);
         let mut lent = Lent::new(device);
@@ -450,7 +462,7 @@ impl Tensors {
         };
         // Boxed: the quorum's future is large, and `put` awaits it in two
         // places.
-        Box::pin(self.quorum(key, member, role, &window, backend, lent)).await
+        Box::pin(self.quorum(key, member, role, &window, backend, lent, gone)).await
     }
 
     /// `drop_tensors`: the owner's own registration only.

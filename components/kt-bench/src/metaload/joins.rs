@@ -83,12 +83,7 @@ pub struct JoinOutcome {
 
 impl JoinOutcome {
     pub fn joins_per_s(&self) -> f64 {
-        let secs = self.elapsed.as_secs_f64();
-        if secs > 0.0 {
-            self.assigned as f64 / secs
-        } else {
-            0.0
-        }
+        super::per_second(self.assigned as u64, self.elapsed)
     }
 
     /// `joins=N assigned in Xs (Y joins/s), p99 Z ms`.

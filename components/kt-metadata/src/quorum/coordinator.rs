@@ -271,21 +271,19 @@ impl Quorums {
             seq,
         };
         loop {
-            if let Some(c) = closed.borrow_and_update().clone() {
-                return c.answer(group, seq);
-            }
-            tokio::select! {
-                _ = self.shutdown.cancelled() => {
-                    return Err(QuorumError::Unavailable(
-                        format!("the metadata server is shutting down: quorum {group} is abandoned (join again once it is back)"),
-                    ));
+            match self.wait_for(&mut closed, deadline, Option::clone).await {
+                Ok(c) => return c.answer(group, seq),
+                Err(Ended::Shutdown) => {
+                    return Err(QuorumError::Unavailable(format!(
+                        "the metadata server is shutting down: quorum {group} is abandoned (join again once it is back)"
+                    )));
                 }
-                r = closed.changed() => {
-                    if r.is_err() {
-                        return Err(QuorumError::Internal(format!("the round of quorum {group} ended without an answer")));
-                    }
+                Err(Ended::Dropped) => {
+                    return Err(QuorumError::Internal(format!(
+                        "the round of quorum {group} ended without an answer"
+                    )));
                 }
-                _ = tokio::time::sleep_until(deadline) => {
+                Err(Ended::Deadline) => {
                     let due = self.lock().take_round(group, round);
                     if let Some(r) = due {
                         self.close(group, r, ClosedBy::Timeout);
@@ -367,30 +365,18 @@ impl Quorums {
         wait: Duration,
     ) -> Result<Rendezvous, QuorumError> {
         let deadline = Instant::now() + wait;
-        let mut rx = {
-            let mut st = self.lock();
-            st.gc(Instant::now());
-            st.transfer(group, id)?.rendezvous.subscribe()
-        };
-        loop {
-            if let Some(blob) = rx.borrow_and_update().clone() {
-                return Ok(Rendezvous { blob });
-            }
-            tokio::select! {
-                r = rx.changed() => {
-                    if r.is_err() {
-                        return Err(QuorumError::NotFound(format!("transfer {id} of quorum {group} was forgotten")));
-                    }
-                }
-                _ = tokio::time::sleep_until(deadline) => {
-                    return Err(QuorumError::Unavailable(
-                        format!("rank 0 has not published the rendezvous of transfer {id} yet"),
-                    ));
-                }
-                _ = self.shutdown.cancelled() => {
-                    return Err(QuorumError::Unavailable("the metadata server is shutting down".into()));
-                }
-            }
+        let mut rx = self.watch_transfer(group, id, |t| t.rendezvous.subscribe())?;
+        match self.wait_for(&mut rx, deadline, Option::clone).await {
+            Ok(blob) => Ok(Rendezvous { blob }),
+            Err(Ended::Dropped) => Err(QuorumError::NotFound(format!(
+                "transfer {id} of quorum {group} was forgotten"
+            ))),
+            Err(Ended::Deadline) => Err(QuorumError::Unavailable(format!(
+                "rank 0 has not published the rendezvous of transfer {id} yet"
+            ))),
+            Err(Ended::Shutdown) => Err(QuorumError::Unavailable(
+                "the metadata server is shutting down".into(),
+            )),
         }
     }
 
@@ -445,24 +431,12 @@ impl Quorums {
         wait: Duration,
     ) -> Result<QuorumStatus, QuorumError> {
         let deadline = Instant::now() + wait;
-        let mut rx = {
-            let mut st = self.lock();
-            st.gc(Instant::now());
-            st.transfer(group, id)?.reported.subscribe()
-        };
+        let mut rx = self.watch_transfer(group, id, |t| t.reported.subscribe())?;
         loop {
             let s = self.lock().transfer(group, id)?.status(group, id);
-            if s.complete {
+            // Whatever ended the wait but a report: the status as it is.
+            if s.complete || self.next_change(&mut rx, deadline).await.is_some() {
                 return Ok(s);
-            }
-            tokio::select! {
-                r = rx.changed() => {
-                    if r.is_err() {
-                        return Ok(s);
-                    }
-                }
-                _ = tokio::time::sleep_until(deadline) => return Ok(s),
-                _ = self.shutdown.cancelled() => return Ok(s),
             }
         }
     }
@@ -512,6 +486,52 @@ impl Quorums {
         })
     }
 
+    /// A receiver of transfer `id`'s channel that `pick` subscribes to
+    /// (after the sweep of what expired).
+    fn watch_transfer<T>(
+        &self,
+        group: &str,
+        id: &str,
+        pick: impl FnOnce(&Transfer) -> watch::Receiver<T>,
+    ) -> Result<watch::Receiver<T>, QuorumError> {
+        let mut st = self.lock();
+        st.gc(Instant::now());
+        Ok(pick(st.transfer(group, id)?))
+    }
+
+    /// Waits for the next value on `rx` (a round's close, a transfer's
+    /// rendezvous or reports), at most until `deadline`, and never past
+    /// the server's shutdown. None: a value came; else what ended the wait.
+    async fn next_change<T>(
+        &self,
+        rx: &mut watch::Receiver<T>,
+        deadline: Instant,
+    ) -> Option<Ended> {
+        tokio::select! {
+            r = rx.changed() => r.err().map(|_| Ended::Dropped),
+            () = tokio::time::sleep_until(deadline) => Some(Ended::Deadline),
+            () = self.shutdown.cancelled() => Some(Ended::Shutdown),
+        }
+    }
+
+    /// What `ready` finds in `rx`'s value, checked now and on each change
+    /// ([`Quorums::next_change`]) until it finds something.
+    async fn wait_for<T, U>(
+        &self,
+        rx: &mut watch::Receiver<T>,
+        deadline: Instant,
+        ready: impl Fn(&T) -> Option<U>,
+    ) -> Result<U, Ended> {
+        loop {
+            if let Some(u) = ready(&rx.borrow_and_update()) {
+                return Ok(u);
+            }
+            if let Some(end) = self.next_change(rx, deadline).await {
+                return Err(end);
+            }
+        }
+    }
+
     /// Waits until `group`'s open round has `n` members (0: none is open).
     pub async fn wait_members(&self, group: &str, n: usize) {
         let mut rx = self.membership.subscribe();
@@ -526,6 +546,17 @@ impl Quorums {
             }
         }
     }
+}
+
+/// What ended a wait of [`Quorums::next_change`] before a value came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    /// Its sender is gone: the round or transfer was forgotten.
+    Dropped,
+    /// The deadline passed.
+    Deadline,
+    /// The server is shutting down.
+    Shutdown,
 }
 
 /// Removes its member from the round when the join's future is dropped

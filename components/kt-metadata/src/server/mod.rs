@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::routing::{delete, get, post, put};
-use kt_service::{ApiError, Metrics, Ready, Token};
+use kt_service::cli::ServerConfig;
+use kt_service::{ApiError, Metrics, Ready};
 use kt_types::api::TeardownResponse;
 use kt_types::auth::{Principal, Role};
 use kt_types::{ErrorCode, Key};
@@ -44,14 +45,10 @@ use services::teardown_service;
 #[derive(Debug, Clone)]
 pub struct Config {
     pub state_dir: PathBuf,
-    pub token: Token,
-    /// Who may call this server (`--auth-file`); `None`: the token alone,
-    /// as admin.
-    pub auth: Option<kt_service::Auth>,
-    /// Serve HTTPS with this certificate (`--tls-cert`, `--tls-key`).
-    pub tls: Option<kt_service::tls::Tls>,
-    /// Requests served at once; more wait.
-    pub max_in_flight: usize,
+    /// What every server takes from the shared flags
+    /// ([`kt_service::cli::ServerArgs::load`]): its token, who may call it,
+    /// TLS, requests served at once.
+    pub server: ServerConfig,
     /// How often expired keys, leases and silent agents are swept.
     pub sweep_interval: Duration,
     /// How often agents are told to beat.
@@ -67,14 +64,12 @@ impl Config {
     pub const DEFAULT_AGENT_TTL: Duration = Duration::from_secs(10);
     pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(30);
 
-    /// Defaults for everything but the state directory and token.
-    pub fn new(state_dir: impl Into<PathBuf>, token: Token) -> Self {
+    /// Defaults for everything but the state directory and the shared
+    /// settings (a [`kt_service::Token`] alone: its holder is admin).
+    pub fn new(state_dir: impl Into<PathBuf>, server: impl Into<ServerConfig>) -> Self {
         Config {
             state_dir: state_dir.into(),
-            token,
-            auth: None,
-            tls: None,
-            max_in_flight: 512,
+            server: server.into(),
             sweep_interval: Duration::from_secs(5),
             heartbeat_interval: Self::DEFAULT_HEARTBEAT_INTERVAL,
             agent_ttl: Self::DEFAULT_AGENT_TTL,
@@ -262,6 +257,7 @@ where
     );
     // The services the tokens file grants are known from the start.
     let granted = config
+        .server
         .auth
         .as_ref()
         .map(|a| a.services())
@@ -295,7 +291,7 @@ where
         shutdown: shutdown.clone(),
         sessions: TaskTracker::new(),
         db,
-        stores: kt_api::Api::new(http, "", config.token.credential()),
+        stores: kt_api::Api::new(http, "", config.server.token.credential()),
         heartbeat_interval_ms: millis(config.heartbeat_interval),
         agent_ttl_ms,
         lease_ttl_ms: millis(config.lease_ttl),
@@ -374,13 +370,10 @@ where
     ));
     let ready = Ready::default();
     ready.set(true);
-    let auth = config
-        .auth
-        .clone()
-        .unwrap_or_else(|| config.token.clone().into());
+    let auth = config.server.callers();
     // The store and agents ask here who the tokens they are shown are.
     let api = api.merge(kt_service::auth::review_routes(auth.clone()));
-    let app = kt_service::app(api, auth, metrics, ready, config.max_in_flight);
+    let app = kt_service::app(api, auth, metrics, ready, config.server.max_in_flight);
     let app = kt_service::trace::layer(app, "metadata");
     let sessions = state.sessions.clone();
     sessions.spawn(attach(Handle(state.clone())));
@@ -391,7 +384,7 @@ where
         app,
         shutdown.clone(),
         Duration::from_secs(10),
-        config.tls.as_ref(),
+        config.server.tls.as_ref(),
     )
     .await;
     shutdown.cancel();

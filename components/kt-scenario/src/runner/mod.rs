@@ -113,6 +113,14 @@ pub fn unsupported(l: &Loaded, target: &dyn Target) -> Option<String> {
             target.name()
         ));
     }
+    if l.scenario.topology.pods.iter().any(|p| p.node.is_some())
+        && !matches!(target.name(), "local" | "netns")
+    {
+        return Some(format!(
+            "places pods on named nodes (topology `node`: their agents' KT_NODE_NAME), which the local and netns targets do (the {} target's pods are on the nodes it scheduled them to)",
+            target.name()
+        ));
+    }
     if l.scenario.topology.nodes.is_some() && !target.runs_nodes() {
         return Some(format!(
             "runs Kubernetes nodes (topology `nodes`: an API server, node-cache agents, the Dataset controller), which the {} target does not yet (local does)",
@@ -540,6 +548,7 @@ pub fn expand_pods(l: &Loaded) -> Vec<PodPlan> {
                 labels: p.labels.clone(),
                 gpu: p.gpu,
                 link_bps: link,
+                node: p.node.clone(),
             });
         }
     }

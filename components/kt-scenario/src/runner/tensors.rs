@@ -14,6 +14,23 @@ use crate::target::{ExecOutput, ExecRequest, PodPlan, PodProcess, Program};
 use crate::template::Context;
 use crate::tensor;
 
+/// What [`tensor::Resolved`] borrows, made by [`Scn::resolve`].
+struct Expanded {
+    layout: String,
+    group: Option<String>,
+    ips: Vec<String>,
+}
+
+impl Expanded {
+    fn resolved(&self) -> tensor::Resolved<'_> {
+        tensor::Resolved {
+            layout: &self.layout,
+            group: self.group.as_deref(),
+            ips: &self.ips,
+        }
+    }
+}
+
 /// A process left running in a pod (a `kt tensor put --hold`).
 pub(super) struct Holder {
     pub(super) pod: String,
@@ -32,13 +49,8 @@ impl Scn<'_> {
         result: &mut StepResult,
     ) -> Result<(), StepError> {
         let pods = self.select(&p.pod);
-        let (group, ips) = self.quorum(p.broadcast.as_ref()).await?;
-        let layout = self.expand(&p.layout)?;
-        let resolved = tensor::Resolved {
-            layout: &layout,
-            group: group.as_deref(),
-            ips: &ips,
-        };
+        let expanded = self.resolve(p.broadcast.as_ref(), &p.layout).await?;
+        let resolved = expanded.resolved();
         let args = |_: &PodPlan, ctx: &Context| -> Result<Vec<String>, StepError> {
             let key = ctx.expand(&p.key)?;
             Ok(tensor::put_args(p, &key, resolved))
@@ -69,11 +81,7 @@ impl Scn<'_> {
             self.in_pods(&pods, Invocation::kt(p.auth), args, started, &result.index)
                 .await
         };
-        self.settle(step, &runs, result)?;
-        if let Some(r) = summaries_record(&runs, tensor::put_record)? {
-            result.record = Some(r);
-        }
-        Ok(())
+        self.settle_summaries(step, &runs, result, tensor::put_record)
     }
 
     /// `tensor_get`: `kt tensor get` in every pod named.
@@ -85,13 +93,8 @@ impl Scn<'_> {
         result: &mut StepResult,
     ) -> Result<(), StepError> {
         let pods = self.select(&g.pod);
-        let (group, ips) = self.quorum(g.broadcast.as_ref()).await?;
-        let layout = self.expand(&g.layout)?;
-        let resolved = tensor::Resolved {
-            layout: &layout,
-            group: group.as_deref(),
-            ips: &ips,
-        };
+        let expanded = self.resolve(g.broadcast.as_ref(), &g.layout).await?;
+        let resolved = expanded.resolved();
         let runs = self
             .in_pods(
                 &pods,
@@ -106,11 +109,7 @@ impl Scn<'_> {
                 &result.index,
             )
             .await;
-        self.settle(step, &runs, result)?;
-        if let Some(r) = summaries_record(&runs, tensor::get_record)? {
-            result.record = Some(r);
-        }
-        Ok(())
+        self.settle_summaries(step, &runs, result, tensor::get_record)
     }
 
     /// `tensor_ls`: `kt tensor ls` in every pod named.
@@ -140,17 +139,23 @@ impl Scn<'_> {
         Ok(())
     }
 
-    /// A tensor broadcast's group (expanded) and the addresses of the pods
-    /// its `ips` names.
-    async fn quorum(
+    /// A tensor step's `layout` (expanded), its broadcast's group
+    /// (expanded) and the addresses of the pods the broadcast's `ips`
+    /// names.
+    async fn resolve(
         &self,
         b: Option<&TensorBroadcast>,
-    ) -> Result<(Option<String>, Vec<String>), StepError> {
-        let Some(b) = b else {
-            return Ok((None, Vec::new()));
+        layout: &str,
+    ) -> Result<Expanded, StepError> {
+        let mut e = Expanded {
+            layout: self.expand(layout)?,
+            group: None,
+            ips: Vec::new(),
         };
-        let group = b.group.as_deref().map(|g| self.expand(g)).transpose()?;
-        let mut ips = Vec::new();
+        let Some(b) = b else {
+            return Ok(e);
+        };
+        e.group = b.group.as_deref().map(|g| self.expand(g)).transpose()?;
         for name in &b.ips {
             let pods = self.select(name);
             if pods.is_empty() {
@@ -158,10 +163,10 @@ impl Scn<'_> {
             }
             for p in pods {
                 let ip = self.target.pod_ip(&p.name).await?;
-                ips.push(ip);
+                e.ips.push(ip);
             }
         }
-        Ok((group, ips))
+        Ok(e)
     }
 
     /// Starts `args` (a `kt tensor put --hold`) in `pod` and waits for its
@@ -237,16 +242,26 @@ fn ok_outputs(runs: &[PodRun]) -> impl Iterator<Item = (&str, &ExecOutput)> {
     })
 }
 
-/// The record of a `kt tensor` step: what `record` makes of the JSON
-/// summaries its successful runs printed (none when no run succeeded).
-fn summaries_record<T: serde::de::DeserializeOwned>(
-    runs: &[PodRun],
-    record: impl FnOnce(&[T]) -> Value,
-) -> Result<Option<Value>, StepError> {
-    let outs = ok_outputs(runs)
-        .map(|(pod, o)| {
-            tensor::summary(&o.stdout).map_err(|e| StepError::at(pod, StepError::Command(e)))
-        })
-        .collect::<Result<Vec<T>, _>>()?;
-    Ok((!outs.is_empty()).then(|| record(&outs)))
+impl Scn<'_> {
+    /// Settles the runs of a `kt tensor` step ([`Scn::settle`]), then
+    /// records what `record` makes of the JSON summaries its successful
+    /// runs printed (nothing when no run succeeded).
+    fn settle_summaries<T: serde::de::DeserializeOwned>(
+        &self,
+        step: &Step,
+        runs: &[PodRun],
+        result: &mut StepResult,
+        record: impl FnOnce(&[T]) -> Value,
+    ) -> Result<(), StepError> {
+        self.settle(step, runs, result)?;
+        let outs = ok_outputs(runs)
+            .map(|(pod, o)| {
+                tensor::summary(&o.stdout).map_err(|e| StepError::at(pod, StepError::Command(e)))
+            })
+            .collect::<Result<Vec<T>, _>>()?;
+        if !outs.is_empty() {
+            result.record = Some(record(&outs));
+        }
+        Ok(())
+    }
 }

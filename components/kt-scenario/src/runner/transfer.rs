@@ -120,6 +120,9 @@ impl Scn<'_> {
                 record["broadcast"] = self.tree(grp).await?;
             }
             record["groups"] = json!(groups.len());
+            if g.timings {
+                record["members"] = member_timings(&sums);
+            }
         }
         result.record = Some(record);
         if !g.verify.is_empty() && step.expect == Expect::Ok {
@@ -257,6 +260,29 @@ fn combined(sums: Vec<TransferSummary>) -> TransferSummary {
         all.seconds = all.seconds.max(s.seconds);
     }
     all
+}
+
+/// Each broadcast member's place and where its time went, by rank
+/// (`rank`, `parents`, `relayed`, `seconds`, then the phases of
+/// [`kt_types::api::MemberTimings`]).
+fn member_timings(sums: &[TransferSummary]) -> Value {
+    let mut members: Vec<(u32, Value)> = sums
+        .iter()
+        .filter_map(|s| {
+            let b = s.broadcast.as_ref()?;
+            let mut m = serde_json::Map::new();
+            m.insert("rank".into(), json!(b.rank));
+            m.insert("parents".into(), json!(b.parents));
+            m.insert("relayed".into(), json!(b.relayed));
+            m.insert("seconds".into(), json!(s.seconds));
+            if let Some(Value::Object(t)) = b.timings.as_ref().map(|t| json!(t)) {
+                m.extend(t);
+            }
+            Some((b.rank, Value::Object(m)))
+        })
+        .collect();
+    members.sort_by_key(|(rank, _)| *rank);
+    Value::Array(members.into_iter().map(|(_, m)| m).collect())
 }
 
 /// The observable result of puts/gets: one summary, or totals over pods.

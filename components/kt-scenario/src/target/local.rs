@@ -1,7 +1,9 @@
 //! The `local` target: the metadata server and the store are real processes
 //! on loopback; every pod is a directory, a loopback address of its own
 //! (127.0.x.y) and the process groups of the commands it runs. Needs no
-//! root, starts in milliseconds per pod.
+//! root, starts in milliseconds per pod. [`Processes`] is the target; this
+//! module has where it puts things ([`Loopback`]) and what the process
+//! targets share below it (servers, programs, pod commands).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
@@ -11,12 +13,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::process::Command;
 
-use super::nodes::{Beside, NodeAddrs, NodeEnv};
+use super::nodes::NodeAddrs;
+use super::process::{At, Place, Placed, Processes};
 use super::procs::{PodProcs, Server, binary, free_port};
 use super::roles::Roles;
-use super::{
-    Component, ExecOutput, ExecRequest, Plan, PodPlan, PodProcess, Program, Target, TargetError,
-};
+use super::{Component, ExecRequest, Plan, PodPlan, Program, TargetError};
 use crate::datasets::NodesSpec;
 use crate::format::Signal;
 
@@ -194,9 +195,13 @@ pub fn agent_args(
 /// The environment of a pod's node agent. A GPU pod's agent claims a host
 /// of its own to NCCL (`NCCL_HOSTID`): NCCL refuses two ranks of one
 /// communicator on one GPU of one host, and the pods of a process-based
-/// testbed share the machine's GPUs.
+/// testbed share the machine's GPUs. A pod placed on a node (topology
+/// `node`) has its agent report it (`KT_NODE_NAME`).
 pub fn agent_env(plan: &Plan, pod: &PodPlan, roles: &Roles) -> Vec<(String, String)> {
     let mut env = roles.agent_env(&pod.name);
+    if let Some(node) = &pod.node {
+        env.push((kt_types::env::NODE_NAME.to_owned(), node.clone()));
+    }
     if pod.gpu {
         env.push((
             "NCCL_HOSTID".to_owned(),
@@ -220,34 +225,50 @@ pub fn agent_socket(pod_dir: &Path) -> PathBuf {
     pod_dir.join("agent.sock")
 }
 
+/// Where the local target's components go: loopback addresses of their
+/// own (the servers', and one a pod: [`pod_ip`]), on free ports.
 #[derive(Debug, Default)]
-pub struct Local {
-    http: reqwest::Client,
-    work: PathBuf,
-    programs: Programs,
-    metadata_url: String,
-    store_url: String,
-    agent_urls: HashMap<String, String>,
-    servers: Servers,
-    pods: HashMap<String, Ipv4Addr>,
-    procs: PodProcs,
-    /// The run's per-component tokens (set by `up`).
-    roles: Option<Roles>,
-    /// The topology's Kubernetes nodes and S3 server, if any.
-    beside: Beside,
-}
+pub struct Loopback;
 
-impl Local {
-    pub fn new() -> Local {
-        Local {
-            // Bounded requests: a server that accepts but never answers must
-            // not hang a readiness wait past its deadline. Never via a proxy.
-            http: kt_api::client_builder()
-                .timeout(Duration::from_secs(2))
-                .build()
-                .unwrap_or_default(),
-            ..Local::default()
-        }
+/// The `local` target.
+pub type Local = Processes<Loopback>;
+
+#[async_trait]
+impl Place for Loopback {
+    const NAME: &'static str = "local";
+
+    fn http() -> reqwest::Client {
+        // Bounded requests: a server that accepts but never answers must
+        // not hang a readiness wait past its deadline. Never via a proxy.
+        kt_api::client_builder()
+            .timeout(Duration::from_secs(2))
+            .build()
+            .unwrap_or_default()
+    }
+
+    fn unavailable(&self) -> Option<String> {
+        None
+    }
+
+    async fn place(&mut self, plan: &Plan) -> Result<Placed, TargetError> {
+        let at = |ip: Ipv4Addr| {
+            Ok(At {
+                ip,
+                port: free_port(IpAddr::V4(ip))?,
+                prefix: Vec::new(),
+            })
+        };
+        Ok(Placed {
+            metadata: at(METADATA_IP)?,
+            store: at(STORE_IP)?,
+            pods: (0..plan.pods.len())
+                .map(|i| at(pod_ip(i)))
+                .collect::<Result<_, TargetError>>()?,
+        })
+    }
+
+    fn node_addrs(&self, spec: &NodesSpec, pods: usize) -> Result<NodeAddrs, TargetError> {
+        NodeAddrs::loopback(spec.count, |i| pod_ip(pods + i))
     }
 }
 
@@ -436,190 +457,6 @@ pub fn copy_logs<'a>(
         }
     }
     Ok(())
-}
-
-impl Local {
-    /// The command of an exec request, in its pod.
-    fn command(&self, req: &ExecRequest) -> Result<Command, TargetError> {
-        let ip = self
-            .pods
-            .get(&req.pod)
-            .ok_or_else(|| TargetError::Failed(format!("no pod named {}", req.pod)))?;
-        let argv = self.programs.argv(req)?;
-        let req = in_pod(self.roles.as_ref(), req);
-        Ok(pod_command(
-            &argv,
-            &self.pod_dir(&req.pod),
-            &req,
-            &self.metadata_url,
-            &ip.to_string(),
-        ))
-    }
-}
-
-#[async_trait]
-impl Target for Local {
-    fn name(&self) -> &'static str {
-        "local"
-    }
-
-    fn unavailable(&self) -> Option<String> {
-        None
-    }
-
-    fn runs_python(&self) -> bool {
-        true
-    }
-
-    async fn up(&mut self, plan: &Plan) -> Result<(), TargetError> {
-        self.work = plan.work_dir.clone();
-        self.programs = Programs::of(plan)?;
-        make_pod_dirs(plan)?;
-        let mport = free_port(IpAddr::V4(METADATA_IP))?;
-        let sport = free_port(IpAddr::V4(STORE_IP))?;
-        let metadata_url = format!("http://{METADATA_IP}:{mport}");
-        let store_url = format!("http://{STORE_IP}:{sport}");
-        let (margv, sargv) = server_argvs(
-            plan,
-            &format!("{METADATA_IP}:{mport}"),
-            &metadata_url,
-            &format!("{STORE_IP}:{sport}"),
-            &store_url,
-        )?;
-        // Every component with its own role (see `roles`).
-        let roles = Roles::write(plan)?;
-        let logs = plan.work_dir.join("logs");
-        self.metadata_url = metadata_url.clone();
-        self.store_url = store_url.clone();
-        self.servers.set(
-            &Component::Metadata,
-            Server::new(
-                "metadata",
-                margv,
-                roles.metadata_env(),
-                logs.join("metadata.log"),
-            ),
-            metadata_url.clone(),
-        );
-        self.servers.set(
-            &Component::Store,
-            Server::new("store", sargv, roles.store_env(), logs.join("store.log")),
-            store_url,
-        );
-        self.pods = plan
-            .pods
-            .iter()
-            .enumerate()
-            .map(|(i, p)| (p.name.clone(), pod_ip(i)))
-            .collect();
-        for p in &plan.pods {
-            let ip = self.pods[&p.name];
-            let port = free_port(IpAddr::V4(ip))?;
-            let url = format!("http://{ip}:{port}");
-            let argv = agent_argv(plan, p, &format!("{ip}:{port}"), &url, &metadata_url)?;
-            let log = logs.join(format!("agent-{}.log", p.name));
-            self.agent_urls.insert(p.name.clone(), url.clone());
-            self.servers.set(
-                &Component::Pod(p.name.clone()),
-                Server::new(
-                    &format!("agent-{}", p.name),
-                    argv,
-                    agent_env(plan, p, &roles),
-                    log,
-                ),
-                url,
-            );
-        }
-        self.servers.start(&self.http, &Component::Metadata).await?;
-        self.servers.start(&self.http, &Component::Store).await?;
-        self.servers.start_pods(&self.http).await?;
-        // Node agents and the controller after the pods' addresses.
-        let env = NodeEnv {
-            bin_dir: plan.bin_dir.clone(),
-            work_dir: plan.work_dir.clone(),
-            metadata_url: metadata_url.clone(),
-            env: roles.metadata_env(),
-        };
-        let base = plan.pods.len();
-        let addrs = |spec: &NodesSpec| NodeAddrs::loopback(spec.count, |i| pod_ip(base + i));
-        self.beside = Beside::start(plan, &env, addrs, self.http.clone()).await?;
-        self.roles = Some(roles);
-        Ok(())
-    }
-
-    fn metadata_url(&self) -> String {
-        self.metadata_url.clone()
-    }
-
-    fn component_url(&self, c: &Component) -> Option<String> {
-        match c {
-            Component::Metadata => Some(self.metadata_url.clone()),
-            Component::Store => Some(self.store_url.clone()),
-            Component::Pod(p) => self.agent_urls.get(p).cloned(),
-        }
-    }
-
-    fn pod_dir(&self, pod: &str) -> PathBuf {
-        self.work.join("pods").join(pod)
-    }
-
-    async fn exec(&self, req: ExecRequest) -> Result<ExecOutput, TargetError> {
-        let cmd = self.command(&req)?;
-        self.procs.run(&req.pod, cmd).await
-    }
-
-    async fn spawn(&self, req: ExecRequest) -> Result<Box<dyn PodProcess>, TargetError> {
-        let cmd = self.command(&req)?;
-        Ok(Box::new(self.procs.spawn(&req.pod, cmd)?))
-    }
-
-    async fn pod_ip(&self, pod: &str) -> Result<String, TargetError> {
-        self.pods
-            .get(pod)
-            .map(|ip| ip.to_string())
-            .ok_or_else(|| TargetError::Failed(format!("no pod named {pod}")))
-    }
-
-    async fn kill_agent(&self, pod: &str, signal: Signal) -> Result<(), TargetError> {
-        self.servers
-            .kill(&Component::Pod(pod.to_owned()), signal)
-            .await
-    }
-
-    fn runs_nodes(&self) -> bool {
-        true
-    }
-
-    fn runs_s3(&self) -> bool {
-        true
-    }
-
-    fn beside(&self) -> Option<&Beside> {
-        Some(&self.beside)
-    }
-
-    fn freezes(&self) -> bool {
-        true
-    }
-
-    async fn kill(&self, c: &Component, signal: Signal) -> Result<(), TargetError> {
-        self.servers.kill_with_pods(&self.procs, c, signal).await
-    }
-
-    async fn start(&self, c: &Component) -> Result<(), TargetError> {
-        self.servers.start(&self.http, c).await
-    }
-
-    async fn collect_logs(&self, dir: &Path) -> Result<(), TargetError> {
-        self.beside.copy_logs(dir).await?;
-        self.servers.copy_logs(dir).await
-    }
-
-    async fn down(&mut self) -> Result<(), TargetError> {
-        self.procs.signal_all(Signal::KILL);
-        let beside = self.beside.stop().await;
-        self.servers.stop_all().await.and(beside)
-    }
 }
 
 #[cfg(test)]

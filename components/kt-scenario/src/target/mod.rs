@@ -21,6 +21,7 @@ pub mod kind;
 pub mod local;
 pub mod netns;
 pub mod nodes;
+pub mod process;
 pub mod procs;
 pub mod roles;
 pub mod s3;
@@ -69,6 +70,8 @@ pub struct PodPlan {
     pub gpu: bool,
     /// Link rate in bits per second (netns shapes it; others ignore it).
     pub link_bps: Option<u64>,
+    /// The node its agent reports (`KT_NODE_NAME`; process targets).
+    pub node: Option<String>,
 }
 
 /// A part of the testbed that steps can kill, restart or wait for.

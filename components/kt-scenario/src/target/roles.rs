@@ -155,6 +155,7 @@ mod tests {
             labels: BTreeMap::new(),
             gpu: false,
             link_bps: None,
+            node: None,
         };
         let plan = Plan {
             run_id: "r".into(),

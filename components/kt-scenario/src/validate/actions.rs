@@ -39,12 +39,14 @@ impl Checker<'_> {
         );
     }
 
-    /// `get` and `broadcast` (which alone take `group`, `fanout` and `window`).
+    /// `get` and `broadcast` (which alone take `group`, `fanout`, `window`
+    /// and `timings`).
     pub(super) fn get(&mut self, body: &str, g: &GetStep, broadcast: bool) {
         for (field, set) in [
             ("group", g.group.is_some()),
             ("fanout", g.fanout.is_some()),
             ("window", g.window.is_some()),
+            ("timings", g.timings),
         ] {
             if set && !broadcast {
                 self.err(
