@@ -137,6 +137,61 @@ type ChunkSets = HashMap<u32, HashSet<u64>>;
 /// chunk number.
 type Cvs = Arc<std::sync::Mutex<HashMap<u32, BTreeMap<u64, ChainingValue>>>>;
 
+/// The file a deferred entry's first chunk read found (device, inode,
+/// ctime), by file index, across a put's attempts.
+type Seen = Arc<std::sync::Mutex<HashMap<u32, FileId>>>;
+type FileId = (u64, u64, i64, i64);
+
+/// What every read of a deferred file's chunk must find it to be: the size
+/// and mtime the scan saw, and the same file (inode, ctime) as its first
+/// read by this put. Its hash is the root of what was read, so a file
+/// written while it is sent, or between attempts (chunks the store kept
+/// are not read again), would publish content that never existed.
+#[derive(Clone)]
+struct Unchanged {
+    index: u32,
+    path: String,
+    size: u64,
+    mtime: (i64, i64),
+    seen: Seen,
+}
+
+impl Unchanged {
+    /// Checks the open file `f` after a chunk of it was read: a message
+    /// naming the file when it is not the one scanned.
+    fn check(&self, f: &std::fs::File) -> Result<(), String> {
+        use std::os::unix::fs::MetadataExt;
+        let md = f
+            .metadata()
+            .map_err(|e| format!("{:?}: {e} (while checking it was not changed)", self.path))?;
+        let id = (md.dev(), md.ino(), md.ctime(), md.ctime_nsec());
+        let first = *self
+            .seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(self.index)
+            .or_insert(id);
+        let what = if md.size() != self.size {
+            format!(
+                "its size is {} bytes, not the {} scanned",
+                md.size(),
+                self.size
+            )
+        } else if (md.mtime(), md.mtime_nsec()) != self.mtime {
+            "its mtime is not the one scanned".to_owned()
+        } else if first != id {
+            "it was written, replaced or had its metadata changed since this put first read it"
+                .to_owned()
+        } else {
+            return Ok(());
+        };
+        Err(format!(
+            "{:?} changed while it was sent ({what}); nothing was published: put it again once it is written",
+            self.path
+        ))
+    }
+}
+
 /// A put's tree across its attempts: the scan, the large files whose
 /// hashes it defers ([`PutRequest::deferred`]) and the chaining values of
 /// their chunks read so far.
@@ -154,6 +209,8 @@ struct PutTree {
     /// What was read of the deferred files, for `cv_chunk`-byte chunks.
     cvs: Cvs,
     cv_chunk: u64,
+    /// The deferred files as first read ([`Unchanged`]).
+    seen: Seen,
     /// The request as sent now (its digest provisional while entries are
     /// deferred) and the manifest it carries, encoded.
     req: PutRequest,
@@ -178,6 +235,7 @@ impl PutTree {
             hashed: Vec::new(),
             cvs: Cvs::default(),
             cv_chunk: 0,
+            seen: Seen::default(),
             req: PutRequest {
                 key: key.clone(),
                 digest: Hash([0; 32]),
@@ -303,6 +361,13 @@ impl PutTree {
         // one comes with its hash).
         let cvs = (self.deferred.binary_search(&i).is_ok() && !self.announced(i))
             .then(|| (self.cvs.clone(), chunk_size));
+        let unchanged = cvs.as_ref().map(|_| Unchanged {
+            index: i,
+            path: e.path.clone(),
+            size: e.size,
+            mtime: (e.mtime, i64::from(e.mtime_nsec)),
+            seen: self.seen.clone(),
+        });
         let mut jobs = Vec::new();
         for n in 0..chunk_count(e.size, chunk_size) {
             let (offset, len) = chunk_range(e.size, chunk_size, n).unwrap_or_default();
@@ -321,6 +386,7 @@ impl PutTree {
                 len,
                 send: !kept,
                 cvs: cvs.clone(),
+                unchanged: unchanged.clone(),
             });
         }
         (jobs, None)
@@ -480,6 +546,8 @@ enum Job {
         /// A deferred file's chunk: its chaining value goes there (chunks
         /// of this size).
         cvs: Option<(Cvs, u64)>,
+        /// A deferred file's chunk: the file must be the one scanned.
+        unchanged: Option<Unchanged>,
     },
 }
 
@@ -951,6 +1019,7 @@ impl Client {
                 len,
                 send,
                 cvs,
+                unchanged,
             } => {
                 let data = blocking(move || {
                     use std::io::{Read, Seek, SeekFrom};
@@ -959,7 +1028,7 @@ impl Client {
                         .map_err(|e| SyncError::io(&path, e))?;
                     // Read into spare capacity: no zeroing pass over the buffer.
                     let mut buf = Vec::with_capacity(len as usize);
-                    f.take(len)
+                    (&f).take(len)
                         .read_to_end(&mut buf)
                         .map_err(|e| SyncError::io(&path, e))?;
                     if buf.len() as u64 != len {
@@ -969,9 +1038,14 @@ impl Client {
                             actual: buf.len() as u64,
                         });
                     }
-                    Ok(bytes::Bytes::from(buf))
+                    // Checked after the read: what was read is the file scanned.
+                    Ok(match unchanged.map(|u| u.check(&f)) {
+                        Some(Err(changed)) => Err(changed),
+                        _ => Ok(bytes::Bytes::from(buf)),
+                    })
                 })
-                .await?;
+                .await?
+                .map_err(ClientError::Local)?;
                 // A deferred file's chunk is hashed beside its upload.
                 let hashing = cvs.as_ref().map(|(_, chunk_size)| {
                     let (data, chunk_size) = (data.clone(), *chunk_size);
@@ -1676,5 +1750,60 @@ mod tests {
         // Another chunk size: the values read are of no use.
         tree.chunk_size(chunk * 2);
         assert!(tree.roots().is_none());
+    }
+
+    /// A deferred file's chunk reads refuse a file that is not the one
+    /// scanned: written in place (another mtime), or replaced by another
+    /// file of the same size and mtime (another inode), naming it.
+    #[test]
+    fn a_deferred_file_written_or_replaced_while_it_is_sent_is_refused() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckpt");
+        std::fs::write(&path, vec![1u8; 4096]).unwrap();
+        let md = std::fs::metadata(&path).unwrap();
+        let scanned = md.modified().unwrap();
+        let unchanged = || Unchanged {
+            index: 0,
+            path: "ckpt".into(),
+            size: 4096,
+            mtime: (md.mtime(), md.mtime_nsec()),
+            seen: Seen::default(),
+        };
+        let open = || std::fs::File::open(&path).unwrap();
+        let u = unchanged();
+        u.check(&open()).unwrap();
+        u.check(&open()).unwrap();
+
+        // Rewritten in place while it is sent: its mtime moves.
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        std::io::Write::write_all(&mut &f, &[2u8; 4096]).unwrap();
+        f.set_modified(scanned + Duration::from_secs(1)).unwrap();
+        let e = u.check(&open()).unwrap_err();
+        assert!(
+            e.contains("\"ckpt\" changed while it was sent") && e.contains("mtime"),
+            "{e}"
+        );
+
+        // Replaced by another file of the same size, given the scanned
+        // mtime: the first read's inode tells.
+        f.set_modified(scanned).unwrap();
+        let u = unchanged();
+        u.check(&open()).unwrap();
+        let other = dir.path().join("ckpt.tmp");
+        std::fs::write(&other, vec![3u8; 4096]).unwrap();
+        let g = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&other)
+            .unwrap();
+        g.set_modified(scanned).unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        let e = u.check(&open()).unwrap_err();
+        assert!(e.contains("replaced or had its metadata changed"), "{e}");
+
+        // Cut short or grown: its size tells.
+        g.set_len(100).unwrap();
+        let e = unchanged().check(&open()).unwrap_err();
+        assert!(e.contains("100 bytes, not the 4096 scanned"), "{e}");
     }
 }

@@ -1,8 +1,9 @@
 //! Puts that hash a large file while they send it (`PutRequest::deferred`):
 //! the version published is the one a put that hashed first makes, a client
 //! whose roots do not match what arrived publishes nothing, the store checks
-//! what is deferred, an interrupted upload resumes, and the scan cache
-//! knows the file afterwards.
+//! what is deferred, an interrupted upload resumes, a file rewritten
+//! during the put is never published torn, and the scan cache knows the
+//! file afterwards.
 
 use std::path::{Path, PathBuf};
 
@@ -104,6 +105,96 @@ async fn an_interrupted_deferred_upload_resumes_and_sends_only_the_rest() {
     let dest = c.dir.path().join("dest");
     c.client().get(&k, &dest, Progress::none()).await.unwrap();
     assert_eq!(fingerprint(&dest), fingerprint(&src));
+    c.stop().await;
+}
+
+/// Bytes a put has sent so far.
+#[derive(Default)]
+struct Sent(std::sync::atomic::AtomicUsize);
+
+impl kt_client::progress::ProgressSink for Sent {
+    fn start(&self, _bytes: u64, _files: u64) {}
+    fn advance(&self, bytes: u64) {
+        self.0
+            .fetch_add(bytes as usize, std::sync::atomic::Ordering::SeqCst);
+    }
+    fn finish(&self) {}
+}
+
+/// A deferred file's hash is the root of what was read of it, and a
+/// resumed upload does not read again the chunks the store kept: a file
+/// rewritten while the store was away must not publish its first half old
+/// and its second half new. The put fails naming it (or publishes the new
+/// content whole), a get gives old or new content, and the next put
+/// publishes the new content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_rewritten_between_attempts_is_never_published_torn() {
+    use std::io::Write;
+    let mut c = Cluster::start().await;
+    let src = c.dir.path().join("src");
+    let size = 16 << 20;
+    let (old, new) = (bytes(31, size), bytes(32, size));
+    write_files(&src, &[("big", &old)]);
+    let k = key("deferred/torn");
+    let sent = std::sync::Arc::new(Sent::default());
+    let putting = {
+        let (client, k, src) = (c.client(), k.clone(), src.clone());
+        let progress = Progress::new(sent.clone());
+        tokio::spawn(async move { client.put(&k, &src, PutOptions::default(), progress).await })
+    };
+    kt_tests::wait_until(
+        "the put halfway",
+        std::time::Duration::from_secs(60),
+        || {
+            let sent = sent.clone();
+            async move { sent.0.load(std::sync::atomic::Ordering::SeqCst) >= size / 2 }
+        },
+    )
+    .await;
+    let addr = c.stop_store().await;
+    // Other bytes of the same size, written in place (a checkpoint saved again).
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(src.join("big"))
+        .unwrap();
+    f.write_all(&new).unwrap();
+    drop(f);
+    c.start_store(addr).await;
+
+    let outcome = putting.await.unwrap();
+    match &outcome {
+        Ok(s) => assert!(!s.unchanged),
+        Err(e) => assert!(
+            e.to_string().contains("\"big\" changed while it was sent"),
+            "{e}"
+        ),
+    }
+    let dest = c.dir.path().join("dest");
+    let got = c.client().get(&k, &dest, Progress::none()).await;
+    match got {
+        Ok(_) => {
+            let content = std::fs::read(dest.join("big")).unwrap();
+            assert!(
+                content == new || (content == old && outcome.is_err()),
+                "the put published {} content that never was on disk",
+                if outcome.is_ok() {
+                    "(without error)"
+                } else {
+                    "(and failed)"
+                }
+            );
+        }
+        Err(e) => {
+            assert!(outcome.is_err(), "the put succeeded, the get fails: {e}");
+            assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
+        }
+    }
+    // Put again: the new content, whole.
+    let again = put(&c.client(), "deferred/torn", &src).await;
+    assert!(outcome.is_ok() || !again.unchanged);
+    let dest = c.dir.path().join("dest-again");
+    c.client().get(&k, &dest, Progress::none()).await.unwrap();
+    assert!(std::fs::read(dest.join("big")).unwrap() == new);
     c.stop().await;
 }
 
