@@ -7,8 +7,9 @@
 //! [`STEPS`]: a single point-to-point get (`single`), 32 gets from the store
 //! at once (`star`), a broadcast in kt's default shape (`tree`) and, in the
 //! link-bound scenario, a broadcast whose rank 1 is SIGKILLed midway
-//! (`killed`: its 31 survivors). Around the legs it records the store's
-//! `kt_bytes_sent_total` (`store-sent-0`, `store-sent-1`, … in leg order). From
+//! (`killed`: its 31 survivors). Around the legs a `metrics` step records the
+//! store's `kt_bytes_sent_total` (`store-sent-0`, `store-sent-1`, … in leg
+//! order). From
 //! the run the driver reads:
 //! - `report.json`: each step's status, its operation time (`op_ms`: first pod
 //!   command's start to the last one's exit; verification not included) and
@@ -262,14 +263,16 @@ pub fn read_records(files: &RunFiles, name: &str) -> anyhow::Result<Value> {
     Ok(v.get("recorded").cloned().unwrap_or(Value::Null))
 }
 
-/// The value of `kt_bytes_sent_total` in an exec step's record.
+/// The store's counter in a `metrics` step's record (`count`, `min`,
+/// `median`, `max`, `largest`: the spread over the component's instances).
+/// The bench's topology has one store; with several, the record does not
+/// hold their total, so there is no reading.
 fn counter(record: &Value) -> Option<u64> {
-    record.get("stdout")?.as_array()?.iter().find_map(|l| {
-        let (name, v) = l.as_str()?.trim().rsplit_once(' ')?;
-        (name == "kt_bytes_sent_total")
-            .then(|| v.parse::<f64>().ok().map(|f| f as u64))
-            .flatten()
-    })
+    if record.get("count")?.as_u64()? != 1 {
+        return None;
+    }
+    let v = record.get("max")?.as_f64()?;
+    (v.is_finite() && v >= 0.0).then_some(v as u64)
 }
 
 /// Depth of rank `r` in a tree given as `rank -> parent`.
@@ -632,7 +635,7 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    const SNAP: &str = "---\nsource: components/kt-scenario/src/snapshot.rs\ndescription: \"x\"\n---\nrecorded:\n  single:\n    bytes_sent: 536870912\n    bytes_skipped: 0\n    files: 1\n  star:\n    bytes_sent_total: 17179869184\n    pods: 32\n  store-sent-0:\n    status: 0\n    stdout:\n      - kt_bytes_sent_total 0\n  store-sent-1:\n    status: 0\n    stdout:\n      - kt_bytes_sent_total 536870912\n  store-sent-2:\n    stdout:\n      - kt_bytes_sent_total 17716740096\n  store-sent-3:\n    stdout:\n      - kt_bytes_sent_total 18790481920\n  tree:\n    broadcast:\n      fanout: 2\n      replaced: 0\n      tree:\n        - 1 <- 0 done\n        - 2 <- 0 done\n        - 3 <- 1 done\n        - 4 <- 1 done\n        - 5 <- 2 done\n        - 6 <- 3 done\nscenario: broadcast\n";
+    const SNAP: &str = "---\nsource: components/kt-scenario/src/snapshot.rs\ndescription: \"x\"\n---\nrecorded:\n  single:\n    bytes_sent: 536870912\n    bytes_skipped: 0\n    files: 1\n  star:\n    bytes_sent_total: 17179869184\n    pods: 32\n  store-sent-0:\n    count: 1\n    largest: store\n    max: 0\n    median: 0\n    min: 0\n  store-sent-1:\n    count: 1\n    largest: store\n    max: 536870912\n    median: 536870912\n    min: 536870912\n  store-sent-2:\n    count: 1\n    largest: store\n    max: 17716740096.0\n    median: 17716740096.0\n    min: 17716740096.0\n  store-sent-3:\n    count: 1\n    largest: store\n    max: 18790481920\n    median: 18790481920\n    min: 18790481920\n  tree:\n    broadcast:\n      fanout: 2\n      replaced: 0\n      tree:\n        - 1 <- 0 done\n        - 2 <- 0 done\n        - 3 <- 1 done\n        - 4 <- 1 done\n        - 5 <- 2 done\n        - 6 <- 3 done\nscenario: broadcast\n";
 
     fn step(name: &str, op_ms: f64, pods: usize) -> StepReport {
         StepReport {
@@ -674,6 +677,23 @@ mod tests {
         assert_eq!(v["scenario"], json!("broadcast"));
         assert_eq!(v["recorded"]["single"]["bytes_sent"], json!(536870912u64));
         assert!(parse_snapshot("a: 1\n").is_err());
+    }
+
+    /// A `metrics` step's record: the store's counter is its `max`, written
+    /// as an integer or a float; no reading where it spans several stores
+    /// or is not a count of bytes.
+    #[test]
+    fn the_store_counter_is_read_from_a_metrics_record() {
+        let recs = parse_snapshot(SNAP).unwrap()["recorded"].clone();
+        assert_eq!(counter(&recs["store-sent-1"]), Some(512 << 20));
+        assert_eq!(counter(&recs["store-sent-2"]), Some(17_716_740_096));
+        let spread = |count: u64, max: Value| json!({ "count": count, "min": 0, "median": 0, "max": max, "largest": "store" });
+        assert_eq!(counter(&spread(1, json!(0))), Some(0));
+        assert_eq!(counter(&spread(2, json!(1024))), None);
+        assert_eq!(counter(&spread(0, json!(0))), None);
+        assert_eq!(counter(&spread(1, json!(-1.0))), None);
+        assert_eq!(counter(&spread(1, json!("[redacted]"))), None);
+        assert_eq!(counter(&json!({ "max": 1024 })), None);
     }
 
     #[test]
@@ -724,7 +744,10 @@ mod tests {
     #[test]
     fn a_killed_leg_first_shifts_the_readings() {
         let mut recs = parse_snapshot(SNAP).unwrap()["recorded"].clone();
-        let reading = |v: u64| json!({ "stdout": [format!("kt_bytes_sent_total {v}")] });
+        let reading = |v: u64| {
+            let v = v as f64;
+            json!({ "count": 1, "min": v, "median": v, "max": v, "largest": "store" })
+        };
         let m = 512u64 << 20;
         for (i, v) in [
             0,
