@@ -47,8 +47,12 @@ def flight(tmp_path_factory):
         {"token": METRICS, "role": "metrics"},
     ])
     try:
+        # A pod's agent names its Flight scratch (it refuses a default in a
+        # pod: its state directory is too small there).
+        scratch = tb.root / "pods" / "flight-pod" / ".kt-agent" / "flight"
         pod = tb.pod("flight-pod", service="train", args=["--flight-addr", "127.0.0.1:0",
-                                                          "--flight-budget", "64KiB"])
+                                                          "--flight-budget", "64KiB",
+                                                          "--flight-dir", str(scratch)])
         addr = _wait_for("the agent's Flight server",
                          lambda: _listening(pod.dir / "agent.log", "flight listening"))
         url = addr.replace("http://", "grpc://")
