@@ -36,7 +36,7 @@ mod credential;
 pub mod tls;
 pub mod trace;
 
-pub use builder::{CONNECT_TIMEOUT, client, client_builder};
+pub use builder::{CONNECT_TIMEOUT, POOL_IDLE, client, client_builder};
 pub use credential::Credential;
 
 use std::fmt;

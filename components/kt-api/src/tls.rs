@@ -30,9 +30,9 @@ fn bundle() -> Result<Option<(String, Vec<u8>)>, CaError> {
 }
 
 /// A `reqwest` client builder trusting `KT_CA_FILE`'s CAs (every kt client
-/// starts from this one).
+/// starts from this one), with [`crate::client_builder`]'s defaults.
 pub fn http_builder() -> Result<reqwest::ClientBuilder, CaError> {
-    let mut b = reqwest::Client::builder().use_rustls_tls();
+    let mut b = crate::client_builder().use_rustls_tls();
     if let Some((path, pem)) = bundle()? {
         let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| CaError {
             path: path.clone(),

@@ -1,7 +1,8 @@
 //! Plumbing shared by the kt servers.
 //!
 //! - [`serve`]: run a router on a bound listener until a shutdown token fires,
-//!   with a cap on concurrent requests, then drain;
+//!   with a cap on concurrent requests, then drain; [`conn`]: each
+//!   connection's head timeout and the cap on open connections;
 //! - [`ApiError`]: the one `ErrorCode -> HTTP status` mapping and JSON error body;
 //! - [`ApiJson`]: a JSON extractor whose rejections are [`ApiError`]s;
 //! - [`auth`]: bearer-token middleware (everything but `/healthz` and `/readyz`);
@@ -22,6 +23,7 @@
 pub mod auth;
 pub mod capability;
 pub mod cli;
+pub mod conn;
 pub mod error;
 pub mod exposition;
 pub mod metrics;
@@ -213,9 +215,24 @@ pub async fn serve_tls(
     drain: std::time::Duration,
     tls: Option<&tls::Tls>,
 ) -> std::io::Result<()> {
+    serve_tls_with(listener, app, shutdown, drain, tls, conn::Conns::default()).await
+}
+
+/// [`serve_tls`] with each connection's limits given ([`conn::Conns`]).
+pub async fn serve_tls_with(
+    listener: TcpListener,
+    app: Router,
+    shutdown: CancellationToken,
+    drain: std::time::Duration,
+    tls: Option<&tls::Tls>,
+    conns: conn::Conns,
+) -> std::io::Result<()> {
     let served = match tls {
-        Some(t) => serve_on(tls::TlsListener::new(listener, t)?, app, shutdown, drain).await,
-        None => serve_on(listener, app, shutdown, drain).await,
+        Some(t) => {
+            let listener = tls::TlsListener::new(listener, t)?;
+            conn::serve_on(listener, app, shutdown, drain, conns).await
+        }
+        None => conn::serve_on(listener, app, shutdown, drain, conns).await,
     };
     // The spans of the last requests leave before the process does (OTLP
     // export; nothing to do without it), but a collector that does not
@@ -230,32 +247,6 @@ pub async fn serve_tls(
         );
     }
     served
-}
-
-async fn serve_on<L>(
-    listener: L,
-    app: Router,
-    shutdown: CancellationToken,
-    drain: std::time::Duration,
-) -> std::io::Result<()>
-where
-    L: axum::serve::Listener,
-    L::Addr: std::fmt::Debug,
-{
-    let stop = shutdown.clone();
-    let server =
-        axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await });
-    let deadline = async move {
-        shutdown.cancelled().await;
-        tokio::time::sleep(drain).await;
-    };
-    tokio::select! {
-        r = server => r,
-        _ = deadline => {
-            tracing::warn!(?drain, "in-flight requests did not finish in time; aborting them");
-            Ok(())
-        }
-    }
 }
 
 #[cfg(test)]
