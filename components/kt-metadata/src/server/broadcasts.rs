@@ -15,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use kt_service::{ApiError, ApiJson};
 use kt_types::ErrorCode;
 use kt_types::api::LeaseRequest;
+use kt_types::auth::Role;
 use kt_types::broadcast::{GetterMessage, GroupInfo, GroupMessage, JoinRequest, Parent};
 use tokio::sync::mpsc;
 
@@ -157,6 +158,9 @@ struct Membership {
     digest: Option<kt_types::Hash>,
     /// Who the member is, for the capabilities minted for it.
     getter: String,
+    /// Whose token joined: what it later reports is held to it (a
+    /// `served_by` on its pod's IP).
+    who: kt_types::auth::Principal,
 }
 
 /// Why a member's session ended.
@@ -265,6 +269,17 @@ async fn send_message(socket: &mut WebSocket, msg: &GroupMessage) -> Result<(), 
     socket.send(Message::Text(text.into())).await
 }
 
+/// Refuses a URL `who` may not advertise (a pod-bound token: only on its
+/// pod's IP): members are sent to it.
+fn may_advertise(who: &kt_types::auth::Principal, field: &str, url: &str) -> Result<(), ApiError> {
+    if who.may_advertise(url) {
+        return Ok(());
+    }
+    Err(kt_service::forbidden(format!(
+        "this pod's token may advertise its own IP only, not {url:?} ({field})"
+    )))
+}
+
 /// Admits a getter: resolves the key's origin and version, joins it to its
 /// group (committing the group's record first when it changed), queues its
 /// `Assigned` and registers its queue. A reservation of ranks ahead is
@@ -291,14 +306,20 @@ async fn admit(
         }
         Some(_) => {}
     }
-    if !who.may_advertise(&req.relay_url) {
-        return Err(kt_service::forbidden(format!(
-            "this pod's token may serve a relay on its own IP only, not {:?}",
-            req.relay_url
-        )));
+    may_advertise(who, "relay_url", &req.relay_url)?;
+    if let Some(url) = req.rejoin.as_ref().and_then(|rj| rj.served_by.as_ref()) {
+        check_url("served_by", url)?;
+        may_advertise(who, "served_by", url)?;
     }
     if let Some(getter) = &req.getter {
         check_agent_id(getter)?;
+        // An agent's or pod's token speaks for its own agent only: the
+        // capabilities minted for this member name the getter as source.
+        if matches!(who.role, Role::Agent | Role::Pod) && !who.is_agent(getter) {
+            return Err(kt_service::forbidden(format!(
+                "this token may join a broadcast as its own agent only, not {getter:?}"
+            )));
+        }
     }
     let now = now_ms();
     let lease_req = LeaseRequest {
@@ -399,6 +420,7 @@ async fn admit(
             .clone()
             .or_else(|| who.name.clone())
             .unwrap_or_else(|| "workload".into()),
+        who: who.clone(),
     })
 }
 
@@ -510,6 +532,8 @@ fn on_report(s: &Inner, m: &Membership, text: &str) -> Result<(), ApiError> {
         GetterMessage::Done { served_by } => {
             if let Some(url) = &served_by {
                 check_url("served_by", url)?;
+                // Its children are sent there: on the member's pod only.
+                may_advertise(&m.who, "served_by", url)?;
             }
             tracing::debug!(group = %m.group, rank = m.rank, ?served_by, "broadcast member done");
             b.groups.done(&m.group, m.rank, m.session, served_by, now)

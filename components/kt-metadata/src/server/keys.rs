@@ -318,10 +318,38 @@ pub(super) async fn delete_key(
     }
     let mut deleted = Vec::new();
     for r in targets {
-        delete_one(&s, &r).await?;
+        if let Err(e) = delete_one(&s, &r).await {
+            return Err(partly_deleted(e, &deleted));
+        }
         deleted.push(r.key);
     }
     Ok(ApiJson(DeleteResponse { deleted }))
+}
+
+/// A recursive delete that fails part way says which keys are gone
+/// already: the caller must not think the tree is whole.
+fn partly_deleted(e: ApiError, deleted: &[Key]) -> ApiError {
+    const SHOWN: usize = 5;
+    if deleted.is_empty() {
+        return e;
+    }
+    let mut names = deleted
+        .iter()
+        .take(SHOWN)
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if deleted.len() > SHOWN {
+        names.push_str(&format!(" and {} more", deleted.len() - SHOWN));
+    }
+    ApiError::new(
+        e.code,
+        format!(
+            "{} ({} key(s) before it were deleted: {names})",
+            e.message,
+            deleted.len()
+        ),
+    )
 }
 
 /// Deletes a key's data at the store, then its record. A local key's record is
@@ -343,7 +371,7 @@ pub(super) async fn delete_one(s: &AppState, r: &KeyRecord) -> Result<(), ApiErr
                 return Err(ApiError::new(
                     ErrorCode::Conflict,
                     format!(
-                        "{} changed while it was being deleted; nothing was deleted, try again",
+                        "{} changed while it was being deleted and was kept; try again",
                         r.key
                     ),
                 ));
@@ -390,6 +418,32 @@ pub(super) async fn delete_one(s: &AppState, r: &KeyRecord) -> Result<(), ApiErr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_delete_failing_part_way_names_what_is_gone() {
+        let e = || {
+            ApiError::new(
+                ErrorCode::Unavailable,
+                "store unreachable while deleting t/c",
+            )
+        };
+        assert_eq!(partly_deleted(e(), &[]).message, e().message);
+        let keys: Vec<Key> = (0..7).map(|i| format!("t/k{i}").parse().unwrap()).collect();
+        let two = partly_deleted(e(), &keys[..2]);
+        assert_eq!(two.code, ErrorCode::Unavailable);
+        assert!(
+            two.message
+                .ends_with("(2 key(s) before it were deleted: t/k0, t/k1)"),
+            "{}",
+            two.message
+        );
+        let seven = partly_deleted(e(), &keys);
+        assert!(
+            seven.message.contains("t/k4 and 2 more)"),
+            "{}",
+            seven.message
+        );
+    }
     use kt_types::api::PutOptions;
 
     fn reg(size: u64) -> RegisterKey {
