@@ -224,6 +224,10 @@ def agent_sidecar():
         "# processes that made them (see sidecar.yaml).",
         "patches:",
     ] + json_patches("shareProcessNamespace", "true")
+    lines += [
+        "# No service links: a Service named kt-relay, kt-tensor or kt-node-cache would",
+        "# set KT_RELAY_PORT=tcp://... (see sidecar.yaml).",
+    ] + json_patches("enableServiceLinks", "false")
     lines += ["# Runs after the replacements: the template never reaches the output."]
     lines += drop_template(t)
     return "\n".join(lines) + "\n"
@@ -641,11 +645,12 @@ The pod template that agent-sidecar, then agent-identity, make of a
 workload with one container (`workload`), as kustomize renders them: what
 the sidecar-injector webhook (kt-metadata's --inject-template) adds to a
 pod labelled `kt.dev/agent: sidecar`. Its annotations, its init container
-kt-agent (after the pod's own), its volumes and shareProcessNamespace go
-to the pod; the env and volumeMounts of `workload` to the pod's first
-container (or the one the annotation kubectl.kubernetes.io/default-container
-names); whatever the pod already has of the same name is kept. The agent's
-image is not here but in agent-image.env (the ConfigMap's key agent-image,
+kt-agent (after the pod's own), its volumes, shareProcessNamespace and
+enableServiceLinks go to the pod; the env and volumeMounts of `workload`
+to the pod's first container (or the one the annotation
+kubectl.kubernetes.io/default-container names); whatever the pod already
+has of the same name is kept. The agent's image is not here but in
+agent-image.env (the ConfigMap's key agent-image,
 KT_INJECT_AGENT_IMAGE), where an `images:` entry for kt-agent pins it like
 every other image (see kustomizeconfig.yaml). The sources are
 agent-sidecar's sidecar.yaml and agent-identity's identity.yaml; change
@@ -696,15 +701,16 @@ def main(argv):
     if argv[1:] and not check:
         sys.exit(__doc__)
     stale = []
-    outputs = {path: make() for path, make in FILES.items()}
-    outputs.update(injector_files())
-    for path, text in outputs.items():
-        if check:
-            if not path.exists() or path.read_text() != text:
-                stale.append(path.relative_to(ROOT))
-        elif not path.exists() or path.read_text() != text:
-            path.write_text(text)
-            print(f"components.py: wrote {path.relative_to(ROOT)}", file=sys.stderr)
+    # The injector's template is rendered from the components as written:
+    # theirs first, so one run makes both.
+    for outputs in (lambda: {path: make() for path, make in FILES.items()}, injector_files):
+        for path, text in outputs().items():
+            if check:
+                if not path.exists() or path.read_text() != text:
+                    stale.append(path.relative_to(ROOT))
+            elif not path.exists() or path.read_text() != text:
+                path.write_text(text)
+                print(f"components.py: wrote {path.relative_to(ROOT)}", file=sys.stderr)
     if stale:
         print("components.py: out of date (run `make manifests` and commit): "
               + ", ".join(map(str, stale)), file=sys.stderr)

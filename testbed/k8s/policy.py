@@ -87,6 +87,15 @@ holds 512Mi plus KT_FLIGHT_MAX_CALLS x what one call may hold, flight.rs's
 CALL_MEMORY (flight-memory); the agents' NetworkPolicy, where the bundle
 has it, admits the Flight port (flight-port).
 
+Service links: every pod that runs kt (a container of kt's image, the
+agent, or one given kt's variables) sets enableServiceLinks: false
+(service-links). Otherwise the kubelet sets <SERVICE>_PORT=tcp://<ip>:<port>
+for each Service of the namespace, and a user's Service named kt-relay,
+kt-tensor or kt-node-cache would set kt's own KT_RELAY_PORT, KT_TENSOR_PORT
+or KT_NODE_CACHE_PORT there. A pod that asks the sidecar injector for its
+agent (labelled kt.dev/agent: sidecar, no agent yet) gets it from the
+injector, whose template is held to the rule instead.
+
 testbed/k8s/cases/<name>/ are rendered test cases: those with a file
 `expect-policy` are negative cases, whose every line `Kind/name rule`
 names a violation that must be reported (and is then not an error);
@@ -198,6 +207,11 @@ DATASET_ROOT = "/var/lib/kt/datasets"
 NODE_CACHE = "kt-node-cache"
 NODE_CACHE_INIT = "kt-node-cache-init"
 AGENT = "kt-agent"
+# kt's images (the last part of the repository): a pod that runs one runs
+# kt (rule service-links).
+KT_IMAGES = {"kt-metadata", "kt-store", "kt-agent", "kt-agent-gpu", "kt-client", "kt-dataset"}
+# kt's variables that the workload reads, not kt (dataset-consumer's).
+WORKLOAD_KT_ENV = {"KT_DATASET_DIR"}
 # The static token: a Secret the operator creates for the installs without
 # kube identity (kube-identity: projected ServiceAccount tokens instead).
 TOKEN_SECRET = "kt-token"
@@ -286,6 +300,19 @@ def selects(selector, pod_labels):
 
 def containers(spec):
     return (spec.get("initContainers") or []) + (spec.get("containers") or [])
+
+
+def runs_kt(spec):
+    """The name of a container of the pod that runs kt (kt's image, the
+    agent, or kt's variables), or None."""
+    for c in containers(spec):
+        image = (c.get("image") or "").rsplit("/", 1)[-1]
+        repo = re.split(r"[:@]", image, maxsplit=1)[0]
+        env = {e.get("name") or "" for e in c.get("env") or []}
+        if (c.get("name") == AGENT or repo in KT_IMAGES
+                or any(n.startswith("KT_") and n not in WORKLOAD_KT_ENV for n in env)):
+            return c.get("name")
+    return None
 
 
 def env_of(c):
@@ -465,6 +492,24 @@ class Checker:
             self.fail(where, "socket-dir",
                       f"container {first.get('name')} does not mount kt-run read-only: it "
                       "could create or replace the agent's socket directory")
+
+    def service_links(self, where, tpl, spec):
+        """A pod that runs kt has no service links: a Service named like a
+        kt variable (kt-relay: KT_RELAY_PORT=tcp://...) would set it."""
+        if spec.get("enableServiceLinks") is False:
+            return
+        runs = runs_kt(spec)
+        if runs is None:
+            return
+        pod_labels = dig(tpl, "metadata", "labels") or {}
+        if (pod_labels.get("kt.dev/agent") == "sidecar"
+                and AGENT not in {c.get("name") for c in containers(spec)}):
+            return  # the injector's to add (its template is checked)
+        self.fail(where, "service-links",
+                  f"container {runs} runs kt, but the pod has service links "
+                  "(enableServiceLinks is not false): a Service named kt-relay, kt-tensor or "
+                  "kt-node-cache would set KT_RELAY_PORT, KT_TENSOR_PORT or KT_NODE_CACHE_PORT "
+                  "(tcp://<ip>:<port>) in it")
 
     def volumes(self, where, spec, kt_pod):
         """Every disk-backed emptyDir of kt's has a sizeLimit."""
@@ -1444,6 +1489,7 @@ class Checker:
         # container `workload` standing for the pod's; the pod's own
         # securityContext is the pod's affair).
         self.sidecar(where, pod_spec)
+        self.service_links(where, tpl, pod_spec)
         self.volumes(where, pod_spec, False)
         self.tokens(where, pod_spec, kube_bundle)
         self.identity_order(where, tpl, pod_spec)
@@ -1517,6 +1563,7 @@ class Checker:
                 spec = tpl.get("spec") or {}
                 kt_pod = is_kt(d)
                 self.sidecar(where, spec)
+                self.service_links(where, tpl, spec)
                 self.volumes(where, spec, kt_pod)
                 self.tokens(where, spec, kube_bundle)
                 self.identity_order(where, tpl, spec)

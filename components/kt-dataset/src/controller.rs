@@ -1122,6 +1122,9 @@ pub fn pvc_job(ds: &Dataset, pvc: &PvcSource, cfg: &PvcIngest) -> Job {
                     "serviceAccountName": cfg.service_account,
                     // No token for the API server: it talks to kt only.
                     "automountServiceAccountToken": false,
+                    // No <SERVICE>_PORT variables: a Service named like a kt
+                    // variable (kt-relay: KT_RELAY_PORT) would set it for kt.
+                    "enableServiceLinks": false,
                     "securityContext": {
                         "runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532, "fsGroup": 65532,
                         "seccompProfile": { "type": "RuntimeDefault" },

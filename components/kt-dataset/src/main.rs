@@ -53,7 +53,8 @@ struct RunArgs {
     dataset_namespaces: Option<Namespaces>,
     /// Port of the node-cache agents (a pod's port named `node-cache` or
     /// `http` wins).
-    #[arg(long, env = env::NODE_CACHE_PORT, default_value_t = 8090)]
+    #[arg(long, env = env::NODE_CACHE_PORT, default_value_t = 8090,
+          value_parser = |s: &str| env::port(env::NODE_CACHE_PORT, s))]
     node_cache_port: u16,
     /// http or https (trusting the CAs of KT_CA_FILE).
     #[arg(long, env = env::NODE_CACHE_SCHEME, default_value = "http", value_parser = ["http", "https"])]

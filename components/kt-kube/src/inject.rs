@@ -21,7 +21,8 @@
 //!   `kubectl.kubernetes.io/default-container` names (where another
 //!   injector, Linkerd's for one, put its proxy first);
 //! - the template's pod annotations (`kt.dev/identity`);
-//! - `shareProcessNamespace: true`, as the component forces it.
+//! - `shareProcessNamespace: true` and `enableServiceLinks: false`
+//!   ([`FORCED`]), as the component forces them.
 //!
 //! Decided here, unlike the components: what the pod already has of a
 //! name is kept (an env var, a volume, a volumeMount of that name or
@@ -88,8 +89,16 @@ pub struct Template {
     volumes: Vec<Value>,
     env: Vec<Value>,
     mounts: Vec<Value>,
-    share_process_namespace: bool,
+    /// The template's values of the [`FORCED`] fields it sets.
+    forced: Vec<(&'static str, bool)>,
 }
+
+/// The pod spec's booleans the template sets and the pod gets whatever it
+/// had: `shareProcessNamespace` (the agent ties tensor registrations to
+/// processes) and `enableServiceLinks` (off: a Service named like a kt
+/// variable, `kt-relay` giving `KT_RELAY_PORT=tcp://...`, would set it in
+/// the agent and the workload).
+pub const FORCED: [&str; 2] = ["shareProcessNamespace", "enableServiceLinks"];
 
 /// One RFC 6902 operation (the only two the injection makes).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -166,7 +175,7 @@ fn name_of(v: &Value) -> Option<&str> {
 impl Template {
     /// The pod template of `template.yaml` (a PodTemplateSpec: `metadata`
     /// with annotations, `spec` with the agent, the volumes, the container
-    /// `workload` and shareProcessNamespace; nothing else).
+    /// `workload` and the [`FORCED`] booleans; nothing else).
     pub fn from_yaml(text: &str) -> Result<Template, TemplateError> {
         let v: Value =
             serde_yaml_ng::from_str(text).map_err(|e| TemplateError::Yaml(e.to_string()))?;
@@ -201,7 +210,8 @@ impl Template {
                 "initContainers",
                 "containers",
                 "volumes",
-                "shareProcessNamespace",
+                FORCED[0],
+                FORCED[1],
             ],
         )?;
         let inits = named_list(spec.get("initContainers"), "spec.initContainers")?;
@@ -237,18 +247,21 @@ impl Template {
             return invalid("has a volumeMount without a mountPath");
         }
         let volumes = named_list(spec.get("volumes"), "spec.volumes")?;
-        let share_process_namespace = match spec.get("shareProcessNamespace") {
-            None => false,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => return invalid("spec.shareProcessNamespace is not a boolean"),
-        };
+        let mut forced = Vec::new();
+        for key in FORCED {
+            match spec.get(key) {
+                None => {}
+                Some(Value::Bool(b)) => forced.push((key, *b)),
+                Some(_) => return invalid(format!("spec.{key} is not a boolean")),
+            }
+        }
         Ok(Template {
             annotations,
             agent,
             volumes,
             env,
             mounts,
-            share_process_namespace,
+            forced,
         })
     }
 
@@ -430,13 +443,13 @@ pub fn patch(pod: &Value, template: &Template) -> Result<Vec<PatchOp>, InjectErr
         }
     }
 
-    if template.share_process_namespace
-        && spec.get("shareProcessNamespace") != Some(&Value::Bool(true))
-    {
-        ops.push(PatchOp::Add {
-            path: "/spec/shareProcessNamespace".into(),
-            value: Value::Bool(true),
-        });
+    for &(key, value) in &template.forced {
+        if spec.get(key) != Some(&Value::Bool(value)) {
+            ops.push(PatchOp::Add {
+                path: format!("/spec/{key}"),
+                value: Value::Bool(value),
+            });
+        }
     }
     Ok(ops)
 }
@@ -466,7 +479,8 @@ mod tests {
                 }],
                 "volumes": [{"name": "kt-run", "emptyDir": {"medium": "Memory"}},
                             {"name": "kt-shm", "emptyDir": {"medium": "Memory"}}],
-                "shareProcessNamespace": true
+                "shareProcessNamespace": true,
+                "enableServiceLinks": false
             }
         }))
         .unwrap()
@@ -501,6 +515,7 @@ mod tests {
                 "/spec/containers/0/volumeMounts",
                 "/metadata/annotations",
                 "/spec/shareProcessNamespace",
+                "/spec/enableServiceLinks",
             ]
         );
         let pod = apply(&bare(), &ops);
@@ -512,6 +527,7 @@ mod tests {
             true
         );
         assert_eq!(pod["spec"]["shareProcessNamespace"], true);
+        assert_eq!(pod["spec"]["enableServiceLinks"], false);
         assert_eq!(
             pod["metadata"]["annotations"]["kt.dev/identity"],
             "serviceaccount"
@@ -562,6 +578,7 @@ mod tests {
         pod["spec"]["containers"][0]["volumeMounts"] =
             json!([{"name": "shm", "mountPath": "/dev/shm"}]);
         pod["spec"]["shareProcessNamespace"] = json!(false);
+        pod["spec"]["enableServiceLinks"] = json!(true);
         pod["metadata"]["annotations"] = json!({"kt.dev/identity": "mine"});
         let out = apply(&pod, &patch(&pod, &template()).unwrap());
         assert_eq!(
@@ -580,8 +597,9 @@ mod tests {
                    {"name": "kt-run", "mountPath": "/run/kt", "readOnly": true}])
         );
         assert_eq!(out["metadata"]["annotations"]["kt.dev/identity"], "mine");
-        // Forced, as the component forces it.
+        // Forced, as the component forces them.
         assert_eq!(out["spec"]["shareProcessNamespace"], true);
+        assert_eq!(out["spec"]["enableServiceLinks"], false);
     }
 
     #[test]

@@ -122,4 +122,5 @@ fn the_agent_is_a_native_sidecar_with_the_pinned_image() {
         "kt"
     );
     assert_eq!(out["spec"]["shareProcessNamespace"], true);
+    assert_eq!(out["spec"]["enableServiceLinks"], false);
 }

@@ -43,32 +43,135 @@ pub struct RouteLabels {
     pub route: String,
 }
 
+/// The `direction` label of `kt_service_bytes_total`.
+const RECEIVED: &str = "received";
+const SENT: &str = "sent";
+const SERVICE_DIRECTIONS: [&str; 2] = [RECEIVED, SENT];
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ServiceBytesLabels {
     direction: &'static str,
     service: String,
 }
 
-/// Most owning services given a label of their own; the rest share
-/// [`ServiceLabels::OVERFLOW`] (services are bounded per cluster; this
-/// bounds a misuse).
+/// Most owning services given a label of their own at once; the rest
+/// share [`ServiceLabels::OVERFLOW`] until a label is released
+/// ([`LABEL_IDLE`]).
 pub const MAX_SERVICE_LABELS: usize = 200;
 
 /// Most labels taken from key segments ([`service_of_key`]: a guess any
-/// writer picks), a pool of their own: guesses never crowd out the
-/// services a server resolved.
+/// writer picks) at once, a pool of their own: guesses never crowd out
+/// the services a server resolved.
 pub const MAX_GUESSED_LABELS: usize = 200;
 
-/// The values a `service` label takes: the first [`MAX_SERVICE_LABELS`]
-/// owning services seen ([`ServiceLabels::label`]) and the first
-/// [`MAX_GUESSED_LABELS`] key segments ([`ServiceLabels::label_guessed`])
-/// keep their name, the rest share [`ServiceLabels::OVERFLOW`]. The one
-/// cap every server's service labels go through (the store's and agents'
-/// byte counters, the metadata server's registry gauges).
-#[derive(Debug, Default, Clone)]
+/// How long a label must go uncounted before a new name may take its
+/// place in a full pool: long past any scrape interval, so the evicted
+/// series' last value has been scraped before it is removed. Services
+/// come and go (every training job is one); a long-lived server's labels
+/// follow those that move bytes now, not the first ever seen.
+pub const LABEL_IDLE: std::time::Duration = std::time::Duration::from_secs(10 * 60);
+
+/// One pool of labels: each name and when it was last counted.
+#[derive(Debug, Clone)]
+struct Pool {
+    cap: usize,
+    last_used: std::collections::HashMap<String, std::time::Instant>,
+    /// No name was last counted before this (a lower bound on every
+    /// `last_used`, which only move later; `None`: unknown): while `now -
+    /// idle` is before it, a full pool has nothing to release and is not
+    /// scanned.
+    oldest: Option<std::time::Instant>,
+}
+
+impl Pool {
+    fn new(cap: usize) -> Self {
+        Pool {
+            cap,
+            last_used: Default::default(),
+            oldest: None,
+        }
+    }
+
+    /// Counts `name` now if it holds a label.
+    fn touch(&mut self, name: &str, now: std::time::Instant) -> bool {
+        match self.last_used.get_mut(name) {
+            Some(t) => {
+                *t = (*t).max(now);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Gives `name` a label: a free one, else the least recently counted,
+    /// if it has been idle for `idle` (returned, as `Some(evicted)`).
+    /// `Err(())`: the pool is full of names counted within `idle`.
+    fn admit(
+        &mut self,
+        name: &str,
+        now: std::time::Instant,
+        idle: std::time::Duration,
+    ) -> Result<Option<String>, ()> {
+        let mut evicted = None;
+        if self.last_used.len() >= self.cap {
+            let horizon = now.checked_sub(idle).ok_or(())?;
+            if self.oldest.is_some_and(|o| o > horizon) {
+                return Err(());
+            }
+            let (lru, at) = self
+                .last_used
+                .iter()
+                .min_by_key(|(_, t)| **t)
+                .map(|(n, t)| (n.clone(), *t))
+                .ok_or(())?;
+            if at > horizon {
+                self.oldest = Some(at);
+                return Err(());
+            }
+            self.last_used.remove(&lru);
+            // The next oldest is not known without a scan.
+            self.oldest = None;
+            evicted = Some(lru);
+        }
+        if self.last_used.is_empty() {
+            self.oldest = Some(now);
+        }
+        self.last_used.insert(name.to_owned(), now);
+        Ok(evicted)
+    }
+}
+
+/// What [`ServiceLabels::label_at`] gave: the label, and the name whose
+/// label was released to make room (its series are to be removed).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Labelled<'a> {
+    pub label: &'a str,
+    pub released: Option<String>,
+}
+
+/// The values a `service` label takes: an owning service
+/// ([`ServiceLabels::label`]) or a key segment
+/// ([`ServiceLabels::label_guessed`]) keeps its name while its pool
+/// ([`MAX_SERVICE_LABELS`], [`MAX_GUESSED_LABELS`]) has room, or once
+/// the pool's least recently counted name has been idle for
+/// [`LABEL_IDLE`] (its label is released: the caller removes its
+/// series); otherwise it shares [`ServiceLabels::OVERFLOW`]. So the
+/// labels follow the services moving bytes now, at most
+/// `MAX_SERVICE_LABELS + MAX_GUESSED_LABELS + 1` of them. The one cap
+/// every server's service labels go through (the store's and agents'
+/// byte counters, the metadata server's registry gauges, which label
+/// afresh at each scrape what its registry holds then).
+#[derive(Debug, Clone)]
 pub struct ServiceLabels {
-    owners: std::collections::HashSet<String>,
-    guessed: std::collections::HashSet<String>,
+    owners: Pool,
+    guessed: Pool,
+    idle: std::time::Duration,
+}
+
+impl Default for ServiceLabels {
+    fn default() -> Self {
+        Self::with_idle(LABEL_IDLE)
+    }
 }
 
 impl ServiceLabels {
@@ -76,35 +179,62 @@ impl ServiceLabels {
     /// a valid key segment, so no real service shares it.
     pub const OVERFLOW: &'static str = "(other)";
 
-    /// The label of `service`, an owning service the server resolved
-    /// (bounded by the access map): its name while it is among the first
-    /// [`MAX_SERVICE_LABELS`] such, [`ServiceLabels::OVERFLOW`] after.
+    /// Labels released after `idle` uncounted (instead of [`LABEL_IDLE`]).
+    pub fn with_idle(idle: std::time::Duration) -> Self {
+        ServiceLabels {
+            owners: Pool::new(MAX_SERVICE_LABELS),
+            guessed: Pool::new(MAX_GUESSED_LABELS),
+            idle,
+        }
+    }
+
+    /// The label of `service`, an owning service the server resolved,
+    /// counted now (a label released for it is dropped: for a caller that
+    /// keeps no series of its own).
     pub fn label<'a>(&mut self, service: &'a str) -> &'a str {
-        Self::take(&mut self.owners, &self.guessed, MAX_SERVICE_LABELS, service)
+        self.label_at(Owner::Resolved(service), std::time::Instant::now())
+            .label
     }
 
     /// The label of `segment`, a key's first segment taken for its
-    /// service (any writer picks it): its name while it is a known label
-    /// or among the first [`MAX_GUESSED_LABELS`] guesses,
-    /// [`ServiceLabels::OVERFLOW`] after.
+    /// service (any writer picks it), counted now; a known owning
+    /// service's keeps its label.
     pub fn label_guessed<'a>(&mut self, segment: &'a str) -> &'a str {
-        Self::take(&mut self.guessed, &self.owners, MAX_GUESSED_LABELS, segment)
+        self.label_at(Owner::Guessed(segment), std::time::Instant::now())
+            .label
     }
 
-    fn take<'a>(
-        pool: &mut std::collections::HashSet<String>,
-        other: &std::collections::HashSet<String>,
-        cap: usize,
-        name: &'a str,
-    ) -> &'a str {
-        if name == Self::OVERFLOW || pool.contains(name) || other.contains(name) {
-            return name;
+    /// The label of `owner` counted at `now`, and the name whose label
+    /// was released for it.
+    pub fn label_at<'a>(&mut self, owner: Owner<'a>, now: std::time::Instant) -> Labelled<'a> {
+        let (name, pool, other) = match owner {
+            Owner::Resolved(s) => (s, &mut self.owners, &mut self.guessed),
+            Owner::Guessed(s) => (s, &mut self.guessed, &mut self.owners),
+        };
+        let kept = |label| Labelled {
+            label,
+            released: None,
+        };
+        if name == Self::OVERFLOW || pool.touch(name, now) || other.touch(name, now) {
+            return kept(name);
         }
-        if pool.len() < cap {
-            pool.insert(name.to_owned());
-            return name;
+        match pool.admit(name, now, self.idle) {
+            Ok(released) => Labelled {
+                label: name,
+                released,
+            },
+            Err(()) => kept(Self::OVERFLOW),
         }
-        Self::OVERFLOW
+    }
+
+    /// The names holding a label now.
+    pub fn len(&self) -> usize {
+        self.owners.last_used.len() + self.guessed.last_used.len()
+    }
+
+    /// No name holds a label.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -120,8 +250,8 @@ pub fn service_of_key(key: &kt_types::Key) -> &str {
 }
 
 /// Whose bytes: a service the server resolved, or a key segment.
-#[derive(Clone, Copy)]
-enum Owner<'a> {
+#[derive(Clone, Copy, Debug)]
+pub enum Owner<'a> {
     Resolved(&'a str),
     Guessed(&'a str),
 }
@@ -149,7 +279,7 @@ pub struct Metrics {
     /// The same bytes by the service that owns the key (resolved by the
     /// server, else guessed from its first segment).
     service_bytes: Family<ServiceBytesLabels, Counter>,
-    /// The services given a label of their own so far.
+    /// The services holding a label of their own now.
     services: std::sync::Mutex<ServiceLabels>,
     pub transfers: Family<TransferLabels, Histogram>,
     /// The process's peak resident set (VmHWM), read at each scrape.
@@ -247,25 +377,25 @@ impl Metrics {
     /// ([`service_of_key`], in the pool of guesses).
     pub fn add_bytes_in_for(&self, key: &kt_types::Key, owner: Option<&str>, n: u64) {
         self.add_bytes_in(n);
-        self.add_service_bytes("received", Self::service_label(key, owner), n);
+        self.add_service_bytes(RECEIVED, Self::service_label(key, owner), n);
     }
     /// [`Metrics::add_bytes_out`], counted for `key`'s owning service too
     /// (as [`Metrics::add_bytes_in_for`]).
     pub fn add_bytes_out_for(&self, key: &kt_types::Key, owner: Option<&str>, n: u64) {
         self.add_bytes_out(n);
-        self.add_service_bytes("sent", Self::service_label(key, owner), n);
+        self.add_service_bytes(SENT, Self::service_label(key, owner), n);
     }
     /// [`Metrics::add_bytes_in`], counted for `service` (the owning
     /// service the put resolved) too.
     pub fn add_bytes_in_for_service(&self, service: &str, n: u64) {
         self.add_bytes_in(n);
-        self.add_service_bytes("received", Owner::Resolved(service), n);
+        self.add_service_bytes(RECEIVED, Owner::Resolved(service), n);
     }
     /// [`Metrics::add_bytes_out`], counted for `service` (the owning
     /// service the read resolved) too.
     pub fn add_bytes_out_for_service(&self, service: &str, n: u64) {
         self.add_bytes_out(n);
-        self.add_service_bytes("sent", Owner::Resolved(service), n);
+        self.add_service_bytes(SENT, Owner::Resolved(service), n);
     }
     fn service_label<'a>(key: &'a kt_types::Key, owner: Option<&'a str>) -> Owner<'a> {
         match owner {
@@ -274,16 +404,33 @@ impl Metrics {
         }
     }
     fn add_service_bytes(&self, direction: &'static str, owner: Owner<'_>, n: u64) {
-        let service = {
-            let mut labels = self.services.lock().unwrap_or_else(|e| e.into_inner());
-            match owner {
-                Owner::Resolved(s) => labels.label(s),
-                Owner::Guessed(s) => labels.label_guessed(s),
+        self.add_service_bytes_at(direction, owner, n, std::time::Instant::now());
+    }
+    /// Counts `n` bytes for `owner` at `now`; a label released for it
+    /// takes its series with it. Under the labels' lock throughout, so a
+    /// series is never created for a name whose label was just released.
+    fn add_service_bytes_at(
+        &self,
+        direction: &'static str,
+        owner: Owner<'_>,
+        n: u64,
+        now: std::time::Instant,
+    ) {
+        let mut labels = self.services.lock().unwrap_or_else(|e| e.into_inner());
+        let Labelled { label, released } = labels.label_at(owner, now);
+        if let Some(gone) = released {
+            for direction in SERVICE_DIRECTIONS {
+                self.service_bytes.remove(&ServiceBytesLabels {
+                    direction,
+                    service: gone.clone(),
+                });
             }
-            .to_owned()
-        };
+        }
         self.service_bytes
-            .get_or_create(&ServiceBytesLabels { direction, service })
+            .get_or_create(&ServiceBytesLabels {
+                direction,
+                service: label.to_owned(),
+            })
             .inc_by(n);
     }
     pub fn bytes_in(&self) -> u64 {
@@ -580,6 +727,100 @@ mod tests {
         assert!(text.contains("service=\"a\"} 9"), "{text}");
         assert!(!text.contains("service=\"zzz\""), "{text}");
         assert!(text.contains("service=\"(other)\"} 5"), "{text}");
+    }
+
+    /// Every training job is a service: 300 created and torn down in
+    /// turn (each counted, then never again) each get a label of their
+    /// own, the 300th too, while the labels held stay within the cap.
+    #[test]
+    fn churned_services_keep_labels_of_their_own() {
+        let mut labels = ServiceLabels::default();
+        let t0 = std::time::Instant::now();
+        let mut released = 0;
+        for i in 0..300u32 {
+            let now = t0 + LABEL_IDLE * i;
+            let s = format!("job{i}");
+            let got = labels.label_at(Owner::Resolved(&s), now);
+            assert_eq!(got.label, s, "service {i}");
+            released += usize::from(got.released.is_some());
+            assert!(labels.len() <= MAX_SERVICE_LABELS, "{}", labels.len());
+        }
+        assert_eq!(labels.len(), MAX_SERVICE_LABELS);
+        assert_eq!(released, 300 - MAX_SERVICE_LABELS);
+    }
+
+    /// A full pool of services counted within `LABEL_IDLE` keeps its
+    /// labels (a newcomer shares the overflow label: no series thrash);
+    /// once the least recently counted has idled that long, the
+    /// newcomer takes its label, and that one only.
+    #[test]
+    fn only_an_idle_label_is_released() {
+        let idle = std::time::Duration::from_secs(60);
+        let mut labels = ServiceLabels::with_idle(idle);
+        let t0 = std::time::Instant::now() + idle;
+        let second = std::time::Duration::from_secs(1);
+        for i in 0..MAX_SERVICE_LABELS as u32 {
+            let s = format!("s{i}");
+            assert_eq!(
+                labels.label_at(Owner::Resolved(&s), t0 + second * i).label,
+                s
+            );
+        }
+        let last = t0 + second * (MAX_SERVICE_LABELS as u32);
+        // s0 is counted again: s1 is now the least recently counted.
+        assert_eq!(labels.label_at(Owner::Resolved("s0"), last).label, "s0");
+        let early = labels.label_at(Owner::Resolved("new"), t0 + idle);
+        assert_eq!(early.label, ServiceLabels::OVERFLOW);
+        assert_eq!(early.released, None);
+        let later = labels.label_at(Owner::Resolved("new"), t0 + second + idle);
+        assert_eq!(later.label, "new");
+        assert_eq!(later.released.as_deref(), Some("s1"));
+        let next = labels.label_at(Owner::Resolved("newer"), t0 + second + idle);
+        assert_eq!(next.label, ServiceLabels::OVERFLOW);
+        assert_eq!(labels.len(), MAX_SERVICE_LABELS);
+        // A writer's junk segments fill only the guessed pool, and are
+        // released in turn when they idle.
+        for i in 0..MAX_GUESSED_LABELS as u32 + 1 {
+            let s = format!("junk{i}");
+            let want = if (i as usize) < MAX_GUESSED_LABELS {
+                s.as_str()
+            } else {
+                ServiceLabels::OVERFLOW
+            };
+            assert_eq!(labels.label_at(Owner::Guessed(&s), last).label, want);
+        }
+        let fresh = labels.label_at(Owner::Guessed("team"), last + idle);
+        assert_eq!(fresh.label, "team");
+        assert!(fresh.released.is_some_and(|j| j.starts_with("junk")));
+        assert_eq!(labels.len(), MAX_SERVICE_LABELS + MAX_GUESSED_LABELS);
+    }
+
+    /// The byte counters of 300 services in turn: each counted under its
+    /// own label, a released label's series removed, so the series stay
+    /// bounded and the 300th service has its own.
+    #[test]
+    fn released_labels_take_their_series_with_them() {
+        let m = Metrics::new();
+        let t0 = std::time::Instant::now();
+        for i in 0..300u32 {
+            let now = t0 + LABEL_IDLE * i;
+            let s = format!("job{i}");
+            m.add_service_bytes_at(RECEIVED, Owner::Resolved(&s), 2, now);
+            m.add_service_bytes_at(SENT, Owner::Resolved(&s), 1, now);
+        }
+        let text = m.encode();
+        let series = text
+            .lines()
+            .filter(|l| l.starts_with("kt_service_bytes_total{"))
+            .count();
+        assert_eq!(series, 2 * MAX_SERVICE_LABELS, "{text}");
+        assert!(
+            text.contains("kt_service_bytes_total{direction=\"received\",service=\"job299\"} 2"),
+            "{text}"
+        );
+        assert!(!text.contains("service=\"job99\""), "{text}");
+        assert!(!text.contains("(other)"), "{text}");
+        assert_eq!(m.bytes_in(), 0, "only the labelled counters were counted");
     }
 
     /// A key of one segment never puts its name in a label; bytes are

@@ -283,7 +283,7 @@ pub fn boolish(var: &str, value: &str) -> Result<bool, String> {
 pub fn ports(var: &str, spec: &str, default: &str) -> Result<Vec<u16>, String> {
     let spec = spec.trim();
     let spec = if spec.is_empty() { default } else { spec };
-    let bad = || format!("{var}={spec:?}: a port or a range such as 8091-8099");
+    let bad = || port_error(var, spec, "a port or a range such as 8091-8099");
     let (lo, hi) = match spec.split_once('-') {
         Some((a, b)) => (a.trim().parse::<u16>(), b.trim().parse::<u16>()),
         None => (spec.parse::<u16>(), spec.parse::<u16>()),
@@ -293,6 +293,36 @@ pub fn ports(var: &str, spec: &str, default: &str) -> Result<Vec<u16>, String> {
         return Err(bad());
     }
     Ok((lo..=hi).filter(|p| *p != 0).collect())
+}
+
+/// The port a port variable (`var`, e.g. [`NODE_CACHE_PORT`]) names; a
+/// clap `value_parser` for such a flag.
+pub fn port(var: &str, value: &str) -> Result<u16, String> {
+    let value = value.trim();
+    value
+        .parse()
+        .map_err(|_| port_error(var, value, "a port such as 8090"))
+}
+
+/// The error of a port variable's bad `value`. A URL there
+/// (`tcp://10.0.0.1:7000`) is Kubernetes' service links: the kubelet sets
+/// `<SERVICE>_PORT` for every Service of the namespace in a pod without
+/// `enableServiceLinks: false`, so a Service named `kt-relay` sets
+/// `KT_RELAY_PORT`; the error says so.
+fn port_error(var: &str, value: &str, want: &str) -> String {
+    let mut msg = format!("{var}={value:?}: {want}");
+    if value.contains("://") {
+        let service = var
+            .strip_suffix("_PORT")
+            .unwrap_or(var)
+            .to_ascii_lowercase()
+            .replace('_', "-");
+        msg.push_str(&format!(
+            " (a URL there is what Kubernetes' service links set for a Service named \
+             {service}: set `enableServiceLinks: false` on the pod, as kt's manifests do)"
+        ));
+    }
+    msg
 }
 
 /// OpenTelemetry's standard variable for the collector's base URL
@@ -416,3 +446,34 @@ pub const SCENARIO_PYTHON: &str = "KT_SCENARIO_PYTHON";
 pub const SCENARIO_WORK_DIR: &str = "KT_SCENARIO_WORK_DIR";
 /// The chaos soak's seed (`kt-scenario chaos --seed`).
 pub const CHAOS_SEED: &str = "KT_CHAOS_SEED";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Service named like a kt port variable sets it to a URL in pods
+    /// with service links: the error names the variable and the cause.
+    #[test]
+    fn a_service_link_in_a_port_variable_is_named() {
+        let e = ports(RELAY_PORT, "tcp://10.0.0.1:7000", "8091-8099").unwrap_err();
+        assert!(
+            e.starts_with("KT_RELAY_PORT=\"tcp://10.0.0.1:7000\""),
+            "{e}"
+        );
+        assert!(e.contains("a Service named kt-relay"), "{e}");
+        assert!(e.contains("enableServiceLinks: false"), "{e}");
+        let e = port(NODE_CACHE_PORT, "tcp://10.0.0.2:8090").unwrap_err();
+        assert!(e.starts_with("KT_NODE_CACHE_PORT="), "{e}");
+        assert!(e.contains("a Service named kt-node-cache"), "{e}");
+        let e = ports(TENSOR_PORT, "tcp://10.0.0.3:8100", DEFAULT_TENSOR_PORTS).unwrap_err();
+        assert!(e.contains("a Service named kt-tensor"), "{e}");
+        // A plain bad value says what is wanted, and nothing of services.
+        let e = ports(RELAY_PORT, "80a", "8091-8099").unwrap_err();
+        assert!(!e.contains("Service"), "{e}");
+        assert_eq!(
+            ports(RELAY_PORT, " 9000-9001 ", "").unwrap(),
+            vec![9000, 9001]
+        );
+        assert_eq!(port(NODE_CACHE_PORT, "8090").unwrap(), 8090);
+    }
+}
