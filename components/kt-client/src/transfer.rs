@@ -15,8 +15,8 @@ use kt_sync::scan::Kept;
 use kt_sync::scan::source_path;
 use kt_types::agent::{ControlReply, ControlRequest};
 use kt_types::api::{
-    BatchAck, CommitRequest, CommitResponse, DEFERRED_HASH, DeferredRoot, LeaseRequest, PutOptions,
-    PutPlan, PutRequest, ReadManifest, SourceLease, TransferStats,
+    BatchAck, ChunkValues, CommitRequest, CommitResponse, DEFERRED_HASH, DeferredRoot,
+    LeaseRequest, PutOptions, PutPlan, PutRequest, ReadManifest, SourceLease, TransferStats,
 };
 use kt_types::codec;
 use kt_types::{Entry, Hash, Key, KeyPrefix, KeyRecord, Manifest, paths};
@@ -206,6 +206,10 @@ struct PutTree {
     deferred: Vec<u32>,
     /// Entries the scan left unhashed and this put hashed whole.
     hashed: Vec<u32>,
+    /// The chunk values of the large ones among them, for the store to
+    /// copy from its current version the chunks it has
+    /// ([`PutRequest::chunks`]).
+    chunk_values: Vec<ChunkValues>,
     /// What was read of the deferred files, for `cv_chunk`-byte chunks.
     cvs: Cvs,
     cv_chunk: u64,
@@ -233,6 +237,7 @@ impl PutTree {
             kept,
             deferred,
             hashed: Vec::new(),
+            chunk_values: Vec::new(),
             cvs: Cvs::default(),
             cv_chunk: 0,
             seen: Seen::default(),
@@ -241,6 +246,7 @@ impl PutTree {
                 digest: Hash([0; 32]),
                 options,
                 deferred: Vec::new(),
+                chunks: Vec::new(),
             },
             encoded: Vec::new(),
             arrivals: None,
@@ -283,6 +289,16 @@ impl PutTree {
         self.deferred.iter().filter(small).copied().collect()
     }
 
+    /// The request that carries the manifest: with the chunk values of
+    /// the files hashed whole (not in the digest-only one: only a store
+    /// that stages the tree uses them).
+    fn manifest_request(&self) -> PutRequest {
+        PutRequest {
+            chunks: self.chunk_values.clone(),
+            ..self.req.clone()
+        }
+    }
+
     /// The store's chunk size: values read for another are of no use.
     fn chunk_size(&mut self, chunk_size: u64) {
         if self.cv_chunk != chunk_size {
@@ -292,9 +308,16 @@ impl PutTree {
     }
 
     /// Hashes the deferred entries among `which` whole, now (they are no
-    /// longer deferred); false when none was.
+    /// longer deferred); false when none was. One larger than the store's
+    /// `chunk_size` is hashed chunk by chunk (as fast: one read, all
+    /// cores), its chunks' values kept for the store (`chunk_values`).
     /// An arriving entry is waited for, its hash the one it arrives with.
-    async fn hash_now(&mut self, src: &Path, which: &[u32]) -> Result<bool, ClientError> {
+    async fn hash_now(
+        &mut self,
+        src: &Path,
+        which: &[u32],
+        chunk_size: u64,
+    ) -> Result<bool, ClientError> {
         let (arriving, which): (Vec<u32>, Vec<u32>) = which
             .iter()
             .filter(|i| self.deferred.binary_search(i).is_ok())
@@ -314,15 +337,21 @@ impl PutTree {
         if files.is_empty() && hashes.is_empty() {
             return Ok(false);
         }
-        hashes.extend(
-            blocking(move || {
-                files
-                    .into_iter()
-                    .map(|(i, path, size)| kt_sync::scan::hash_file(&path, size).map(|h| (i, h)))
-                    .collect::<Result<Vec<_>, _>>()
-            })
-            .await?,
-        );
+        let by_chunks = kt_sync::chunk::check_chunk_size(chunk_size).is_ok();
+        let hashed = blocking(move || {
+            files
+                .into_iter()
+                .map(|(i, path, size)| {
+                    hash_for_put(i, &path, size, by_chunks.then_some(chunk_size))
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await?;
+        for (i, h, values) in hashed {
+            hashes.push((i, h));
+            self.chunk_values.retain(|v| v.index != i);
+            self.chunk_values.extend(values);
+        }
         for (i, h) in hashes {
             self.manifest.entries[i as usize].hash = Some(h);
             self.deferred.retain(|&d| d != i);
@@ -530,6 +559,33 @@ async fn arrived_jobs(
             }
         }
     }
+}
+
+/// The hash of the file at `path` (`size` bytes) that a put hashes
+/// whole, and, when it is larger than `chunk_size` (the store's, usable
+/// for chunk values), the values of its chunks (the hash is their root).
+fn hash_for_put(
+    index: u32,
+    path: &Path,
+    size: u64,
+    chunk_size: Option<u64>,
+) -> Result<(u32, Hash, Option<ChunkValues>), SyncError> {
+    if let Some(chunk_size) = chunk_size.filter(|&c| size > c) {
+        let cvs = kt_sync::chunk::file_cvs(path, size, chunk_size)?;
+        if let Some(root) = kt_sync::chunk::root_from_cvs(&cvs) {
+            let values = cvs.into_iter().map(Hash).collect();
+            return Ok((
+                index,
+                root,
+                Some(ChunkValues {
+                    index,
+                    chunk_size,
+                    values,
+                }),
+            ));
+        }
+    }
+    Ok((index, kt_sync::scan::hash_file(path, size)?, None))
 }
 
 enum Job {
@@ -823,16 +879,22 @@ impl Client {
         while plan.need_manifest || !plan.hash_first.is_empty() {
             // Deferred files the store does not take in chunks are hashed now.
             let small = tree.deferred_up_to(plan.chunk_size);
-            tree.hash_now(src, &small).await?;
-            // Files the store probably has already: hashed, not sent.
+            tree.hash_now(src, &small, plan.chunk_size).await?;
+            // Files the store probably has already: hashed, not sent (a
+            // large one by chunks: if it changed after all, the store
+            // copies from its own file the chunks that did not).
             let ask = std::mem::take(&mut plan.hash_first);
-            if !ask.is_empty() && !tree.hash_now(src, &ask).await? {
+            if !ask.is_empty() && !tree.hash_now(src, &ask, plan.chunk_size).await? {
                 return Err(ClientError::Local(format!(
                     "the store asked to hash entries {ask:?}, whose hashes are not deferred"
                 )));
             }
             tree.chunk_size(plan.chunk_size);
-            plan = plan_put(codec::document_with(&tree.req, &tree.encoded)).await?;
+            plan = plan_put(codec::document_with(
+                &tree.manifest_request(),
+                &tree.encoded,
+            ))
+            .await?;
             if let Some(session) = plan
                 .session
                 .as_deref()
@@ -846,7 +908,7 @@ impl Client {
                     .ok()
                     .await;
                 let all = tree.deferred.clone();
-                tree.hash_now(src, &all).await?;
+                tree.hash_now(src, &all, plan.chunk_size).await?;
                 plan.need_manifest = true;
             }
         }

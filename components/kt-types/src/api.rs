@@ -226,6 +226,28 @@ pub struct PutRequest {
     /// writes it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub deferred: Vec<u32>,
+    /// The chunk values of large files the client hashed because the
+    /// store asked ([`PutPlan::hash_first`]): for one the store needs
+    /// after all (its content differs from the current version's file of
+    /// that path and size), the store copies from that file the chunks
+    /// whose values match and answers them in [`PutPlan::have`], so only
+    /// changed chunks move. Not part of the digest; a store that predates
+    /// them ignores them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub chunks: Vec<ChunkValues>,
+}
+
+/// The blake3 chaining values of one large file's chunks as the client
+/// read them ([`PutRequest::chunks`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkValues {
+    /// The file's manifest index.
+    pub index: u32,
+    /// The chunk size they were computed for (the store's, from its plan).
+    pub chunk_size: u64,
+    /// One per chunk, in order: chunk `n`'s chaining value (a subtree
+    /// value at offset `n * chunk_size`, not a root hash).
+    pub values: Vec<Hash>,
 }
 
 /// The hash a put's manifest carries for an entry whose hash is deferred
@@ -256,9 +278,12 @@ pub struct PutPlan {
     /// client then aborts the session, hashes them and plans again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deferred: bool,
-    /// Deferred entries the current version has a file like (same path,
-    /// size and mtime): probably unchanged, so the client hashes them and
-    /// plans again rather than send them whole. No session is opened.
+    /// Deferred entries the current version has a file like (same path
+    /// and size, whatever its mtime: a `touch` or a checkout that rewrote
+    /// the same bytes changes only that): probably unchanged, so the
+    /// client hashes them (a large one chunk by chunk, its values sent in
+    /// [`PutRequest::chunks`]) and plans again rather than send them
+    /// whole. No session is opened.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hash_first: Vec<u32>,
 }
