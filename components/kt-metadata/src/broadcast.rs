@@ -58,6 +58,9 @@ pub const REJOIN_GRACE_MS: u64 = 60_000;
 pub const RESTORE_HOLD_MS: u64 = 5_000;
 /// How long the id of a finished named group keeps being refused.
 pub const FINISHED_TTL_MS: u64 = 24 * 3600 * 1000;
+/// Groups held at most, ended named ones included (as quorums'
+/// `MAX_OPEN`): a new group past it is refused as unavailable.
+pub const MAX_GROUPS: usize = 10_000;
 
 /// Why a join (or a member's next parent) was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -70,6 +73,9 @@ pub enum JoinError {
     NotFound(String),
     #[error("{0}")]
     NoSource(String),
+    /// Too many groups are held: retried later.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl JoinError {
@@ -80,6 +86,7 @@ impl JoinError {
             JoinError::Conflict(_) => ErrorCode::Conflict,
             JoinError::NotFound(_) => ErrorCode::NotFound,
             JoinError::NoSource(_) => ErrorCode::NoSource,
+            JoinError::Unavailable(_) => ErrorCode::Unavailable,
         }
     }
 
@@ -551,6 +558,8 @@ pub struct Groups {
     groups: BTreeMap<String, Group>,
     /// Ended named groups, by id.
     finished: BTreeMap<String, Finished>,
+    /// The unnamed groups by key and version (a join looks at these only).
+    unnamed: BTreeMap<(Key, String), BTreeSet<String>>,
     next_session: u64,
 }
 
@@ -609,9 +618,45 @@ impl Groups {
             let mut g = Group::from_record(r);
             g.idle_since_ms = now_ms;
             g.restored_until_ms = now_ms.saturating_add(RESTORE_HOLD_MS);
-            this.groups.insert(g.id.clone(), g);
+            this.insert(g);
         }
         this
+    }
+
+    /// Holds `g` (indexed when unnamed).
+    fn insert(&mut self, g: Group) {
+        if !g.named {
+            let by = (g.key.clone(), g.version.clone());
+            self.unnamed.entry(by).or_default().insert(g.id.clone());
+        }
+        self.groups.insert(g.id.clone(), g);
+    }
+
+    /// Stops holding group `id` (and unindexes it).
+    fn remove(&mut self, id: &str) -> Option<Group> {
+        let g = self.groups.remove(id)?;
+        if !g.named {
+            let by = (g.key.clone(), g.version.clone());
+            if let Some(ids) = self.unnamed.get_mut(&by) {
+                ids.remove(id);
+                if ids.is_empty() {
+                    self.unnamed.remove(&by);
+                }
+            }
+        }
+        Some(g)
+    }
+
+    /// Refuses a new group when [`MAX_GROUPS`] are held.
+    fn check_room(&self) -> Result<(), JoinError> {
+        let held = self.groups.len() + self.finished.len();
+        if held >= MAX_GROUPS {
+            return Err(JoinError::Unavailable(format!(
+                "{held} broadcast groups are open or recently ended (at most {MAX_GROUPS}); \
+                 try again later"
+            )));
+        }
+        Ok(())
     }
 
     pub fn len(&self) -> usize {
@@ -688,13 +733,17 @@ impl Groups {
                 }
             }
             None => {
-                let open = self.groups.values().find(|g| {
-                    !g.named
-                        && g.key == req.key
-                        && g.version == version
-                        && g.is_open(now_ms)
-                        && req.fanout.is_none_or(|f| f == g.fanout || g.auto_fanout)
-                });
+                let by = (req.key.clone(), version.to_owned());
+                let open = self
+                    .unnamed
+                    .get(&by)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|id| self.groups.get(id))
+                    .find(|g| {
+                        g.is_open(now_ms)
+                            && req.fanout.is_none_or(|f| f == g.fanout || g.auto_fanout)
+                    });
                 match open {
                     Some(g) => (g.id.clone(), false),
                     None => {
@@ -828,6 +877,7 @@ impl Groups {
         version: &str,
         now_ms: u64,
     ) -> Result<(), JoinError> {
+        self.check_room()?;
         let fanout = req.fanout.unwrap_or(DEFAULT_FANOUT);
         if !(1..=MAX_FANOUT).contains(&fanout) {
             return Err(JoinError::Invalid(format!(
@@ -854,7 +904,7 @@ impl Groups {
             auto_fanout: false,
             secret_key: String::new(),
         });
-        self.groups.insert(id, g);
+        self.insert(g);
         Ok(())
     }
 
@@ -1032,7 +1082,7 @@ impl Groups {
     /// the reservation restored; a rejoin just leaves.
     pub fn undo_join(&mut self, j: &Joined, now_ms: u64) -> Events {
         if j.created {
-            self.groups.remove(&j.group);
+            self.remove(&j.group);
             return Vec::new();
         }
         let Some(g) = self.groups.get_mut(&j.group) else {
@@ -1209,12 +1259,15 @@ impl Groups {
     }
 
     /// Releases finished members nobody needs (a catch-all, and the end of
-    /// the grace after a restart); drops groups whose window closed and that
-    /// no member has been connected to for [`REJOIN_GRACE_MS`]; forgets ended
-    /// named groups after [`FINISHED_TTL_MS`].
+    /// the grace after a restart); drops groups that no member has been
+    /// connected to for [`REJOIN_GRACE_MS`] once their window closed, or
+    /// before when no member can serve a later joiner (nothing is lost: such
+    /// a joiner fetches from the origin anyway, in a new group of the same
+    /// id); forgets ended named groups after [`FINISHED_TTL_MS`].
     pub fn sweep(&mut self, now_ms: u64) -> Swept {
         let mut out = Swept::default();
         let mut drop = Vec::new();
+        let mut idle = Vec::new();
         for g in self.groups.values_mut() {
             let mut events = Vec::new();
             let done: Vec<u32> = g
@@ -1229,15 +1282,22 @@ impl Groups {
             if !events.is_empty() {
                 out.events.push((g.id.clone(), events));
             }
-            if !g.is_open(now_ms)
-                && g.connected == 0
-                && now_ms >= g.idle_since_ms.saturating_add(REJOIN_GRACE_MS)
-            {
-                drop.push(g.id.clone());
+            if g.connected == 0 && now_ms >= g.idle_since_ms.saturating_add(REJOIN_GRACE_MS) {
+                if !g.is_open(now_ms) {
+                    drop.push(g.id.clone());
+                } else if !g.members.values().any(|m| m.served_by.is_some()) {
+                    idle.push(g.id.clone());
+                }
+            }
+        }
+        for id in idle {
+            if self.remove(&id).is_some() {
+                out.forget.push(id.clone());
+                out.dropped.push(id);
             }
         }
         for id in drop {
-            if let Some(g) = self.groups.remove(&id) {
+            if let Some(g) = self.remove(&id) {
                 if g.named {
                     // The record stays until the id is forgotten, so that it
                     // stays refused across restarts.
@@ -2269,6 +2329,144 @@ mod tests {
         assert!(gs.sweep(closed + REJOIN_GRACE_MS).dropped.is_empty());
         assert_eq!(gs.sweep(closed + 1 + REJOIN_GRACE_MS).dropped, ["g"]);
         assert!(gs.is_empty());
+    }
+
+    /// [`req`] with fanout 2 and an hour's window.
+    fn long(group: Option<&str>, i: usize) -> JoinRequest {
+        JoinRequest {
+            window_ms: Some(3_600_000),
+            ..req(group, Some(2), i)
+        }
+    }
+
+    #[test]
+    fn groups_are_capped() {
+        let mut gs = Groups::default();
+        let mut make = ids();
+        let mut sessions = Vec::new();
+        for i in 0..MAX_GROUPS {
+            let id = format!("g-{i}");
+            let j = gs.join(&long(Some(&id), 1), origin(), "v1", 0, T0, &mut make);
+            sessions.push((id, j.unwrap().session));
+        }
+        assert_eq!(gs.len(), MAX_GROUPS);
+        // Past the cap a new group is refused, named or not; an existing
+        // one still takes joins.
+        for group in [Some("one-more"), None] {
+            let e = gs
+                .join(&req(group, Some(2), 1), origin(), "v1", 0, T0, &mut make)
+                .unwrap_err();
+            assert_eq!(e.code(), ErrorCode::Unavailable, "{e}");
+            assert!(e.to_string().contains("10000 broadcast groups"), "{e}");
+        }
+        assert!(gs.get("one-more").is_none());
+        let j = gs.join(
+            &req(Some("g-7"), Some(2), 2),
+            origin(),
+            "v1",
+            0,
+            T0,
+            &mut make,
+        );
+        assert_eq!(j.unwrap().rank, 2);
+        // Ended named groups count too, until forgotten.
+        let mut w = req(Some("g-short"), Some(2), 1);
+        w.window_ms = Some(1_000);
+        gs.remove("g-0");
+        let short = gs.join(&w, origin(), "v1", 0, T0, &mut make).unwrap();
+        let s = gs.get("g-short").unwrap().member(1).unwrap().session;
+        assert_eq!(s, short.session);
+        gs.disconnected("g-short", 1, s, T0 + 2_000);
+        assert_eq!(gs.sweep(T0 + 2_000 + REJOIN_GRACE_MS).dropped, ["g-short"]);
+        assert!(gs.has_ended("g-short"));
+        let e = gs
+            .join(
+                &req(Some("one-more"), Some(2), 1),
+                origin(),
+                "v1",
+                0,
+                T0,
+                &mut make,
+            )
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unavailable, "{e}");
+        // A group nobody is connected to and nobody could serve from is
+        // dropped after the grace, window open or not: room again.
+        let (id, session) = &sessions[1];
+        gs.disconnected(id, 1, *session, T0 + 3_000);
+        let swept = gs.sweep(T0 + 3_000 + REJOIN_GRACE_MS);
+        assert_eq!(swept.dropped, std::slice::from_ref(id));
+        assert_eq!(
+            swept.forget,
+            std::slice::from_ref(id),
+            "its record goes too"
+        );
+        assert!(!gs.has_ended(id), "its id may start a new group");
+        gs.join(
+            &req(Some("one-more"), Some(2), 1),
+            origin(),
+            "v1",
+            0,
+            T0,
+            &mut make,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn an_idle_group_that_can_serve_is_kept_while_open() {
+        let mut gs = Groups::default();
+        let mut make = ids();
+        let js: Vec<Joined> = (1..=2)
+            .map(|i| gs.join(&long(Some("g"), i), origin(), "v1", 0, T0, &mut make))
+            .collect::<Result<_, _>>()
+            .unwrap();
+        // Rank 1 finished and its agent serves; rank 2 left downloading.
+        gs.done("g", 1, js[0].session, Some("http://agent-1".into()), T0 + 1);
+        gs.disconnected("g", 1, js[0].session, T0 + 2);
+        gs.disconnected("g", 2, js[1].session, T0 + 2);
+        let later = T0 + 2 + REJOIN_GRACE_MS;
+        assert!(gs.sweep(later).dropped.is_empty(), "rank 1 still serves");
+        // A late joiner within the window gets rank 1's agent.
+        let j = gs
+            .join(
+                &req(Some("g"), Some(2), 3),
+                origin(),
+                "v1",
+                0,
+                later,
+                &mut make,
+            )
+            .unwrap();
+        assert_eq!((j.rank, j.parent.url.as_str()), (3, "http://agent-1"));
+    }
+
+    #[test]
+    fn unnamed_groups_are_found_by_key_and_version() {
+        let mut gs = Groups::default();
+        let mut make = ids();
+        let a = gs
+            .join(&req(None, None, 1), origin(), "v1", 0, T0, &mut make)
+            .unwrap();
+        let b = gs
+            .join(&req(None, None, 2), origin(), "v2", 0, T0, &mut make)
+            .unwrap();
+        let c = gs
+            .join(&req(None, None, 3), origin(), "v1", 0, T0, &mut make)
+            .unwrap();
+        assert_ne!(a.group, b.group);
+        assert_eq!(a.group, c.group);
+        let undone = gs
+            .join(&req(None, None, 4), origin(), "v3", 0, T0, &mut make)
+            .unwrap();
+        gs.undo_join(&undone, T0);
+        assert!(gs.get(&undone.group).is_none());
+        assert_eq!(gs.unnamed.len(), 2, "an undone group is unindexed");
+        for j in [&a, &b, &c] {
+            gs.disconnected(&j.group, j.rank, j.session, T0);
+        }
+        gs.sweep(T0 + REJOIN_GRACE_MS);
+        assert!(gs.is_empty() && gs.unnamed.is_empty());
     }
 
     #[test]

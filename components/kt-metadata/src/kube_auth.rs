@@ -72,6 +72,14 @@ impl Reviewer for KubeReviewer {
             })
         })
     }
+
+    /// A projected ServiceAccount token is a JWT: anything else is refused
+    /// without a TokenReview (made-up tokens cost the API server nothing).
+    fn screen(&self, token: &str) -> Option<String> {
+        (!kt_service::auth::jwt_shaped(token)).then(|| {
+            "invalid bearer token: not a Kubernetes ServiceAccount token (a JWT)".to_owned()
+        })
+    }
 }
 
 fn refused(why: String) -> Reviewed {

@@ -289,8 +289,11 @@ const NEGATIVE_TTL: Duration = Duration::from_secs(5);
 /// The longest any answer is kept, whatever the token's lifetime: a pod
 /// deleted (its token invalidated) loses access within this.
 pub const MAX_REVIEW_TTL: Duration = Duration::from_secs(300);
-/// Answers kept at most (a flood of distinct tokens cannot grow the cache).
-const MAX_CACHED: usize = 8192;
+/// Positive answers kept at most.
+const MAX_KNOWN: usize = 8192;
+/// Refusals kept at most, in their own map: a flood of distinct made-up
+/// tokens evicts older refusals, never a positive answer.
+const MAX_REFUSED: usize = 4096;
 /// Reviews in flight at once.
 const MAX_REVIEWS: usize = 64;
 /// Longer tokens are refused without a review (a projected token is ~1 KiB).
@@ -326,24 +329,99 @@ pub type ReviewFuture<'a> =
 /// Who tokens are that no static grant matches.
 pub trait Reviewer: Send + Sync + std::fmt::Debug + 'static {
     fn review<'a>(&'a self, token: &'a str) -> ReviewFuture<'a>;
+
+    /// Why `token` cannot be one this reviewer vouches for, told without
+    /// asking anyone (refused at no cost, not cached); `None` to review it.
+    fn screen(&self, _token: &str) -> Option<String> {
+        None
+    }
+}
+
+/// Whether `token` has a JWT's shape: three non-empty base64url parts
+/// separated by dots (a projected ServiceAccount token always has).
+pub fn jwt_shaped(token: &str) -> bool {
+    let mut parts = 0;
+    for part in token.split('.') {
+        parts += 1;
+        let base64url = |b: u8| b.is_ascii_alphanumeric() || b == b'-' || b == b'_';
+        if part.is_empty() || !part.bytes().all(base64url) {
+            return false;
+        }
+    }
+    parts == 3
 }
 
 struct Review {
     reviewer: Arc<dyn Reviewer>,
-    /// By the token's BLAKE3 hash (the token itself is never kept).
-    cache: Mutex<HashMap<[u8; 32], (Verdict, Instant)>>,
+    cache: Mutex<Answers>,
     gate: tokio::sync::Semaphore,
+}
+
+/// The reviewer's answers, by the token's BLAKE3 hash (the token itself is
+/// never kept): positive ones and refusals apart, each bounded.
+#[derive(Default)]
+struct Answers {
+    known: HashMap<[u8; 32], (Principal, Instant)>,
+    refused: HashMap<[u8; 32], (String, Instant)>,
+    /// The refusals by age (all are kept [`NEGATIVE_TTL`], so the oldest
+    /// expires first); an entry whose refusal was replaced is skipped.
+    refused_order: std::collections::VecDeque<([u8; 32], Instant)>,
+}
+
+impl Answers {
+    fn get(&self, key: &[u8; 32], now: Instant) -> Option<(Verdict, Duration)> {
+        let (verdict, until) = match (self.known.get(key), self.refused.get(key)) {
+            (Some((p, until)), _) => (Verdict::Known(p.clone()), *until),
+            (None, Some((why, until))) => (Verdict::Refused(why.clone()), *until),
+            (None, None) => return None,
+        };
+        Some((verdict, until.checked_duration_since(now)?))
+    }
+
+    fn insert(&mut self, key: [u8; 32], verdict: Verdict, until: Instant, now: Instant) {
+        match verdict {
+            Verdict::Known(p) => {
+                self.refused.remove(&key);
+                if self.known.len() >= MAX_KNOWN && !self.known.contains_key(&key) {
+                    self.known.retain(|_, (_, u)| *u > now);
+                }
+                if self.known.len() >= MAX_KNOWN && !self.known.contains_key(&key) {
+                    // All still valid: the one expiring first goes.
+                    let first = self.known.iter().min_by_key(|(_, (_, u))| *u);
+                    if let Some(k) = first.map(|(k, _)| *k) {
+                        self.known.remove(&k);
+                    }
+                }
+                self.known.insert(key, (p, until));
+            }
+            Verdict::Refused(why) => {
+                self.known.remove(&key);
+                while let Some(&(k, u)) = self.refused_order.front() {
+                    if u > now && self.refused.len() < MAX_REFUSED {
+                        break;
+                    }
+                    self.refused_order.pop_front();
+                    if self.refused.get(&k).is_some_and(|(_, at)| *at == u) {
+                        self.refused.remove(&k);
+                    }
+                }
+                self.refused.insert(key, (why, until));
+                self.refused_order.push_back((key, until));
+            }
+        }
+    }
 }
 
 impl Review {
     fn cached(&self, key: &[u8; 32]) -> Option<(Verdict, Duration)> {
         let cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
-        let (v, until) = cache.get(key)?;
-        let left = until.checked_duration_since(Instant::now())?;
-        Some((v.clone(), left))
+        cache.get(key, Instant::now())
     }
 
     async fn resolve(&self, token: &str) -> Result<(Verdict, Duration), ApiError> {
+        if let Some(why) = self.reviewer.screen(token) {
+            return Ok((Verdict::Refused(why), NEGATIVE_TTL));
+        }
         let key = *blake3::hash(token.as_bytes()).as_bytes();
         if let Some(hit) = self.cached(&key) {
             return Ok(hit);
@@ -366,15 +444,9 @@ impl Review {
             Verdict::Known(_) => r.ttl.min(MAX_REVIEW_TTL),
             Verdict::Refused(_) => NEGATIVE_TTL,
         };
+        let now = Instant::now();
         let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
-        if cache.len() >= MAX_CACHED {
-            let now = Instant::now();
-            cache.retain(|_, (_, until)| *until > now);
-            if cache.len() >= MAX_CACHED {
-                cache.clear();
-            }
-        }
-        cache.insert(key, (r.verdict.clone(), Instant::now() + ttl));
+        cache.insert(key, r.verdict.clone(), now + ttl, now);
         Ok((r.verdict, ttl))
     }
 }
@@ -559,5 +631,95 @@ mod tests {
             Err(TokenError::Missing)
         ));
         assert_eq!(format!("{t:?}"), "Token(<redacted>)");
+    }
+
+    /// Knows one token; counts the reviews of each; screens out tokens
+    /// that are not JWT-shaped when `jwt_only` (as the Kubernetes one).
+    #[derive(Debug, Default)]
+    struct Counting {
+        reviews: Mutex<HashMap<String, usize>>,
+        jwt_only: bool,
+    }
+
+    const GOOD: &str = "aGVhZA.Ym9keQ.c2ln";
+
+    impl Reviewer for Counting {
+        fn review<'a>(&'a self, token: &'a str) -> ReviewFuture<'a> {
+            *self
+                .reviews
+                .lock()
+                .unwrap()
+                .entry(token.to_owned())
+                .or_default() += 1;
+            let verdict = if token == GOOD {
+                Verdict::Known(Principal::admin())
+            } else {
+                Verdict::Refused("unknown".into())
+            };
+            let ttl = MAX_REVIEW_TTL;
+            Box::pin(async move { Ok(Reviewed { verdict, ttl }) })
+        }
+
+        fn screen(&self, token: &str) -> Option<String> {
+            (self.jwt_only && !jwt_shaped(token)).then(|| "not a JWT".to_owned())
+        }
+    }
+
+    impl Counting {
+        fn count(&self, token: &str) -> usize {
+            self.reviews
+                .lock()
+                .unwrap()
+                .get(token)
+                .copied()
+                .unwrap_or(0)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_flood_of_bad_tokens_does_not_evict_a_good_answer() {
+        for jwt_only in [false, true] {
+            let reviewer = Arc::new(Counting {
+                jwt_only,
+                ..Counting::default()
+            });
+            let auth = Auth::none().with_reviewer(reviewer.clone());
+            assert!(matches!(auth.resolve(GOOD).await, Ok(Verdict::Known(_))));
+            let bad: Vec<String> = (0..10_000)
+                .map(|i| {
+                    if i % 2 == 0 {
+                        format!("made-up-{i}")
+                    } else {
+                        format!("a.b.{i}")
+                    }
+                })
+                .collect();
+            for t in &bad {
+                let v = auth.resolve(t).await.unwrap();
+                assert!(matches!(v, Verdict::Refused(_)), "{t}: {v:?}");
+            }
+            assert!(matches!(auth.resolve(GOOD).await, Ok(Verdict::Known(_))));
+            assert_eq!(reviewer.count(GOOD), 1, "the good answer was kept");
+            for t in &bad {
+                let n = reviewer.count(t);
+                let expected = usize::from(!jwt_only || jwt_shaped(t));
+                assert_eq!(n, expected, "{t} reviewed {n} times");
+            }
+            let reviews = reviewer.reviews.lock().unwrap().values().sum::<usize>();
+            let cache = auth.review.as_ref().unwrap().cache.lock().unwrap();
+            assert!(cache.refused.len() <= MAX_REFUSED, "refusals are bounded");
+            assert!(cache.refused_order.len() <= reviews);
+        }
+    }
+
+    #[test]
+    fn jwt_shape() {
+        assert!(jwt_shaped(GOOD));
+        assert!(jwt_shaped("a-_.b.c"));
+        for t in [
+            "", "a.b", "a.b.c.d", "a..c", ".b.c", "a.b.", "a.b.c=", "a b.c.d", "tok",
+        ] {
+            assert!(!jwt_shaped(t), "{t}");
+        }
     }
 }

@@ -329,6 +329,35 @@ pub fn bytes(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Puts the file or tree `src` under `key` as `token`, through the
+/// metadata server at `meta_url`, naming `service` when given (else the
+/// store picks it, as for any put); a fresh client whose cache is under
+/// `dir` and that has no agent. The error code of a refusal, to check
+/// which puts a token's rights allow.
+pub async fn put_as(
+    meta_url: &str,
+    dir: &Path,
+    token: &str,
+    key: &str,
+    src: &Path,
+    service: Option<&str>,
+) -> Result<(), Option<kt_types::ErrorCode>> {
+    let mut cfg = ClientConfig::new(meta_url.to_owned(), token);
+    cfg.cache_dir = Some(dir.join(format!("cache-{token}")));
+    cfg.agent_socket = dir.join("no-agent.sock");
+    let client = Client::new(cfg).expect("client");
+    let key = kt_types::Key::parse(key).expect("key");
+    let options = kt_types::api::PutOptions {
+        service: service.map(str::to_owned),
+        ..Default::default()
+    };
+    client
+        .put(&key, src, options, kt_client::Progress::none())
+        .await
+        .map(|_| ())
+        .map_err(|e| e.code())
+}
+
 /// Every path below `root`, relative, sorted (to see what a server left on disk).
 pub fn listing(root: &Path) -> Vec<String> {
     fn walk(root: &Path, dir: &Path, out: &mut Vec<String>) {

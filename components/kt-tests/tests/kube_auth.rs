@@ -35,16 +35,16 @@ fn token_review(body: &[u8]) -> Reply {
         json!({"authenticated": true, "user": user, "audiences": ["kt"]})
     };
     let status = match token {
-        "tok-metadata" => sa("kt", "kt-metadata", None),
-        "tok-store" => sa("kt", "kt-store", Some(("kt-store-0", "u-s"))),
-        "tok-pod-a" => sa("kt", "trainer", Some(("pod-a", "u-a"))),
-        "tok-pod-b" => sa("kt", "default", Some(("pod-b", "u-b"))),
-        "tok-recreated" => sa("kt", "default", Some(("pod-c", "u-old"))),
-        "tok-gone" => sa("kt", "default", Some(("pod-d", "u-d"))),
-        "tok-other-ns" => sa("prod", "default", Some(("pod-e", "u-e"))),
-        "tok-unbound" => sa("kt", "default", None),
-        "tok-user" => json!({"authenticated": true, "user": {"username": "alice"}}),
-        "tok-api-down" => return mock::status(500, "etcd is away"),
+        "h.tok-metadata.s" => sa("kt", "kt-metadata", None),
+        "h.tok-store.s" => sa("kt", "kt-store", Some(("kt-store-0", "u-s"))),
+        "h.tok-pod-a.s" => sa("kt", "trainer", Some(("pod-a", "u-a"))),
+        "h.tok-pod-b.s" => sa("kt", "default", Some(("pod-b", "u-b"))),
+        "h.tok-recreated.s" => sa("kt", "default", Some(("pod-c", "u-old"))),
+        "h.tok-gone.s" => sa("kt", "default", Some(("pod-d", "u-d"))),
+        "h.tok-other-ns.s" => sa("prod", "default", Some(("pod-e", "u-e"))),
+        "h.tok-unbound.s" => sa("kt", "default", None),
+        "h.tok-user.s" => json!({"authenticated": true, "user": {"username": "alice"}}),
+        "h.tok-api-down.s" => return mock::status(500, "etcd is away"),
         _ => json!({"authenticated": false, "error": "[invalid bearer token]"}),
     };
     Reply::Json(
@@ -109,7 +109,7 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
     let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let meta_url = format!("http://{}", meta_l.local_addr().unwrap());
     let mut meta =
-        kt_metadata::Config::new(dir.path().join("meta"), Token::new("tok-metadata").unwrap());
+        kt_metadata::Config::new(dir.path().join("meta"), Token::new("h.tok-metadata.s").unwrap());
     meta.server.auth = Some(Auth::none().with_reviewer(Arc::new(reviewer)));
     let s = stop.clone();
     let meta_task = tokio::spawn(async move { kt_metadata::run(meta_l, meta, s).await });
@@ -123,18 +123,18 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
     let mut store = kt_store::Config::new(
         dir.path().join("store"),
         meta_url.clone(),
-        Token::new("tok-store").unwrap(),
+        Token::new("h.tok-store.s").unwrap(),
     );
-    store.server.auth = asking("tok-store");
+    store.server.auth = asking("h.tok-store.s");
     let store = kt_store::start(store_l, store, stop.clone()).unwrap();
     let agent_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut agent = kt_agent::Config::new(
         "pod-a",
         meta_url.clone(),
-        Token::new("tok-pod-a").unwrap(),
+        Token::new("h.tok-pod-a.s").unwrap(),
         dir.path().join("agent/agent.sock"),
     );
-    agent.server.auth = asking("tok-pod-a");
+    agent.server.auth = asking("h.tok-pod-a.s");
     agent.shm_dir = dir.path().join("shm");
     std::fs::create_dir_all(&agent.shm_dir).unwrap();
     let agent = kt_agent::start(agent_l, agent, stop.clone()).unwrap();
@@ -162,8 +162,8 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
     // agent announced itself on its pod's IP.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let (store, _) = call("GET", "/api/v1/store", "tok-pod-a", None).await;
-        let (_, agents) = call("GET", "/api/v1/agents", "tok-metadata", None).await;
+        let (store, _) = call("GET", "/api/v1/store", "h.tok-pod-a.s", None).await;
+        let (_, agents) = call("GET", "/api/v1/agents", "h.tok-metadata.s", None).await;
         if store == 200 && agents.contains("pod-a") {
             break;
         }
@@ -178,27 +178,12 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
     // it is), and nowhere else.
     let src = dir.path().join("w.bin");
     std::fs::write(&src, b"weights").unwrap();
-    let put = |token: &'static str, key: &str, service: Option<&str>| {
-        let mut cfg = kt_client::ClientConfig::new(meta_url.clone(), token);
-        cfg.cache_dir = Some(dir.path().join(format!("cache-{token}")));
-        cfg.agent_socket = dir.path().join("no-agent.sock");
-        let client = kt_client::Client::new(cfg).unwrap();
-        let (key, src) = (kt_types::Key::parse(key).unwrap(), src.clone());
-        let options = kt_types::api::PutOptions {
-            service: service.map(str::to_owned),
-            ..Default::default()
-        };
-        async move {
-            client
-                .put(&key, &src, options, kt_client::Progress::none())
-                .await
-                .map(|_| ())
-                .map_err(|e| e.code())
-        }
+    let put = |token: &'static str, key: &'static str, service: Option<&'static str>| {
+        kt_tests::put_as(&meta_url, dir.path(), token, key, &src, service)
     };
-    assert_eq!(put("tok-pod-a", "train/w", None).await, Ok(()));
+    assert_eq!(put("h.tok-pod-a.s", "train/w", None).await, Ok(()));
     assert_eq!(
-        put("tok-pod-a", "eval/w", Some("eval")).await,
+        put("h.tok-pod-a.s", "eval/w", Some("eval")).await,
         Err(Some(ErrorCode::Forbidden))
     );
 
@@ -216,52 +201,59 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
         ("DELETE", "/api/v1/keys/train/w", None),
         ("DELETE", "/api/v1/services/train", None),
     ] {
-        let (status, text) = call(method, path, "tok-pod-b", body).await;
+        let (status, text) = call(method, path, "h.tok-pod-b.s", body).await;
         assert_eq!(status, 403, "{method} {path}: {text}");
     }
     let (status, text) = call(
         "POST",
         "/api/v1/agents",
-        "tok-pod-b",
+        "h.tok-pod-b.s",
         Some(beat("pod-b", "127.0.0.2")),
     )
     .await;
     assert_eq!(status, 200, "{text}");
-    let (status, _) = call("GET", "/api/v1/keys/train/w", "tok-pod-b", None).await;
+    let (status, _) = call("GET", "/api/v1/keys/train/w", "h.tok-pod-b.s", None).await;
     assert_eq!(status, 200, "train/w is still there");
 
     // Refused, with why: the caller learns what to fix.
     for (token, why) in [
-        ("tok-recreated", "earlier pod"),
-        ("tok-gone", "is gone"),
-        ("tok-other-ns", "no rule"),
-        ("tok-unbound", "bound to no pod"),
-        ("tok-user", "not a ServiceAccount"),
+        ("h.tok-recreated.s", "earlier pod"),
+        ("h.tok-gone.s", "is gone"),
+        ("h.tok-other-ns.s", "no rule"),
+        ("h.tok-unbound.s", "bound to no pod"),
+        ("h.tok-user.s", "not a ServiceAccount"),
         ("forged", "invalid bearer token"),
     ] {
         let (status, text) = call("GET", "/api/v1/store", token, None).await;
         assert_eq!(status, 401, "{token}: {text}");
         assert!(text.contains(why), "{token}: {text}");
     }
+    // A token that is not a JWT costs the API server no review.
+    let reviews = mock.count(REVIEWS);
+    for i in 0..100 {
+        let (status, _) = call("GET", "/api/v1/store", &format!("made-up-{i}"), None).await;
+        assert_eq!(status, 401);
+    }
+    assert_eq!(mock.count(REVIEWS), reviews, "made-up tokens are not reviewed");
     // The API away is not the caller's fault: 503, and nothing cached.
-    let (status, text) = call("GET", "/api/v1/store", "tok-api-down", None).await;
+    let (status, text) = call("GET", "/api/v1/store", "h.tok-api-down.s", None).await;
     assert_eq!(status, 503, "{text}");
 
     // Answers are kept: pod b's token is not reviewed again.
     let reviews = mock.count(REVIEWS);
     for _ in 0..3 {
-        assert_eq!(call("GET", "/api/v1/store", "tok-pod-b", None).await.0, 200);
+        assert_eq!(call("GET", "/api/v1/store", "h.tok-pod-b.s", None).await.0, 200);
         assert_eq!(call("GET", "/api/v1/store", "forged", None).await.0, 401);
     }
     assert_eq!(mock.count(REVIEWS), reviews, "cached answers");
     assert_eq!(
-        call("GET", "/api/v1/store", "tok-api-down", None).await.0,
+        call("GET", "/api/v1/store", "h.tok-api-down.s", None).await.0,
         503
     );
     assert_eq!(mock.count(REVIEWS), reviews + 1, "a failure is asked again");
 
     // Pod a tears its own service down.
-    let (status, text) = call("DELETE", "/api/v1/services/train", "tok-pod-a", None).await;
+    let (status, text) = call("DELETE", "/api/v1/services/train", "h.tok-pod-a.s", None).await;
     assert_eq!(status, 200, "{text}");
 
     stop.cancel();

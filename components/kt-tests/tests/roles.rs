@@ -326,23 +326,8 @@ async fn every_route_answers_only_the_roles_it_allows() {
     // service's, and cannot take one over by naming its own service.
     let src = dir.path().join("src.txt");
     std::fs::write(&src, b"weights").unwrap();
-    let put = |token: &'static str, key: &str, service: Option<&str>| {
-        let mut cfg = kt_client::ClientConfig::new(meta_url.clone(), token);
-        cfg.cache_dir = Some(dir.path().join(format!("cache-{token}")));
-        cfg.agent_socket = dir.path().join("no-agent.sock");
-        let client = kt_client::Client::new(cfg).unwrap();
-        let (key, src) = (kt_types::Key::parse(key).unwrap(), src.clone());
-        let options = kt_types::api::PutOptions {
-            service: service.map(str::to_owned),
-            ..Default::default()
-        };
-        async move {
-            client
-                .put(&key, &src, options, kt_client::Progress::none())
-                .await
-                .map(|_| ())
-                .map_err(|e| e.code())
-        }
+    let put = |token: &'static str, key: &'static str, service: Option<&'static str>| {
+        kt_tests::put_as(meta_url, dir.path(), token, key, &src, service)
     };
     assert_eq!(put(TRAIN, "train/w", None).await, Ok(()));
     assert_eq!(put(WORKLOAD, "eval/w", None).await, Ok(()));
@@ -694,21 +679,30 @@ impl Drop for Running {
     }
 }
 
+/// A metadata server on `127.0.0.1:0` with [`auth_file`]'s roles, its data
+/// under `dir`: its URL, the token that stops it and its task.
+async fn start_metadata(
+    dir: &std::path::Path,
+) -> (String, CancellationToken, tokio::task::JoinHandle<()>) {
+    let stop = CancellationToken::new();
+    let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", meta_l.local_addr().unwrap());
+    let mut meta = kt_metadata::Config::new(dir.join("meta"), Token::new(ADMIN).unwrap());
+    meta.server.auth = Some(auth_file(dir));
+    let s = stop.clone();
+    let task = tokio::spawn(async move {
+        kt_metadata::run(meta_l, meta, s).await.unwrap();
+    });
+    (url, stop, task)
+}
+
 /// Beyond the route: an agent acts only as itself, the store registers
 /// only store keys, a workload touches only its services' keys; a refused
 /// call changes nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_act_as_themselves_and_workloads_within_their_services() {
     let dir = tempfile::tempdir().unwrap();
-    let stop = CancellationToken::new();
-    let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", meta_l.local_addr().unwrap());
-    let mut meta = kt_metadata::Config::new(dir.path().join("meta"), Token::new(ADMIN).unwrap());
-    meta.server.auth = Some(auth_file(dir.path()));
-    let s = stop.clone();
-    let task = tokio::spawn(async move {
-        kt_metadata::run(meta_l, meta, s).await.unwrap();
-    });
+    let (url, stop, task) = start_metadata(dir.path()).await;
     let _running = Running(stop.clone(), Vec::new());
     let http = kt_api::client();
     let call = |method: &str, path: &str, token: &str, body: Option<serde_json::Value>| {
@@ -824,15 +818,7 @@ async fn quorum_transfers_answer_only_their_members() {
         BackendKind, DType, QuorumJoin, QuorumKey, QuorumPlan, QuorumRole, TensorDesc, TensorMeta,
     };
     let dir = tempfile::tempdir().unwrap();
-    let stop = CancellationToken::new();
-    let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", meta_l.local_addr().unwrap());
-    let mut meta = kt_metadata::Config::new(dir.path().join("meta"), Token::new(ADMIN).unwrap());
-    meta.server.auth = Some(auth_file(dir.path()));
-    let s = stop.clone();
-    let task = tokio::spawn(async move {
-        kt_metadata::run(meta_l, meta, s).await.unwrap();
-    });
+    let (url, stop, task) = start_metadata(dir.path()).await;
     let _running = Running(stop.clone(), Vec::new());
     let http = kt_api::client();
     let window = kt_types::BroadcastWindow {
