@@ -35,10 +35,16 @@ use errors::{invalid, to_py};
 use settings::Settings;
 
 /// The process's connection to kt: a runtime, the HTTP client, and (once
-/// tensors move) the control connection to the pod's agent. An agent that
-/// cannot see the caller's pid ties registrations to their connection, so
-/// a connection is never closed while the process lives: one the agent
-/// broke is forgotten, one an interrupted call left is retired.
+/// tensors move) the control connections to the pod's agent: one for what
+/// the process lends (puts and drops), one for gets. An agent that cannot
+/// see the caller's pid ties registrations to their connection, so the
+/// lending one is never closed while the process lives: one the agent
+/// broke is forgotten, one an interrupted call left is retired. A get
+/// lends nothing that outlives it, so an interrupted get's connection is
+/// closed: the agent sees its client gone and withdraws the get's quorum
+/// join at once (kept open, the join would hold its round for the whole
+/// window: the process's next join of the group refused as one it already
+/// made, the round closing with a member no call waits for any more).
 struct Ctx {
     /// The process that made it: a forked child makes its own (the
     /// runtime's threads and the agent connection are its parent's).
@@ -53,7 +59,9 @@ struct Ctx {
     /// The agent's shared-memory directory, once asked.
     shm_dir: std::sync::OnceLock<PathBuf>,
     tensors: tokio::sync::Mutex<Option<TensorClient>>,
-    /// Agent connections left by an interrupted tensor call: a reply may
+    /// The agent connection gets go through (see [`Via`]).
+    gets: tokio::sync::Mutex<Option<TensorClient>>,
+    /// Lending connections left by an interrupted tensor call: a reply may
     /// still be on its way, so they take no more requests, but they stay
     /// open so that what this process lent through them stays registered.
     retired: Mutex<Vec<TensorClient>>,
@@ -134,11 +142,13 @@ impl Ctx {
             _external: external,
             shm_dir: std::sync::OnceLock::new(),
             tensors: tokio::sync::Mutex::new(None),
+            gets: tokio::sync::Mutex::new(None),
             retired: Mutex::new(Vec::new()),
         })
     }
 
-    /// Whether an agent connection of this context is (or is being) open.
+    /// Whether a lending agent connection of this context is (or is being)
+    /// open.
     fn may_lend(&self) -> bool {
         !locked(&self.retired).is_empty()
             || self.tensors.try_lock().map_or(true, |conn| conn.is_some())
@@ -816,34 +826,54 @@ fn tensor_options(
     })
 }
 
+/// Which of the process's agent connections a call goes through ([`Ctx`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// Puts and drops: what goes through it stays registered while the
+    /// process lives, so it is retired, not closed, when a call is
+    /// interrupted.
+    Lending,
+    /// Gets: closed when a call is interrupted, which withdraws its
+    /// quorum join.
+    Getting,
+}
+
 /// The agent connection while a call uses it. Dropped before the call
 /// ends (the call was interrupted), the connection may still owe that
-/// call's reply, so it is retired before the lock is let go: the next call
-/// opens another.
+/// call's reply, so it leaves the slot before the lock is let go (the next
+/// call opens another): retired when `retired` is given, else closed.
 struct InUse<'a> {
     conn: tokio::sync::MutexGuard<'a, Option<TensorClient>>,
-    retired: &'a Mutex<Vec<TensorClient>>,
+    retired: Option<&'a Mutex<Vec<TensorClient>>>,
     done: bool,
 }
 
 impl Drop for InUse<'_> {
     fn drop(&mut self) {
-        if !self.done
-            && let Some(conn) = self.conn.take()
-        {
-            locked(self.retired).push(conn);
+        if self.done {
+            return;
         }
+        let conn = self.conn.take();
+        if let (Some(conn), Some(retired)) = (conn, self.retired) {
+            locked(retired).push(conn);
+        }
+        // Else it is closed here: the agent sees its client gone.
     }
 }
 
-/// Runs `call` on this process's agent connection, made on first use. A
-/// connection the agent broke (it restarted, say) is forgotten, so that the
-/// next call connects again.
+/// Runs `call` on this process's agent connection `via`, made on first
+/// use. A connection the agent broke (it restarted, say) is forgotten, so
+/// that the next call connects again.
 async fn on_agent<T>(
     ctx: &Ctx,
+    via: Via,
     call: impl AsyncFnOnce(&mut TensorClient) -> Result<T, ClientError>,
 ) -> Result<T, ClientError> {
-    let mut conn = ctx.tensors.lock().await;
+    let (slot, retired) = match via {
+        Via::Lending => (&ctx.tensors, Some(&ctx.retired)),
+        Via::Getting => (&ctx.gets, None),
+    };
+    let mut conn = slot.lock().await;
     if conn.is_none() {
         *conn = Some(
             TensorClient::connect(
@@ -856,7 +886,7 @@ async fn on_agent<T>(
     }
     let mut in_use = InUse {
         conn,
-        retired: &ctx.retired,
+        retired,
         done: false,
     };
     let client = in_use
@@ -918,7 +948,7 @@ fn put_tensors<'py>(
     let c2 = c.clone();
     let k = key.clone();
     let put = run(py, &c, async move {
-        on_agent(&c2, async |client| {
+        on_agent(&c2, Via::Lending, async |client| {
             if single {
                 client.put_tensor(&k, &lent[0].1, &opts).await
             } else {
@@ -999,7 +1029,7 @@ fn get_tensors<'py>(
     };
     let c2 = c.clone();
     let stats = run(py, &c, async move {
-        on_agent(&c2, async |client| match dest {
+        on_agent(&c2, Via::Getting, async |client| match dest {
             Dest::One(lent) => {
                 if lent.len() == 1 && lent[0].0.is_empty() {
                     let mut t = lent
@@ -1072,7 +1102,10 @@ fn drop_tensors(py: Python<'_>, key: &str) -> PyResult<()> {
     let key = parse_key("key", key)?;
     let c2 = c.clone();
     run(py, &c, async move {
-        on_agent(&c2, async |client| client.drop_tensors(&key).await).await
+        on_agent(&c2, Via::Lending, async |client| {
+            client.drop_tensors(&key).await
+        })
+        .await
     })
 }
 

@@ -195,9 +195,11 @@ def written(pid: int) -> int:
 
 
 def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, run_in):
-    """A getter waiting for a quorum that never fills (its window is two
-    minutes) ends at Ctrl-C with KeyboardInterrupt, its array untouched,
-    and its next tensor call works."""
+    """A getter waiting for a quorum that never fills (its window is an
+    hour) ends at Ctrl-C with KeyboardInterrupt, its array untouched, its
+    join withdrawn from the round while the process lives on (kept, it
+    would refuse the process's next join of the group and close a round
+    with a member no call waits for), and its next tensor call works."""
     key = unique("interrupt-q")
     group = unique("g").replace("/", "-")
     p = run_in(testbed, pod_a, textwrap.dedent(f"""
@@ -205,7 +207,7 @@ def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, r
         dest = np.full(16, 7, np.float32)
         try:
             kt.get("{key}", dest=dest,
-                   broadcast=kt.BroadcastWindow(group_id="{group}", world_size=2, timeout=120))
+                   broadcast=kt.BroadcastWindow(group_id="{group}", world_size=2, timeout=3600))
             print("finished", flush=True)
         except KeyboardInterrupt:
             print("interrupted", "untouched" if (dest == 7).all() else "changed", flush=True)
@@ -213,6 +215,8 @@ def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, r
         # tensor call goes through another one, at once.
         kt.put("{key}-after", src=np.ones(4, np.float32))
         print("then put", flush=True)
+        # Alive until the test has looked at the round.
+        sys.stdin.readline()
         sys.exit(7)
     """), background=True)
     # Its join is in the group's open round: the getter is inside kt's
@@ -220,8 +224,10 @@ def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, r
     # to get it there).
     wait_until("joined", lambda: quorum_members(testbed, group), p)
     p.send_signal(signal.SIGINT)
+    # The process lives on; its join does not (the window is an hour).
+    wait_until("withdrawn", lambda: not quorum_members(testbed, group), p)
     try:
-        out, err = p.communicate(timeout=60)
+        out, err = p.communicate(input="\n", timeout=60)
     except subprocess.TimeoutExpired:
         # Say how far it got (interrupted? the put after?) and what the
         # agent was doing, not just that it took too long.
