@@ -20,8 +20,12 @@
 //! is down, `kt_client::Client::put_arriving`). Each child times itself and reports its
 //! peak RSS (`VmHWM` from `/proc/self/status`). Prints a table, then one
 //! line `s3-ingest size=… objects=… download_s=… ingest_s=… ratio=…
-//! ratio_target=met|MISSED peak_rss_mib=… rss_target=met|MISSED` (medians;
-//! the RSS is the largest of the ingest runs).
+//! ratio_target=met|MISSED peak_rss_mib=… rss_target=met|MISSED
+//! download_cpu_s=… ingest_cpu_s=…` (medians; the RSS is the largest of the
+//! ingest runs). The CPU seconds of each half add the child's own, this
+//! process's (the store and metadata server run in it) and moto's: on a
+//! small shared machine the ratio follows them as much as the server's
+//! speed.
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
@@ -112,6 +116,42 @@ struct Measured {
     /// downloads (it sends each object as soon as it is down), to its commit.
     #[serde(default)]
     put_seconds: f64,
+    /// CPU seconds (user + system) the child used.
+    #[serde(default)]
+    cpu_seconds: f64,
+}
+
+/// CPU seconds of a measured half beside the child's own: moto's and this
+/// process's (the store and metadata server run in it). On a small shared
+/// machine the ratio follows the CPU each half needs as much as the
+/// server's speed.
+#[derive(Debug, Clone, Copy, Default)]
+struct Cpu {
+    server: f64,
+    bench: f64,
+}
+
+/// Runs `half`, measuring moto's (`moto_pid`) and this process's CPU
+/// around it.
+async fn with_cpu<T>(
+    moto_pid: Option<u32>,
+    half: impl std::future::Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<(T, Cpu)> {
+    let server = || {
+        moto_pid
+            .and_then(kt_bench::cpu::process_tree_time)
+            .map_or(0.0, |t| t.as_secs_f64())
+    };
+    let bench = || kt_bench::cpu::self_time().as_secs_f64();
+    let (s0, b0) = (server(), bench());
+    let got = half.await?;
+    Ok((
+        got,
+        Cpu {
+            server: server() - s0,
+            bench: bench() - b0,
+        },
+    ))
 }
 
 fn s3(endpoint: &str, concurrency: usize) -> S3Config {
@@ -154,6 +194,7 @@ async fn child(c: Child) -> anyhow::Result<Measured> {
                 bytes: r.bytes,
                 vm_hwm_kib: vm_hwm_kib()?,
                 put_seconds: 0.0,
+                cpu_seconds: kt_bench::cpu::self_time().as_secs_f64(),
             })
         }
         Child::Ingest {
@@ -194,6 +235,7 @@ async fn child(c: Child) -> anyhow::Result<Measured> {
                 bytes: r.bytes,
                 vm_hwm_kib: vm_hwm_kib()?,
                 put_seconds: r.put.duration.as_secs_f64(),
+                cpu_seconds: kt_bench::cpu::self_time().as_secs_f64(),
             })
         }
     }
@@ -254,43 +296,50 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
     let token = cluster.client().bearer().to_string();
     let endpoint = moto.endpoint().to_owned();
     let concurrency = args.concurrency.max(1).to_string();
-    let (mut downloads, mut ingests) = (Vec::new(), Vec::new());
+    let (mut downloads, mut ingests, mut cpu) = (Vec::new(), Vec::new(), Vec::new());
     println!(
-        "run  download_s  ingest_s  (put_s, overlapping)  ratio  ingest_peak_rss_mib  download_peak_rss_mib"
+        "run  download_s  ingest_s  (put_s, overlapping)  ratio  ingest_peak_rss_mib  download_peak_rss_mib  \
+         cpu_s: download (client+bench+s3)  ingest (client+store+s3)"
     );
     for run in 0..args.runs.max(1) {
         let dest = work.path().join(format!("download-{run}"));
-        let d = run_child(&[
-            "download".into(),
-            "--endpoint".into(),
-            endpoint.clone(),
-            "--dest".into(),
-            path_arg(&dest),
-            "--concurrency".into(),
-            concurrency.clone(),
-        ])
+        let (d, d_cpu) = with_cpu(
+            moto.pid(),
+            run_child(&[
+                "download".into(),
+                "--endpoint".into(),
+                endpoint.clone(),
+                "--dest".into(),
+                path_arg(&dest),
+                "--concurrency".into(),
+                concurrency.clone(),
+            ]),
+        )
         .await?;
         std::fs::remove_dir_all(&dest).ok();
         let staging = work.path().join(format!("staging-{run}"));
         let cache = work.path().join(format!("cache-{run}"));
         let key = format!("bench/s3-{run}");
-        let i = run_child(&[
-            "ingest".into(),
-            "--endpoint".into(),
-            endpoint.clone(),
-            "--staging".into(),
-            path_arg(&staging),
-            "--concurrency".into(),
-            concurrency.clone(),
-            "--metadata-url".into(),
-            cluster.metadata_url().to_owned(),
-            "--token".into(),
-            token.clone(),
-            "--cache-dir".into(),
-            path_arg(&cache),
-            "--key".into(),
-            key.clone(),
-        ])
+        let (i, i_cpu) = with_cpu(
+            moto.pid(),
+            run_child(&[
+                "ingest".into(),
+                "--endpoint".into(),
+                endpoint.clone(),
+                "--staging".into(),
+                path_arg(&staging),
+                "--concurrency".into(),
+                concurrency.clone(),
+                "--metadata-url".into(),
+                cluster.metadata_url().to_owned(),
+                "--token".into(),
+                token.clone(),
+                "--cache-dir".into(),
+                path_arg(&cache),
+                "--key".into(),
+                key.clone(),
+            ]),
+        )
         .await?;
         if (d.objects, d.bytes) != (i.objects, i.bytes) || d.bytes != args.size {
             bail!("download moved {d:?}, ingest {i:?}, of {} bytes", args.size);
@@ -298,18 +347,32 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
         cluster.rm(&key).await?;
         std::fs::remove_dir_all(&staging).ok();
         std::fs::remove_dir_all(&cache).ok();
+        let (d_total, i_total) = (
+            d.cpu_seconds + d_cpu.server + d_cpu.bench,
+            i.cpu_seconds + i_cpu.server + i_cpu.bench,
+        );
         println!(
-            "{run:>3}  {:>10.2}  {:>8.2}  {:>19.2}  {:>5.2}  {:>19.1}  {:>21.1}",
+            "{run:>3}  {:>10.2}  {:>8.2}  {:>19.2}  {:>5.2}  {:>19.1}  {:>21.1}  \
+             {d_total:>6.2} ({:.2}+{:.2}+{:.2})  {i_total:>6.2} ({:.2}+{:.2}+{:.2})",
             d.seconds,
             i.seconds,
             i.put_seconds,
             i.seconds / d.seconds,
             mib(i.vm_hwm_kib),
-            mib(d.vm_hwm_kib)
+            mib(d.vm_hwm_kib),
+            d.cpu_seconds,
+            d_cpu.bench,
+            d_cpu.server,
+            i.cpu_seconds,
+            i_cpu.bench,
+            i_cpu.server,
         );
         downloads.push(d);
         ingests.push(i);
+        cpu.push((d_total, i_total));
     }
+    let d_cpu = median(&cpu.iter().map(|c| c.0).collect::<Vec<_>>());
+    let i_cpu = median(&cpu.iter().map(|c| c.1).collect::<Vec<_>>());
     let d = median(&downloads.iter().map(|m| m.seconds).collect::<Vec<_>>());
     let i = median(&ingests.iter().map(|m| m.seconds).collect::<Vec<_>>());
     let rss = ingests
@@ -319,7 +382,8 @@ async fn bench(args: &Args) -> anyhow::Result<()> {
     let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
     println!(
         "s3-ingest size={} objects={} concurrency={} download_s={d:.2} ingest_s={i:.2} ratio={:.2} \
-         ratio_target={} peak_rss_mib={rss:.1} rss_target={}",
+         ratio_target={} peak_rss_mib={rss:.1} rss_target={} download_cpu_s={d_cpu:.2} \
+         ingest_cpu_s={i_cpu:.2}",
         human(args.size),
         args.objects,
         args.concurrency,
