@@ -129,7 +129,8 @@ async fn a_failed_rollout_dumps_logs_and_events_then_deletes_the_namespace_and_t
         &cmds,
         &format!(
             "kind load docker-image ghcr.io/kt-dev/kt-metadata:{TAG} ghcr.io/kt-dev/kt-store:{TAG} \
-             ghcr.io/kt-dev/kt-agent:{TAG} ghcr.io/kt-dev/kt-client:{TAG} --name kt-scenario"
+             ghcr.io/kt-dev/kt-agent:{TAG} ghcr.io/kt-dev/kt-client:{TAG} \
+             ghcr.io/kt-dev/kt-dataset:{TAG} --name kt-scenario"
         ),
     );
     assert!(position(&cmds, "docker image inspect") < create && create < load);

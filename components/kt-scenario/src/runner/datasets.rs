@@ -46,10 +46,22 @@ impl Scn<'_> {
         })
     }
 
+    /// A step's namespace, else the target's for Datasets.
+    fn dataset_ns(&self, namespace: Option<&str>) -> String {
+        namespace.map_or_else(
+            || {
+                self.target
+                    .dataset_namespace()
+                    .unwrap_or_else(|| DATASET_NAMESPACE.to_owned())
+            },
+            str::to_owned,
+        )
+    }
+
     fn datasets(&self, namespace: Option<&str>) -> Result<Api<DynamicObject>, StepError> {
         Ok(Api::namespaced_with(
             self.kube()?,
-            namespace.unwrap_or(DATASET_NAMESPACE),
+            &self.dataset_ns(namespace),
             &ApiResource::erase::<Dataset>(&()),
         ))
     }
@@ -117,7 +129,7 @@ impl Scn<'_> {
         w: &WaitDatasetStep,
         result: &mut StepResult,
     ) -> Result<(), StepError> {
-        let namespace = w.namespace.as_deref().unwrap_or(DATASET_NAMESPACE);
+        let namespace = &self.dataset_ns(w.namespace.as_deref());
         let id = format!("{namespace}/{}", w.name);
         let previous = (self.dataset_versions.lock().ok()).and_then(|m| m.get(&id).cloned());
         // With `new_version`: the ingest that brought it, from the first
@@ -189,7 +201,7 @@ impl Scn<'_> {
         r: &ReadDatasetStep,
         result: &mut StepResult,
     ) -> Result<(), StepError> {
-        let namespace = r.namespace.as_deref().unwrap_or(DATASET_NAMESPACE);
+        let namespace = &self.dataset_ns(r.namespace.as_deref());
         let outcome = async {
             if self.select(&r.pod).is_empty() {
                 return Err(StepError::Input(format!("no pod named {}", r.pod)));
@@ -214,7 +226,7 @@ impl Scn<'_> {
                 .flatten()
                 .find(|n| n["name"] == node.as_str())
                 .and_then(|n| n["path"].as_str())
-                .map(PathBuf::from);
+                .map(|p| self.target.node_path(node, std::path::Path::new(p)));
             let root = self.target.node_root(node).ok_or_else(|| {
                 StepError::Input(format!(
                     "the target does not say where {node} keeps datasets"

@@ -315,6 +315,22 @@ pub trait Target: Send + Sync {
         self.beside().and_then(|b| b.node_root(node))
     }
 
+    /// The path of this machine behind `path` as `node`'s node-cache agent
+    /// names it (a Dataset's per-node path): the same path where the agents
+    /// run on this machine's file system.
+    fn node_path(&self, node: &str, path: &Path) -> PathBuf {
+        let _ = node;
+        path.to_owned()
+    }
+
+    /// The namespace of the steps' Datasets unless a step names one: the
+    /// one the testbed's Dataset controller obeys (None:
+    /// `datasets::DATASET_NAMESPACE`, the process targets' controller obeys
+    /// every namespace).
+    fn dataset_namespace(&self) -> Option<String> {
+        None
+    }
+
     /// Node lost: the node-cache agent of `node` dies and the API marks
     /// its Pod not Ready and the Node NotReady (topology `nodes`).
     async fn kill_node(&self, node: &str) -> Result<(), TargetError> {

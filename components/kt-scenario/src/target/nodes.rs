@@ -97,7 +97,8 @@ pub struct NodeCluster {
     http: reqwest::Client,
 }
 
-fn node_object(name: &str, labels: &BTreeMap<String, String>) -> Value {
+/// A Ready Node named `name` with `labels` (and its hostname label).
+pub(crate) fn node_object(name: &str, labels: &BTreeMap<String, String>) -> Value {
     let mut l = labels.clone();
     l.insert("kubernetes.io/hostname".into(), name.into());
     json!({

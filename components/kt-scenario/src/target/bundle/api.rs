@@ -66,6 +66,10 @@ struct Shared {
     objects: Mutex<Objects>,
     rbac: Rbac,
     log: Mutex<Vec<String>>,
+    /// What the calls above do not cover, when the run has one
+    /// ([`ScriptedApi::with_objects`]).
+    objects_api: Option<Arc<kt_kube::apiserver::ApiServer>>,
+    http: reqwest::Client,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -148,6 +152,19 @@ impl ScriptedApi {
     /// Serves on `ip` (a port of the system's choosing), with its
     /// certificates in `dir`, authorizing by `rbac`.
     pub async fn start(ip: IpAddr, dir: &Path, rbac: Rbac) -> Result<ScriptedApi, ApiError> {
+        ScriptedApi::with_objects(ip, dir, rbac, None).await
+    }
+
+    /// As [`ScriptedApi::start`], with every other authorized request
+    /// (Nodes, custom resources, Events, Secrets: what a Dataset
+    /// controller asks) passed to `objects`, an in-memory API server on
+    /// this machine's loopback.
+    pub async fn with_objects(
+        ip: IpAddr,
+        dir: &Path,
+        rbac: Rbac,
+        objects: Option<Arc<kt_kube::apiserver::ApiServer>>,
+    ) -> Result<ScriptedApi, ApiError> {
         write_pki(dir, ip)?;
         let tls = kt_service::tls::Tls::load(&dir.join("server.crt"), &dir.join("server.key"))
             .map_err(|e| ApiError(e.to_string()))?;
@@ -162,6 +179,8 @@ impl ScriptedApi {
             objects: Mutex::default(),
             rbac,
             log: Mutex::default(),
+            objects_api: objects,
+            http: kt_api::client(),
         });
         let app = axum::Router::new()
             .fallback(handle)
@@ -184,20 +203,6 @@ impl ScriptedApi {
     /// The CA pods trust the API with (PEM).
     pub fn ca_path(&self) -> &Path {
         &self.ca
-    }
-
-    /// Accepts `token` as `subject`'s for `audiences` (what `kubectl
-    /// create token SA --audience A` hands an operator), for `ttl`.
-    pub fn accept(&self, token: &str, subject: Subject, audiences: &[&str], ttl: Duration) {
-        lock(&self.shared.tokens).insert(
-            token.to_owned(),
-            Issued {
-                subject,
-                audiences: audiences.iter().map(|a| (*a).to_owned()).collect(),
-                pod: None,
-                expires: now() + ttl.as_secs(),
-            },
-        );
     }
 
     /// Issues a ServiceAccount token as the kubelet's projected volume
@@ -400,11 +405,25 @@ fn route(path: &str) -> Option<(String, String, Option<String>, Option<String>)>
     };
     let s = |x: &&str| (*x).to_owned();
     match rest {
-        [resource] => Some((group.into(), s(resource), None, None)),
         ["namespaces", ns, resource] => Some((group.into(), s(resource), Some(s(ns)), None)),
         ["namespaces", ns, resource, name] => {
             Some((group.into(), s(resource), Some(s(ns)), Some(s(name))))
         }
+        // A subresource (`datasets/status`), as RBAC names it.
+        ["namespaces", ns, resource, name, sub] => Some((
+            group.into(),
+            format!("{resource}/{sub}"),
+            Some(s(ns)),
+            Some(s(name)),
+        )),
+        [resource] => Some((group.into(), s(resource), None, None)),
+        [resource, name] => Some((group.into(), s(resource), None, Some(s(name)))),
+        [resource, name, sub] => Some((
+            group.into(),
+            format!("{resource}/{sub}"),
+            None,
+            Some(s(name)),
+        )),
         _ => None,
     }
 }
@@ -460,12 +479,13 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
     let path = parts.uri.path().to_owned();
     let q = query(&parts.uri);
     let who = caller(&shared, &parts.headers);
+    let asked = format!("{} {}", parts.method, parts.uri);
     let line = |answer: &str| {
         let who = who.as_ref().map_or_else(
             |e| format!("({e})"),
             |s| format!("{}/{}", s.namespace, s.name),
         );
-        lock(&shared.log).push(format!("{} {} {who} -> {answer}", parts.method, parts.uri));
+        lock(&shared.log).push(format!("{asked} {who} -> {answer}"));
     };
     let Ok(subject) = &who else {
         line("401");
@@ -485,6 +505,9 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
         (&Method::GET, Some(_), _) => "get",
         (&Method::GET, None, true) => "watch",
         (&Method::GET, None, false) => "list",
+        (&Method::PATCH, Some(_), _) => "patch",
+        (&Method::PUT, Some(_), _) => "update",
+        (&Method::DELETE, Some(_), _) => "delete",
         _ => {
             line("405");
             return status(
@@ -613,15 +636,58 @@ async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
             }))
             .into_response()
         }
-        _ => {
-            line("404");
-            status(
-                StatusCode::NOT_FOUND,
-                "NotFound",
-                &format!("{verb} {resource} is not served by the bundle's scripted API"),
-            )
+        _ => match &shared.objects_api {
+            Some(inner) => forward(inner, &shared.http, parts, body, &line).await,
+            None => {
+                line("404");
+                status(
+                    StatusCode::NOT_FOUND,
+                    "NotFound",
+                    &format!("{verb} {resource} is not served by the bundle's scripted API"),
+                )
+            }
+        },
+    }
+}
+
+/// A request authorized above, answered by the in-memory API server that
+/// holds what the scripted API does not (Nodes, custom resources, Events,
+/// Secrets), its answer streamed back (watches included).
+async fn forward(
+    inner: &kt_kube::apiserver::ApiServer,
+    http: &reqwest::Client,
+    parts: axum::http::request::Parts,
+    body: Body,
+    line: &impl Fn(&str),
+) -> Response {
+    let bytes = match axum::body::to_bytes(body, 64 << 20).await {
+        Ok(b) => b,
+        Err(e) => return status(StatusCode::BAD_REQUEST, "BadRequest", &e.to_string()),
+    };
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned());
+    let mut ask = http.request(parts.method.clone(), format!("{}{pq}", inner.url()));
+    for h in ["content-type", "accept"] {
+        if let Some(v) = parts.headers.get(h) {
+            ask = ask.header(h, v.clone());
         }
     }
+    let answer = match ask.body(bytes).send().await {
+        Ok(a) => a,
+        Err(e) => {
+            line("502");
+            return status(StatusCode::BAD_GATEWAY, "InternalError", &e.to_string());
+        }
+    };
+    line(&format!("{} (objects)", answer.status().as_u16()));
+    let mut out = Response::builder().status(answer.status().as_u16());
+    if let Some(v) = answer.headers().get("content-type") {
+        out = out.header("content-type", v.clone());
+    }
+    out.body(Body::from_stream(answer.bytes_stream()))
+        .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
 use futures::StreamExt as _;
@@ -757,6 +823,19 @@ mod tests {
             ))
         );
         assert_eq!(route("/version"), None);
+        assert_eq!(
+            route("/apis/kt.dev/v1alpha1/namespaces/kt/datasets/train/status"),
+            Some((
+                "kt.dev".into(),
+                "datasets/status".into(),
+                Some("kt".into()),
+                Some("train".into())
+            ))
+        );
+        assert_eq!(
+            route("/api/v1/nodes/node-3"),
+            Some(("".into(), "nodes".into(), None, Some("node-3".into())))
+        );
         assert_eq!(
             url_decode_pairs("labelSelector=kt.dev%2Fservice&watch=true"),
             vec![

@@ -49,6 +49,9 @@ pub struct PodInstance {
     /// Claims made from a StatefulSet's volumeClaimTemplates: volume name
     /// to claim name (`data` -> `data-kt-store-0`).
     pub claims: BTreeMap<String, String>,
+    /// The node a DaemonSet's pod runs on (one per node of the testbed);
+    /// None: the testbed's single node.
+    pub node: Option<String>,
 }
 
 /// An install, read.
@@ -65,6 +68,69 @@ pub struct Install {
     pub workloads: Vec<(String, Value)>,
     /// Kinds present that the target does not emulate, with why.
     pub skipped: BTreeMap<String, &'static str>,
+    /// The resources the install's CustomResourceDefinitions define, for
+    /// the API to serve.
+    pub crds: Vec<CrdResource>,
+}
+
+/// What a CustomResourceDefinition makes the API serve: one served
+/// version of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CrdResource {
+    pub group: String,
+    pub version: String,
+    pub kind: String,
+    pub plural: String,
+    pub namespaced: bool,
+    /// Whether it has the `status` subresource.
+    pub status: bool,
+}
+
+/// The served versions of a CustomResourceDefinition (as the API server
+/// reads `spec.group`, `spec.names`, `spec.scope` and `spec.versions`).
+pub fn crd_resources(crd: &Value) -> Result<Vec<CrdResource>, InstallError> {
+    let name = crd["metadata"]["name"].as_str().unwrap_or_default();
+    let spec = &crd["spec"];
+    let text = |v: &Value, what: &str| {
+        v.as_str()
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .ok_or_else(|| err(format!("CustomResourceDefinition {name} has no {what}")))
+    };
+    let group = text(&spec["group"], "spec.group")?;
+    let kind = text(&spec["names"]["kind"], "spec.names.kind")?;
+    let plural = text(&spec["names"]["plural"], "spec.names.plural")?;
+    let namespaced = match spec["scope"].as_str() {
+        Some("Namespaced") => true,
+        Some("Cluster") => false,
+        other => {
+            return Err(err(format!(
+                "CustomResourceDefinition {name}: scope {other:?} is neither Namespaced nor Cluster"
+            )));
+        }
+    };
+    let versions = spec["versions"]
+        .as_array()
+        .filter(|v| !v.is_empty())
+        .ok_or_else(|| {
+            err(format!(
+                "CustomResourceDefinition {name} has no spec.versions"
+            ))
+        })?;
+    versions
+        .iter()
+        .filter(|v| v["served"].as_bool().unwrap_or(true))
+        .map(|v| {
+            Ok(CrdResource {
+                group: group.clone(),
+                version: text(&v["name"], "version name")?,
+                kind: kind.clone(),
+                plural: plural.clone(),
+                namespaced,
+                status: v["subresources"]["status"].is_object(),
+            })
+        })
+        .collect()
 }
 
 fn key(ns: &Option<String>, name: &Option<String>) -> (String, String) {
@@ -108,8 +174,16 @@ fn uid(ns: &str, name: &str) -> String {
 }
 
 impl Install {
-    /// Reads `yaml`, the output of `kubectl kustomize`.
+    /// Reads `yaml`, the output of `kubectl kustomize`, on a testbed of
+    /// one node: a DaemonSet runs one pod.
     pub fn parse(yaml: &str) -> Result<Install, InstallError> {
+        Install::parse_on(yaml, &[])
+    }
+
+    /// Reads `yaml` for a testbed of `nodes` (none: one unnamed node): a
+    /// DaemonSet runs a pod on each, as its controller does on every node
+    /// (node selectors and taints are not emulated: every node matches).
+    pub fn parse_on(yaml: &str, nodes: &[String]) -> Result<Install, InstallError> {
         let mut install = Install::default();
         for doc in serde_yaml_ng::Deserializer::from_str(yaml) {
             let v: Value = serde::Deserialize::deserialize(doc)
@@ -161,7 +235,7 @@ impl Install {
                 }
                 "DaemonSet" => {
                     let d: DaemonSet = parse(v, &what)?;
-                    install.pods.extend(daemonset_pods(&d)?);
+                    install.pods.extend(daemonset_pods(&d, nodes)?);
                 }
                 "Role" => install.rbac.roles.push(parse(v, &what)?),
                 "ClusterRole" => install.rbac.cluster_roles.push(parse(v, &what)?),
@@ -173,6 +247,7 @@ impl Install {
                         .service_accounts
                         .insert(key(&a.metadata.namespace, &a.metadata.name), a);
                 }
+                "CustomResourceDefinition" => install.crds.extend(crd_resources(&v)?),
                 "Namespace" | "PersistentVolumeClaim" => {}
                 other => {
                     let why = NOT_EMULATED
@@ -345,6 +420,7 @@ fn deployment_pods(d: &Deployment) -> Result<Vec<PodInstance>, InstallError> {
                 spec: pod_spec.clone(),
                 subdomain: None,
                 claims: BTreeMap::new(),
+                node: None,
             }
         })
         .collect())
@@ -402,28 +478,47 @@ fn statefulset_pods(s: &StatefulSet) -> Result<Vec<PodInstance>, InstallError> {
                 spec: this,
                 subdomain: Some(spec.service_name.clone().unwrap_or_default())
                     .filter(|s| !s.is_empty()),
+                node: None,
             }
         })
         .collect())
 }
 
-/// One node: one pod per DaemonSet.
-fn daemonset_pods(d: &DaemonSet) -> Result<Vec<PodInstance>, InstallError> {
+/// A pod per node (`nodes` empty: the testbed's one node), named
+/// `<daemonset>-<5 characters>` as the controller names them.
+fn daemonset_pods(d: &DaemonSet, nodes: &[String]) -> Result<Vec<PodInstance>, InstallError> {
     let spec = d.spec.clone().unwrap_or_default();
     let (name, ns, pod_spec, labels, annotations) =
         template_parts(&d.metadata, &spec.template, "DaemonSet")?;
-    let pod = format!("{name}-{}", suffix(&[&name], 5));
-    Ok(vec![PodInstance {
-        uid: uid(&ns, &pod),
-        name: pod,
-        namespace: ns,
-        labels,
-        annotations,
-        owner: format!("DaemonSet/{name}"),
-        spec: pod_spec,
-        subdomain: None,
-        claims: BTreeMap::new(),
-    }])
+    let on: Vec<Option<&String>> = if nodes.is_empty() {
+        vec![None]
+    } else {
+        nodes.iter().map(Some).collect()
+    };
+    Ok(on
+        .into_iter()
+        .map(|node| {
+            let mut parts = vec![name.as_str()];
+            parts.extend(node.map(String::as_str));
+            let pod = format!("{name}-{}", suffix(&parts, 5));
+            let mut spec = pod_spec.clone();
+            if let Some(n) = node {
+                spec.node_name = Some(n.clone());
+            }
+            PodInstance {
+                uid: uid(&ns, &pod),
+                name: pod,
+                namespace: ns.clone(),
+                labels: labels.clone(),
+                annotations: annotations.clone(),
+                owner: format!("DaemonSet/{name}"),
+                spec,
+                subdomain: None,
+                claims: BTreeMap::new(),
+                node: node.cloned(),
+            }
+        })
+        .collect())
 }
 
 /// What the kubelet knows of a pod when it starts its containers.
@@ -1019,5 +1114,79 @@ subjects: [{ kind: ServiceAccount, name: md, namespace: kt }]
             &other,
             &ask("create", "authentication.k8s.io", "tokenreviews", None)
         ));
+    }
+
+    const NODE_CACHE: &str = r#"
+apiVersion: apps/v1
+kind: DaemonSet
+metadata: { name: kt-node-cache, namespace: kt }
+spec:
+  selector: { matchLabels: { app: nc } }
+  template:
+    metadata: { labels: { app: nc } }
+    spec:
+      containers:
+        - name: nc
+          image: agent
+          env: [{ name: NODE, valueFrom: { fieldRef: { fieldPath: spec.nodeName } } }]
+      volumes: [{ name: datasets, hostPath: { path: /var/lib/kt/datasets, type: DirectoryOrCreate } }]
+---
+apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: { name: datasets.kt.dev }
+spec:
+  group: kt.dev
+  names: { kind: Dataset, plural: datasets, singular: dataset }
+  scope: Namespaced
+  versions:
+    - { name: v1alpha1, served: true, storage: true, subresources: { status: {} } }
+    - { name: v1alpha0, served: false, storage: false }
+"#;
+
+    #[test]
+    fn a_daemonset_runs_a_pod_on_every_node() {
+        let nodes: Vec<String> = ["node-1", "node-2", "node-3"].map(String::from).to_vec();
+        let i = Install::parse_on(NODE_CACHE, &nodes).unwrap();
+        assert_eq!(i.pods.len(), 3);
+        for (p, n) in i.pods.iter().zip(&nodes) {
+            assert_eq!(p.node.as_ref(), Some(n));
+            assert_eq!(p.spec.node_name.as_ref(), Some(n));
+            assert_eq!(p.owner, "DaemonSet/kt-node-cache");
+            assert!(p.name.starts_with("kt-node-cache-"), "{}", p.name);
+            let mut d = downward(&i, p);
+            d.node = n.clone();
+            let env = environment(&p.spec.containers[0], &d, &i).unwrap();
+            assert!(env.iter().any(|(k, v)| k == "NODE" && v == n), "{env:?}");
+        }
+        let mut names: Vec<&str> = i.pods.iter().map(|p| p.name.as_str()).collect();
+        names.dedup();
+        assert_eq!(names.len(), 3, "distinct names: {names:?}");
+        // On one unnamed node: one pod, as before.
+        let one = Install::parse(NODE_CACHE).unwrap();
+        assert_eq!(one.pods.len(), 1);
+        assert_eq!(one.pods[0].node, None);
+    }
+
+    #[test]
+    fn a_crd_is_served_in_its_served_versions() {
+        let i = Install::parse(NODE_CACHE).unwrap();
+        assert_eq!(
+            i.crds,
+            [CrdResource {
+                group: "kt.dev".into(),
+                version: "v1alpha1".into(),
+                kind: "Dataset".into(),
+                plural: "datasets".into(),
+                namespaced: true,
+                status: true,
+            }]
+        );
+        assert!(i.skipped.is_empty(), "{:?}", i.skipped);
+        let bad = NODE_CACHE.replace("scope: Namespaced", "scope: Galaxy");
+        let e = Install::parse(&bad).unwrap_err();
+        assert!(e.0.contains("Galaxy"), "{e}");
+        let bad = NODE_CACHE.replace("plural: datasets, ", "");
+        let e = Install::parse(&bad).unwrap_err();
+        assert!(e.0.contains("spec.names.plural"), "{e}");
     }
 }

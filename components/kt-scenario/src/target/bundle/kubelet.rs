@@ -15,7 +15,9 @@
 //!   StatefulSet's claims): a directory per claim that outlives the pod;
 //!   the ServiceAccount's API token, CA and namespace at
 //!   /var/run/secrets/kubernetes.io/serviceaccount unless
-//!   `automountServiceAccountToken: false`. A hostPath is refused.
+//!   `automountServiceAccountToken: false`; a hostPath (DirectoryOrCreate,
+//!   or a Directory already there): a directory of the pod's node below
+//!   the run's `nodes/<node>/`, shared by that node's pods.
 //! - **Containers.** Image, command/args (with `$(VAR)` expansion), the
 //!   environment ([`super::install::environment`]), workingDir, the
 //!   effective securityContext (runAsUser/Group, fsGroup and
@@ -398,6 +400,21 @@ impl Kubelet {
         )
     }
 
+    /// The node `pod` runs on: its DaemonSet's node, else the testbed's
+    /// one.
+    pub fn node_of<'a>(&'a self, pod: &'a PodInstance) -> &'a str {
+        pod.node.as_deref().unwrap_or(&self.node)
+    }
+
+    /// The directory of this machine behind `path` of `node`'s file
+    /// system (a hostPath): below the run's `nodes/<node>/`.
+    pub fn node_path(&self, node: &str, path: &str) -> Result<PathBuf, TargetError> {
+        below(
+            &below(&self.dir.join("nodes"), node)?,
+            path.trim_start_matches('/'),
+        )
+    }
+
     /// Records the pods' addresses (before any is created: service links
     /// name them).
     pub fn assign(&self, pods: &[(String, Ipv4Addr)]) {
@@ -423,7 +440,7 @@ impl Kubelet {
         Downward {
             pod,
             pod_ip: ip.to_string(),
-            node: self.node.clone(),
+            node: self.node_of(pod).to_owned(),
             api_host: self.kube.addr().ip().to_string(),
             api_port: self.kube.addr().port(),
             service_addrs,
@@ -495,6 +512,26 @@ impl Kubelet {
                     )?;
                     dirs.insert(v.name.clone(), dir);
                 }
+                continue;
+            }
+            if let Some(h) = &v.host_path {
+                // A node's directory: the node's own, shared by every pod
+                // on it and outliving them. Created root's 0755 as the
+                // kubelet creates a DirectoryOrCreate one; any other type
+                // wants it there already.
+                let at = self.node_path(self.node_of(&inst), &h.path)?;
+                match h.type_.as_deref().unwrap_or_default() {
+                    "DirectoryOrCreate" if !at.is_dir() => make_dir(&at, 0o755, None)?,
+                    "DirectoryOrCreate" => {}
+                    "" | "Directory" if at.is_dir() => {}
+                    t => {
+                        return Err(failed(format!(
+                            "{who}: hostPath {} of type {t:?} is not emulated by the bundle target (DirectoryOrCreate is, and an existing Directory)",
+                            h.path
+                        )));
+                    }
+                }
+                dirs.insert(v.name.clone(), at);
                 continue;
             }
             if let Some(pvc) = &v.persistent_volume_claim {
@@ -615,7 +652,7 @@ impl Kubelet {
                 write_downward(items, &dir, mode, fs_group, &d, &who)?;
             } else {
                 return Err(failed(format!(
-                    "{who}: this kind of volume is not emulated by the bundle target (hostPath and others need a node)"
+                    "{who}: this kind of volume is not emulated by the bundle target "
                 )));
             }
             dirs.insert(v.name.clone(), dir);

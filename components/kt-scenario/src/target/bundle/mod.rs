@@ -18,8 +18,8 @@
 //! that never passes) fails the scenario here as it would fail a first
 //! install.
 //!
-//! The runner's own token is the operator's (`kubectl create token
-//! kt-operator --audience kt`, which the scripted API accepts for it);
+//! The runner's own token is the operator's (a JWT the scripted API issues,
+//! as `kubectl create token kt-operator --audience kt` hands one out);
 //! commands in a pod run with the pod's own projected token, unless a step
 //! gives another. Servers and agents are reached at their pods' addresses
 //! (this host routes to the run's bridge). What is not emulated is listed
@@ -46,6 +46,8 @@ pub mod kubelet;
 
 use api::ScriptedApi;
 use install::{Install, Subject};
+use kt_kube::apiserver::{ApiServer, ApiServerConfig, Resource};
+use kt_kube::kube::core::ApiResource;
 use kubelet::{Kubelet, PodRun};
 
 /// The metadata server's and the store's workloads and ports in the
@@ -74,6 +76,8 @@ pub struct Bundle {
     scenario_dir: PathBuf,
     /// Below it, the target's own files.
     work: PathBuf,
+    /// The operator's token, issued by the scripted API in `up` (empty
+    /// before).
     token: String,
     metadata: Option<Arc<PodRun>>,
     store: Option<Arc<PodRun>>,
@@ -81,6 +85,14 @@ pub struct Bundle {
     pods: BTreeMap<String, Arc<PodRun>>,
     /// Every pod, for logs.
     all: Vec<Arc<PodRun>>,
+    /// The topology's `nodes` (`node-1`..): a DaemonSet runs a pod on
+    /// each; empty: the one node of the bundle.
+    nodes: Vec<String>,
+    /// Nodes, custom resources (Datasets), Events and Secrets, behind the
+    /// scripted API (only with `nodes`).
+    objects: Option<Arc<ApiServer>>,
+    /// The install's namespace.
+    namespace: String,
 }
 
 /// Can this machine run the bundle target? The docker target's checks
@@ -109,6 +121,13 @@ fn probe() -> Option<String> {
 impl Bundle {
     pub fn new() -> Bundle {
         Bundle::default()
+    }
+
+    /// The pods of a DaemonSet on `node` (topology `nodes`).
+    fn on_node<'a>(&'a self, node: &'a str) -> impl Iterator<Item = &'a Arc<PodRun>> {
+        self.all
+            .iter()
+            .filter(move |p| p.inst.node.as_deref() == Some(node))
     }
 
     fn kubelet(&self) -> Result<&Arc<Kubelet>, TargetError> {
@@ -162,7 +181,15 @@ impl Bundle {
         let dir = self.work.join("deploy");
         let kustomize = repo.join("kustomize");
         let ns = manifests::namespace(&plan.run_id, &plan.scenario);
-        let src = Sources::production(&kustomize);
+        let mut src = Sources::production(&kustomize);
+        if plan.nodes.is_some() {
+            // As kustomize/examples/datasets installs them: listed once,
+            // in the kustomization over production.
+            for c in ["datasets", "node-cache"] {
+                src.components
+                    .insert(0, kustomize.join("components").join(c));
+            }
+        }
         manifests::write_deploy(plan, &ns, tag, &dir, &src, &kustomize)?;
         let out = tokio::process::Command::new("kubectl")
             .arg("kustomize")
@@ -204,10 +231,14 @@ impl Bundle {
                 std::fs::set_permissions(&self.work, std::fs::Permissions::from_mode(0o700))
             })
             .map_err(TargetError::io(format!("creating {}", self.work.display())))?;
-        self.token = plan.token.clone();
         let repo = std::env::current_dir().map_err(TargetError::io("the working directory"))?;
         let text = self.render(plan, &repo, &tag).await?;
-        let install = Arc::new(Install::parse(&text).map_err(|e| failed(e.0))?);
+        self.nodes = plan.nodes.as_ref().map(|n| n.names()).unwrap_or_default();
+        self.namespace = manifests::namespace(&plan.run_id, &plan.scenario);
+        let install = Arc::new(Install::parse_on(&text, &self.nodes).map_err(|e| failed(e.0))?);
+        if let Some(spec) = &plan.nodes {
+            self.objects = Some(Arc::new(objects_api(&install, spec).await?));
+        }
         for (kind, why) in &install.skipped {
             tracing::info!(kind = %kind, "bundle target: {why}");
         }
@@ -225,25 +256,27 @@ impl Bundle {
         let [a, b, _, _] = base.octets();
         let gateway = Ipv4Addr::new(a, b, 0, 1);
         let kube = Arc::new(
-            ScriptedApi::start(
+            ScriptedApi::with_objects(
                 IpAddr::V4(gateway),
                 &self.work.join("kube-api"),
                 install.rbac.clone(),
+                self.objects.clone(),
             )
             .await
             .map_err(|e| failed(e.to_string()))?,
         );
         self.kube = Some(kube.clone());
         let ns = manifests::namespace(&plan.run_id, &plan.scenario);
-        // The runner is the operator: `kubectl create token kt-operator
-        // --audience kt` hands out a token like this one.
-        kube.accept(
-            &plan.token,
-            Subject {
+        // The runner is the operator, with the token `kubectl create token
+        // kt-operator --audience kt` hands out: a JWT (the metadata server
+        // refuses anything else before a TokenReview).
+        self.token = kube.issue(
+            &Subject {
                 namespace: ns.clone(),
                 name: OPERATOR.into(),
             },
-            &["kt"],
+            "kt",
+            None,
             Duration::from_secs(24 * 3600),
         );
         for (resource, meta) in &install.workloads {
@@ -275,7 +308,7 @@ impl Bundle {
             .collect();
         kubelet.assign(&addrs);
         for (p, (_, ip)) in order.iter().zip(&addrs) {
-            kube.set_pod(pod_object(p, *ip, &kubelet.node));
+            kube.set_pod(pod_object(p, *ip, kubelet.node_of(p), true));
         }
         let creating: Vec<_> = order
             .into_iter()
@@ -333,8 +366,76 @@ impl Bundle {
     }
 }
 
-/// The Pod object the scripted API serves for a running pod.
-fn pod_object(p: &install::PodInstance, ip: Ipv4Addr, node: &str) -> serde_json::Value {
+/// The in-memory API server behind the scripted one for a topology with
+/// `nodes`: the install's custom resources (the Dataset CRD of the
+/// `datasets` component, which must be there), its Secrets, and the Nodes
+/// `node-1`.. (Ready, labelled `kubernetes.io/os: linux` as a kubelet labels
+/// its node, and with the topology's labels).
+async fn objects_api(
+    install: &Install,
+    spec: &crate::datasets::NodesSpec,
+) -> Result<ApiServer, TargetError> {
+    use kt_kube::dataset::Dataset;
+    let want = ApiResource::erase::<Dataset>(&());
+    if !install
+        .crds
+        .iter()
+        .any(|c| c.group == want.group && c.kind == want.kind && c.version == want.version)
+    {
+        return Err(failed(format!(
+            "the rendered install has no CustomResourceDefinition serving {}/{} {}: is the datasets component listed?",
+            want.group, want.version, want.kind
+        )));
+    }
+    let api = ApiServer::start(ApiServerConfig::default())
+        .await
+        .map_err(|e| failed(format!("the testbed's object API: {e}")))?;
+    for c in &install.crds {
+        let ar = ApiResource {
+            group: c.group.clone(),
+            version: c.version.clone(),
+            api_version: format!("{}/{}", c.group, c.version),
+            kind: c.kind.clone(),
+            plural: c.plural.clone(),
+        };
+        let r = if c.namespaced {
+            Resource::namespaced(&ar)
+        } else {
+            Resource::cluster(&ar)
+        };
+        api.register(if c.status { r.with_status() } else { r });
+    }
+    let put = |v: &serde_json::Value, what: &str| {
+        api.put(v)
+            .map(|_| ())
+            .map_err(|e| failed(format!("writing {what} into the testbed's API: {e}")))
+    };
+    for s in install.secrets.values() {
+        let v = serde_json::to_value(s).map_err(|e| failed(e.to_string()))?;
+        put(&v, "a Secret")?;
+    }
+    let mut labels = spec.labels.clone();
+    labels.insert("kubernetes.io/os".into(), "linux".into());
+    for node in spec.names() {
+        put(&super::nodes::node_object(&node, &labels), "a Node")?;
+    }
+    Ok(api)
+}
+
+/// The Pod object the scripted API serves for a running pod (Ready or
+/// not: what a kubelet reports once its readiness probes pass).
+fn pod_object(
+    p: &install::PodInstance,
+    ip: Ipv4Addr,
+    node: &str,
+    ready: bool,
+) -> serde_json::Value {
+    let containers: Vec<serde_json::Value> = p
+        .spec
+        .containers
+        .iter()
+        .map(|c| serde_json::json!({ "name": c.name, "image": c.image, "ports": c.ports }))
+        .collect();
     serde_json::json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -349,12 +450,13 @@ fn pod_object(p: &install::PodInstance, ip: Ipv4Addr, node: &str) -> serde_json:
         "spec": {
             "serviceAccountName": p.spec.service_account_name.clone().unwrap_or_else(|| "default".into()),
             "nodeName": node,
-            "containers": [],
+            "containers": containers,
         },
         "status": {
             "phase": "Running",
             "podIP": ip.to_string(),
             "podIPs": [{ "ip": ip.to_string() }],
+            "conditions": [{ "type": "Ready", "status": if ready { "True" } else { "False" } }],
         },
     })
 }
@@ -431,8 +533,91 @@ impl Target for Bundle {
         self.up_inner(plan).await
     }
 
+    fn operator_token(&self) -> Option<String> {
+        (!self.token.is_empty()).then(|| self.token.clone())
+    }
+
     fn aliases(&self) -> Vec<(String, String)> {
-        manifests::aliases(&self.pods.keys().cloned().collect::<Vec<_>>())
+        let mut out = manifests::aliases(&self.pods.keys().cloned().collect::<Vec<_>>());
+        if self.objects.is_some() {
+            // A Dataset's node label names its namespace, the install's
+            // here (the process targets' controller obeys `default`).
+            out.push((
+                kt_types::dataset::node_label(&self.namespace, ""),
+                kt_types::dataset::node_label(crate::datasets::DATASET_NAMESPACE, ""),
+            ));
+        }
+        out
+    }
+
+    /// The install's node-cache DaemonSet runs a pod per emulated node
+    /// (hostPath below the run's `nodes/<node>/`), the Dataset CRD and the
+    /// controller are served by the object API: the dataset scenarios run.
+    fn runs_nodes(&self) -> bool {
+        true
+    }
+
+    fn kube(&self) -> Option<kt_kube::kube::Client> {
+        self.objects.as_ref().and_then(|o| o.client().ok())
+    }
+
+    fn dataset_namespace(&self) -> Option<String> {
+        // The install's Dataset controller obeys its own namespace only.
+        self.objects.as_ref().map(|_| self.namespace.clone())
+    }
+
+    fn node_root(&self, node: &str) -> Option<PathBuf> {
+        let kubelet = self.kubelet.as_ref()?;
+        self.on_node(node).find_map(|p| {
+            p.inst
+                .spec
+                .volumes
+                .iter()
+                .flatten()
+                .find_map(|v| v.host_path.as_ref())
+                .and_then(|h| kubelet.node_path(node, &h.path).ok())
+        })
+    }
+
+    fn node_path(&self, node: &str, path: &Path) -> PathBuf {
+        let inside = path.display().to_string();
+        self.on_node(node)
+            .find_map(|p| {
+                p.containers
+                    .iter()
+                    .find_map(|c| p.host_path(&c.name, &inside))
+            })
+            .unwrap_or_else(|| path.to_owned())
+    }
+
+    async fn kill_node(&self, node: &str) -> Result<(), TargetError> {
+        let (Some(objects), Some(kube)) = (&self.objects, &self.kube) else {
+            return Err(TargetError::Unavailable(
+                "this scenario has no Kubernetes nodes (topology `nodes`)".into(),
+            ));
+        };
+        if !self.nodes.iter().any(|n| n == node) {
+            return Err(failed(format!("no node named {node}")));
+        }
+        let kubelet = self.kubelet()?;
+        // As the process targets do: marked first (its pods not Ready, the
+        // Node's Ready condition Unknown, as the node controller marks a
+        // node whose kubelet stopped reporting), then its pods killed.
+        for p in self.on_node(node) {
+            kube.set_pod(pod_object(&p.inst, p.ip, node, false));
+        }
+        objects
+            .modify("v1", "Node", None, node, |n| {
+                n["status"]["conditions"] = serde_json::json!([{
+                    "type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown",
+                    "message": "Kubelet stopped posting node status.",
+                }]);
+            })
+            .map_err(|e| failed(format!("marking {node} NotReady: {e}")))?;
+        for p in self.on_node(node) {
+            kubelet.stop(p, Signal::KILL).await?;
+        }
+        Ok(())
     }
 
     fn metadata_url(&self) -> String {
@@ -586,6 +771,7 @@ impl Target for Bundle {
             tokio::time::sleep(Duration::from_secs(1)).await;
         }
         self.kube = None;
+        self.objects = None;
         self.pods.clear();
         self.all.clear();
         first.map_or(Ok(()), Err)

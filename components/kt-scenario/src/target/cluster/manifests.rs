@@ -13,11 +13,12 @@ use serde_json::{Value, json};
 use crate::target::{Plan, PodPlan};
 
 /// The project's images, without tag.
-pub const IMAGES: [&str; 4] = [
+pub const IMAGES: [&str; 5] = [
     "ghcr.io/kt-dev/kt-metadata",
     "ghcr.io/kt-dev/kt-store",
     "ghcr.io/kt-dev/kt-agent",
     "ghcr.io/kt-dev/kt-client",
+    "ghcr.io/kt-dev/kt-dataset",
 ];
 /// The tag the bundle's manifests reference (overridden per run).
 pub const BUNDLE_TAG: &str = "0.1.0";
