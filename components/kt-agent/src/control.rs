@@ -259,13 +259,25 @@ impl Agent {
             .map_err(|why| {
                 ApiError::bad_request(format!("{path:?} is not what its manifest says: {why}"))
             })?;
-        if let Some(cur) = self
-            .exports
-            .get(&key)
-            .filter(|e| e.origin && e.version == version)
-        {
-            // This pod is the key's origin: the origin export stays.
-            return Ok(exported(cur.info()));
+        if let Some(cur) = self.exports.get(&key).filter(|e| e.origin) {
+            // This pod is the key's origin: the origin export stays. A copy
+            // of another version is no newer for that: a get that leased
+            // an older version before this pod put the key again ends
+            // after the put, and its copy in the origin's place would leave
+            // the key's registered origin serving nothing once the
+            // metadata server drops the copy (the chaos soak, seed
+            // 97147130). If another pod put the key since, the metadata
+            // server drops this export on the next heartbeat.
+            if cur.version == version {
+                return Ok(exported(cur.info()));
+            }
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "this pod is the origin of {key} at version {}: a downloaded copy of version {version} is not served in its place",
+                    cur.version
+                ),
+            ));
         }
         let export = Export {
             key: key.clone(),

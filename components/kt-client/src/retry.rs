@@ -5,6 +5,12 @@
 //! `unavailable` (a store or agent restarting, a link cut for a while).
 //! It is **permanent** when the same source would fail the same way: a
 //! wrong version, a hash mismatch, a key it does not hold, a refused token.
+//! A peer's first answer that it holds another version than its lease
+//! named, or none (`conflict`, `not_found`), is tried once more after a
+//! backoff: a pod that puts a key locally registers the new version before
+//! it serves it, so for a moment its agent answers so although it is the
+//! key's origin, or the very source of the version the key moved on to
+//! (the next lease names it). A second such answer from it is permanent.
 //!
 //! A transient source is tried again after a backoff with jitter (other
 //! sources first, when there are any); a permanent one never is in this
@@ -78,6 +84,9 @@ impl ClientError {
 #[derive(Debug)]
 struct Failed {
     retryable: bool,
+    /// It answered `conflict` or `not_found` before (its one more try
+    /// for that is spent).
+    answered_none: bool,
     first: Instant,
     tries: u32,
     retry_at: Instant,
@@ -123,12 +132,15 @@ impl Failures {
     /// `source` failed with `e`.
     pub fn record(&mut self, source: &str, e: &ClientError) {
         let now = Instant::now();
-        let retryable = e.retryable_at(source);
+        let none = matches!(e.code(), Some(ErrorCode::Conflict | ErrorCode::NotFound));
+        let seen = self.sources.get(source).is_some_and(|f| f.answered_none);
+        let retryable = e.retryable_at(source) || (none && !seen);
         let f = self
             .sources
             .entry(source.to_owned())
             .or_insert_with(|| Failed {
                 retryable,
+                answered_none: false,
                 first: now,
                 tries: 0,
                 retry_at: now,
@@ -136,6 +148,7 @@ impl Failures {
                 error: String::new(),
             });
         f.retryable = f.retryable && retryable;
+        f.answered_none |= none;
         f.tries += 1;
         f.retry_at = now + f.backoff.next_delay();
         f.error = e.to_string();
@@ -311,7 +324,7 @@ mod tests {
     #[test]
     fn permanent_sources_stay_excluded_transient_ones_come_back() {
         let mut f = Failures::new(Duration::from_secs(60));
-        f.record("pod-a", &api(409, ErrorCode::Conflict));
+        f.record("pod-a", &api(401, ErrorCode::Unauthorized));
         f.record(STORE_HOLDER, &api(503, ErrorCode::Unavailable));
         // Both excluded at once; the store's try is due within the backoff.
         let both = vec!["pod-a".to_owned(), STORE_HOLDER.to_owned()];
@@ -331,6 +344,49 @@ mod tests {
         assert_eq!(f.exclude(), vec!["pod-a".to_owned()]);
         // Only a permanent failure left: nothing to wait for.
         assert_eq!(f.when_none_left(&both), Next::GiveUp);
+    }
+
+    /// The soak's local gets (seeds 359744192, 368456154, 97147130): the
+    /// key's origin pod put it again mid-get and answered `conflict` to the
+    /// old version's lease, or had registered the key and not served it yet
+    /// (`not_found`); the getter excluded it for good and gave up with
+    /// `no_source`, though the next lease would have named that pod.
+    #[test]
+    fn a_peers_first_conflict_or_not_found_is_tried_again_its_second_is_not() {
+        let mut f = Failures::new(Duration::from_secs(60));
+        let conflict = api(409, ErrorCode::Conflict);
+        f.record("pod-a", &conflict);
+        // Told to the metadata server as permanent (a peer that moved off
+        // the version stops being offered for it) ...
+        assert!(!conflict.retryable_at("pod-a"));
+        // ... but this getter asks again after a backoff.
+        let a = vec!["pod-a".to_owned()];
+        assert_eq!(f.exclude(), a);
+        match f.when_none_left(&a) {
+            Next::Wait(d) => assert!(d <= BACKOFF_BASE, "{d:?}"),
+            Next::Now => {}
+            Next::GiveUp => panic!("a first conflict is tried again"),
+        }
+        std::thread::sleep(BACKOFF_BASE);
+        assert!(f.exclude().is_empty());
+        // The same answer again: this source holds another version for good.
+        f.record("pod-a", &conflict);
+        assert_eq!(f.exclude(), a);
+        assert_eq!(f.when_none_left(&a), Next::GiveUp);
+        // A transient failure in between does not buy a conflict another try.
+        let mut g = Failures::new(Duration::from_secs(60));
+        g.record("pod-b", &conflict);
+        g.record("pod-b", &api(503, ErrorCode::Unavailable));
+        g.record("pod-b", &conflict);
+        assert_eq!(g.when_none_left(&["pod-b".to_owned()]), Next::GiveUp);
+        // A key the peer does not hold: the same, once.
+        let mut h = Failures::new(Duration::from_secs(60));
+        let missing = api(404, ErrorCode::NotFound);
+        h.record("pod-c", &missing);
+        assert!(!missing.retryable_at("pod-c"));
+        assert_ne!(h.when_none_left(&["pod-c".to_owned()]), Next::GiveUp);
+        h.record("pod-c", &missing);
+        assert_eq!(h.when_none_left(&["pod-c".to_owned()]), Next::GiveUp);
     }
 
     #[test]

@@ -210,6 +210,52 @@ async fn local_export_registers_a_local_key_and_serves_it() {
     c.stop().await;
 }
 
+/// The chaos soak (seed 97147130): a get in the origin's pod that leased
+/// an older version ended just after the pod put the key again; its copy
+/// took the origin export's place, the next heartbeat dropped it as stale,
+/// and the key's registered origin served nothing (getters: `no_source`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_of_another_version_never_replaces_the_pods_origin_export() {
+    let c = Cluster::start().await;
+    let agent = c.start_agent("pod-origin").await;
+    let src = c.dir.path().join("src");
+    tree(&src);
+    let reply = export_local(&agent, "team/local", &src).await;
+    let ControlReply::Exported { export, .. } = reply else {
+        panic!("{reply:?}")
+    };
+    let older = c.dir.path().join("older");
+    write_files(&older, &[("x", b"old")]);
+    let m = fingerprint(&older);
+    let r = export_copy(&agent, "team/local", "an-older-version", &older, m).await;
+    assert_eq!(error_code(&r), Some(ErrorCode::Conflict), "{r:?}");
+    // The origin export stays, registered and served.
+    let st = status(&agent).await;
+    assert!(
+        st.len() == 1 && st[0].origin && st[0].version == export.version,
+        "{st:?}"
+    );
+    let rec = record_of(&c, "team/local").await;
+    assert_eq!(
+        (rec.holder.as_str(), rec.version.as_str()),
+        ("pod-origin", export.version.as_str())
+    );
+    let dest = c.dir.path().join("dest");
+    let read = fetch(&kt_api::client(), &agent.url, "team/local", &dest)
+        .await
+        .unwrap();
+    assert_eq!(read.version, export.version);
+    assert_eq!(fingerprint(&dest), fingerprint(&src));
+    // A copy of the origin's own version is taken as the origin export.
+    let same = export_copy(&agent, "team/local", &export.version, &dest, read.manifest).await;
+    assert!(
+        matches!(&same, ControlReply::Exported { export: e, .. } if e.origin),
+        "{same:?}"
+    );
+    agent.stop().await;
+    c.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copy_export_serves_a_download_and_heartbeats_announce_it() {
     let c = Cluster::start().await;

@@ -108,8 +108,10 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
 
     let meta_l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let meta_url = format!("http://{}", meta_l.local_addr().unwrap());
-    let mut meta =
-        kt_metadata::Config::new(dir.path().join("meta"), Token::new("h.tok-metadata.s").unwrap());
+    let mut meta = kt_metadata::Config::new(
+        dir.path().join("meta"),
+        Token::new("h.tok-metadata.s").unwrap(),
+    );
     meta.server.auth = Some(Auth::none().with_reviewer(Arc::new(reviewer)));
     let s = stop.clone();
     let meta_task = tokio::spawn(async move { kt_metadata::run(meta_l, meta, s).await });
@@ -234,7 +236,11 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
         let (status, _) = call("GET", "/api/v1/store", &format!("made-up-{i}"), None).await;
         assert_eq!(status, 401);
     }
-    assert_eq!(mock.count(REVIEWS), reviews, "made-up tokens are not reviewed");
+    assert_eq!(
+        mock.count(REVIEWS),
+        reviews,
+        "made-up tokens are not reviewed"
+    );
     // The API away is not the caller's fault: 503, and nothing cached.
     let (status, text) = call("GET", "/api/v1/store", "h.tok-api-down.s", None).await;
     assert_eq!(status, 503, "{text}");
@@ -242,12 +248,17 @@ async fn service_account_tokens_are_reviewed_and_mapped() {
     // Answers are kept: pod b's token is not reviewed again.
     let reviews = mock.count(REVIEWS);
     for _ in 0..3 {
-        assert_eq!(call("GET", "/api/v1/store", "h.tok-pod-b.s", None).await.0, 200);
+        assert_eq!(
+            call("GET", "/api/v1/store", "h.tok-pod-b.s", None).await.0,
+            200
+        );
         assert_eq!(call("GET", "/api/v1/store", "forged", None).await.0, 401);
     }
     assert_eq!(mock.count(REVIEWS), reviews, "cached answers");
     assert_eq!(
-        call("GET", "/api/v1/store", "h.tok-api-down.s", None).await.0,
+        call("GET", "/api/v1/store", "h.tok-api-down.s", None)
+            .await
+            .0,
         503
     );
     assert_eq!(mock.count(REVIEWS), reviews + 1, "a failure is asked again");
