@@ -14,6 +14,21 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker bundle kind k3d
 
+# Every build here selects packages one of two ways, so that cargo resolves
+# the same features each time and reuses what an earlier target compiled
+# (components/kt-workspace-hack unifies the dependencies' features; these
+# two unify the workspace crates' own):
+# - DEV_BUILD: the debug binaries and every test target, as `make test`
+#   uses them (dev-dependencies on: kt-tensor's test doubles, the agent's
+#   Flight feature).
+# - RELEASE_PKGS: the release binaries of scenarios, images and benches;
+#   a bench adds `-p kt-bench --bin NAME` to the same selection.
+DEV_BUILD := $(CARGO) build --workspace --bins --tests
+RELEASE_PKGS := -p kt-metadata -p kt-store -p kt-agent -p kt-client -p kt-dataset -p kt-scenario
+# $(call bench,NAME): build the bench NAME with the release binaries'
+# selection and run it with BENCH_ARGS.
+bench = $(CARGO) build --release $(RELEASE_PKGS) -p kt-bench --bin $(1) && $(TARGET_DIR)/release/$(1)
+
 .PHONY: all build release python s3env promenv python-test bench-python chaos images images-gpu manifests manifests-check prometheus-check cluster-plans lint-workflows test test-gpu fmt fmt-check clippy unit validate scenario bench bench-rsync bench-gate bench-metadata bench-shards bench-cpu bench-broadcast bench-tensors bench-nccl bench-recovery bench-s3 probe-bounded fuzz clean
 
 all: build
@@ -22,7 +37,7 @@ build:
 	$(CARGO) build --workspace --all-targets
 
 release:
-	$(CARGO) build --release -p kt-metadata -p kt-store -p kt-agent -p kt-client -p kt-dataset -p kt-scenario
+	$(CARGO) build --release $(RELEASE_PKGS)
 
 ## test: the test command (formatting, lints, every unit and cross-component
 ## test, the runner's own tests, validation of every scenario file, the
@@ -46,7 +61,7 @@ clippy:
 unit:
 	bash testbed/s3/moto.sh
 	bash testbed/prometheus/install.sh
-	$(CARGO) build --workspace --bins
+	$(DEV_BUILD)
 	$(CARGO) $(NEXTEST) --workspace
 
 ## test-gpu: on a machine with a GPU and NCCL: kt-tensor's CUDA tests, which
@@ -56,7 +71,8 @@ test-gpu:
 	KT_REQUIRE_GPU=1 $(CARGO) test -p kt-tensor cuda:: -- --nocapture
 
 validate:
-	$(CARGO) run -q -p kt-scenario -- validate scenarios testbed/selftest testbed/bench
+	$(DEV_BUILD) -q
+	$(TARGET_DIR)/debug/kt-scenario validate scenarios testbed/selftest testbed/bench
 
 ## scenario: the main job: every scenario under scenarios/ on $(TARGET)
 ## (local by default; TARGET=netns as root; TARGET=bundle runs the
@@ -112,7 +128,7 @@ manifests-check:
 ## runner's kustomizations rendered, nothing deployed), each deployment
 ## validated against the schemas and testbed/k8s/policy.py.
 cluster-plans:
-	$(CARGO) build -q -p kt-scenario
+	$(DEV_BUILD) -q
 	bash testbed/k8s/check-plans.sh $(TARGET_DIR)/debug/kt-scenario
 
 ## lint-workflows: actionlint on .github/workflows, testbed/k8s/workflows.py,
@@ -120,7 +136,7 @@ cluster-plans:
 ## stand-ins, what they hand the scenario runner checked by the real one,
 ## built here first).
 lint-workflows:
-	$(CARGO) build -q -p kt-scenario
+	$(DEV_BUILD) -q
 	KT_REHEARSE_BIN_DIR=$(TARGET_DIR)/debug bash testbed/k8s/lint-workflows.sh
 
 ## python: the Python package (import kt): the abi3 wheel into
@@ -137,7 +153,7 @@ python-test: python
 	cd components/kt-python && MYPYPATH=python $(abspath $(TARGET_DIR))/python/bin/python -m mypy \
 		--strict --cache-dir $(abspath $(TARGET_DIR))/mypy-cache \
 		python/kt tests/examples.py tests/test_reference.py tests/loopback.py tests/kubeapi.py
-	$(CARGO) build -q --bins -p kt-metadata -p kt-store -p kt-agent -p kt-tests
+	$(DEV_BUILD) -q
 	KT_BIN_DIR=$(TARGET_DIR)/debug $(TARGET_DIR)/python/bin/python -m pytest -q -rs components/kt-python/tests
 
 ## bench-python: the same 1 GiB state dict (500 tensors) and 10,000-file
@@ -173,7 +189,7 @@ bench:
 ## (BENCH_ARGS=--tls: kt serves HTTPS, for the cost of transport security).
 bench-rsync:
 	@command -v rsync >/dev/null 2>&1 || { echo "rsync missing: apt-get install -y rsync"; exit 1; }
-	$(CARGO) run --release -p kt-bench --bin kt-bench-rsync -- $(BENCH_ARGS)
+	$(call bench,kt-bench-rsync) $(BENCH_ARGS)
 
 ## bench-gate: the rsync comparison 3 times over (fresh data and servers
 ## each), each case's median kt/rsync ratio held against the committed
@@ -184,24 +200,24 @@ bench-rsync:
 ## --accept: record the run as the profile's new baseline.
 bench-gate:
 	@command -v rsync >/dev/null 2>&1 || { echo "rsync missing: apt-get install -y rsync"; exit 1; }
-	$(CARGO) run --release -p kt-bench --bin kt-bench-gate -- $(GATE_ARGS)
+	$(call bench,kt-bench-gate) $(GATE_ARGS)
 
 ## bench-shards: a streamed share (kt_client::stream, what kt.Dataset reads)
 ## against a plain prefix get of the same 1 GiB in 64 shards: time to the
 ## first file, throughput, and the most local bytes held against the budget.
 bench-shards:
-	$(CARGO) run --release -p kt-bench --bin kt-bench-shards -- $(BENCH_ARGS)
+	$(call bench,kt-bench-shards) $(BENCH_ARGS)
 
 ## bench-metadata: 200 concurrent clients doing lookups (lease + release, or
 ## --op stat) against an in-process metadata server; lookups/s and p99.
 bench-metadata:
-	$(CARGO) run --release -p kt-bench --bin kt-bench-metadata -- $(BENCH_ARGS)
+	$(call bench,kt-bench-metadata) $(BENCH_ARGS)
 
 ## bench-tensors: a 1 GiB state dict of 500 tensors between two node agents on
 ## the host backend, packed and unpacked, against a plain TCP copy of the same
 ## bytes, in one run (ratios on the last line; --quick for a smoke test).
 bench-tensors:
-	$(CARGO) run --release -p kt-bench --bin kt-bench-tensors -- $(BENCH_ARGS)
+	$(call bench,kt-bench-tensors) $(BENCH_ARGS)
 
 ## fuzz: every decoder that reads bytes from the network or a socket
 ## (manifest codec, documents, the agent's control frames, quorum, session,
@@ -211,7 +227,8 @@ bench-tensors:
 ## repeats a run).
 KT_FUZZ_SECONDS ?= 30
 fuzz:
-	KT_FUZZ_SECONDS=$(KT_FUZZ_SECONDS) $(CARGO) test --release -p kt-tests --test fuzz -- --ignored --nocapture
+	$(DEV_BUILD)
+	KT_FUZZ_SECONDS=$(KT_FUZZ_SECONDS) $(CARGO) test --workspace --test fuzz -- --ignored --nocapture
 
 ## bench-s3: an S3 ingest of 1 GiB in 1,000 objects (moto's server) into the
 ## store against a plain download of the same objects to local disk: the
@@ -219,36 +236,34 @@ fuzz:
 ## BENCH_ARGS='--size 64MiB --objects 100 --runs 1' for a quick run.
 bench-s3:
 	bash testbed/s3/moto.sh
-	$(CARGO) run --release -p kt-bench --bin kt-bench-s3 -- $(BENCH_ARGS)
+	$(call bench,kt-bench-s3) $(BENCH_ARGS)
 
 ## bench-recovery: a 1 GiB get and put with the store SIGKILLed and started
 ## again halfway, against the same undisturbed (real kt-metadata and kt-store
 ## processes on loopback): the extra time against the store's time away, and
 ## the bytes moved twice (medians and targets on the last two lines).
-bench-recovery:
-	$(CARGO) build --release -p kt-store -p kt-metadata --bins
-	$(CARGO) run --release -p kt-bench --bin kt-bench-recovery -- $(BENCH_ARGS)
+bench-recovery: release
+	$(call bench,kt-bench-recovery) $(BENCH_ARGS)
 
 ## bench-nccl: on a CUDA GPU with NCCL, a 4 GiB state dict of 500 tensors
 ## between two ranks through the transfer engine, packed and unpacked, against
 ## a bare NCCL broadcast of the same bytes (ratios on the last line).
 bench-nccl:
-	$(CARGO) run --release -p kt-bench --bin kt-bench-nccl -- $(BENCH_ARGS)
+	$(call bench,kt-bench-nccl) $(BENCH_ARGS)
 
 ## bench-cpu: CPU seconds per GiB (and ms per MB) of a put (client and
 ## store), the store's send, a relaying broadcast member and a pure getter:
 ## 256 MiB down a chain of 4 members, each its own process on loopback (no
 ## root), 3 runs; target: a relay at 3 ms/MB or less (last line).
 bench-cpu:
-	$(CARGO) run --release -p kt-bench --bin kt-bench-cpu -- $(BENCH_ARGS)
+	$(call bench,kt-bench-cpu) $(BENCH_ARGS)
 
 ## bench-broadcast: on the netns target (root), 256 MiB to 12 pods over
 ## 300 Mbit/s links and 512 MiB to 32 pods over 250 Mbit/s (single get, star,
 ## default-shape broadcast, one with its rank 1 killed midway), then 512 MiB
 ## to 32 pods over 1 Gbit/s.
 bench-broadcast: release
-	$(CARGO) build --release -p kt-bench --bin kt-bench-broadcast
-	$(TARGET_DIR)/release/kt-bench-broadcast --bin-dir $(TARGET_DIR)/release \
+	$(call bench,kt-bench-broadcast) --bin-dir $(TARGET_DIR)/release \
 		--report $(TARGET_DIR)/bench-broadcast $(BENCH_ARGS)
 
 clean:
