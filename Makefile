@@ -14,8 +14,9 @@ SCENARIO_FLAGS := --target $(TARGET) --report $(TARGET_DIR)/scenario-report/$(TA
 
 IMAGE_TARGETS := docker bundle kind k3d
 
-# Every build here selects packages one of two ways, so that cargo resolves
-# the same features each time and reuses what an earlier target compiled
+# The test and release builds select packages one of two ways, so that cargo
+# resolves the same features each time and reuses what an earlier target
+# compiled (`build`, `bench` and `test-gpu` are a developer's own builds)
 # (components/kt-workspace-hack unifies the dependencies' features; these
 # two unify the workspace crates' own):
 # - DEV_BUILD: the debug binaries and every test target, as `make test`

@@ -209,7 +209,7 @@ impl Servers {
             .spawn()
             .with_context(|| {
                 format!(
-                    "starting {} (build it first: cargo build --release --bin {name})",
+                    "starting {} (build it first: make release)",
                     program.display()
                 )
             })?;

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! bash testbed/s3/moto.sh      # once: moto's S3 server (make test does it too)
-//! cargo run --release -p kt-bench --bin kt-bench-s3 -- [--size 1GiB] [--objects 1000] [--runs 3]
+//! make bench-s3 BENCH_ARGS='--size 1GiB --objects 1000 --runs 3'
 //! make bench-s3 BENCH_ARGS='--size 64MiB --objects 100 --runs 1'   # a quick run
 //! ```
 //!
