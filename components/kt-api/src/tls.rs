@@ -30,9 +30,14 @@ fn bundle() -> Result<Option<(String, Vec<u8>)>, CaError> {
 }
 
 /// A `reqwest` client builder trusting `KT_CA_FILE`'s CAs (every kt client
-/// starts from this one), with [`crate::client_builder`]'s defaults.
+/// starts from this one), with [`crate::client_builder`]'s defaults. No
+/// built-in roots: a reqwest feature some other crate of the build turns on
+/// (`rustls-tls-native-roots`, through object_store) would otherwise add the
+/// system's store (and `SSL_CERT_FILE`'s) to them.
 pub fn http_builder() -> Result<reqwest::ClientBuilder, CaError> {
-    let mut b = crate::client_builder().use_rustls_tls();
+    let mut b = crate::client_builder()
+        .use_rustls_tls()
+        .tls_built_in_root_certs(false);
     if let Some((path, pem)) = bundle()? {
         let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| CaError {
             path: path.clone(),

@@ -27,12 +27,18 @@ fn servers_and_clients_speak_tls_and_renewals_are_served() {
     let ca_file = dir.path().join("ca.crt");
     std::fs::write(&ca_file, ca.cert.pem()).unwrap();
     let (cert, key, _) = issue(&ca, dir.path(), "server");
+    // A CA the system's store would offer (rustls-native-certs reads
+    // SSL_CERT_FILE): kt must not trust it, KT_CA_FILE does not name it.
+    let system_ca = kt_tests::certs::ca();
+    let system_file = dir.path().join("system.crt");
+    std::fs::write(&system_file, system_ca.cert.pem()).unwrap();
     // SAFETY: no other thread exists yet (the runtime is built below), so
     // nothing reads the environment while it changes.
     unsafe {
         std::env::set_var(kt_types::env::CA_FILE, &ca_file);
         std::env::set_var(kt_types::env::TLS_CERT, &cert);
         std::env::set_var(kt_types::env::TLS_KEY, &key);
+        std::env::set_var("SSL_CERT_FILE", &system_file);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -40,6 +46,57 @@ fn servers_and_clients_speak_tls_and_renewals_are_served() {
         .build()
         .unwrap();
     rt.block_on(run(dir.path(), &ca, cert, key));
+    rt.block_on(only_kt_ca_file(dir.path(), &system_ca));
+}
+
+/// A server whose certificate comes from a CA the system's store holds
+/// (SSL_CERT_FILE) but KT_CA_FILE does not: every kt client refuses it,
+/// whatever roots reqwest's features would load (review C1).
+async fn only_kt_ca_file(dir: &Path, system_ca: &Ca) {
+    let (cert, key, _) = issue(system_ca, dir, "system-signed");
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("https://{}/healthz", l.local_addr().unwrap());
+    let mut meta = kt_metadata::Config::new(dir.join("meta-system"), Token::new(TOKEN).unwrap());
+    meta.server.tls = Some(Tls::load(&cert, &key).unwrap());
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(kt_metadata::run(l, meta, stop.clone()));
+    // The server answers a client that trusts its CA...
+    let trusting = kt_api::client_builder()
+        .use_rustls_tls()
+        .add_root_certificate(
+            reqwest::Certificate::from_pem(system_ca.cert.pem().as_bytes()).unwrap(),
+        )
+        .build()
+        .unwrap();
+    kt_tests::wait_until(
+        "the server answers over https",
+        Duration::from_secs(20),
+        || {
+            let (trusting, url) = (trusting.clone(), url.clone());
+            async move {
+                trusting
+                    .get(url)
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success())
+            }
+        },
+    )
+    .await;
+    // ...and kt's client refuses its certificate (both test CAs have one
+    // name: rustls finds KT_CA_FILE's and the signature does not match).
+    let kt = kt_api::tls::http_builder().unwrap().build().unwrap();
+    let refused = kt.get(&url).send().await;
+    let e = refused.expect_err("kt trusted a CA that KT_CA_FILE does not name");
+    let mut chain = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        chain = format!("{chain}: {s}");
+        source = s.source();
+    }
+    assert!(chain.contains("invalid peer certificate"), "{chain}");
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
 }
 
 async fn run(dir: &Path, ca: &Ca, cert: PathBuf, key: PathBuf) {
