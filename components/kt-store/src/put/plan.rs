@@ -97,25 +97,12 @@ pub async fn plan(
             .register(&key, s.registration(&published))
             .await
             .map_err(|e| ApiError::new(ErrorCode::Unavailable, e.to_string()))?;
-        return Ok(ApiJson(PutPlan {
-            session: None,
-            needed: Vec::new(),
-            chunk_size: s.cfg.chunk_size,
-            need_manifest: false,
-            have: Vec::new(),
-            deferred: false,
-            hash_first: Vec::new(),
-        }));
+        return Ok(ApiJson(no_session(s.cfg.chunk_size)));
     }
     if encoded.is_empty() {
         return Ok(ApiJson(PutPlan {
-            session: None,
-            needed: Vec::new(),
-            chunk_size: s.cfg.chunk_size,
             need_manifest: true,
-            have: Vec::new(),
-            deferred: false,
-            hash_first: Vec::new(),
+            ..no_session(s.cfg.chunk_size)
         }));
     }
     let t0 = Instant::now();
@@ -134,13 +121,9 @@ pub async fn plan(
         let hash_first = like_in_base(&manifest, &deferred, &cur.meta.manifest);
         if !hash_first.is_empty() {
             return Ok(ApiJson(PutPlan {
-                session: None,
-                needed: Vec::new(),
-                chunk_size: s.cfg.chunk_size,
-                need_manifest: false,
-                have: Vec::new(),
                 deferred: true,
                 hash_first,
+                ..no_session(s.cfg.chunk_size)
             }));
         }
     }
@@ -400,6 +383,20 @@ pub async fn plan(
 /// placeholder [`DEFERRED_HASH`]. One larger than the chunk size moves in
 /// chunks, each hashed on arrival; a smaller one in a batch, hashed as it
 /// is written.
+/// A plan that opens no session: nothing to send (the tree is unchanged),
+/// or a question for the client first (the manifest, hashes of deferred files).
+fn no_session(chunk_size: u64) -> PutPlan {
+    PutPlan {
+        session: None,
+        needed: Vec::new(),
+        chunk_size,
+        need_manifest: false,
+        have: Vec::new(),
+        deferred: false,
+        hash_first: Vec::new(),
+    }
+}
+
 fn check_deferred(m: &Manifest, deferred: &[u32]) -> Result<Vec<u32>, ApiError> {
     let mut out = deferred.to_vec();
     out.sort_unstable();

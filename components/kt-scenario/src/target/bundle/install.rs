@@ -161,7 +161,7 @@ fn suffix(parts: &[&str], len: usize) -> String {
         .collect()
 }
 
-fn uid(ns: &str, name: &str) -> String {
+pub(crate) fn uid(ns: &str, name: &str) -> String {
     let h = blake3::hash(format!("{ns}/{name}").as_bytes()).to_hex();
     format!(
         "{}-{}-{}-{}-{}",
@@ -370,18 +370,39 @@ pub fn named_port(spec: &PodSpec, name: &str) -> Option<i32> {
 }
 
 /// A workload's name, namespace, pod spec, pod labels and annotations.
-type Template = (
-    String,
-    String,
-    PodSpec,
-    BTreeMap<String, String>,
-    BTreeMap<String, String>,
-);
+struct Template {
+    kind: &'static str,
+    name: String,
+    ns: String,
+    spec: PodSpec,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+}
+
+impl Template {
+    /// The pod `pod` its controller makes with `spec`: the template's
+    /// labels and annotations, owned by the workload, on the testbed's one
+    /// node, with no subdomain or claims (a caller sets those it has).
+    fn pod(&self, pod: String, spec: PodSpec) -> PodInstance {
+        PodInstance {
+            uid: uid(&self.ns, &pod),
+            name: pod,
+            namespace: self.ns.clone(),
+            labels: self.labels.clone(),
+            annotations: self.annotations.clone(),
+            owner: format!("{}/{}", self.kind, self.name),
+            spec,
+            subdomain: None,
+            claims: BTreeMap::new(),
+            node: None,
+        }
+    }
+}
 
 fn template_parts(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
     template: &k8s_openapi::api::core::v1::PodTemplateSpec,
-    kind: &str,
+    kind: &'static str,
 ) -> Result<Template, InstallError> {
     let name = meta.name.clone().unwrap_or_default();
     let ns = meta.namespace.clone().unwrap_or_else(|| "default".into());
@@ -390,46 +411,35 @@ fn template_parts(
         .clone()
         .ok_or_else(|| err(format!("{kind} {name} has no pod template spec")))?;
     let tmeta = template.metadata.clone().unwrap_or_default();
-    Ok((
+    Ok(Template {
+        kind,
         name,
         ns,
         spec,
-        tmeta.labels.unwrap_or_default(),
-        tmeta.annotations.unwrap_or_default(),
-    ))
+        labels: tmeta.labels.unwrap_or_default(),
+        annotations: tmeta.annotations.unwrap_or_default(),
+    })
 }
 
 fn deployment_pods(d: &Deployment) -> Result<Vec<PodInstance>, InstallError> {
     let spec = d.spec.clone().unwrap_or_default();
-    let (name, ns, pod_spec, labels, annotations) =
-        template_parts(&d.metadata, &spec.template, "Deployment")?;
+    let t = template_parts(&d.metadata, &spec.template, "Deployment")?;
     // `<deployment>-<replica set hash>-<5 characters>`, as the controllers
     // name them.
     let template = serde_json::to_string(&spec.template).unwrap_or_default();
     let rs = suffix(&[&template], 10);
     Ok((0..spec.replicas.unwrap_or(1).max(0))
         .map(|i| {
-            let pod = format!("{name}-{rs}-{}", suffix(&[&name, &i.to_string()], 5));
-            PodInstance {
-                uid: uid(&ns, &pod),
-                name: pod,
-                namespace: ns.clone(),
-                labels: labels.clone(),
-                annotations: annotations.clone(),
-                owner: format!("Deployment/{name}"),
-                spec: pod_spec.clone(),
-                subdomain: None,
-                claims: BTreeMap::new(),
-                node: None,
-            }
+            let name = &t.name;
+            let pod = format!("{name}-{rs}-{}", suffix(&[name, &i.to_string()], 5));
+            t.pod(pod, t.spec.clone())
         })
         .collect())
 }
 
 fn statefulset_pods(s: &StatefulSet) -> Result<Vec<PodInstance>, InstallError> {
     let spec = s.spec.clone().unwrap_or_default();
-    let (name, ns, pod_spec, labels, annotations) =
-        template_parts(&s.metadata, &spec.template, "StatefulSet")?;
+    let t = template_parts(&s.metadata, &spec.template, "StatefulSet")?;
     let templates: Vec<String> = spec
         .volume_claim_templates
         .iter()
@@ -437,7 +447,7 @@ fn statefulset_pods(s: &StatefulSet) -> Result<Vec<PodInstance>, InstallError> {
         .filter_map(|t| t.metadata.name.clone())
         .collect();
     // The controller adds a volume per claim template, named after it.
-    let mut pod_spec = pod_spec;
+    let mut pod_spec = t.spec.clone();
     for t in &templates {
         let volumes = pod_spec.volumes.get_or_insert_with(Vec::new);
         if !volumes.iter().any(|v| v.name == *t) {
@@ -449,7 +459,7 @@ fn statefulset_pods(s: &StatefulSet) -> Result<Vec<PodInstance>, InstallError> {
     }
     Ok((0..spec.replicas.unwrap_or(1).max(0))
         .map(|i| {
-            let pod = format!("{name}-{i}");
+            let pod = format!("{}-{i}", t.name);
             let mut this = pod_spec.clone();
             for v in this.volumes.iter_mut().flatten() {
                 if templates.contains(&v.name) {
@@ -461,25 +471,18 @@ fn statefulset_pods(s: &StatefulSet) -> Result<Vec<PodInstance>, InstallError> {
                     );
                 }
             }
-            let mut labels = labels.clone();
-            labels.insert("statefulset.kubernetes.io/pod-name".into(), pod.clone());
-            labels.insert("apps.kubernetes.io/pod-index".into(), i.to_string());
-            PodInstance {
-                uid: uid(&ns, &pod),
-                claims: templates
-                    .iter()
-                    .map(|t| (t.clone(), format!("{t}-{pod}")))
-                    .collect(),
-                name: pod,
-                namespace: ns.clone(),
-                labels,
-                annotations: annotations.clone(),
-                owner: format!("StatefulSet/{name}"),
-                spec: this,
-                subdomain: Some(spec.service_name.clone().unwrap_or_default())
-                    .filter(|s| !s.is_empty()),
-                node: None,
-            }
+            let mut p = t.pod(pod.clone(), this);
+            p.labels
+                .insert("statefulset.kubernetes.io/pod-name".into(), pod.clone());
+            p.labels
+                .insert("apps.kubernetes.io/pod-index".into(), i.to_string());
+            p.claims = templates
+                .iter()
+                .map(|c| (c.clone(), format!("{c}-{pod}")))
+                .collect();
+            p.subdomain =
+                Some(spec.service_name.clone().unwrap_or_default()).filter(|s| !s.is_empty());
+            p
         })
         .collect())
 }
@@ -488,8 +491,7 @@ fn statefulset_pods(s: &StatefulSet) -> Result<Vec<PodInstance>, InstallError> {
 /// `<daemonset>-<5 characters>` as the controller names them.
 fn daemonset_pods(d: &DaemonSet, nodes: &[String]) -> Result<Vec<PodInstance>, InstallError> {
     let spec = d.spec.clone().unwrap_or_default();
-    let (name, ns, pod_spec, labels, annotations) =
-        template_parts(&d.metadata, &spec.template, "DaemonSet")?;
+    let t = template_parts(&d.metadata, &spec.template, "DaemonSet")?;
     let on: Vec<Option<&String>> = if nodes.is_empty() {
         vec![None]
     } else {
@@ -498,24 +500,16 @@ fn daemonset_pods(d: &DaemonSet, nodes: &[String]) -> Result<Vec<PodInstance>, I
     Ok(on
         .into_iter()
         .map(|node| {
-            let mut parts = vec![name.as_str()];
+            let mut parts = vec![t.name.as_str()];
             parts.extend(node.map(String::as_str));
-            let pod = format!("{name}-{}", suffix(&parts, 5));
-            let mut spec = pod_spec.clone();
+            let pod = format!("{}-{}", t.name, suffix(&parts, 5));
+            let mut spec = t.spec.clone();
             if let Some(n) = node {
                 spec.node_name = Some(n.clone());
             }
             PodInstance {
-                uid: uid(&ns, &pod),
-                name: pod,
-                namespace: ns.clone(),
-                labels: labels.clone(),
-                annotations: annotations.clone(),
-                owner: format!("DaemonSet/{name}"),
-                spec,
-                subdomain: None,
-                claims: BTreeMap::new(),
                 node: node.cloned(),
+                ..t.pod(pod, spec)
             }
         })
         .collect())
