@@ -14,8 +14,9 @@
 //! changes).
 //!
 //! Bounds: a body of at most [`MAX_BODY`] (a pod is at most what etcd
-//! stores, 1.5 MiB), [`MAX_IN_FLIGHT`] reviews at once (more wait), each
-//! answered within [`DEADLINE`] or failed (the API server waits
+//! stores, 1.5 MiB) that never sends nothing for [`BODY_IDLE`],
+//! [`MAX_IN_FLIGHT`] reviews at once (more wait), each answered within
+//! [`DEADLINE`], its wait included, or failed (the API server waits
 //! `timeoutSeconds`, at most 30 s). Counted on the server's `/metrics` as
 //! `kt_http_requests_total{route="/mutate"}` by status: 200 is an answer
 //! (an injection, or a pod that has its agent), 400 a review that could
@@ -42,10 +43,15 @@ use tokio_util::sync::CancellationToken;
 pub const MUTATE: &str = "/mutate";
 /// The largest AdmissionReview taken.
 pub const MAX_BODY: usize = 4 * 1024 * 1024;
-/// Reviews answered at once.
-pub const MAX_IN_FLIGHT: usize = 16;
-/// The longest a review may take, its body included.
+/// Reviews answered at once (each is a little CPU: more wait, within
+/// [`DEADLINE`]).
+pub const MAX_IN_FLIGHT: usize = 64;
+/// The longest a review may take, its body and its wait for a slot
+/// included: a peer that stalls bodies holds a slot at most this long.
 pub const DEADLINE: Duration = Duration::from_secs(10);
+/// The longest a review's body may send nothing: the API server sends a
+/// review whole, so only a stalling peer waits this long.
+pub const BODY_IDLE: Duration = Duration::from_secs(1);
 /// How long answers in flight may finish once the server stops.
 const DRAIN: Duration = Duration::from_secs(5);
 
@@ -116,10 +122,17 @@ impl Webhook {
                 ApiError::not_found("no such route: the webhook is POST /mutate")
             })
             .layer(DefaultBodyLimit::max(MAX_BODY))
-            .layer(axum::middleware::from_fn(deadline))
+            .layer(axum::middleware::from_fn_with_state(
+                BODY_IDLE,
+                kt_service::idle_bodies_fail,
+            ))
             .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
                 MAX_IN_FLIGHT,
             ))
+            // Outside the limit (review B5): the wait for a slot counts, so
+            // peers holding every slot with stalled bodies fail the queued
+            // reviews within the deadline instead of holding them unbounded.
+            .layer(axum::middleware::from_fn(deadline))
             .layer(axum::middleware::from_fn_with_state(
                 metrics,
                 kt_service::metrics::count_requests,

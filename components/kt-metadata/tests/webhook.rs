@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use base64::Engine;
 use kt_kube::inject::Template;
-use kt_metadata::webhook::{MAX_BODY, Webhook, WebhookArgs};
+use kt_metadata::webhook::{MAX_BODY, MAX_IN_FLIGHT, Webhook, WebhookArgs};
 use kt_service::Metrics;
 use kt_service::tls::Tls;
 use serde_json::{Value, json};
@@ -242,6 +242,48 @@ async fn what_it_cannot_answer_is_a_400_and_what_it_does_not_handle_is_allowed()
         text.contains(r#"kt_http_requests_total{method="POST",route="/mutate",status="400"} 2"#),
         "{text}"
     );
+    hook.stop().await;
+}
+
+/// Review B5: peers that open reviews and stall their bodies, as many as
+/// there are slots, hold none for long: each body that sends nothing for
+/// `BODY_IDLE` fails, and the API server's review is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_bodies_hold_no_slot_for_long() {
+    use futures::StreamExt;
+    let hook = start().await;
+    let stalled: Vec<_> = (0..MAX_IN_FLIGHT)
+        .map(|_| {
+            let body = futures::stream::once(async {
+                Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"{"))
+            })
+            .chain(futures::stream::pending());
+            let req = hook
+                .client
+                .post(&hook.url)
+                .header("content-type", "application/json")
+                .body(reqwest::Body::wrap_stream(body))
+                .send();
+            tokio::spawn(async move {
+                let resp = req.await.unwrap();
+                (
+                    resp.status().as_u16(),
+                    resp.text().await.unwrap_or_default(),
+                )
+            })
+        })
+        .collect();
+    let cm = json!({"group": "", "version": "v1", "kind": "ConfigMap"});
+    let (status, body) = hook.post(review("after", cm, json!({}))).await;
+    assert_eq!(status, 200, "{body}");
+    for s in stalled {
+        let (status, text) = s.await.unwrap();
+        assert_eq!(status, 400, "{text}");
+        assert!(
+            text.contains("sent nothing"),
+            "failed for its idle body: {text}"
+        );
+    }
     hook.stop().await;
 }
 

@@ -128,8 +128,9 @@ pub fn app_with(
 }
 
 /// Makes the request's body fail once it has sent nothing for `idle`: the
-/// handler reading it gets an error and the request's slot is freed.
-async fn idle_bodies_fail(
+/// handler reading it gets an error and the request's slot is freed (a
+/// middleware: `from_fn_with_state(idle, idle_bodies_fail)`).
+pub async fn idle_bodies_fail(
     State(idle): State<std::time::Duration>,
     req: axum::extract::Request,
     next: axum::middleware::Next,
