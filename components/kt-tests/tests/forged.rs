@@ -565,6 +565,49 @@ async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
     assert_eq!(std::fs::read(&got).unwrap(), b"alpha's bytes");
 }
 
+/// Review B4: a heartbeat naming a service makes it known, and a known
+/// service owns the keys under its name; an agent of beta announcing
+/// "alpha" would have taken alpha's prefix from alpha's own writers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_announces_only_a_service_its_token_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start(dir.path()).await;
+    let hb = |service: &str| AgentHeartbeat {
+        id: "pod-b".into(),
+        url: "http://127.0.0.1:1".into(),
+        service: Some(service.into()),
+        serves: Vec::new(),
+    };
+    let http = kt_api::client();
+    let r = http
+        .post(format!("{}/api/v1/agents", s.meta))
+        .bearer_auth(BETA_AGENT)
+        .json(&hb("alpha"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    let body: kt_types::ErrorBody = r.json().await.unwrap();
+    assert!(
+        body.error.message.contains("alpha"),
+        "{}",
+        body.error.message
+    );
+    // Its own service is announced as ever.
+    let r = http
+        .post(format!("{}/api/v1/agents", s.meta))
+        .bearer_auth(BETA_AGENT)
+        .json(&hb("beta"))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    // alpha's writer still writes its own prefix.
+    let src = dir.path().join("a.txt");
+    std::fs::write(&src, b"alpha").unwrap();
+    put(&client(&s, dir.path(), ALPHA), "alpha/own", &src).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quorum_putter_must_write_the_keys_service() {
     let dir = tempfile::tempdir().unwrap();

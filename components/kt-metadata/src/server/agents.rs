@@ -32,6 +32,14 @@ pub(super) async fn heartbeat(
         )));
     }
     check_service(hb.service.as_deref())?;
+    // Announcing a service makes it known, and a known service owns the
+    // keys under its name (only its writers write there): a token may
+    // announce only a service it writes (review B4), as a put may name one.
+    if let Some(service) = hb.service.as_deref().filter(|s| !who.serves(s)) {
+        return Err(forbidden(format!(
+            "this token may not announce service {service:?} (not one of its services)"
+        )));
+    }
     let id = hb.id.clone();
     let mut registry = s.registry.lock().await;
     // An agent is a peer only of what its token may read: a copy of
