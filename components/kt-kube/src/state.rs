@@ -8,7 +8,9 @@
 //! - **Services.** A service (value of [`crate::SERVICE_LABEL`]) is *live*
 //!   while a workload carrying the label exists or one of its pods is not
 //!   gone (bare pods and a deleted Deployment's pods still terminating keep it
-//!   live). A service the machine has seen live and then sees with neither is
+//!   live). A CronJob is such a workload: between its runs it has no pod
+//!   (and the Jobs it spawns may carry no label), yet its service's keys are
+//!   what the next run reads. A service the machine has seen live and then sees with neither is
 //!   torn down, once. Nothing is decided about services until every watched
 //!   kind has been listed once, so a partial start never tears anything down.
 //! - **Startup.** The registry's agents (id and service, as recorded before
@@ -26,7 +28,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// The watched kinds: pods and the workloads that own them.
+/// The watched kinds: pods and the workloads that own them (a CronJob
+/// owns its pods through the Jobs it spawns).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
     Pod,
@@ -35,16 +38,18 @@ pub enum Kind {
     DaemonSet,
     ReplicaSet,
     Job,
+    CronJob,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::Pod,
         Kind::Deployment,
         Kind::StatefulSet,
         Kind::DaemonSet,
         Kind::ReplicaSet,
         Kind::Job,
+        Kind::CronJob,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -55,6 +60,7 @@ impl Kind {
             Kind::DaemonSet => "daemonset",
             Kind::ReplicaSet => "replicaset",
             Kind::Job => "job",
+            Kind::CronJob => "cronjob",
         }
     }
 }
@@ -358,6 +364,33 @@ mod tests {
         assert_eq!(
             st.handle(Event::Delete(Kind::Job, pod("train", "s"))),
             vec![down("s")]
+        );
+    }
+
+    #[test]
+    fn a_cronjob_keeps_its_service_between_runs() {
+        let mut st = ClusterState::new(vec![]);
+        // A run: the CronJob, and its pod (the spawned Job unlabelled).
+        let listed = [
+            (Kind::CronJob, pod("nightly", "s")),
+            (Kind::Pod, pod("nightly-29-x", "s")),
+        ];
+        assert!(list_all(&mut st, &listed).is_empty());
+        assert_eq!(
+            st.handle(Event::Apply(Kind::Pod, pod("nightly-29-x", "s").finished())),
+            vec![evict(&["nightly-29-x"])],
+            "the run's pod is gone; the CronJob keeps the service"
+        );
+        assert_eq!(
+            st.handle(Event::Delete(Kind::Pod, pod("nightly-29-x", "s"))),
+            vec![],
+            "the Job's history limit deletes the pod: still kept"
+        );
+        assert_eq!(st.live_services().collect::<Vec<_>>(), ["s"]);
+        assert_eq!(
+            st.handle(Event::Delete(Kind::CronJob, pod("nightly", "s"))),
+            vec![down("s")],
+            "the CronJob deleted: the service goes"
         );
     }
 

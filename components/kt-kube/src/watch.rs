@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures::stream::{BoxStream, SelectAll};
 use futures::{Stream, StreamExt};
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment, ReplicaSet, StatefulSet};
-use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::batch::v1::{CronJob, Job};
 use k8s_openapi::api::core::v1::Pod;
 use kube::core::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
@@ -141,6 +141,7 @@ pub fn events(client: &Client, cfg: &WatchConfig) -> impl Stream<Item = Tagged> 
     all.push(workload::<DaemonSet>(client, cfg, Kind::DaemonSet));
     all.push(workload::<ReplicaSet>(client, cfg, Kind::ReplicaSet));
     all.push(workload::<Job>(client, cfg, Kind::Job));
+    all.push(workload::<CronJob>(client, cfg, Kind::CronJob));
     all
 }
 

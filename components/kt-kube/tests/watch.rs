@@ -35,6 +35,29 @@ async fn expect(rx: &mut mpsc::UnboundedReceiver<Action>, want: &[Action]) -> Ve
     got
 }
 
+/// Waits (10 s at most) until every watched kind's watch was requested:
+/// a watcher asks for it only once the run loop handled its listing.
+async fn watching_all(api: &MockApi) {
+    const WATCHES: [&str; 7] = [
+        "pods?watch",
+        "deployments?watch",
+        "statefulsets?watch",
+        "daemonsets?watch",
+        "replicasets?watch",
+        "jobs?watch",
+        "cronjobs?watch",
+    ];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !WATCHES.iter().all(|w| api.count(w) > 0) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not every kind is watched: {:?}",
+            api.seen()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 fn evict(ids: &[&str]) -> Action {
     Action::Evict(ids.iter().map(|s| s.to_string()).collect())
 }
@@ -158,6 +181,70 @@ async fn startup_evicts_agents_that_vanished_while_away_but_deletes_no_data() {
             .is_err(),
         "no further action"
     );
+    shutdown.cancel();
+    watching.await.expect("the watch ends on shutdown");
+    task.abort();
+}
+
+/// A CronJob keeps its service between runs: the run's pod finishing (its
+/// Job unlabelled, as a CronJob's `jobTemplate` often leaves it) evicts the
+/// agent and tears nothing down; deleting the CronJob does.
+#[tokio::test]
+async fn a_cronjob_keeps_its_service_after_a_run() {
+    let api = MockApi::default();
+    api.script(
+        "pods",
+        ok(mock::list(
+            &[mock::pod("nightly-29-x", "nightly", "Running", "1")],
+            "2",
+        )),
+    );
+    api.script(
+        "cronjobs",
+        ok(mock::list(
+            &[mock::workload("CronJob", "nightly", "nightly", "1")],
+            "2",
+        )),
+    );
+    let (client, task) = api.client("kt");
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let shutdown = CancellationToken::new();
+    let watching = tokio::spawn(watch::run(client, config(), vec![], tx, shutdown.clone()));
+    // Every kind listed (each watch starts once its listing was handled):
+    // from now on a service that goes is torn down.
+    watching_all(&api).await;
+    api.script(
+        "pods?watch",
+        Reply::Events(vec![mock::event(
+            "MODIFIED",
+            mock::pod("nightly-29-x", "nightly", "Succeeded", "3"),
+        )]),
+    );
+    let got = expect(&mut rx, &[evict(&["nightly-29-x"])]).await;
+    assert_eq!(got.len(), 1, "{got:?}");
+    // A teardown would have been sent with the eviction, in the same step.
+    assert!(
+        rx.try_recv().is_err(),
+        "the CronJob keeps the service `nightly`"
+    );
+    let first = api
+        .seen()
+        .into_iter()
+        .find(|s| s.contains(" cronjobs "))
+        .unwrap_or_default();
+    assert!(
+        first.contains("/apis/batch/v1/") && first.contains("labelSelector=kt.dev%2Fservice"),
+        "{first}"
+    );
+
+    api.script(
+        "cronjobs?watch",
+        Reply::Events(vec![mock::event(
+            "DELETED",
+            mock::workload("CronJob", "nightly", "nightly", "4"),
+        )]),
+    );
+    expect(&mut rx, &[Action::Teardown("nightly".into())]).await;
     shutdown.cancel();
     watching.await.expect("the watch ends on shutdown");
     task.abort();

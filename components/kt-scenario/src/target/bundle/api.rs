@@ -9,8 +9,8 @@
 //!   real one reviews them (wrong audience, expired, unknown: not
 //!   authenticated);
 //! - pods: get, list and watch in a namespace, with label selectors;
-//! - Deployments, StatefulSets, DaemonSets, ReplicaSets and Jobs: list and
-//!   watch, as metadata (what kt's namespace watch asks for).
+//! - Deployments, StatefulSets, DaemonSets, ReplicaSets, Jobs and CronJobs:
+//!   list and watch, as metadata (what kt's namespace watch asks for).
 //!
 //! Every caller presents a token for the API server's audience, and every
 //! request is authorized by the install's Roles, ClusterRoles and
@@ -466,12 +466,13 @@ fn url_decode_pairs(q: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-const WORKLOADS: [&str; 5] = [
+const WORKLOADS: [&str; 6] = [
     "deployments",
     "statefulsets",
     "daemonsets",
     "replicasets",
     "jobs",
+    "cronjobs",
 ];
 
 async fn handle(State(shared): State<Arc<Shared>>, req: Request) -> Response {
