@@ -2,8 +2,9 @@
 //!
 //! Each reconcile of a Dataset gathers what [`reconcile::reconcile`] needs
 //! — every Node, the node-cache pods of `--namespace` (label
-//! [`NODE_CACHE_SELECTOR`], Running and Ready, with a pod IP and a node)
-//! and each one's `GET /api/v1/datasets` (a short time limit: an agent that
+//! [`NODE_CACHE_SELECTOR`], Running and Ready, with a pod IP and a node,
+//! and passing [`NodeCachePods`]' checks) and each one's
+//! `GET /api/v1/datasets` (a short time limit: an agent that
 //! does not answer is unreachable, which the reconcile handles, not an
 //! error), and the source (a key's record from the metadata server; an
 //! ingest's state) — then carries the plan out: seeds and unseeds through
@@ -179,6 +180,66 @@ impl Namespaces {
     }
 }
 
+/// Which pods are node-cache agents, and where they listen.
+///
+/// The controller calls each agent with its own token (kt admin), so a pod
+/// is one only if the node-cache DaemonSet made it: a controller
+/// ownerReference to that DaemonSet, and its ServiceAccount. The label
+/// alone is no proof: whoever may create or label a pod in the namespace
+/// sets it. The port is the controller's, not the pod's, so a pod cannot
+/// steer the token to another listener of its node. (Who may create pods
+/// naming the DaemonSet as owner and running as its ServiceAccount passes;
+/// that is the namespace's gate to keep, as for kt's other accounts.)
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeCachePods {
+    /// The DaemonSet that owns them (the bundle's `kt-node-cache`).
+    pub daemonset: String,
+    /// The ServiceAccount they run as (the bundle's `kt-node-cache`).
+    pub service_account: String,
+    /// Take each agent's port from its pod (the port named `node-cache` or
+    /// `http`) rather than [`NodeCaches::port`]: for testbeds whose agents
+    /// listen on ports of their own. Off in an install.
+    pub port_from_pod: bool,
+}
+
+impl Default for NodeCachePods {
+    /// The bundle's node-cache component.
+    fn default() -> Self {
+        NodeCachePods {
+            daemonset: "kt-node-cache".to_owned(),
+            service_account: "kt-node-cache".to_owned(),
+            port_from_pod: false,
+        }
+    }
+}
+
+impl NodeCachePods {
+    /// Why `pod` is not one of the DaemonSet's pods; `None`: it is.
+    fn refuse(&self, pod: &Pod) -> Option<String> {
+        let owned = pod.metadata.owner_references.iter().flatten().any(|o| {
+            o.controller == Some(true)
+                && o.kind == "DaemonSet"
+                && o.api_version == "apps/v1"
+                && o.name == self.daemonset
+        });
+        if !owned {
+            return Some(format!("not owned by DaemonSet {}", self.daemonset));
+        }
+        let account = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.service_account_name.as_deref());
+        if account != Some(self.service_account.as_str()) {
+            return Some(format!(
+                "runs as ServiceAccount {:?}, not {}",
+                account.unwrap_or("default"),
+                self.service_account
+            ));
+        }
+        None
+    }
+}
+
 /// The controller's settings.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -193,6 +254,8 @@ pub struct Config {
     /// S3 ingests stage objects below `<staging_dir>/<namespace>/<name>`
     /// (kept between ingests: what makes a refresh move only what changed).
     pub staging_dir: std::path::PathBuf,
+    /// Which labelled pods are node-cache agents.
+    pub node_cache_pods: NodeCachePods,
 }
 
 /// A Dataset, by namespace and name.
@@ -478,13 +541,23 @@ async fn observe(ctx: &Context, ds: &Dataset) -> Result<Observed, Error> {
     })
 }
 
-/// The node-cache pod of each node: its address and port.
-fn node_cache_pods(pods: &[Pod]) -> BTreeMap<String, (IpAddr, Option<u16>)> {
+/// The node-cache pod of each node: its address, and its port when
+/// [`NodeCachePods::port_from_pod`] (else the controller's). Labelled pods
+/// that are not the DaemonSet's are skipped, with a warning: the token is
+/// never sent to them.
+fn node_cache_pods(
+    pods: &[Pod],
+    accept: &NodeCachePods,
+) -> BTreeMap<String, (IpAddr, Option<u16>)> {
     let mut out = BTreeMap::new();
     for p in pods {
         let (Some(spec), Some(status)) = (&p.spec, &p.status) else {
             continue;
         };
+        if let Some(why) = accept.refuse(p) {
+            tracing::warn!(pod = %p.name_any(), reason = %why, "a pod labelled {NODE_CACHE_SELECTOR} is not a node-cache agent: ignored");
+            continue;
+        }
         let running = status.phase.as_deref() == Some("Running");
         let ready = status
             .conditions
@@ -501,12 +574,16 @@ fn node_cache_pods(pods: &[Pod]) -> BTreeMap<String, (IpAddr, Option<u16>)> {
         if !running || !ready || p.metadata.deletion_timestamp.is_some() {
             continue;
         }
-        let port = spec
-            .containers
-            .iter()
-            .flat_map(|c| c.ports.iter().flatten())
-            .find(|port| matches!(port.name.as_deref(), Some("node-cache") | Some("http")))
-            .and_then(|port| u16::try_from(port.container_port).ok());
+        let port = accept
+            .port_from_pod
+            .then(|| {
+                spec.containers
+                    .iter()
+                    .flat_map(|c| c.ports.iter().flatten())
+                    .find(|port| matches!(port.name.as_deref(), Some("node-cache") | Some("http")))
+                    .and_then(|port| u16::try_from(port.container_port).ok())
+            })
+            .flatten();
         out.insert(node.clone(), (ip, port));
     }
     out
@@ -519,7 +596,7 @@ async fn observe_nodes(ctx: &Context) -> Result<Vec<ObservedNode>, Error> {
     let pods = Api::<Pod>::namespaced(ctx.kube.clone(), &ctx.config.namespace)
         .list(&ListParams::default().labels(NODE_CACHE_SELECTOR))
         .await?;
-    let agents = node_cache_pods(&pods.items);
+    let agents = node_cache_pods(&pods.items, &ctx.config.node_cache_pods);
     let reports = futures::future::join_all(nodes.items.iter().map(|n| {
         let name = n.name_any();
         let agent = agents
@@ -1213,7 +1290,7 @@ async fn carry_out(
     let pods = Api::<Pod>::namespaced(ctx.kube.clone(), &ctx.config.namespace)
         .list(&ListParams::default().labels(NODE_CACHE_SELECTOR))
         .await?;
-    let agents = node_cache_pods(&pods.items);
+    let agents = node_cache_pods(&pods.items, &ctx.config.node_cache_pods);
     let agent = |node: &str| agents.get(node).map(|(ip, port)| ctx.caches.at(*ip, *port));
     let nodes: Api<Node> = Api::all(ctx.kube.clone());
     let label = kt_types::dataset::node_label(ns, name);
@@ -1329,6 +1406,92 @@ async fn write_status(ctx: &Context, ds: &Dataset, status: &DatasetStatus) -> Re
 mod tests {
     use super::*;
     use crate::crd::DatasetSpec;
+
+    /// A Running, Ready node-cache pod on `node` at `ip`, its port 9999,
+    /// with `owner` (kind/name, as its controller) and `account`.
+    fn cache_pod(
+        name: &str,
+        node: &str,
+        ip: &str,
+        owner: Option<(&str, &str)>,
+        account: Option<&str>,
+    ) -> Pod {
+        let owners: Vec<serde_json::Value> = owner
+            .map(|(kind, owner)| {
+                serde_json::json!({
+                    "apiVersion": "apps/v1", "kind": kind, "name": owner,
+                    "uid": "u-ds", "controller": true,
+                })
+            })
+            .into_iter()
+            .collect();
+        serde_json::from_value(serde_json::json!({
+            "metadata": {
+                "name": name, "namespace": "kt",
+                "labels": { "app.kubernetes.io/component": "node-cache" },
+                "ownerReferences": owners,
+            },
+            "spec": {
+                "nodeName": node,
+                "serviceAccountName": account,
+                "containers": [{
+                    "name": "agent",
+                    "ports": [{ "name": "http", "containerPort": 9999 }],
+                }],
+            },
+            "status": {
+                "phase": "Running", "podIP": ip,
+                "conditions": [{ "type": "Ready", "status": "True" }],
+            },
+        }))
+        .unwrap()
+    }
+
+    /// The controller's token goes only to the DaemonSet's pods, at the
+    /// controller's port: a pod that merely carries the label, or names
+    /// the DaemonSet but runs as another account, is no agent.
+    #[test]
+    fn only_the_daemonsets_pods_are_node_cache_agents() {
+        let ds = Some(("DaemonSet", "kt-node-cache"));
+        let sa = Some("kt-node-cache");
+        let pods = [
+            cache_pod("kt-node-cache-a", "n1", "10.0.0.1", ds, sa),
+            // Listed after the real one: the last pod of a node won.
+            cache_pod("zz-evil", "n1", "10.0.0.66", None, sa),
+            cache_pod("zz-evil-2", "n2", "10.0.0.67", ds, Some("default")),
+            cache_pod("zz-evil-3", "n3", "10.0.0.68", ds, None),
+            cache_pod(
+                "zz-evil-4",
+                "n4",
+                "10.0.0.69",
+                Some(("DaemonSet", "copy")),
+                sa,
+            ),
+            cache_pod(
+                "zz-evil-5",
+                "n5",
+                "10.0.0.70",
+                Some(("ReplicaSet", "kt-node-cache")),
+                sa,
+            ),
+        ];
+        let accept = NodeCachePods::default();
+        let agents = node_cache_pods(&pods, &accept);
+        assert_eq!(
+            agents,
+            BTreeMap::from([("n1".to_owned(), ("10.0.0.1".parse().unwrap(), None))]),
+            "only the DaemonSet's pod, on the controller's port"
+        );
+        // A testbed's agents on ports of their own.
+        let testbed = NodeCachePods {
+            port_from_pod: true,
+            ..NodeCachePods::default()
+        };
+        assert_eq!(
+            node_cache_pods(&pods, &testbed).get("n1"),
+            Some(&("10.0.0.1".parse().unwrap(), Some(9999)))
+        );
+    }
 
     #[test]
     fn a_pvc_job_runs_kt_put_with_the_claim_read_only() {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use kt_dataset::controller::{self, Config, Context, Namespaces, PvcIngest};
+use kt_dataset::controller::{self, Config, Context, Namespaces, NodeCachePods, PvcIngest};
 use kt_dataset::nodes::NodeCaches;
 use kt_dataset::reconcile::Settings;
 use kt_types::env;
@@ -51,11 +51,25 @@ struct RunArgs {
     /// the controller a Role there).
     #[arg(long, env = env::DATASET_NAMESPACES, value_parser = Namespaces::parse)]
     dataset_namespaces: Option<Namespaces>,
-    /// Port of the node-cache agents (a pod's port named `node-cache` or
-    /// `http` wins).
+    /// Port of the node-cache agents (the controller's, not one a pod
+    /// names: see --node-cache-port-from-pod).
     #[arg(long, env = env::NODE_CACHE_PORT, default_value_t = 8090,
           value_parser = |s: &str| env::port(env::NODE_CACHE_PORT, s))]
     node_cache_port: u16,
+    /// The DaemonSet whose pods (a controller ownerReference) are the
+    /// node-cache agents: the controller sends them its token, so a pod
+    /// that merely carries the node-cache label is ignored.
+    #[arg(long, default_value = "kt-node-cache")]
+    node_cache_daemonset: String,
+    /// The ServiceAccount node-cache pods must run as.
+    #[arg(long, default_value = "kt-node-cache")]
+    node_cache_service_account: String,
+    /// Take each agent's port from its pod (the port named `node-cache` or
+    /// `http`) instead of --node-cache-port: for a testbed whose agents
+    /// listen on ports of their own. Trusts the pod's spec; not for an
+    /// install.
+    #[arg(long)]
+    node_cache_port_from_pod: bool,
     /// http or https (trusting the CAs of KT_CA_FILE).
     #[arg(long, env = env::NODE_CACHE_SCHEME, default_value = "http", value_parser = ["http", "https"])]
     node_cache_scheme: String,
@@ -170,6 +184,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         settings,
         pvc,
         staging_dir: args.staging_dir.clone(),
+        node_cache_pods: NodeCachePods {
+            daemonset: args.node_cache_daemonset.clone(),
+            service_account: args.node_cache_service_account.clone(),
+            port_from_pod: args.node_cache_port_from_pod,
+        },
     };
     let ctx = Context::new(kube, kt, caches, config);
     // Who may read /metrics: as on the store and agents.
@@ -213,6 +232,9 @@ mod tests {
             .unwrap();
         assert!(a.command.is_none());
         assert_eq!(a.run.node_cache_port, 9000);
+        assert_eq!(a.run.node_cache_daemonset, "kt-node-cache");
+        assert_eq!(a.run.node_cache_service_account, "kt-node-cache");
+        assert!(!a.run.node_cache_port_from_pod);
         assert!(a.run.dataset_namespaces.is_none());
         assert!(a.run.ingest_service_account.is_none());
         assert_eq!(a.run.ingest_token_secret, "kt-token");

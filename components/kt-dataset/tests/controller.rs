@@ -12,7 +12,9 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event as KubeEvent;
 use kt_client::progress::Progress;
-use kt_dataset::controller::{self, Config, Context, FINALIZER, Namespaces, PvcIngest};
+use kt_dataset::controller::{
+    self, Config, Context, FINALIZER, Namespaces, NodeCachePods, PvcIngest,
+};
 use kt_dataset::crd::{Dataset, NodeState, Phase};
 use kt_dataset::nodes::NodeCaches;
 use kt_dataset::reconcile::Settings;
@@ -104,6 +106,11 @@ async fn start_with(nodes: usize, pvc: Option<PvcIngest>) -> Bed {
             },
             pvc,
             staging_dir: cluster.dir.path().join("staging"),
+            // The agents share 127.0.0.1, each on a port of its own.
+            node_cache_pods: NodeCachePods {
+                port_from_pod: true,
+                ..NodeCachePods::default()
+            },
         },
     );
     let stop = CancellationToken::new();
@@ -126,9 +133,14 @@ fn pod(node: &str, port: u16) -> Pod {
             "name": format!("node-cache-{node}"),
             "namespace": CACHE_NS,
             "labels": { "app.kubernetes.io/component": "node-cache" },
+            "ownerReferences": [{
+                "apiVersion": "apps/v1", "kind": "DaemonSet", "name": "kt-node-cache",
+                "uid": "u-node-cache", "controller": true,
+            }],
         },
         "spec": {
             "nodeName": node,
+            "serviceAccountName": "kt-node-cache",
             "containers": [{
                 "name": "agent", "image": "kt-agent",
                 "ports": [{ "name": "node-cache", "containerPort": port }],

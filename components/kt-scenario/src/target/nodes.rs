@@ -117,9 +117,15 @@ fn pod_object(node: &str, info: &NodeInfo, ready: bool) -> Value {
         "metadata": {
             "name": pod_name(node), "namespace": SYSTEM_NAMESPACE,
             "labels": {NODE_CACHE_COMPONENT.0: NODE_CACHE_COMPONENT.1},
+            // As the DaemonSet's controller makes it: the Dataset
+            // controller talks to no other pod.
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
+                                 "name": "kt-node-cache", "uid": "kt-node-cache",
+                                 "controller": true}],
         },
         "spec": {
             "nodeName": node,
+            "serviceAccountName": "kt-node-cache",
             "containers": [{"name": "node-cache", "image": "kt",
                             "ports": [{"name": "node-cache", "containerPort": info.port}]}],
         },
@@ -236,6 +242,8 @@ impl NodeCluster {
             "*".into(),
             "--node-cache-timeout".into(),
             "2s".into(),
+            // Each agent listens on a free port of its own, which its Pod names.
+            "--node-cache-port-from-pod".into(),
             "--staging-dir".into(),
             staging.display().to_string(),
         ];
@@ -447,6 +455,10 @@ mod tests {
             "node-cache"
         );
         assert_eq!(p["spec"]["nodeName"], "node-2");
+        // The controller takes only the node-cache DaemonSet's pods.
+        assert_eq!(p["metadata"]["ownerReferences"][0]["kind"], "DaemonSet");
+        assert_eq!(p["metadata"]["ownerReferences"][0]["name"], "kt-node-cache");
+        assert_eq!(p["spec"]["serviceAccountName"], "kt-node-cache");
         assert_eq!(
             p["spec"]["containers"][0]["ports"][0]["containerPort"],
             4242
