@@ -393,6 +393,55 @@ async fn a_download_failing_mid_ingest_publishes_nothing() {
     cluster.stop().await;
 }
 
+/// An object replaced by a larger one between the listing and its GET is
+/// refused on the GET's size, before its body reaches the staging volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_grown_since_the_listing_is_refused_unread() {
+    let Some(moto) = moto(false).await else {
+        return;
+    };
+    let moto = Arc::new(moto);
+    let cluster = Cluster::start().await;
+    let client = cluster.client();
+    let want = objects(2);
+    fill(&moto, "data", &want).await;
+    let key = Key::parse("datasets/ns/grown").expect("key");
+    let staging = cluster.dir.path().join("staging");
+    let grown = format!("data/{}", want[0].0);
+    let m = moto.clone();
+    let progress: kt_dataset::ingest::OnProgress = Arc::new(move |e: &IngestEvent| {
+        if let IngestEvent::Planned { .. } = e {
+            let (m, g) = (m.clone(), grown.clone());
+            // Synchronous callback: the put is done before the downloads.
+            std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime")
+                    .block_on(m.put_object(BUCKET, &g, vec![1; 1 << 20]))
+            })
+            .join()
+            .expect("put thread")
+            .expect("put");
+        }
+    });
+    let err = ingest(
+        &client,
+        &key,
+        &config(&moto, "data"),
+        &staging,
+        Some(progress),
+    )
+    .await
+    .expect_err("a grown object must fail the ingest");
+    let msg = err.to_string();
+    assert!(matches!(err, IngestError::Object { .. }), "{err:?}");
+    assert!(msg.contains(&want[0].0), "{msg}");
+    assert!(msg.contains("changed since the listing"), "{msg}");
+    assert!(client.stat(&key).await.is_err(), "nothing published");
+    cluster.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unsafe_object_name_fails_naming_the_object() {
     let Some(moto) = moto(false).await else {

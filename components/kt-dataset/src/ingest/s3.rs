@@ -24,6 +24,12 @@
 //! - memory is bounded whatever the objects' sizes: each object's body is
 //!   streamed (never buffered whole) through a bounded channel to a
 //!   blocking writer with a fixed buffer, at most `concurrency` at a time;
+//!   and whatever the bucket's size: a listing of more objects than one key
+//!   can hold ([`max_objects`]) stops there and fails;
+//! - the staging volume holds at most what was listed: a GET whose object
+//!   is not the listed size now is refused before its body is read, and a
+//!   body that runs past the listed size is cut off as soon as it does (a
+//!   hostile endpoint, or an object replaced since the listing);
 //! - a file enters `tree/` only verified (its size, and its MD5 when the
 //!   ETag is a plain MD5) and by a rename, so `tree/` never holds a partial
 //!   object under a final name;
@@ -59,9 +65,9 @@ use kt_client::{Client, Progress};
 use kt_types::api::PutOptions;
 use kt_types::{Hash, Key, Lifespan};
 use md5::Digest;
+use object_store::ObjectStore;
 use object_store::aws::{AmazonS3, AmazonS3Builder};
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectMeta, ObjectStore};
 
 use super::plan::{self, Listed, PlanError, Record, Recorded, Staged};
 use crate::crd::{IngestStatus, S3Source};
@@ -198,6 +204,9 @@ pub enum IngestError {
         #[source]
         error: io::Error,
     },
+    /// The listing has more objects than one key can hold.
+    #[error("listing {source_url}: more than {limit} objects (the most one key holds)")]
+    TooManyObjects { source_url: String, limit: usize },
     #[error("putting {source_url} into {key}: {error}")]
     Put {
         source_url: String,
@@ -321,7 +330,7 @@ pub async fn ingest(
     // Leftover parts of an interrupted ingest are discarded.
     clear_dir(&st.parts)?;
     let listed_at = now_rfc3339();
-    let listing = list(&store, cfg).await?;
+    let listing = list(&store, cfg, max_objects()).await?;
     let mut record = st.load_record(&source_url);
     let tree = st.tree.clone();
     let plan = plan::plan(listing, &record, |name, r| {
@@ -487,7 +496,7 @@ pub struct DownloadReport {
 /// hashing, record or put: the baseline an ingest is measured against.
 pub async fn download(cfg: &S3Config, dest: &Path) -> Result<DownloadReport, IngestError> {
     let store = Arc::new(cfg.store()?);
-    let listing = list(&store, cfg).await?;
+    let listing = list(&store, cfg, max_objects()).await?;
     let plan = plan::plan(listing, &Record::default(), |_, _| false)?;
     let parts = dest.join(".parts");
     fs::create_dir_all(&parts).map_err(io_at(&parts))?;
@@ -507,31 +516,43 @@ pub async fn download(cfg: &S3Config, dest: &Path) -> Result<DownloadReport, Ing
     })
 }
 
-async fn list(store: &AmazonS3, cfg: &S3Config) -> Result<Vec<Listed>, IngestError> {
+/// The most objects an ingest lists: a key's manifest holds at most
+/// [`kt_types::manifest::ManifestLimits::max_entries`] entries, so a larger
+/// listing could never be put (and holding all of it would cost the
+/// controller's memory for nothing).
+pub fn max_objects() -> usize {
+    kt_types::manifest::ManifestLimits::default().max_entries
+}
+
+/// The objects below the prefix; more than `limit` is an error
+/// ([`IngestError::TooManyObjects`]), found without listing further.
+async fn list(store: &AmazonS3, cfg: &S3Config, limit: usize) -> Result<Vec<Listed>, IngestError> {
     let prefix = cfg.prefix_path()?;
-    let metas: Vec<ObjectMeta> =
-        store
-            .list(prefix.as_ref())
-            .try_collect()
-            .await
-            .map_err(|error| match error {
-                object_store::Error::InvalidPath { source } => {
-                    let name = match &source {
-                        object_store::path::Error::EmptySegment { path }
-                        | object_store::path::Error::BadSegment { path, .. } => path.clone(),
-                        _ => String::new(),
-                    };
-                    IngestError::BadName {
-                        name,
-                        reason: source.to_string(),
-                    }
+    let listing = store.list(prefix.as_ref());
+    let metas = at_most(listing, limit)
+        .await
+        .map_err(|error| match error {
+            object_store::Error::InvalidPath { source } => {
+                let name = match &source {
+                    object_store::path::Error::EmptySegment { path }
+                    | object_store::path::Error::BadSegment { path, .. } => path.clone(),
+                    _ => String::new(),
+                };
+                IngestError::BadName {
+                    name,
+                    reason: source.to_string(),
                 }
-                error => IngestError::List {
-                    source_url: cfg.describe(),
-                    reason: s3_reason(&error),
-                    error,
-                },
-            })?;
+            }
+            error => IngestError::List {
+                source_url: cfg.describe(),
+                reason: s3_reason(&error),
+                error,
+            },
+        })?
+        .ok_or_else(|| IngestError::TooManyObjects {
+            source_url: cfg.describe(),
+            limit,
+        })?;
     let strip = prefix.map(|p| format!("{p}/")).unwrap_or_default();
     Ok(metas
         .into_iter()
@@ -550,6 +571,60 @@ async fn list(store: &AmazonS3, cfg: &S3Config) -> Result<Vec<Listed>, IngestErr
             }
         })
         .collect())
+}
+
+/// The items of `stream` if there are at most `max`; `None` once it
+/// yields one more (read no further).
+async fn at_most<T, E>(
+    stream: impl futures::Stream<Item = Result<T, E>>,
+    max: usize,
+) -> Result<Option<Vec<T>>, E> {
+    let mut stream = std::pin::pin!(stream);
+    let mut out = Vec::new();
+    while let Some(item) = stream.next().await {
+        if out.len() == max {
+            return Ok(None);
+        }
+        out.push(item?);
+    }
+    Ok(Some(out))
+}
+
+/// How a body's streaming to its writer ended.
+#[derive(Debug)]
+enum Pumped<E> {
+    /// The body ended (or the writer stopped: it says why).
+    Done,
+    /// The body ran past `limit` bytes; nothing more was read.
+    TooLong,
+    Failed(E),
+}
+
+/// Sends `body`'s chunks to `tx` until it ends, the writer stops, or the
+/// bytes exceed `limit` (a body longer than its object was listed: its
+/// excess is neither read on nor written).
+async fn pump<E>(
+    body: impl futures::Stream<Item = Result<Bytes, E>>,
+    tx: &tokio::sync::mpsc::Sender<Bytes>,
+    limit: u64,
+) -> Pumped<E> {
+    let mut body = std::pin::pin!(body);
+    let mut n = 0u64;
+    while let Some(chunk) = body.next().await {
+        let c = match chunk {
+            Ok(c) => c,
+            Err(e) => return Pumped::Failed(e),
+        };
+        n += c.len() as u64;
+        if n > limit {
+            return Pumped::TooLong;
+        }
+        // A writer that stopped says why (the caller awaits it).
+        if tx.send(c).await.is_err() {
+            break;
+        }
+    }
+    Pumped::Done
 }
 
 /// Downloads one object to `part`, verifies it, renames it to `dest`.
@@ -573,34 +648,36 @@ async fn fetch_object<'a>(
         .get(&location)
         .await
         .map_err(|e| object_err(format!("GET: {}", s3_reason(&e))))?;
-    let mut body = got.into_stream();
+    if got.meta.size != l.size {
+        return Err(object_err(format!(
+            "the GET says {} bytes, {} listed (changed since the listing)",
+            got.meta.size, l.size
+        )));
+    }
+    let body = got.into_stream();
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(QUEUED_CHUNKS);
     let part_owned = part.to_owned();
     let stamp = hash.then_some(l.mtime);
     let writer = kt_sync::task::spawn(move || write_part(&part_owned, rx, stamp));
-    let mut stream_err = None;
-    while let Some(chunk) = body.next().await {
-        match chunk {
-            // A writer that stopped says why below.
-            Ok(c) => {
-                if tx.send(c).await.is_err() {
-                    break;
-                }
-            }
-            Err(e) => {
-                stream_err = Some(e);
-                break;
-            }
-        }
-    }
+    let pumped = pump(body, &tx, l.size).await;
     drop(tx);
     let written = writer
         .await
         .map_err(|e| object_err(format!("writer: {}", e.0)))?
         .map_err(io_at(part));
-    if let Some(e) = stream_err {
-        let _ = fs::remove_file(part);
-        return Err(object_err(format!("reading the body: {e}")));
+    match pumped {
+        Pumped::Done => {}
+        Pumped::TooLong => {
+            let _ = fs::remove_file(part);
+            return Err(object_err(format!(
+                "the body runs past the {} bytes listed",
+                l.size
+            )));
+        }
+        Pumped::Failed(e) => {
+            let _ = fs::remove_file(part);
+            return Err(object_err(format!("reading the body: {e}")));
+        }
     }
     let (n, md5, b3) = written?;
     let bad = |m: String| {
@@ -854,4 +931,104 @@ fn s3_reason(e: &object_store::Error) -> String {
 
 fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A body of `chunks` chunks of 10 bytes, counting those read.
+    fn body(
+        chunks: usize,
+        read: Arc<AtomicUsize>,
+    ) -> impl futures::Stream<Item = Result<Bytes, io::Error>> {
+        futures::stream::iter(0..chunks).map(move |_| {
+            read.fetch_add(1, Ordering::SeqCst);
+            Ok(Bytes::from_static(&[7; 10]))
+        })
+    }
+
+    /// A body longer than listed is cut off at the chunk that runs past
+    /// the listing: the rest is neither read nor handed to the writer.
+    #[tokio::test]
+    async fn a_body_past_its_listed_size_stops_being_read() {
+        let read = Arc::new(AtomicUsize::new(0));
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1000);
+        let pumped = pump(body(1000, read.clone()), &tx, 25).await;
+        assert!(matches!(pumped, Pumped::TooLong), "{pumped:?}");
+        assert_eq!(read.load(Ordering::SeqCst), 3, "read on past the limit");
+        drop(tx);
+        let mut written = 0;
+        while let Some(c) = rx.recv().await {
+            written += c.len();
+        }
+        assert_eq!(written, 20, "only what fits the listed size is written");
+
+        // The listed size exactly: all of it.
+        let read = Arc::new(AtomicUsize::new(0));
+        let (tx, _rx) = tokio::sync::mpsc::channel(1000);
+        let pumped = pump(body(3, read.clone()), &tx, 30).await;
+        assert!(matches!(pumped, Pumped::Done), "{pumped:?}");
+        assert_eq!(read.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_listing_stops_one_past_the_limit() {
+        let read = Arc::new(AtomicUsize::new(0));
+        let r = read.clone();
+        let endless = futures::stream::iter(0..).map(move |i| {
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, ()>(i)
+        });
+        assert_eq!(at_most(endless, 4).await, Ok(None));
+        assert_eq!(read.load(Ordering::SeqCst), 5);
+        let three = futures::stream::iter([Ok::<_, ()>(1), Ok(2), Ok(3)]);
+        assert_eq!(at_most(three, 3).await, Ok(Some(vec![1, 2, 3])));
+        assert_eq!(max_objects(), 5_000_000, "ManifestLimits' default");
+    }
+
+    /// Against moto (skipped when it is not installed, as in
+    /// tests/ingest_s3.rs): a listing over the limit fails, naming it.
+    #[tokio::test]
+    async fn listing_more_objects_than_the_limit_fails() {
+        let moto = match super::super::moto::Moto::start().await {
+            Ok(m) => m,
+            Err(e) if matches!(std::env::var("CI").as_deref(), Ok("true" | "1")) => {
+                panic!("CI=true and the S3 test server cannot start: {e}")
+            }
+            Err(e) => {
+                eprintln!("skipping: the S3 test server cannot start: {e}");
+                return;
+            }
+        };
+        moto.create_bucket("listing").await.expect("bucket");
+        for name in ["d/a", "d/b", "d/c"] {
+            moto.put_object("listing", name, b"x".to_vec())
+                .await
+                .expect("put");
+        }
+        let cfg = S3Config {
+            bucket: "listing".into(),
+            prefix: "d".into(),
+            endpoint: Some(moto.endpoint().to_owned()),
+            region: None,
+            credentials: Some(S3Credentials {
+                access_key_id: "test".into(),
+                secret_access_key: "test".into(),
+                session_token: None,
+            }),
+            concurrency: 1,
+            record_every: Duration::ZERO,
+        };
+        let store = cfg.store().expect("store");
+        assert_eq!(list(&store, &cfg, 3).await.expect("3 objects").len(), 3);
+        let err = list(&store, &cfg, 2).await.expect_err("over the limit");
+        assert!(
+            matches!(err, IngestError::TooManyObjects { limit: 2, .. }),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("more than 2 objects"), "{err}");
+    }
 }
