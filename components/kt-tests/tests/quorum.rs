@@ -677,3 +677,31 @@ async fn a_restart_fails_open_rounds() {
     );
     m.stop().await;
 }
+
+/// A join body over the limit is refused from its length alone, before a
+/// byte of it is read (so it holds none of the server's body budget).
+#[tokio::test]
+async fn an_oversize_join_is_refused_before_it_is_read() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let m = Meta::start(dir.path(), "127.0.0.1:0").await;
+    let mut s = tokio::net::TcpStream::connect(m.addr).await.unwrap();
+    let head = format!(
+        "POST /api/v1/quorums/g/join HTTP/1.1\r\nhost: {}\r\nauthorization: Bearer {TOKEN}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        m.addr,
+        kt_metadata::quorum::MAX_JOIN_BODY + 1
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    // No body follows: only a refusal from the length answers.
+    let mut answer = Vec::new();
+    tokio::time::timeout(WAIT, s.read_to_end(&mut answer))
+        .await
+        .expect("an answer before any body")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("payload_too_large"), "{answer}");
+    refused(m.info("g").await, 404, ErrorCode::NotFound, "g");
+    m.stop().await;
+}

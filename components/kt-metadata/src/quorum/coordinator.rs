@@ -26,6 +26,103 @@ pub const MAX_BLOB_LEN: usize = 64 << 10;
 const GC_EVERY: Duration = Duration::from_secs(1);
 const MAX_ERROR_LEN: usize = 4096;
 
+/// What the open joins may hold, so that no caller can exhaust the
+/// server's memory or request slots with them: each open join is a long
+/// poll (up to [`MAX_TIMEOUT_SECS`](super::MAX_TIMEOUT_SECS)) holding one
+/// of the server's in-flight request slots and its decoded body. A join
+/// past a limit is refused at once, 503 `unavailable`, naming the limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JoinLimits {
+    /// Most open joins of one agent (over every group; its processes
+    /// each hold one per group they join).
+    pub per_agent: usize,
+    /// Most open joins in all: the server's other calls (heartbeats, key
+    /// lookups, registrations) keep the rest of its request slots.
+    pub joins: usize,
+    /// Most bytes of joins (their bodies as received; decoded, about one
+    /// to two times that) held by the open rounds together.
+    pub bytes: usize,
+}
+
+impl JoinLimits {
+    /// Default of [`JoinLimits::per_agent`]: a pod's processes in many
+    /// groups at once, well under the server's slots.
+    pub const PER_AGENT: usize = 64;
+    /// Default of [`JoinLimits::bytes`]: with the body budget and the
+    /// joins being decoded, within the metadata server's 512 MiB.
+    pub const BYTES: usize = 128 << 20;
+
+    /// The limits of a server serving `max_in_flight` requests at once:
+    /// joins take at most three quarters of them.
+    pub fn for_server(max_in_flight: usize) -> JoinLimits {
+        JoinLimits {
+            per_agent: Self::PER_AGENT,
+            joins: max_in_flight - max_in_flight / 4,
+            bytes: Self::BYTES,
+        }
+    }
+}
+
+impl Default for JoinLimits {
+    fn default() -> Self {
+        Self::for_server(kt_service::cli::DEFAULT_MAX_CONNECTIONS)
+    }
+}
+
+/// What the open rounds' members hold, against [`JoinLimits`].
+#[derive(Debug, Default)]
+struct Held {
+    joins: usize,
+    bytes: usize,
+    by_agent: HashMap<String, usize>,
+}
+
+impl Held {
+    /// Counts `m`'s join, if `limits` leave room for it.
+    fn hold(&mut self, limits: &JoinLimits, m: &Member) -> Result<(), QuorumError> {
+        let (agent, bytes) = (&m.join.agent, m.access.bytes);
+        let of_agent = self.by_agent.get(agent).copied().unwrap_or_default();
+        let refuse = |why: String| Err(QuorumError::Unavailable(why));
+        if of_agent >= limits.per_agent {
+            return refuse(format!(
+                "agent {agent} already has {of_agent} open quorum joins, the most one agent may \
+                 hold; join again once some are answered"
+            ));
+        }
+        if self.joins >= limits.joins {
+            return refuse(format!(
+                "{} quorum joins are open, the most this server holds at once (its other \
+                 request slots are kept for other calls); try again later",
+                self.joins
+            ));
+        }
+        if self.bytes + bytes > limits.bytes {
+            return refuse(format!(
+                "the open quorum rounds hold {} bytes of joins; this join's {bytes} would pass \
+                 the {} this server holds at once; try again later",
+                self.bytes, limits.bytes
+            ));
+        }
+        self.joins += 1;
+        self.bytes += bytes;
+        *self.by_agent.entry(agent.clone()).or_default() += 1;
+        Ok(())
+    }
+
+    /// Forgets `m`'s join (it left, or its round closed). Saturating: it
+    /// runs in a drop ([`Leave`]), where a panic would abort.
+    fn release(&mut self, m: &Member) {
+        self.joins = self.joins.saturating_sub(1);
+        self.bytes = self.bytes.saturating_sub(m.access.bytes);
+        if let Some(n) = self.by_agent.get_mut(&m.join.agent) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.by_agent.remove(&m.join.agent);
+            }
+        }
+    }
+}
+
 /// An open round, and where its close is sent to its members.
 #[derive(Debug)]
 struct Open {
@@ -97,6 +194,8 @@ struct Quorum {
     open: HashMap<String, Open>,
     /// By (group, transfer id).
     transfers: HashMap<(String, String), Transfer>,
+    /// What the open rounds' members hold.
+    held: Held,
     next_seq: u64,
     last_gc: Instant,
 }
@@ -117,13 +216,17 @@ impl Quorum {
     }
 
     /// Takes `group`'s open round out if it is still round `id`: it is
-    /// closing, and joins from now on open a new one.
+    /// closing, and joins from now on open a new one. Its members' joins
+    /// no longer count against the limits: they are answered now.
     fn take_round(&mut self, group: &str, id: u64) -> Option<Open> {
-        if self.open.get(group).is_some_and(|o| o.round.id == id) {
-            self.open.remove(group)
-        } else {
-            None
+        if self.open.get(group).is_none_or(|o| o.round.id != id) {
+            return None;
         }
+        let open = self.open.remove(group)?;
+        for m in &open.round.members {
+            self.held.release(m);
+        }
+        Some(open)
     }
 
     fn transfer(&mut self, group: &str, id: &str) -> Result<&mut Transfer, QuorumError> {
@@ -154,6 +257,7 @@ pub struct Quorums {
     membership: watch::Sender<u64>,
     shutdown: CancellationToken,
     metrics: Option<Arc<Metrics>>,
+    limits: JoinLimits,
 }
 
 impl Quorums {
@@ -163,13 +267,21 @@ impl Quorums {
             state: Mutex::new(Quorum {
                 open: HashMap::new(),
                 transfers: HashMap::new(),
+                held: Held::default(),
                 next_seq: 0,
                 last_gc: Instant::now(),
             }),
             membership: watch::channel(0).0,
             shutdown,
             metrics: None,
+            limits: JoinLimits::default(),
         }
+    }
+
+    /// What open joins may hold (default: [`JoinLimits::default`]).
+    pub fn with_limits(mut self, limits: JoinLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
     /// Records the duration of completed transfers (close to last report)
@@ -220,7 +332,8 @@ impl Quorums {
 
     /// Joins `group`'s open round (opening one if none is); answered when
     /// the round closes. Dropping the future before leaves the round.
-    /// `access`: what the member may put and receive (see [`Access`]).
+    /// `access`: what the member may put and receive, and what it holds
+    /// (see [`Access`]), within the coordinator's [`JoinLimits`].
     pub async fn join(
         &self,
         group: &str,
@@ -241,20 +354,22 @@ impl Quorums {
                 }
                 None => {}
             }
-            st.next_seq += 1;
-            let seq = st.next_seq;
-            let o = st.open.entry(group.to_owned()).or_insert_with(|| Open {
-                round: Round::open(seq, &join, now.into_std()),
-                closed: watch::channel(None).0,
-            });
-            let r = &mut o.round;
-            tracing::debug!(group, agent = %join.agent, members = r.members.len() + 1, "quorum join");
-            r.members.push(Member {
+            let seq = st.next_seq + 1;
+            let member = Member {
                 seq,
                 ip,
                 join,
                 access,
+            };
+            st.held.hold(&self.limits, &member)?;
+            st.next_seq = seq;
+            let o = st.open.entry(group.to_owned()).or_insert_with(|| Open {
+                round: Round::open(seq, &member.join, now.into_std()),
+                closed: watch::channel(None).0,
             });
+            let r = &mut o.round;
+            tracing::debug!(group, agent = %member.join.agent, members = r.members.len() + 1, "quorum join");
+            r.members.push(member);
             let (round, deadline, by) = (r.id, Instant::from_std(r.deadline), r.closes_now());
             let closed = o.closed.subscribe();
             let closing = by.and_then(|by| Some((st.take_round(group, round)?, by)));
@@ -304,17 +419,18 @@ impl Quorums {
         else {
             return;
         };
-        let before = r.members.len();
-        r.members.retain(|m| m.seq != seq);
-        if r.members.len() == before {
+        let Some(at) = r.members.iter().position(|m| m.seq == seq) else {
             return;
-        }
+        };
+        let gone = r.members.remove(at);
         tracing::info!(
             group,
             members = r.members.len(),
             "a quorum member went away before the close"
         );
-        if r.members.is_empty() {
+        let empty = r.members.is_empty();
+        st.held.release(&gone);
+        if empty {
             st.open.remove(group);
         }
         drop(st);
@@ -842,6 +958,72 @@ mod tests {
             q.status("f", &id, Duration::ZERO).await.unwrap_err().code(),
             ErrorCode::NotFound
         );
+    }
+
+    /// An agent past its open joins is refused while others still join;
+    /// so is any join past the server's open joins or held bytes; a join
+    /// answered or gone no longer counts.
+    #[tokio::test]
+    async fn joins_past_the_limits_are_refused_and_others_still_join() {
+        let limits = JoinLimits {
+            per_agent: 2,
+            joins: 4,
+            bytes: 100,
+        };
+        let q = Arc::new(Quorums::new(CancellationToken::new()).with_limits(limits));
+        let w = window(Some(2), 60.0);
+        let get = |agent| getter(agent, vec![key("k", 4)], &w);
+        let sized = |bytes| Access {
+            bytes,
+            ..Access::default()
+        };
+        let g1 = spawn(&q, "g1", get("a1"));
+        let _g2 = spawn(&q, "g2", get("a1"));
+        members(&q, "g1", 1).await;
+        members(&q, "g2", 1).await;
+        let e = q
+            .join("g3", get("a1"), Access::default())
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unavailable, "{e}");
+        assert!(
+            e.to_string()
+                .contains("agent a1 already has 2 open quorum joins"),
+            "{e}"
+        );
+        // Another agent joins, and closes g1: a1's join there is answered,
+        // so a1 may join once more.
+        let putter_a2 = putter("a2", vec![key("k", 4)], &w);
+        q.join("g1", putter_a2, Access::default()).await.unwrap();
+        answer(g1).await.unwrap();
+        let _g3 = spawn(&q, "g3", get("a1"));
+        members(&q, "g3", 1).await;
+        // The bytes the open joins hold.
+        let g4 = {
+            let (q, j) = (q.clone(), get("a3"));
+            tokio::spawn(async move { q.join("g4", j, sized(60)).await })
+        };
+        members(&q, "g4", 1).await;
+        let e = q.join("g5", get("a4"), sized(60)).await.unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unavailable, "{e}");
+        assert!(e.to_string().contains("hold 60 bytes of joins"), "{e}");
+        // The server's open joins: four.
+        let _g5 = spawn(&q, "g5", get("a4"));
+        members(&q, "g5", 1).await;
+        let e = q
+            .join("g6", get("a5"), Access::default())
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Unavailable, "{e}");
+        assert!(e.to_string().contains("4 quorum joins are open"), "{e}");
+        // A member that goes away frees its share.
+        g4.abort();
+        members(&q, "g4", 0).await;
+        let _g6 = spawn(&q, "g6", get("a5"));
+        members(&q, "g6", 1).await;
+        let st = q.lock();
+        let held = &st.held;
+        assert_eq!((held.joins, held.bytes, held.by_agent["a1"]), (4, 0, 2));
     }
 
     #[tokio::test]

@@ -31,7 +31,16 @@
 //!   round's (400); a member already in the round (409 `conflict`: one rank
 //!   per process); a putter of a key another member of the round puts with
 //!   another layout (400, naming both); a new round beyond [`MAX_OPEN`] open
-//!   rounds plus kept transfers (503 `unavailable`).
+//!   rounds plus kept transfers (503 `unavailable`); a join past a
+//!   [`JoinLimits`] (503 `unavailable`, naming it): its agent's open joins
+//!   ([`JoinLimits::PER_AGENT`]), the server's (three quarters of its
+//!   in-flight request slots: each open join is a long poll holding one, so
+//!   the other calls keep the rest), or the bytes all open joins hold
+//!   ([`JoinLimits::BYTES`]).
+//! - A join body is at most [`MAX_JOIN_BODY`] (413 `payload_too_large`,
+//!   refused before it is read), and is read against the metadata server's
+//!   body budget (`kt_service::BodyBudget`), so bodies being read hold a
+//!   bounded amount of memory however many come at once.
 //! - A member whose request goes away before the close (the client
 //!   disconnected: axum drops the handler's future) leaves the round; a round
 //!   whose members all left is forgotten.
@@ -128,6 +137,8 @@ mod fixtures;
 mod round;
 mod routes;
 
-pub use coordinator::{KEEP_CLOSED, KEEP_COMPLETE, MAX_BLOB_LEN, MAX_OPEN, QuorumCounts, Quorums};
+pub use coordinator::{
+    JoinLimits, KEEP_CLOSED, KEEP_COMPLETE, MAX_BLOB_LEN, MAX_OPEN, QuorumCounts, Quorums,
+};
 pub use round::{Access, ClosedBy, MAX_TIMEOUT_SECS, QuorumError};
 pub use routes::{DEFAULT_WAIT_MS, MAX_JOIN_BODY, MAX_WAIT_MS, routes};

@@ -109,8 +109,9 @@ pub(super) struct Member {
     pub(super) access: Access,
 }
 
-/// Who may receive what in a round, as the join route found it (the plan
-/// is made only of members allowed to take part).
+/// Who may receive what in a round, and how much its join holds, as the
+/// join route found it (the plan is made only of members allowed to take
+/// part).
 #[derive(Debug, Clone, Default)]
 pub struct Access {
     /// A putter's keys, each with the service owning it (`None`: not
@@ -119,6 +120,11 @@ pub struct Access {
     /// A getter whose token reads only some services; `None`: it reads
     /// every one.
     pub reader: Option<Principal>,
+    /// The join's size as it came (its body's bytes): what the member's
+    /// round holds for it until it closes ([`JoinLimits::bytes`]).
+    ///
+    /// [`JoinLimits::bytes`]: super::JoinLimits::bytes
+    pub bytes: usize,
 }
 
 impl Member {

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use axum::Router;
 use axum::extract::rejection::QueryRejection;
-use axum::extract::{DefaultBodyLimit, Extension, Path, Query, State};
+use axum::extract::{DefaultBodyLimit, Extension, FromRequest, Path, Query, Request, State};
 use axum::routing::{get, post};
-use kt_service::{ApiError, ApiJson};
+use kt_service::{ApiBytes, ApiError, ApiJson};
 use kt_types::auth::Principal;
 use kt_types::tensor::{
     QuorumDone, QuorumInfo, QuorumJoin, QuorumPlan, QuorumRole, QuorumStatus, Rendezvous,
@@ -21,8 +21,10 @@ use super::round::{Access, QuorumError};
 /// Default and longest long poll of the rendezvous and status routes.
 pub const DEFAULT_WAIT_MS: u64 = 30_000;
 pub const MAX_WAIT_MS: u64 = 600_000;
-/// Largest join body (a state dict's layout: names, dtypes, shapes).
-pub const MAX_JOIN_BODY: usize = 32 << 20;
+/// Largest join body (a state dict's layout: names, dtypes, shapes; a
+/// model of 100 000 tensors takes about 10 MiB). The metadata server's body
+/// budget holds two of them.
+pub const MAX_JOIN_BODY: usize = 16 << 20;
 
 impl From<QuorumError> for ApiError {
     fn from(e: QuorumError) -> Self {
@@ -85,13 +87,44 @@ async fn info(
     Ok(ApiJson(q.info(&group)?))
 }
 
+/// A join's body, decoded, and its size; at most [`MAX_JOIN_BODY`], read
+/// against the server's body budget (when it has one), which is given
+/// back once it is decoded: from then on the coordinator's
+/// [`JoinLimits`](super::JoinLimits) count it.
+async fn join_body(req: Request) -> Result<(QuorumJoin, usize), ApiError> {
+    let too_large = |len: u64| {
+        ApiError::new(
+            kt_types::ErrorCode::PayloadTooLarge,
+            format!("a quorum join of {len} bytes: the most is {MAX_JOIN_BODY}"),
+        )
+    };
+    // Refused before a byte is read: a budget admits bodies up to its
+    // whole size.
+    let declared = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(len) = declared.filter(|n| *n > MAX_JOIN_BODY as u64) {
+        return Err(too_large(len));
+    }
+    let ApiBytes(body, _budget) = ApiBytes::from_request(req, &()).await?;
+    if body.len() > MAX_JOIN_BODY {
+        return Err(too_large(body.len() as u64));
+    }
+    let axum::Json(j) = axum::Json::<QuorumJoin>::from_bytes(&body)
+        .map_err(|r| ApiError::bad_request(format!("quorum join: {}", r.body_text())))?;
+    Ok((j, body.len()))
+}
+
 async fn join(
     State(q): State<Arc<Quorums>>,
     Extension(who): Extension<Principal>,
     Extension(owners): Extension<Owners>,
     Path(group): Path<String>,
-    ApiJson(j): ApiJson<QuorumJoin>,
+    req: Request,
 ) -> Result<ApiJson<QuorumPlan>, ApiError> {
+    let (j, bytes) = join_body(req).await?;
     // An agent joins as itself (and so takes only its own rank).
     if !who.is_agent(&j.agent) {
         return Err(kt_service::forbidden(format!(
@@ -120,6 +153,7 @@ async fn join(
             }
             Access {
                 reader: (!who.reads_all()).then(|| who.clone()),
+                bytes,
                 ..Access::default()
             }
         }
@@ -146,6 +180,7 @@ async fn join(
             }
             Access {
                 owners: owned,
+                bytes,
                 ..Access::default()
             }
         }
