@@ -5,8 +5,13 @@
 //! At `connect` every rank connects to each peer any flow of the plan pairs
 //! it with (its parents and children in the flows' trees): the higher rank
 //! of a pair connects to the lower one and says hello (magic, transfer id,
-//! rank). A broadcast runs down a tree of the group (`fanout` children per
-//! node, [`crate::transport::tree`]), cut through: a node forwards each
+//! rank). A hello is taken only from a connection whose peer address is
+//! the IP the plan gives the rank it claims ([`Rank::ip`]; IPv4-mapped IPv6
+//! addresses compare as IPv4): every member of a quorum sees the whole plan,
+//! its transfer id and endpoints, so without that check any of them could
+//! claim another rank and receive that rank's flows. A broadcast runs down
+//! a tree of the group (`fanout` children per node,
+//! [`crate::transport::tree`]), cut through: a node forwards each
 //! piece to its children as soon as it has read it. It ends with acks
 //! flowing back up, so a broadcast returns on the root when every member has
 //! the bytes: one round trip per collective, as NCCL's.
@@ -29,10 +34,12 @@
 //! ([`node_tree`]): a flow's tree crosses into each node once, to the
 //! node's first member, which passes it on to the others of its node, as
 //! NCCL keeps traffic between ranks of one host identity on P2P/SHM.
+//!
+//! [`Rank::ip`]: kt_types::tensor::Rank::ip
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -328,6 +335,9 @@ pub struct HostComm {
     accepted: Accepted,
     stop: Arc<AtomicBool>,
     addr: SocketAddr,
+    /// The IP the plan gives this rank: connections leave from it, since
+    /// peers take a hello only from the IP of the rank it claims.
+    ip: IpAddr,
     acceptor: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -348,16 +358,28 @@ impl HostComm {
                 "rank {rank} is not in the plan"
             )));
         }
+        let ips = plan
+            .ranks
+            .iter()
+            .map(|r| {
+                r.ip.parse::<IpAddr>()
+                    .map(|ip| ip.to_canonical())
+                    .map_err(|_| {
+                        TransportError::Invalid(format!(
+                            "rank {} of the plan has ip {:?}, not an IP address",
+                            r.rank, r.ip
+                        ))
+                    })
+            })
+            .collect::<Result<Arc<[IpAddr]>, _>>()?;
+        let own_ip = ips[rank as usize];
         let accepted: Accepted = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let acceptor = {
             let (accepted, stop, id) = (accepted.clone(), stop.clone(), plan.id.clone());
-            let world = plan.ranks.len() as u32;
             std::thread::Builder::new()
                 .name("kt-tensor-accept".into())
-                .spawn(move || {
-                    accept_loop(ep.listener, &id, rank, world, &accepted, &stop, timeout)
-                })
+                .spawn(move || accept_loop(ep.listener, &id, rank, ips, &accepted, &stop, timeout))
                 .map_err(|e| TransportError::io("starting the tensor acceptor", e))?
         };
         let mut comm = HostComm {
@@ -375,6 +397,7 @@ impl HostComm {
             accepted,
             stop,
             addr: ep.addr,
+            ip: own_ip,
             acceptor: Some(acceptor),
         };
         // Every connection the plan needs, now, while every rank is
@@ -463,7 +486,7 @@ impl HostComm {
         // The peer may not have bound its listener's accept loop yet when
         // the plan reaches us first: retry refusals until the deadline.
         let mut s = loop {
-            match TcpStream::connect_timeout(&addr, self.timeout) {
+            match connect_from(self.ip, &addr, self.timeout) {
                 Ok(s) => break s,
                 Err(e)
                     if Instant::now() < deadline
@@ -480,12 +503,7 @@ impl HostComm {
             }
         };
         setup(&s, self.timeout).map_err(|e| TransportError::io("tensor socket", e))?;
-        let mut hello = Vec::with_capacity(4 + 2 + self.id.len() + 4);
-        hello.extend_from_slice(HELLO_MAGIC);
-        hello.extend_from_slice(&(self.id.len() as u16).to_be_bytes());
-        hello.extend_from_slice(self.id.as_bytes());
-        hello.extend_from_slice(&self.rank.to_be_bytes());
-        s.write_all(&hello)
+        s.write_all(&hello(&self.id, self.rank))
             .map_err(|e| self.failed(peer, "saying hello to", e))?;
         Ok(s)
     }
@@ -535,11 +553,33 @@ fn setup(s: &TcpStream, timeout: Duration) -> std::io::Result<()> {
     s.set_write_timeout(Some(timeout))
 }
 
+/// A connection to `to` leaving from `from` (the rank's own IP: a pod has
+/// one, but a loopback testbed gives each pod its own 127.x address and the
+/// kernel would pick 127.0.0.1). Another address family, or an IP this host
+/// does not have, connects from where the kernel's route says, as before.
+fn connect_from(from: IpAddr, to: &SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let sock = Socket::new(Domain::for_address(*to), Type::STREAM, Some(Protocol::TCP))?;
+    if from.is_ipv4() == to.is_ipv4() {
+        match sock.bind(&SocketAddr::new(from, 0).into()) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => {
+                tracing::debug!(%from, "not an address of this host; connecting from the route's");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    sock.connect_timeout(&(*to).into(), timeout)?;
+    Ok(sock.into())
+}
+
+/// Accepts the higher ranks' connections of transfer `id` for rank `me`;
+/// `ips`: each rank's IP (canonical), which its connection must come from.
 fn accept_loop(
     listener: TcpListener,
     id: &str,
     me: u32,
-    world: u32,
+    ips: Arc<[IpAddr]>,
     accepted: &Accepted,
     stop: &AtomicBool,
     timeout: Duration,
@@ -557,11 +597,16 @@ fn accept_loop(
             tracing::warn!(transfer = %id, "too many tensor connections saying nothing; refused one");
             continue;
         }
-        let (accepted, reading, id) = (accepted.clone(), reading.clone(), id.to_owned());
+        let (accepted, reading, id, ips) = (
+            accepted.clone(),
+            reading.clone(),
+            id.to_owned(),
+            ips.clone(),
+        );
         let spawned = std::thread::Builder::new()
             .name("kt-tensor-hello".into())
             .spawn(move || {
-                take_hello(s, &id, me, world, &accepted, timeout);
+                take_hello(s, &id, me, &ips, &accepted, timeout);
                 reading.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
@@ -573,18 +618,33 @@ fn accept_loop(
 /// Most hellos read at once by one listener.
 const MAX_HELLOS: usize = 64;
 
-/// Reads a connection's hello and hands it to the rank waiting for it.
+/// Reads a connection's hello and hands it to the rank waiting for it, if
+/// it comes from that rank's IP (`ips`, canonical, by rank); anything else
+/// is closed.
 fn take_hello(
     mut s: TcpStream,
     id: &str,
     me: u32,
-    world: u32,
+    ips: &[IpAddr],
     accepted: &Accepted,
     timeout: Duration,
 ) {
     let hello = setup(&s, timeout.min(Duration::from_secs(10))).and_then(|()| read_hello(&mut s));
+    let world = ips.len() as u32;
     match hello {
         Ok((their_id, rank)) if their_id == id && rank > me && rank < world => {
+            let want = ips[rank as usize];
+            let from = s.peer_addr().map(|a| a.ip().to_canonical());
+            if from.as_ref().ok() != Some(&want) {
+                tracing::warn!(
+                    transfer = %id,
+                    rank,
+                    expected = %want,
+                    from = ?from,
+                    "refused a tensor connection claiming a rank from another address than the rank's"
+                );
+                return;
+            }
             if setup(&s, timeout).is_err() {
                 return;
             }
@@ -599,6 +659,16 @@ fn take_hello(
         }
         Err(e) => tracing::debug!(error = %e, "unreadable tensor hello"),
     }
+}
+
+/// What rank `rank` of transfer `id` says first on a connection it dials.
+fn hello(id: &str, rank: u32) -> Vec<u8> {
+    let mut hello = Vec::with_capacity(4 + 2 + id.len() + 4);
+    hello.extend_from_slice(HELLO_MAGIC);
+    hello.extend_from_slice(&(id.len() as u16).to_be_bytes());
+    hello.extend_from_slice(id.as_bytes());
+    hello.extend_from_slice(&rank.to_be_bytes());
+    hello
 }
 
 fn read_hello(s: &mut TcpStream) -> std::io::Result<(String, u32)> {
@@ -1090,6 +1160,53 @@ pub(crate) mod tests {
                 .map(drop)
                 .unwrap();
             h.join().unwrap().unwrap();
+        });
+    }
+
+    /// A member of the quorum knows the plan (the transfer id, every
+    /// endpoint): its hello claiming another rank, from its own IP, is
+    /// closed, and the rank's own connection is then taken and gets the
+    /// flow.
+    #[test]
+    fn a_hello_from_another_ip_than_the_ranks_is_refused() {
+        let b = HostBackend::new("/dev/shm");
+        let e0 = b.endpoint("t", "127.0.0.1").unwrap();
+        let e1 = b.endpoint("t", "127.0.0.1").unwrap();
+        let plan = plan_of(2, 2, &[e0.address(), e1.address()]);
+        // From 127.0.0.2 (the loopback too, but not rank 1's 127.0.0.1),
+        // first in rank 0's queue.
+        let impostor =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        impostor
+            .bind(&SocketAddr::from(([127, 0, 0, 2], 0)).into())
+            .unwrap();
+        let to: SocketAddr = e0.address().parse().unwrap();
+        impostor.connect(&to.into()).unwrap();
+        let impostor = TcpStream::from(impostor);
+        (&impostor).write_all(&hello(&plan.id, 1)).unwrap();
+        let timeout = Duration::from_secs(20);
+        std::thread::scope(|s| {
+            let (b, plan) = (&b, &plan);
+            let root = s.spawn(move || {
+                let mut c = b.connect(plan, 0, e0, None, Device::Cpu, timeout).unwrap();
+                let mut buf = HostBuf(vec![9; 16]);
+                c.broadcast(0, &[0, 1], &mut buf, 0, 16).unwrap();
+            });
+            // Owned here, so that a failed assertion closes it and ends
+            // rank 0's wait on it.
+            let mut impostor = impostor;
+            impostor.set_read_timeout(Some(timeout)).unwrap();
+            let mut byte = [0u8; 1];
+            let read = impostor.read(&mut byte);
+            assert!(
+                matches!(read, Ok(0)),
+                "rank 0 did not close the impostor's connection: {read:?}"
+            );
+            let mut c = b.connect(plan, 1, e1, None, Device::Cpu, timeout).unwrap();
+            let mut buf = HostBuf(vec![0; 16]);
+            c.broadcast(0, &[0, 1], &mut buf, 0, 16).unwrap();
+            assert_eq!(buf.0, [9; 16]);
+            root.join().unwrap();
         });
     }
 
