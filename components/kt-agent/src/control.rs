@@ -90,6 +90,7 @@ impl Agent {
             ControlRequest::PutTensors(_)
                 | ControlRequest::GetTensors(_)
                 | ControlRequest::DropTensors { .. }
+                | ControlRequest::WithdrawPut { .. }
         );
         if tensor_op && caller.version < TENSOR_VERSION {
             return ControlReply::Error {
@@ -117,6 +118,10 @@ impl Agent {
                 .drop_key(&caller.owner, &key)
                 .await
                 .map(|()| ControlReply::TensorsDropped { key }),
+            ControlRequest::WithdrawPut { key } => self
+                .tensors
+                .withdraw_put(&caller.owner, &key)
+                .map(|joins| ControlReply::PutWithdrawn { key, joins }),
             ControlRequest::ExportLocal { key, path, options } => {
                 self.export_local(key, &path, options).await
             }

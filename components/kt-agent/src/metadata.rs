@@ -7,9 +7,16 @@ use std::time::Duration;
 use kt_api::{Api, Call, CallError};
 use kt_service::{ApiError, Token};
 use kt_types::api::{AgentHeartbeat, HeartbeatReply, RegisterKey};
-use kt_types::tensor::{QuorumDone, QuorumJoin, QuorumPlan, QuorumStatus, Rendezvous};
+use kt_types::tensor::{
+    QuorumDone, QuorumJoin, QuorumPlan, QuorumStatus, Rendezvous, TensorGrant, TensorGrantRequest,
+};
 use kt_types::{ErrorCode, Key, KeyRecord, paths};
 use serde::de::DeserializeOwned;
+
+/// How many more times a registration is sent while the metadata server is
+/// away: with kt-api's backoff (50 ms doubling to 2 s, jittered) about 4 to
+/// 7 seconds in all, a metadata pod's restart.
+pub const REGISTER_RETRIES: u32 = 8;
 
 /// A client of the metadata server's agent-facing API.
 #[derive(Debug)]
@@ -44,14 +51,34 @@ impl MetadataClient {
         })
     }
 
-    /// `PUT /api/v1/keys/{key}`: records a local put with this agent as holder.
+    /// `PUT /api/v1/keys/{key}`: records a local put with this agent as
+    /// holder. A metadata server away (restarting: refused connections, or
+    /// 503 `unavailable` from a proxy) is tried again with backoff for
+    /// [`REGISTER_RETRIES`] more times, a few seconds: the put waits through
+    /// a restart rather than failing. Safe to repeat: registering the same
+    /// version again records the same thing.
     pub async fn register(&self, key: &Key, reg: &RegisterKey) -> Result<KeyRecord, ApiError> {
-        fetch(self.api.put(&paths::key(key)).json(reg)).await
+        fetch(
+            self.api
+                .put(&paths::key(key))
+                .json(reg)
+                .retry(REGISTER_RETRIES),
+        )
+        .await
     }
 
     /// `GET /api/v1/keys/{key}`.
     pub async fn key(&self, key: &Key) -> Result<KeyRecord, ApiError> {
         fetch(self.api.get(&paths::key(key))).await
+    }
+
+    /// `POST /api/v1/tensors/grants/{key}`: a key of tensors' record and
+    /// the capability this agent (`getter`) shows its holder.
+    pub async fn tensor_grant(&self, key: &Key, getter: &str) -> Result<TensorGrant, ApiError> {
+        let req = TensorGrantRequest {
+            getter: getter.to_owned(),
+        };
+        fetch(self.api.post(&paths::tensor_grant(key)).json(&req)).await
     }
 
     /// `DELETE /api/v1/keys/{key}?version=V`: only that version (a key put

@@ -121,7 +121,6 @@ pub fn start(
             url.clone(),
             tensor_ip(&url, cfg.pod_ip.as_deref()),
             metadata.clone(),
-            cfg.server.token.clone(),
             TensorConfig {
                 shm_dir: cfg.shm_dir.clone(),
                 ports: cfg.tensor_ports.clone(),
@@ -169,9 +168,10 @@ pub fn start(
     // Getters show capabilities the metadata server signed, never their
     // tokens; the keys to check them come with every heartbeat reply.
     let capabilities = Arc::new(kt_service::capability::Verifier::new(cfg.id.clone()));
-    let mut routes = reads
-        .routes()
-        .merge(crate::tensors::routes(tensors.clone()));
+    let mut routes = reads.routes().merge(crate::tensors::routes(
+        tensors.clone(),
+        capabilities.clone(),
+    ));
     if let Some(d) = &datasets {
         routes = routes.merge(d.routes());
     }

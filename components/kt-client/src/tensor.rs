@@ -519,6 +519,20 @@ impl TensorClient {
         }
     }
 
+    /// Withdraws this process's broadcast puts of `key` still waiting for
+    /// their quorum (one its caller interrupted, on another connection of
+    /// the process); how many were.
+    pub async fn withdraw_put(&mut self, key: &Key) -> Result<u32, ClientError> {
+        match self
+            .conn
+            .request(&ControlRequest::WithdrawPut { key: key.clone() })
+            .await?
+        {
+            ControlReply::PutWithdrawn { joins, .. } => Ok(joins),
+            r => Err(unexpected(r)),
+        }
+    }
+
     /// What the agent holds.
     pub async fn registrations(&mut self) -> Result<Vec<TensorRegistration>, ClientError> {
         match self.conn.request(&ControlRequest::Status).await? {

@@ -957,7 +957,16 @@ fn put_tensors<'py>(
             }
         })
         .await
-    })?;
+    });
+    let put = match put {
+        Ok(p) => p,
+        Err(e) => {
+            if broadcast.is_some() {
+                withdraw_put(py, &c, &key);
+            }
+            return Err(e);
+        }
+    };
     let d = PyDict::new(py);
     d.set_item("key", put.key.as_str())?;
     d.set_item("version", &put.version)?;
@@ -966,6 +975,32 @@ fn put_tensors<'py>(
         d.set_item("stats", stats_dict(py, s)?)?;
     }
     Ok(d)
+}
+
+/// After a broadcast put that failed or was interrupted (Ctrl-C, a
+/// `timeout=`): its quorum join may still wait at the agent, because the
+/// lending connection stays open for what the process lent (see [`Ctx`]),
+/// so the agent is told to withdraw it, on the gets' connection. Best
+/// effort, for at most 5 s: an agent that cannot see the caller's pid, or
+/// predates `WithdrawPut`, keeps the join for its window.
+fn withdraw_put(py: Python<'_>, ctx: &Arc<Ctx>, key: &Key) {
+    let (c, k) = (ctx.clone(), key.clone());
+    let withdrawn = py.detach(|| {
+        // The timeout is made inside the runtime: its timer needs one.
+        ctx.rt.block_on(async move {
+            let withdraw = on_agent(&c, Via::Getting, async |client| {
+                client.withdraw_put(&k).await
+            });
+            tokio::time::timeout(Duration::from_secs(5), withdraw).await
+        })
+    });
+    match withdrawn {
+        Ok(Ok(joins)) => tracing::debug!(%key, joins, "interrupted broadcast put withdrawn"),
+        Ok(Err(e)) => {
+            tracing::debug!(%key, error = %e, "could not withdraw an interrupted broadcast put")
+        }
+        Err(_) => tracing::debug!(%key, "the agent did not answer the withdrawal within 5 s"),
+    }
 }
 
 /// Receives `key` into `tensors` (same names, order, dtypes and shapes),

@@ -240,6 +240,34 @@ def test_ctrl_c_stops_a_quorum_wait_and_leaves_the_destination(testbed, pod_a, r
     assert "interrupted untouched" in out and "then put" in out
 
 
+def test_ctrl_c_withdraws_a_broadcast_puts_quorum_join(testbed, pod_a, run_in):
+    """A broadcast put waiting for a quorum that never fills ends at
+    Ctrl-C with KeyboardInterrupt and its join leaves the round while the
+    process lives on, though the connection that lent its memory stays
+    open (the agent is told to withdraw it: WithdrawPut)."""
+    key = unique("interrupt-put")
+    group = unique("g").replace("/", "-")
+    p = run_in(testbed, pod_a, textwrap.dedent(f"""
+        import sys, numpy as np, kt
+        try:
+            kt.put("{key}", src=np.ones(16, np.float32),
+                   broadcast=kt.BroadcastWindow(group_id="{group}", world_size=2, timeout=3600))
+            print("finished", flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        kt.put("{key}-after", src=np.ones(4, np.float32))
+        print("then put", flush=True)
+        sys.stdin.readline()
+        sys.exit(7)
+    """), background=True)
+    wait_until("joined", lambda: quorum_members(testbed, group), p)
+    p.send_signal(signal.SIGINT)
+    wait_until("withdrawn", lambda: not quorum_members(testbed, group), p)
+    out, err = p.communicate(input="\n", timeout=60)
+    assert p.returncode == 7, (out, err)
+    assert "interrupted" in out and "then put" in out, (out, err)
+
+
 def written_settles(pid: int, quiet: float = 0.3, timeout: float = 30) -> None:
     """Waits until process ``pid`` has written no data for ``quiet`` seconds
     (what the kernel had buffered from the stopped producer has landed).

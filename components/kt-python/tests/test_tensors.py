@@ -15,15 +15,17 @@ from loopback import unique
 HOLD = """
 import json, sys, numpy as np, kt
 {setup}
-r = kt.put("{key}", src=src{extra})
+r = kt.put("{key}", {arg}=src{extra})
 print(json.dumps({{"version": r.version, "tensors": r.tensors}}), flush=True)
 sys.stdin.readline()   # lent while this process lives
 """
 
 
-def holder(testbed, run_in, pod, key, setup, extra=""):
-    """A process of ``pod`` that puts ``src`` under ``key`` and holds it."""
-    p = run_in(testbed, pod, HOLD.format(setup=setup, key=key, extra=extra), background=True)
+def holder(testbed, run_in, pod, key, setup, extra="", arg="src"):
+    """A process of ``pod`` that puts ``src`` under ``key`` (as the argument
+    ``arg``) and holds it."""
+    p = run_in(testbed, pod, HOLD.format(setup=setup, key=key, extra=extra, arg=arg),
+               background=True)
     line = p.stdout.readline()
     if not line:
         raise AssertionError(f"the holder failed: {p.stderr.read()}")
@@ -86,7 +88,8 @@ def test_a_single_tensor_and_shared_memory_puts_move_without_copies(testbed, kt_
 src = kt.empty((256, 256), "float32")
 src[:] = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
 """
-    p, put = holder(testbed, run_in, testbed.pod("trainer"), key, setup)
+    # data=: the reference's name for a put's tensor.
+    p, put = holder(testbed, run_in, testbed.pod("trainer"), key, setup, arg="data")
     try:
         kt = kt_in(testbed.pod("worker"))
         dest = kt.empty((256, 256), "float32")
@@ -236,6 +239,16 @@ def test_torch_cuda_tensors_through_ipc_handles_on_a_gpu(testbed, kt_in, run_in)
                                torch.arange(4096, dtype=torch.float32).reshape(64, 64))
     finally:
         release(p)
+
+
+def test_put_takes_src_or_data_as_the_reference_names_it():
+    import kt
+    with pytest.raises(TypeError, match="not both"):
+        kt.put("k", src="/tmp", data={})
+    with pytest.raises(TypeError, match="needs src"):
+        kt.put("k")
+    with pytest.raises(TypeError, match="a path goes in src"):
+        kt.put("k", data="/tmp")
 
 
 def test_keep_mapped_must_be_a_bool():

@@ -1,7 +1,8 @@
 //! Capabilities: what a getter shows a peer source instead of its token.
 //!
 //! The metadata server mints one with every source lease on a node agent
-//! (and with every broadcast parent that is an agent): a
+//! (with every broadcast parent that is an agent, and with every tensor
+//! grant, one per key of a point-to-point tensor get): a
 //! [`kt_types::auth::Capability`] naming one key's version, the source it
 //! is valid at, the getter and an expiry, signed with Ed25519. The agent
 //! checks the signature against the public keys the metadata server hands
@@ -208,6 +209,19 @@ impl Signer {
     /// A capability for `scope` at `source`, minted for `getter`, valid for
     /// [`LIFETIME`] from `now_ms`.
     pub fn mint(&self, scope: Scope, source: &str, getter: &str, now_ms: u64) -> String {
+        self.mint_bound(scope, source, getter, None, now_ms)
+    }
+
+    /// [`Signer::mint`], bound to the getter's pod IP `ip` when its token is
+    /// bound to one ([`Capability::ip`]: a tensor session names it).
+    pub fn mint_bound(
+        &self,
+        scope: Scope,
+        source: &str,
+        getter: &str,
+        ip: Option<std::net::IpAddr>,
+        now_ms: u64,
+    ) -> String {
         if let Err(e) = self.rotate_if_due(now_ms) {
             // The current key goes on signing: capabilities still work.
             tracing::warn!(error = %e, "rotating the capability signing key");
@@ -218,6 +232,7 @@ impl Signer {
             scope,
             source: source.to_owned(),
             getter: getter.to_owned(),
+            ip,
             expires_ms: now_ms + LIFETIME.as_millis() as u64,
             kid: key.kid.clone(),
         };

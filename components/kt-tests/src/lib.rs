@@ -221,9 +221,21 @@ impl Cluster {
     }
 
     pub async fn restart_metadata(&mut self) {
+        let addr = self.stop_metadata().await;
+        self.start_metadata(addr).await;
+    }
+
+    /// Stops the metadata server (an outage); its address, for
+    /// [`Cluster::start_metadata`].
+    pub async fn stop_metadata(&mut self) -> SocketAddr {
         let old = self.meta.take().expect("metadata running");
         let addr = old.addr;
         old.stop().await;
+        addr
+    }
+
+    /// Starts the metadata server again on `addr` with the same state.
+    pub async fn start_metadata(&mut self, addr: SocketAddr) {
         self.meta =
             Some(start_meta(self.dir.path(), &addr.to_string(), self.meta_auth.as_ref()).await);
     }

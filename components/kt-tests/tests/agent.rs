@@ -131,6 +131,79 @@ async fn control_socket_says_hello_and_refuses_other_versions() {
     c.stop().await;
 }
 
+/// A metadata server restarting (a rollout, a crash) answers 503
+/// `unavailable` through its proxy for a while: a local put waits for it,
+/// trying again with backoff, and registers once it is back, instead of
+/// failing the put (the chaos soak's `local-put` failures during metadata
+/// restarts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_put_waits_for_a_restarting_metadata_server() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let mut c = Cluster::start().await;
+    let agent = c.start_agent("pod-patient").await;
+    let src = c.dir.path().join("src");
+    tree(&src);
+    let addr = c.stop_metadata().await;
+    let tries = Arc::new(AtomicUsize::new(0));
+    let outage = {
+        let tries = tries.clone();
+        let app = axum::Router::new().fallback(move || {
+            tries.fetch_add(1, Ordering::SeqCst);
+            async {
+                (
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    // As a proxy's answer for a pod that is gone: the
+                    // next try opens a new connection.
+                    [(axum::http::header::CONNECTION, "close")],
+                    axum::Json(kt_types::ErrorBody::new(
+                        ErrorCode::Unavailable,
+                        "the metadata server is restarting",
+                    )),
+                )
+            }
+        });
+        let l = tokio::net::TcpListener::bind(addr).await.unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await })
+    };
+    let put = {
+        let agent_socket = agent.socket().to_owned();
+        let src = src.clone();
+        tokio::spawn(async move {
+            ControlClient::open(&agent_socket)
+                .await
+                .ask(&ControlRequest::ExportLocal {
+                    key: key("team/patient"),
+                    path: src.display().to_string(),
+                    options: PutOptions::default(),
+                })
+                .await
+                .expect("a reply")
+        })
+    };
+    wait_until("the agent trying the metadata server again", WAIT, || {
+        let tries = tries.clone();
+        async move { tries.load(Ordering::SeqCst) >= 2 }
+    })
+    .await;
+    assert!(
+        !put.is_finished(),
+        "the put gave up on a restarting metadata server"
+    );
+    outage.abort();
+    let _ = outage.await;
+    c.start_metadata(addr).await;
+    let reply = put.await.unwrap();
+    let ControlReply::Exported { record, .. } = reply else {
+        panic!("the put failed: {reply:?}")
+    };
+    let record = record.expect("a local put answers its record");
+    assert_eq!(record_of(&c, "team/patient").await.version, record.version);
+    agent.stop().await;
+    c.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn local_export_registers_a_local_key_and_serves_it() {
     let c = Cluster::start().await;

@@ -189,6 +189,134 @@ async fn a_mismatched_destination_is_refused_naming_both_sides() {
     c.stop().await;
 }
 
+/// A pod that registers a tensor key with its own listener as the source
+/// (`may_advertise` lets it: the listener is on its IP) collects what
+/// getters' agents show that source. They show a capability for that key
+/// at that "holder", minted for the getter, never the agent's bearer token
+/// (with which the listener would be the getter everywhere). A real holder
+/// still serves a getter whose agent shows only capabilities.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_getters_agent_shows_a_holder_a_capability_never_its_token() {
+    use std::sync::{Arc, Mutex};
+
+    use kt_service::Token;
+    use kt_types::auth::{Principal, Role};
+    const GETTER: &str = "agent-token-getter-0123";
+    const HOLDER: &str = "agent-token-holder-0123";
+    let agent = |name: &str| Principal {
+        role: Role::Agent,
+        name: Some(name.into()),
+        services: None,
+        reads: None,
+        ip: None,
+        scope: None,
+    };
+    let auth = kt_service::Auth::none()
+        .with_grant(Token::new(GETTER).unwrap(), agent("getter"))
+        .with_grant(Token::new(HOLDER).unwrap(), agent("holder"));
+    let c = Cluster::start_authed(Some(auth), |_| {}).await;
+    let token = |t: &'static str| {
+        move |cfg: &mut kt_agent::Config| cfg.server.token = Token::new(t).unwrap()
+    };
+    let getter = c.start_agent_with("getter", token(GETTER)).await;
+    let holder = c.start_agent_with("holder", token(HOLDER)).await;
+
+    // The rogue source: keeps the Authorization header of every session
+    // asked of it, and refuses it.
+    let seen: Arc<Mutex<Vec<String>>> = Arc::default();
+    let kept = seen.clone();
+    let app = axum::Router::new().route(
+        "/api/v1/tensors/sessions",
+        axum::routing::post(move |headers: http::HeaderMap| async move {
+            let auth = headers.get(http::header::AUTHORIZATION);
+            let shown = auth.and_then(|v| v.to_str().ok()).unwrap_or_default();
+            kept.lock().unwrap().push(shown.to_owned());
+            let body = kt_types::ErrorBody::new(ErrorCode::Forbidden, "a rogue source");
+            (http::StatusCode::FORBIDDEN, axum::Json(body))
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let rogue = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let summary = kt_types::tensor::TensorSummary {
+        tensors: 1,
+        device: kt_types::tensor::Device::Cpu,
+        dtypes: vec![DType::F32],
+    };
+    let registration = serde_json::json!({
+        "locale": "local", "source": rogue, "holder": "evil-0", "version": "v9",
+        "is_dir": false, "size": 400, "files": 1, "tensors": summary,
+    });
+    let http = kt_api::client();
+    let meta = c.metadata_url();
+    http.put(format!("{meta}/api/v1/keys/m/rogue"))
+        .bearer_auth(TOKEN)
+        .json(&registration)
+        .send()
+        .await
+        .unwrap()
+        .error_for_status()
+        .unwrap();
+    let shm = c.shm_dir();
+    let mut dest = HostTensor::zeros_in(&shm, DType::F32, &[10, 10]).unwrap();
+    let e = client(&c, &getter)
+        .await
+        .get_tensor(&key("m/rogue"), &mut dest, &TensorOptions::default())
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("a rogue source"), "{e}");
+    let shown = seen.lock().unwrap().clone();
+    assert_eq!(shown.len(), 1, "{shown:?}");
+    assert_ne!(shown[0], format!("Bearer {GETTER}"));
+    assert!(!shown[0].contains(GETTER), "{shown:?}");
+    // What it got is worth that key at that "holder" alone.
+    let capability = shown[0].strip_prefix("Bearer ").unwrap();
+    let beat = kt_types::api::AgentHeartbeat {
+        id: "evil-0".into(),
+        url: rogue.clone(),
+        service: None,
+        serves: Vec::new(),
+    };
+    let reply: kt_types::api::HeartbeatReply = http
+        .post(format!("{meta}/api/v1/agents"))
+        .bearer_auth(TOKEN)
+        .json(&beat)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let verifier = kt_service::capability::Verifier::new("evil-0");
+    verifier.set_keys(&reply.capability_keys);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let cap = verifier.verify(capability, now).expect("a capability");
+    assert_eq!(cap.scope.key, key("m/rogue"));
+    assert_eq!(cap.scope.version, "v9");
+    assert_eq!(cap.getter, "getter");
+
+    // A real holder serves the getter, which shows it capabilities only.
+    let k = key("m/real");
+    let sd = state_dict(&shm, 3, Some(4));
+    client(&c, &holder)
+        .await
+        .put_state_dict(&k, &sd, &TensorOptions::default())
+        .await
+        .unwrap();
+    let mut got = state_dict(&shm, 3, None);
+    client(&c, &getter)
+        .await
+        .get_state_dict(&k, &mut got, &TensorOptions::default())
+        .await
+        .unwrap();
+    assert_seeded(&got, 4);
+    drop((getter, holder));
+    c.stop().await;
+}
+
 /// A producer in its own process, holding `key` until killed.
 struct Holder(Child);
 

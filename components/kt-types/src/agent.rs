@@ -106,6 +106,16 @@ pub enum ControlRequest {
         /// The key to drop; it must have been registered by the same process.
         key: Key,
     },
+    /// Version 2: withdraw this process's broadcast puts of a key that
+    /// still wait for their quorum (the caller interrupted the put: its
+    /// connection stays open for what it lent, so the agent cannot see it
+    /// go). Sent on any connection of the same process; an agent that
+    /// cannot see callers' pids withdraws nothing. Agents that predate it
+    /// answer `invalid_request`.
+    WithdrawPut {
+        /// The key whose waiting broadcast puts are withdrawn.
+        key: Key,
+    },
 }
 
 /// One key an agent serves.
@@ -187,6 +197,13 @@ pub enum ControlReply {
     TensorsDropped {
         /// The key dropped.
         key: Key,
+    },
+    /// The answer to [`ControlRequest::WithdrawPut`].
+    PutWithdrawn {
+        /// The key.
+        key: Key,
+        /// How many waiting joins were withdrawn (0: none was waiting).
+        joins: u32,
     },
     /// The request failed. The agent then closes the connection when the
     /// handshake failed (an unreadable message, another request or a version

@@ -128,9 +128,10 @@ pub struct Scope {
 }
 
 /// What a getter presents to a peer source (a node agent) instead of a
-/// bearer token: minted by the metadata server with a source lease, bound
-/// to one key's version, one source and one getter, expiring soon, and
-/// signed (Ed25519) so that the source checks it without calling back
+/// bearer token: minted by the metadata server with a source lease (or a
+/// tensor grant, [`crate::tensor::TensorGrant`]), bound to one key's
+/// version, one source and one getter, expiring soon, and signed (Ed25519)
+/// so that the source checks it without calling back
 /// (`kt_service::capability`). On the wire: `kt-cap.` + base64url(JSON of
 /// this) + `.` + base64url(signature), without padding.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -141,8 +142,16 @@ pub struct Capability {
     pub scope: Scope,
     /// The source it is valid at: the agent id.
     pub source: String,
-    /// Who it was minted for (the getter's agent id or role), for logs.
+    /// Who it was minted for: the getter's agent id (or role, for logs).
+    /// A tensor session opened with it must name this agent
+    /// (`SessionRequest::agent`).
     pub getter: String,
+    /// The getter's pod IP, when the token it was minted for is bound to a
+    /// pod: a tensor session opened with it must name this IP
+    /// (`SessionRequest::ip`), as that token would have had to. Absent in
+    /// file reads' capabilities.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<IpAddr>,
     /// Unix milliseconds after which it is refused.
     pub expires_ms: u64,
     /// Which signing key signed it (the first 8 bytes of the blake3 of the

@@ -195,6 +195,12 @@ pub fn tensor_sessions() -> String {
     api("tensors/sessions")
 }
 
+/// `POST` (metadata server): a capability to open a tensor session at a
+/// key's holder ([`crate::tensor::TensorGrant`]).
+pub fn tensor_grant(key: &Key) -> String {
+    api(&format!("tensors/grants/{key}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1047,6 +1047,34 @@ pub struct SessionRequest {
     /// keeps too ([`SessionReply::reuse`]). At most [`MAX_HELD_COMMS`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub comms: Vec<HeldComm>,
+    /// One capability per key, in the order of `keys`
+    /// ([`TensorGrant::capability`]): what the getter's agent shows the
+    /// source instead of its bearer token (which then carries the first of
+    /// them). Empty when the caller presents a bearer token.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub capabilities: Vec<String>,
+}
+
+/// `POST /api/v1/tensors/grants/{key}` on the metadata server: a getter's
+/// agent asks where a key's tensors are and for what it shows their holder
+/// (a capability, never its token). The caller's token must read the key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorGrantRequest {
+    /// The getter's agent id: the caller's own agent (403 otherwise).
+    pub getter: String,
+}
+
+/// The answer to a [`TensorGrantRequest`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorGrant {
+    /// The key's record (its holder, source URL and version).
+    pub record: crate::KeyRecord,
+    /// A capability for the record's version at its holder, minted for the
+    /// getter (`kt_service::capability`; [`crate::auth::Capability`]);
+    /// absent when the getter's agent holds the key itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capability: Option<String>,
 }
 
 /// The answer: the plan both sides run, and (NCCL) the communicator's id.

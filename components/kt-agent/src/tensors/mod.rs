@@ -13,11 +13,13 @@
 //!   Registrations are persisted in the state directory: an agent restarted
 //!   while their processes live serves them again.
 //! - **Point to point.** A getter's agent asks the metadata server for the
-//!   key's holder and posts `POST /api/v1/tensors/sessions` to the holder's
-//!   agent with the keys and its destination layouts (several keys of one
-//!   source in one session). The source checks them, answers with a plan of
-//!   two ranks (itself rank 0), and both run it. A key held by this agent is
-//!   copied locally.
+//!   key's holder and a capability to read it there
+//!   (`POST /api/v1/tensors/grants/{key}`), and posts
+//!   `POST /api/v1/tensors/sessions` to the holder's agent with the keys,
+//!   its destination layouts and their capabilities (several keys of one
+//!   source in one session), never its bearer token. The source checks
+//!   them, answers with a plan of two ranks (itself rank 0), and both run
+//!   it. A key held by this agent is copied locally.
 //! - **Quorums.** With a broadcast window, the agent joins the metadata
 //!   server's quorum (`/api/v1/quorums/...`) as putter or getter, gets its
 //!   rank and the plan when the quorum closes, exchanges the backend's
@@ -75,8 +77,11 @@ pub struct Tensors {
     /// The pod's node (reported in quorum joins), checked at the start.
     node: Option<String>,
     metadata: Arc<MetadataClient>,
-    /// Other agents (point-to-point sessions), with this agent's token.
-    api: kt_api::Api,
+    /// Calls to other agents (point-to-point sessions). It holds no
+    /// token: a session shows the source the capabilities the metadata
+    /// server minted for its keys, never this agent's bearer token (the
+    /// source is a peer, and its URL is whatever its holder registered).
+    peers: reqwest::Client,
     host: Arc<HostBackend>,
     cuda: std::sync::OnceLock<Result<Arc<dyn Backend>, String>>,
     regs: Mutex<HashMap<Key, Registration>>,
@@ -84,6 +89,9 @@ pub struct Tensors {
     /// broadcast put of the same key by the same process meanwhile (another
     /// member of it) is one more putter, not a replacement.
     broadcasting: Mutex<HashSet<String>>,
+    /// Broadcast puts waiting for their quorum, by owner and key: a
+    /// `WithdrawPut` of the same process cancels their wait.
+    waiting: Mutex<Vec<registrations::Waiting>>,
     /// Registrations of the last run whose owners did not survive it: the
     /// next reap unregisters them at the metadata server (that version).
     stale: Mutex<Vec<(Key, String)>>,
@@ -158,7 +166,6 @@ impl Tensors {
         url: String,
         ip: Option<String>,
         metadata: Arc<MetadataClient>,
-        token: kt_service::Token,
         cfg: TensorConfig,
     ) -> Result<Self, String> {
         let http = kt_api::tls::http_builder()
@@ -173,11 +180,12 @@ impl Tensors {
             ip,
             node: cfg.node,
             metadata,
-            api: kt_api::Api::new(http, "", token.credential()),
+            peers: http,
             host: Arc::new(HostBackend::new(cfg.shm_dir).with_ports(cfg.ports)),
             cuda: std::sync::OnceLock::new(),
             regs: Mutex::default(),
             broadcasting: Mutex::default(),
+            waiting: Mutex::default(),
             stale: Mutex::default(),
             dests: Mutex::default(),
             next_get: Default::default(),

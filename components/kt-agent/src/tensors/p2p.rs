@@ -1,6 +1,8 @@
 //! Point to point: a getter's agent looks each key's holder up at the
-//! metadata server and opens one session per source
-//! (`POST /api/v1/tensors/sessions`, several keys in one); the source checks
+//! metadata server, with a capability to read it there (a tensor grant),
+//! and opens one session per source (`POST /api/v1/tensors/sessions`,
+//! several keys in one, each with its capability: the source is a peer, and
+//! is never shown this agent's bearer token); the source checks
 //! the destination layouts, answers a plan of two ranks (itself rank 0) and
 //! both run it. A key held by this agent is copied locally. A broadcast get
 //! joins a quorum instead.
@@ -170,19 +172,16 @@ impl Tensors {
         });
         packing.validate().map_err(ApiError::bad_request)?;
         // Batched per source: one session per holder.
-        let mut by_source: Vec<(String, Vec<Wanted>)> = Vec::new();
+        let mut by_source: Vec<Session> = Vec::new();
         let mut total = TensorStats {
             backend: Some(backend.kind()),
             ..TensorStats::default()
         };
         for g in req.gets {
-            let record = self.metadata.key(&g.key).await?;
-            if record.tensors.is_none() {
-                return Err(ApiError::bad_request(format!(
-                    "{} holds files, not tensors (`kt get` fetches it)",
-                    g.key
-                )));
-            }
+            // The record, and what this agent shows its holder: the
+            // metadata server checked that this agent's token reads it.
+            let grant = self.metadata.tensor_grant(&g.key, &self.id).await?;
+            let record = grant.record;
             let want = QuorumKey {
                 from: None,
                 key: g.key.clone(),
@@ -193,16 +192,34 @@ impl Tensors {
                 add(&mut total, self.copy_local(&backend, want, g.dest).await?);
                 continue;
             }
-            match by_source.iter_mut().find(|(s, _)| *s == record.source) {
-                Some((_, v)) => v.push((want, g.dest)),
-                None => by_source.push((record.source.clone(), vec![(want, g.dest)])),
+            let capability = grant.capability.ok_or_else(|| {
+                internal(format!(
+                    "the metadata server gave no capability for {} at {}",
+                    g.key, record.holder
+                ))
+            })?;
+            let wanted = Wanted {
+                want,
+                dest: g.dest,
+                capability,
+            };
+            match by_source
+                .iter_mut()
+                .find(|s| s.holder == record.holder && s.source == record.source)
+            {
+                Some(s) => s.keys.push(wanted),
+                None => by_source.push(Session {
+                    holder: record.holder,
+                    source: record.source,
+                    keys: vec![wanted],
+                }),
             }
         }
         // Reused: every session ran on a kept communicator.
         total.reused = !by_source.is_empty();
-        for (source, keys) in by_source {
+        for session in by_source {
             let s = self
-                .fetch(&source, keys, backend.clone(), device, packing)
+                .fetch(session, backend.clone(), device, packing)
                 .await?;
             total.reused &= s.reused;
             add(&mut total, s);
@@ -249,23 +266,24 @@ impl Tensors {
         })
     }
 
-    /// Getter's side of a point-to-point session with `source`'s agent.
+    /// Getter's side of a point-to-point session with a holder's agent.
     async fn fetch(
         &self,
-        source: &str,
-        keys: Vec<Wanted>,
+        session: Session,
         backend: Arc<dyn Backend>,
         device: Device,
         packing: Packing,
     ) -> Result<TensorStats, ApiError> {
+        let Session { source, keys, .. } = session;
+        let source = source.as_str();
         let ip = self.ip()?;
         // The destination is mapped before the source is asked: a handle
         // that does not open fails here, before the source has started its
         // side (and NCCL its bootstrap) for nothing.
         let mut lent = Lent::new(device);
-        for (want, dest) in &keys {
-            let regions = Self::map(backend.clone(), dest.clone()).await?;
-            lent.keys.insert(want.key.clone(), regions);
+        for w in &keys {
+            let regions = Self::map(backend.clone(), w.dest.clone()).await?;
+            lent.keys.insert(w.want.key.clone(), regions);
         }
         // Kept communicators are keyed by the GPU the memory is on (the
         // agent's numbering, found by UUID), not the application's number:
@@ -278,8 +296,9 @@ impl Tensors {
         let pair = comms::pair(source);
         let reserved =
             (backend.kind() == BackendKind::Nccl).then(|| self.comms.reserve(&pair, comm_device));
+        let capabilities: Vec<String> = keys.iter().map(|w| w.capability.clone()).collect();
         let req = SessionRequest {
-            keys: keys.iter().map(|(k, _)| k.clone()).collect(),
+            keys: keys.iter().map(|w| w.want.clone()).collect(),
             agent: self.id.clone(),
             ip: self.ip()?,
             endpoint: endpoint.address(),
@@ -289,19 +308,14 @@ impl Tensors {
                 .as_ref()
                 .map(|r| r.held.clone())
                 .unwrap_or_default(),
+            // The first is shown as the bearer, the rest travel here.
+            capabilities: capabilities.clone(),
         };
-        let reply: SessionReply = self
-            .api
-            .at(source)
-            .post(&paths::tensor_sessions())
-            .json(&req)
-            .fetch()
-            .await
-            .map_err(|e| agent_err(e, source))?;
+        let reply = self.open_at(source, &capabilities[0], &req).await?;
         let plan = reply.plan;
         plan.validate()
             .map_err(|m| internal(format!("session plan from {source}: {m}")))?;
-        for (want, _) in &keys {
+        for Wanted { want, .. } in &keys {
             let flow = plan
                 .flows
                 .iter()
@@ -337,6 +351,34 @@ impl Tensors {
             Self::retire(&backend, self.comms.keep(&pair, comm_device, &plan, comm));
         }
         res.map_err(transport)
+    }
+
+    /// `POST /api/v1/tensors/sessions` at `source`, showing `capability`
+    /// (never this agent's token). Tried again for a moment while the
+    /// source answers `unavailable`: one that has just started learns the
+    /// metadata server's signing keys with its first heartbeat, and nothing
+    /// of a session refused so has started.
+    async fn open_at(
+        &self,
+        source: &str,
+        capability: &str,
+        req: &SessionRequest,
+    ) -> Result<SessionReply, ApiError> {
+        let api = kt_api::Api::new(self.peers.clone(), source, capability);
+        let mut backoff = kt_api::Backoff::new(
+            std::time::Duration::from_millis(50),
+            std::time::Duration::from_secs(1),
+        );
+        let mut tries = 0;
+        loop {
+            match api.post(&paths::tensor_sessions()).json(req).fetch().await {
+                Err(e) if e.server_away() && tries < SESSION_RETRIES => {
+                    tries += 1;
+                    backoff.wait().await;
+                }
+                res => return res.map_err(|e| agent_err(e, source)),
+            }
+        }
     }
 
     /// Source's side: checks the request, answers the plan, runs rank 0.
@@ -523,8 +565,25 @@ impl Tensors {
 /// communicator comes from to end on its side.
 const SETTLE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// A key a getter wants (with its destination layout) and the memory it lends.
-type Wanted = (QuorumKey, Vec<TensorEntry>);
+/// How many more times a getter asks a source that answers `unavailable`
+/// (with backoff from 50 ms to 1 s: a few seconds, a heartbeat or two).
+const SESSION_RETRIES: u32 = 6;
+
+/// A key a getter wants (with its destination layout), the memory it
+/// lends, and the capability it shows the key's holder.
+struct Wanted {
+    want: QuorumKey,
+    dest: Vec<TensorEntry>,
+    capability: String,
+}
+
+/// The keys one session moves: those of one holder (its agent id, which
+/// the capabilities name, and its URL).
+struct Session {
+    holder: String,
+    source: String,
+    keys: Vec<Wanted>,
+}
 
 fn add(total: &mut TensorStats, s: TensorStats) {
     total.tensors += s.tensors;

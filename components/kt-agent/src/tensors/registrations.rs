@@ -85,6 +85,34 @@ impl Drop for Broadcasting<'_> {
     }
 }
 
+/// A broadcast put waiting for its quorum: cancelled by the caller going
+/// away (its connection's `gone`) or by a `WithdrawPut` of its process.
+#[derive(Debug)]
+pub(super) struct Waiting {
+    /// Tells this entry from the others (see [`WaitingPut`]).
+    id: u64,
+    owner: Owner,
+    key: Key,
+    withdraw: CancellationToken,
+}
+
+/// Holds a [`Waiting`] entry while its put runs; removes it however the
+/// put ends.
+struct WaitingPut<'a> {
+    tensors: &'a Tensors,
+    id: u64,
+    withdraw: CancellationToken,
+}
+
+impl Drop for WaitingPut<'_> {
+    fn drop(&mut self) {
+        locked(&self.tensors.waiting).retain(|w| w.id != self.id);
+    }
+}
+
+/// Numbers [`Waiting`] entries.
+static NEXT_WAITING: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Field 22 of `/proc/<pid>/stat` (after the command, which may hold
 /// spaces), for a process that still runs: a zombie (state `Z`, exited but
 /// not reaped) or a dead one (`X`) has none.
@@ -309,6 +337,7 @@ impl Tensors {
         // tensors), its memory lent for the transfer only; the
         // registration stays the holder's.
         let mut contributes = None;
+        let waiter = owner.clone();
         {
             let mut regs = self.lock();
             let none = locked(&self.conns).clone();
@@ -355,6 +384,22 @@ impl Tensors {
             tensors: self,
             version: (contributes.is_none() && broadcast.is_some()).then(|| version.clone()),
         };
+        // Its wait for the quorum ends when the caller goes, or when its
+        // process withdraws it ([`Tensors::withdraw_put`]).
+        let waiting = WaitingPut {
+            tensors: self,
+            id: NEXT_WAITING.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            withdraw: gone.child_token(),
+        };
+        if broadcast.is_some() || contributes.is_some() {
+            locked(&self.waiting).push(Waiting {
+                id: waiting.id,
+                owner: waiter,
+                key: req.key.clone(),
+                withdraw: waiting.withdraw.clone(),
+            });
+        }
+        let gone = &waiting.withdraw;
         if let Some((window, regions)) = contributes {
             // Not registered: what the agent opens of CUDA memory lent so
             // is closed when the put ends, as a get's destination is.
@@ -463,6 +508,31 @@ impl Tensors {
         // Boxed: the quorum's future is large, and `put` awaits it in two
         // places.
         Box::pin(self.quorum(key, member, role, &window, backend, lent, gone)).await
+    }
+
+    /// `WithdrawPut`: ends the quorum wait of `owner`'s process's broadcast
+    /// puts of `key` (a put its caller interrupted, whose connection stays
+    /// open for what it lent); how many were waiting. The owner must be a
+    /// process the agent can see: connections are not processes.
+    pub fn withdraw_put(&self, owner: &Owner, key: &Key) -> Result<u32, ApiError> {
+        if owner.pid == 0 {
+            return Err(ApiError::bad_request(
+                "this agent cannot see the caller's process (no peer credentials): a put is withdrawn only when its connection closes",
+            ));
+        }
+        let waiting = locked(&self.waiting);
+        let mut joins = 0;
+        for w in waiting
+            .iter()
+            .filter(|w| &w.key == key && w.owner.same_process(owner))
+        {
+            w.withdraw.cancel();
+            joins += 1;
+        }
+        if joins > 0 {
+            tracing::info!(%key, pid = owner.pid, joins, "broadcast put withdrawn by its process");
+        }
+        Ok(joins)
     }
 
     /// `drop_tensors`: the owner's own registration only.

@@ -1,11 +1,14 @@
 //! Source leases: granted by `POST /api/v1/keys/{key}/lease`, renewed,
-//! released and reported failed under `/api/v1/leases`.
+//! released and reported failed under `/api/v1/leases`; and tensor grants
+//! (`POST /api/v1/tensors/grants/{key}`), the capability a getter's agent
+//! shows a key's holder to open a point-to-point tensor session there.
 
 use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
 use kt_service::{ApiError, ApiJson, forbidden};
 use kt_types::api::{LeaseInfo, LeaseList, LeaseRequest, SourceFailure, SourceLease};
 use kt_types::auth::{Principal, Role};
+use kt_types::tensor::{TensorGrant, TensorGrantRequest};
 use kt_types::{Key, STORE_HOLDER};
 
 use super::{AppState, Inner, check_agent_id, db_err, now_ms};
@@ -66,6 +69,49 @@ impl Inner {
                 .mint(scope, &source.id, getter.unwrap_or("workload"), now)
         })
     }
+}
+
+/// `POST /api/v1/tensors/grants/{key}`: the record of a key of tensors and
+/// a capability for its version at its holder, minted for the caller's own
+/// agent (bound to its pod's IP when its token is), so that the getter's
+/// agent shows the holder that and never its bearer token: a holder is a
+/// peer, and may be a listener a pod registered to collect tokens.
+pub(super) async fn tensor_grant(
+    State(s): State<AppState>,
+    Extension(who): Extension<Principal>,
+    Path(key): Path<String>,
+    ApiJson(req): ApiJson<TensorGrantRequest>,
+) -> Result<ApiJson<TensorGrant>, ApiError> {
+    let key = Key::parse(&key)?;
+    if !who.is_agent(&req.getter) {
+        return Err(forbidden(format!(
+            "this token asks for tensor grants for its own agent only, not {:?}",
+            req.getter
+        )));
+    }
+    let now = now_ms();
+    let record = {
+        let registry = s.registry.lock().await;
+        // Refused first: a key the caller may not read is not described.
+        if let Some(r) = registry.get_unexpired(&key, now) {
+            kt_service::check_read(&who, &key, &r.service)?;
+        }
+        registry.served(&key, now)?.clone()
+    };
+    if record.tensors.is_none() || record.holder == STORE_HOLDER {
+        return Err(ApiError::bad_request(format!(
+            "{key} holds files, not tensors (`kt get` fetches it)"
+        )));
+    }
+    let capability = (record.holder != req.getter).then(|| {
+        let scope = kt_types::auth::Scope {
+            key: key.clone(),
+            version: record.version.clone(),
+        };
+        s.signer
+            .mint_bound(scope, &record.holder, &req.getter, who.ip, now)
+    });
+    Ok(ApiJson(TensorGrant { record, capability }))
 }
 
 /// The live sources of `key` for `who`, refused first (before anything of

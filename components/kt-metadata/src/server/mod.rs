@@ -25,7 +25,7 @@ use tokio_util::task::TaskTracker;
 use crate::broadcast::Groups;
 use crate::db::{Batch, Db, DbError};
 use crate::leases::Leases;
-use crate::quorum::Quorums;
+use crate::quorum::{JoinLimits, MAX_JOIN_BODY, Quorums};
 use crate::registry::{Registry, SourceError};
 
 mod agents;
@@ -40,6 +40,10 @@ mod sweep;
 use agents::commit_eviction;
 use broadcasts::{Broadcasts, get_broadcast, join_broadcast};
 use services::teardown_service;
+
+/// Bytes of request bodies read whole ([`kt_service::ApiBytes`]) held at
+/// once: two of the largest quorum join.
+const BODY_BUDGET: u64 = 2 * MAX_JOIN_BODY as u64;
 
 /// Everything the server needs besides its listener.
 #[derive(Debug, Clone)]
@@ -321,6 +325,10 @@ where
                 .merge(allow(&[Workload], post(leases::lease_key))),
         )
         .route(
+            "/api/v1/tensors/grants/{*key}",
+            allow(&[Agent], post(leases::tensor_grant)),
+        )
+        .route(
             "/api/v1/owners/{*key}",
             allow(&[Store], get(keys::key_owner)),
         )
@@ -354,7 +362,11 @@ where
         )
         .with_state(state.clone());
     // Quorums live in memory only: a restart fails the open ones.
-    let quorums = Arc::new(Quorums::new(shutdown.clone()).with_metrics(metrics.clone()));
+    let quorums = Arc::new(
+        Quorums::new(shutdown.clone())
+            .with_metrics(metrics.clone())
+            .with_limits(JoinLimits::for_server(config.server.max_in_flight)),
+    );
     metrics.attach(Arc::new(gauges::RegistryGauges {
         state: Arc::downgrade(&state),
         quorums: Arc::downgrade(&quorums),
@@ -372,7 +384,11 @@ where
     ready.set(true);
     let auth = config.server.callers();
     // The store and agents ask here who the tokens they are shown are.
-    let api = api.merge(kt_service::auth::review_routes(auth.clone()));
+    let api = api
+        .merge(kt_service::auth::review_routes(auth.clone()))
+        // Bodies buffered whole (quorum joins) share one budget, however
+        // many come at once.
+        .layer(axum::Extension(kt_service::BodyBudget::new(BODY_BUDGET)));
     let app = kt_service::app(api, auth, metrics, ready, config.server.max_in_flight);
     let app = kt_service::trace::layer(app, "metadata");
     let sessions = state.sessions.clone();

@@ -478,7 +478,19 @@ def put(key: str, src: Union[TensorLike, StateDict], *, locale: Locale = "store"
         timeout: Optional[Seconds] = None) -> TensorResult: ...
 
 
-def put(key: str, src: Union[PathLike, TensorLike, StateDict], *, locale: Locale = "store",
+@overload
+def put(key: str, src: None = None, *, data: Union[TensorLike, StateDict],
+        locale: Locale = "store",
+        lifespan: Optional[Lifespan] = None,
+        ttl: Union[None, int, float, str, datetime.timedelta] = None,
+        service: Optional[str] = None, broadcast: Optional[BroadcastWindow] = None,
+        verbose: bool = False, progress: Optional[ProgressCallback] = None,
+        timeout: Optional[Seconds] = None) -> TensorResult: ...
+
+
+def put(key: str, src: Union[PathLike, TensorLike, StateDict, None] = None, *,
+        data: Union[TensorLike, StateDict, None] = None,
+        locale: Locale = "store",
         lifespan: Optional[Lifespan] = None,
         ttl: Union[None, int, float, str, datetime.timedelta] = None,
         service: Optional[str] = None, broadcast: Optional[BroadcastWindow] = None,
@@ -489,7 +501,8 @@ def put(key: str, src: Union[PathLike, TensorLike, StateDict], *, locale: Locale
 
     ``src`` is a path (a file or a directory tree), a tensor
     (``numpy.ndarray`` or ``torch.Tensor``) or a state dict (a mapping of
-    names to tensors).
+    names to tensors). ``data=`` takes a tensor or a state dict, as the
+    reference's ``put(key, data=tensor)`` does (give ``src`` or ``data``).
 
     Files: ``locale="store"`` (default) copies them into the store pod;
     ``locale="local"`` leaves them where they are, served peer to peer by
@@ -514,6 +527,15 @@ def put(key: str, src: Union[PathLike, TensorLike, StateDict], *, locale: Locale
     timedelta) expires it. ``timeout`` (seconds or a timedelta) stops the
     call and raises :class:`Timeout` once it passes.
     """
+    if data is not None:
+        if src is not None:
+            raise TypeError("put() takes src or data, not both (data= is a tensor or a state dict)")
+        if isinstance(data, (str, os.PathLike)):
+            raise TypeError("put(data=...) takes a tensor or a state dict; a path goes in src=")
+        src = data
+    if src is None:
+        raise TypeError("put() needs src: a path, a tensor or a state dict (or data=, a tensor "
+                        "or a state dict)")
     key = _key(key)
     life = None if lifespan is None else _choice("lifespan", lifespan, _LIFESPANS)
     ttl_s = _ttl(ttl)

@@ -26,7 +26,11 @@ pub struct Rule {
 /// operations next to one fault are no trend).
 pub const MIN_RUNS: u64 = 20;
 
-const AGENT_AWAY: &str = "the pod's agent killed, frozen or restarting";
+/// A put's registration waits a few seconds for a restarting metadata
+/// server (`kt_agent::metadata::REGISTER_RETRIES`), not for one that is
+/// frozen or away longer.
+const AGENT_AWAY: &str = "the pod's agent killed, frozen or restarting, or the metadata server \
+                          frozen or away longer than a registration waits";
 const NOT_PUT: &str = "the key not put yet, or its holder gone with its agent";
 const HOLDER_AWAY: &str = "its holder's agent down at that moment";
 const CUT: &str = "a link cut or a frozen peer mid-transfer";
