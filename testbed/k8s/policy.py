@@ -41,7 +41,10 @@ listed after it would silently put the static token back.
 
 One install per namespace, several per cluster: a cluster-scoped object
 (ClusterRole, ClusterRoleBinding, ...) is named after its install's
-namespace (`<name>-<namespace>`), so two installs never share one. Every
+namespace (`<name>-<namespace>`), so two installs never share one; and
+kube-identity's ValidatingAdmissionPolicy binding (kt-serviceaccounts-*:
+who may run pods as kt's ServiceAccounts) selects that namespace alone
+(sa-policy-namespace). Every
 object of an install is labelled app.kubernetes.io/part-of=kt and with its
 instance (the metadata server's), so one selector finds the whole of it;
 so is every object of kt's (or named kt-*) in a bundle over an install.
@@ -86,6 +89,12 @@ KT_FLIGHT_BUDGET x KT_FLIGHT_MAX_CALLS (flight-scratch); its memory limit
 holds 512Mi plus KT_FLIGHT_MAX_CALLS x what one call may hold, flight.rs's
 CALL_MEMORY (flight-memory); the agents' NetworkPolicy, where the bundle
 has it, admits the Flight port (flight-port).
+
+Ephemeral storage: a pod's disk-backed emptyDirs (their sizeLimits
+together) stay below its ephemeral-storage limit, the sum of its
+containers' (emptydir-fit): the kubelet counts them, the logs and the
+writable layers against that one limit, and evicts the pod (deleting its
+emptyDirs) once they pass it.
 
 Service links: every pod that runs kt (a container of kt's image, the
 agent, or one given kt's variables) sets enableServiceLinks: false
@@ -152,6 +161,9 @@ CLUSTER_SCOPED = {
 # The annotation agent-identity puts on a pod template (and agent-sidecar
 # never resets): the pod's kt presents its ServiceAccount's token.
 IDENTITY_ANNOTATION = "kt.dev/identity"
+# kube-identity's ValidatingAdmissionPolicy (and binding): who may run pods
+# as kt's own ServiceAccounts, `<SA_POLICY>-<namespace>`.
+SA_POLICY = "kt-serviceaccounts"
 # The annotation of a claim that means the cluster's default StorageClass.
 STORAGE_MARKER = "kt.dev/storage-class"
 STORAGE_DEFAULT = "cluster-default"
@@ -360,6 +372,19 @@ def env_with(c, configmaps):
     return out
 
 
+def env_expanded(c, configmaps, ns):
+    """env_with, as the process sees it in namespace `ns`: the downward
+    API's metadata.namespace resolved, and `$(VAR)` references to the
+    container's other variables expanded (as the kubelet does)."""
+    env = env_with(c, configmaps)
+    for e in c.get("env") or []:
+        if dig(e, "valueFrom", "fieldRef", "fieldPath") == "metadata.namespace":
+            env[e.get("name")] = ns
+    ref = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+    return {k: ref.sub(lambda m: env.get(m.group(1)) or m.group(0), v) if isinstance(v, str)
+            else v for k, v in env.items()}
+
+
 def url_host(url):
     rest = url.split("://", 1)[-1]
     return rest.split("/", 1)[0].rsplit(":", 1)[0] if rest else ""
@@ -522,6 +547,42 @@ class Checker:
                 self.fail(where, "ephemeral-storage",
                           f"emptyDir {v.get('name')} has no sizeLimit")
 
+    def emptydir_fit(self, where, spec):
+        """A pod's disk-backed emptyDirs fit in its ephemeral-storage limit.
+        The kubelet adds its containers' limits into one pod-level limit and
+        evicts the pod once its emptyDirs, logs and writable layers together
+        pass it: an emptyDir whose sizeLimit is at or above that limit gets
+        the pod evicted before the volume is full (and an evicted pod's
+        emptyDirs are deleted, so a Deployment's next pod starts over)."""
+        def limit_of(c):
+            q = dig(c, "resources", "limits", "ephemeral-storage")
+            return None if q is None else mem_bytes(str(q))
+
+        regular = list(spec.get("containers") or [])
+        regular += [c for c in spec.get("initContainers") or []
+                    if c.get("restartPolicy") == "Always"]
+        inits = [c for c in spec.get("initContainers") or []
+                 if c.get("restartPolicy") != "Always"]
+        if all(limit_of(c) is None for c in regular + inits):
+            return  # no container has a limit: the pod has none
+        # The kubelet's pod-level limit (resourcehelper.PodLimits): the sum
+        # over the containers and native sidecars, or a larger init
+        # container's (which runs alone).
+        limit = max([sum(limit_of(c) or 0 for c in regular)]
+                    + [limit_of(c) or 0 for c in inits])
+        sized = [(v.get("name"), mem_bytes(str(dig(v, "emptyDir", "sizeLimit"))))
+                 for v in spec.get("volumes") or []
+                 if v.get("emptyDir") is not None and v["emptyDir"].get("medium") != "Memory"
+                 and dig(v, "emptyDir", "sizeLimit") is not None]
+        total = sum(n for _, n in sized)
+        if sized and total >= limit:
+            self.fail(where, "emptydir-fit",
+                      f"the disk emptyDirs ({', '.join(f'{n} {q >> 20}Mi' for n, q in sized)}) "
+                      f"add up to {total >> 20}Mi, not below the pod's ephemeral-storage limit "
+                      f"of {limit >> 20}Mi (the sum of its containers'): the kubelet evicts the "
+                      "pod before they are full, and deletes them with it; raise the limit "
+                      "above their sizeLimits plus logs, or put the data on a claim")
+
     def restricted(self, where, spec):
         """Pod Security `restricted`, as the namespace enforces it."""
         psc = spec.get("securityContext") or {}
@@ -594,7 +655,7 @@ class Checker:
                 self.fail(where, "pod-security",
                           f"mounts a hostPath, which Pod Security {level!r} (the namespace "
                           f"{dig(ns, 'metadata', 'name')}'s) refuses: the pod would never be "
-                          "admitted (label it enforce: privileged, or exempt the pod's "
+                          "admitted (label it enforce: privileged; PodSecurity cannot exempt a "
                           "ServiceAccount)")
 
     def gpus(self, where, spec):
@@ -1211,8 +1272,9 @@ class Checker:
                               f"container {c.get('name')} serves the CA's own Secret {secret}: "
                               "the CA's key would sign for anyone who reads it")
                 names = set(dig(owner, "spec", "dnsNames") or [])
-                if c.get("name") == "kt-store" and env.get("KT_ADVERTISE_URL"):
-                    host = url_host(env["KT_ADVERTISE_URL"])
+                advertised = env_expanded(c, configmaps, ns).get("KT_ADVERTISE_URL")
+                if c.get("name") == "kt-store" and advertised:
+                    host = url_host(advertised)
                     if host not in names:
                         self.fail(where, "tls-names",
                                   f"container kt-store advertises {host}, which its certificate "
@@ -1565,6 +1627,7 @@ class Checker:
                 self.sidecar(where, spec)
                 self.service_links(where, tpl, spec)
                 self.volumes(where, spec, kt_pod)
+                self.emptydir_fit(where, spec)
                 self.tokens(where, spec, kube_bundle)
                 self.identity_order(where, tpl, spec)
                 self.gpus(where, spec)
@@ -1601,8 +1664,12 @@ class Checker:
                           f"{replicas(d)} store replicas behind one Service: each holds its "
                           "own keys, so a read lands on a store that may not have the key "
                           "(kt runs one store per install)")
-            if kind == "ServiceMonitor":
-                for ep in dig(d, "spec", "endpoints") or []:
+            if kind in ("ServiceMonitor", "PodMonitor"):
+                # The servers' scrapes and the agents' (which check tokens
+                # the same way).
+                eps = dig(d, "spec", "endpoints" if kind == "ServiceMonitor"
+                          else "podMetricsEndpoints")
+                for ep in eps or []:
                     cred = dig(ep, "authorization", "credentials") or {}
                     if not cred.get("name") or not cred.get("key"):
                         self.fail(where, "metrics-auth",
@@ -1739,6 +1806,16 @@ class Checker:
             if d.get("kind") in CLUSTER_SCOPED and d.get("kind") not in (
                     "Namespace", "CustomResourceDefinition"):
                 name = dig(d, "metadata", "name") or ""
+                if (d.get("kind") == "ValidatingAdmissionPolicyBinding"
+                        and name.startswith(SA_POLICY + "-")):
+                    got = dig(d, "spec", "matchResources", "namespaceSelector")
+                    want = {"matchExpressions": [{"key": "kubernetes.io/metadata.name",
+                                                  "operator": "In", "values": [ns]}]}
+                    if got != want:
+                        self.fail(f"{path}: {ident(d)}", "sa-policy-namespace",
+                                  f"binds kt's ServiceAccount policy to {got}, not to the "
+                                  f"install's namespace {ns} alone: kt's ServiceAccounts there "
+                                  "are anyone's to run pods as (rename it with the names)")
                 if not name.endswith("-" + ns):
                     self.fail(f"{path}: {ident(d)}", "cluster-name",
                               f"cluster-scoped, but its name does not end in -{ns} (the "

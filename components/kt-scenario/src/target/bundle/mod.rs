@@ -436,6 +436,13 @@ fn pod_object(
         .iter()
         .map(|c| serde_json::json!({ "name": c.name, "image": c.image, "ports": c.ports }))
         .collect();
+    // Owned by its workload, as its controller makes it (the Dataset
+    // controller takes only the node-cache DaemonSet's pods for agents).
+    let (kind, owner) = p.owner.split_once('/').unwrap_or_default();
+    let owner_uid = install::uid(
+        &p.namespace,
+        &format!("{}s/{owner}", kind.to_ascii_lowercase()),
+    );
     serde_json::json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -446,6 +453,10 @@ fn pod_object(
             "labels": p.labels,
             "annotations": p.annotations,
             "resourceVersion": "1",
+            "ownerReferences": [{
+                "apiVersion": "apps/v1", "kind": kind, "name": owner,
+                "uid": owner_uid, "controller": true,
+            }],
         },
         "spec": {
             "serviceAccountName": p.spec.service_account_name.clone().unwrap_or_else(|| "default".into()),
@@ -538,7 +549,8 @@ impl Target for Bundle {
     }
 
     fn aliases(&self) -> Vec<(String, String)> {
-        let mut out = manifests::aliases(&self.pods.keys().cloned().collect::<Vec<_>>());
+        let pods: Vec<String> = self.pods.keys().cloned().collect();
+        let mut out = manifests::aliases(&pods, &self.namespace);
         if self.objects.is_some() {
             // A Dataset's node label names its namespace, the install's
             // here (the process targets' controller obeys `default`).
@@ -775,5 +787,42 @@ impl Target for Bundle {
         self.pods.clear();
         self.all.clear();
         first.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A DaemonSet's pod says who made it, as the Dataset controller
+    /// requires of a node-cache agent: its owner (the workload's uid) and
+    /// its ServiceAccount.
+    #[test]
+    fn a_pod_names_its_owner_and_service_account() {
+        let yaml = r#"
+apiVersion: apps/v1
+kind: DaemonSet
+metadata: { name: kt-node-cache, namespace: kt }
+spec:
+  selector: { matchLabels: { app: nc } }
+  template:
+    metadata: { labels: { app: nc } }
+    spec:
+      serviceAccountName: kt-node-cache
+      containers: [{ name: nc, image: agent }]
+"#;
+        let i = Install::parse(yaml).unwrap();
+        let p = pod_object(&i.pods[0], Ipv4Addr::new(10, 0, 0, 2), "node-1", true);
+        let owner = &p["metadata"]["ownerReferences"][0];
+        assert_eq!(owner["kind"], "DaemonSet");
+        assert_eq!(owner["name"], "kt-node-cache");
+        assert_eq!(owner["controller"], true);
+        assert_eq!(owner["uid"], i.workloads[0].1["uid"], "the DaemonSet's uid");
+        assert_eq!(p["spec"]["serviceAccountName"], "kt-node-cache");
+        let pod: k8s_openapi::api::core::v1::Pod = serde_json::from_value(p).unwrap();
+        assert_eq!(
+            pod.metadata.owner_references.unwrap()[0].api_version,
+            "apps/v1"
+        );
     }
 }

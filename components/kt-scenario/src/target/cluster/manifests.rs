@@ -83,13 +83,16 @@ pub fn pod_name(pod: &str) -> String {
 
 /// What the cluster targets call what scenarios name otherwise
 /// ([`crate::target::Target::aliases`]): each pod's Kubernetes name, and
-/// the servers' Service addresses.
-pub fn aliases(plan_pods: &[String]) -> Vec<(String, String)> {
+/// the servers' Service addresses, short and namespace-qualified (the
+/// store advertises `kt-store.<ns>.svc:8082`).
+pub fn aliases(plan_pods: &[String], ns: &str) -> Vec<(String, String)> {
     let mut out: Vec<(String, String)> =
         plan_pods.iter().map(|p| (pod_name(p), p.clone())).collect();
     for server in [METADATA, STORE] {
         let svc = server.service.trim_start_matches("svc/");
-        out.push((format!("{svc}:{}", server.port), "[addr]".to_owned()));
+        let port = server.port;
+        out.push((format!("{svc}.{ns}.svc:{port}"), "[addr]".to_owned()));
+        out.push((format!("{svc}:{port}"), "[addr]".to_owned()));
     }
     out
 }
@@ -531,6 +534,17 @@ mod tests {
             long.chars()
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
         );
+    }
+
+    #[test]
+    fn server_addresses_are_aliased_short_and_qualified() {
+        let got = aliases(&["getter-0".to_owned()], "kt-ab12-roundtrip");
+        let addr = |a: &str| got.iter().any(|(k, v)| k == a && v == "[addr]");
+        // The store advertises its namespace-qualified name (the bundle's
+        // KT_ADVERTISE_URL); snapshots record it as an address.
+        assert!(addr("kt-store.kt-ab12-roundtrip.svc:8082"), "{got:?}");
+        assert!(addr("kt-store:8082") && addr("kt-metadata:8081"), "{got:?}");
+        assert!(got.contains(&("getter-0-0".to_owned(), "getter-0".to_owned())));
     }
 
     #[test]

@@ -726,7 +726,7 @@ impl Target for Cluster {
     }
 
     fn aliases(&self) -> Vec<(String, String)> {
-        manifests::aliases(&self.pods)
+        manifests::aliases(&self.pods, self.ns.as_deref().unwrap_or_default())
     }
 
     fn metadata_url(&self) -> String {
