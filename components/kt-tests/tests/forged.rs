@@ -565,6 +565,13 @@ async fn a_put_planned_before_another_service_took_the_key_is_not_committed() {
     assert_eq!(std::fs::read(&got).unwrap(), b"alpha's bytes");
 }
 
+/// A 403 whose message names `what`.
+async fn refused_naming(r: reqwest::Response, what: &str) {
+    assert_eq!(r.status(), 403);
+    let body: kt_types::ErrorBody = r.json().await.unwrap();
+    assert!(body.error.message.contains(what), "{}", body.error.message);
+}
+
 /// Review B4: a heartbeat naming a service makes it known, and a known
 /// service owns the keys under its name; an agent of beta announcing
 /// "alpha" would have taken alpha's prefix from alpha's own writers.
@@ -579,28 +586,15 @@ async fn an_agent_announces_only_a_service_its_token_writes() {
         serves: Vec::new(),
     };
     let http = kt_api::client();
-    let r = http
-        .post(format!("{}/api/v1/agents", s.meta))
-        .bearer_auth(BETA_AGENT)
-        .json(&hb("alpha"))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 403);
-    let body: kt_types::ErrorBody = r.json().await.unwrap();
-    assert!(
-        body.error.message.contains("alpha"),
-        "{}",
-        body.error.message
-    );
+    let announce = |service: &str| {
+        http.post(format!("{}/api/v1/agents", s.meta))
+            .bearer_auth(BETA_AGENT)
+            .json(&hb(service))
+            .send()
+    };
+    refused_naming(announce("alpha").await.unwrap(), "alpha").await;
     // Its own service is announced as ever.
-    let r = http
-        .post(format!("{}/api/v1/agents", s.meta))
-        .bearer_auth(BETA_AGENT)
-        .json(&hb("beta"))
-        .send()
-        .await
-        .unwrap();
+    let r = announce("beta").await.unwrap();
     assert!(r.status().is_success(), "{}", r.status());
     // alpha's writer still writes its own prefix.
     let src = dir.path().join("a.txt");
@@ -630,13 +624,7 @@ async fn a_quorum_putter_must_write_the_keys_service() {
     let r = call(BETA_AGENT, join("pod-b", "alpha/model/w"))
         .await
         .unwrap();
-    assert_eq!(r.status(), 403);
-    let body: kt_types::ErrorBody = r.json().await.unwrap();
-    assert!(
-        body.error.message.contains("alpha"),
-        "{}",
-        body.error.message
-    );
+    refused_naming(r, "alpha").await;
     let info = http
         .get(format!("{}/api/v1/quorums/q", s.meta))
         .bearer_auth(ADMIN)
