@@ -128,6 +128,17 @@ where
     }
 }
 
+impl<T: DeserializeOwned> ApiJson<T> {
+    /// A body already read (e.g. with [`ApiBytes`], against a budget),
+    /// decoded with the extractor's error codes (`invalid_key` for a bad
+    /// key, else `invalid_request`).
+    pub fn from_bytes(body: &[u8]) -> Result<Self, ApiError> {
+        axum::Json::<T>::from_bytes(body)
+            .map(|axum::Json(v)| ApiJson(v))
+            .map_err(from_rejection)
+    }
+}
+
 fn from_rejection(r: JsonRejection) -> ApiError {
     let status = r.status();
     let text = r.body_text();

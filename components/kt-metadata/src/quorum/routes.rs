@@ -112,8 +112,7 @@ async fn join_body(req: Request) -> Result<(QuorumJoin, usize), ApiError> {
     if body.len() > MAX_JOIN_BODY {
         return Err(too_large(body.len() as u64));
     }
-    let axum::Json(j) = axum::Json::<QuorumJoin>::from_bytes(&body)
-        .map_err(|r| ApiError::bad_request(format!("quorum join: {}", r.body_text())))?;
+    let ApiJson(j) = ApiJson::<QuorumJoin>::from_bytes(&body)?;
     Ok((j, body.len()))
 }
 
