@@ -44,10 +44,14 @@ pub const DATASET_NAMESPACE: &str = "default";
 /// The label of node-cache pods.
 pub const NODE_CACHE_COMPONENT: (&str, &str) = ("app.kubernetes.io/component", "node-cache");
 
+/// The install's node-cache DaemonSet (and its ServiceAccount).
+pub const NODE_CACHE_DAEMONSET: &str = "kt-node-cache";
+
 /// A node-cache agent's byte budget unless the topology says otherwise:
 /// the same on every node, below any disk's free space, so every node
 /// reports the same free bytes and placement ties break by node name
-/// (runs place the same nodes).
+/// (runs place the same nodes). Every target sets it: the process targets
+/// on each agent, the cluster targets on the install's DaemonSet.
 pub const DEFAULT_BUDGET: u64 = 2 << 30;
 
 /// The topology's `nodes`: a count, or a count with labels every node

@@ -10,6 +10,7 @@ use std::path::{Component as PathPart, Path, PathBuf};
 use kt_types::env;
 use serde_json::{Value, json};
 
+use crate::datasets::{DEFAULT_BUDGET, NODE_CACHE_DAEMONSET};
 use crate::target::{Plan, PodPlan};
 
 /// The project's images, without tag.
@@ -285,6 +286,22 @@ pub fn kustomization(plan: &Plan, ns: &str, tag: &str, dir: &Path, src: &Sources
         )]);
         patches.push(json!({
             "target": { "kind": "StatefulSet", "name": "kt-store" },
+            "patch": yaml(&ops),
+        }));
+    }
+    if let Some(nodes) = &plan.nodes {
+        // The node-cache agents' budget, as an operator sets it (the
+        // component's KT_DATASET_BUDGET knob): unset, each would report
+        // the free space of the filesystem the emulated nodes share, which
+        // moves as the others write, and placement ties would break by
+        // whichever reported last instead of by node name.
+        let budget = nodes.budget.map_or(DEFAULT_BUDGET, |b| b.0);
+        let ops = json!([
+            { "op": "test", "path": "/spec/template/spec/containers/0/name", "value": NODE_CACHE_DAEMONSET },
+            add_env("/spec/template/spec/containers/0/env/-", env::DATASET_BUDGET, &budget.to_string()),
+        ]);
+        patches.push(json!({
+            "target": { "kind": "DaemonSet", "name": NODE_CACHE_DAEMONSET },
             "patch": yaml(&ops),
         }));
     }
@@ -577,6 +594,56 @@ mod tests {
         assert_eq!(PodRequests::for_pods(0), one);
         let mid = PodRequests::for_pods(40);
         assert_eq!((mid.agent_millicpu, mid.agent_mib), (25, 51));
+    }
+
+    #[test]
+    fn node_cache_agents_get_the_topologys_budget() {
+        let plan = |nodes: Option<crate::datasets::NodesSpec>| Plan {
+            run_id: "r".into(),
+            scenario: "s".into(),
+            work_dir: "/w".into(),
+            bin_dir: "/b".into(),
+            token: "t".into(),
+            chunk_size: None,
+            store_link_bps: None,
+            metadata_flags: vec![],
+            pods: vec![],
+            python: None,
+            nodes,
+            s3: None,
+        };
+        let src = Sources::production(Path::new("/repo/kustomize"));
+        let budget_of = |p: &Plan| -> Option<String> {
+            let k: Value =
+                serde_yaml_ng::from_str(&kustomization(p, "ns", "t", Path::new("/w/d"), &src))
+                    .unwrap();
+            let patch = k["patches"].as_array().unwrap().iter().find(|p| {
+                p["target"] == json!({ "kind": "DaemonSet", "name": NODE_CACHE_DAEMONSET })
+            })?;
+            let ops: Value = serde_yaml_ng::from_str(patch["patch"].as_str().unwrap()).unwrap();
+            // The patch checks it adds to the agent's container.
+            assert_eq!(ops[0]["op"], "test");
+            assert_eq!(ops[0]["value"], NODE_CACHE_DAEMONSET);
+            assert_eq!(ops[1]["value"]["name"], env::DATASET_BUDGET);
+            ops[1]["value"]["value"].as_str().map(str::to_owned)
+        };
+        assert_eq!(budget_of(&plan(None)), None);
+        let nodes = crate::datasets::NodesSpec {
+            count: 3,
+            ..Default::default()
+        };
+        assert_eq!(
+            budget_of(&plan(Some(nodes.clone()))),
+            Some(DEFAULT_BUDGET.to_string())
+        );
+        let small = crate::datasets::NodesSpec {
+            budget: Some(crate::format::Size(5 << 20)),
+            ..nodes
+        };
+        assert_eq!(
+            budget_of(&plan(Some(small))),
+            Some((5u64 << 20).to_string())
+        );
     }
 
     #[test]
