@@ -14,13 +14,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 use kt_api::Api;
 use kt_sync::SyncError;
 use kt_sync::apply::{self, ChunkedFile, WriteMode};
 use kt_sync::batch::{Expected, Written, receive_stream_notify};
-use kt_sync::chunk::{ChunkAssembly, ChunkHasher, chunk_count, chunk_range};
+use kt_sync::chunk::{ChunkAssembly, ChunkHasher, Piece, chunk_count, chunk_range};
 use kt_sync::diff;
 use kt_types::api::{BatchRequest, ReadManifest, TransferStats};
 use kt_types::manifest::ManifestLimits;
@@ -114,17 +114,13 @@ impl ChunkLanding {
             let (Some(file), Some(h)) = (file, hasher.as_mut()) else {
                 return Err(SyncError::Stream("a chunk landed after its end".into()));
             };
-            let mut to = offset;
-            let (mut hashing, mut writing) = (Duration::ZERO, Duration::ZERO);
+            let t = std::time::Instant::now();
+            file.write_all_vectored_at(offset, &data)?;
+            let writing = t.elapsed();
             for d in &data {
-                let t = std::time::Instant::now();
-                file.write_at(to, d)?;
-                let w = t.elapsed();
                 h.update(d);
-                hashing += t.elapsed() - w;
-                writing += w;
-                to += d.len() as u64;
             }
+            let hashing = t.elapsed() - writing;
             if last {
                 lock(&large.asm).add_cv(n, h.finish());
                 lock(&large.have)[n as usize] = true;
@@ -148,55 +144,8 @@ impl ChunkLanding {
     }
 }
 
-/// Buffers smaller than this are copied together as they come: a link
-/// that hands over a few KiB at a time (a shaped or busy one) would
-/// otherwise cost a write and a hash call per few KiB; larger ones are kept
-/// as they came (copying them would cost more than it saves).
-const GATHER: usize = 64 << 10;
-
-/// The buffers received since the last piece landed: large ones as they
-/// came, runs of small ones ([`GATHER`]) copied into one.
-#[derive(Debug, Default)]
-struct Piece {
-    bufs: Vec<Bytes>,
-    /// Small buffers gathered since the last large one.
-    small: BytesMut,
-    len: u64,
-}
-
-impl Piece {
-    fn add(&mut self, b: Bytes) {
-        if b.is_empty() {
-            return;
-        }
-        self.len += b.len() as u64;
-        if b.len() < GATHER {
-            if self.small.capacity() - self.small.len() < b.len() {
-                self.small.reserve(PIECE as usize + GATHER);
-            }
-            self.small.extend_from_slice(&b);
-        } else {
-            self.gathered();
-            self.bufs.push(b);
-        }
-    }
-
-    /// Ends the run of small buffers gathered so far.
-    fn gathered(&mut self) {
-        if !self.small.is_empty() {
-            self.bufs.push(self.small.split().freeze());
-        }
-    }
-
-    fn take(&mut self) -> Vec<Bytes> {
-        self.gathered();
-        self.len = 0;
-        std::mem::take(&mut self.bufs)
-    }
-}
-
 /// Receives a chunk's body into `landing`: what comes is gathered into
-/// pieces ([`Piece`]) of [`PIECE`] bytes, each landed (written, hashed,
+/// pieces ([`kt_sync::chunk::Piece`]) of [`PIECE`] bytes, each landed (written, hashed,
 /// told to the relay) in one go, so however small the frames a source
 /// sends (a byte each), a chunk costs one write and one hash call per
 /// piece.
@@ -207,11 +156,11 @@ async fn receive_chunk<S>(
 where
     S: futures::Stream<Item = Result<Bytes, String>> + Unpin,
 {
-    let mut piece = Piece::default();
+    let mut piece = Piece::new(PIECE);
     let board = landing.board.clone();
     loop {
         let Some(b) = body.next().await else {
-            if piece.len > 0 {
+            if !piece.is_empty() {
                 landing = landing.land(piece.take()).await?;
             }
             return Ok(landing);
@@ -221,7 +170,7 @@ where
         if let Some(t) = &board {
             t.timings.frame();
         }
-        if piece.len >= PIECE {
+        if piece.is_full() {
             landing = landing.land(piece.take()).await?;
         }
     }
@@ -907,47 +856,6 @@ mod tests {
         ensure_parents(&root, "a/b/c").unwrap();
         ensure_parents(&root, "top").unwrap();
         assert!(root.join("a/b").is_dir());
-    }
-
-    /// Small buffers are gathered into one (one write, one hash call for
-    /// them), large ones kept as they came, in order; empty ones skipped.
-    #[test]
-    fn a_piece_gathers_small_buffers_and_keeps_large_ones() {
-        let mut p = Piece::default();
-        p.add(Bytes::from_static(b"ab"));
-        p.add(Bytes::new());
-        p.add(Bytes::from_static(b"cde"));
-        assert_eq!(p.len, 5);
-        assert_eq!(p.take(), vec![Bytes::from_static(b"abcde")]);
-        assert_eq!(p.len, 0);
-        assert!(p.take().is_empty());
-
-        let large = Bytes::from(vec![7u8; GATHER]);
-        for _ in 0..3 {
-            p.add(Bytes::from(vec![1u8; 1000]));
-        }
-        p.add(large.clone());
-        p.add(Bytes::from_static(b"xy"));
-        p.add(Bytes::from_static(b"z"));
-        assert_eq!(p.len, 3000 + GATHER as u64 + 3);
-        let bufs = p.take();
-        assert_eq!(
-            bufs.len(),
-            3,
-            "{:?}",
-            bufs.iter().map(Bytes::len).collect::<Vec<_>>()
-        );
-        assert_eq!(bufs[0], Bytes::from(vec![1u8; 3000]));
-        // The large one is the buffer that came, not a copy.
-        assert_eq!(bufs[1].as_ptr(), large.as_ptr());
-        assert_eq!(bufs[2], Bytes::from_static(b"xyz"));
-        // Many small buffers: one write for all of a piece.
-        for _ in 0..(PIECE as usize / 4096) {
-            p.add(Bytes::from(vec![3u8; 4096]));
-        }
-        let bufs = p.take();
-        assert_eq!(bufs.len(), 1);
-        assert_eq!(bufs[0].len() as u64, PIECE);
     }
 
     /// A chunk landed as the buffers came (pieces of several buffers of odd

@@ -11,6 +11,7 @@
 use blake3::hazmat::{
     ChainingValue, HasherExt, Mode, merge_subtrees_non_root, merge_subtrees_root,
 };
+use bytes::{Bytes, BytesMut};
 use kt_types::Hash;
 
 use crate::error::SyncError;
@@ -177,9 +178,130 @@ impl ChunkAssembly {
     }
 }
 
+/// Buffers smaller than this are copied together as they come into a
+/// [`Piece`]: a link that hands over a few KiB at a time (a shaped or busy
+/// one) would otherwise cost a write and a hash call per few KiB; larger
+/// ones are kept as they came (copying them would cost more than it saves).
+pub const GATHER: usize = 64 << 10;
+
+/// The buffers of a chunk's body received since the last piece was
+/// written: large ones as they came, runs of small ones ([`GATHER`])
+/// copied into one. A receiver takes the piece once it holds `size` bytes
+/// and writes and hashes it buffer by buffer, so a chunk costs a write and
+/// a hash call per piece however small the frames, and a large frame is
+/// never copied in user space.
+#[derive(Debug)]
+pub struct Piece {
+    bufs: Vec<Bytes>,
+    /// Small buffers gathered since the last large one.
+    small: BytesMut,
+    len: u64,
+    size: u64,
+}
+
+impl Piece {
+    /// A piece taken at `size` bytes.
+    pub fn new(size: u64) -> Piece {
+        Piece {
+            bufs: Vec::new(),
+            small: BytesMut::new(),
+            len: 0,
+            size,
+        }
+    }
+
+    /// Bytes held.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Holds a piece's worth: time to take it.
+    pub fn is_full(&self) -> bool {
+        self.len >= self.size
+    }
+
+    pub fn add(&mut self, b: Bytes) {
+        if b.is_empty() {
+            return;
+        }
+        self.len += b.len() as u64;
+        if b.len() < GATHER {
+            if self.small.capacity() - self.small.len() < b.len() {
+                self.small.reserve(self.size as usize + GATHER);
+            }
+            self.small.extend_from_slice(&b);
+        } else {
+            self.gathered();
+            self.bufs.push(b);
+        }
+    }
+
+    /// Ends the run of small buffers gathered so far.
+    fn gathered(&mut self) {
+        if !self.small.is_empty() {
+            self.bufs.push(self.small.split().freeze());
+        }
+    }
+
+    /// The buffers held, in order; the piece starts empty again.
+    pub fn take(&mut self) -> Vec<Bytes> {
+        self.gathered();
+        self.len = 0;
+        std::mem::take(&mut self.bufs)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Small buffers are gathered into one (one write, one hash call for
+    /// them), large ones kept as they came, in order; empty ones skipped.
+    #[test]
+    fn a_piece_gathers_small_buffers_and_keeps_large_ones() {
+        const SIZE: u64 = 256 << 10;
+        let mut p = Piece::new(SIZE);
+        p.add(Bytes::from_static(b"ab"));
+        p.add(Bytes::new());
+        p.add(Bytes::from_static(b"cde"));
+        assert_eq!(p.len(), 5);
+        assert_eq!(p.take(), vec![Bytes::from_static(b"abcde")]);
+        assert!(p.is_empty());
+        assert!(p.take().is_empty());
+
+        let large = Bytes::from(vec![7u8; GATHER]);
+        for _ in 0..3 {
+            p.add(Bytes::from(vec![1u8; 1000]));
+        }
+        p.add(large.clone());
+        p.add(Bytes::from_static(b"xy"));
+        p.add(Bytes::from_static(b"z"));
+        assert_eq!(p.len(), 3000 + GATHER as u64 + 3);
+        let bufs = p.take();
+        assert_eq!(
+            bufs.len(),
+            3,
+            "{:?}",
+            bufs.iter().map(Bytes::len).collect::<Vec<_>>()
+        );
+        assert_eq!(bufs[0], Bytes::from(vec![1u8; 3000]));
+        // The large one is the buffer that came, not a copy.
+        assert_eq!(bufs[1].as_ptr(), large.as_ptr());
+        assert_eq!(bufs[2], Bytes::from_static(b"xyz"));
+        // Many small buffers: one write for all of a piece.
+        for _ in 0..(SIZE as usize / 4096) {
+            assert!(!p.is_full());
+            p.add(Bytes::from(vec![3u8; 4096]));
+        }
+        assert!(p.is_full());
+        let bufs = p.take();
+        assert_eq!(bufs.len(), 1);
+        assert_eq!(bufs[0].len() as u64, SIZE);
+    }
 
     fn data(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 31 % 251) as u8).collect()

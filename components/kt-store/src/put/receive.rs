@@ -20,7 +20,7 @@ use kt_service::{ApiError, ApiJson};
 use kt_sync::SyncError;
 use kt_sync::apply::WriteMode;
 use kt_sync::batch::receive_stream;
-use kt_sync::chunk::ChunkHasher;
+use kt_sync::chunk::{ChunkHasher, Piece};
 use kt_types::api::BatchAck;
 use kt_types::{Entry, ErrorCode, Hash};
 
@@ -161,7 +161,7 @@ pub(super) fn complete(slot: &ChunkSlot, entry: &Entry, root: Hash) -> Result<()
     Ok(())
 }
 
-const WRITE_PIECE: usize = 1 << 20;
+const WRITE_PIECE: u64 = 1 << 20;
 
 /// Streams one chunk's body into its file at `offset`, hashing as it goes (no
 /// buffering of the whole chunk). Returns the bytes written and the chunk's
@@ -175,7 +175,7 @@ async fn receive_chunk(
     chunk_size: u64,
     path: &str,
 ) -> Result<Option<(u64, ChainingValue)>, ApiError> {
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(16);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<Bytes>>(16);
     let writer =
         kt_sync::task::spawn(move || -> Result<Option<(u64, ChainingValue)>, SyncError> {
             let guard = slot.file.read().unwrap_or_else(|p| p.into_inner());
@@ -184,10 +184,12 @@ async fn receive_chunk(
             };
             let mut hasher = ChunkHasher::new(n, chunk_size);
             let mut pos = 0u64;
-            while let Some(data) = rx.blocking_recv() {
-                file.write_at(offset + pos, &data)?;
-                hasher.update(&data);
-                pos += data.len() as u64;
+            while let Some(bufs) = rx.blocking_recv() {
+                file.write_all_vectored_at(offset + pos, &bufs)?;
+                for data in &bufs {
+                    hasher.update(data);
+                    pos += data.len() as u64;
+                }
             }
             // blake3 has no chaining value for an empty subtree; an empty body
             // is a size mismatch, reported below.
@@ -199,7 +201,7 @@ async fn receive_chunk(
     let mut stream = body.into_data_stream();
     let mut total = 0u64;
     let mut failure = None;
-    let mut pending = bytes::BytesMut::with_capacity(WRITE_PIECE);
+    let mut piece = Piece::new(WRITE_PIECE);
     while let Some(frame) = stream.next().await {
         let data = match frame {
             Ok(d) => d,
@@ -219,14 +221,15 @@ async fn receive_chunk(
             ));
             break;
         }
-        // Network frames are small; write in pieces of about a MiB.
-        pending.extend_from_slice(&data);
-        if pending.len() >= WRITE_PIECE && tx.send(pending.split().freeze()).await.is_err() {
+        // Written in pieces of about a MiB: small frames copied together,
+        // large ones as they came.
+        piece.add(data);
+        if piece.is_full() && tx.send(piece.take()).await.is_err() {
             break; // the writer failed; it says why
         }
     }
-    if failure.is_none() && !pending.is_empty() {
-        let _ = tx.send(pending.freeze()).await;
+    if failure.is_none() && !piece.is_empty() {
+        let _ = tx.send(piece.take()).await;
     }
     drop(tx);
     let written = writer
