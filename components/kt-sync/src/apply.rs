@@ -236,8 +236,12 @@ impl ChunkedFile {
         offset: u64,
         bufs: &[bytes::Bytes],
     ) -> Result<(), SyncError> {
-        let mut slices: Vec<std::io::IoSlice> =
-            bufs.iter().map(|b| std::io::IoSlice::new(b)).collect();
+        // No empty slice: one left alone at the end would read as a write of 0.
+        let mut slices: Vec<std::io::IoSlice> = bufs
+            .iter()
+            .filter(|b| !b.is_empty())
+            .map(|b| std::io::IoSlice::new(b))
+            .collect();
         let mut rest = &mut slices[..];
         let mut at = offset;
         while !rest.is_empty() {
@@ -554,6 +558,7 @@ mod tests {
         ];
         f.write_all_vectored_at(4, &bufs).unwrap();
         f.write_all_vectored_at(16, &[]).unwrap();
+        f.write_all_vectored_at(17, &[bytes::Bytes::new()]).unwrap();
         f.write_all_vectored_at(18, &[bytes::Bytes::from_static(b"yz")])
             .unwrap();
         let mut want = b"0123abcccccd".to_vec();
